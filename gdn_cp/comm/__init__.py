@@ -1,0 +1,5 @@
+"""Collectives: the only layer that calls torch.distributed. Groups are always explicit."""
+
+from .collectives import all_gather_rows, group_rank, group_size, head_to_seq, route_all_to_all, seq_to_head
+
+__all__ = ["all_gather_rows", "group_rank", "group_size", "head_to_seq", "route_all_to_all", "seq_to_head"]

@@ -1,0 +1,33 @@
+"""all_gather: every rank gathers the whole sequence, runs the CP=1 core on it and keeps
+its own zigzag rows. Backward reduce-scatters the input gradients.
+
+Costs cp x the compute and O(T_global) activation memory per rank; needs nothing of the
+head count. The fallback of last resort.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import all_gather_rows
+from ..layout.plan import CPPlan
+from .common import GDNShape, local_core
+
+__all__ = ["all_gather_core"]
+
+
+def all_gather_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
+    to_natural, _, own_rows = plan.natural_order().on(qkv.device)
+    qkv_full = all_gather_rows(qkv, group).index_select(0, to_natural)
+    gates = all_gather_rows(torch.stack([g, beta.to(g.dtype)], dim=-1), group).index_select(0, to_natural)
+    o = local_core(
+        qkv_full,
+        gates[..., 0],
+        gates[..., 1].to(beta.dtype),
+        conv_weight,
+        conv_bias,
+        shape=shape,
+        cu_seqlens=plan.cu,
+        backend=backend,
+    )
+    return o.index_select(0, own_rows)

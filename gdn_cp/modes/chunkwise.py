@@ -1,0 +1,125 @@
+"""chunkwise: each rank computes every head on a contiguous time slice.
+
+zigzag -> contiguous (route all-to-all), then the conv takes its W-1 halo rows from
+earlier ranks and the scan takes its initial state from the affine summaries
+``S_out = M S_in + S_ext`` of earlier ranks, then contiguous -> zigzag. Per-rank compute
+is the CP=1 compute on T/cp tokens (plus, in the generic path here, one extra scan over
+the rank's last piece to form its summary). A backend with a native context-parallel
+kernel (``chunkwise_core``, FLA's cp context) replaces the generic halo/summary path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import all_gather_rows, route_all_to_all
+from ..layout import CONTIGUOUS, ZIGZAG
+from ..layout.chunkwise import ChunkwisePlan
+from ..layout.plan import CPPlan
+from .common import GDNShape, local_core, split_qkv
+
+__all__ = ["chunkwise_core", "gather_halo", "initial_state_from_summaries"]
+
+
+def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, group) -> torch.Tensor:
+    """The W-1 pre-conv rows before this rank's first row, from the ranks that hold them.
+
+    ``x [T_local, C]`` contiguous rows. All ranks all-gather their tails ``[W-1, C]``
+    (rows before a rank's own first row are zeros); each picks its halo rows from them.
+    """
+    w1 = cw.conv_width - 1
+    tail = x[-w1:] if x.shape[0] >= w1 else torch.cat([x.new_zeros(w1 - x.shape[0], x.shape[1]), x])
+    tails = all_gather_rows(tail, group)  # [cp*(W-1), C]
+    tails = torch.cat([tails, tails.new_zeros(1, tails.shape[1])])  # last row: zeros
+    index = torch.tensor([i if i >= 0 else tails.shape[0] - 1 for i in cw.halo_index], dtype=torch.long)
+    return tails.index_select(0, index.to(x.device, non_blocking=True))
+
+
+def _connected_zeros(like: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """Zeros that stay in ``like``'s autograd graph.
+
+    Collectives inside autograd must run in the same order on every rank. A rank whose
+    summary is all zeros, or that composes no earlier state, must still send its
+    gathered tensors through the graph, or its backward would skip the reduce-scatter
+    that the other ranks wait in.
+    """
+    return torch.zeros(shape, dtype=dtype, device=like.device) + (like.sum() * 0).to(dtype)
+
+
+def _last_piece_summary(q, k, v, g, beta, cw: ChunkwisePlan, backend, state_dtype) -> torch.Tensor:
+    """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of the last piece (zeros if it ends here).
+
+    The scan is linear in (S_in, v) column by column, so one scan with
+    ``v' = [0 | v]`` and initial state ``[I | 0]`` returns ``[M | S_ext]``.
+    """
+    hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+    if not cw.last_continues:
+        return _connected_zeros(v, (hv, dk, dk + dv), state_dtype)
+    start = cw.local_cu[-2]
+    piece = slice(start, None)
+    n = v.shape[0] - start
+    if cw.last_is_first:
+        v_aug = torch.cat([v.new_zeros(n, hv, dk), v[piece]], dim=-1)
+        eye = torch.eye(dk, dtype=state_dtype, device=v.device).expand(1, hv, dk, dk)
+        init = torch.cat([eye, eye.new_zeros(1, hv, dk, dv)], dim=-1)
+        _, final = backend.chunk_gated_delta_rule(
+            q[piece], k[piece], v_aug, g[piece], beta[piece],
+            cu_seqlens=[0, n], initial_state=init, output_final_state=True, use_qk_l2norm=True,
+        )
+        return final[0].to(state_dtype)
+    _, final = backend.chunk_gated_delta_rule(
+        q[piece], k[piece], v[piece], g[piece], beta[piece],
+        cu_seqlens=[0, n], output_final_state=True, use_qk_l2norm=True,
+    )
+    zeros_m = torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device)
+    return torch.cat([zeros_m, final[0].to(state_dtype)], dim=-1)
+
+
+def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk: int) -> torch.Tensor:
+    """Compose earlier ranks' ``[M | S_ext]`` (``summaries [cp, Hv, Dk, Dk+Dv]``) in rank order.
+
+    Returns ``[Hv, Dk, Dv]``: zeros (still in the graph, see :func:`_connected_zeros`) when
+    the first piece starts on this rank.
+    """
+    state = summaries[0, ..., dk:] * 0
+    for q in cw.compose_ranks:
+        m, ext = summaries[q, ..., :dk], summaries[q, ..., dk:]
+        state = torch.matmul(m, state) + ext
+    return state
+
+
+def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
+    to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+    qkv_c = route_all_to_all(qkv, to_c, to_z, group)
+    gates_c = route_all_to_all(torch.stack([g, beta.to(g.dtype)], dim=-1), to_c, to_z, group)
+    g_c, beta_c = gates_c[..., 0], gates_c[..., 1].to(beta.dtype)
+
+    native = getattr(backend, "chunkwise_core", None)
+    if native is not None:
+        o_c = native(
+            qkv_c, g_c, beta_c, conv_weight, conv_bias,
+            num_k_heads=shape.num_k_heads, num_v_heads=shape.num_v_heads,
+            head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
+            group=group, cu_seqlens_global=list(plan.cu),
+            cu_seqlens_global_device=plan.cu_tensor(qkv.device), cache=plan.backend_cache,
+        )
+        return route_all_to_all(o_c, to_z, to_c, group)
+
+    cw = plan.chunkwise(conv_weight.shape[1])
+    straddles = cw.any_straddle  # same on every rank: all skip the exchanges together
+    halo = gather_halo(qkv_c, cw, group) if straddles and cw.conv_width > 1 else None
+    x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=list(cw.local_cu), halo=halo, activation="silu")
+    q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
+
+    initial = None
+    if straddles:
+        state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+        summary = _last_piece_summary(q, k, v, g_c, beta_c, cw, backend, state_dtype)
+        summaries = all_gather_rows(summary.unsqueeze(0), group)  # [cp, Hv, Dk, Dk+Dv]
+        first = initial_state_from_summaries(summaries, cw, shape.head_k_dim)
+        n_pieces = len(cw.local_cu) - 1
+        initial = torch.cat([first.unsqueeze(0), first.new_zeros(n_pieces - 1, *first.shape)])
+    o_c, _ = backend.chunk_gated_delta_rule(
+        q, k, v, g_c, beta_c, cu_seqlens=list(cw.local_cu), initial_state=initial, use_qk_l2norm=True
+    )
+    return route_all_to_all(o_c, to_z, to_c, group)

@@ -1,0 +1,122 @@
+"""What every mode shares: the head shape, input checks and the CP=1 core.
+
+Tensors are THD-packed rank-local rows (token dim first, no batch dim):
+``qkv [T, C]`` with channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` before the conv,
+``g [T, Hv]`` (log decay, fp32), ``beta [T, Hv]``; output ``o [T, Hv, Dv]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..layout.plan import CPPlan
+
+__all__ = ["GDNShape", "check_inputs", "local_core", "split_qkv"]
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GDNShape.{name} must be a positive int, got {value!r}")
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"num_v_heads={self.num_v_heads} must be a multiple of num_k_heads={self.num_k_heads} "
+                f"(grouped value heads)"
+            )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+def check_inputs(qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, plan: CPPlan, group_world: int) -> None:
+    """Raise before any collective when tensors, plan and group do not fit together."""
+    if plan.cp_size != group_world:
+        raise ValueError(
+            f"the plan was built for cp={plan.cp_size} but the process group has {group_world} ranks; "
+            f"build the plan with the group's size (dynamic CP: PackedSeqParams.local_cp_size)"
+        )
+    t_local = plan.t_local
+    expect = {
+        "qkv": (qkv, (t_local, shape.conv_dim)),
+        "g": (g, (t_local, shape.num_v_heads)),
+        "beta": (beta, (t_local, shape.num_v_heads)),
+    }
+    for name, (tensor, want) in expect.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+        if tuple(tensor.shape) != want:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, expected {want} "
+                f"(T_local = T_global/cp = {plan.t_global}/{plan.cp_size}; heads from GDNShape)"
+            )
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != shape.conv_dim:
+        raise ValueError(
+            f"conv_weight has shape {tuple(conv_weight.shape)}, expected [{shape.conv_dim}, W] "
+            f"(reshape Megatron's [C, 1, W] weight to [C, W])"
+        )
+    if conv_bias is not None and tuple(conv_bias.shape) != (shape.conv_dim,):
+        raise ValueError(f"conv_bias has shape {tuple(conv_bias.shape)}, expected ({shape.conv_dim},)")
+    if g.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"g (log decay) must be float32 or float64, got {g.dtype}")
+
+
+def split_qkv(x: torch.Tensor, shape: GDNShape, k_heads: int, v_heads: int):
+    """``[T, C]`` post-conv channels -> q, k ``[T, k_heads, Dk]`` and v ``[T, v_heads, Dv]``."""
+    kd, vd = k_heads * shape.head_k_dim, v_heads * shape.head_v_dim
+    q, k, v = torch.split(x, [kd, kd, vd], dim=-1)
+    t = x.shape[0]
+    return (
+        q.reshape(t, k_heads, shape.head_k_dim),
+        k.reshape(t, k_heads, shape.head_k_dim),
+        v.reshape(t, v_heads, shape.head_v_dim),
+    )
+
+
+def local_core(
+    qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias,
+    *,
+    shape: GDNShape,
+    cu_seqlens: Sequence[int],
+    backend,
+    k_heads: int | None = None,
+    v_heads: int | None = None,
+    halo: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+):
+    """Conv (SiLU) then gated delta rule on rows already in sequence order.
+
+    Returns ``o [T, v_heads, Dv]``. ``k_heads``/``v_heads`` default to all heads (headwise
+    passes its share).
+    """
+    k_heads = shape.num_k_heads if k_heads is None else k_heads
+    v_heads = shape.num_v_heads if v_heads is None else v_heads
+    x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=list(cu_seqlens), halo=halo, activation="silu")
+    q, k, v = split_qkv(x, shape, k_heads, v_heads)
+    o, _ = backend.chunk_gated_delta_rule(
+        q, k, v, g, beta, cu_seqlens=list(cu_seqlens), initial_state=initial_state, use_qk_l2norm=True
+    )
+    return o

@@ -1,0 +1,77 @@
+"""headwise: zigzag rows -> all heads' full sequences on 1/cp of the heads -> back.
+
+Two all-to-alls in (channels of q/k/v and the gates, grouped by destination rank), one
+out. Each rank runs the CP=1 core on every token of its head group, so heads must
+divide cp (and TP*cp upstream).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import head_to_seq, seq_to_head
+from ..layout.plan import CPPlan
+from .common import GDNShape, local_core
+
+__all__ = ["check_headwise", "headwise_core"]
+
+
+def check_headwise(shape: GDNShape, cp: int) -> None:
+    for name, heads in (("num_k_heads", shape.num_k_heads), ("num_v_heads", shape.num_v_heads)):
+        if heads % cp:
+            raise ValueError(
+                f"linear_cp_mode='headwise' needs {name} divisible by cp, got {name}={heads}, cp={cp}; "
+                f"use linear_cp_mode='chunkwise' or 'all_gather' (they need heads divisible by TP only)"
+            )
+
+
+def _channel_index(shape: GDNShape, cp: int, rank: int) -> torch.Tensor:
+    """Conv channels of rank ``rank``'s head group, in [q | k | v] order."""
+    kq = shape.key_dim // cp
+    vq = shape.value_dim // cp
+    return torch.cat(
+        [
+            torch.arange(rank * kq, (rank + 1) * kq),
+            shape.key_dim + torch.arange(rank * kq, (rank + 1) * kq),
+            2 * shape.key_dim + torch.arange(rank * vq, (rank + 1) * vq),
+        ]
+    )
+
+
+def _group_by_rank(qkv: torch.Tensor, shape: GDNShape, cp: int) -> torch.Tensor:
+    """``[T, C]`` -> ``[T, cp, C/cp]``: rank p's q, k and v heads side by side."""
+    t = qkv.shape[0]
+    q, k, v = torch.split(qkv, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
+    return torch.cat([q.reshape(t, cp, -1), k.reshape(t, cp, -1), v.reshape(t, cp, -1)], dim=-1)
+
+
+def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
+    cp, rank = plan.cp_size, plan.cp_rank
+    t_local = qkv.shape[0]
+    k_heads, v_heads = shape.num_k_heads // cp, shape.num_v_heads // cp
+    to_natural, to_buffer, _ = plan.natural_order().on(qkv.device)
+    key = ("headwise_channels", shape, str(qkv.device))
+    if key not in plan.backend_cache:
+        plan.backend_cache[key] = _channel_index(shape, cp, rank).to(qkv.device, non_blocking=True)
+    channels = plan.backend_cache[key]
+
+    qkv_h = seq_to_head(_group_by_rank(qkv, shape, cp), group).index_select(0, to_natural)
+    gates = torch.stack([g, beta.to(g.dtype)], dim=-1).reshape(t_local, cp, v_heads * 2)
+    gates_h = seq_to_head(gates, group).index_select(0, to_natural).reshape(-1, v_heads, 2)
+
+    weight = conv_weight.index_select(0, channels)
+    bias = None if conv_bias is None else conv_bias.index_select(0, channels)
+    o = local_core(
+        qkv_h,
+        gates_h[..., 0],
+        gates_h[..., 1].to(beta.dtype),
+        weight,
+        bias,
+        shape=shape,
+        cu_seqlens=plan.cu,
+        backend=backend,
+        k_heads=k_heads,
+        v_heads=v_heads,
+    )  # [T_global, Hv/cp, Dv]
+    o = head_to_seq(o.index_select(0, to_buffer), group)  # [T_local, cp, Hv/cp, Dv]
+    return o.reshape(t_local, shape.num_v_heads, shape.head_v_dim)

@@ -1,0 +1,205 @@
+"""Chunked gated delta rule over THD-packed sequences, in plain torch.
+
+Per value head, with state S [Dk, Dv] and per-token decay g <= 0 (log space):
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
+
+Token by token that is T small matmuls in a row. The chunked (WY / UT-transform) form does the
+same with batched matmuls: inside a chunk of C tokens, with G the in-chunk cumulative sum of g and
+S the state entering the chunk, the per-token corrections d_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)
+solve a unit lower-triangular system
+
+    (I + A) D = beta V - (beta K exp(G)) S,    A[i, j] = beta_i k_i.k_j exp(G_i - G_j)  (j < i)
+
+so D = U - W S with U, W independent of S. Then
+
+    O       = scale * (exp(G) Q S + ((Q K^T) * exp(G_i - G_j))_{j <= i} D)
+    S_next  = exp(G_C) S + (K exp(G_C - G))^T D
+
+Everything but the state carry is batched over all chunks of all segments and all heads; only the
+carry ``S -> S_next`` runs as a Python loop over chunks. All exponents are differences G_i - G_j
+with j <= i, so they are <= 0 and never overflow (for g <= 0, which is not checked: that would read
+device data).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .conv import compute_dtype, host_to_device, validate_cu_seqlens
+
+__all__ = ["chunk_gated_delta_rule", "l2norm"]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2, -1) + eps)`` over the last dim, as FLA's l2norm: fp32 math (fp64 for
+    fp64 input), result in x.dtype."""
+    xc = x.to(compute_dtype(x.dtype))
+    return (xc * torch.rsqrt((xc * xc).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _check(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}; cast it with .float()")
+    if t.dim() != rank:
+        raise ValueError(
+            f"{name} must be {layout} (THD-packed, no batch dim), got shape {tuple(t.shape)}; "
+            f"flatten batch and time into the first dim"
+        )
+
+
+def _chunk_plan(cu: list[int], chunk_size: int, T: int):
+    """Host-side layout of the padded chunks. Returns
+    gather: [n_chunks*C] token index per padded slot (T = padding, reads a zero row);
+    scatter: [T] padded slot of each token;
+    first: per segment, index of its first chunk; count: per segment, number of chunks."""
+    C = chunk_size
+    chunk_starts, chunk_ends, first, count = [], [], [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        first.append(len(chunk_starts))
+        count.append(-(-(b - a) // C))
+        chunk_starts.extend(range(a, b, C))
+        chunk_ends.extend([b] * count[-1])
+    starts = torch.tensor(chunk_starts, dtype=torch.long)
+    ends = torch.tensor(chunk_ends, dtype=torch.long)
+    slot = starts[:, None] + torch.arange(C, dtype=torch.long)[None, :]  # [n_chunks, C]
+    real = slot < ends[:, None]
+    gather = torch.where(real, slot, torch.full_like(slot, T)).reshape(-1)
+    scatter = torch.arange(gather.numel(), dtype=torch.long)[real.reshape(-1)]
+    return gather, scatter, first, count
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: Sequence[int],
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Gated delta rule over packed sequences, chunked; differentiable in every tensor input.
+
+    Args:
+        q, k: [T, Hk, Dk]. v: [T, Hv, Dv], Hv a multiple of Hk (value head h uses key head
+            h // (Hv // Hk), as Megatron's repeat_interleave). g: [T, Hv] log decay (<= 0).
+            beta: [T, Hv].
+        cu_seqlens: Python ints 0 = cu[0] <= ... <= cu[-1] = T; empty segments allowed; N segments.
+        scale: defaults to Dk ** -0.5.
+        initial_state: [N, Hv, Dk, Dv] or None (zeros). Any values (CP passes [I | 0] to get a
+            slice's transition matrix).
+        output_final_state: also return the state after each segment.
+        use_qk_l2norm: l2-normalize q and k over Dk first (FLA's l2norm, eps=1e-6).
+        chunk_size: tokens per chunk (any positive int; results do not depend on it up to rounding).
+
+    Returns:
+        o: [T, Hv, Dv] in v.dtype; final_state: [N, Hv, Dk, Dv] or None. Math (and final_state) in
+        fp64 if v is fp64, else fp32.
+    """
+    _check("q", q, 3, "[T, Hk, Dk]")
+    _check("k", k, 3, "[T, Hk, Dk]")
+    _check("v", v, 3, "[T, Hv, Dv]")
+    _check("g", g, 2, "[T, Hv]")
+    _check("beta", beta, 2, "[T, Hv]")
+    T, Hk, Dk = q.shape
+    _, Hv, Dv = v.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} [T, Hk, Dk], got {tuple(k.shape)}")
+    if v.shape[0] != T:
+        raise ValueError(f"v must have T={T} tokens like q, got shape {tuple(v.shape)}")
+    if Hk == 0 or Hv % Hk != 0:
+        raise ValueError(
+            f"v's head count Hv={Hv} must be a positive multiple of q/k's Hk={Hk} (grouped heads); "
+            f"check linear_num_value_heads / linear_num_key_heads"
+        )
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (T, Hv):
+            raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
+    cu = validate_cu_seqlens(cu_seqlens, T)
+    N = len(cu) - 1
+    if initial_state is not None:
+        _check("initial_state", initial_state, 4, "[N, Hv, Dk, Dv]")
+        if initial_state.shape != (N, Hv, Dk, Dv):
+            raise ValueError(
+                f"initial_state must be [N, Hv, Dk, Dv] = [{N}, {Hv}, {Dk}, {Dv}] (one state per segment "
+                f"of cu_seqlens), got shape {tuple(initial_state.shape)}"
+            )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; 64 is the usual choice")
+    for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
+    if scale is None:
+        scale = Dk**-0.5
+
+    out_dtype, dtype, device = v.dtype, compute_dtype(v.dtype), q.device
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if Hv != Hk:
+        q = q.repeat_interleave(Hv // Hk, dim=1)
+        k = k.repeat_interleave(Hv // Hk, dim=1)
+    q = q * scale
+
+    # Pad every segment to whole chunks (padding: k = v = beta = g = 0, which leaves the state
+    # alone) and lay all chunks of all segments side by side: [n_chunks, H, C, ...].
+    C = chunk_size
+    gather, scatter, first, count = _chunk_plan(cu, C, T)
+    n_chunks = gather.numel() // C
+    gather = host_to_device(gather, device)
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[gather]
+        x = x.view(n_chunks, C, *x.shape[1:])
+        return x.movedim(1, 2)  # [n_chunks, H, C, ...]
+
+    qc, kc, vc, gc, bc = (chunked(t) for t in (q, k, v, g, beta))
+
+    G = gc.cumsum(-1)  # [n, H, C]
+    tril = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~tril, float("-inf")).exp()  # [n, H, C, C]
+    kb = kc * bc[..., None]
+    A = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)  # strictly lower
+    eye = torch.eye(C, dtype=dtype, device=device)
+    rhs = torch.cat([vc * bc[..., None], kb * G.exp()[..., None]], dim=-1)
+    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    U, W = UW[..., :Dv], UW[..., Dv:]  # D = U - W @ S
+    qk = (qc @ kc.transpose(-1, -2)) * decay  # [n, H, C, C], lower incl. diagonal
+    q_in = qc * G.exp()[..., None]  # reads the incoming state
+    k_out = kc * (G[..., -1:] - G).exp()[..., None]  # writes the outgoing state
+    g_last = G[..., -1].exp()[..., None, None]  # [n, H, 1, 1]
+
+    # The only serial part: carry the state through the chunks of each segment.
+    starts_of_chunks: list[torch.Tensor] = []
+    corrections: list[torch.Tensor] = []
+    finals: list[torch.Tensor] = []
+    for n in range(N):
+        if initial_state is not None:
+            S = initial_state[n].to(dtype)
+        else:
+            S = torch.zeros(Hv, Dk, Dv, dtype=dtype, device=device)
+        for c in range(first[n], first[n] + count[n]):
+            D = U[c] - W[c] @ S
+            starts_of_chunks.append(S)
+            corrections.append(D)
+            S = g_last[c] * S + k_out[c].transpose(-1, -2) @ D
+        finals.append(S)
+
+    if n_chunks:
+        S_in = torch.stack(starts_of_chunks)  # [n, H, Dk, Dv]
+        D = torch.stack(corrections)  # [n, H, C, Dv]
+        o = q_in @ S_in + qk @ D  # [n, H, C, Dv]
+        o = o.movedim(2, 1).reshape(n_chunks * C, Hv, Dv)[host_to_device(scatter, device)]
+    else:
+        o = v.new_zeros(0, Hv, Dv)
+    final_state = torch.stack(finals) if output_final_state else None
+    return o.to(out_dtype), final_state

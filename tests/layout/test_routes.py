@@ -1,0 +1,157 @@
+"""Routes against a naive per-token builder, simulated all-to-all over all ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdn_cp.layout import (
+    CONTIGUOUS,
+    ZIGZAG,
+    build_natural_order,
+    build_sbhd_route,
+    build_thd_route,
+    validate_cu_seqlens,
+)
+from tests.packings import packings
+
+CPS = [1, 2, 4, 8]
+DIRECTIONS = [(ZIGZAG, CONTIGUOUS), (CONTIGUOUS, ZIGZAG)]
+
+
+def naive_owner(layout, cu, cp, g):
+    """(rank, local row) of global row g, by a per-token walk: obviously right."""
+    t_local = cu[-1] // cp
+    if layout == CONTIGUOUS:
+        return g // t_local, g % t_local
+    for i in range(len(cu) - 1):
+        if cu[i] <= g < cu[i + 1]:
+            chunk = (cu[i + 1] - cu[i]) // (2 * cp)
+            part, off = divmod(g - cu[i], chunk)
+            base = cu[i] // cp
+            if part < cp:
+                return part, base + off
+            return 2 * cp - 1 - part, base + chunk + off
+    raise AssertionError(g)
+
+
+def naive_rows(layout, cu, cp):
+    """rows[r] = global row ids of rank r in local order."""
+    rows = [dict() for _ in range(cp)]
+    for g in range(cu[-1]):
+        r, loc = naive_owner(layout, cu, cp, g)
+        rows[r][loc] = g
+    return [[d[i] for i in range(len(d))] for d in rows]
+
+
+def simulate(cu, cp, source, target):
+    """Run every rank's route on 'global row id' data with a python all-to-all."""
+    routes = [build_thd_route(cu, cp, r, source, target) for r in range(cp)]
+    src_rows = naive_rows(source, cu, cp)
+    sent = []
+    for r, route in enumerate(routes):
+        x = torch.tensor(src_rows[r], dtype=torch.int64)
+        buf = x if route.send_index is None else x[route.send_index]
+        sent.append(list(torch.split(buf, list(route.send_splits))))
+    out = []
+    for r, route in enumerate(routes):
+        recv = torch.cat([sent[q][r] for q in range(cp)])
+        assert recv.numel() == sum(route.recv_splits)
+        y = recv if route.recv_index is None else recv[route.recv_index]
+        out.append(y.tolist())
+    return routes, out
+
+
+@pytest.mark.parametrize("cp", CPS)
+@pytest.mark.parametrize("source,target", DIRECTIONS)
+@pytest.mark.parametrize("name", list(packings(1)))
+def test_route_matches_per_token_reference(cp, source, target, name):
+    cu = packings(cp)[name]
+    routes, out = simulate(cu, cp, source, target)
+    assert out == naive_rows(target, cu, cp)
+    for route in routes:
+        assert route.is_identity == (cp == 1)
+
+
+@pytest.mark.parametrize("cp", CPS)
+def test_natural_order_matches_reference(cp):
+    cu = packings(cp)["straddling"]
+    zig = naive_rows(ZIGZAG, cu, cp)
+    buffer = [g for r in range(cp) for g in zig[r]]  # rank-major buffer after all-gather
+    for r in range(cp):
+        nat = build_natural_order(cu, cp, r)
+        assert [buffer[i] for i in nat.to_natural.tolist()] == list(range(cu[-1]))
+        assert nat.to_buffer.tolist() == buffer
+        assert nat.own_rows.tolist() == zig[r]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_sbhd_route_is_b_major_thd(cp):
+    s, b = 8 * cp, 3
+    for r in range(cp):
+        got = build_sbhd_route(s, b, cp, r, ZIGZAG, CONTIGUOUS)
+        want = build_thd_route([0, s, 2 * s, 3 * s], cp, r, ZIGZAG, CONTIGUOUS)
+        assert got.send_splits == want.send_splits and got.recv_splits == want.recv_splits
+
+
+def test_identity_route_moves_nothing():
+    route = build_thd_route([0, 8, 16], 1, 0, ZIGZAG, CONTIGUOUS)
+    assert route.is_identity and route.send_index is None and route.recv_index is None
+
+
+@settings(max_examples=1200, deadline=None)
+@given(
+    cp=st.sampled_from([1, 2, 3, 4, 8]),
+    units=st.lists(st.integers(0, 7), min_size=1, max_size=10),
+    data=st.data(),
+)
+def test_route_property_random_packings(cp, units, data):
+    if sum(units) == 0:
+        units = units + [1]
+    cu = [0]
+    for u in units:
+        cu.append(cu[-1] + u * 2 * cp)
+    source, target = data.draw(st.sampled_from(DIRECTIONS))
+    _, out = simulate(cu, cp, source, target)
+    assert out == naive_rows(target, cu, cp)
+
+
+@pytest.mark.parametrize(
+    "cu,cp,match",
+    [
+        (torch.tensor([[0, 8]]), 2, "1-D"),
+        (torch.tensor([0.0, 8.0]), 2, "integer dtype"),
+        ([1, 8], 2, r"cu_seqlens\[0\] must be 0"),
+        ([0, 8, 4], 2, "non-decreasing"),
+        ([0, 8, 14], 2, "sequence 1 .* length 6, not divisible by 2\\*cp=4"),
+        ([0], 2, "at least 2"),
+        (["0", 8], 2, "must be an int"),
+    ],
+)
+def test_bad_boundaries_raise(cu, cp, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        build_thd_route(cu, cp, 0, ZIGZAG, CONTIGUOUS)
+
+
+def test_last_boundary_must_match_t_global():
+    with pytest.raises(ValueError, match="must equal the packed length T_global=24"):
+        validate_cu_seqlens([0, 8, 16], 2, t_global=24)
+
+
+def test_t_global_not_divisible_by_cp_is_reported():
+    # Every length divisible by 2*cp implies T % cp == 0; the per-sequence message names the sequence.
+    with pytest.raises(ValueError, match="sequence 0"):
+        validate_cu_seqlens([0, 9], 3)
+
+
+@pytest.mark.parametrize("rank", [-1, 2, 1.0])
+def test_bad_rank_raises(rank):
+    with pytest.raises(ValueError, match="cp_rank"):
+        build_thd_route([0, 8], 2, rank, ZIGZAG, CONTIGUOUS)
+
+
+def test_bad_layout_raises():
+    with pytest.raises(ValueError, match="layout"):
+        build_thd_route([0, 8], 2, 0, "zig-zag", CONTIGUOUS)

@@ -1,0 +1,132 @@
+"""Every mode at cp=2 and 4 equals CP=1: outputs, input gradients, conv gradients.
+
+SBHD and packed THD (sequences straddling contiguous rank boundaries, empty padding
+slots), fp64 and fp32, on real gloo ranks with the reference backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gdn_cp.modes.chunkwise as chunkwise_module
+from gdn_cp.layout import RouteCache, plan_for_sbhd
+from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd, thd_to_sbhd
+from gdn_cp.ops import get_backend
+from tests.modes.cases import GRAD_NAMES, make_inputs, own_rows, reference_answer, rel_err
+
+MODES = ("headwise", "chunkwise", "all_gather")
+SHAPE = GDNShape(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12)
+WIDTH = 4
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def thd_boundaries(cp):
+    u = 2 * cp
+    lengths = [5 * u, 0, 23 * u, 2 * u, 0, 11 * u]  # straddling + empty slots + short ones
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _run_modes(rank, world, layout, dtype, modes=MODES, mutate=None, shape=SHAPE):
+    group = dist.group.WORLD
+    backend = get_backend("reference")
+    out = {}
+    if layout == "thd":
+        cu = thd_boundaries(world)
+        inputs = make_inputs(cu[-1], shape, WIDTH, dtype, seed=7)
+        ref_o, ref_g = reference_answer(inputs, shape, cu)
+        rows = own_rows(cu, world, rank)
+        plan = RouteCache().plan(torch.tensor(cu, dtype=torch.int32), world, rank)
+        to_local = lambda t: t[rows]  # noqa: E731
+        from_local = lambda t: t  # noqa: E731
+    else:
+        seq, batch = 24 * world, 3
+        cu = [b * seq for b in range(batch + 1)]
+        inputs = make_inputs(cu[-1], shape, WIDTH, dtype, seed=11)
+        ref_o, ref_g = reference_answer(inputs, shape, cu)  # b-major packed = CP=1 SBHD
+        plan = plan_for_sbhd(seq, batch, world, rank)
+        s_rows = own_rows([0, seq], world, rank)
+        to_sbhd = lambda t: t.reshape(batch, seq, *t.shape[1:]).transpose(0, 1)  # noqa: E731
+        to_local = lambda t: sbhd_to_thd(to_sbhd(t)[s_rows])  # noqa: E731
+        from_local = lambda t: t  # noqa: E731
+    for mode in modes:
+        leaves = {k: to_local(inputs[k]).detach().clone().requires_grad_(True) for k in ("qkv", "g", "beta")}
+        weights = {k: inputs[k].detach().clone().requires_grad_(True) for k in ("conv_weight", "conv_bias")}
+        if mutate is not None:
+            mutate()
+        o = gdn_core(
+            leaves["qkv"], leaves["g"], leaves["beta"], weights["conv_weight"], weights["conv_bias"],
+            shape=shape, mode=mode, plan=plan, group=group, backend=backend,
+        )
+        o.backward(to_local(inputs["dout"]))
+        errs = {"out": rel_err(from_local(o.detach()), to_local(ref_o))}
+        for k in ("qkv", "g", "beta"):
+            errs[k] = rel_err(leaves[k].grad, to_local(ref_g[k]))
+        # Parameters are replicated over CP: their gradients sum over ranks (Megatron's DP-CP all-reduce).
+        for k in ("conv_weight", "conv_bias"):
+            grad = weights[k].grad.clone()
+            dist.all_reduce(grad, group=group)
+            errs[k] = rel_err(grad, ref_g[k])
+        out[mode] = errs
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_modes_equal_cp1(gloo_pool, world, layout, dtype):
+    results = gloo_pool(world).run(_run_modes, layout, dtype)
+    tol = TOL[dtype]
+    for rank, per_mode in enumerate(results):
+        for mode, errs in per_mode.items():
+            bad = {k: v for k, v in errs.items() if not v <= tol}
+            assert not bad, f"rank {rank} {mode} {layout} {dtype}: relative errors over {tol}: {bad}"
+
+
+def _drop_state():
+    original = chunkwise_module.initial_state_from_summaries
+    chunkwise_module.initial_state_from_summaries = lambda s, cw, dk: original(s, cw, dk) * 0
+
+
+def _drop_halo():
+    original = chunkwise_module.gather_halo
+    chunkwise_module.gather_halo = lambda x, cw, group: torch.zeros_like(original(x, cw, group))
+
+
+def _mutated(rank, world, which):
+    saved = (chunkwise_module.initial_state_from_summaries, chunkwise_module.gather_halo)
+    try:
+        return _run_modes(rank, world, "thd", torch.float64, modes=("chunkwise",), mutate=which)
+    finally:
+        chunkwise_module.initial_state_from_summaries, chunkwise_module.gather_halo = saved
+
+
+@pytest.mark.parametrize("which", [_drop_state, _drop_halo], ids=["drop_incoming_state", "drop_halo"])
+def test_parity_check_can_fail(gloo_pool, which):
+    """The comparison above is not vacuous: losing the state or the halo breaks it."""
+    results = gloo_pool(2).run(_mutated, which)
+    worst = max(errs["out"] for r in results for errs in r.values())
+    assert worst > 1e-3, f"dropping {which.__name__} went unnoticed (max error {worst})"
+
+
+ODD = GDNShape(num_k_heads=3, num_v_heads=6, head_k_dim=8, head_v_dim=8)
+
+
+def _odd_heads(rank, world):
+    results = _run_modes(rank, world, "thd", torch.float64, modes=("chunkwise", "all_gather"), shape=ODD)
+    try:
+        _run_modes(rank, world, "thd", torch.float64, modes=("headwise",), shape=ODD)
+    except ValueError as err:
+        results["headwise_error"] = str(err)
+    return results
+
+
+def test_heads_not_divisible_by_cp(gloo_pool):
+    for res in gloo_pool(2).run(_odd_heads):
+        assert "num_k_heads divisible by cp" in res["headwise_error"] and "chunkwise" in res["headwise_error"]
+        for mode in ("chunkwise", "all_gather"):
+            assert max(res[mode].values()) <= 1e-10, res[mode]
