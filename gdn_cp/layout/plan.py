@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .boundaries import sbhd_cu_seqlens, validate_cu_seqlens
+from .device import host_to_device
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
 from .route import NaturalOrder, Route, _build_route, _check_rank, build_natural_order
 
@@ -79,7 +80,14 @@ class CPPlan:
         """Global boundaries on ``device`` (host->device copy once; never read back)."""
         key = (str(torch.device(device)), dtype)
         if key not in self._cu_tensors:
-            self._cu_tensors[key] = torch.tensor(self.cu, dtype=dtype).to(device, non_blocking=True)
+            self._cu_tensors[key] = host_to_device(torch.tensor(self.cu, dtype=dtype), device)
+        return self._cu_tensors[key]
+
+    def cached_on(self, name, device, make) -> torch.Tensor:
+        """``make()`` (a CPU tensor) copied to ``device`` once per plan, then reused."""
+        key = (name, str(torch.device(device)))
+        if key not in self._cu_tensors:
+            self._cu_tensors[key] = host_to_device(make(), device)
         return self._cu_tensors[key]
 
 

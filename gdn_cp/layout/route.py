@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from .boundaries import validate_cu_seqlens
+from .device import host_to_device
 from .segments import LAYOUTS, Segments, expand_runs, intersect, partition, rank_segments
 
 __all__ = ["Route", "build_thd_route", "build_sbhd_route", "NaturalOrder", "build_natural_order"]
@@ -32,9 +33,9 @@ def _check_rank(cp_size: int, cp_rank: int) -> None:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 
 
-def _is_arange(index: torch.Tensor) -> bool:
-    n = index.numel()
-    return n == 0 or bool(torch.equal(index, torch.arange(n, dtype=index.dtype)))
+def _runs_are_arange(start: torch.Tensor, length: torch.Tensor) -> bool:
+    """Whether concatenated runs ``[start_i, start_i + length_i)`` are ``0, 1, 2, ...``."""
+    return bool(torch.equal(start, torch.cumsum(length, 0) - length))
 
 
 @dataclass
@@ -48,12 +49,30 @@ class Route:
     cp_rank: int
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    send_index: torch.Tensor | None  # [sum(send_splits)] local source rows; None = identity
-    recv_index: torch.Tensor | None  # [T_dst_local] positions in the receive buffer; None = identity
+    # Runs (start, length) whose concatenation is the index; None = identity order.
+    send_runs: tuple[torch.Tensor, torch.Tensor] | None  # local source rows, peer-major
+    recv_runs: tuple[torch.Tensor, torch.Tensor] | None  # receive-buffer rows, target local order
     is_identity: bool
     send_pieces: list[tuple[int, int, int, int]]  # (peer, global_start, length, local_src_row)
     recv_pieces: list[tuple[int, int, int, int]]  # (peer, global_start, length, local_dst_row)
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def send_index(self) -> torch.Tensor | None:
+        """``[sum(send_splits)]`` local source rows in send order (None: identity)."""
+        return self._index("send", self.send_runs)
+
+    @property
+    def recv_index(self) -> torch.Tensor | None:
+        """``[T_dst_local]`` receive-buffer row of each target row (None: identity)."""
+        return self._index("recv", self.recv_runs)
+
+    def _index(self, name, runs):
+        if runs is None:
+            return None
+        if name not in self._device_cache:  # written once per micro-batch, on first use
+            self._device_cache[name] = expand_runs(*runs)
+        return self._device_cache[name]
 
     @property
     def rows_in(self) -> int:
@@ -68,9 +87,12 @@ class Route:
         device = torch.device(device)
         key = str(device)
         if key not in self._device_cache:
-            self._device_cache[key] = tuple(
-                None if t is None else t.to(device, non_blocking=True) for t in (self.send_index, self.recv_index)
-            )
+            if device.type == "cpu":
+                self._device_cache[key] = (self.send_index, self.recv_index)
+            else:
+                self._device_cache[key] = tuple(
+                    None if t is None else host_to_device(t, device) for t in (self.send_index, self.recv_index)
+                )
         return self._device_cache[key]
 
     def summary(self) -> str:
@@ -103,7 +125,7 @@ def _build_route(cu: Sequence[int], cp_size: int, cp_rank: int, source: str, tar
     local_src = mine_src.local_offsets()[from_seg] + (pieces.start - mine_src.start[from_seg])
     order = torch.sort(pieces.owner, stable=True).indices
     send_splits = torch.bincount(pieces.owner, weights=pieces.length.double(), minlength=cp_size).long()
-    send_index = expand_runs(local_src[order], pieces.length[order])
+    send_runs = (local_src[order], pieces.length[order])
 
     # Receive side: my target rows cut by the source partition. The buffer holds, per
     # source peer in rank order, that peer's pieces in global order.
@@ -115,8 +137,8 @@ def _build_route(cu: Sequence[int], cp_size: int, cp_rank: int, source: str, tar
     ordered_len = rpieces.length[rorder]
     buf_start[rorder] = torch.cumsum(ordered_len, 0) - ordered_len
     recv_splits = torch.bincount(rpieces.owner, weights=rpieces.length.double(), minlength=cp_size).long()
-    # Pieces are in global order == target local order, so this is the gather for y.
-    recv_index = expand_runs(buf_start, rpieces.length)
+    # Pieces are in global order == target local order, so these runs are the gather for y.
+    recv_runs = (buf_start, rpieces.length)
 
     return Route(
         source=source,
@@ -125,8 +147,8 @@ def _build_route(cu: Sequence[int], cp_size: int, cp_rank: int, source: str, tar
         cp_rank=cp_rank,
         send_splits=tuple(send_splits.tolist()),
         recv_splits=tuple(recv_splits.tolist()),
-        send_index=None if _is_arange(send_index) else send_index,
-        recv_index=None if _is_arange(recv_index) else recv_index,
+        send_runs=None if _runs_are_arange(*send_runs) else send_runs,
+        recv_runs=None if _runs_are_arange(*recv_runs) else recv_runs,
         is_identity=is_identity,
         send_pieces=list(
             zip(
@@ -200,7 +222,7 @@ class NaturalOrder:
         key = str(torch.device(device))
         if key not in self._device_cache:
             self._device_cache[key] = tuple(
-                t.to(device, non_blocking=True) for t in (self.to_natural, self.to_buffer, self.own_rows)
+                host_to_device(t, torch.device(device)) for t in (self.to_natural, self.to_buffer, self.own_rows)
             )
         return self._device_cache[key]
 

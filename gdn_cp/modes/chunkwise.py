@@ -21,18 +21,24 @@ from .common import GDNShape, local_core, split_qkv
 __all__ = ["chunkwise_core", "gather_halo", "initial_state_from_summaries"]
 
 
-def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, group) -> torch.Tensor:
+def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:
     """The W-1 pre-conv rows before this rank's first row, from the ranks that hold them.
 
     ``x [T_local, C]`` contiguous rows. All ranks all-gather their tails ``[W-1, C]``
     (rows before a rank's own first row are zeros); each picks its halo rows from them.
+    ``index [W-1]``: :func:`halo_gather_index` on x's device.
     """
     w1 = cw.conv_width - 1
     tail = x[-w1:] if x.shape[0] >= w1 else torch.cat([x.new_zeros(w1 - x.shape[0], x.shape[1]), x])
     tails = all_gather_rows(tail, group)  # [cp*(W-1), C]
     tails = torch.cat([tails, tails.new_zeros(1, tails.shape[1])])  # last row: zeros
-    index = torch.tensor([i if i >= 0 else tails.shape[0] - 1 for i in cw.halo_index], dtype=torch.long)
-    return tails.index_select(0, index.to(x.device, non_blocking=True))
+    return tails.index_select(0, index)
+
+
+def halo_gather_index(cw: ChunkwisePlan) -> torch.Tensor:
+    """Rows of the gathered tails (plus one zero row at the end) that form the halo."""
+    zero_row = cw.cp_size * (cw.conv_width - 1)
+    return torch.tensor([i if i >= 0 else zero_row for i in cw.halo_index], dtype=torch.long)
 
 
 def _connected_zeros(like: torch.Tensor, shape, dtype) -> torch.Tensor:
@@ -46,7 +52,7 @@ def _connected_zeros(like: torch.Tensor, shape, dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=like.device) + (like.sum() * 0).to(dtype)
 
 
-def _last_piece_summary(q, k, v, g, beta, cw: ChunkwisePlan, backend, state_dtype) -> torch.Tensor:
+def _last_piece_summary(q, k, v, g, beta, cw: ChunkwisePlan, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
     """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of the last piece (zeros if it ends here).
 
     The scan is linear in (S_in, v) column by column, so one scan with
@@ -64,12 +70,12 @@ def _last_piece_summary(q, k, v, g, beta, cw: ChunkwisePlan, backend, state_dtyp
         init = torch.cat([eye, eye.new_zeros(1, hv, dk, dv)], dim=-1)
         _, final = backend.chunk_gated_delta_rule(
             q[piece], k[piece], v_aug, g[piece], beta[piece],
-            cu_seqlens=[0, n], initial_state=init, output_final_state=True, use_qk_l2norm=True,
+            cu_seqlens=[0, n], initial_state=init, output_final_state=True, use_qk_l2norm=qk_l2norm,
         )
         return final[0].to(state_dtype)
     _, final = backend.chunk_gated_delta_rule(
         q[piece], k[piece], v[piece], g[piece], beta[piece],
-        cu_seqlens=[0, n], output_final_state=True, use_qk_l2norm=True,
+        cu_seqlens=[0, n], output_final_state=True, use_qk_l2norm=qk_l2norm,
     )
     zeros_m = torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device)
     return torch.cat([zeros_m, final[0].to(state_dtype)], dim=-1)
@@ -107,19 +113,22 @@ def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, pla
 
     cw = plan.chunkwise(conv_weight.shape[1])
     straddles = cw.any_straddle  # same on every rank: all skip the exchanges together
-    halo = gather_halo(qkv_c, cw, group) if straddles and cw.conv_width > 1 else None
+    halo = None
+    if straddles and cw.conv_width > 1:
+        index = plan.cached_on(("halo_index", cw.conv_width), qkv.device, lambda: halo_gather_index(cw))
+        halo = gather_halo(qkv_c, cw, index, group)
     x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=list(cw.local_cu), halo=halo, activation="silu")
     q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
 
     initial = None
     if straddles:
         state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-        summary = _last_piece_summary(q, k, v, g_c, beta_c, cw, backend, state_dtype)
+        summary = _last_piece_summary(q, k, v, g_c, beta_c, cw, backend, state_dtype, shape.qk_l2norm)
         summaries = all_gather_rows(summary.unsqueeze(0), group)  # [cp, Hv, Dk, Dk+Dv]
         first = initial_state_from_summaries(summaries, cw, shape.head_k_dim)
         n_pieces = len(cw.local_cu) - 1
         initial = torch.cat([first.unsqueeze(0), first.new_zeros(n_pieces - 1, *first.shape)])
     o_c, _ = backend.chunk_gated_delta_rule(
-        q, k, v, g_c, beta_c, cu_seqlens=list(cw.local_cu), initial_state=initial, use_qk_l2norm=True
+        q, k, v, g_c, beta_c, cu_seqlens=list(cw.local_cu), initial_state=initial, use_qk_l2norm=shape.qk_l2norm
     )
     return route_all_to_all(o_c, to_z, to_c, group)

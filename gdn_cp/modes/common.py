@@ -19,10 +19,13 @@ __all__ = ["GDNShape", "check_inputs", "local_core", "split_qkv"]
 
 @dataclass(frozen=True)
 class GDNShape:
+    """Head layout of the GDN core on one TP rank, and whether q/k are l2-normalized."""
+
     num_k_heads: int
     num_v_heads: int
     head_k_dim: int
     head_v_dim: int
+    qk_l2norm: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
@@ -117,6 +120,6 @@ def local_core(
     x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=list(cu_seqlens), halo=halo, activation="silu")
     q, k, v = split_qkv(x, shape, k_heads, v_heads)
     o, _ = backend.chunk_gated_delta_rule(
-        q, k, v, g, beta, cu_seqlens=list(cu_seqlens), initial_state=initial_state, use_qk_l2norm=True
+        q, k, v, g, beta, cu_seqlens=list(cu_seqlens), initial_state=initial_state, use_qk_l2norm=shape.qk_l2norm
     )
     return o

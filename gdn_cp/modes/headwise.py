@@ -50,10 +50,7 @@ def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan
     t_local = qkv.shape[0]
     k_heads, v_heads = shape.num_k_heads // cp, shape.num_v_heads // cp
     to_natural, to_buffer, _ = plan.natural_order().on(qkv.device)
-    key = ("headwise_channels", shape, str(qkv.device))
-    if key not in plan.backend_cache:
-        plan.backend_cache[key] = _channel_index(shape, cp, rank).to(qkv.device, non_blocking=True)
-    channels = plan.backend_cache[key]
+    channels = plan.cached_on(("headwise_channels", shape), qkv.device, lambda: _channel_index(shape, cp, rank))
 
     qkv_h = seq_to_head(_group_by_rank(qkv, shape, cp), group).index_select(0, to_natural)
     gates = torch.stack([g, beta.to(g.dtype)], dim=-1).reshape(t_local, cp, v_heads * 2)

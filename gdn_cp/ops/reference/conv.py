@@ -14,7 +14,9 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["causal_conv1d", "validate_cu_seqlens", "compute_dtype", "host_to_device"]
+from ...layout.device import host_to_device
+
+__all__ = ["causal_conv1d", "validate_cu_seqlens", "compute_dtype"]
 
 
 def validate_cu_seqlens(cu_seqlens: Sequence[int], total: int, *, name: str = "cu_seqlens") -> list[int]:
@@ -60,18 +62,6 @@ def validate_cu_seqlens(cu_seqlens: Sequence[int], total: int, *, name: str = "c
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 stays fp64; everything else (fp32, bf16, fp16) is computed in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Move a host-built index/mask tensor to ``device`` without a stream sync.
-
-    A plain ``.to('cuda')`` from pageable memory synchronizes the stream; staging through pinned
-    memory with ``non_blocking=True`` does not (the caching host allocator keeps the buffer alive
-    until the copy has run).
-    """
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def _check_float(name: str, t: torch.Tensor) -> None:

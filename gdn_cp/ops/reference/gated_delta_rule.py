@@ -28,7 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .conv import compute_dtype, host_to_device, validate_cu_seqlens
+from ...layout.device import host_to_device
+from .conv import compute_dtype, validate_cu_seqlens
 
 __all__ = ["chunk_gated_delta_rule", "l2norm"]
 
