@@ -1,0 +1,91 @@
+"""`gdn-cp doctor`: what is installed, whether Megatron-Core is patched, and which mode fits.
+
+Reads versions without importing megatron.core (its import is slow and noisy), finds the
+patch state through :mod:`gdn_cp.megatron.patching`, and for a head shape lists the legal
+``linear_cp_mode`` values and what ``auto`` picks, with reasons.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Callable
+
+from .config import explain_linear_cp_modes
+
+__all__ = ["collect_report", "run_doctor"]
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
+    import torch
+
+    from .. import __version__
+    from . import patching
+
+    report: dict = {
+        "versions": {
+            "gdn-cp": __version__,
+            "torch": torch.__version__,
+            "megatron-core": _version("megatron-core"),
+            "flash-linear-attention": _version("flash-linear-attention"),
+            "fla-core": _version("fla-core"),
+            "triton": _version("triton"),
+        },
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [],
+    }
+    try:
+        root = patching.find_megatron_root(path)
+        states = patching.check_patch(root)
+        report["patch"] = {"root": str(root), "state": patching.overall_state(states), "files": states}
+    except Exception as err:  # report, do not crash the doctor
+        report["patch"] = {"root": None, "state": "unavailable", "error": str(err)}
+    if heads is not None:
+        if len(heads) != 2:
+            raise ValueError(f"--heads takes two numbers K,V (key heads, value heads), got {heads}")
+        report["modes"] = explain_linear_cp_modes(num_key_heads=heads[0], num_value_heads=heads[1], tp=tp, cp=cp)
+        report["shape"] = {"num_key_heads": heads[0], "num_value_heads": heads[1], "tp": tp, "cp": cp}
+    return report
+
+
+def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[str], None] = print) -> int:
+    """Print the report; exit code 1 when the patch is in a foreign or partial state."""
+    try:
+        report = collect_report(heads, tp, cp, path)
+    except ValueError as err:
+        echo(f"gdn-cp doctor: error: {err}")
+        return 2
+    echo("versions:")
+    for name, version in report["versions"].items():
+        echo(f"  {name:<24} {version}")
+    echo(f"GPUs: {', '.join(report['gpus']) if report['gpus'] else 'none (CPU: reference backend, gloo)'}")
+    patch = report["patch"]
+    if patch["root"] is None:
+        echo(f"megatron-core patch: unavailable ({patch.get('error')})")
+    else:
+        echo(f"megatron-core patch at {patch['root']}: {patch['state']}")
+        for file, state in patch["files"].items():
+            echo(f"  {state:<9} {file}")
+    echo(
+        "FLA/Triton hazard check: run `gdn-cp selftest --gpu` on the GPU machine "
+        "(FLA >= 0.5 with Triton < 3.7.1 on Hopper miscomputes or refuses the GDN backward)"
+    )
+    if "modes" in report:
+        s = report["shape"]
+        echo(
+            f"linear_cp_mode for linear_num_key_heads={s['num_key_heads']}, "
+            f"linear_num_value_heads={s['num_value_heads']}, TP={s['tp']}, CP={s['cp']}:"
+        )
+        for mode in ("headwise", "chunkwise", "all_gather"):
+            info = report["modes"][mode]
+            echo(f"  {mode:<10} {'legal  ' if info['legal'] else 'ILLEGAL'}  {info['reason']}")
+        auto = report["modes"]["auto"]
+        echo(f"  auto  ->   {auto['resolved'] or 'nothing legal'}: {auto['reason']}")
+    return 1 if patch["state"] not in ("pristine", "patched", "unavailable") else 0
