@@ -18,7 +18,7 @@ from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
 from .common import GDNShape, local_core, split_qkv
 
-__all__ = ["chunkwise_core", "gather_halo", "initial_state_from_summaries"]
+__all__ = ["chunkwise_core", "contiguous_core", "gather_halo", "initial_state_from_summaries"]
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:
@@ -95,27 +95,37 @@ def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk:
 
 
 def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
+    """zigzag rows in and out; the routes wrap :func:`contiguous_core`."""
     to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
     qkv_c = route_all_to_all(qkv, to_c, to_z, group)
     gates_c = route_all_to_all(torch.stack([g, beta.to(g.dtype)], dim=-1), to_c, to_z, group)
-    g_c, beta_c = gates_c[..., 0], gates_c[..., 1].to(beta.dtype)
+    o_c = contiguous_core(
+        qkv_c, gates_c[..., 0], gates_c[..., 1].to(beta.dtype), conv_weight, conv_bias,
+        shape=shape, plan=plan, group=group, backend=backend,
+    )
+    return route_all_to_all(o_c, to_z, to_c, group)
 
+
+def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
+    """The chunkwise core on rows already in the contiguous layout; returns contiguous rows.
+
+    Used directly when the layout swap happens outside the core (on hidden_states).
+    """
     native = getattr(backend, "chunkwise_core", None)
     if native is not None:
-        o_c = native(
+        return native(
             qkv_c, g_c, beta_c, conv_weight, conv_bias,
             num_k_heads=shape.num_k_heads, num_v_heads=shape.num_v_heads,
             head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
             group=group, cu_seqlens_global=list(plan.cu),
-            cu_seqlens_global_device=plan.cu_tensor(qkv.device), cache=plan.backend_cache,
+            cu_seqlens_global_device=plan.cu_tensor(qkv_c.device), cache=plan.backend_cache,
         )
-        return route_all_to_all(o_c, to_z, to_c, group)
 
     cw = plan.chunkwise(conv_weight.shape[1])
     straddles = cw.any_straddle  # same on every rank: all skip the exchanges together
     halo = None
     if straddles and cw.conv_width > 1:
-        index = plan.cached_on(("halo_index", cw.conv_width), qkv.device, lambda: halo_gather_index(cw))
+        index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
         halo = gather_halo(qkv_c, cw, index, group)
     x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=list(cw.local_cu), halo=halo, activation="silu")
     q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
@@ -131,4 +141,4 @@ def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, pla
     o_c, _ = backend.chunk_gated_delta_rule(
         q, k, v, g_c, beta_c, cu_seqlens=list(cw.local_cu), initial_state=initial, use_qk_l2norm=shape.qk_l2norm
     )
-    return route_all_to_all(o_c, to_z, to_c, group)
+    return o_c

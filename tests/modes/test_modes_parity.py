@@ -130,3 +130,51 @@ def test_heads_not_divisible_by_cp(gloo_pool):
         assert "num_k_heads divisible by cp" in res["headwise_error"] and "chunkwise" in res["headwise_error"]
         for mode in ("chunkwise", "all_gather"):
             assert max(res[mode].values()) <= 1e-10, res[mode]
+
+
+def _tiny_slices(rank, world):
+    """T_local = 2 < W-1 = 3: a rank's halo comes from two earlier ranks."""
+    global thd_boundaries
+    saved = thd_boundaries
+    thd_boundaries = lambda cp: [0, 2 * cp, 2 * cp]  # noqa: E731  one sequence over all ranks + empty slot
+    try:
+        return _run_modes(rank, world, "thd", torch.float64, modes=("chunkwise", "all_gather"))
+    finally:
+        thd_boundaries = saved
+
+
+def test_halo_from_several_ranks_when_slices_are_shorter_than_the_conv(gloo_pool):
+    for res in gloo_pool(4).run(_tiny_slices):
+        for mode, errs in res.items():
+            assert max(errs.values()) <= 1e-10, (mode, errs)
+
+
+def _contiguous_input(rank, world):
+    """chunkwise on rows the caller already moved to the contiguous layout equals zigzag chunkwise."""
+    from gdn_cp.comm import route_all_to_all
+    from gdn_cp.layout import CONTIGUOUS, ZIGZAG
+
+    group = dist.group.WORLD
+    backend = get_backend("reference")
+    cu = thd_boundaries(world)
+    inputs = make_inputs(cu[-1], SHAPE, WIDTH, torch.float64, seed=3)
+    rows = own_rows(cu, world, rank)
+    plan = RouteCache().plan(torch.tensor(cu), world, rank)
+    to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+    args = [inputs[k][rows] for k in ("qkv", "g", "beta")] + [inputs["conv_weight"], inputs["conv_bias"]]
+    zig = gdn_core(*args, shape=SHAPE, mode="chunkwise", plan=plan, group=group, backend=backend)
+    moved = [route_all_to_all(t, to_c, to_z, group) for t in args[:3]]
+    out_c = gdn_core(*moved, *args[3:], shape=SHAPE, mode="chunkwise", plan=plan, group=group, backend=backend,
+                     layout="contiguous")
+    back = route_all_to_all(out_c, to_z, to_c, group)
+    try:
+        gdn_core(*args, shape=SHAPE, mode="headwise", plan=plan, group=group, backend=backend, layout="contiguous")
+        refused = False
+    except ValueError:
+        refused = True
+    return torch.equal(back, zig), refused
+
+
+def test_chunkwise_on_contiguous_rows(gloo_pool):
+    for same, refused in gloo_pool(2).run(_contiguous_input):
+        assert same and refused
