@@ -8,15 +8,14 @@ from .boundaries import sbhd_cu_seqlens, validate_cu_seqlens
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
 from .plan import CPPlan, RouteCache, plan_for_sbhd
 from .route import NaturalOrder, Route, build_natural_order, build_sbhd_route, build_thd_route
-from .segments import CONTIGUOUS, LAYOUTS, ZIGZAG, Segments, partition, rank_segments
+from .segments import CONTIGUOUS, LAYOUTS, ZIGZAG, Runs, expand_runs
 
 __all__ = [
     "CONTIGUOUS",
     "ZIGZAG",
     "LAYOUTS",
-    "Segments",
-    "partition",
-    "rank_segments",
+    "Runs",
+    "expand_runs",
     "validate_cu_seqlens",
     "sbhd_cu_seqlens",
     "Route",

@@ -6,8 +6,6 @@ Everything downstream (segments, routes, plans) works on Python ints, so a devic
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 __all__ = ["validate_cu_seqlens", "sbhd_cu_seqlens"]
@@ -15,7 +13,7 @@ __all__ = ["validate_cu_seqlens", "sbhd_cu_seqlens"]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _to_int_list(cu_seqlens, name: str) -> list[int]:
+def _to_cpu_int64(cu_seqlens, name: str) -> torch.Tensor:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
             raise ValueError(
@@ -27,17 +25,19 @@ def _to_int_list(cu_seqlens, name: str) -> list[int]:
                 f"{name} must have an integer dtype, got {cu_seqlens.dtype}; use torch.int32 or torch.int64"
             )
         # The single device->host transfer of the micro-batch.
-        return [int(v) for v in cu_seqlens.tolist()]
+        return cu_seqlens.detach().to("cpu", torch.int64)
     if isinstance(cu_seqlens, (list, tuple)):
-        out = []
         for i, v in enumerate(cu_seqlens):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r}")
-            out.append(v)
-        return out
+        return torch.tensor(list(cu_seqlens), dtype=torch.int64)
     raise TypeError(
         f"{name} must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens).__name__}"
     )
+
+
+def _first(mask: torch.Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
 
 
 def validate_cu_seqlens(
@@ -46,42 +46,45 @@ def validate_cu_seqlens(
     *,
     t_global: int | None = None,
     name: str = "cu_seqlens",
-) -> tuple[int, ...]:
-    """Check packed boundaries for a zigzag CP split and return them as Python ints.
+    as_tensor: bool = False,
+):
+    """Check packed boundaries for a zigzag CP split; return them as a tuple of ints
+    (or, with ``as_tensor``, an int64 CPU tensor).
 
     Rules (each violation raises ValueError naming the value and the fix):
     starts at 0, never decreases (equal neighbours are empty padding slots), ends at
     ``t_global`` when given, every sequence length divisible by ``2 * cp_size`` (the
-    zigzag cut), and so ``T_global`` divisible by ``cp_size``.
+    zigzag cut), and so ``T_global`` divisible by ``cp_size``. Checked with a few vector
+    ops; the offending index is looked up only when a check fails.
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    cu = _to_int_list(cu_seqlens, name)
-    if len(cu) < 2:
-        raise ValueError(f"{name} needs at least 2 boundaries [0, T_global], got {cu}")
-    if cu[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {cu[0]}; boundaries are offsets into the packed stream")
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            raise ValueError(
-                f"{name} must be non-decreasing, but {name}[{i}]={cu[i]} < {name}[{i - 1}]={cu[i - 1]}"
-            )
-    if t_global is not None and cu[-1] != t_global:
+    cu = _to_cpu_int64(cu_seqlens, name)
+    if cu.numel() < 2:
+        raise ValueError(f"{name} needs at least 2 boundaries [0, T_global], got {cu.tolist()}")
+    if int(cu[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}; boundaries are offsets into the packed stream")
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths < 0).any()):
+        i = _first(lengths < 0) + 1
         raise ValueError(
-            f"{name}[-1]={cu[-1]} must equal the packed length T_global={t_global}; "
+            f"{name} must be non-decreasing, but {name}[{i}]={int(cu[i])} < {name}[{i - 1}]={int(cu[i - 1])}"
+        )
+    if t_global is not None and int(cu[-1]) != t_global:
+        raise ValueError(
+            f"{name}[-1]={int(cu[-1])} must equal the packed length T_global={t_global}; "
             f"pass the padded boundaries (cu_seqlens_q_padded) that cover every row"
         )
     step = 2 * cp_size
-    for i in range(len(cu) - 1):
-        length = cu[i + 1] - cu[i]
-        if length % step:
-            raise ValueError(
-                f"sequence {i} of {name} has length {length}, not divisible by 2*cp={step}; "
-                f"pad every sequence to a multiple of {step} (Megatron: cu_seqlens_q_padded)"
-            )
-    if cu[-1] % cp_size:  # implied by the rule above; kept so the message is direct
-        raise ValueError(f"T_global={cu[-1]} is not divisible by cp={cp_size}")
-    return tuple(cu)
+    bad = lengths % step != 0
+    if bool(bad.any()):
+        i = _first(bad)
+        raise ValueError(
+            f"sequence {i} of {name} has length {int(lengths[i])}, not divisible by 2*cp={step}; "
+            f"pad every sequence to a multiple of {step} (Megatron: cu_seqlens_q_padded)"
+        )
+    # T_global % cp == 0 follows from the rule above.
+    return cu if as_tensor else tuple(cu.tolist())
 
 
 def sbhd_cu_seqlens(seq_len: int, batch: int) -> tuple[int, ...]:

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class CPPlan:
     """One rank's layout plan for one micro-batch (THD, or SBHD seen as B sequences)."""
 
-    cu: tuple[int, ...]
+    cu_cpu: torch.Tensor  # int64 [n+1] global boundaries on the host
     cp_size: int
     cp_rank: int
     cu_device: torch.Tensor | None = None  # the caller's boundaries tensor, if on a device
@@ -44,29 +44,37 @@ class CPPlan:
     _chunkwise: dict = field(default_factory=dict)
     _cu_tensors: dict = field(default_factory=dict)
     builds: int = 0  # how many routes/maps were built (tests and benchmarks read it)
+    _cu: tuple[int, ...] | None = None
+
+    @property
+    def cu(self) -> tuple[int, ...]:
+        """The global boundaries as Python ints (made on first use)."""
+        if self._cu is None:
+            self._cu = tuple(self.cu_cpu.tolist())
+        return self._cu
 
     @property
     def t_global(self) -> int:
-        return self.cu[-1]
+        return int(self.cu_cpu[-1])
 
     @property
     def t_local(self) -> int:
-        return self.cu[-1] // self.cp_size
+        return self.t_global // self.cp_size
 
     @property
     def num_sequences(self) -> int:
-        return len(self.cu) - 1
+        return self.cu_cpu.numel() - 1
 
     def route(self, source: str, target: str) -> Route:
         key = (source, target)
         if key not in self.routes:
-            self.routes[key] = _build_route(self.cu, self.cp_size, self.cp_rank, source, target)
+            self.routes[key] = _build_route(self.cu_cpu, self.cp_size, self.cp_rank, source, target)
             self.builds += 1
         return self.routes[key]
 
     def natural_order(self) -> NaturalOrder:
         if self._natural is None:
-            self._natural = build_natural_order(self.cu, self.cp_size, self.cp_rank)
+            self._natural = build_natural_order(self.cu_cpu, self.cp_size, self.cp_rank)
             self.builds += 1
         return self._natural
 
@@ -80,7 +88,7 @@ class CPPlan:
         """Global boundaries on ``device`` (host->device copy once; never read back)."""
         key = (str(torch.device(device)), dtype)
         if key not in self._cu_tensors:
-            self._cu_tensors[key] = host_to_device(torch.tensor(self.cu, dtype=dtype), device)
+            self._cu_tensors[key] = host_to_device(self.cu_cpu.to(dtype), device)
         return self._cu_tensors[key]
 
     def cached_on(self, name, device, make) -> torch.Tensor:
@@ -111,12 +119,12 @@ class RouteCache:
             self.hits += 1
             return entry[2]
         self.misses += 1
-        cu = validate_cu_seqlens(cu_seqlens, cp_size)
+        cu = validate_cu_seqlens(cu_seqlens, cp_size, as_tensor=True)
         device_cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
-        plan = CPPlan(cu=cu, cp_size=cp_size, cp_rank=cp_rank, cu_device=device_cu)
+        plan = CPPlan(cu_cpu=cu, cp_size=cp_size, cp_rank=cp_rank, cu_device=device_cu)
         # Keep a reference to the boundaries: its id cannot be reused while we hold it.
         self._entries[key] = (cu_seqlens, version, plan)
-        logger.debug("built CP plan: %d sequences, T=%d, cp=%d, rank=%d", len(cu) - 1, cu[-1], cp_size, cp_rank)
+        logger.debug("built CP plan: %d sequences, T=%d, cp=%d, rank=%d", plan.num_sequences, plan.t_global, cp_size, cp_rank)
         return plan
 
     def clear(self) -> None:
@@ -132,5 +140,5 @@ def _check_rank_args(cp_size: int, cp_rank: int) -> None:
 def plan_for_sbhd(seq_len: int, batch: int, cp_size: int, cp_rank: int) -> CPPlan:
     """Plan for SBHD input of global length ``seq_len``: batch element b is sequence b."""
     _check_rank_args(cp_size, cp_rank)
-    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd sequence length")
-    return CPPlan(cu=cu, cp_size=cp_size, cp_rank=cp_rank)
+    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd sequence length", as_tensor=True)
+    return CPPlan(cu_cpu=cu, cp_size=cp_size, cp_rank=cp_rank)

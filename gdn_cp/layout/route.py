@@ -1,4 +1,4 @@
-"""All-to-all routes between layouts, built on the CPU by interval intersection.
+"""All-to-all routes between the zigzag and contiguous layouts, built on the CPU.
 
 A :class:`Route` moves one rank's rows ``[T_src_local, ...]`` in layout ``source`` to its
 rows ``[T_dst_local, ...]`` in layout ``target`` with one ``all_to_all_single``:
@@ -7,8 +7,15 @@ rows ``[T_dst_local, ...]`` in layout ``target`` with one ``all_to_all_single``:
 2. exchange with ``send_splits`` / ``recv_splits``;
 3. ``y = recv[recv_index]``  received rows put in target local order.
 
-Step 1 or 3 is skipped when its index is the identity; a route whose layouts agree on
-every rank (``is_identity``) moves nothing at all. Every rank builds its own route from
+Both layouts order a rank's rows by global position and the contiguous layout's ranks
+are in global order, so in each direction one of the two indices is the identity:
+zigzag -> contiguous needs only the receive gather, contiguous -> zigzag only the send
+gather. A route whose layouts agree (cp == 1) moves nothing at all (``is_identity``).
+
+Building a route is interval arithmetic on the boundaries: this rank's zigzag segments
+cut at the contiguous rank edges, and the zigzag parts of the sequences that overlap
+this rank's contiguous block: O(cp * sequences) at worst, never O(tokens). Index
+tensors are expanded from the runs on first use. Every rank builds its own route from
 the same boundaries, so split sizes agree without any communication.
 """
 
@@ -21,7 +28,7 @@ import torch
 
 from .boundaries import validate_cu_seqlens
 from .device import host_to_device
-from .segments import LAYOUTS, Segments, expand_runs, intersect, partition, rank_segments
+from .segments import CONTIGUOUS, LAYOUTS, ZIGZAG, Runs, cut_by_blocks, expand_runs, zigzag_parts_in_range, zigzag_rank_segments
 
 __all__ = ["Route", "build_thd_route", "build_sbhd_route", "NaturalOrder", "build_natural_order"]
 
@@ -33,14 +40,33 @@ def _check_rank(cp_size: int, cp_rank: int) -> None:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 
 
-def _runs_are_arange(start: torch.Tensor, length: torch.Tensor) -> bool:
-    """Whether concatenated runs ``[start_i, start_i + length_i)`` are ``0, 1, 2, ...``."""
-    return bool(torch.equal(start, torch.cumsum(length, 0) - length))
+def _runs_or_none(start: torch.Tensor, length: torch.Tensor):
+    """``(start, length)``, or None when the runs concatenate to ``0, 1, 2, ...``."""
+    if torch.equal(start, torch.cumsum(length, 0) - length):
+        return None
+    return start, length
+
+
+def _splits(owner: torch.Tensor, length: torch.Tensor, cp: int) -> tuple[int, ...]:
+    return tuple(torch.zeros(cp, dtype=_I64).index_add_(0, owner, length).tolist())
+
+
+@dataclass
+class _Pieces:
+    """What one side of a route moves, for printing: peer, global start, length, local row."""
+
+    peer: torch.Tensor
+    start: torch.Tensor
+    length: torch.Tensor
+    local: torch.Tensor
+
+    def as_list(self) -> list[tuple[int, int, int, int]]:
+        return list(zip(self.peer.tolist(), self.start.tolist(), self.length.tolist(), self.local.tolist()))
 
 
 @dataclass
 class Route:
-    """One rank's plan for a layout change. Index tensors are int64 on the CPU;
+    """One rank's plan for a layout change. Index tensors are int64, expanded on first use;
     :meth:`indices_on` returns (and caches) device copies."""
 
     source: str
@@ -53,9 +79,9 @@ class Route:
     send_runs: tuple[torch.Tensor, torch.Tensor] | None  # local source rows, peer-major
     recv_runs: tuple[torch.Tensor, torch.Tensor] | None  # receive-buffer rows, target local order
     is_identity: bool
-    send_pieces: list[tuple[int, int, int, int]]  # (peer, global_start, length, local_src_row)
-    recv_pieces: list[tuple[int, int, int, int]]  # (peer, global_start, length, local_dst_row)
-    _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _send: _Pieces | None = field(default=None, repr=False)
+    _recv: _Pieces | None = field(default=None, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def send_index(self) -> torch.Tensor | None:
@@ -70,9 +96,19 @@ class Route:
     def _index(self, name, runs):
         if runs is None:
             return None
-        if name not in self._device_cache:  # written once per micro-batch, on first use
-            self._device_cache[name] = expand_runs(*runs)
-        return self._device_cache[name]
+        if name not in self._cache:  # written once per micro-batch, on first use
+            self._cache[name] = expand_runs(*runs)
+        return self._cache[name]
+
+    @property
+    def send_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(peer, global_start, length, local source row) in send order."""
+        return [] if self._send is None else self._send.as_list()
+
+    @property
+    def recv_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(peer, global_start, length, local target row) in receive-buffer order."""
+        return [] if self._recv is None else self._recv.as_list()
 
     @property
     def rows_in(self) -> int:
@@ -86,14 +122,12 @@ class Route:
         """(send_index, recv_index) on ``device``; copied host->device once, never read back."""
         device = torch.device(device)
         key = str(device)
-        if key not in self._device_cache:
-            if device.type == "cpu":
-                self._device_cache[key] = (self.send_index, self.recv_index)
-            else:
-                self._device_cache[key] = tuple(
-                    None if t is None else host_to_device(t, device) for t in (self.send_index, self.recv_index)
-                )
-        return self._device_cache[key]
+        if key not in self._cache:
+            host = (self.send_index, self.recv_index)
+            self._cache[key] = host if device.type == "cpu" else tuple(
+                None if t is None else host_to_device(t, device) for t in host
+            )
+        return self._cache[key]
 
     def summary(self) -> str:
         lines = [
@@ -110,76 +144,57 @@ class Route:
         return "\n".join(lines)
 
 
-def _build_route(cu: Sequence[int], cp_size: int, cp_rank: int, source: str, target: str) -> Route:
+def _mine_by_contiguous_rank(cu: torch.Tensor, cp: int, rank: int, t_local: int) -> _Pieces:
+    """This rank's zigzag rows cut at contiguous rank edges, in local (= peer) order."""
+    mine = zigzag_rank_segments(cu, cp, rank)
+    pieces, src = cut_by_blocks(mine, t_local)
+    local = mine.local_offsets()[src] + (pieces.start - mine.start[src])
+    return _Pieces(pieces.owner, pieces.start, pieces.length, local)
+
+
+def _block_by_zigzag_owner(cu: torch.Tensor, cp: int, rank: int, t_local: int) -> tuple[_Pieces, torch.Tensor]:
+    """This rank's contiguous block cut into zigzag parts, in owner-major order, and for each
+    piece (in global order) its position in that owner-major order's concatenation."""
+    lo = rank * t_local
+    parts: Runs = zigzag_parts_in_range(cu, cp, lo, lo + t_local)
+    order = torch.sort(parts.owner, stable=True).indices
+    ordered_len = parts.length[order]
+    pos = torch.empty_like(parts.start)
+    pos[order] = torch.cumsum(ordered_len, 0) - ordered_len
+    pieces = _Pieces(parts.owner[order], parts.start[order], ordered_len, parts.start[order] - lo)
+    return pieces, pos, parts
+
+
+def _build_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
+    """``cu``: validated int64 CPU boundaries."""
     for name, value in (("source", source), ("target", target)):
         if value not in LAYOUTS:
             raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {value!r}")
     _check_rank(cp_size, cp_rank)
-    src_part = partition(source, cu, cp_size)
-    dst_part = partition(target, cu, cp_size)
-    is_identity = source == target or _same_partition(src_part, dst_part)
+    t_global = int(cu[-1])
+    t_local = t_global // cp_size
+    if source == target or cp_size == 1 or t_global == 0:
+        splits = tuple(t_local if p == cp_rank else 0 for p in range(cp_size))
+        return Route(source, target, cp_size, cp_rank, splits, splits, None, None, True)
 
-    # Send side: my source rows cut by the target partition -> (peer, global order).
-    mine_src = rank_segments(source, cu, cp_size, cp_rank)
-    pieces, from_seg = intersect(mine_src, dst_part)
-    local_src = mine_src.local_offsets()[from_seg] + (pieces.start - mine_src.start[from_seg])
-    order = torch.sort(pieces.owner, stable=True).indices
-    send_splits = torch.bincount(pieces.owner, weights=pieces.length.double(), minlength=cp_size).long()
-    send_runs = (local_src[order], pieces.length[order])
-
-    # Receive side: my target rows cut by the source partition. The buffer holds, per
-    # source peer in rank order, that peer's pieces in global order.
-    mine_dst = rank_segments(target, cu, cp_size, cp_rank)
-    rpieces, rfrom = intersect(mine_dst, src_part)
-    local_dst = mine_dst.local_offsets()[rfrom] + (rpieces.start - mine_dst.start[rfrom])
-    rorder = torch.sort(rpieces.owner, stable=True).indices
-    buf_start = torch.empty_like(rpieces.start)
-    ordered_len = rpieces.length[rorder]
-    buf_start[rorder] = torch.cumsum(ordered_len, 0) - ordered_len
-    recv_splits = torch.bincount(rpieces.owner, weights=rpieces.length.double(), minlength=cp_size).long()
-    # Pieces are in global order == target local order, so these runs are the gather for y.
-    recv_runs = (buf_start, rpieces.length)
-
+    zig = _mine_by_contiguous_rank(cu, cp_size, cp_rank, t_local)  # my zigzag rows by contiguous owner
+    block, pos, parts = _block_by_zigzag_owner(cu, cp_size, cp_rank, t_local)  # my block by zigzag owner
+    zig_splits = _splits(zig.peer, zig.length, cp_size)
+    block_splits = _splits(parts.owner, parts.length, cp_size)
+    if source == ZIGZAG:  # send my zigzag rows as they are; gather the block from the owner-major buffer
+        return Route(
+            source, target, cp_size, cp_rank,
+            send_splits=zig_splits, recv_splits=block_splits,
+            send_runs=None, recv_runs=_runs_or_none(pos, parts.length),
+            is_identity=False, _send=zig, _recv=block,
+        )
+    # contiguous -> zigzag: send my block owner-major; receive my zigzag rows in order.
     return Route(
-        source=source,
-        target=target,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        send_splits=tuple(send_splits.tolist()),
-        recv_splits=tuple(recv_splits.tolist()),
-        send_runs=None if _runs_are_arange(*send_runs) else send_runs,
-        recv_runs=None if _runs_are_arange(*recv_runs) else recv_runs,
-        is_identity=is_identity,
-        send_pieces=list(
-            zip(
-                pieces.owner[order].tolist(),
-                pieces.start[order].tolist(),
-                pieces.length[order].tolist(),
-                local_src[order].tolist(),
-            )
-        ),
-        recv_pieces=list(
-            zip(
-                rpieces.owner[rorder].tolist(),
-                rpieces.start[rorder].tolist(),
-                rpieces.length[rorder].tolist(),
-                local_dst[rorder].tolist(),
-            )
-        ),
+        source, target, cp_size, cp_rank,
+        send_splits=block_splits, recv_splits=zig_splits,
+        send_runs=_runs_or_none(block.local, block.length), recv_runs=None,
+        is_identity=False, _send=block, _recv=zig,
     )
-
-
-def _same_partition(a: Segments, b: Segments) -> bool:
-    """Whether two partitions give every rank the same rows (after merging adjacent runs)."""
-
-    def merged(s: Segments) -> tuple[list[int], list[int]]:
-        if len(s) == 0:
-            return [], []
-        boundary = torch.ones(len(s), dtype=torch.bool)
-        boundary[1:] = (s.owner[1:] != s.owner[:-1]) | (s.start[1:] != s.end[:-1])
-        return s.start[boundary].tolist(), s.owner[boundary].tolist()
-
-    return merged(a) == merged(b)
 
 
 def build_thd_route(cu_seqlens, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
@@ -188,7 +203,7 @@ def build_thd_route(cu_seqlens, cp_size: int, cp_rank: int, source: str, target:
     ``cu_seqlens``: the global padded boundaries (1-D int tensor or list), read to the
     host once. Raises ValueError for any boundary that a zigzag split cannot take.
     """
-    cu = validate_cu_seqlens(cu_seqlens, cp_size)
+    cu = validate_cu_seqlens(cu_seqlens, cp_size, as_tensor=True)
     return _build_route(cu, cp_size, cp_rank, source, target)
 
 
@@ -197,7 +212,7 @@ def build_sbhd_route(seq_len: int, batch: int, cp_size: int, cp_rank: int, sourc
     each batch element is one packed sequence of length ``seq_len``."""
     from .boundaries import sbhd_cu_seqlens
 
-    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd boundaries")
+    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd boundaries", as_tensor=True)
     return _build_route(cu, cp_size, cp_rank, source, target)
 
 
@@ -228,10 +243,13 @@ class NaturalOrder:
 
 
 def build_natural_order(cu: Sequence[int], cp_size: int, cp_rank: int) -> NaturalOrder:
+    """``cu``: validated global boundaries (ints or int64 tensor)."""
     _check_rank(cp_size, cp_rank)
-    part = partition("zigzag", cu, cp_size)
-    t_local = cu[-1] // cp_size
-    # Local offset of each piece inside its owner's rows: cumulative per owner.
+    cu_t = cu if isinstance(cu, torch.Tensor) else torch.tensor(list(cu), dtype=_I64)
+    t_global = int(cu_t[-1])
+    t_local = t_global // cp_size
+    part = zigzag_parts_in_range(cu_t, cp_size, 0, t_global)  # every part, global order
+    # Local offset of each part inside its owner's rows: cumulative per owner.
     order = torch.sort(part.owner, stable=True).indices
     local = torch.empty_like(part.start)
     ordered_owner = part.owner[order]

@@ -1,0 +1,297 @@
+"""Small shared helpers for the benchmarks in this folder.
+
+- :func:`machine_info` / :func:`versions`: what a result was measured on;
+- :func:`time_call`: median wall time of a callable (warm-up first, adaptive repeats), with its
+  CPU time and page faults per call; :func:`retain_freed_memory` pins glibc's allocator regime;
+- :func:`write_json`, :func:`format_table`: machine- and human-readable output;
+- :func:`plot_lines`: an optional matplotlib plot (skipped, not failed, without matplotlib);
+- :func:`setup_logging`, :func:`import_gdn_cp`: script plumbing.
+
+Nothing here imports gdn_cp at module level, so a benchmark can set up ``sys.path`` first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+__all__ = [
+    "REPO_ROOT",
+    "RESULTS_DIR",
+    "import_gdn_cp",
+    "setup_logging",
+    "machine_info",
+    "versions",
+    "load_average",
+    "now_iso",
+    "time_call",
+    "retain_freed_memory",
+    "write_json",
+    "format_table",
+    "plot_lines",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+logger = logging.getLogger("benchmarks")
+
+
+def import_gdn_cp():
+    """Import gdn_cp, falling back to this checkout when it is not installed."""
+    try:
+        import gdn_cp  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(REPO_ROOT))
+        import gdn_cp  # noqa: F401
+    return sys.modules["gdn_cp"]
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_info() -> dict:
+    """CPU model, core counts, OS: enough to say what a timing was measured on."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gib = round(int(line.split()[1]) / 2**20, 1)
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "load_average_1_5_15": load_average(),
+    }
+
+
+def versions(extra: dict | None = None) -> dict:
+    out = {"python": platform.python_version()}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+        out["torch_num_threads"] = torch.get_num_threads()
+    except ImportError:
+        out["torch"] = None
+    try:
+        import gdn_cp
+
+        out["gdn_cp"] = getattr(gdn_cp, "__version__", None)
+    except ImportError:
+        out["gdn_cp"] = None
+    if extra:
+        out.update(extra)
+    return out
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def time_call(
+    fn: Callable[[], object],
+    *,
+    budget_s: float = 0.5,
+    min_repeats: int = 5,
+    max_repeats: int = 1000,
+    warmup: int = 2,
+) -> dict:
+    """Median wall time of ``fn()`` in ms (and the median CPU time of the calling thread,
+    ``cpu_median_ms``: on a shared machine, wall >> CPU means the process was descheduled;
+    it equals wall only when all work runs on the calling thread, e.g. one torch thread).
+
+    ``warmup`` untimed calls first; then as many timed calls as fit in ``budget_s``
+    (estimated from the warm-up), clamped to ``[min_repeats, max_repeats]``, so fast cases
+    get many repeats and slow ones at least ``min_repeats``. The garbage collector is off
+    while timing (as in :mod:`timeit`).
+    """
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        fn()
+    per_call = (time.perf_counter() - t0) / max(1, warmup)
+    repeats = int(budget_s / per_call) if per_call > 0 else max_repeats
+    repeats = max(min_repeats, min(max_repeats, repeats))
+    faults0 = _minor_faults()
+    samples = []
+    cpu_samples = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            c = time.thread_time_ns()
+            t = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - t) / 1e6)
+            cpu_samples.append((time.thread_time_ns() - c) / 1e6)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    faults = _minor_faults()
+    return {
+        "median_ms": statistics.median(samples),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "cpu_median_ms": statistics.median(cpu_samples),
+        "repeats": repeats,
+        "minor_faults_per_call": None if faults is None else round((faults - faults0) / repeats, 1),
+    }
+
+
+def _minor_faults() -> int | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except ImportError:
+        return None
+
+
+def retain_freed_memory() -> bool:
+    """Make glibc malloc keep freed memory in the heap (no per-call mmap/munmap, no heap trim).
+
+    Large temporaries (a per-token builder at T=1M allocates ~13 tensors of 8 MB per call) are
+    otherwise served by fresh mmaps or a re-grown heap whenever the allocator's history says so,
+    and then every call page-faults its whole working set again: measured here, the same call
+    took ~25 ms or ~70 ms depending only on the process's earlier allocations. Retaining freed
+    memory pins the cheap regime, which is also what a caching device allocator gives. Returns
+    False where this is not glibc.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1
+        ok &= libc.mallopt(m_mmap_threshold, 32 << 20) == 1  # glibc's largest allowed value
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False
+
+
+def write_json(path, obj) -> Path:
+    """Write ``obj`` as indented JSON (creating folders; atomic replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        if v >= 100:
+            return f"{v:.0f}"
+        if v >= 10:
+            return f"{v:.1f}"
+        if v >= 1:
+            return f"{v:.2f}"
+        return f"{v:.3f}"
+    return str(v)
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence], markdown: bool = False) -> str:
+    """Right-aligned text table (or a Markdown table with ``markdown=True``)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    if markdown:
+        lines = ["| " + " | ".join(h for h in headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in cells]
+        return "\n".join(lines)
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    lines = [fmt.format(*headers), "  ".join("-" * w for w in widths)]
+    lines += [fmt.format(*r) for r in cells]
+    return "\n".join(lines)
+
+
+def plot_lines(
+    path,
+    x: Sequence[float],
+    series: dict[str, Sequence[float]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = True,
+    logy: bool = True,
+    xticklabels: Sequence[str] | None = None,
+) -> bool:
+    """Line plot of ``series`` (label -> y values over ``x``) to ``path``.
+    Returns False (and logs why) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib not installed: no plot written (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, ys in series.items():
+        ax.plot(x, ys, marker="o", label=label)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    if xticklabels is not None:
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(list(xticklabels))
+        ax.minorticks_off()
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The GPU suite in one command, for a CUDA machine with no network (the device machine):
+#
+#   bash benchmarks/gpu_suite.sh [pytest args...]        # default: -x -q
+#
+# 1. installs the carried wheels (.whl/*.whl: fla-core, flash-linear-attention) into /tmp/site;
+# 2. restores the Triton cache (compiled kernels + FLA autotune results, FLA_CACHE_RESULTS=1) from
+#    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
+# 3. runs `pytest tests/gpu -m gpu` (results as JSON lines in $OUT/gpu_results.jsonl, log in
+#    $OUT/pytest.log) under a time limit, so that step 4 always runs;
+# 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if
+#    the whole cache would not fit), to be carried back as .triton_cache/ next time.
+#
+# Env: OUT (default /tmp/gdn_cp_gpu_out), GDN_CP_SUITE_TIMEOUT (pytest seconds, default 420),
+#      GDN_CP_CACHE_MAX_MB (largest cache tarball kept, default 56),
+#      GDN_CP_TEST_FAST_AUTOTUNE=1 (test-only: first working Triton config per kernel instead of a
+#      full autotune; a cold FLA 0.4.2 autotune costs ~1 min per conv dtype and ~3 min per GDN
+#      dtype on an H200, see docs/gpu-results.md).
+# On the device machine: carry [".whl", ".triton_cache"] and run
+#   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-/tmp/gdn_cp_gpu_out}
+mkdir -p "$OUT"
+T0=$(date +%s)
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+else
+  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+export TRITON_CACHE_DIR=$ROOT/.triton_cache/live
+export FLA_CACHE_RESULTS=1 PYTHONUNBUFFERED=1
+export GDN_CP_GPU_RESULTS=$OUT/gpu_results.jsonl
+mkdir -p "$TRITON_CACHE_DIR"
+if ls .triton_cache/cache.tar.gz.part* >/dev/null 2>&1; then
+  cat .triton_cache/cache.tar.gz.part* | tar -xzf - -C "$TRITON_CACHE_DIR" \
+    && echo "triton cache restored: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
+fi
+
+{
+  echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  python3 - <<'EOF'
+import importlib.metadata as m, platform, torch
+def v(d):
+    try: return m.version(d)
+    except Exception: return None
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| triton", v("triton"), "| fla-core", v("fla-core"), "| gpus", torch.cuda.device_count(),
+      "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
+EOF
+} 2>&1 | tee "$OUT/machine.txt"
+
+ARGS=("$@")
+[ ${#ARGS[@]} -eq 0 ] && ARGS=(-x -q)
+T1=$(date +%s)
+timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" \
+  python3 -m pytest tests/gpu -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}" 2>&1 | tee "$OUT/pytest.log"
+RC=${PIPESTATUS[0]}
+echo "pytest rc=$RC in $(( $(date +%s) - T1 ))s"
+
+# save the Triton cache (split for the 16 MiB-per-file limit on what comes back)
+rm -f "$OUT"/cache.tar.gz.part*
+MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
+tar -czf /tmp/triton_cache.tar.gz -C "$TRITON_CACHE_DIR" . 2>/dev/null
+SIZE=$(stat -c %s /tmp/triton_cache.tar.gz)
+if [ "$SIZE" -gt "$MAX" ]; then
+  echo "triton cache is $((SIZE / 1048576)) MiB compressed: keeping autotune results only"
+  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf /tmp/triton_cache.tar.gz --null -T -)
+  SIZE=$(stat -c %s /tmp/triton_cache.tar.gz)
+fi
+split -b 15m -d /tmp/triton_cache.tar.gz "$OUT/cache.tar.gz.part"
+echo "triton cache saved: $((SIZE / 1024)) KiB in $(ls "$OUT"/cache.tar.gz.part* | wc -l) part(s); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
+echo "suite total $(( $(date +%s) - T0 ))s"
+exit "$RC"

@@ -1,0 +1,333 @@
+"""``gdn-cp selftest``: the FLA backend against the reference backend on the user's own stack.
+
+Small shapes, one process, outputs and gradients, failing loudly with the errors reached. It is
+the check that catches a kernel stack that computes the wrong thing, e.g. FLA >= 0.5's GDN
+backward on Hopper with Triton < 3.7.1 (FLA issue #640): FLA either refuses (an error is
+reported) or the gradients disagree with the reference (a failed tolerance is reported).
+
+``run_selftest(gpu=False)`` checks the reference backend in fp32 against itself in fp64 (the
+CPU path); ``run_selftest(gpu=True)`` checks FLA's kernels (fp32 and bf16) against the reference
+in fp64, and needs CUDA and flash-linear-attention.
+
+The case builders and error metrics here are shared with ``tests/gpu``.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "CaseResult",
+    "SelftestReport",
+    "TOLERANCES",
+    "conv_case",
+    "gdn_case",
+    "max_rel",
+    "rel_l2",
+    "run_selftest",
+    "stack_versions",
+]
+
+# Relative L2 error (||a - b|| / ||b||) allowed against the fp64 reference, per compute dtype.
+# FLA's fp32 path uses TF32 dots (~1.5e-3 seen at head dim 64); bf16 rounds inputs and outputs.
+TOLERANCES = {"float32": 5e-3, "bfloat16": 1e-2}
+
+# The small case: packed THD with an empty segment and a segment starting at row 0 fed by a halo.
+SELFTEST_CU = [0, 37, 37, 130, 301]
+SELFTEST_DIMS = dict(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, conv_kernel_size=4)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    return num / den if den > 0 else num
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    den = b.abs().max().item() if b.numel() else 0.0
+    num = (a - b).abs().max().item() if a.numel() else 0.0
+    return num / den if den > 0 else num
+
+
+def _ver(mod: str, dist: str | None = None) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist or mod)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def stack_versions() -> dict[str, Any]:
+    """Versions that decide whether FLA's kernels are right: torch, CUDA, Triton, FLA, the GPU."""
+    from gdn_cp.ops.fla import fla_version
+
+    v: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _ver("triton"),
+        "fla": fla_version(),
+        "gpu": None,
+        "capability": None,
+    }
+    if torch.cuda.is_available():
+        v["gpu"] = torch.cuda.get_device_name(0)
+        v["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    return v
+
+
+def _vtuple(s: str | None) -> tuple[int, ...]:
+    out = []
+    for part in (s or "").split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def known_hazards(versions: dict[str, Any]) -> list[str]:
+    notes = []
+    fla, triton = _vtuple(versions.get("fla")), _vtuple(versions.get("triton"))
+    cap = versions.get("capability") or ""
+    if fla and fla >= (0, 5) and triton and (3, 4) <= triton < (3, 7, 1) and cap.startswith("9."):
+        notes.append(
+            f"FLA {versions['fla']} with Triton {versions['triton']} on Hopper (sm_{cap.replace('.', '')}): "
+            "FLA refuses or miscomputes the GDN backward here (FLA issue #640). Fix: Triton >= 3.7.1, "
+            "tilelang, or FLA 0.4.2."
+        )
+    return notes
+
+
+@dataclass
+class CaseResult:
+    name: str
+    ok: bool
+    tolerance: float | None = None
+    errors: dict[str, float] = field(default_factory=dict)  # rel L2 per tensor
+    max_errors: dict[str, float] = field(default_factory=dict)  # max-abs / max-ref per tensor
+    seconds: float = 0.0
+    error: str | None = None
+
+    def line(self) -> str:
+        status = "PASS" if self.ok else "FAIL"
+        if self.error is not None:
+            return f"{status} {self.name}: {self.error.strip().splitlines()[-1]}"
+        worst = max(self.errors.items(), key=lambda kv: kv[1]) if self.errors else ("-", 0.0)
+        return (f"{status} {self.name}: worst rel-L2 {worst[1]:.2e} ({worst[0]}), tolerance "
+                f"{self.tolerance:.0e} ({self.seconds:.1f}s)")
+
+
+@dataclass
+class SelftestReport:
+    ok: bool
+    gpu: bool
+    versions: dict[str, Any]
+    cases: list[CaseResult]
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"gdn-cp selftest ({'gpu: FLA vs reference' if self.gpu else 'cpu: reference fp32 vs fp64'}): "
+                 f"{'OK' if self.ok else 'FAILED'}"]
+        lines.append("  versions: " + ", ".join(f"{k}={v}" for k, v in self.versions.items()))
+        for c in self.cases:
+            lines.append("  " + c.line())
+            if c.errors and not c.ok:
+                for k, e in sorted(c.errors.items()):
+                    flag = "" if c.tolerance is None or e <= c.tolerance else "  <-- over tolerance"
+                    lines.append(f"      {k}: rel-L2 {e:.3e}, max-rel {c.max_errors.get(k, float('nan')):.3e}{flag}")
+        for n in self.notes:
+            lines.append("  note: " + n)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok, "gpu": self.gpu, "versions": self.versions, "notes": self.notes,
+            "cases": [c.__dict__ for c in self.cases],
+        }
+
+    def raise_if_failed(self) -> "SelftestReport":
+        if not self.ok:
+            raise RuntimeError(str(self))
+        return self
+
+
+# --------------------------------------------------------------------------------------------
+# cases: each returns {name: (candidate, reference)} for outputs and gradients
+# --------------------------------------------------------------------------------------------
+
+def _leaf(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype).detach().requires_grad_(True)
+
+
+def conv_case(backend, reference, *, dtype: torch.dtype, device, seed: int = 0,
+              cu: list[int] | None = None, channels: int | None = None, conv_kernel_size: int = 4,
+              ref_device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """causal_conv1d with a halo and an empty segment; candidate in ``dtype`` vs reference in fp64."""
+    cu = list(cu or SELFTEST_CU)
+    d = SELFTEST_DIMS
+    C = channels or (2 * d["num_k_heads"] * d["head_k_dim"] + d["num_v_heads"] * d["head_v_dim"])
+    W, T = conv_kernel_size, cu[-1]
+    gen = torch.Generator().manual_seed(seed)
+    master = {
+        "x": torch.randn(T, C, generator=gen, dtype=torch.float64),
+        "weight": torch.randn(C, W, generator=gen, dtype=torch.float64) * 0.5,
+        "bias": torch.randn(C, generator=gen, dtype=torch.float64) * 0.1,
+        "halo": torch.randn(W - 1, C, generator=gen, dtype=torch.float64),
+    }
+    dy = torch.randn(T, C, generator=gen, dtype=torch.float64)
+    # round the inputs to the candidate dtype first, so that only the kernel's error is measured
+    master = {k: v.to(dtype).to(torch.float64) for k, v in master.items()}
+    ref_device = ref_device or device
+
+    cand = {k: _leaf(v, dtype, device) for k, v in master.items()}
+    y = backend.causal_conv1d(cand["x"], cand["weight"], cand["bias"], cu_seqlens=cu, halo=cand["halo"],
+                              activation="silu")
+    (y.double() * dy.to(device)).sum().backward()
+
+    ref = {k: _leaf(v, torch.float64, ref_device) for k, v in master.items()}
+    y_ref = reference.causal_conv1d(ref["x"], ref["weight"], ref["bias"], cu_seqlens=cu, halo=ref["halo"],
+                                    activation="silu")
+    (y_ref * dy.to(ref_device)).sum().backward()
+
+    out = {"y": (y, y_ref)}
+    for k in master:
+        out[f"d{k}"] = (cand[k].grad, ref[k].grad)
+    return out
+
+
+def gdn_case(backend, reference, *, dtype: torch.dtype, device, seed: int = 0,
+             cu: list[int] | None = None, dims: dict | None = None, initial_state: bool = True,
+             ref_device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """chunk_gated_delta_rule with grouped heads, an empty segment, initial and final states."""
+    cu = list(cu or SELFTEST_CU)
+    d = dict(SELFTEST_DIMS, **(dims or {}))
+    Hk, Hv, Dk, Dv = d["num_k_heads"], d["num_v_heads"], d["head_k_dim"], d["head_v_dim"]
+    T, N = cu[-1], len(cu) - 1
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    master = {
+        "q": torch.randn(T, Hk, Dk, generator=gen, dtype=f64),
+        "k": torch.randn(T, Hk, Dk, generator=gen, dtype=f64),
+        "v": torch.randn(T, Hv, Dv, generator=gen, dtype=f64),
+        "g": F.logsigmoid(torch.randn(T, Hv, generator=gen, dtype=f64) + 3.0),
+        "beta": torch.sigmoid(torch.randn(T, Hv, generator=gen, dtype=f64)),
+    }
+    if initial_state:
+        master["h0"] = torch.randn(N, Hv, Dk, Dv, generator=gen, dtype=f64) * 0.1
+    do = torch.randn(T, Hv, Dv, generator=gen, dtype=f64)
+    dfs = torch.randn(N, Hv, Dk, Dv, generator=gen, dtype=f64)
+    cdtype = {"q": dtype, "k": dtype, "v": dtype, "beta": dtype, "g": torch.float32, "h0": torch.float32}
+    master = {k: v.to(cdtype[k]).to(f64) for k, v in master.items()}
+    ref_device = ref_device or device
+
+    def run(mod, tensors, dev):
+        o, fs = mod.chunk_gated_delta_rule(
+            tensors["q"], tensors["k"], tensors["v"], tensors["g"], tensors["beta"], cu_seqlens=cu,
+            initial_state=tensors.get("h0"), output_final_state=True, use_qk_l2norm=True)
+        ((o.double() * do.to(dev)).sum() + (fs.double() * dfs.to(dev)).sum()).backward()
+        return o, fs
+
+    cand = {k: _leaf(v, cdtype[k], device) for k, v in master.items()}
+    o, fs = run(backend, cand, device)
+    ref = {k: _leaf(v, f64, ref_device) for k, v in master.items()}
+    o_ref, fs_ref = run(reference, ref, ref_device)
+    out = {"o": (o, o_ref), "final_state": (fs, fs_ref)}
+    for k in master:
+        out[f"d{k}"] = (cand[k].grad, ref[k].grad)
+    return out
+
+
+def compare(name: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], tolerance: float,
+            seconds: float = 0.0) -> CaseResult:
+    errors, max_errors = {}, {}
+    missing = []
+    for k, (a, b) in pairs.items():
+        if a is None or b is None:
+            missing.append(k)
+            continue
+        errors[k] = rel_l2(a, b)
+        max_errors[k] = max_rel(a, b)
+    ok = not missing and all(e <= tolerance for e in errors.values())
+    err = f"no gradient reached {missing}" if missing else None
+    return CaseResult(name=name, ok=ok, tolerance=tolerance, errors=errors, max_errors=max_errors,
+                      seconds=seconds, error=err)
+
+
+def _run_case(name: str, fn: Callable[[], dict], tolerance: float) -> CaseResult:
+    t0 = time.perf_counter()
+    try:
+        pairs = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - the selftest reports every failure
+        return CaseResult(name=name, ok=False, tolerance=tolerance, seconds=time.perf_counter() - t0,
+                          error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+    return compare(name, pairs, tolerance, time.perf_counter() - t0)
+
+
+def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
+    """Run the backend checks; returns a report (``report.ok``; ``str(report)`` says what failed)."""
+    from gdn_cp.ops import reference
+
+    versions = stack_versions()
+    cases: list[CaseResult] = []
+    notes = known_hazards(versions) if gpu else []
+
+    if not gpu:
+        for name, fn in (("conv", conv_case), ("gdn", gdn_case)):
+            cases.append(_run_case(
+                f"reference/{name}/float32/cpu",
+                lambda fn=fn: fn(reference, reference, dtype=torch.float32, device="cpu", seed=seed),
+                TOLERANCES["float32"]))
+        return SelftestReport(ok=all(c.ok for c in cases), gpu=False, versions=versions, cases=cases,
+                              notes=notes)
+
+    from gdn_cp.ops import fla as fla_backend
+
+    if not torch.cuda.is_available():
+        cases.append(CaseResult(name="fla/cuda", ok=False, error="CUDA is not available to torch "
+                                f"{torch.__version__}; the FLA backend needs a CUDA GPU"))
+    elif not fla_backend.fla_available():
+        from gdn_cp.ops.fla.backend import _fla_import_error
+        cases.append(CaseResult(name="fla/import", ok=False, error=str(_fla_import_error())))
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        for dtype in (torch.float32, torch.bfloat16):
+            dname = str(dtype).replace("torch.", "")
+            for name, fn in (("conv", conv_case), ("gdn", gdn_case)):
+                cases.append(_run_case(
+                    f"fla/{name}/{dname}",
+                    lambda fn=fn, dtype=dtype: fn(fla_backend, reference, dtype=dtype, device=dev, seed=seed),
+                    TOLERANCES[dname]))
+        if not fla_backend.has_cp_context():
+            notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
+                         "the FLA backend")
+    return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes)
+
+
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - thin wrapper for the CLI
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="gdn-cp selftest")
+    p.add_argument("--gpu", action="store_true", help="check the FLA backend on CUDA")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    rep = run_selftest(gpu=a.gpu)
+    print(json.dumps(rep.to_dict(), indent=2, default=str) if a.json else rep)
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

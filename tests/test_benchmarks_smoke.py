@@ -1,0 +1,95 @@
+"""Smoke test of benchmarks/route_build.py: a --quick run writes the expected JSON and the
+per-token builder (megatron-core's own when installed, else the benchmark's copy) agrees with
+gdn-cp's routes on every config. No timing assertions: CI machines are shared and noisy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "route_build.py"
+
+RESULT_KEYS = {
+    "T_global",
+    "num_sequences",
+    "cp",
+    "rank",
+    "T_local",
+    "agree",
+    "checks",
+    "plan_ms",
+    "plan_index_ms",
+    "per_token_ms",
+    "full_perm_ms",
+    "speedup",
+    "speedup_plan_only",
+    "passes",
+}
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "route_build.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--no-plot", "--budget", "0.005", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"route_build.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "ours plan ms" in proc.stdout  # the table was printed
+    return json.loads(out.read_text())
+
+
+def test_help_runs():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "--quick" in proc.stdout and "--out" in proc.stdout
+
+
+def test_report_keys(quick_report):
+    for key in ("benchmark", "date", "machine", "versions", "settings", "methods", "results", "all_agree", "target"):
+        assert key in quick_report, key
+    assert quick_report["benchmark"] == "route_build"
+    assert quick_report["machine"]["cpu_model"]
+    assert quick_report["machine"]["logical_cores"] >= 1
+    assert quick_report["versions"]["torch"] == torch.__version__
+    assert quick_report["settings"]["per_rank"] is True
+    assert quick_report["methods"]["per_token"]["impl"] in ("megatron-core", "benchmark copy")
+    assert quick_report["results"], "no configs were run"
+    for row in quick_report["results"]:
+        assert RESULT_KEYS <= set(row), RESULT_KEYS - set(row)
+        for m in ("plan", "plan_index", "per_token", "full_perm"):
+            assert row[f"{m}_ms"] > 0
+
+
+def test_per_token_agrees_with_routes(quick_report):
+    assert quick_report["all_agree"] is True
+    for row in quick_report["results"]:
+        assert row["agree"] is True, row
+        assert row["checks"]["route_matches_per_token"] is True
+        assert row["checks"]["natural_order_equals_per_token"] is True
+
+
+def test_benchmark_copy_matches_megatron():
+    """The benchmark's per-token copy is the function megatron-core ships (when installed)."""
+    common = pytest.importorskip("megatron.core.ssm.gated_delta_net.common")
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import route_build
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    from gdn_cp.demo import packed_boundaries
+
+    for nseq, t_global, cp in ((1, 4096, 2), (37, 8192, 4), (64, 16384, 8)):
+        cu = torch.tensor(packed_boundaries(nseq, t_global, cp, seed=3), dtype=torch.int32)
+        ours = route_build.per_token_perm(cu, cp, t_global)
+        theirs = common._build_thd_cp_a2a_perm(cu, cp, t_global)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
