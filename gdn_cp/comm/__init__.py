@@ -1,5 +1,23 @@
 """Collectives: the only layer that calls torch.distributed. Groups are always explicit."""
 
-from .collectives import all_gather_rows, group_rank, group_size, head_to_seq, route_all_to_all, seq_to_head
+from .collectives import (
+    all_gather_rows,
+    comm_stats,
+    group_rank,
+    group_size,
+    head_to_seq,
+    reset_comm_stats,
+    route_all_to_all,
+    seq_to_head,
+)
 
-__all__ = ["all_gather_rows", "group_rank", "group_size", "head_to_seq", "route_all_to_all", "seq_to_head"]
+__all__ = [
+    "all_gather_rows",
+    "comm_stats",
+    "group_rank",
+    "group_size",
+    "head_to_seq",
+    "reset_comm_stats",
+    "route_all_to_all",
+    "seq_to_head",
+]

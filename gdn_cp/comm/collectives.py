@@ -13,6 +13,8 @@ import torch.distributed as dist
 from ..layout.route import Route
 
 __all__ = [
+    "comm_stats",
+    "reset_comm_stats",
     "group_size",
     "group_rank",
     "route_all_to_all",
@@ -24,6 +26,24 @@ __all__ = [
 # torch >= 2.13 names them *_single; older releases only have *_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_STATS: dict[str, int] = {}
+
+
+def _count(op: str, sent: torch.Tensor) -> None:
+    """Bytes this rank sends, per op (host-side sizes only: no device work, no sync)."""
+    _STATS[op] = _STATS.get(op, 0) + sent.numel() * sent.element_size()
+    _STATS[op + ":calls"] = _STATS.get(op + ":calls", 0) + 1
+
+
+def comm_stats() -> dict[str, int]:
+    """Bytes sent and calls per collective since the last reset, for benchmarks."""
+    return dict(_STATS)
+
+
+def reset_comm_stats() -> None:
+    _STATS.clear()
 
 
 def group_size(group) -> int:
@@ -46,6 +66,7 @@ def _apply_route(x: torch.Tensor, route: Route, group) -> torch.Tensor:
     send_idx, recv_idx = route.indices_on(x.device)
     send = _flat(x if send_idx is None else x.index_select(0, send_idx))
     recv = send.new_empty((route.rows_out, send.shape[1]))
+    _count("route_all_to_all", send)
     dist.all_to_all_single(
         recv, send, output_split_sizes=list(route.recv_splits), input_split_sizes=list(route.send_splits), group=group
     )
@@ -91,6 +112,7 @@ def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     # [T_local, world, *rest] -> [world, T_local, *rest]: block p goes to rank p.
     send = x.transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
+    _count("seq_head_all_to_all", send)
     dist.all_to_all_single(recv.view(world, -1), send.view(world, -1), group=group)
     # Block q = rank q's rows of my head group: the rank-major buffer.
     return recv.view(world * t_local, *rest)
@@ -102,6 +124,7 @@ def _head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     rest = y.shape[1:]
     send = y.contiguous().view(world, t_local, *rest)
     recv = torch.empty_like(send)
+    _count("seq_head_all_to_all", send)
     dist.all_to_all_single(recv.view(world, -1), send.view(world, -1), group=group)
     return recv.transpose(0, 1).contiguous()  # [T_local, world, *rest]
 
@@ -155,6 +178,7 @@ class _AllGatherRows(torch.autograd.Function):
         world = group_size(group)
         flat = _flat(x)
         out = flat.new_empty((world * flat.shape[0], flat.shape[1]))
+        _count("all_gather", flat)
         _all_gather_flat(out, flat, group=group)
         return out.view(world * x.shape[0], *x.shape[1:])
 
@@ -163,6 +187,7 @@ class _AllGatherRows(torch.autograd.Function):
         world = group_size(ctx.group)
         flat = _flat(grad)
         out = flat.new_empty((flat.shape[0] // world, flat.shape[1]))
+        _count("reduce_scatter", flat)
         _reduce_scatter_flat(out, flat, group=ctx.group)
         return out.view(grad.shape[0] // world, *grad.shape[1:]), None
 

@@ -80,3 +80,19 @@ def test_route_rejects_wrong_rows_before_communicating():
         route_all_to_all(torch.zeros(5, 2), route, plan.route(CONTIGUOUS, ZIGZAG), group=None)
     with pytest.raises(ValueError, match="inverse route"):
         route_all_to_all(torch.zeros(12, 2), route, route, group=None)
+
+
+def _stats_case(rank, world):
+    from gdn_cp.comm import comm_stats, reset_comm_stats
+
+    plan = RouteCache().plan(torch.tensor(packings(world)["straddling"]), world, rank)
+    z2c, c2z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+    reset_comm_stats()
+    x = torch.zeros(plan.t_local, 5, dtype=torch.float32)
+    route_all_to_all(x, z2c, c2z, dist.group.WORLD)
+    return comm_stats(), plan.t_local
+
+
+def test_comm_stats_count_bytes_sent(gloo_pool):
+    for stats, t_local in gloo_pool(2).run(_stats_case):
+        assert stats["route_all_to_all"] == t_local * 5 * 4 and stats["route_all_to_all:calls"] == 1
