@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 ROUTE_CACHE_ATTR = "_gdn_cp_route_cache"  # RouteCache stored on each micro-batch's PackedSeqParams
 _SBHD_PLANS_ATTR = "_gdn_cp_sbhd_plans"
+_VALIDATED_ATTR = "_gdn_cp_validated_modes"  # (mode, tp, cp) already checked on this module
 
 
 def _is_thd(packed_seq_params) -> bool:
@@ -65,10 +66,52 @@ def resolve_cp_group(module, packed_seq_params):
 
 
 def should_dispatch(module, packed_seq_params) -> bool:
-    """True when gdn-cp handles the call: CP > 1 (static or dynamic) or packed THD input."""
+    """True when gdn-cp handles the call: CP > 1 (static or dynamic) or packed THD input.
+
+    A static CP group of more than one rank always dispatches, even when this micro-batch's
+    dynamic group has a single rank: the stock code below the hand-over would use the static
+    group (``self.cp_size``, ``pg_collection.cp``); gdn-cp runs such a micro-batch without CP.
+    """
     if _is_thd(packed_seq_params):
         return True
+    if module.pg_collection.cp.size() > 1:
+        return True
     return resolve_cp_group(module, packed_seq_params).size() > 1
+
+
+def _checked_mode(module, cp: int) -> str:
+    """``config.linear_cp_mode`` validated for this module's heads, TP and the CP size of the call.
+
+    Hybrid models never run TransformerConfig's gated_delta_net checks, and a dynamic CP group
+    can differ from the static one, so the forward checks (before any collective). A legal
+    (mode, tp, cp) is remembered per module: later calls cost one set lookup.
+    """
+    mode = getattr(module.config, "linear_cp_mode", "headwise")
+    done = module.__dict__.setdefault(_VALIDATED_ATTR, set())
+    key = (mode, module.tp_size, cp) if isinstance(mode, str) else None
+    if key is not None and key in done:
+        return mode
+    from types import SimpleNamespace
+
+    from .config import validate_linear_cp_mode
+
+    try:
+        validate_linear_cp_mode(
+            SimpleNamespace(
+                linear_cp_mode=mode,
+                linear_num_key_heads=module.num_key_heads,
+                linear_num_value_heads=module.num_value_heads,
+                tensor_model_parallel_size=module.tp_size,
+                context_parallel_size=cp,
+            )
+        )
+    except ValueError as e:
+        raise ValueError(
+            f"GatedDeltaNet (layer {getattr(module, 'layer_number', None)}), CP group of this call "
+            f"has {cp} ranks: {e}"
+        ) from None
+    done.add(key)
+    return mode
 
 
 def choose_backend(module, device: torch.device):
@@ -139,10 +182,10 @@ def gated_delta_net_forward(
     """Replacement for ``GatedDeltaNet.forward`` under gdn-cp; returns ``(out, out_bias)``."""
     if inference_context is not None or kwargs.get("inference_params") is not None:
         raise NotImplementedError("GDN does not support inference in megatron-core 0.19.2 (nor in gdn-cp)")
-    mode = getattr(module.config, "linear_cp_mode", "headwise")
     thd = _is_thd(packed_seq_params)
     group = resolve_cp_group(module, packed_seq_params)
     cp = group.size()
+    mode = _checked_mode(module, cp)
     shape = _core_shape(module)
 
     # Everything that can be checked is checked before the first collective (in_proj may

@@ -11,7 +11,7 @@ import torch
 
 from ..comm import all_gather_rows
 from ..layout.plan import CPPlan
-from .common import GDNShape, local_core
+from .common import GDNShape, local_core, stack_gates, unstack_gates
 
 __all__ = ["all_gather_core"]
 
@@ -19,11 +19,12 @@ __all__ = ["all_gather_core"]
 def all_gather_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
     to_natural, _, own_rows = plan.natural_order().on(qkv.device)
     qkv_full = all_gather_rows(qkv, group).index_select(0, to_natural)
-    gates = all_gather_rows(torch.stack([g, beta.to(g.dtype)], dim=-1), group).index_select(0, to_natural)
+    gates = all_gather_rows(stack_gates(g, beta), group).index_select(0, to_natural)
+    g_full, beta_full = unstack_gates(gates, g.dtype, beta.dtype)
     o = local_core(
         qkv_full,
-        gates[..., 0],
-        gates[..., 1].to(beta.dtype),
+        g_full,
+        beta_full,
         conv_weight,
         conv_bias,
         shape=shape,

@@ -16,7 +16,7 @@ from ..comm import all_gather_rows, route_all_to_all
 from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
-from .common import GDNShape, local_core, split_qkv
+from .common import GDNShape, split_qkv, stack_gates, unstack_gates
 
 __all__ = ["chunkwise_core", "contiguous_core", "gather_halo", "initial_state_from_summaries"]
 
@@ -98,9 +98,10 @@ def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, pla
     """zigzag rows in and out; the routes wrap :func:`contiguous_core`."""
     to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
     qkv_c = route_all_to_all(qkv, to_c, to_z, group)
-    gates_c = route_all_to_all(torch.stack([g, beta.to(g.dtype)], dim=-1), to_c, to_z, group)
+    gates_c = route_all_to_all(stack_gates(g, beta), to_c, to_z, group)
+    g_c, beta_c = unstack_gates(gates_c, g.dtype, beta.dtype)
     o_c = contiguous_core(
-        qkv_c, gates_c[..., 0], gates_c[..., 1].to(beta.dtype), conv_weight, conv_bias,
+        qkv_c, g_c, beta_c, conv_weight, conv_bias,
         shape=shape, plan=plan, group=group, backend=backend,
     )
     return route_all_to_all(o_c, to_z, to_c, group)
@@ -109,10 +110,13 @@ def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, pla
 def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
     """The chunkwise core on rows already in the contiguous layout; returns contiguous rows.
 
-    Used directly when the layout swap happens outside the core (on hidden_states).
+    Used directly when the layout swap happens outside the core (on hidden_states). A
+    backend with a native context-parallel kernel for this group (FLA's cp_context on NCCL)
+    runs it; otherwise halos and state summaries go through gdn_cp.comm and the backend's
+    kernels run per rank (same results; the reference backend, or FLA on gloo groups).
     """
     native = getattr(backend, "chunkwise_core", None)
-    if native is not None:
+    if native is not None and backend.native_cp_available(group):
         return native(
             qkv_c, g_c, beta_c, conv_weight, conv_bias,
             num_k_heads=shape.num_k_heads, num_v_heads=shape.num_v_heads,

@@ -14,7 +14,7 @@ import torch
 
 from ..layout.plan import CPPlan
 
-__all__ = ["GDNShape", "check_inputs", "local_core", "split_qkv"]
+__all__ = ["GDNShape", "check_inputs", "local_core", "split_qkv", "stack_gates", "unstack_gates"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,18 @@ def check_inputs(qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, plan: CP
         raise ValueError(f"conv_bias has shape {tuple(conv_bias.shape)}, expected ({shape.conv_dim},)")
     if g.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"g (log decay) must be float32 or float64, got {g.dtype}")
+
+
+def stack_gates(g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """``g, beta [T, Hv]`` -> ``[T, Hv, 2]`` in the wider of the two dtypes (one collective
+    moves both, and neither loses precision)."""
+    dtype = torch.promote_types(g.dtype, beta.dtype)
+    return torch.stack([g.to(dtype), beta.to(dtype)], dim=-1)
+
+
+def unstack_gates(gates: torch.Tensor, g_dtype: torch.dtype, beta_dtype: torch.dtype):
+    """Inverse of :func:`stack_gates`: back to the callers' dtypes."""
+    return gates[..., 0].to(g_dtype), gates[..., 1].to(beta_dtype)
 
 
 def split_qkv(x: torch.Tensor, shape: GDNShape, k_heads: int, v_heads: int):

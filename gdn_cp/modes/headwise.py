@@ -11,7 +11,7 @@ import torch
 
 from ..comm import head_to_seq, seq_to_head
 from ..layout.plan import CPPlan
-from .common import GDNShape, local_core
+from .common import GDNShape, local_core, stack_gates, unstack_gates
 
 __all__ = ["check_headwise", "headwise_core"]
 
@@ -53,15 +53,16 @@ def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan
     channels = plan.cached_on(("headwise_channels", shape), qkv.device, lambda: _channel_index(shape, cp, rank))
 
     qkv_h = seq_to_head(_group_by_rank(qkv, shape, cp), group).index_select(0, to_natural)
-    gates = torch.stack([g, beta.to(g.dtype)], dim=-1).reshape(t_local, cp, v_heads * 2)
+    gates = stack_gates(g, beta).reshape(t_local, cp, v_heads * 2)
     gates_h = seq_to_head(gates, group).index_select(0, to_natural).reshape(-1, v_heads, 2)
 
     weight = conv_weight.index_select(0, channels)
     bias = None if conv_bias is None else conv_bias.index_select(0, channels)
+    g_h, beta_h = unstack_gates(gates_h, g.dtype, beta.dtype)
     o = local_core(
         qkv_h,
-        gates_h[..., 0],
-        gates_h[..., 1].to(beta.dtype),
+        g_h,
+        beta_h,
         weight,
         bias,
         shape=shape,

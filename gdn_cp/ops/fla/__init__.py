@@ -15,6 +15,7 @@ from .backend import (
     fla_version,
     has_cp_context,
     has_zigzag_layout,
+    native_cp_available,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "fla_version",
     "has_cp_context",
     "has_zigzag_layout",
+    "native_cp_available",
 ]

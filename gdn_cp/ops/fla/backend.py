@@ -132,6 +132,18 @@ def has_cp_context() -> bool:
             and "cp_context" in _params(api["causal_conv1d"]))
 
 
+def native_cp_available(group) -> bool:
+    """Whether :func:`chunkwise_core` (FLA's cp_context) can run on ``group``.
+
+    FLA's context exchanges halos and states with ``all_gather_into_tensor`` into a
+    ``[world, n, ...]`` output, which NCCL takes and gloo rejects; on a gloo group (several
+    ranks on one GPU) the chunkwise mode exchanges them itself and runs FLA's kernels per rank.
+    """
+    if group is None or not has_cp_context():
+        return False
+    return torch.distributed.get_backend(group) == "nccl"
+
+
 def has_zigzag_layout() -> bool:
     """True when ``build_cp_context`` takes ``layout=`` (FLA >= 0.6: layout="zigzag")."""
     return has_cp_context() and "layout" in _params(_fla_api()["build_cp_context"])
