@@ -6,8 +6,10 @@
 # 1. installs the carried wheels (.whl/*.whl: fla-core, flash-linear-attention) into /tmp/site;
 # 2. restores the Triton cache (compiled kernels + FLA autotune results, FLA_CACHE_RESULTS=1) from
 #    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
-# 3. runs `pytest tests/gpu -m gpu` (results as JSON lines in $OUT/gpu_results.jsonl, log in
-#    $OUT/pytest.log) under a time limit, so that step 4 always runs;
+# 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
+#    parity; "syncs": benchmarks/syncs.py; "layer": benchmarks/layer_bench.py), each under a time
+#    limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON files
+#    from the benchmarks, and everything printed in $OUT/run.log;
 # 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if
 #    the whole cache would not fit), to be carried back as .triton_cache/ next time.
 #
@@ -42,26 +44,41 @@ if ls .triton_cache/cache.tar.gz.part* >/dev/null 2>&1; then
     && echo "triton cache restored: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
 fi
 
-{
-  echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  python3 - <<'EOF'
+exec > >(tee -a "$OUT/run.log") 2>&1
+echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+python3 - <<'EOF'
 import importlib.metadata as m, platform, torch
 def v(d):
     try: return m.version(d)
     except Exception: return None
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
-      "| triton", v("triton"), "| fla-core", v("fla-core"), "| gpus", torch.cuda.device_count(),
+      "| triton", v("triton"), "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"),
+      "| gpus", torch.cuda.device_count(),
       "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
 EOF
-} 2>&1 | tee "$OUT/machine.txt"
 
-ARGS=("$@")
-[ ${#ARGS[@]} -eq 0 ] && ARGS=(-x -q)
-T1=$(date +%s)
-timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" \
-  python3 -m pytest tests/gpu -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}" 2>&1 | tee "$OUT/pytest.log"
-RC=${PIPESTATUS[0]}
-echo "pytest rc=$RC in $(( $(date +%s) - T1 ))s"
+# Stages (GDN_CP_STAGES, default "tests"): tests = pytest tests/gpu + the Megatron GPU parity;
+# syncs = benchmarks/syncs.py; layer = benchmarks/layer_bench.py. Each under its own time limit.
+RC=0
+for stage in ${GDN_CP_STAGES:-tests}; do
+  T1=$(date +%s)
+  case $stage in
+    tests)
+      ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-q)
+      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/megatron/gpu_parity.py \
+        -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}" ;;
+    syncs)
+      timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 benchmarks/syncs.py --out "$OUT/syncs.json" ;;
+    layer)
+      # shellcheck disable=SC2086
+      timeout --signal=INT "$(( ${GDN_CP_LAYER_TIMEOUT:-300} + 60 ))" python3 benchmarks/layer_bench.py \
+        --out "$OUT/layer_bench.json" --time-limit "${GDN_CP_LAYER_TIMEOUT:-300}" ${GDN_CP_LAYER_ARGS:-} ;;
+    *) echo "unknown stage $stage"; false ;;
+  esac
+  rc=$?
+  echo "== stage $stage: rc=$rc in $(( $(date +%s) - T1 ))s"
+  [ $rc -ne 0 ] && RC=$rc
+done
 
 # save the Triton cache (split for the 16 MiB-per-file limit on what comes back)
 rm -f "$OUT"/cache.tar.gz.part*

@@ -26,15 +26,19 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ..comm import route_all_to_all
+from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
 from ..modes import GDNShape, gdn_core, sbhd_to_thd, thd_to_sbhd
 from ..ops import get_backend
+from .swap import choose_swap_point, chunkwise_swap
 
 __all__ = ["should_dispatch", "gated_delta_net_forward", "resolve_cp_group", "choose_backend", "ROUTE_CACHE_ATTR"]
 
 logger = logging.getLogger(__name__)
 
 ROUTE_CACHE_ATTR = "_gdn_cp_route_cache"  # RouteCache stored on each micro-batch's PackedSeqParams
+_SWAP_ATTR = "_gdn_cp_swap_points"  # chunkwise swap point per (setting, hidden size, dtype) on a module
 _SBHD_PLANS_ATTR = "_gdn_cp_sbhd_plans"
 _VALIDATED_ATTR = "_gdn_cp_validated_modes"  # (mode, tp, cp) already checked on this module
 
@@ -170,6 +174,72 @@ def _gated_norm_to_rows(module, core_out, gate, batch: int, thd: bool):
     return y.unsqueeze(1) if thd else thd_to_sbhd(y, batch).contiguous()
 
 
+def _core(module, rows, shape: GDNShape, mode: str, plan, group, cp: int, device, layout: str = "zigzag"):
+    """in_proj rows ``[T, D_tp]`` -> gates -> mode -> ``(o, z)``, both ``[T, Hv, Dv]``."""
+    qkv, gate, beta, alpha = torch.split(
+        rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads], dim=-1
+    )
+    g = -module.A_log.exp() * F.softplus(alpha.float() + module.dt_bias)  # [T, Hv] fp32, as stock
+    beta = beta.sigmoid()
+    conv_weight = module.conv1d.weight.reshape(module.conv1d.weight.shape[0], -1)  # [C, 1, W] -> [C, W]
+    conv_bias = module.conv1d.bias if module.conv_bias else None
+    core_out = gdn_core(
+        qkv, g, beta, conv_weight, conv_bias, shape=shape, mode=mode, plan=plan,
+        group=group if cp > 1 else None, backend=choose_backend(module, device), layout=layout,
+    )
+    return core_out, gate.reshape(core_out.shape)
+
+
+def _gated_norm(module, core_out, gate, batch: int, thd: bool):
+    """Gated norm, under ``gdn_norm_out`` selective recompute when configured (as stock)."""
+    if not module.recompute_norm_out:
+        return _gated_norm_to_rows(module, core_out, gate, batch, thd)
+    from megatron.core import tensor_parallel
+
+    module.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+    norm_fn = partial(_gated_norm_to_rows, module, batch=batch, thd=thd)
+    return module.norm_out_checkpoint.checkpoint(norm_fn, core_out, gate)
+
+
+def _swap_point(module, shape: GDNShape, hidden_states) -> str:
+    """chunkwise's swap point for this module (see :mod:`gdn_cp.megatron.swap`), decided once
+    per (setting, hidden size, dtype) and logged."""
+    key = (chunkwise_swap(), hidden_states.shape[-1], hidden_states.dtype)
+    choices = module.__dict__.setdefault(_SWAP_ATTR, {})
+    if key not in choices:
+        choice = choose_swap_point(
+            shape=shape, hidden_size=key[1], tp=module.tp_size, sequence_parallel=module.sp_size > 1,
+            act_bytes=hidden_states.element_size(), requested=key[0],
+        )
+        logger.info(
+            "GatedDeltaNet layer %s chunkwise layout swap at %s (%s; core %d B/token, hidden %s B/token, "
+            "stock headwise %d B/token)", getattr(module, "layer_number", None), choice.point, choice.reason,
+            choice.core_bytes, choice.hidden_bytes, choice.stock_headwise_bytes,
+        )
+        choices[key] = choice.point
+    return choices[key]
+
+
+def _forward_hidden_swap(module, hidden_states, plan, group, shape: GDNShape, thd: bool, batch: int):
+    """chunkwise with the layout swap on hidden_states: route ``[T_local, H]`` zigzag ->
+    contiguous, run in_proj ... out_proj on contiguous rows, route the output back."""
+    to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+    hidden = hidden_states.shape[-1]
+    rows = hidden_states.reshape(-1, hidden) if thd else sbhd_to_thd(hidden_states)
+    rows_c = route_all_to_all(rows, to_c, to_z, group).unsqueeze(1)  # [T_c, 1, H]: a packed micro-batch
+    qkvzba, _ = module.in_proj(rows_c)
+    core_out, gate = _core(
+        module, qkvzba.reshape(-1, qkvzba.shape[-1]), shape, "chunkwise", plan, group, group.size(),
+        hidden_states.device, layout="contiguous",
+    )
+    norm_out = _gated_norm(module, core_out, gate, 1, True)
+    out_c, out_bias = module.out_proj(norm_out)  # [T_c, 1, H]
+    if module.recompute_norm_out:
+        module.norm_out_checkpoint.discard_output_and_register_recompute(out_c)
+    out = route_all_to_all(out_c.reshape(-1, out_c.shape[-1]), to_z, to_c, group)
+    return (out.unsqueeze(1) if thd else thd_to_sbhd(out, batch)), out_bias
+
+
 def gated_delta_net_forward(
     module,
     hidden_states: torch.Tensor,
@@ -200,32 +270,13 @@ def gated_delta_net_forward(
     if plan.t_local != s_local * batch:
         raise ValueError(f"plan expects {plan.t_local} local rows, hidden_states gives {s_local * batch}")
 
+    if mode == "chunkwise" and cp > 1 and _swap_point(module, shape, hidden_states) == "hidden":
+        return _forward_hidden_swap(module, hidden_states, plan, group, shape, thd, batch)
+
     qkvzba, _ = module.in_proj(hidden_states)  # [S_local, B, D_tp]
     rows = qkvzba.reshape(-1, qkvzba.shape[-1]) if thd else sbhd_to_thd(qkvzba)
-    qkv, gate, beta, alpha = torch.split(
-        rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads], dim=-1
-    )
-    g = -module.A_log.exp() * F.softplus(alpha.float() + module.dt_bias)  # [T_local, Hv] fp32, as stock
-    beta = beta.sigmoid()
-
-    conv_weight = module.conv1d.weight.reshape(module.conv1d.weight.shape[0], -1)  # [C, 1, W] -> [C, W]
-    conv_bias = module.conv1d.bias if module.conv_bias else None
-    backend = choose_backend(module, qkv.device)
-    core_out = gdn_core(
-        qkv, g, beta, conv_weight, conv_bias,
-        shape=shape, mode=mode, plan=plan, group=group if cp > 1 else None, backend=backend,
-    )
-    gate = gate.reshape(core_out.shape)
-
-    if module.recompute_norm_out:
-        from megatron.core import tensor_parallel
-
-        module.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput()
-        norm_fn = partial(_gated_norm_to_rows, module, batch=batch, thd=thd)
-        norm_out = module.norm_out_checkpoint.checkpoint(norm_fn, core_out, gate)
-    else:
-        norm_out = _gated_norm_to_rows(module, core_out, gate, batch, thd)
-
+    core_out, gate = _core(module, rows, shape, mode, plan, group, cp, hidden_states.device)
+    norm_out = _gated_norm(module, core_out, gate, batch, thd)
     out, out_bias = module.out_proj(norm_out)
     if module.recompute_norm_out:
         module.norm_out_checkpoint.discard_output_and_register_recompute(out)

@@ -1,0 +1,140 @@
+"""Device->host synchronizations per GatedDeltaNet layer call on packed (THD) input.
+
+Patched megatron-core 0.19.2 (every ``linear_cp_mode``) against stock 0.19.2 headwise, on a
+CUDA machine with FLA: each rank builds two GDN layers, runs the first on the micro-batch
+(it builds the routes), then counts the syncs of the second layer's forward and backward
+with ``torch.cuda.set_sync_debug_mode("warn")``. Collectives are excluded: with gloo ranks on
+one GPU, gloo stages CUDA tensors through the host, which NCCL does not (the one-GPU test
+harness suspends the sync check while a collective runs and counts the collectives).
+
+    python3 benchmarks/syncs.py --out benchmarks/results/syncs.json      # needs CUDA + FLA + megatron
+
+Writes JSON (machine, versions, per cp and path: syncs in forward and backward, collectives)
+and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
+# Shape small enough to compile fast; sync counts do not depend on it.
+CFG = dict(deterministic_mode=False, hidden_size=128, linear_num_key_heads=4, linear_num_value_heads=8,
+           linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
+
+
+def _count_syncs(fn):
+    """(result, syncs) of fn() under sync debug mode "warn" (first-use notice excluded)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    n = sum(1 for w in caught if SYNC_WARNING in str(w.message) and "debug mode" not in str(w.message))
+    return result, n
+
+
+def _rank_syncs(ctx, cp_sizes):
+    from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
+    from tests.megatron.shims import (
+        build_gdn, make_config, make_inputs, rank_groups, stock_forward, thd_case, thd_params, zigzag_rows,
+    )
+
+    rank_groups()  # every rank creates every group, in the same order, before any rank goes on
+    out = {}
+    for cp in cp_sizes:
+        if ctx.rank >= cp:  # a CP=1 baseline runs on rank 0 alone
+            continue
+        group = rank_groups()["world"] if cp == ctx.world_size else rank_groups()["self"]
+        padded, actual = thd_case(cp)
+        rows = zigzag_rows(padded, cp, ctx.rank).to(ctx.device)
+        x, dout = make_inputs(padded[-1], 1, torch.bfloat16, 5, CFG["hidden_size"], ctx.device)
+        x, dout = x[rows], dout[rows]
+        res = {}
+        for path in ("headwise", "chunkwise", "all_gather", "stock headwise"):
+            mode = "headwise" if path == "stock headwise" else path
+            cfg = make_config(cp, mode, torch.bfloat16, **CFG)
+            first = build_gdn(cfg, group, seed=1, layer_number=1, device=ctx.device)
+            second = build_gdn(cfg, group, seed=2, layer_number=2, device=ctx.device)
+            params = thd_params(padded, actual, device=ctx.device)
+
+            def call(layer):
+                xi = x.detach().clone().requires_grad_(True)
+                o, _ = layer(xi, None, packed_seq_params=params)
+                return o
+
+            import contextlib
+
+            ctxm = stock_forward() if path == "stock headwise" else contextlib.nullcontext()
+            with ctxm:
+                call(first).backward(dout)  # builds routes / FLA context, autotunes
+                before = ctx.collective_count()
+                o, fwd = _count_syncs(lambda: call(second))
+                _, bwd = _count_syncs(lambda: o.backward(dout))
+            cache = getattr(params, ROUTE_CACHE_ATTR, None)
+            res[path] = {
+                "forward": fwd,
+                "backward": bwd,
+                "collectives": ctx.collective_count() - before,
+                "route_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
+            }
+        out[cp] = res
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes (default 1 2)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "syncs.json"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("syncs.py needs CUDA (it counts CUDA device->host synchronizations); nothing to do here")
+        return 0
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from common import machine_info
+    from tests.gpu.harness import RankPool
+    from tests.megatron.shims import assert_patched  # noqa: F401  (import check)
+
+    from gdn_cp.megatron import patching
+
+    root = patching.find_megatron_root()
+    if patching.overall_state(patching.check_patch(root)) != "patched":
+        patching.apply_patch(root)
+    world = max(args.cp)
+    pool = RankPool(world)
+    try:
+        per_rank = pool.run(_rank_syncs, args.cp)
+    finally:
+        pool.close()
+    result = {"machine": machine_info(), "cp": {}}
+    print(f"{'cp':>3} {'path':<15} {'fwd syncs':>9} {'bwd syncs':>9} {'collectives':>11}  (max over ranks)")
+    for cp in args.cp:
+        ranks = [r[cp] for r in per_rank if cp in r]
+        summary = {}
+        for path in ranks[0]:
+            summary[path] = {k: max(r[path][k] for r in ranks) for k in ("forward", "backward", "collectives")}
+            summary[path]["route_cache_rank0"] = ranks[0][path]["route_cache"]
+            s = summary[path]
+            print(f"{cp:>3} {path:<15} {s['forward']:>9} {s['backward']:>9} {s['collectives']:>11}")
+        result["cp"][str(cp)] = summary
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
