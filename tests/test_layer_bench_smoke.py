@@ -1,0 +1,110 @@
+"""Smoke test of benchmarks/layer_bench.py on the CPU: a --quick run (cp 1 and 2, tiny T, reference
+backend, gloo ranks) writes the expected JSON, and a head count that cp does not divide makes headwise
+"refused", not a crash. No timing assertions: CI machines are shared and noisy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "layer_bench.py"
+MODES = ("chunkwise", "headwise", "all_gather")
+CASE_KEYS = {"phase", "cp", "t_global", "t_local", "mode", "status", "error", "cu", "slice_of"}
+NUMBER_KEYS = ("wall_ms", "bytes_per_token", "dist_bytes_per_token", "warmup_s")
+GPU_KEYS = ("compute_ms", "comm_wait_ms", "peak_gib")  # None on the CPU
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, subprocess.CompletedProcess]:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, f"layer_bench.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(out.read_text()), proc
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("layer_bench"), "layer", "--no-plot")
+
+
+def test_help_runs():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0
+    for flag in ("--quick", "--out", "--time-limit", "--iters", "--tokens", "--cp"):
+        assert flag in proc.stdout
+
+
+def test_report_structure(quick):
+    report, proc = quick
+    for key in ("benchmark", "date", "machine", "versions", "config", "notes", "cases", "summary", "tune",
+                "pools", "finished", "elapsed_s"):
+        assert key in report, key
+    assert report["benchmark"] == "layer"
+    assert report["finished"] is True
+    assert report["machine"]["cpu_model"]
+    assert report["versions"]["torch"]
+    assert report["config"]["backend"] == "reference" and report["config"]["device"] == "cpu"
+    assert report["config"]["cp"] == [1, 2]
+    assert "wall ms" in proc.stdout and "comm/wait ms" in proc.stdout  # the final table
+    assert all(t["status"] == "ok" for t in report["tune"]), report["tune"]
+
+
+def test_every_case_has_numbers_or_an_error(quick):
+    report, _ = quick
+    cases = report["cases"]
+    assert cases
+    for c in cases:
+        assert CASE_KEYS <= set(c), CASE_KEYS - set(c)
+        if c["status"] == "ok":
+            for k in NUMBER_KEYS:
+                assert isinstance(c[k], (int, float)) and c[k] >= 0, (k, c)
+            assert c["iters"] >= 1 and len(c["wall_ms_iters"]) == c["iters"]
+            for k in GPU_KEYS:
+                assert c[k] is None  # CPU: no kernel time, no CUDA memory
+        else:
+            assert c["status"] in ("error", "refused", "skipped")
+            assert isinstance(c["error"], str) and c["error"]
+
+
+def test_numbers_for_every_mode_and_cp1(quick):
+    report, _ = quick
+    ok = [c for c in report["cases"] if c["status"] == "ok"]
+    for mode in MODES:
+        assert any(c["mode"] == mode and c["cp"] == 2 for c in ok), mode
+    assert any(c["cp"] == 1 and c["slice_of"] is None for c in ok)
+    assert any(c["cp"] == 1 and c["slice_of"] for c in ok)  # T/cp slice for chunkwise's ratio
+    for c in ok:
+        if c["cp"] == 1:
+            assert c["bytes_per_token"] == 0
+        else:
+            assert c["bytes_per_token"] > 0 and c["dist_bytes_per_token"] > 0
+    assert any(c.get("chunkwise_path") for c in ok if c["mode"] == "chunkwise")
+
+
+def test_summary(quick):
+    report, _ = quick
+    s = report["summary"]
+    ratios = s["chunkwise_compute_ratio"]
+    assert {r["t_global"] for r in ratios} == set(report["config"]["tokens"])
+    for r in ratios:
+        assert r["compute_ratio"] is None  # CPU: no kernel time
+        assert r["wall_ratio"] > 0
+    assert s["all_gather_peak_memory"]
+    assert any(k.startswith("headwise") for k in s["bytes_per_token"])
+
+
+def test_headwise_refused_not_crashed(tmp_path):
+    report, proc = _run(tmp_path, "refused", "--no-plot", "--cp", "2", "--modes", "headwise", "--tokens", "128",
+                        "--num-k-heads", "1", "--num-v-heads", "2")
+    (case,) = [c for c in report["cases"] if c["cp"] == 2]
+    assert case["status"] == "refused"
+    assert "ValueError" in case["error"] and "divisible" in case["error"]
+    assert "refused" in proc.stdout
