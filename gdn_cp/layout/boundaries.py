@@ -1,11 +1,13 @@
 """Validated packed-sequence boundaries: the one place where cu_seqlens rules live.
 
-Everything downstream (segments, routes, plans) works on Python ints, so a device
-``cu_seqlens`` is read to the host exactly once per micro-batch, here.
+Everything downstream (segments, routes, plans) works on host values, so a device
+``cu_seqlens`` is read to the host exactly once per micro-batch, here. The checks run in
+numpy: a handful of tiny ops, each far cheaper than a torch CPU op.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["validate_cu_seqlens", "sbhd_cu_seqlens"]
@@ -13,7 +15,7 @@ __all__ = ["validate_cu_seqlens", "sbhd_cu_seqlens"]
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _to_cpu_int64(cu_seqlens, name: str) -> torch.Tensor:
+def _to_host_int64(cu_seqlens, name: str) -> np.ndarray:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
             raise ValueError(
@@ -24,20 +26,20 @@ def _to_cpu_int64(cu_seqlens, name: str) -> torch.Tensor:
             raise TypeError(
                 f"{name} must have an integer dtype, got {cu_seqlens.dtype}; use torch.int32 or torch.int64"
             )
-        # The single device->host transfer of the micro-batch.
-        return cu_seqlens.detach().to("cpu", torch.int64)
+        # The single device->host transfer of the micro-batch (a copy: never the caller's memory).
+        return cu_seqlens.detach().cpu().numpy().astype(np.int64)
     if isinstance(cu_seqlens, (list, tuple)):
         for i, v in enumerate(cu_seqlens):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r}")
-        return torch.tensor(list(cu_seqlens), dtype=torch.int64)
+        return np.array(cu_seqlens, dtype=np.int64)
     raise TypeError(
         f"{name} must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens).__name__}"
     )
 
 
-def _first(mask: torch.Tensor) -> int:
-    return int(mask.nonzero()[0, 0])
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
 
 
 def validate_cu_seqlens(
@@ -59,13 +61,13 @@ def validate_cu_seqlens(
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    cu = _to_cpu_int64(cu_seqlens, name)
-    if cu.numel() < 2:
+    cu = _to_host_int64(cu_seqlens, name)
+    if len(cu) < 2:
         raise ValueError(f"{name} needs at least 2 boundaries [0, T_global], got {cu.tolist()}")
     if int(cu[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}; boundaries are offsets into the packed stream")
     lengths = cu[1:] - cu[:-1]
-    if bool((lengths < 0).any()):
+    if (lengths < 0).any():
         i = _first(lengths < 0) + 1
         raise ValueError(
             f"{name} must be non-decreasing, but {name}[{i}]={int(cu[i])} < {name}[{i - 1}]={int(cu[i - 1])}"
@@ -77,14 +79,14 @@ def validate_cu_seqlens(
         )
     step = 2 * cp_size
     bad = lengths % step != 0
-    if bool(bad.any()):
+    if bad.any():
         i = _first(bad)
         raise ValueError(
             f"sequence {i} of {name} has length {int(lengths[i])}, not divisible by 2*cp={step}; "
             f"pad every sequence to a multiple of {step} (Megatron: cu_seqlens_q_padded)"
         )
     # T_global % cp == 0 follows from the rule above.
-    return cu if as_tensor else tuple(cu.tolist())
+    return torch.from_numpy(cu) if as_tensor else tuple(cu.tolist())
 
 
 def sbhd_cu_seqlens(seq_len: int, batch: int) -> tuple[int, ...]:

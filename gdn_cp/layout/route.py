@@ -13,26 +13,37 @@ zigzag -> contiguous needs only the receive gather, contiguous -> zigzag only th
 gather. A route whose layouts agree (cp == 1) moves nothing at all (``is_identity``).
 
 Building a route is interval arithmetic on the boundaries: this rank's zigzag segments
-cut at the contiguous rank edges, and the zigzag parts of the sequences that overlap
-this rank's contiguous block: O(cp * sequences) at worst, never O(tokens). Index
-tensors are expanded from the runs on first use. Every rank builds its own route from
-the same boundaries, so split sizes agree without any communication.
+counted per contiguous rank, and the zigzag parts of the sequences that overlap this
+rank's contiguous block: O(cp * sequences) at worst, never O(tokens), in numpy on small
+arrays. Index tensors are expanded from the runs on first use, the pieces printed by
+:meth:`Route.summary` only when asked for. Every rank builds its own route from the
+same boundaries, so split sizes agree without any communication.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from functools import partial
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from .boundaries import validate_cu_seqlens
 from .device import host_to_device
-from .segments import CONTIGUOUS, LAYOUTS, ZIGZAG, Runs, cut_by_blocks, expand_runs, zigzag_parts_in_range, zigzag_rank_segments
+from .segments import (
+    CONTIGUOUS,
+    LAYOUTS,
+    ZIGZAG,
+    Runs,
+    cut_by_blocks,
+    expand_runs,
+    host_int64,
+    zigzag_parts_in_range,
+    zigzag_rank_segments,
+)
 
 __all__ = ["Route", "build_thd_route", "build_sbhd_route", "NaturalOrder", "build_natural_order"]
-
-_I64 = torch.int64
 
 
 def _check_rank(cp_size: int, cp_rank: int) -> None:
@@ -40,25 +51,46 @@ def _check_rank(cp_size: int, cp_rank: int) -> None:
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 
 
-def _runs_or_none(start: torch.Tensor, length: torch.Tensor):
-    """``(start, length)``, or None when the runs concatenate to ``0, 1, 2, ...``."""
-    if torch.equal(start, torch.cumsum(length, 0) - length):
+def _by_owner(owner: np.ndarray, cp: int) -> np.ndarray:
+    """Stable argsort of ranks in ``[0, cp)``; as int16 numpy radix-sorts them, O(n)."""
+    return np.argsort(owner.astype(np.int16) if cp <= 1 << 15 else owner, kind="stable")
+
+
+def _runs_or_none(start: np.ndarray, length: np.ndarray):
+    """``(start, length)`` as tensors, or None when the runs concatenate to ``0, 1, 2, ...``."""
+    if np.array_equal(start, np.cumsum(length) - length):
         return None
-    return start, length
+    return torch.from_numpy(start), torch.from_numpy(length)
 
 
-def _splits(owner: torch.Tensor, length: torch.Tensor, cp: int) -> tuple[int, ...]:
-    return tuple(torch.zeros(cp, dtype=_I64).index_add_(0, owner, length).tolist())
+def _splits(owner: np.ndarray, length: np.ndarray, cp: int) -> tuple[int, ...]:
+    out = np.zeros(cp, np.int64)
+    np.add.at(out, owner, length)
+    return tuple(out.tolist())
+
+
+def _rows_per_block(runs: Runs, block: int, cp: int) -> tuple[int, ...]:
+    """Rows of sorted, disjoint ``runs`` in each block ``[p*block, (p+1)*block)``, without
+    cutting them: the rows below edge x are those of the runs starting below x, less the
+    part of the last such run that reaches past x."""
+    edges = np.arange(0, (cp + 1) * block, block, dtype=np.int64)
+    k = np.searchsorted(runs.start, edges)  # runs starting below each edge
+    cum = np.zeros(len(runs) + 1, np.int64)
+    np.cumsum(runs.length, out=cum[1:])
+    end = np.zeros(len(runs) + 1, np.int64)
+    end[1:] = runs.start + runs.length
+    return tuple(np.diff(cum[k] - np.maximum(end[k] - edges, 0)).tolist())
 
 
 @dataclass
 class _Pieces:
-    """What one side of a route moves, for printing: peer, global start, length, local row."""
+    """What one side of a route moves, for printing: peer, global start, length, local row
+    (int64 numpy arrays)."""
 
-    peer: torch.Tensor
-    start: torch.Tensor
-    length: torch.Tensor
-    local: torch.Tensor
+    peer: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    local: np.ndarray
 
     def as_list(self) -> list[tuple[int, int, int, int]]:
         return list(zip(self.peer.tolist(), self.start.tolist(), self.length.tolist(), self.local.tolist()))
@@ -79,8 +111,9 @@ class Route:
     send_runs: tuple[torch.Tensor, torch.Tensor] | None  # local source rows, peer-major
     recv_runs: tuple[torch.Tensor, torch.Tensor] | None  # receive-buffer rows, target local order
     is_identity: bool
-    _send: _Pieces | None = field(default=None, repr=False)
-    _recv: _Pieces | None = field(default=None, repr=False)
+    # What each side moves, for printing; a callable is called (and replaced) on first use.
+    _send: _Pieces | Callable[[], _Pieces] | None = field(default=None, repr=False)
+    _recv: _Pieces | Callable[[], _Pieces] | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -103,12 +136,19 @@ class Route:
     @property
     def send_pieces(self) -> list[tuple[int, int, int, int]]:
         """(peer, global_start, length, local source row) in send order."""
-        return [] if self._send is None else self._send.as_list()
+        return self._pieces("_send")
 
     @property
     def recv_pieces(self) -> list[tuple[int, int, int, int]]:
         """(peer, global_start, length, local target row) in receive-buffer order."""
-        return [] if self._recv is None else self._recv.as_list()
+        return self._pieces("_recv")
+
+    def _pieces(self, side: str) -> list[tuple[int, int, int, int]]:
+        pieces = getattr(self, side)
+        if callable(pieces):
+            pieces = pieces()
+            setattr(self, side, pieces)
+        return [] if pieces is None else pieces.as_list()
 
     @property
     def rows_in(self) -> int:
@@ -144,42 +184,43 @@ class Route:
         return "\n".join(lines)
 
 
-def _mine_by_contiguous_rank(cu: torch.Tensor, cp: int, rank: int, t_local: int) -> _Pieces:
-    """This rank's zigzag rows cut at contiguous rank edges, in local (= peer) order."""
-    mine = zigzag_rank_segments(cu, cp, rank)
+def _mine_by_contiguous_rank(mine: Runs, t_local: int) -> _Pieces:
+    """This rank's zigzag segments ``mine`` cut at contiguous rank edges, in local (= peer) order."""
     pieces, src = cut_by_blocks(mine, t_local)
     local = mine.local_offsets()[src] + (pieces.start - mine.start[src])
     return _Pieces(pieces.owner, pieces.start, pieces.length, local)
 
 
-def _block_by_zigzag_owner(cu: torch.Tensor, cp: int, rank: int, t_local: int) -> tuple[_Pieces, torch.Tensor]:
-    """This rank's contiguous block cut into zigzag parts, in owner-major order, and for each
-    piece (in global order) its position in that owner-major order's concatenation."""
+def _block_by_zigzag_owner(cu: np.ndarray, cp: int, rank: int, t_local: int) -> tuple[_Pieces, np.ndarray, Runs]:
+    """This rank's contiguous block cut into zigzag parts, in owner-major order; for each
+    part (in global order) its position in that owner-major order's concatenation; the parts."""
     lo = rank * t_local
     parts: Runs = zigzag_parts_in_range(cu, cp, lo, lo + t_local)
-    order = torch.sort(parts.owner, stable=True).indices
-    ordered_len = parts.length[order]
-    pos = torch.empty_like(parts.start)
-    pos[order] = torch.cumsum(ordered_len, 0) - ordered_len
-    pieces = _Pieces(parts.owner[order], parts.start[order], ordered_len, parts.start[order] - lo)
+    order = _by_owner(parts.owner, cp)
+    ordered_start, ordered_len = parts.start[order], parts.length[order]
+    pos = np.empty_like(parts.start)
+    pos[order] = np.cumsum(ordered_len) - ordered_len
+    pieces = _Pieces(parts.owner[order], ordered_start, ordered_len, ordered_start - lo)
     return pieces, pos, parts
 
 
-def _build_route(cu: torch.Tensor, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
-    """``cu``: validated int64 CPU boundaries."""
+def _build_route(cu, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
+    """``cu``: validated int64 boundaries (CPU tensor or numpy array)."""
     for name, value in (("source", source), ("target", target)):
         if value not in LAYOUTS:
             raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {value!r}")
     _check_rank(cp_size, cp_rank)
+    cu = host_int64(cu)
     t_global = int(cu[-1])
     t_local = t_global // cp_size
     if source == target or cp_size == 1 or t_global == 0:
         splits = tuple(t_local if p == cp_rank else 0 for p in range(cp_size))
         return Route(source, target, cp_size, cp_rank, splits, splits, None, None, True)
 
-    zig = _mine_by_contiguous_rank(cu, cp_size, cp_rank, t_local)  # my zigzag rows by contiguous owner
+    mine = zigzag_rank_segments(cu, cp_size, cp_rank)
+    zig_splits = _rows_per_block(mine, t_local, cp_size)  # my zigzag rows per contiguous owner
+    zig = partial(_mine_by_contiguous_rank, mine, t_local)  # the pieces themselves: only for printing
     block, pos, parts = _block_by_zigzag_owner(cu, cp_size, cp_rank, t_local)  # my block by zigzag owner
-    zig_splits = _splits(zig.peer, zig.length, cp_size)
     block_splits = _splits(parts.owner, parts.length, cp_size)
     if source == ZIGZAG:  # send my zigzag rows as they are; gather the block from the owner-major buffer
         return Route(
@@ -245,17 +286,17 @@ class NaturalOrder:
 def build_natural_order(cu: Sequence[int], cp_size: int, cp_rank: int) -> NaturalOrder:
     """``cu``: validated global boundaries (ints or int64 tensor)."""
     _check_rank(cp_size, cp_rank)
-    cu_t = cu if isinstance(cu, torch.Tensor) else torch.tensor(list(cu), dtype=_I64)
-    t_global = int(cu_t[-1])
+    cu = host_int64(cu)
+    t_global = int(cu[-1])
     t_local = t_global // cp_size
-    part = zigzag_parts_in_range(cu_t, cp_size, 0, t_global)  # every part, global order
+    part = zigzag_parts_in_range(cu, cp_size, 0, t_global)  # every part, global order
     # Local offset of each part inside its owner's rows: cumulative per owner.
-    order = torch.sort(part.owner, stable=True).indices
-    local = torch.empty_like(part.start)
+    order = _by_owner(part.owner, cp_size)
+    local = np.empty_like(part.start)
     ordered_owner = part.owner[order]
     ordered_len = part.length[order]
-    csum = torch.cumsum(ordered_len, 0) - ordered_len
-    owner_first = torch.searchsorted(ordered_owner, ordered_owner, right=False)
+    csum = np.cumsum(ordered_len) - ordered_len
+    owner_first = np.searchsorted(ordered_owner, ordered_owner, side="left")
     local[order] = csum - csum[owner_first]
     buf_pos = part.owner * t_local + local
     to_natural = expand_runs(buf_pos, part.length)

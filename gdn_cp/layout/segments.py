@@ -8,15 +8,17 @@ cumulative lengths.
   part r and part 2*cp-1-r of every sequence (Megatron's load-balanced layout).
 - contiguous: rank r holds rows ``[r*T/cp, (r+1)*T/cp)``, ignoring sequence boundaries.
 
-Everything works on small int64 CPU tensors whose size is the number of sequences (times
-cp at most); nothing is per token except :func:`expand_runs`, which writes an index
-tensor once per micro-batch.
+Everything works on small int64 numpy arrays whose size is the number of sequences (times
+cp at most): numpy's per-call overhead on arrays this small is a fraction of torch's.
+Nothing is per token except :func:`expand_runs`, which writes an index tensor once per
+micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -34,92 +36,98 @@ ZIGZAG = "zigzag"
 CONTIGUOUS = "contiguous"
 LAYOUTS = (ZIGZAG, CONTIGUOUS)
 
-_I64 = torch.int64
-
 
 @dataclass(frozen=True)
 class Runs:
-    """Runs of global rows: ``start``, ``length`` (and ``owner``, a rank) as int64 [n]."""
+    """Runs of global rows: ``start``, ``length`` (and ``owner``, a rank) as int64 numpy [n]."""
 
-    start: torch.Tensor
-    length: torch.Tensor
-    owner: torch.Tensor
+    start: np.ndarray
+    length: np.ndarray
+    owner: np.ndarray
 
-    def local_offsets(self) -> torch.Tensor:
+    def local_offsets(self) -> np.ndarray:
         """Local row of each run's first row, when the runs are one rank's rows in order."""
-        return torch.cumsum(self.length, 0) - self.length
+        return np.cumsum(self.length) - self.length
 
     def __len__(self) -> int:
-        return int(self.start.numel())
+        return len(self.start)
 
 
 def _keep_nonempty(start, length, owner) -> Runs:
     keep = length > 0
+    if keep.all():
+        return Runs(start, length, owner)
     return Runs(start[keep], length[keep], owner[keep])
 
 
-def zigzag_rank_segments(cu: torch.Tensor, cp: int, rank: int) -> Runs:
+def zigzag_rank_segments(cu: np.ndarray, cp: int, rank: int) -> Runs:
     """Rank ``rank``'s zigzag segments in its local order (part r, part 2cp-1-r, next sequence...).
 
     ``cu``: int64 [n+1] global boundaries. ``owner`` is ``rank``.
     """
     chunk = (cu[1:] - cu[:-1]) // (2 * cp)
-    first = cu[:-1] + rank * chunk
-    second = cu[:-1] + (2 * cp - 1 - rank) * chunk
-    start = torch.stack([first, second], 1).reshape(-1)
-    length = chunk.repeat_interleave(2)
-    return _keep_nonempty(start, length, torch.full_like(start, rank))
+    start = np.empty((len(chunk), 2), np.int64)
+    start[:, 0] = cu[:-1] + rank * chunk
+    start[:, 1] = cu[:-1] + (2 * cp - 1 - rank) * chunk
+    return _keep_nonempty(start.ravel(), np.repeat(chunk, 2), np.full(2 * len(chunk), rank, np.int64))
 
 
-def zigzag_parts_in_range(cu: torch.Tensor, cp: int, lo: int, hi: int) -> Runs:
+def zigzag_parts_in_range(cu: np.ndarray, cp: int, lo: int, hi: int) -> Runs:
     """The zigzag parts of the rows ``[lo, hi)``, clipped to it, in global order, with owners.
 
     Only sequences overlapping ``[lo, hi)`` are looked at.
     """
-    first = int(torch.searchsorted(cu[1:], torch.tensor(lo, dtype=_I64), right=True))
-    last = int(torch.searchsorted(cu[:-1], torch.tensor(hi, dtype=_I64), right=False))  # exclusive
+    first = int(np.searchsorted(cu[1:], lo, side="right"))
+    last = int(np.searchsorted(cu[:-1], hi, side="left"))  # exclusive
     sub = cu[first : last + 1]
-    chunk = (sub[1:] - sub[:-1]) // (2 * cp)  # [m]
-    part = torch.arange(2 * cp, dtype=_I64)
-    start = (sub[:-1, None] + part[None, :] * chunk[:, None]).reshape(-1)
-    end = start + chunk.repeat_interleave(2 * cp)
-    owner = torch.where(part < cp, part, 2 * cp - 1 - part).repeat(len(chunk))
-    start_c = start.clamp(lo, hi)
-    return _keep_nonempty(start_c, end.clamp(lo, hi) - start_c, owner)
+    # One entry per (sequence, part), sequence-major; 1-D ops (numpy is slow on [m, 2cp]).
+    chunk = np.repeat((sub[1:] - sub[:-1]) // (2 * cp), 2 * cp)
+    part = np.tile(np.arange(2 * cp, dtype=np.int64), len(sub) - 1)
+    start = np.repeat(sub[:-1], 2 * cp) + part * chunk
+    start_c = np.maximum(start, lo)
+    length = np.maximum(np.minimum(start + chunk, hi) - start_c, 0)
+    return _keep_nonempty(start_c, length, np.minimum(part, 2 * cp - 1 - part))
 
 
-def cut_by_blocks(runs: Runs, block: int) -> tuple[Runs, torch.Tensor]:
+def cut_by_blocks(runs: Runs, block: int) -> tuple[Runs, np.ndarray]:
     """Cut runs at multiples of ``block`` (the contiguous layout's rank edges).
 
     Returns the pieces in the same order, ``owner`` = the block (contiguous rank) each lies
     in, and for each piece the index of the run it came from.
     """
     first = runs.start // block
-    last = (runs.start + runs.length - 1) // block
-    count = last - first + 1
+    count = (runs.start + runs.length - 1) // block - first + 1
     n = len(runs)
-    if n == 0 or bool((count == 1).all()):
-        return Runs(runs.start, runs.length, first), torch.arange(n, dtype=_I64)
-    src = torch.repeat_interleave(torch.arange(n, dtype=_I64), count)
-    within = torch.arange(int(count.sum()), dtype=_I64) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count)
-    blk = first[src] + within
-    start = torch.maximum(runs.start[src], blk * block)
-    end = torch.minimum(runs.start[src] + runs.length[src], (blk + 1) * block)
+    if n == 0 or (count == 1).all():
+        return Runs(runs.start, runs.length, first), np.arange(n, dtype=np.int64)
+    src = np.repeat(np.arange(n, dtype=np.int64), count)
+    blk = first[src] + np.arange(len(src), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    start = np.maximum(runs.start[src], blk * block)
+    end = np.minimum(runs.start[src] + runs.length[src], (blk + 1) * block)
     return Runs(start, end - start, blk), src
 
 
-def expand_runs(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """Concatenate ``arange(start[i], start[i] + length[i])`` for all i: an index tensor.
+def host_int64(x) -> np.ndarray:
+    """A CPU tensor (zero copy when int64), array or ints as an int64 numpy array."""
+    return np.asarray(x.numpy() if isinstance(x, torch.Tensor) else x, dtype=np.int64)
 
-    One full-size allocation plus a cumsum: ones, with a jump written at each run start.
+
+def expand_runs(start, length) -> torch.Tensor:
+    """Concatenate ``arange(start[i], start[i] + length[i])`` for all i: an int64 index tensor.
+
+    ``start``, ``length``: int64 tensors or arrays. One full-size buffer, cumsum in place:
+    ones, with a jump written at each run start.
     """
+    start, length = host_int64(start), host_int64(length)
     keep = length > 0
-    start, length = start[keep], length[keep]
-    total = int(length.sum()) if length.numel() else 0
+    if not keep.all():
+        start, length = start[keep], length[keep]
+    ends = np.cumsum(length)
+    total = int(ends[-1]) if len(ends) else 0
     if total == 0:
-        return torch.zeros(0, dtype=_I64)
-    steps = torch.ones(total, dtype=_I64)
-    pos = torch.cumsum(length, 0) - length
-    steps[pos[0]] = start[0]
-    steps[pos[1:]] = start[1:] - (start[:-1] + length[:-1] - 1)
-    return torch.cumsum(steps, 0)
+        return torch.zeros(0, dtype=torch.int64)
+    steps = torch.ones(total, dtype=torch.int64)  # torch's fill is vectorized, numpy's is not
+    jumps = steps.numpy()  # a view: the jumps are written with numpy's cheap small ops
+    jumps[0] = start[0]
+    jumps[ends[:-1]] = start[1:] - (start[:-1] + length[:-1] - 1)
+    return steps.cumsum_(0)
