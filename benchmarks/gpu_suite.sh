@@ -65,7 +65,7 @@ for stage in ${GDN_CP_STAGES:-tests}; do
   case $stage in
     tests)
       ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-q)
-      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/megatron/gpu_parity.py \
+      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/megatron \
         -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}" ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 benchmarks/syncs.py --out "$OUT/syncs.json" ;;

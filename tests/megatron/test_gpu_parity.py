@@ -4,10 +4,10 @@ with one rank per GPU when there are enough GPUs), against the same module at CP
 0.19.2's FLA path; THD: gdn-cp's path at CP=1), every ``linear_cp_mode``, SBHD and THD; plus
 stock vs patched headwise (SBHD, CP=2).
 
-Not collected by a plain ``pytest tests`` (the file name does not start with ``test_``); run it
+Marked ``gpu``: skipped with a reason on CPU-only machines; run it
 on the device machine with::
 
-    python3 -m pytest tests/megatron/gpu_parity.py -q
+    python3 -m pytest tests/megatron/test_gpu_parity.py -q
 
 Skipped with a reason without CUDA + flash-linear-attention. Nothing FLA-specific is imported at
 module import. Errors are relative L2 (||a-b|| / ||b||) and are appended as JSON lines to
