@@ -22,7 +22,7 @@ kernels' key holds the head count and V but not T; the conv's holds the channels
    compute(CP=1, T/N) / compute(CP=N, T)); then warm-ups at the exact shapes the ranks will meet:
    chunkwise's halo conv and state-summary scans (V = Dk+Dv) at each T/cp, headwise's heads/cp at
    each T;
-2. one pool of max(cp) ranks (``tests/gpu/harness.py``'s RankPool: gloo ranks on one GPU, NCCL
+2. one pool of max(cp) ranks (``tests/distributed.py``'s RankPool: gloo ranks on one GPU, NCCL
    with one rank per GPU when there are enough GPUs, gloo on the CPU): every (T, cp, mode) with
    cp > 1, T ascending, ranks outside the cp group idle. On gloo groups chunkwise runs gdn-cp's
    halo + state-summary exchange around FLA's per-rank kernels (warmed in step 1); on NCCL groups
@@ -565,7 +565,7 @@ class Sweep:
                 "GDN_CP_TEST_PG_TIMEOUT": str(self.args.pg_timeout)}
 
     def open_pool(self, world: int):
-        from tests.gpu.harness import RankPool
+        from tests.distributed import RankPool
 
         self.close_pool()
         backend = "gloo" if (self.args.device == "cpu" or world == 1) else None
@@ -743,7 +743,7 @@ class Sweep:
 
 
 def fill_case(case: dict, outs: list) -> None:
-    from tests.gpu.harness import RankError
+    from tests.distributed import RankError
 
     failures = {i: o for i, o in enumerate(outs) if isinstance(o, RankError)}
     if failures:

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         return 0
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from common import machine_info
-    from tests.gpu.harness import RankPool
+    from tests.distributed import RankPool
     from tests.megatron.shims import assert_patched  # noqa: F401  (import check)
 
     from gdn_cp.megatron import patching

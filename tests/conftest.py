@@ -11,7 +11,7 @@ _POOLS: dict[int, GlooPool] = {}
 
 @pytest.fixture(scope="session")
 def gloo_pool():
-    """``gloo_pool(world)`` -> a running :class:`GlooPool` of that many CPU ranks."""
+    """``gloo_pool(world)`` -> a running :class:`GlooPool` of that many gloo ranks."""
 
     def get(world: int) -> GlooPool:
         if world not in _POOLS:

@@ -25,7 +25,7 @@ from gdn_cp.ops.fla import backend as fla_backend
 from gdn_cp.ops.fla import check_chunkwise_layout, fla_available, fla_version, has_cp_context
 from gdn_cp.selftest import TOLERANCES, compare, conv_case, gdn_case, max_rel, rel_l2
 
-from .harness import RankPool, maybe_fast_autotune
+from tests.distributed import RankPool, maybe_fast_autotune
 
 FAST_AUTOTUNE = maybe_fast_autotune()  # opt-in, test-only: GDN_CP_TEST_FAST_AUTOTUNE=1
 

@@ -52,7 +52,7 @@ def _record(kind: str, **data) -> None:
 @pytest.fixture(scope="module")
 def gpu_pools():
     _require_gpu()
-    from tests.gpu.harness import RankPool
+    from tests.distributed import RankPool
 
     pools = {}
 
