@@ -38,6 +38,7 @@ __all__ = [
     "write_json",
     "format_table",
     "plot_lines",
+    "save_figure",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,13 +48,25 @@ logger = logging.getLogger("benchmarks")
 
 
 def import_gdn_cp():
-    """Import gdn_cp, falling back to this checkout when it is not installed."""
-    try:
-        import gdn_cp  # noqa: F401
-    except ImportError:
-        sys.path.insert(0, str(REPO_ROOT))
-        import gdn_cp  # noqa: F401
+    """Import gdn_cp (falling back to this checkout when it is not installed) and put the
+    checkout on sys.path so that benchmarks can use the test harness (``tests.``)."""
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.append(str(REPO_ROOT))
+    import gdn_cp  # noqa: F401
+
     return sys.modules["gdn_cp"]
+
+
+def save_figure(fig, path) -> bool:
+    """Lay out, write a PNG (creating its folder) and close ``fig``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -289,9 +302,4 @@ def plot_lines(
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)

@@ -74,7 +74,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
-    REPO_ROOT,
     RESULTS_DIR,
     format_table,
     import_gdn_cp,
@@ -85,9 +84,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-import_gdn_cp()
-if str(REPO_ROOT) not in sys.path:  # `tests.` imports (the rank pool)
-    sys.path.insert(0, str(REPO_ROOT))
+import_gdn_cp()  # also puts the checkout on sys.path for `tests.` imports
 
 import torch  # noqa: E402
 

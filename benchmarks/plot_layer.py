@@ -14,6 +14,10 @@ import logging
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import save_figure  # noqa: E402
+
 logger = logging.getLogger("benchmarks.plot_layer")
 
 MODE_COLORS = {"chunkwise": "tab:blue", "headwise": "tab:orange", "all_gather": "tab:red", "cp1": "black"}
@@ -83,12 +87,7 @@ def plot_report(report: dict, path) -> bool:
         f"W={shape.get('conv_width')}, {cfg.get('num_sequences')} packed seqs\n{gpu}; ranks: {dist}",
         fontsize=10,
     )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:

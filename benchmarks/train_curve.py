@@ -75,14 +75,13 @@ from common import (  # noqa: E402
     load_average,
     machine_info,
     now_iso,
+    save_figure,
     setup_logging,
     versions,
     write_json,
 )
 
-import_gdn_cp()
-if str(REPO_ROOT) not in sys.path:  # tests.megatron.shims, tests.distributed
-    sys.path.insert(0, str(REPO_ROOT))
+import_gdn_cp()  # also puts the checkout on sys.path for `tests.` imports
 
 import torch  # noqa: E402
 
@@ -398,12 +397,7 @@ def make_plot(report, path) -> bool:
     ax1.grid(True, which="both", alpha=0.3)
     ax1.set_ylim(1e-8, 1e-3)
     ax1.legend(fontsize=8, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2))
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, path)
 
 
 def parse_args(argv=None):
