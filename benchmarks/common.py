@@ -52,7 +52,7 @@ def import_gdn_cp():
     checkout on sys.path so that benchmarks can use the test harness (``tests.``)."""
     if str(REPO_ROOT) not in sys.path:
         sys.path.append(str(REPO_ROOT))
-    import gdn_cp  # noqa: F401
+    import gdn_cp  # noqa: F401,F811
 
     return sys.modules["gdn_cp"]
 

@@ -105,7 +105,6 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from common import machine_info
     from tests.distributed import RankPool
-    from tests.megatron.shims import assert_patched  # noqa: F401  (import check)
 
     from gdn_cp.megatron import patching
 

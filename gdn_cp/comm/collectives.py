@@ -107,7 +107,7 @@ def route_all_to_all(x: torch.Tensor, route: Route, inverse: Route, group) -> to
 
 def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
-    t_local, groups = x.shape[0], x.shape[1]
+    t_local = x.shape[0]
     rest = x.shape[2:]
     # [T_local, world, *rest] -> [world, T_local, *rest]: block p goes to rank p.
     send = x.transpose(0, 1).contiguous()

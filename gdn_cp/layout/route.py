@@ -32,7 +32,6 @@ import torch
 from .boundaries import validate_cu_seqlens
 from .device import host_to_device
 from .segments import (
-    CONTIGUOUS,
     LAYOUTS,
     ZIGZAG,
     Runs,

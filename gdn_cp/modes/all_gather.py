@@ -7,8 +7,6 @@ head count. The fallback of last resort.
 
 from __future__ import annotations
 
-import torch
-
 from ..comm import all_gather_rows
 from ..layout.plan import CPPlan
 from .common import GDNShape, local_core, stack_gates, unstack_gates

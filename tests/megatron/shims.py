@@ -308,6 +308,26 @@ def stock_forward():
         glue.should_dispatch = saved
 
 
+def stock_vs_patched(module, x, dout, group, metric) -> dict:
+    """``metric`` of the patched forward against stock 0.19.2's on the same module and rows:
+    output, input gradient and every parameter gradient. Per-rank parameter gradients differ by
+    design (stock slices A_log / dt_bias / conv per head; gdn-cp uses every head on its own
+    tokens), so they are compared summed over the CP ``group``."""
+    import torch.distributed as dist
+
+    patched = run_layer(module, x, dout)
+    with stock_forward():
+        stock = run_layer(module, x, dout)
+    errs = {"out": metric(patched[0], stock[0]), "grad:hidden_states": metric(patched[1], stock[1])}
+    for name in stock[2]:
+        a, b = patched[2][name], stock[2][name]
+        if a is not None and b is not None:
+            dist.all_reduce(a, group=group)
+            dist.all_reduce(b, group=group)
+        errs[f"grad:{name}"] = metric(a, b)
+    return errs
+
+
 def run_layer(module, x, dout, packed_seq_params=None, forward=None):
     """Forward + backward of one layer call. Returns (out [+ bias], x.grad, {param: grad})."""
     module.zero_grad(set_to_none=True)

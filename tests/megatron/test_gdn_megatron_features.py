@@ -28,12 +28,12 @@ from tests.megatron.shims import (
     make_config,
     make_inputs,
     parity_case,
-    patched_megatron,  # noqa: F401 - session fixture
     rank_groups,
     rel_err,
     run_layer,
     sbhd_len,
     stock_forward,
+    stock_vs_patched,
     thd_case,
     thd_params,
     zigzag_rows,
@@ -398,8 +398,6 @@ def test_state_dict_same_in_every_mode(patched_megatron, gloo_pool):
 # 7. stock vs patched; 8. THD + deterministic at CP=1; should_dispatch
 # ------------------------------------------------------------------------------------------
 def _stock_vs_patched(rank, world):
-    import torch.distributed as dist
-
     install_cpu_shims()
     group = rank_groups()["world"]
     s = sbhd_len(world)
@@ -409,19 +407,7 @@ def _stock_vs_patched(rank, world):
     res = {}
     for conv_bias in (False, True):
         module = build_gdn(make_config(world, "headwise", torch.float32), group, seed=4, conv_bias=conv_bias)
-        patched = run_layer(module, x, dout)
-        with stock_forward():
-            stock = run_layer(module, x, dout)
-        errs = {"out": rel_err(patched[0], stock[0]), "grad:hidden_states": rel_err(patched[1], stock[1])}
-        for name in stock[2]:
-            # per-rank gradients differ by design (stock slices A_log/dt_bias/conv per head; gdn-cp
-            # uses every head on its own tokens); their sum over the CP ranks is the gradient
-            a, b = patched[2][name], stock[2][name]
-            if a is not None and b is not None:
-                dist.all_reduce(a, group=group)
-                dist.all_reduce(b, group=group)
-            errs[f"grad:{name}"] = rel_err(a, b)
-        res[conv_bias] = errs
+        res[conv_bias] = stock_vs_patched(module, x, dout, group, rel_err)
     return res
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.megatron.shims import MODES, TOL, parity_case, patched_megatron  # noqa: F401 - fixture
+from tests.megatron.shims import MODES, TOL, parity_case
 
 
 def _all_cases(rank, world, dtypes):

@@ -25,7 +25,7 @@ import os
 import pytest
 import torch
 
-from tests.megatron.shims import MODES, parity_case, patched_megatron, rel_l2  # noqa: F401 - fixture
+from tests.megatron.shims import MODES, parity_case, rel_l2
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 
@@ -97,11 +97,7 @@ def test_gpu_parity_bf16(gpu_pools, patched_megatron, world):
 
 
 def _stock_vs_patched(ctx):
-    import torch.distributed as dist
-
-    from tests.megatron.shims import (
-        build_gdn, make_config, make_inputs, rank_groups, run_layer, sbhd_len, stock_forward, zigzag_rows,
-    )
+    from tests.megatron.shims import build_gdn, make_config, make_inputs, rank_groups, sbhd_len, stock_vs_patched, zigzag_rows
 
     group = rank_groups()["world"]
     s = sbhd_len(ctx.world_size)
@@ -110,17 +106,7 @@ def _stock_vs_patched(ctx):
     x, dout = x[rows], dout[rows]
     cfg = make_config(ctx.world_size, "headwise", torch.bfloat16, **GPU_CFG)
     module = build_gdn(cfg, group, seed=4, device=ctx.device)
-    patched = run_layer(module, x, dout)
-    with stock_forward():
-        stock = run_layer(module, x, dout)
-    errs = {"out": rel_l2(patched[0], stock[0]), "grad:hidden_states": rel_l2(patched[1], stock[1])}
-    for name in stock[2]:
-        a, b = patched[2][name], stock[2][name]
-        if a is not None and b is not None:
-            dist.all_reduce(a, group=group)
-            dist.all_reduce(b, group=group)
-        errs[f"grad:{name}"] = rel_l2(a, b)
-    return errs
+    return stock_vs_patched(module, x, dout, group, rel_l2)
 
 
 def test_gpu_stock_vs_patched_headwise(gpu_pools, patched_megatron):

@@ -7,7 +7,7 @@ import torch
 
 from gdn_cp.megatron.swap import choose_swap_point, set_chunkwise_swap
 from gdn_cp.modes import GDNShape
-from tests.megatron.shims import parity_case, patched_megatron  # noqa: F401  (fixture)
+from tests.megatron.shims import parity_case
 
 QWEN35_9B = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)
 
@@ -66,7 +66,7 @@ def _both_points(rank, world):
 
 
 @pytest.mark.megatron
-def test_both_swap_points_equal_cp1(patched_megatron, gloo_pool):  # noqa: F811
+def test_both_swap_points_equal_cp1(patched_megatron, gloo_pool):
     for rank, (res, moved, hidden_thd) in enumerate(gloo_pool(2).run(_both_points)):
         for key, errs in res.items():
             assert max(errs.values()) <= 1e-10, (rank, key, errs)

@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 import gdn_cp.modes.chunkwise as chunkwise_module
 from gdn_cp.layout import RouteCache, plan_for_sbhd
-from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd, thd_to_sbhd
+from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd
 from gdn_cp.ops import get_backend
-from tests.modes.cases import GRAD_NAMES, make_inputs, own_rows, reference_answer, rel_err
+from tests.modes.cases import make_inputs, own_rows, reference_answer, rel_err
 
 MODES = ("headwise", "chunkwise", "all_gather")
 SHAPE = GDNShape(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12)
@@ -42,7 +42,6 @@ def _run_modes(rank, world, layout, dtype, modes=MODES, mutate=None, shape=SHAPE
         rows = own_rows(cu, world, rank)
         plan = RouteCache().plan(torch.tensor(cu, dtype=torch.int32), world, rank)
         to_local = lambda t: t[rows]  # noqa: E731
-        from_local = lambda t: t  # noqa: E731
     else:
         seq, batch = 24 * world, 3
         cu = [b * seq for b in range(batch + 1)]
@@ -52,7 +51,6 @@ def _run_modes(rank, world, layout, dtype, modes=MODES, mutate=None, shape=SHAPE
         s_rows = own_rows([0, seq], world, rank)
         to_sbhd = lambda t: t.reshape(batch, seq, *t.shape[1:]).transpose(0, 1)  # noqa: E731
         to_local = lambda t: sbhd_to_thd(to_sbhd(t)[s_rows])  # noqa: E731
-        from_local = lambda t: t  # noqa: E731
     for mode in modes:
         leaves = {k: to_local(inputs[k]).detach().clone().requires_grad_(True) for k in ("qkv", "g", "beta")}
         weights = {k: inputs[k].detach().clone().requires_grad_(True) for k in ("conv_weight", "conv_bias")}
@@ -63,7 +61,7 @@ def _run_modes(rank, world, layout, dtype, modes=MODES, mutate=None, shape=SHAPE
             shape=shape, mode=mode, plan=plan, group=group, backend=backend,
         )
         o.backward(to_local(inputs["dout"]))
-        errs = {"out": rel_err(from_local(o.detach()), to_local(ref_o))}
+        errs = {"out": rel_err(o.detach(), to_local(ref_o))}
         for k in ("qkv", "g", "beta"):
             errs[k] = rel_err(leaves[k].grad, to_local(ref_g[k]))
         # Parameters are replicated over CP: their gradients sum over ranks (Megatron's DP-CP all-reduce).
@@ -178,3 +176,12 @@ def _contiguous_input(rank, world):
 def test_chunkwise_on_contiguous_rows(gloo_pool):
     for same, refused in gloo_pool(2).run(_contiguous_input):
         assert same and refused
+
+
+def test_sbhd_packing_round_trip():
+    x = torch.arange(4 * 3 * 2).reshape(4, 3, 2)  # [S_local, B, F]
+    packed = sbhd_to_thd(x)
+    assert packed.shape == (12, 2) and torch.equal(packed[4], x[0, 1])  # b-major: row b*S_local + s
+    from gdn_cp.modes import thd_to_sbhd
+
+    assert torch.equal(thd_to_sbhd(packed, 3), x)
