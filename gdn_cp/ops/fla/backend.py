@@ -25,6 +25,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ...layout.device import host_to_device
+
 __all__ = [
     "FLA_MAX_HEAD_K_DIM",
     "FLA_MIN_HEAD_DIM",
@@ -225,7 +227,7 @@ def _cu_tensors(cu: list[int], device: torch.device) -> tuple[torch.Tensor, torc
         _DEVICE_CU.move_to_end(key)
         return hit
     cpu = torch.tensor(cu, dtype=torch.long)
-    dev = cpu.to(device, non_blocking=True)
+    dev = host_to_device(cpu, device)
     _DEVICE_CU[key] = (cpu, dev)
     while len(_DEVICE_CU) > _DEVICE_CU_MAX:
         _DEVICE_CU.popitem(last=False)
