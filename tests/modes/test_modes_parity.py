@@ -185,3 +185,17 @@ def test_sbhd_packing_round_trip():
     from gdn_cp.modes import thd_to_sbhd
 
     assert torch.equal(thd_to_sbhd(packed, 3), x)
+
+
+NO_L2 = GDNShape(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, qk_l2norm=False)
+
+
+def _no_l2norm(rank, world):
+    return _run_modes(rank, world, "thd", torch.float64, shape=NO_L2)
+
+
+def test_modes_without_qk_l2norm(gloo_pool):
+    """use_qk_l2norm=False reaches every path (the summaries included), not only CP=1."""
+    for res in gloo_pool(2).run(_no_l2norm):
+        for mode, errs in res.items():
+            assert max(errs.values()) <= 1e-8, (mode, errs)

@@ -561,6 +561,7 @@ def chunkwise_core(
     cache: dict | None = None,
     scale: float | None = None,
     layout: str = "contiguous",
+    use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
     """Conv (SiLU) + gated delta rule on this rank's contiguous slice, with FLA's native CP.
 
@@ -608,7 +609,7 @@ def chunkwise_core(
         q, k, v = torch.split(x, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
         o, _ = chunk_gated_delta_rule(
             q.reshape(T_c, Hk, Dk), k.reshape(T_c, Hk, Dk), v.reshape(T_c, Hv, Dv), g, beta,
-            cu_seqlens=cu, scale=scale, use_qk_l2norm=True)
+            cu_seqlens=cu, scale=scale, use_qk_l2norm=use_qk_l2norm)
         return o
 
     if not has_cp_context():
@@ -629,5 +630,5 @@ def chunkwise_core(
     o, _ = api["chunk_gated_delta_rule"](
         q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.reshape(T_c, Hv, Dv).unsqueeze(0),
         g=g.float().unsqueeze(0), beta=beta.unsqueeze(0), scale=scale,
-        use_qk_l2norm_in_kernel=True, cp_context=ctx)
+        use_qk_l2norm_in_kernel=use_qk_l2norm, cp_context=ctx)
     return o.squeeze(0)

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 from ...layout.device import host_to_device
 
-__all__ = ["causal_conv1d", "validate_cu_seqlens", "compute_dtype"]
+__all__ = ["causal_conv1d", "check_local_boundaries", "compute_dtype"]
 
 
-def validate_cu_seqlens(cu_seqlens: Sequence[int], total: int, *, name: str = "cu_seqlens") -> list[int]:
+def check_local_boundaries(cu_seqlens: Sequence[int], total: int, *, name: str = "cu_seqlens") -> list[int]:
     """Check cumulative sequence boundaries given as Python ints and return them as a list.
 
     Boundaries must come from the host: a tensor here would mean a device->host sync per call, so
@@ -126,7 +126,7 @@ def causal_conv1d(
     for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move it with .to(x.device)")
-    cu = validate_cu_seqlens(cu_seqlens, T)
+    cu = check_local_boundaries(cu_seqlens, T)
 
     dtype = compute_dtype(x.dtype)
     xc = x.to(dtype)

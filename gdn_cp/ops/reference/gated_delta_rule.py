@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from ...layout.device import host_to_device
-from .conv import compute_dtype, validate_cu_seqlens
+from .conv import compute_dtype, check_local_boundaries
 
 __all__ = ["chunk_gated_delta_rule", "l2norm"]
 
@@ -125,7 +125,7 @@ def chunk_gated_delta_rule(
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (T, Hv):
             raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
-    cu = validate_cu_seqlens(cu_seqlens, T)
+    cu = check_local_boundaries(cu_seqlens, T)
     N = len(cu) - 1
     if initial_state is not None:
         _check("initial_state", initial_state, 4, "[N, Hv, Dk, Dv]")
