@@ -3,12 +3,15 @@
 zigzag -> contiguous (route all-to-all), then the conv takes its W-1 halo rows from
 earlier ranks and the scan takes its initial state from the affine summaries
 ``S_out = M S_in + S_ext`` of earlier ranks, then contiguous -> zigzag. Per-rank compute
-is the CP=1 compute on T/cp tokens (plus, in the generic path here, one extra scan over
-the rank's last piece to form its summary). A backend with a native context-parallel
-kernel (``chunkwise_core``, FLA's cp context) replaces the generic halo/summary path.
+is the CP=1 compute on T/cp tokens (in the generic path here, plus one wider scan on a
+rank whose whole slice continues a sequence on both sides, for its transition matrix M).
+A backend with a native context-parallel kernel for the group (``chunkwise_core``, FLA's
+cp context on NCCL) replaces the generic halo/summary path.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -52,33 +55,20 @@ def _connected_zeros(like: torch.Tensor, shape, dtype) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=like.device) + (like.sum() * 0).to(dtype)
 
 
-def _last_piece_summary(q, k, v, g, beta, cw: ChunkwisePlan, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
-    """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of the last piece (zeros if it ends here).
+def _transition_summary(q, k, v, g, beta, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
+    """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of rows that continue a sequence on both sides.
 
     The scan is linear in (S_in, v) column by column, so one scan with
     ``v' = [0 | v]`` and initial state ``[I | 0]`` returns ``[M | S_ext]``.
     """
-    hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
-    if not cw.last_continues:
-        return _connected_zeros(v, (hv, dk, dk + dv), state_dtype)
-    start = cw.local_cu[-2]
-    piece = slice(start, None)
-    n = v.shape[0] - start
-    if cw.last_is_first:
-        v_aug = torch.cat([v.new_zeros(n, hv, dk), v[piece]], dim=-1)
-        eye = torch.eye(dk, dtype=state_dtype, device=v.device).expand(1, hv, dk, dk)
-        init = torch.cat([eye, eye.new_zeros(1, hv, dk, dv)], dim=-1)
-        _, final = backend.chunk_gated_delta_rule(
-            q[piece], k[piece], v_aug, g[piece], beta[piece],
-            cu_seqlens=[0, n], initial_state=init, output_final_state=True, use_qk_l2norm=qk_l2norm,
-        )
-        return final[0].to(state_dtype)
+    n, hv, dk, dv = v.shape[0], v.shape[1], q.shape[2], v.shape[2]
+    v_aug = torch.cat([v.new_zeros(n, hv, dk), v], dim=-1)
+    eye = torch.eye(dk, dtype=state_dtype, device=v.device).expand(1, hv, dk, dk)
+    init = torch.cat([eye, eye.new_zeros(1, hv, dk, dv)], dim=-1)
     _, final = backend.chunk_gated_delta_rule(
-        q[piece], k[piece], v[piece], g[piece], beta[piece],
-        cu_seqlens=[0, n], output_final_state=True, use_qk_l2norm=qk_l2norm,
+        q, k, v_aug, g, beta, cu_seqlens=[0, n], initial_state=init, output_final_state=True, use_qk_l2norm=qk_l2norm,
     )
-    zeros_m = torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device)
-    return torch.cat([zeros_m, final[0].to(state_dtype)], dim=-1)
+    return final[0].to(state_dtype)
 
 
 def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk: int) -> torch.Tensor:
@@ -135,15 +125,52 @@ def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNSha
     x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=list(cw.local_cu), halo=halo, activation="silu")
     q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
 
-    initial = None
-    if straddles:
-        state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-        summary = _last_piece_summary(q, k, v, g_c, beta_c, cw, backend, state_dtype, shape.qk_l2norm)
-        summaries = all_gather_rows(summary.unsqueeze(0), group)  # [cp, Hv, Dk, Dk+Dv]
-        first = initial_state_from_summaries(summaries, cw, shape.head_k_dim)
-        n_pieces = len(cw.local_cu) - 1
-        initial = torch.cat([first.unsqueeze(0), first.new_zeros(n_pieces - 1, *first.shape)])
-    o_c, _ = backend.chunk_gated_delta_rule(
-        q, k, v, g_c, beta_c, cu_seqlens=list(cw.local_cu), initial_state=initial, use_qk_l2norm=shape.qk_l2norm
+    if not straddles:
+        o_c, _ = backend.chunk_gated_delta_rule(
+            q, k, v, g_c, beta_c, cu_seqlens=list(cw.local_cu), use_qk_l2norm=shape.qk_l2norm
+        )
+        return o_c
+    return _scan_with_carried_state(q, k, v, g_c, beta_c, cw, backend, group, shape)
+
+
+def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group, shape: GDNShape):
+    """The scan of a slice whose first piece may continue an earlier rank's sequence.
+
+    The pieces that start on this rank need no incoming state: they are scanned first, and the
+    last one's final state is this rank's summary ``[0 | S_ext]``. After the summaries are
+    exchanged, the first piece is scanned from its composed initial state. So every row is
+    scanned once, except when one piece covers the whole slice and continues on both sides:
+    its ``[M | S_ext]`` takes one more (wider) scan.
+    """
+    cu = list(cw.local_cu)
+    dk, t_local = shape.head_k_dim, v.shape[0]
+    state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    scan = partial(backend.chunk_gated_delta_rule, use_qk_l2norm=shape.qk_l2norm)
+    split = cu[1] if cw.first_continues else 0  # rows [0, split): the first piece, waiting for its state
+
+    o_rest = None
+    if split < t_local:
+        rest = slice(split, None)
+        o_rest, finals = scan(
+            q[rest], k[rest], v[rest], g[rest], beta[rest],
+            cu_seqlens=[c - split for c in cu[(1 if cw.first_continues else 0):]],
+            output_final_state=cw.last_continues,
+        )
+    hv, dv = v.shape[1], v.shape[2]
+    if cw.last_is_first:
+        summary = _transition_summary(q, k, v, g, beta, backend, state_dtype, shape.qk_l2norm)
+    elif cw.last_continues:
+        summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), finals[-1].to(state_dtype)], -1)
+    else:
+        summary = _connected_zeros(v, (hv, dk, dk + dv), state_dtype)
+    summaries = all_gather_rows(summary.unsqueeze(0), group)  # [cp, Hv, Dk, Dk+Dv]
+    s_in = initial_state_from_summaries(summaries, cw, dk)  # [Hv, Dk, Dv]
+
+    if not cw.first_continues:
+        # s_in is zeros here, but it must stay in this rank's graph (see _connected_zeros).
+        return o_rest + (s_in.sum() * 0).to(o_rest.dtype)
+    head = slice(0, split)
+    o_first, _ = scan(
+        q[head], k[head], v[head], g[head], beta[head], cu_seqlens=[0, split], initial_state=s_in.unsqueeze(0)
     )
-    return o_c
+    return o_first if o_rest is None else torch.cat([o_first, o_rest])
