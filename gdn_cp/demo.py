@@ -93,8 +93,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def _rank_job(rank: int, cfg: JobConfig, port: int, results) -> None:
-    cp = cfg.cp_size_now
+def _rank_job(rank: int, cp: int, cfg: JobConfig, port: int, results) -> None:
     torch.set_num_threads(1)
     device = torch.device(cfg.device)
     if device.type == "cuda":
@@ -171,12 +170,6 @@ def _rank_job(rank: int, cfg: JobConfig, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-class _Cfg:  # JobConfig plus the cp size of the current spawn (kept picklable and frozen above)
-    def __init__(self, cfg: JobConfig, cp: int):
-        self.__dict__.update(cfg.__dict__)
-        self.cp_size_now = cp
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -194,7 +187,7 @@ def run_job(cfg: JobConfig, tolerance: float | None = None, echo=print) -> bool:
         echo(f"== cp={cp}: spawning {cp} ranks ({cfg.dist_backend}, {cfg.device}, backend={cfg.backend}, {cfg.dtype})")
         results = ctx.Queue()
         port = _free_port()
-        procs = [ctx.Process(target=_rank_job, args=(r, _Cfg(cfg, cp), port, results)) for r in range(cp)]
+        procs = [ctx.Process(target=_rank_job, args=(r, cp, cfg, port, results)) for r in range(cp)]
         for p in procs:
             p.start()
         reports = [results.get(timeout=900) for _ in range(cp)]
