@@ -44,15 +44,15 @@ def halo_gather_index(cw: ChunkwisePlan) -> torch.Tensor:
     return torch.tensor([i if i >= 0 else zero_row for i in cw.halo_index], dtype=torch.long)
 
 
-def _connected_zeros(like: torch.Tensor, shape, dtype) -> torch.Tensor:
-    """Zeros that stay in ``like``'s autograd graph.
+def _keep_in_graph(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x``, with ``like`` attached to its autograd graph (adds ``0 * like.sum()``).
 
     Collectives inside autograd must run in the same order on every rank. A rank whose
     summary is all zeros, or that composes no earlier state, must still send its
     gathered tensors through the graph, or its backward would skip the reduce-scatter
     that the other ranks wait in.
     """
-    return torch.zeros(shape, dtype=dtype, device=like.device) + (like.sum() * 0).to(dtype)
+    return x + (like.sum() * 0).to(x.dtype)
 
 
 def _transition_summary(q, k, v, g, beta, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _transition_summary(q, k, v, g, beta, backend, state_dtype, qk_l2norm: bool)
 def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk: int) -> torch.Tensor:
     """Compose earlier ranks' ``[M | S_ext]`` (``summaries [cp, Hv, Dk, Dk+Dv]``) in rank order.
 
-    Returns ``[Hv, Dk, Dv]``: zeros (still in the graph, see :func:`_connected_zeros`) when
+    Returns ``[Hv, Dk, Dv]``: zeros (still in the graph, see :func:`_keep_in_graph`) when
     the first piece starts on this rank.
     """
     state = summaries[0, ..., dk:] * 0
@@ -162,13 +162,12 @@ def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group
     elif cw.last_continues:
         summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), finals[-1].to(state_dtype)], -1)
     else:
-        summary = _connected_zeros(v, (hv, dk, dk + dv), state_dtype)
+        summary = _keep_in_graph(torch.zeros(hv, dk, dk + dv, dtype=state_dtype, device=v.device), v)
     summaries = all_gather_rows(summary.unsqueeze(0), group)  # [cp, Hv, Dk, Dk+Dv]
     s_in = initial_state_from_summaries(summaries, cw, dk)  # [Hv, Dk, Dv]
 
     if not cw.first_continues:
-        # s_in is zeros here, but it must stay in this rank's graph (see _connected_zeros).
-        return o_rest + (s_in.sum() * 0).to(o_rest.dtype)
+        return _keep_in_graph(o_rest, s_in)  # s_in is zeros here, but must stay in the graph
     head = slice(0, split)
     o_first, _ = scan(
         q[head], k[head], v[head], g[head], beta[head], cu_seqlens=[0, split], initial_state=s_in.unsqueeze(0)
