@@ -380,7 +380,7 @@ def _foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, ve
         targets = " ".join(t for t, s in states.items() if s == MODIFIED)
         fixes.append(f"in a Megatron-LM checkout, check out a commit whose files match the {pin} release{seen}")
         if targets:
-            fixes.append(f"`git checkout -- {targets}` to drop local changes")
+            fixes.append(f"if you changed them locally, `git checkout -- {targets}`")
     return PatchError(
         f"cannot {verb} the patch in {root}: " + "; ".join(bad) + f". {found}; {why}. Fix: "
         + ", or ".join(fixes) + ". Nothing was changed."

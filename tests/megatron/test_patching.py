@@ -754,7 +754,7 @@ def test_checkout_messages_name_the_checkouts_own_version(pristine_megatron, tmp
         apply_patch(root)
     msg = str(ei.value)
     assert "This tree reports megatron-core 0.19.1" in msg and f"pinned to megatron-core {VERSION}" in msg
-    assert f"`git checkout -- {GDN}`" in msg and "Nothing was changed" in msg
+    assert f"if you changed them locally, `git checkout -- {GDN}`" in msg and "Nothing was changed" in msg
     assert f"megatron-core {VERSION} according" not in msg
     assert _status(root) == [f" M {GDN}"]  # nothing written, not even the exclude lines
 
