@@ -13,8 +13,12 @@ gate), ``out_proj``, ``recompute_norm_out`` and ``norm_out_checkpoint``.
 
 ``TransformerConfig`` fields used: ``linear_cp_mode`` (added by the patch),
 ``linear_num_key_heads``, ``linear_num_value_heads``, ``tensor_model_parallel_size``,
-``context_parallel_size``, ``experimental_attention_variant``, ``is_hybrid_model``,
+``context_parallel_size``, ``experimental_attention_variant``,
 ``deterministic_mode``.
+
+Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
+``cu_seqlens_q_padded`` / ``cu_seqlens_q``, ``cp_group``, ``local_cp_size``) are read in
+:mod:`gdn_cp.megatron.gdn` directly.
 """
 
 from __future__ import annotations
