@@ -7,10 +7,12 @@ import logging
 import sys
 
 from . import __version__
+from .megatron.pins import PINS
+from .modes.spec import MODE_NAMES
 
-_DESCRIPTION = """\
-gdn-cp: context parallelism (headwise, chunkwise, all_gather) for Gated DeltaNet layers on
-Megatron-Core 0.19.2.
+_DESCRIPTION = f"""\
+gdn-cp: context parallelism ({", ".join(MODE_NAMES)}) for Gated DeltaNet layers on
+Megatron-Core {", ".join(PINS)}.
 
   run       the main job: a real CP run of the GDN core on spawned ranks, checked against CP=1
   route     print the zigzag <-> contiguous all-to-all plan for a packing (debugging packings)
@@ -18,6 +20,16 @@ Megatron-Core 0.19.2.
   doctor    versions, patch state, GPUs, and which linear_cp_mode fits a head shape
   selftest  FLA backend vs the reference backend on this machine's GPU and versions
 """
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -96,8 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "round-trip the routes of a packed micro-batch, then run every mode forward+backward and "
                        "compare output and gradients with CP=1. Exit 1 if any check fails.")
     p.add_argument("--cp", type=_int_list, default=[2, 4], help="CP sizes to run, e.g. 2,4 (default 2,4)")
-    p.add_argument("--modes", nargs="+", default=["headwise", "chunkwise", "all_gather"],
-                   choices=["headwise", "chunkwise", "all_gather"], help="modes to run (default: all)")
+    p.add_argument("--modes", nargs="+", default=list(MODE_NAMES), choices=MODE_NAMES, help="modes to run (default: all)")
     p.add_argument("--sequences", type=int, default=37, help="packed sequences per micro-batch (default 37)")
     p.add_argument("--tokens-per-rank", type=int, default=1024, help="T_global / cp (default 1024)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
@@ -127,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "importable megatron-core, GPUs, and for --heads K,V --tp T --cp C which linear_cp_mode values "
                        "are legal and what auto resolves to, with reasons.")
     p.add_argument("--heads", type=_int_list, default=None, help="linear key,value heads, e.g. 16,32")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (default 1)")
     p.add_argument("--path", default=None, help="Megatron-LM checkout or site-packages (default: importable)")
     p.set_defaults(func=_cmd_doctor)
 

@@ -11,21 +11,30 @@ import sys
 from typing import Optional, Sequence, TextIO
 
 from gdn_cp.megatron import patching
+from gdn_cp.megatron.pins import PINS
+
+_RELEASES = ", ".join(PINS)
 
 _DESCRIPTION = f"""\
-Install, check or revert the gdn-cp patch of Megatron-Core {patching.PINNED_VERSION}.
+Install, check or revert the gdn-cp patch of Megatron-Core {_RELEASES}.
 
-The patch is thin: it adds TransformerConfig.linear_cp_mode (validated by gdn_cp) and makes
-GatedDeltaNet.forward hand over to gdn_cp when context parallelism is on or the input is packed
-(THD). Every target file is checked against the sha256 of the pinned release before anything is
-written; all files are replaced or none; the originals are kept as *{patching.BACKUP_SUFFIX} and
-`revert` restores them byte for byte.
+The patch is thin: it adds TransformerConfig.linear_cp_mode (checked, and 'auto' resolved, by
+gdn_cp) and makes GatedDeltaNet.forward hand over to gdn_cp when context parallelism is on or the
+input is packed (THD). Every target file is checked against the sha256 of the release before
+anything is written (a Megatron-LM checkout may report another version string: its files decide);
+all files are replaced or none; the originals are kept as *{patching.BACKUP_SUFFIX} (listed in
+.git/info/exclude in a git checkout) and `revert` restores them byte for byte.
 """
 
 _EPILOG = """\
 PATH: a Megatron-LM checkout, a site-packages folder holding megatron-core, or the megatron
 package folder. Default: the megatron package importable by this Python.
 Exit status: 0 on success (check: pristine or patched, or the --expect-ed state), 1 otherwise.
+"""
+
+_REVERT_NOTE = f"""
+Revert before `pip uninstall megatron-core`: pip does not know the *{patching.BACKUP_SUFFIX}
+backups and leaves them (and their folders) behind; delete them by hand if it already ran.
 """
 
 
@@ -52,7 +61,7 @@ def add_patch_commands(subparsers) -> argparse.ArgumentParser:
         a = actions.add_parser(
             action,
             help=text,
-            description=text,
+            description=text + (_REVERT_NOTE if action == "revert" else ""),
             epilog=_EPILOG,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
@@ -94,8 +103,7 @@ def run_patch_command(
         if args.patch_action == "check":
             files = patching.check_patch(root)
             state = patching.overall_state(files)
-            version = patching.megatron_version(root) or "unknown version"
-            print(f"megatron-core {version} at {root}", file=out)
+            print(f"{root}: {patching.describe_tree(root)}", file=out)
             _print_states(files, out)
             print(f"state: {state}", file=out)
             if args.expect is not None:
@@ -108,8 +116,8 @@ def run_patch_command(
             hint = (
                 "run `gdn-cp patch revert` then `gdn-cp patch apply`"
                 if state == patching.PARTIAL
-                else f"restore the pristine megatron-core {patching.PINNED_VERSION} files "
-                "(reinstall it) before applying"
+                else f"restore files that match a supported megatron-core release ({_RELEASES}; "
+                "reinstall it, or check out a matching commit) before applying"
             )
             print(f"error: megatron-core is {state}: {hint}", file=err)
             return 1

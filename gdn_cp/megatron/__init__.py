@@ -1,21 +1,19 @@
-"""Megatron-Core glue: `linear_cp_mode` validation and resolution, the patched GatedDeltaNet
-forward (``gdn_cp.megatron.gdn``) and installing / checking / reverting the pinned patch
-(``gdn_cp.megatron.patching``).
+"""Megatron-Core glue: ``linear_cp_mode`` checks and resolution (:mod:`.config`), the patched
+GatedDeltaNet forward (:mod:`.gdn`), the supported megatron-core releases and their adapters
+(:mod:`.pins`), and installing / checking / reverting the pinned patch (:mod:`.patching`).
 
-Importing this package imports neither Megatron nor torch: the patched ``TransformerConfig``
-imports ``gdn_cp.megatron.config`` while it is being constructed.
+Importing this package imports nothing else: the names below load their module on first use,
+so ``gdn_cp.megatron.patching`` (the ``gdn-cp patch`` command) stays free of torch.
 """
 
-from gdn_cp.megatron.config import (
-    LINEAR_CP_MODES,
-    explain_linear_cp_modes,
-    resolve_linear_cp_mode,
-    validate_linear_cp_mode,
-)
+from __future__ import annotations
 
-__all__ = [
-    "LINEAR_CP_MODES",
-    "explain_linear_cp_modes",
-    "resolve_linear_cp_mode",
-    "validate_linear_cp_mode",
-]
+import importlib
+
+__all__ = ["check_linear_cp_mode", "configure_linear_cp_mode", "explain_linear_cp_modes", "resolve_linear_cp_mode"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(importlib.import_module("gdn_cp.megatron.config"), name)
+    raise AttributeError(f"module 'gdn_cp.megatron' has no attribute {name!r}")

@@ -1,21 +1,22 @@
-"""`linear_cp_mode`: the legal values, their head-count rules, validation and `auto` resolution.
+"""``linear_cp_mode`` at the Megatron boundary: the one check, ``auto`` resolution, and the hook
+the patched ``TransformerConfig`` calls. The mode names and head rules live in
+:mod:`gdn_cp.modes.spec` (the registry); this module only applies them to Megatron's fields.
 
-The patched Megatron-Core ``TransformerConfig`` calls :func:`validate_linear_cp_mode` from its
-gated_delta_net checks (instead of stock 0.19.2's "heads divisible by TP*CP" assertion), and
-:func:`resolve_linear_cp_mode` turns ``"auto"`` into one concrete mode before the model is built.
+Who calls what:
 
-Rules (``K`` = linear_num_key_heads, ``V`` = linear_num_value_heads):
+* the patched ``TransformerConfig.__post_init__`` calls :func:`configure_linear_cp_mode`: it
+  resolves ``"auto"`` once, before any model is built (logged with the reason; the field then
+  holds the concrete mode) and, for a config that builds GDN layers, checks the heads against
+  TP / CP (replacing stock 0.19.2's "heads divisible by TP*CP" assertion);
+* the patched ``GatedDeltaNet.forward`` calls :func:`check_linear_cp_mode` with the layer's heads,
+  TP and the CP size of the call (dynamic CP groups; hybrid models, whose config never ran the
+  GDN checks);
+* users may call :func:`resolve_linear_cp_mode` themselves; ``gdn-cp doctor`` calls
+  :func:`explain_linear_cp_modes`.
 
-=============  ==========================  =================================================
-mode           heads must be divisible by  cost
-=============  ==========================  =================================================
-headwise       TP * CP                     two all-to-alls of every activation (stock scheme)
-chunkwise      TP                          per-rank work = CP=1 work on T/CP tokens
-all_gather     TP                          CP x compute and O(T) activation memory
-=============  ==========================  =================================================
-
-This module imports neither Megatron nor torch at import time (torch and FLA are only looked
-at when ``auto`` has to detect the device / FLA and was not told).
+Megatron's fields are read through the pin's adapter (:mod:`gdn_cp.megatron.pins`). This module
+imports neither Megatron nor torch at import time (torch and FLA are only looked at when ``auto``
+has to detect the device / FLA and was not told).
 """
 
 from __future__ import annotations
@@ -25,119 +26,88 @@ import importlib.util
 import logging
 from typing import Any, Optional
 
+from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODE_NAMES, MODES, get_mode, head_problem
+
 __all__ = [
-    "LINEAR_CP_MODES",
     "AUTO",
-    "linear_cp_mode_problem",
-    "validate_linear_cp_mode",
+    "MODE_CHOICES",
+    "check_linear_cp_mode",
+    "configure_linear_cp_mode",
     "detect_fla_cp",
     "resolve_linear_cp_mode",
     "explain_linear_cp_modes",
 ]
 
-LINEAR_CP_MODES = ("headwise", "chunkwise", "all_gather")
-AUTO = "auto"
-
 _logger = logging.getLogger(__name__)
 
 _RESOLVER = "gdn_cp.megatron.resolve_linear_cp_mode"
+# auto picks these only where FLA's CP kernels are usable (elsewhere headwise is cheaper to run)
+_AUTO_NEEDS_FLA = frozenset({"chunkwise"})
 
 
-def _legal_list() -> str:
-    return ", ".join(repr(m) for m in LINEAR_CP_MODES)
+def _legal_list(names=None) -> str:
+    return ", ".join(repr(m) for m in (MODE_NAMES if names is None else names))
 
 
-def _check_positive_int(name: str, value: Any) -> int:
+def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer.")
+        raise ValueError(f"{name}={value!r} must be a positive integer; set it in the TransformerConfig.")
     return value
 
 
-def _divisor(mode: str, tp: int, cp: int) -> int:
-    return tp * cp if mode == "headwise" else tp
+def _checked_sizes(num_key_heads, num_value_heads, tp, cp) -> tuple[int, int, int, int]:
+    return (
+        _positive_int("linear_num_key_heads", num_key_heads),
+        _positive_int("linear_num_value_heads", num_value_heads),
+        _positive_int("tensor_model_parallel_size", tp),
+        _positive_int("context_parallel_size", cp),
+    )
 
 
-def linear_cp_mode_problem(
-    mode: str, *, num_key_heads: int, num_value_heads: int, tp: int, cp: int
-) -> Optional[str]:
-    """Why ``mode`` is illegal for these heads and TP / CP sizes, or ``None`` when it is legal.
+def _fix_hint(mode: str, k: int, v: int, tp: int, cp: int) -> str:
+    """What to change so that ``mode`` (illegal for these heads) or another mode works."""
+    others = [m for m in MODE_NAMES if m != mode and head_problem(m, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) is None]
+    own = (
+        "choose tensor_model_parallel_size * context_parallel_size dividing both head counts"
+        if get_mode(mode).divides_by_cp
+        else "choose a tensor_model_parallel_size that divides both head counts"
+    )
+    if not others:
+        return own
+    return f"set linear_cp_mode to {' or '.join(repr(m) for m in others)}, which these heads allow, or {own}"
 
-    ``mode`` must be one of :data:`LINEAR_CP_MODES` (``auto`` and unknown values raise).
+
+def _unknown_mode_error(mode: Any) -> ValueError:
+    return ValueError(
+        f"linear_cp_mode={mode!r} is not a known mode; set it to one of {_legal_list(MODE_CHOICES)} "
+        f"(Megatron-LM: --linear-cp-mode {{{','.join(MODE_CHOICES)}}})."
+    )
+
+
+def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any, tp: Any, cp: Any) -> str:
+    """The one validation of a concrete ``linear_cp_mode`` against the GDN heads and TP / CP sizes.
+
+    Returns ``mode``. Raises ValueError naming the field, its value and the fix: for ``auto``
+    (it must be resolved before the model is built), unknown modes, sizes that are not positive
+    integers, and heads the mode cannot split (see :func:`gdn_cp.modes.spec.head_problem`).
     """
-    if mode not in LINEAR_CP_MODES:
-        raise ValueError(f"linear_cp_mode={mode!r} is not a concrete mode; use one of {_legal_list()}.")
-    tp = _check_positive_int("tensor_model_parallel_size", tp)
-    cp = _check_positive_int("context_parallel_size", cp)
-    num_key_heads = _check_positive_int("linear_num_key_heads", num_key_heads)
-    num_value_heads = _check_positive_int("linear_num_value_heads", num_value_heads)
-    div = _divisor(mode, tp, cp)
-    what = f"TP*CP={tp}*{cp}={div}" if mode == "headwise" else f"TP={tp}"
-    bad = [
-        f"{field}={value} is not divisible by {what}"
-        for field, value in (
-            ("linear_num_key_heads", num_key_heads),
-            ("linear_num_value_heads", num_value_heads),
-        )
-        if value % div != 0
-    ]
-    return "; ".join(bad) if bad else None
-
-
-def _fix_hint(mode: str, num_key_heads: int, num_value_heads: int, tp: int, cp: int) -> str:
-    if mode == "headwise":
-        others = [
-            m
-            for m in ("chunkwise", "all_gather")
-            if linear_cp_mode_problem(
-                m, num_key_heads=num_key_heads, num_value_heads=num_value_heads, tp=tp, cp=cp
-            )
-            is None
-        ]
-        hint = (
-            "choose tensor_model_parallel_size * context_parallel_size dividing both head counts"
-        )
-        if others:
-            hint = (
-                f"set linear_cp_mode='chunkwise' (or 'all_gather'), which only needs the heads "
-                f"divisible by TP, or {hint}"
-            )
-        return hint
-    return "choose a tensor_model_parallel_size that divides both head counts"
-
-
-def validate_linear_cp_mode(config: Any) -> None:
-    """Check ``config.linear_cp_mode`` against the GDN head counts and TP / CP sizes.
-
-    Called by the patched ``TransformerConfig.__post_init__`` (gated_delta_net branch). Reads
-    ``linear_cp_mode`` (default ``"headwise"`` when absent), ``linear_num_key_heads``,
-    ``linear_num_value_heads``, ``tensor_model_parallel_size`` and ``context_parallel_size``.
-
-    Raises:
-        ValueError: naming the field, its value and the fix.
-    """
-    mode = getattr(config, "linear_cp_mode", "headwise")
     if mode == AUTO:
         raise ValueError(
-            "linear_cp_mode='auto' cannot be used in TransformerConfig directly: resolve it "
-            f"before building the config/model with {_RESOLVER}('auto', num_key_heads=..., "
-            "num_value_heads=..., tp=..., cp=...) and pass the returned mode "
-            f"({_legal_list()}) as linear_cp_mode."
+            "linear_cp_mode='auto' must be resolved before the model is built: the patched "
+            "TransformerConfig resolves it when the config is built (a field set to 'auto' later is "
+            f"not); set a concrete mode ({_legal_list()}) or resolve it with {_RESOLVER}('auto', "
+            "num_key_heads=..., num_value_heads=..., tp=..., cp=...)."
         )
-    if not isinstance(mode, str) or mode not in LINEAR_CP_MODES:
-        raise ValueError(
-            f"linear_cp_mode={mode!r} is not a known mode; set it to one of {_legal_list()} "
-            f"(or resolve 'auto' with {_RESOLVER} before building the config)."
-        )
-    tp = getattr(config, "tensor_model_parallel_size", 1) or 1
-    cp = getattr(config, "context_parallel_size", 1) or 1
-    k = getattr(config, "linear_num_key_heads", None)
-    v = getattr(config, "linear_num_value_heads", None)
-    problem = linear_cp_mode_problem(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
+    if not isinstance(mode, str) or mode not in MODES:
+        raise _unknown_mode_error(mode)
+    k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
+    problem = head_problem(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
     if problem is not None:
         raise ValueError(
-            f"linear_cp_mode={mode!r} with tensor_model_parallel_size={tp}, "
-            f"context_parallel_size={cp}: {problem}. Fix: {_fix_hint(mode, k, v, tp, cp)}."
+            f"linear_cp_mode={mode!r} with tensor_model_parallel_size={tp}, context_parallel_size={cp}: "
+            f"{problem}. Fix: {_fix_hint(mode, k, v, tp, cp)}."
         )
+    return mode
 
 
 def detect_fla_cp(device_type: Optional[str] = None) -> tuple[bool, str]:
@@ -165,55 +135,34 @@ def detect_fla_cp(device_type: Optional[str] = None) -> tuple[bool, str]:
     return True, "CUDA device and fla.ops.cp.build_cp_context importable"
 
 
-def _resolve(
-    requested: str,
-    *,
-    num_key_heads: int,
-    num_value_heads: int,
-    tp: int,
-    cp: int,
-    device_type: Optional[str],
-    fla_usable: Optional[bool],
+def _auto_choice(
+    k: int, v: int, tp: int, cp: int, device_type: Optional[str], fla_usable: Optional[bool]
 ) -> tuple[str, str]:
-    if requested in LINEAR_CP_MODES:
-        problem = linear_cp_mode_problem(
-            requested, num_key_heads=num_key_heads, num_value_heads=num_value_heads, tp=tp, cp=cp
-        )
+    """``auto``: the first legal mode in the registry's ``auto_rank`` order, modes that need
+    FLA's CP path skipped where it is not usable. Returns ``(mode, reason)``."""
+    skipped: list[str] = []
+    fla: Optional[tuple[bool, str]] = None
+    for spec in sorted(MODES.values(), key=lambda s: s.auto_rank):
+        problem = head_problem(spec.name, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
         if problem is not None:
-            raise ValueError(
-                f"linear_cp_mode={requested!r} with tensor_model_parallel_size={tp}, "
-                f"context_parallel_size={cp}: {problem}. "
-                f"Fix: {_fix_hint(requested, num_key_heads, num_value_heads, tp, cp)}."
-            )
-        return requested, "explicitly requested and legal for these heads"
-    if requested != AUTO:
-        raise ValueError(
-            f"linear_cp_mode={requested!r} is not a known mode; use one of {_legal_list()} "
-            f"or {AUTO!r}."
-        )
-
-    problems = {
-        m: linear_cp_mode_problem(
-            m, num_key_heads=num_key_heads, num_value_heads=num_value_heads, tp=tp, cp=cp
-        )
-        for m in LINEAR_CP_MODES
-    }
-    if problems["chunkwise"] is not None:  # chunkwise and all_gather share the TP-only rule
-        raise ValueError(
-            f"linear_cp_mode='auto': no mode is legal: {problems['chunkwise']}. "
-            "Fix: choose a tensor_model_parallel_size that divides both head counts."
-        )
-    if fla_usable is None:
-        fla_usable, fla_reason = detect_fla_cp(device_type)
-    else:
-        fla_reason = "FLA CP path given as usable" if fla_usable else "FLA CP path given as unusable"
-    if fla_usable:
-        return "chunkwise", f"FLA chunkwise CP path usable ({fla_reason})"
-    if problems["headwise"] is None:
-        return "headwise", f"FLA CP path not usable ({fla_reason}); heads divisible by TP*CP"
-    return "all_gather", (
-        f"FLA CP path not usable ({fla_reason}) and headwise is illegal "
-        f"({problems['headwise']}); all_gather costs CP x compute"
+            skipped.append(f"{spec.name} is illegal ({problem})")
+            continue
+        if spec.name in _AUTO_NEEDS_FLA:
+            if fla is None:  # detected once, only when it matters
+                if fla_usable is None:
+                    fla = detect_fla_cp(device_type)
+                else:
+                    fla = (fla_usable, "FLA CP path given as " + ("usable" if fla_usable else "unusable"))
+            if not fla[0]:
+                skipped.append(f"{spec.name} skipped: FLA's CP path is not usable ({fla[1]})")
+                continue
+            skipped.append(f"FLA's CP path is usable ({fla[1]})")
+        chosen = f"{spec.name}: heads divisible by {spec.divisor_text(tp, cp)}; {spec.cost}"
+        return spec.name, "; ".join(skipped + [chosen])
+    raise ValueError(
+        "linear_cp_mode='auto': no mode is legal: "
+        + "; ".join(skipped)
+        + ". Fix: choose a tensor_model_parallel_size that divides both head counts."
     )
 
 
@@ -230,34 +179,61 @@ def resolve_linear_cp_mode(
 ) -> str:
     """Turn a requested ``linear_cp_mode`` into the concrete mode to build the model with.
 
-    Call it once, before building the TransformerConfig / model, and pass the result as
-    ``linear_cp_mode``. Explicit modes are validated and returned unchanged. ``"auto"`` picks
-    ``chunkwise`` when FLA's CP path is usable (CUDA device and ``fla.ops.cp.build_cp_context``
-    importable; detected unless ``fla_usable`` / ``device_type`` are given), else ``headwise``
-    when both head counts divide TP*CP, else ``all_gather``. One INFO line is logged with the
-    requested and resolved modes, TP, CP, the heads and the reason. Never falls back silently:
-    an illegal explicit mode raises ``ValueError``.
+    Explicit modes are checked (:func:`check_linear_cp_mode`) and returned unchanged. ``"auto"``
+    picks ``chunkwise`` when FLA's CP path is usable (CUDA device and ``fla.ops.cp.
+    build_cp_context`` importable; detected unless ``fla_usable`` / ``device_type`` are given),
+    else ``headwise`` when both head counts divide TP*CP, else ``all_gather``. One INFO line is
+    logged with the requested and resolved modes, TP, CP, the heads and the reason. Never falls
+    back silently: an illegal explicit mode raises ValueError.
     """
-    mode, reason = _resolve(
-        requested,
-        num_key_heads=num_key_heads,
-        num_value_heads=num_value_heads,
-        tp=tp,
-        cp=cp,
-        device_type=device_type,
-        fla_usable=fla_usable,
-    )
+    if requested == AUTO:
+        k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
+        mode, reason = _auto_choice(k, v, tp, cp, device_type, fla_usable)
+    elif not isinstance(requested, str) or requested not in MODES:
+        raise _unknown_mode_error(requested)
+    else:
+        mode = check_linear_cp_mode(requested, num_key_heads=num_key_heads, num_value_heads=num_value_heads, tp=tp, cp=cp)
+        reason = "explicitly requested and legal for these heads"
     (logger or _logger).info(
-        "gdn-cp linear_cp_mode: requested=%s resolved=%s (tp=%d, cp=%d, "
-        "linear_num_key_heads=%d, linear_num_value_heads=%d): %s",
-        requested,
-        mode,
-        tp,
-        cp,
-        num_key_heads,
-        num_value_heads,
-        reason,
-    )
+        "gdn-cp linear_cp_mode: requested=%s resolved=%s (tp=%d, cp=%d, linear_num_key_heads=%d, "
+        "linear_num_value_heads=%d): %s",
+        requested, mode, tp, cp, num_key_heads, num_value_heads, reason,
+    )  # fmt: skip
+    return mode
+
+
+def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = None) -> str:
+    """The patched ``TransformerConfig.__post_init__`` hook; returns the concrete mode.
+
+    * ``"auto"`` is resolved here, once, with the config's own heads, TP and CP (logged; see
+      :func:`resolve_linear_cp_mode`), and the field is set to the result;
+    * a config that builds GDN layers (``experimental_attention_variant='gated_delta_net'``) has
+      its heads checked against the mode (ValueError with the fix otherwise). Hybrid models are
+      checked by each GDN layer's forward instead, as their config cannot see the layers.
+
+    Raises ValueError for unknown values (a typo fails when the config is built).
+    """
+    from gdn_cp.megatron.pins import load_adapter
+
+    adapter = load_adapter()
+    f = adapter.read_config(config)
+    mode = f.linear_cp_mode
+    if mode == AUTO:
+        try:
+            mode = resolve_linear_cp_mode(
+                AUTO, num_key_heads=f.num_key_heads, num_value_heads=f.num_value_heads, tp=f.tp, cp=f.cp,
+                logger=logger,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ValueError(
+                f"{e} (TransformerConfig with linear_cp_mode='auto' resolves it from these fields; "
+                f"or set a concrete linear_cp_mode, one of {_legal_list()})"
+            ) from None
+        adapter.set_linear_cp_mode(config, mode)
+    elif not isinstance(mode, str) or mode not in MODES:
+        raise _unknown_mode_error(mode)
+    if f.builds_gdn:
+        check_linear_cp_mode(mode, num_key_heads=f.num_key_heads, num_value_heads=f.num_value_heads, tp=f.tp, cp=f.cp)
     return mode
 
 
@@ -272,34 +248,19 @@ def explain_linear_cp_modes(
 ) -> dict[str, dict[str, Any]]:
     """Per mode, whether it is legal and why, plus what ``auto`` resolves to (for ``gdn-cp doctor``).
 
-    Returns ``{"headwise": {"legal": bool, "reason": str}, "chunkwise": ..., "all_gather": ...,
-    "auto": {"legal": bool, "resolved": str | None, "reason": str}}``.
+    Returns ``{mode: {"legal": bool, "reason": str}, ..., "auto": {"legal": bool, "resolved": str |
+    None, "reason": str}}`` with the modes in the registry's order.
     """
+    k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
     out: dict[str, dict[str, Any]] = {}
-    costs = {
-        "headwise": "two all-to-alls of every activation",
-        "chunkwise": "per-rank compute of T/CP tokens plus a small state/halo exchange",
-        "all_gather": "CP x compute and O(T) activation memory",
-    }
-    for m in LINEAR_CP_MODES:
-        problem = linear_cp_mode_problem(
-            m, num_key_heads=num_key_heads, num_value_heads=num_value_heads, tp=tp, cp=cp
-        )
-        div = "TP*CP" if m == "headwise" else "TP"
+    for name, spec in MODES.items():
+        problem = head_problem(name, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
         if problem is None:
-            out[m] = {"legal": True, "reason": f"heads divisible by {div}; costs {costs[m]}"}
+            out[name] = {"legal": True, "reason": f"heads divisible by {spec.divisor_text(tp, cp)}; {spec.cost}"}
         else:
-            out[m] = {"legal": False, "reason": problem}
+            out[name] = {"legal": False, "reason": problem}
     try:
-        mode, reason = _resolve(
-            AUTO,
-            num_key_heads=num_key_heads,
-            num_value_heads=num_value_heads,
-            tp=tp,
-            cp=cp,
-            device_type=device_type,
-            fla_usable=fla_usable,
-        )
+        mode, reason = _auto_choice(k, v, tp, cp, device_type, fla_usable)
         out[AUTO] = {"legal": True, "resolved": mode, "reason": reason}
     except ValueError as e:
         out[AUTO] = {"legal": False, "resolved": None, "reason": str(e)}

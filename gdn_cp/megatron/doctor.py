@@ -1,8 +1,9 @@
 """`gdn-cp doctor`: what is installed, whether Megatron-Core is patched, and which mode fits.
 
 Reads versions without importing megatron.core (its import is slow and noisy), finds the
-patch state through :mod:`gdn_cp.megatron.patching`, and for a head shape lists the legal
-``linear_cp_mode`` values and what ``auto`` picks, with reasons.
+patch state and the release the files match (by sha256) through :mod:`gdn_cp.megatron.patching`,
+and for a head shape lists the ``linear_cp_mode`` values of the registry (:mod:`gdn_cp.modes.
+spec`), whether each is legal and what ``auto`` picks, with reasons.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Callable
 
-from .config import explain_linear_cp_modes
+from .config import AUTO, explain_linear_cp_modes
+from .pins import PINS
 
 __all__ = ["collect_report", "run_doctor"]
 
@@ -33,6 +35,7 @@ def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
             "gdn-cp": __version__,
             "torch": torch.__version__,
             "megatron-core": _version("megatron-core"),
+            "megatron-core pins": ", ".join(PINS),
             "flash-linear-attention": _version("flash-linear-attention"),
             "fla-core": _version("fla-core"),
             "triton": _version("triton"),
@@ -44,7 +47,10 @@ def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
     try:
         root = patching.find_megatron_root(path)
         states = patching.check_patch(root)
-        report["patch"] = {"root": str(root), "state": patching.overall_state(states), "files": states}
+        report["patch"] = {
+            "root": str(root), "state": patching.overall_state(states), "files": states,
+            "tree": patching.describe_tree(root),
+        }
     except Exception as err:  # report, do not crash the doctor
         report["patch"] = {"root": None, "state": "unavailable", "error": str(err)}
     if heads is not None:
@@ -71,6 +77,7 @@ def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[
         echo(f"megatron-core patch: unavailable ({patch.get('error')})")
     else:
         echo(f"megatron-core patch at {patch['root']}: {patch['state']}")
+        echo(f"  {patch['tree']}")
         for file, state in patch["files"].items():
             echo(f"  {state:<9} {file}")
     echo(
@@ -83,9 +90,9 @@ def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[
             f"linear_cp_mode for linear_num_key_heads={s['num_key_heads']}, "
             f"linear_num_value_heads={s['num_value_heads']}, TP={s['tp']}, CP={s['cp']}:"
         )
-        for mode in ("headwise", "chunkwise", "all_gather"):
-            info = report["modes"][mode]
-            echo(f"  {mode:<10} {'legal  ' if info['legal'] else 'ILLEGAL'}  {info['reason']}")
-        auto = report["modes"]["auto"]
-        echo(f"  auto  ->   {auto['resolved'] or 'nothing legal'}: {auto['reason']}")
+        for mode, info in report["modes"].items():
+            if mode != AUTO:
+                echo(f"  {mode:<10} {'legal  ' if info['legal'] else 'ILLEGAL'}  {info['reason']}")
+        auto = report["modes"][AUTO]
+        echo(f"  {AUTO:<10} -> {auto['resolved'] or 'nothing legal'}: {auto['reason']}")
     return 1 if patch["state"] not in ("pristine", "patched", "unavailable") else 0

@@ -1,18 +1,25 @@
-"""Install, check and revert the pinned Megatron-Core patch (``patches/megatron-core-0.19.2``).
+"""Install, check and revert a pinned Megatron-Core patch (``patches/megatron-core-<version>/``).
 
-The patch folder holds one unified diff per target file and a ``manifest.json`` with, per
-target (a path relative to the folder that contains the ``megatron/`` package), the sha256 of
-the pristine and of the patched file. Content hashes are the source of truth:
+Each supported release (a pin, see :mod:`gdn_cp.megatron.pins`) has a patch folder holding one
+unified diff per target file and a ``manifest.json`` with, per target (a path relative to the
+folder that contains the ``megatron/`` package), the sha256 of the pristine and of the patched
+file. Content hashes are the source of truth, never version strings: a Megatron-LM checkout
+reports its own version in ``megatron/core/package_info.py`` (e.g. ``0.19.1``) while its target
+files can be byte-identical to a release's. The pin of a tree is the one whose hashes its files
+match (:func:`detect_pin`); messages name the version the tree reports and the pin it matched.
 
 * ``check_patch`` reports each target as ``pristine`` / ``patched`` / ``modified`` (someone
   else's change or another megatron-core version) / ``missing``.
 * ``apply_patch`` verifies that every target is pristine before touching anything, computes
   every patched file in memory (diff applied with exact context, result hash-checked), stages
   them as temporary files next to the targets and only then renames them into place (all files
-  or none). The originals are kept as ``<file>.gdn_cp.orig``. Applying an applied patch is a
-  no-op that says so.
+  or none). The originals are kept as ``<file>.gdn_cp.orig``; in a git checkout that pattern is
+  added to ``.git/info/exclude`` (never to a tracked ``.gitignore``), so ``git status`` lists only
+  the patched files. Applying an applied patch is a no-op that says so.
 * ``revert_patch`` restores byte-identical pristine files (from the backup, or by reversing the
-  diff; either way hash-checked) and removes the backups. Reverting a pristine tree is a no-op.
+  diff; either way hash-checked), removes the backups and the exclude lines it added. Reverting
+  a pristine tree is a no-op. (``pip uninstall megatron-core`` does not know the backups: it
+  leaves them, and their folders, behind; revert before uninstalling.)
 
 No function here prints; they return results and log. Errors are :class:`PatchError` with a
 message that says what is wrong and what to do; nothing has been changed when one is raised.
@@ -31,6 +38,9 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Union
 
+from .pins import PINNED_VERSION, PINS, Pin, get_pin
+from .unified_diff import DiffError, apply_unified_diff, make_unified_diff
+
 __all__ = [
     "PINNED_VERSION",
     "PATCH_NAME",
@@ -47,17 +57,20 @@ __all__ = [
     "load_manifest",
     "find_megatron_root",
     "megatron_version",
+    "detect_pin",
+    "describe_tree",
+    "file_matches_pin",
     "check_patch",
     "overall_state",
     "apply_patch",
     "revert_patch",
-    "apply_unified_diff",
+    "git_exclude_file",
+    "build_patch_files",
 ]
 
 _logger = logging.getLogger(__name__)
 
-PINNED_VERSION = "0.19.2"
-PATCH_NAME = f"megatron-core-{PINNED_VERSION}"
+PATCH_NAME = get_pin().patch_folder  # the default pin's folder, e.g. "megatron-core-0.19.2"
 
 PRISTINE = "pristine"
 PATCHED = "patched"
@@ -67,6 +80,7 @@ PARTIAL = "partial"  # overall state only: some files pristine, the others patch
 
 BACKUP_SUFFIX = ".gdn_cp.orig"
 _TMP_SUFFIX = ".gdn_cp.tmp"
+_EXCLUDE_LINES = ("# gdn-cp patch backups (`gdn-cp patch revert` removes these two lines)\n", f"*{BACKUP_SUFFIX}\n")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -102,34 +116,39 @@ class PatchResult:
 
 
 # --------------------------------------------------------------------------------------------
-# the vendored patch folder
+# the vendored patch folders
 # --------------------------------------------------------------------------------------------
-def patch_dir():
-    """The folder (a ``Traversable``) holding the pinned patch and its manifest.
+def _source_patches() -> Path:
+    return Path(__file__).resolve().parents[2] / "patches"
+
+
+def patch_dir(pin: Optional[str] = None):
+    """The folder (a ``Traversable``) holding a pin's patch and manifest (default pin: the table's).
 
     Installed wheels carry it as the ``gdn_cp._patches`` package data; a source checkout that
     is used without installing falls back to the repository's top-level ``patches/`` folder.
     """
+    name = get_pin(pin).patch_folder
     try:
         base = importlib.resources.files("gdn_cp._patches")
-        cand = base / PATCH_NAME
+        cand = base / name
         if cand.is_dir() and (cand / "manifest.json").is_file():
             return cand
     except (ModuleNotFoundError, TypeError):
         pass
-    cand = Path(__file__).resolve().parents[2] / "patches" / PATCH_NAME
+    cand = _source_patches() / name
     if (cand / "manifest.json").is_file():
         return cand
     raise PatchError(
-        f"the pinned patch folder {PATCH_NAME}/ is missing from this gdn-cp installation "
+        f"the patch folder {name}/ is missing from this gdn-cp installation "
         "(looked in the gdn_cp._patches package data and in the source tree's patches/); "
         "reinstall gdn-cp."
     )
 
 
-def load_manifest() -> Manifest:
-    """Read and sanity-check ``manifest.json`` of the pinned patch."""
-    d = patch_dir()
+def load_manifest(pin: Optional[str] = None) -> Manifest:
+    """Read and sanity-check ``manifest.json`` of a pin's patch (default: the table's pin)."""
+    d = patch_dir(pin)
     try:
         raw = json.loads((d / "manifest.json").read_text(encoding="utf-8"))
         files = tuple(
@@ -150,11 +169,16 @@ def load_manifest() -> Manifest:
         raise PatchError(f"corrupt patch manifest in {d}: {e!r}; reinstall gdn-cp.") from e
     if not files:
         raise PatchError(f"patch manifest in {d} lists no files; reinstall gdn-cp.")
+    if manifest.megatron_core_version != get_pin(pin).version:
+        raise PatchError(
+            f"patch manifest in {d} is for megatron-core {manifest.megatron_core_version}, the pin table "
+            f"says {get_pin(pin).version}; reinstall gdn-cp."
+        )
     return manifest
 
 
-def _read_patch_text(t: PatchTarget) -> str:
-    return (patch_dir() / t.patch).read_text(encoding="utf-8")
+def _read_patch_text(t: PatchTarget, pin: str) -> str:
+    return (patch_dir(pin) / t.patch).read_text(encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,93 +249,6 @@ def megatron_version(root: PathLike) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# unified diffs
-# --------------------------------------------------------------------------------------------
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-
-
-def _split_lines(text: str) -> list[str]:
-    """Split on '\\n' only (str.splitlines would also split on \\f, \\x1c, ...), keeping ends."""
-    parts = text.split("\n")
-    lines = [p + "\n" for p in parts[:-1]]
-    if parts[-1]:
-        lines.append(parts[-1])
-    return lines
-
-
-def _parse_hunks(diff_text: str) -> list[tuple[int, list[str], int, list[str]]]:
-    lines = _split_lines(diff_text)
-    i = 0
-    while i < len(lines) and not lines[i].startswith("--- "):
-        i += 1
-    if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
-        raise PatchError("malformed unified diff: no '--- '/'+++ ' header.")
-    i += 2
-    hunks = []
-    while i < len(lines):
-        m = _HUNK_RE.match(lines[i])
-        if m is None:
-            if lines[i].strip() == "":
-                i += 1
-                continue
-            raise PatchError(f"malformed unified diff: unexpected line {lines[i]!r}.")
-        old_start, old_len = int(m.group(1)), int(m.group(2) or "1")
-        new_start, new_len = int(m.group(3)), int(m.group(4) or "1")
-        i += 1
-        old: list[str] = []
-        new: list[str] = []
-        last: Optional[str] = None
-        while i < len(lines) and (len(old) < old_len or len(new) < new_len or lines[i].startswith("\\")):
-            line = lines[i]
-            tag, body = line[:1], line[1:]
-            if tag == "\\":  # "\ No newline at end of file": strip the previous line's '\n'
-                if last in (" ", "-") and old:
-                    old[-1] = old[-1].rstrip("\n")
-                if last in (" ", "+") and new:
-                    new[-1] = new[-1].rstrip("\n")
-            elif tag == " " or line == "\n":
-                body = body if tag == " " else "\n"
-                old.append(body)
-                new.append(body)
-            elif tag == "-":
-                old.append(body)
-            elif tag == "+":
-                new.append(body)
-            else:
-                raise PatchError(f"malformed unified diff: unexpected hunk line {line!r}.")
-            if tag != "\\":
-                last = tag if tag in " -+" else " "
-            i += 1
-        if len(old) != old_len or len(new) != new_len:
-            raise PatchError("malformed unified diff: hunk lengths do not match its header.")
-        hunks.append((old_start, old, new_start, new))
-    if not hunks:
-        raise PatchError("malformed unified diff: no hunks.")
-    return hunks
-
-
-def apply_unified_diff(text: str, diff_text: str, *, reverse: bool = False, name: str = "") -> str:
-    """Apply a single-file unified diff to ``text`` with exact context (no fuzz, no offset).
-
-    ``reverse=True`` undoes it. Raises :class:`PatchError` if any hunk does not match exactly.
-    """
-    lines = _split_lines(text)
-    shift = 0
-    for old_start, old, new_start, new in _parse_hunks(diff_text):
-        if reverse:
-            old_start, old, new_start, new = new_start, new, old_start, old
-        pos = (old_start - 1 if old else old_start) + shift
-        if lines[pos : pos + len(old)] != old:
-            raise PatchError(
-                f"{name or 'file'}: the diff's context does not match at line {old_start} "
-                "(unexpected file content)."
-            )
-        lines[pos : pos + len(old)] = new
-        shift += len(new) - len(old)
-    return "".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
 # state
 # --------------------------------------------------------------------------------------------
 def _sha256(data: bytes) -> str:
@@ -335,17 +272,70 @@ def _file_state(path: Path, t: PatchTarget) -> str:
     return MODIFIED
 
 
-def _root(root: Optional[PathLike]) -> Path:
-    return find_megatron_root(root)
+def _states(root: Path, manifest: Manifest) -> dict[str, str]:
+    return {t.target: _file_state(_target_path(root, t), t) for t in manifest.files}
 
 
-def check_patch(root: Optional[PathLike] = None) -> dict[str, str]:
+def detect_pin(root: Optional[PathLike] = None) -> Optional[Pin]:
+    """The pin whose release files ``root`` holds (each target pristine or patched), or None.
+
+    Goes by sha256 only, so a Megatron-LM checkout matches the release it shares files with
+    whatever version string its ``package_info.py`` reports.
+    """
+    r = find_megatron_root(root)
+    for pin in PINS.values():
+        if set(_states(r, load_manifest(pin.version)).values()) <= {PRISTINE, PATCHED}:
+            return pin
+    return None
+
+
+def file_matches_pin(path: PathLike, pin: Pin, *, patched: bool) -> bool:
+    """Whether the file at ``path`` is one of ``pin``'s targets, pristine or (``patched``) patched."""
+    p = Path(path)
+    try:
+        digest = _sha256(p.read_bytes())
+    except OSError:
+        return False
+    for t in load_manifest(pin.version).files:
+        if p.as_posix().endswith("/" + t.target):
+            return digest == (t.sha256_patched if patched else t.sha256_pristine)
+    return False
+
+
+def _resolve_pin(root: Path, pin: Optional[str]) -> tuple[str, Manifest]:
+    """The pin to act with: the one asked for, else the one the tree matches, else the default."""
+    if pin is None:
+        found = detect_pin(root)
+        pin = found.version if found is not None else PINNED_VERSION
+    try:
+        return pin, load_manifest(pin)
+    except ValueError as e:  # get_pin: unsupported version
+        raise PatchError(str(e)) from None
+
+
+def describe_tree(root: PathLike, pin: Optional[str] = None) -> str:
+    """One line: the version string the tree reports, and whether its files match a pin.
+
+    E.g. ``megatron-core 0.19.1 according to megatron/core/package_info.py; its target files
+    match the megatron-core 0.19.2 release (sha256)``.
+    """
+    r = find_megatron_root(root)
+    pin, manifest = _resolve_pin(r, pin)
+    v = megatron_version(r)
+    found = f"megatron-core {v} according to {manifest.version_file}" if v else f"no version readable from {manifest.version_file}"
+    ok = set(_states(r, manifest).values()) <= {PRISTINE, PATCHED}
+    match = "match" if ok else "do not match"
+    return f"{found}; its target files {match} the megatron-core {pin} release (sha256)"
+
+
+def check_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> dict[str, str]:
     """State of each target file: ``pristine`` | ``patched`` | ``modified`` | ``missing``.
 
     ``root``: anything :func:`find_megatron_root` accepts (default: the importable megatron).
+    ``pin``: the release to compare with (default: the one the files match, else the table's).
     """
-    r = _root(root)
-    return {t.target: _file_state(_target_path(r, t), t) for t in load_manifest().files}
+    r = find_megatron_root(root)
+    return _states(r, _resolve_pin(r, pin)[1])
 
 
 def overall_state(states: Mapping[str, str]) -> str:
@@ -362,33 +352,109 @@ def overall_state(states: Mapping[str, str]) -> str:
     return PARTIAL
 
 
-def _version_note(root: Path, manifest: Manifest) -> str:
-    v = megatron_version(root)
-    if v is None:
-        return (
-            f" Could not read megatron-core's version from {manifest.version_file}; this patch "
-            f"is pinned to megatron-core {manifest.megatron_core_version}."
-        )
-    if v != manifest.megatron_core_version:
-        return (
-            f" This is megatron-core {v}, but the patch is pinned to megatron-core "
-            f"{manifest.megatron_core_version}: install megatron-core=="
-            f"{manifest.megatron_core_version} (or use a gdn-cp release made for {v})."
-        )
-    return ""
+def _is_checkout(root: Path) -> bool:
+    return _find_git(root) is not None or (root / "pretrain_gpt.py").is_file()
 
 
 def _foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, verb: str) -> PatchError:
     bad = [f"{t} is {s}" for t, s in states.items() if s in (MODIFIED, MISSING)]
-    note = _version_note(root, manifest)
-    if not note:
-        note = (
-            f" The files differ from both the pristine megatron-core "
-            f"{manifest.megatron_core_version} and the patched ones (someone else changed them): "
-            f"restore the originals (reinstall megatron-core=={manifest.megatron_core_version}, "
-            "or `git checkout` them in a Megatron-LM checkout) and try again."
-        )
-    return PatchError(f"cannot {verb} the patch in {root}: " + "; ".join(bad) + "." + note + " Nothing was changed.")
+    pin = manifest.megatron_core_version
+    v = megatron_version(root)
+    found = (
+        f"This tree reports megatron-core {v} ({manifest.version_file})"
+        if v
+        else f"Could not read megatron-core's version from {manifest.version_file}"
+    )
+    why = (
+        f"the patch is pinned to megatron-core {pin} and applies only to files identical to that "
+        "release's (sha256)"
+    )
+    if v == pin:
+        why += "; these files differ from both the pristine and the patched ones (someone else changed them)"
+    fixes = [f"install megatron-core=={pin} (pip install megatron-core=={pin})"]
+    if v and v != pin:
+        fixes.append(f"use a gdn-cp release made for megatron-core {v}")
+    if _is_checkout(root):
+        refs = get_pin(pin).matching_refs
+        seen = f" (e.g. {', '.join(refs)})" if refs else ""
+        targets = " ".join(t for t, s in states.items() if s == MODIFIED)
+        fixes.append(f"in a Megatron-LM checkout, check out a commit whose files match the {pin} release{seen}")
+        if targets:
+            fixes.append(f"if you changed them locally, `git checkout -- {targets}`")
+    return PatchError(
+        f"cannot {verb} the patch in {root}: " + "; ".join(bad) + f". {found}; {why}. Fix: "
+        + ", or ".join(fixes) + ". Nothing was changed."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# git checkouts: keep the backups out of `git status`
+# --------------------------------------------------------------------------------------------
+def _find_git(root: Path) -> Optional[Path]:
+    """The ``.git`` (folder, or file of a worktree / submodule) of the work tree holding ``root``."""
+    for folder in (root, *root.parents):
+        dot_git = folder / ".git"
+        if dot_git.exists():
+            return dot_git
+    return None
+
+
+def git_exclude_file(root: PathLike) -> Optional[Path]:
+    """``info/exclude`` of the git repository whose work tree holds ``root``, or None.
+
+    Handles a plain ``.git`` folder and the ``.git`` file of a worktree or submodule
+    (``gitdir: ...``, with ``commondir`` for worktrees), without running git.
+    """
+    dot_git = _find_git(Path(root))
+    if dot_git is None:
+        return None
+    git_dir = dot_git
+    if dot_git.is_file():
+        m = re.match(r"gitdir:\s*(.+)", dot_git.read_text(encoding="utf-8").strip())
+        if m is None:
+            return None
+        git_dir = (dot_git.parent / m.group(1).strip()).resolve()
+        common = git_dir / "commondir"
+        if common.is_file():
+            git_dir = (git_dir / common.read_text(encoding="utf-8").strip()).resolve()
+    return git_dir / "info" / "exclude" if git_dir.is_dir() else None
+
+
+def _add_git_exclude(root: Path) -> Optional[Path]:
+    """Add the backup pattern to the repository's ``info/exclude`` (once). Returns the file."""
+    exclude = git_exclude_file(root)
+    if exclude is None:
+        return None
+    try:
+        text = exclude.read_text(encoding="utf-8") if exclude.exists() else ""
+        if _EXCLUDE_LINES[1] in _lines(text):
+            return exclude
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        sep = "" if text == "" or text.endswith("\n") else "\n"
+        exclude.write_text(text + sep + "".join(_EXCLUDE_LINES), encoding="utf-8")
+    except OSError as e:
+        _logger.warning("could not add %s to %s (git status will list the backups): %s", _EXCLUDE_LINES[1].strip(), exclude, e)
+        return None
+    return exclude
+
+
+def _remove_git_exclude(root: Path) -> None:
+    """Remove the two lines :func:`_add_git_exclude` added, leaving the rest of the file as it was."""
+    exclude = git_exclude_file(root)
+    if exclude is None or not exclude.exists():
+        return
+    try:
+        text = exclude.read_text(encoding="utf-8")
+        block = "".join(_EXCLUDE_LINES)
+        if block in text:
+            exclude.write_text(text.replace(block, "", 1), encoding="utf-8")
+    except OSError as e:
+        _logger.warning("could not remove the gdn-cp lines from %s: %s", exclude, e)
+
+
+def _lines(text: str) -> list[str]:
+    """Lines of ``text`` with their ends (a last line without one gets ``\\n``)."""
+    return [line if line.endswith("\n") else line + "\n" for line in text.splitlines(keepends=True)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,18 +553,26 @@ def _atomic_replace_all(
 # --------------------------------------------------------------------------------------------
 # apply / revert
 # --------------------------------------------------------------------------------------------
-def apply_patch(root: Optional[PathLike] = None) -> PatchResult:
-    """Apply the pinned patch to the megatron-core at ``root`` (default: the importable one).
+def _diff(text: str, t: PatchTarget, pin: str, *, reverse: bool = False) -> str:
+    try:
+        return apply_unified_diff(text, _read_patch_text(t, pin), reverse=reverse, name=t.target)
+    except DiffError as e:
+        raise PatchError(f"{e} Nothing was changed.") from None
 
-    Every target must be pristine (hash-checked) before anything is written; all files are
-    replaced or none. Already patched: a no-op (``action == "already_patched"``).
+
+def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> PatchResult:
+    """Apply a pin's patch to the megatron-core at ``root`` (default: the importable one).
+
+    ``pin``: default the release whose files the tree matches (by sha256). Every target must be
+    pristine before anything is written; all files are replaced or none. Already patched: a
+    no-op (``action == "already_patched"``).
     """
-    r = _root(root)
-    manifest = load_manifest()
-    states = {t.target: _file_state(_target_path(r, t), t) for t in manifest.files}
+    r = find_megatron_root(root)
+    pin, manifest = _resolve_pin(r, pin)
+    states = _states(r, manifest)
     overall = overall_state(states)
     if overall == PATCHED:
-        msg = f"megatron-core at {r} is already patched; nothing to do."
+        msg = f"megatron-core at {r} is already patched ({describe_tree(r, pin)}); nothing to do."
         _logger.info(msg)
         return PatchResult(r, "already_patched", dict(states), (), msg)
     if overall in (MODIFIED, MISSING):
@@ -519,8 +593,7 @@ def apply_patch(root: Optional[PathLike] = None) -> PatchResult:
         original = path.read_bytes()
         if _sha256(original) != t.sha256_pristine:  # changed since we looked
             raise PatchError(f"{path} changed while patching; nothing was changed, try again.")
-        new_text = apply_unified_diff(original.decode("utf-8"), _read_patch_text(t), name=t.target)
-        new = new_text.encode("utf-8")
+        new = _diff(original.decode("utf-8"), t, pin).encode("utf-8")
         if _sha256(new) != t.sha256_patched:
             raise PatchError(
                 f"the vendored diff for {t.target} does not produce the expected file "
@@ -531,26 +604,29 @@ def apply_patch(root: Optional[PathLike] = None) -> PatchResult:
         backups[path.with_name(path.name + BACKUP_SUFFIX)] = original
 
     _atomic_replace_all(contents, originals, extra_files=backups)
-    files = check_patch(r)
+    files = _states(r, manifest)
     if overall_state(files) != PATCHED:  # pragma: no cover - would mean a concurrent writer
         raise PatchError(f"after applying, the files are {files}; run `gdn-cp patch check`.")
+    exclude = _add_git_exclude(r)
+    git_note = f"; *{BACKUP_SUFFIX} listed in {exclude}, so git status shows only the patched files" if exclude else ""
     msg = (
-        f"patched megatron-core {manifest.megatron_core_version} at {r} "
-        f"({len(contents)} files; originals kept as *{BACKUP_SUFFIX})."
+        f"patched megatron-core at {r} ({describe_tree(r, pin)}): {len(contents)} files; originals "
+        f"kept as *{BACKUP_SUFFIX}{git_note}."
     )
     _logger.info(msg)
     return PatchResult(r, "applied", files, tuple(t.target for t in manifest.files), msg)
 
 
-def revert_patch(root: Optional[PathLike] = None) -> PatchResult:
+def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> PatchResult:
     """Restore the byte-identical pristine files at ``root`` (default: the importable megatron).
 
     Works from a fully or partially patched tree; a pristine tree is a no-op
     (``action == "already_pristine"``). Foreign modifications: :class:`PatchError`, nothing changed.
+    Removes the backups and the ``info/exclude`` lines that ``apply_patch`` added.
     """
-    r = _root(root)
-    manifest = load_manifest()
-    states = {t.target: _file_state(_target_path(r, t), t) for t in manifest.files}
+    r = find_megatron_root(root)
+    pin, manifest = _resolve_pin(r, pin)
+    states = _states(r, manifest)
     overall = overall_state(states)
     if overall in (MODIFIED, MISSING):
         raise _foreign_error(r, states, manifest, "revert")
@@ -573,15 +649,11 @@ def revert_patch(root: Optional[PathLike] = None) -> PatchResult:
         except FileNotFoundError:
             pass
         if restored is None:
-            text = apply_unified_diff(
-                current.decode("utf-8"), _read_patch_text(t), reverse=True, name=t.target
-            )
-            restored = text.encode("utf-8")
+            restored = _diff(current.decode("utf-8"), t, pin, reverse=True).encode("utf-8")
             if _sha256(restored) != t.sha256_pristine:
                 raise PatchError(
                     f"reversing the diff of {t.target} does not give the pristine file "
-                    "(corrupt gdn-cp installation); reinstall megatron-core "
-                    f"{manifest.megatron_core_version}. Nothing was changed."
+                    f"(corrupt gdn-cp installation); reinstall megatron-core {pin}. Nothing was changed."
                 )
         contents[path] = restored
         originals[path] = current
@@ -593,12 +665,62 @@ def revert_patch(root: Optional[PathLike] = None) -> PatchResult:
         backup = path.with_name(path.name + BACKUP_SUFFIX)
         if backup.exists():
             _remove_quietly(backup)
-    files = check_patch(r)
+    _remove_git_exclude(r)
+    files = _states(r, manifest)
     if not contents:
         msg = f"megatron-core at {r} is not patched; nothing to do."
         _logger.info(msg)
         return PatchResult(r, "already_pristine", files, (), msg)
     changed = tuple(t.target for t in manifest.files if _target_path(r, t) in contents)
-    msg = f"restored the pristine megatron-core {manifest.megatron_core_version} files at {r}."
+    msg = f"restored the pristine files at {r} ({describe_tree(r, pin)})."
     _logger.info(msg)
     return PatchResult(r, "reverted", files, changed, msg)
+
+
+# --------------------------------------------------------------------------------------------
+# making a patch folder (maintainers)
+# --------------------------------------------------------------------------------------------
+def _patch_header(pin: Pin) -> str:
+    return (
+        f"gdn-cp patch for megatron-core {pin.version} (the PyPI release; gdn_cp/megatron/pins lists "
+        "Megatron-LM refs with the same files).\n"
+        "Apply with `gdn-cp patch apply` (hash-checked, atomic, revertible); manifest.json beside this "
+        "file holds the sha256 of the pristine and patched file.\n"
+        "Made by gdn_cp.megatron.patching.build_patch_files from a pristine and a patched tree.\n\n"
+    )
+
+
+def build_patch_files(pristine_root: PathLike, patched_root: PathLike, targets: Iterable[str], pin: Optional[str] = None,
+                      out_dir: Optional[PathLike] = None) -> Path:
+    """Write a pin's patch folder (one ``<file>.patch`` per target and ``manifest.json``).
+
+    ``pristine_root`` / ``patched_root``: folders holding ``megatron/`` as released and as
+    gdn-cp changes it; ``targets``: paths relative to them. Writes into ``out_dir`` (default:
+    the source tree's ``patches/<pin folder>``) and returns it. For maintainers: edit a copy of
+    the release, run this, commit the folder; tests check the folder reproduces the edit.
+    """
+    p = get_pin(pin)
+    out = Path(out_dir) if out_dir is not None else _source_patches() / p.patch_folder
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for target in targets:
+        old = (Path(pristine_root) / target).read_bytes()
+        new = (Path(patched_root) / target).read_bytes()
+        diff = make_unified_diff(old.decode("utf-8"), new.decode("utf-8"), target)
+        if not diff:
+            raise PatchError(f"{target} is the same in both trees; nothing to patch there.")
+        name = target.rsplit("/", 1)[-1] + ".patch"
+        (out / name).write_text(_patch_header(p) + diff, encoding="utf-8")
+        files.append({"target": target, "patch": name, "sha256_pristine": _sha256(old), "sha256_patched": _sha256(new)})
+    manifest = {
+        "format": 1,
+        "name": "gdn-cp megatron-core patch",
+        "megatron_core_version": p.version,
+        "source": f"megatron-core {p.version} from PyPI; Megatron-LM refs with the same target files: "
+        + (", ".join(p.matching_refs) or "none checked"),
+        "version_file": "megatron/core/package_info.py",
+        "paths_relative_to": "the folder that contains the megatron/ package (a Megatron-LM checkout or site-packages)",
+        "files": files,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return out

@@ -14,9 +14,10 @@ The rule, per TP rank, in bytes per token (``a`` = activation bytes, gates fp32)
 take ``hidden`` when it is strictly smaller and allowed, else ``core``. The hidden swap is
 not allowed with sequence parallelism and TP > 1 (hidden_states are then split along the
 sequence over TP and gathered inside in_proj). Both paths give the same numbers (tested).
-Qwen3.5-9B GDN at TP=1 (H=4096, 16 key / 32 value heads of dim 128, bf16): core 24,832
-B/token, hidden 16,384 B/token; stock headwise moves 32,896 (q|k|v|z|beta|alpha in, the
-normed output out), so the hidden swap moves 0.50x of stock headwise.
+Example, computed from the rule (``tests/megatron/test_swap.py`` checks these numbers): the
+Qwen3.5-9B GDN shape at TP=1 (H=4096, 16 key / 32 value heads of dim 128, bf16) gives core
+24,832 B/token and hidden 16,384 B/token; stock headwise moves 32,896 (q|k|v|z|beta|alpha in,
+the normed output out), so the hidden swap moves 0.50x of stock headwise.
 """
 
 from __future__ import annotations

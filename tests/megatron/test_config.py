@@ -1,4 +1,5 @@
-"""linear_cp_mode validation and resolution (pure Python: no Megatron, no GPU needed)."""
+"""linear_cp_mode at the Megatron boundary: the one check, auto resolution and the TransformerConfig
+hook (pure Python: no Megatron, no GPU needed; configs are stand-in namespaces with the fields)."""
 
 import logging
 import sys
@@ -8,12 +9,12 @@ import pytest
 
 from gdn_cp.megatron import config as cfgmod
 from gdn_cp.megatron.config import (
-    LINEAR_CP_MODES,
+    check_linear_cp_mode,
+    configure_linear_cp_mode,
     explain_linear_cp_modes,
-    linear_cp_mode_problem,
     resolve_linear_cp_mode,
-    validate_linear_cp_mode,
 )
+from gdn_cp.modes.spec import MODE_CHOICES, MODE_NAMES
 
 # (K, V, TP, CP); the expected legality is computed by _expected: headwise needs K and V
 # divisible by TP*CP, chunkwise and all_gather by TP.
@@ -39,85 +40,122 @@ def _expected(k, v, tp, cp):
     return (k % (tp * cp) == 0 and v % (tp * cp) == 0), (k % tp == 0 and v % tp == 0)
 
 
+_ABSENT = object()  # a config without the linear_cp_mode field
+
+
+def _config(mode="headwise", k=16, v=32, tp=1, cp=2, variant="gated_delta_net", **extra):
+    """A stand-in TransformerConfig carrying the fields the hook reads."""
+    fields = dict(
+        linear_num_key_heads=k, linear_num_value_heads=v, tensor_model_parallel_size=tp,
+        context_parallel_size=cp, experimental_attention_variant=variant, **extra,
+    )  # fmt: skip
+    if mode is not _ABSENT:
+        fields["linear_cp_mode"] = mode
+    return types.SimpleNamespace(**fields)
+
+
 @pytest.mark.parametrize("k,v,tp,cp", SHAPES)
-@pytest.mark.parametrize("mode", LINEAR_CP_MODES)
-def test_validate_table(mode, k, v, tp, cp):
+@pytest.mark.parametrize("mode", MODE_NAMES)
+def test_check_table(mode, k, v, tp, cp):
+    """The forward's check and the config hook accept and refuse the same (mode, heads, TP, CP)."""
     headwise_ok, tp_ok = _expected(k, v, tp, cp)
     legal = headwise_ok if mode == "headwise" else tp_ok
-    config = types.SimpleNamespace(
-        linear_cp_mode=mode,
-        linear_num_key_heads=k,
-        linear_num_value_heads=v,
-        tensor_model_parallel_size=tp,
-        context_parallel_size=cp,
-    )
-    assert (linear_cp_mode_problem(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) is None) == legal
+    config = _config(mode, k, v, tp, cp)
     if legal:
-        validate_linear_cp_mode(config)
-    else:
+        assert check_linear_cp_mode(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) == mode
+        assert configure_linear_cp_mode(config) == mode and config.linear_cp_mode == mode
+        return
+    errors = []
+    for call in (
+        lambda: check_linear_cp_mode(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp),
+        lambda: configure_linear_cp_mode(config),
+    ):
         with pytest.raises(ValueError) as ei:
-            validate_linear_cp_mode(config)
-        msg = str(ei.value)
-        assert f"linear_cp_mode={mode!r}" in msg
-        assert f"tensor_model_parallel_size={tp}" in msg and f"context_parallel_size={cp}" in msg
-        bad_k = k % (tp * cp if mode == "headwise" else tp) != 0
-        bad_v = v % (tp * cp if mode == "headwise" else tp) != 0
-        assert (f"linear_num_key_heads={k}" in msg) == bad_k
-        assert (f"linear_num_value_heads={v}" in msg) == bad_v
-        assert "Fix:" in msg
-        if mode == "headwise" and tp_ok:
-            assert "chunkwise" in msg  # points to the mode that works
+            call()
+        errors.append(str(ei.value))
+    assert errors[0] == errors[1]  # one function behind both
+    msg = errors[0]
+    assert f"linear_cp_mode={mode!r}" in msg
+    assert f"tensor_model_parallel_size={tp}" in msg and f"context_parallel_size={cp}" in msg
+    bad_k = k % (tp * cp if mode == "headwise" else tp) != 0
+    bad_v = v % (tp * cp if mode == "headwise" else tp) != 0
+    assert (f"linear_num_key_heads={k}" in msg) == bad_k
+    assert (f"linear_num_value_heads={v}" in msg) == bad_v
+    assert "Fix:" in msg
+    if mode == "headwise" and tp_ok:
+        assert "'chunkwise' or 'all_gather'" in msg  # points to the modes that work
 
 
-def test_validate_default_mode_is_headwise():
-    config = types.SimpleNamespace(
-        linear_num_key_heads=2, linear_num_value_heads=4, tensor_model_parallel_size=1, context_parallel_size=4
-    )
+def test_config_default_mode_is_headwise():
     with pytest.raises(ValueError, match="linear_cp_mode='headwise'"):
-        validate_linear_cp_mode(config)
+        configure_linear_cp_mode(_config(_ABSENT, 2, 4, 1, 4))
 
 
-def test_validate_rejects_auto_and_points_to_resolver():
-    config = types.SimpleNamespace(
-        linear_cp_mode="auto",
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        tensor_model_parallel_size=1,
-        context_parallel_size=2,
-    )
+def test_config_without_gdn_layers_checks_no_heads_but_rejects_typos():
+    """Stock 0.19.2 checks heads only for experimental_attention_variant='gated_delta_net'."""
+    other = _config("headwise", 3, 6, 1, 2, variant=None)
+    assert configure_linear_cp_mode(other) == "headwise"  # K=3 at CP=2: not this config's business
+    with pytest.raises(ValueError, match="linear_cp_mode='head_wise' is not a known mode"):
+        configure_linear_cp_mode(_config("head_wise", variant=None))
+
+
+def test_config_resolves_auto_once_and_logs(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="gdn_cp.megatron.config")
+    monkeypatch.setattr(cfgmod, "detect_fla_cp", lambda device_type=None: (False, "test: no FLA"))
+    config = _config("auto", 2, 4, 1, 4)
+    assert configure_linear_cp_mode(config) == "all_gather"
+    assert config.linear_cp_mode == "all_gather"  # the field holds the concrete mode
+    (rec,) = [r for r in caplog.records if r.name == "gdn_cp.megatron.config"]
+    line = rec.getMessage()
+    for piece in ("requested=auto", "resolved=all_gather", "tp=1", "cp=4", "linear_num_key_heads=2", "test: no FLA"):
+        assert piece in line, (piece, line)
+    assert configure_linear_cp_mode(config) == "all_gather"  # a copy of the config: a concrete mode, no new log
+    assert len([r for r in caplog.records if r.name == "gdn_cp.megatron.config"]) == 1
+
+    monkeypatch.setattr(cfgmod, "detect_fla_cp", lambda device_type=None: (True, "test: FLA usable"))
+    assert configure_linear_cp_mode(_config("auto", 2, 4, 1, 4)) == "chunkwise"
+    assert configure_linear_cp_mode(_config("auto", 16, 32, 2, 4, variant=None)) == "chunkwise"  # hybrid models too
+
+
+def test_config_auto_with_nothing_legal_names_fields_and_fix():
+    config = _config("auto", 3, 6, 2, 1)
     with pytest.raises(ValueError) as ei:
-        validate_linear_cp_mode(config)
-    assert "linear_cp_mode='auto'" in str(ei.value)
+        configure_linear_cp_mode(config)
+    msg = str(ei.value)
+    assert "linear_cp_mode='auto': no mode is legal" in msg and "linear_num_key_heads=3" in msg
+    assert "Fix:" in msg and "TransformerConfig with linear_cp_mode='auto'" in msg
+    assert config.linear_cp_mode == "auto"  # untouched on failure
+
+
+def test_check_rejects_unresolved_auto_and_points_to_resolver():
+    with pytest.raises(ValueError) as ei:
+        check_linear_cp_mode("auto", num_key_heads=16, num_value_heads=32, tp=1, cp=2)
+    assert "linear_cp_mode='auto' must be resolved" in str(ei.value)
     assert "gdn_cp.megatron.resolve_linear_cp_mode" in str(ei.value)
 
 
 @pytest.mark.parametrize("bad", ["Headwise", "head_wise", "ring", "", None, 3])
-def test_validate_rejects_unknown_with_legal_list(bad):
-    config = types.SimpleNamespace(
-        linear_cp_mode=bad,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        tensor_model_parallel_size=1,
-        context_parallel_size=2,
-    )
-    with pytest.raises(ValueError) as ei:
-        validate_linear_cp_mode(config)
-    msg = str(ei.value)
-    assert f"linear_cp_mode={bad!r}" in msg
-    for m in LINEAR_CP_MODES:
-        assert repr(m) in msg
+def test_unknown_modes_list_every_choice(bad):
+    for call in (
+        lambda: check_linear_cp_mode(bad, num_key_heads=16, num_value_heads=32, tp=1, cp=2),
+        lambda: configure_linear_cp_mode(_config(bad)),
+        lambda: resolve_linear_cp_mode(bad, num_key_heads=16, num_value_heads=32, tp=1, cp=2),
+    ):
+        with pytest.raises(ValueError) as ei:
+            call()
+        msg = str(ei.value)
+        assert f"linear_cp_mode={bad!r}" in msg
+        assert all(repr(m) in msg for m in MODE_CHOICES), msg
+        assert "--linear-cp-mode" in msg
 
 
-def test_validate_rejects_missing_heads():
-    config = types.SimpleNamespace(
-        linear_cp_mode="chunkwise",
-        linear_num_key_heads=None,
-        linear_num_value_heads=32,
-        tensor_model_parallel_size=1,
-        context_parallel_size=2,
-    )
-    with pytest.raises(ValueError, match="linear_num_key_heads=None"):
-        validate_linear_cp_mode(config)
+@pytest.mark.parametrize("field,value", [("linear_num_key_heads", None), ("linear_num_value_heads", 0),
+                                         ("tensor_model_parallel_size", 1.5)])
+def test_rejects_missing_or_bad_sizes(field, value):
+    config = _config("chunkwise")
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=f"{field}={value!r} must be a positive integer"):
+        configure_linear_cp_mode(config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,14 +188,15 @@ def test_resolve_auto_table(k, v, tp, cp, fla_usable, caplog):
     ):
         assert piece in line, (piece, line)
     if want == "chunkwise":
-        assert "FLA chunkwise CP path usable" in line
+        assert "FLA's CP path is usable" in line and f"chunkwise: heads divisible by TP={tp}" in line
     elif want == "headwise":
-        assert "FLA CP path not usable" in line and "divisible by TP*CP" in line
+        assert "chunkwise skipped: FLA's CP path is not usable" in line
+        assert f"headwise: heads divisible by TP*CP={tp}*{cp}" in line
     else:
-        assert "headwise is illegal" in line
+        assert "headwise is illegal" in line and f"all_gather: heads divisible by TP={tp}" in line
 
 
-@pytest.mark.parametrize("mode", LINEAR_CP_MODES)
+@pytest.mark.parametrize("mode", MODE_NAMES)
 def test_resolve_explicit_returned_and_logged(mode, caplog):
     caplog.set_level(logging.INFO, logger="gdn_cp.megatron.config")
     assert resolve_linear_cp_mode(mode, num_key_heads=16, num_value_heads=32, tp=2, cp=2, fla_usable=True) == mode
@@ -171,11 +210,6 @@ def test_resolve_explicit_illegal_raises_never_falls_back():
         resolve_linear_cp_mode("headwise", num_key_heads=2, num_value_heads=4, tp=1, cp=4, fla_usable=True)
     with pytest.raises(ValueError, match="linear_cp_mode='chunkwise'.*linear_num_key_heads=3"):
         resolve_linear_cp_mode("chunkwise", num_key_heads=3, num_value_heads=6, tp=2, cp=1)
-
-
-def test_resolve_unknown_raises():
-    with pytest.raises(ValueError, match="'ring' is not a known mode.*'headwise', 'chunkwise', 'all_gather'"):
-        resolve_linear_cp_mode("ring", num_key_heads=16, num_value_heads=32, tp=1, cp=2)
 
 
 def test_resolve_uses_given_logger(caplog):
@@ -231,34 +265,53 @@ def test_detect_fla_cp_variants(monkeypatch):
 
 def test_explain_linear_cp_modes():
     e = explain_linear_cp_modes(num_key_heads=2, num_value_heads=4, tp=1, cp=4, fla_usable=False)
-    assert set(e) == {"headwise", "chunkwise", "all_gather", "auto"}
+    assert list(e) == [*MODE_NAMES, "auto"]  # the registry's modes, in its order
     assert e["headwise"]["legal"] is False and "TP*CP=1*4=4" in e["headwise"]["reason"]
     assert e["chunkwise"]["legal"] is True and e["all_gather"]["legal"] is True
     assert e["auto"] == {"legal": True, "resolved": "all_gather", "reason": e["auto"]["reason"]}
     assert "headwise is illegal" in e["auto"]["reason"]
 
     e = explain_linear_cp_modes(num_key_heads=16, num_value_heads=32, tp=2, cp=2, fla_usable=True)
-    assert all(e[m]["legal"] for m in LINEAR_CP_MODES)
+    assert all(e[m]["legal"] for m in MODE_NAMES)
     assert e["auto"]["resolved"] == "chunkwise"
 
     e = explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=2, cp=1, fla_usable=True)
-    assert not any(e[m]["legal"] for m in LINEAR_CP_MODES)
+    assert not any(e[m]["legal"] for m in MODE_NAMES)
     assert e["auto"]["legal"] is False and e["auto"]["resolved"] is None
 
 
-def test_package_import_is_light():
-    """Importing gdn_cp.megatron (which the patched TransformerConfig does) pulls in no Megatron."""
-    import subprocess
-
-    code = (
-        "import sys, gdn_cp.megatron, gdn_cp.megatron.config, gdn_cp.megatron.patching, gdn_cp.cli_patch;"
-        "bad=[m for m in sys.modules if m.split('.')[0] in ('megatron','torch','fla','triton')];"
-        "print(bad); sys.exit(1 if bad else 0)"
-    )
+def _imported_heavy(code: str) -> list:
+    """Top-level heavy packages (megatron, torch, fla, triton) that ``code`` imports, in a fresh Python."""
     import os
+    import subprocess
     from pathlib import Path
 
+    probe = code + "; import sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron','torch','fla','triton'}))"
     repo = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=repo)
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=repo)
     assert r.returncode == 0, r.stdout + r.stderr
+    return eval(r.stdout.strip().splitlines()[-1])
+
+
+def test_imports_are_light():
+    """The patch tool imports no Megatron, torch, FLA or Triton; the config hook (imported by the
+    patched TransformerConfig) adds nothing to what the mode registry itself costs."""
+    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.megatron.patching, gdn_cp.megatron.pins, gdn_cp.cli_patch") == []
+    registry = _imported_heavy("import gdn_cp.modes.spec")
+    assert "megatron" not in registry
+    assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.megatron.pins.core_0_19_2") == registry
+
+
+def test_names_come_from_the_registry(monkeypatch):
+    """A mode added to the registry is legal for the config, the check, auto and doctor alike."""
+    from gdn_cp.modes import spec
+
+    extra = spec.ModeSpec(name="ring", divides_by_cp=False, layouts=("zigzag",), core="x:y", cost="test mode", auto_rank=-1)
+    monkeypatch.setitem(spec.MODES, "ring", extra)
+    monkeypatch.setattr(cfgmod, "MODE_NAMES", (*MODE_NAMES, "ring"))
+    monkeypatch.setattr(cfgmod, "MODE_CHOICES", (*MODE_NAMES, "ring", "auto"))
+    assert check_linear_cp_mode("ring", num_key_heads=3, num_value_heads=6, tp=1, cp=2) == "ring"
+    assert configure_linear_cp_mode(_config("ring", 3, 6, 1, 2)) == "ring"
+    assert resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=1, cp=2, fla_usable=False) == "ring"
+    assert "ring" in explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=1, cp=2, fla_usable=False)

@@ -103,14 +103,14 @@ def _odd_heads(rank, world):
 
     # A legal (mode, tp, cp) is validated once per module, then remembered.
     calls = []
-    original = cfgmod.validate_linear_cp_mode
-    cfgmod.validate_linear_cp_mode = lambda c: (calls.append(c.linear_cp_mode), original(c))[1]
+    original = cfgmod.check_linear_cp_mode
+    cfgmod.check_linear_cp_mode = lambda mode, **kw: (calls.append(mode), original(mode, **kw))[1]
     try:
         module.config.linear_cp_mode = "chunkwise"
         for _ in range(2):
             module(x, None, packed_seq_params=thd_params(cu_pad, cu_act))
     finally:
-        cfgmod.validate_linear_cp_mode = original
+        cfgmod.check_linear_cp_mode = original
     res["validations"] = calls
     dist.barrier()
     return res

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,6 @@ from gdn_cp.megatron.patching import (
     PRISTINE,
     PatchError,
     apply_patch,
-    apply_unified_diff,
     check_patch,
     find_megatron_root,
     load_manifest,
@@ -189,34 +187,6 @@ def test_manifest_and_patch_files_are_consistent():
     assert added < 60, added
 
 
-def test_apply_unified_diff_exact_and_reversible():
-    old = "a\nb\n\x0cc\nd\ne"  # form feed inside a line, no newline at the end
-    new = "z\na\nb\n\x0cc\nD\ne\nf\n"
-    diff = textwrap.dedent(
-        """\
-        header text is ignored
-        --- a/x.py
-        +++ b/x.py
-        @@ -0,0 +1 @@
-        +z
-        @@ -3,3 +4,4 @@
-         \x0cc
-        -d
-        -e
-        \\ No newline at end of file
-        +D
-        +e
-        +f
-        """
-    )
-    assert apply_unified_diff(old, diff) == new
-    assert apply_unified_diff(new, diff, reverse=True) == old
-    with pytest.raises(PatchError, match="does not match at line 3"):
-        apply_unified_diff(old.replace("d\n", "d2\n"), diff, name="x.py")
-    with pytest.raises(PatchError, match="no '--- '"):
-        apply_unified_diff(old, "@@ -1 +1 @@\n-a\n+b\n")
-
-
 def test_find_megatron_root_rejects_other_folders(tmp_path):
     with pytest.raises(PatchError, match="no megatron/core inside"):
         find_megatron_root(tmp_path)
@@ -370,7 +340,9 @@ def test_foreign_modification_is_detected_and_nothing_written(layout):
 def test_modified_after_patching_blocks_revert(layout):
     apply_patch(layout.root)
     cfg = layout.path(CFG)
-    cfg.write_bytes(cfg.read_bytes().replace(b'linear_cp_mode: str = "headwise"', b'linear_cp_mode: str = "chunkwise"'))
+    patched = cfg.read_bytes()
+    cfg.write_bytes(patched.replace(b'"auto"] = "headwise"', b'"auto"] = "chunkwise"'))  # a user's edit
+    assert cfg.read_bytes() != patched
     before = layout.digest()
     assert check_patch(layout.root)[CFG] == MODIFIED
     with pytest.raises(PatchError, match=f"{CFG} is modified"):
@@ -531,14 +503,20 @@ def test_cli(layout, capsys):
 # the patched package imports and behaves
 # ----------------------------------------------------------------------------------------------
 _TABLE_SCRIPT = r"""
-import json, sys, warnings
+import json, sys, typing, warnings
 warnings.filterwarnings("ignore")
 from megatron.core.transformer import TransformerConfig
 import megatron.core
 assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__
 shapes = json.loads(sys.argv[2])
 modes = json.loads(sys.argv[3])
-out = []
+field = TransformerConfig.__dataclass_fields__.get("linear_cp_mode")
+out = [list(typing.get_args(field.type)) if field is not None else None]
+try:  # megatron-core itself refuses sequence parallelism without TP > 1
+    TransformerConfig(num_layers=4, hidden_size=96, num_attention_heads=24, sequence_parallel=True)
+    out.append("sp-accepted")
+except ValueError as e:
+    out.append(str(e))
 for k, v, tp, cp in shapes:
     for mode in modes:
         kw = dict(num_layers=4, hidden_size=96, num_attention_heads=24,
@@ -577,30 +555,40 @@ def _run_table(root: Path, modes) -> list:
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    return json.loads(line[len("RESULT"):])
+    literal, sp_error, *rows = json.loads(line[len("RESULT"):])
+    assert sp_error == "Cannot use sequence parallelism without tensor parallelism", sp_error
+    return literal, rows
 
 
 @pytest.mark.megatron
 def test_patched_transformer_config_validation_table(site):
-    stock = _run_table(site.root, [None])
+    from gdn_cp.megatron.config import resolve_linear_cp_mode
+    from gdn_cp.modes.spec import MODE_CHOICES
+
+    literal, stock = _run_table(site.root, [None])
+    assert literal is None  # no linear_cp_mode field before patching
     for k, v, tp, cp, _, outcome, detail in stock:  # stock 0.19.2: heads % (TP*CP), AssertionError
         ok = k % (tp * cp) == 0 and v % (tp * cp) == 0
         assert outcome == ("ok" if ok else "AssertionError"), (k, v, tp, cp, outcome, detail)
-        if ok:
-            assert detail is None  # no linear_cp_mode field before patching
 
     apply_patch(site.root)
     modes = [None, "headwise", "chunkwise", "all_gather", "auto", "ring", "HEADWISE"]
-    rows = _run_table(site.root, modes)
+    literal, rows = _run_table(site.root, modes)
+    assert tuple(literal) == MODE_CHOICES  # the field's Literal[...] lists the registry's choices
     assert len(rows) == len(_SHAPES) * len(modes)
     for k, v, tp, cp, mode, outcome, detail in rows:
         case = (k, v, tp, cp, mode, outcome, detail)
-        if mode in ("auto", "ring", "HEADWISE"):
+        if mode in ("ring", "HEADWISE"):
             assert outcome == "ValueError", case
-            if mode == "auto":
-                assert "gdn_cp.megatron.resolve_linear_cp_mode" in detail, case
-            else:
-                assert "'headwise', 'chunkwise', 'all_gather'" in detail, case
+            assert "'headwise', 'chunkwise', 'all_gather', 'auto'" in detail, case
+            continue
+        if mode == "auto":  # resolved when the config is built (here: no CUDA, so no FLA)
+            try:
+                want = resolve_linear_cp_mode("auto", num_key_heads=k, num_value_heads=v, tp=tp, cp=cp, device_type="cpu")
+            except ValueError:
+                assert outcome == "ValueError" and "no mode is legal" in detail and "Fix:" in detail, case
+                continue
+            assert outcome == "ok" and detail == want, case
             continue
         effective = mode or "headwise"  # the field's default
         div = tp * cp if effective == "headwise" else tp
@@ -679,3 +667,124 @@ def test_patched_gdn_forward_hands_over(site):
         capture_output=True, text=True, env=env, cwd=site.root, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0 and "FORWARD-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# a Megatron-LM git checkout: version strings differ from the release, files decide; git status
+# ----------------------------------------------------------------------------------------------
+_INFO = "megatron/core/package_info.py"
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", HOME=str(cwd), GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t")  # fmt: skip
+    r = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"git {args}: {r.stdout}{r.stderr}"
+    return r.stdout
+
+
+def _megatron_lm_repo(base: Path, src: Path, patch_level: int = 1) -> Path:
+    """A git repository laid out like a Megatron-LM checkout whose ``package_info.py`` reports
+    0.19.<patch_level> (tag core_v0.19.0 reports 0.19.1) while its target files are 0.19.2's."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    root = base / "Megatron-LM"
+    for rel in (CFG, GDN, _INFO):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / rel, root / rel)
+    info = root / _INFO
+    text = info.read_text()
+    assert "PATCH = 2\n" in text
+    info.write_text(text.replace("PATCH = 2\n", f"PATCH = {patch_level}\n"))
+    (root / "pretrain_gpt.py").write_text("# placeholder\n")
+    (root / ".gitignore").write_text("__pycache__/\n")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "megatron-lm")
+    return root
+
+
+def _status(root: Path) -> list[str]:
+    return sorted(_git(root, "status", "--porcelain", "--untracked-files=all").splitlines())
+
+
+@pytest.mark.megatron
+def test_megatron_lm_checkout_goes_by_files_and_keeps_git_status_clean(pristine_megatron, tmp_path, capsys):
+    root = _megatron_lm_repo(tmp_path, pristine_megatron)
+    exclude = root / ".git" / "info" / "exclude"
+    exclude_before = exclude.read_text()
+    assert _status(root) == []
+
+    assert cli_patch.main(["patch", "apply", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "megatron-core 0.19.1 according to megatron/core/package_info.py" in out, out
+    assert f"its target files match the megatron-core {VERSION} release (sha256)" in out, out
+    assert str(exclude) in out
+    assert _status(root) == sorted([f" M {CFG}", f" M {GDN}"])  # the backups are excluded, not listed
+    assert (root / (GDN + BACKUP_SUFFIX)).is_file()
+    assert ".gitignore" not in _git(root, "status", "--porcelain")  # the user's tracked ignore file untouched
+
+    assert cli_patch.main(["patch", "check", "--expect", "patched", str(root)]) == 0
+    assert "0.19.1" in capsys.readouterr().out
+
+    assert cli_patch.main(["patch", "revert", str(root)]) == 0
+    assert "0.19.1" in capsys.readouterr().out
+    assert _status(root) == [] and exclude.read_text() == exclude_before
+    assert not list(root.rglob("*" + BACKUP_SUFFIX))
+
+
+@pytest.mark.megatron
+def test_git_worktree_of_a_checkout_uses_the_common_exclude(pristine_megatron, tmp_path):
+    main = _megatron_lm_repo(tmp_path, pristine_megatron)
+    _git(main, "worktree", "add", "-q", str(tmp_path / "wt"))
+    wt = tmp_path / "wt"
+    assert (wt / ".git").is_file()
+    assert patching.git_exclude_file(wt) == (main / ".git" / "info" / "exclude").resolve()
+    apply_patch(wt)
+    assert _status(wt) == sorted([f" M {CFG}", f" M {GDN}"]) and _status(main) == []
+    revert_patch(wt)
+    assert _status(wt) == [] and f"*{BACKUP_SUFFIX}" not in (main / ".git" / "info" / "exclude").read_text()
+
+
+@pytest.mark.megatron
+def test_checkout_messages_name_the_checkouts_own_version(pristine_megatron, tmp_path):
+    root = _megatron_lm_repo(tmp_path, pristine_megatron)
+    (root / GDN).write_text((root / GDN).read_text() + "# a local change\n")
+    with pytest.raises(PatchError) as ei:
+        apply_patch(root)
+    msg = str(ei.value)
+    assert "This tree reports megatron-core 0.19.1" in msg and f"pinned to megatron-core {VERSION}" in msg
+    assert f"if you changed them locally, `git checkout -- {GDN}`" in msg and "Nothing was changed" in msg
+    assert f"megatron-core {VERSION} according" not in msg
+    assert _status(root) == [f" M {GDN}"]  # nothing written, not even the exclude lines
+
+    info = root / _INFO  # another release: other version string, other files
+    info.write_text(info.read_text().replace("MINOR = 19\n", "MINOR = 20\n").replace("PATCH = 1\n", "PATCH = 0\n"))
+    with pytest.raises(PatchError) as ei:
+        apply_patch(root)
+    msg = str(ei.value)
+    assert "This tree reports megatron-core 0.20.0" in msg and "gdn-cp release made for megatron-core 0.20.0" in msg
+    assert "check out a commit whose files match" in msg
+
+
+@pytest.mark.megatron
+def test_detect_pin_and_describe_tree(layout):
+    assert patching.detect_pin(layout.root).version == VERSION
+    apply_patch(layout.root)
+    assert patching.detect_pin(layout.root).version == VERSION
+    layout.path(GDN).write_bytes(b"# another release\n")
+    assert patching.detect_pin(layout.root) is None
+    assert "do not match the megatron-core" in patching.describe_tree(layout.root)
+
+
+@pytest.mark.megatron
+def test_shipped_patch_folder_is_what_build_patch_files_makes(pristine_megatron, tmp_path):
+    """The vendored diffs and manifest are regenerated, byte for byte, from pristine + patched trees."""
+    patched = Layout("site-packages", tmp_path, pristine_megatron)
+    apply_patch(patched.root)
+    out = patching.build_patch_files(pristine_megatron, patched.root, [CFG, GDN], out_dir=tmp_path / "rebuilt")
+    shipped = patching.patch_dir()
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(p.name for p in Path(str(shipped)).iterdir() if p.is_file())
+    for name in names:
+        assert (out / name).read_bytes() == (shipped / name).read_bytes(), name

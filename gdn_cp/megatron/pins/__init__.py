@@ -1,0 +1,101 @@
+"""The megatron-core releases gdn-cp supports (pins), each with its patch folder and layer adapter.
+
+A pin is one megatron-core release whose two target files gdn-cp patches. Supporting another
+release (0.18.x, the next one) takes three things and nothing else:
+
+* a patch folder ``patches/megatron-core-<version>/`` (unified diffs + ``manifest.json`` with the
+  sha256 of the pristine and patched files; see :mod:`gdn_cp.megatron.patching`),
+* an adapter module ``gdn_cp/megatron/pins/core_<version with _>.py`` exposing what gdn-cp reads
+  from that release's ``GatedDeltaNet`` and ``TransformerConfig`` (see :mod:`.core_0_19_2`),
+* one :class:`Pin` row in :data:`PINS` below.
+
+Everything that names a megatron-core version (the patch tool, ``doctor``, install hints, the
+CLI's help) reads it from here. Torch-free and Megatron-free.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+__all__ = ["Pin", "PINS", "PINNED_VERSION", "get_pin", "load_adapter", "pin_of_layer_class"]
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One supported megatron-core release.
+
+    ``version``: the release's version string (``megatron/core/package_info.py`` of the PyPI
+    release). ``patch_folder``: folder name under ``patches/`` (shipped as ``gdn_cp._patches``).
+    ``adapter``: module implementing the adapter interface for this release. ``matching_refs``:
+    Megatron-LM git refs whose target files were checked to equal the release's (their
+    ``package_info.py`` may report another version string; the patch tool goes by file hashes).
+    """
+
+    version: str
+    patch_folder: str
+    adapter: str
+    matching_refs: tuple[str, ...] = ()
+
+    @property
+    def requirement(self) -> str:
+        """The pip requirement that installs this release, e.g. ``megatron-core==0.19.2``."""
+        return f"megatron-core=={self.version}"
+
+
+PINS: dict[str, Pin] = {
+    pin.version: pin
+    for pin in (
+        Pin(
+            version="0.19.2",
+            patch_folder="megatron-core-0.19.2",
+            adapter="gdn_cp.megatron.pins.core_0_19_2",
+            # checked by sha256 on a Megatron-LM snapshot: both report 0.19.1 in package_info.py
+            matching_refs=("core_r0.19.0", "core_v0.19.0"),
+        ),
+    )
+}
+
+PINNED_VERSION = "0.19.2"
+"""The default pin: what ``pip install gdn-cp[megatron]`` installs and the patch tool applies."""
+
+
+def get_pin(version: str | None = None) -> Pin:
+    """The pin of ``version`` (default :data:`PINNED_VERSION`); ValueError naming the supported ones."""
+    key = PINNED_VERSION if version is None else version
+    pin = PINS.get(key)
+    if pin is None:
+        supported = ", ".join(sorted(PINS))
+        raise ValueError(
+            f"megatron-core {key!r} is not supported by this gdn-cp (supported: {supported}); "
+            f"install one of those ({get_pin().requirement}) or a gdn-cp release made for {key}"
+        )
+    return pin
+
+
+def load_adapter(version: str | None = None) -> ModuleType:
+    """The adapter module of a pin (imported on first use: it may import torch)."""
+    return importlib.import_module(get_pin(version).adapter)
+
+
+def pin_of_layer_class(layer_cls: type) -> Pin:
+    """The pin whose patched ``gdn.py`` defines ``layer_cls`` (Megatron's ``GatedDeltaNet``).
+
+    With one pin in the table that pin is the answer. With several, the class's source file is
+    matched by sha256 against each pin's manifest (the patched file), so a Megatron-LM checkout
+    whose ``package_info.py`` reports another version string still gets the right adapter.
+    """
+    if len(PINS) == 1:
+        return next(iter(PINS.values()))
+    from .. import patching  # noqa: PLC0415 - patching imports this module
+
+    source = getattr(sys.modules.get(layer_cls.__module__), "__file__", None)
+    for pin in PINS.values():
+        if source is not None and patching.file_matches_pin(source, pin, patched=True):
+            return pin
+    raise ValueError(
+        f"{layer_cls.__module__}.{layer_cls.__qualname__} (from {source}) is not the patched file of any "
+        f"megatron-core release this gdn-cp supports ({', '.join(PINS)}); run `gdn-cp patch check`"
+    )

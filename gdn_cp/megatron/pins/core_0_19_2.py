@@ -1,0 +1,183 @@
+"""Adapter for megatron-core 0.19.2: everything gdn-cp reads from or calls on its classes.
+
+gdn-cp's forward (:mod:`gdn_cp.megatron.gdn`) and config hook (:mod:`gdn_cp.megatron.config`)
+touch Megatron objects only through this module, so another release is one more module like
+this one (see :mod:`gdn_cp.megatron.pins`). Imports neither torch nor Megatron at import time.
+
+``GatedDeltaNet`` (megatron/core/ssm/gated_delta_net/common.py, gdn.py) attributes used:
+``pg_collection.cp``, ``tp_size``, ``sp_size``, ``layer_number``, ``config``,
+``num_key_heads`` / ``num_value_heads`` (global), ``num_k_heads_local_tp`` /
+``num_v_heads_local_tp``, ``key_head_dim`` / ``value_head_dim``, ``use_qk_l2norm``, ``A_log``,
+``dt_bias``, ``conv1d`` and ``conv_bias``, ``in_proj``, ``_apply_gated_norm`` (out_norm and the
+gate), ``out_proj``, ``recompute_norm_out`` and ``norm_out_checkpoint``.
+
+``TransformerConfig`` fields used: ``linear_cp_mode`` (added by the patch),
+``linear_num_key_heads``, ``linear_num_value_heads``, ``tensor_model_parallel_size``,
+``context_parallel_size``, ``experimental_attention_variant``,
+``deterministic_mode``.
+
+Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
+``cu_seqlens_q_padded`` / ``cu_seqlens_q``, ``cp_group``, ``local_cp_size``) are read in
+:mod:`gdn_cp.megatron.gdn` directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["VERSION", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter"]
+
+VERSION = "0.19.2"
+
+
+@dataclass(frozen=True)
+class ConfigFields:
+    """The ``TransformerConfig`` fields that decide ``linear_cp_mode``.
+
+    ``builds_gdn``: the config itself asks for GDN layers (``experimental_attention_variant=
+    'gated_delta_net'``), which is when stock 0.19.2 checks the heads against TP*CP. Hybrid
+    models (``is_hybrid_model``) place GDN layers through their layer pattern, which the config
+    does not see; their layers are checked by the forward.
+    """
+
+    linear_cp_mode: Any
+    num_key_heads: Any
+    num_value_heads: Any
+    tp: int
+    cp: int
+    builds_gdn: bool
+
+
+def read_config(config) -> ConfigFields:
+    """Read the fields; absent ones take megatron-core 0.19.2's defaults (mode: ``headwise``)."""
+    return ConfigFields(
+        linear_cp_mode=getattr(config, "linear_cp_mode", "headwise"),
+        num_key_heads=getattr(config, "linear_num_key_heads", None),
+        num_value_heads=getattr(config, "linear_num_value_heads", None),
+        tp=getattr(config, "tensor_model_parallel_size", 1) or 1,
+        cp=getattr(config, "context_parallel_size", 1) or 1,
+        builds_gdn=getattr(config, "experimental_attention_variant", None) == "gated_delta_net",
+    )
+
+
+def set_linear_cp_mode(config, mode: str) -> None:
+    """Store the resolved mode on the config (``TransformerConfig`` is a mutable dataclass)."""
+    config.linear_cp_mode = mode
+
+
+class LayerAdapter:
+    """gdn-cp's view of one ``GatedDeltaNet`` layer of megatron-core 0.19.2.
+
+    Cheap to build (one slot); the forward builds one per call. Shapes below are per TP rank.
+    """
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    # -- identity, config ---------------------------------------------------------------------
+    @property
+    def layer_number(self) -> Optional[int]:
+        return getattr(self.layer, "layer_number", None)
+
+    @property
+    def linear_cp_mode(self):
+        return getattr(self.layer.config, "linear_cp_mode", "headwise")
+
+    @property
+    def deterministic(self) -> bool:
+        """``deterministic_mode``: gdn-cp then uses its plain-torch reference kernels."""
+        return bool(self.layer.config.deterministic_mode)
+
+    # -- parallel sizes and groups ------------------------------------------------------------
+    @property
+    def static_cp_group(self):
+        """The model's CP group (a micro-batch may bring its own: PackedSeqParams.cp_group)."""
+        return self.layer.pg_collection.cp
+
+    @property
+    def tp_size(self) -> int:
+        return self.layer.tp_size
+
+    @property
+    def sp_size(self) -> int:
+        """TP size under sequence parallelism (hidden_states are split along S over TP), else 1."""
+        return self.layer.sp_size
+
+    # -- heads --------------------------------------------------------------------------------
+    @property
+    def num_key_heads(self) -> int:
+        """All key heads of the layer (``linear_num_key_heads``), before the TP split."""
+        return self.layer.num_key_heads
+
+    @property
+    def num_value_heads(self) -> int:
+        return self.layer.num_value_heads
+
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """``(key heads, value heads)`` of this TP rank."""
+        return self.layer.num_k_heads_local_tp, self.layer.num_v_heads_local_tp
+
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        """``(D_k, D_v)``."""
+        return self.layer.key_head_dim, self.layer.value_head_dim
+
+    @property
+    def qk_l2norm(self) -> bool:
+        return bool(self.layer.use_qk_l2norm)
+
+    # -- parameters ---------------------------------------------------------------------------
+    @property
+    def A_log(self):  # noqa: N802 - Megatron's name
+        """``[Hv_local]``."""
+        return self.layer.A_log
+
+    @property
+    def dt_bias(self):
+        """``[Hv_local]``."""
+        return self.layer.dt_bias
+
+    @property
+    def conv_weight(self):
+        """Depthwise conv weight ``[C_local, W]`` (the module holds ``[C_local, 1, W]``)."""
+        w = self.layer.conv1d.weight
+        return w.reshape(w.shape[0], -1)
+
+    @property
+    def conv_bias(self):
+        """``[C_local]`` or None."""
+        return self.layer.conv1d.bias if self.layer.conv_bias else None
+
+    # -- submodules, called exactly as the stock forward calls them ---------------------------
+    def in_proj(self, hidden_states):
+        """``[S, B, H]`` -> ``[S', B, q|k|v|z|beta|alpha]`` (S' = S * sp_size: gathers under SP)."""
+        out, _bias = self.layer.in_proj(hidden_states)
+        return out
+
+    def gated_norm(self, core_out, gate):
+        """``o, z [T, Hv, Dv]`` -> ``out_norm(o) * act(z)`` as ``[T*Hv, Dv]``."""
+        return self.layer._apply_gated_norm(core_out, gate)
+
+    def out_proj(self, x):
+        """``[S', B, Hv*Dv]`` -> ``(out [S, B, H], bias)``."""
+        return self.layer.out_proj(x)
+
+    # -- gdn_norm_out selective recompute -----------------------------------------------------
+    @property
+    def recompute_norm_out(self) -> bool:
+        return bool(self.layer.recompute_norm_out)
+
+    def new_norm_out_checkpoint(self):
+        """A fresh ``CheckpointWithoutOutput``, kept on the layer as the stock forward keeps it."""
+        from megatron.core import tensor_parallel
+
+        self.layer.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+        return self.layer.norm_out_checkpoint
+
+    def register_norm_out_recompute(self, out) -> None:
+        """Drop the norm output once ``out`` exists and recompute it in backward (as stock)."""
+        self.layer.norm_out_checkpoint.discard_output_and_register_recompute(out)

@@ -1,0 +1,98 @@
+"""Megatron-LM's training command line with the patch: ``--linear-cp-mode`` lists the modes, a typo
+fails at parse time, and ``--linear-cp-mode auto`` reaches the model config as a concrete mode.
+
+megatron-core 0.19.2 builds these flags from the TransformerConfig fields
+(``megatron/training/argument_utils.py``: a ``Literal[...]`` type becomes argparse ``choices``,
+the field's docstring the help). ``megatron.training`` needs Python >= 3.12 (``typing.override``);
+on older Pythons the script gives ``typing`` the identical run-time decorator from
+``typing_extensions`` first (it only sets ``__override__``), so the real argument code runs here too.
+The GPU machine (Python 3.12) runs it without that shim.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gdn_cp.modes.spec import MODE_CHOICES
+
+REPO = Path(__file__).resolve().parents[2]
+
+_SCRIPT = r"""
+import argparse, contextlib, io, json, logging, sys, typing, warnings
+warnings.filterwarnings("ignore")
+if sys.version_info < (3, 12):
+    import typing_extensions
+    typing.override = typing_extensions.override
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+import torch
+from megatron.training.arguments import add_megatron_arguments
+from megatron.training.argument_utils import core_transformer_config_from_args
+
+parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+(flag,) = [a for a in parser._actions if "--linear-cp-mode" in a.option_strings]
+out = {"choices": list(flag.choices), "default": flag.default, "help": flag.help}
+# `--help` itself fails on stock 0.19.2 (a '%' in --moe-paged-stash-buffer-size-factor-cuda's help
+# breaks argparse's formatting): format this flag's entry the way --help would.
+formatter = parser._get_formatter()
+formatter.add_argument(flag)
+out["help_entry"] = formatter.format_help()
+
+model = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --experimental-attention-variant "
+         "gated_delta_net --linear-attention-freq 4 --no-rope-fusion").split()
+
+def build(extra):
+    args = parser.parse_args(model + extra)
+    args.params_dtype = torch.float32  # set by validate_args in a real run
+    try:
+        return {"parsed": args.linear_cp_mode, "config": core_transformer_config_from_args(args).linear_cp_mode}
+    except ValueError as e:
+        return {"parsed": args.linear_cp_mode, "error": str(e)}
+
+out["modes"] = {m: build(["--linear-cp-mode", m, "--context-parallel-size", "2"]) for m in flag.choices}
+out["auto_odd_heads"] = build("--linear-cp-mode auto --context-parallel-size 4 --linear-num-key-heads 2 "
+                              "--linear-num-value-heads 4".split())
+out["auto_nothing_legal"] = build("--linear-cp-mode auto --tensor-model-parallel-size 2 --linear-num-key-heads 3 "
+                                  "--linear-num-value-heads 6".split())
+typo = io.StringIO()
+with contextlib.redirect_stderr(typo):
+    try:
+        parser.parse_args(model + ["--linear-cp-mode", "head_wise"])
+        out["typo"] = "accepted"
+    except SystemExit as e:
+        out["typo"] = [e.code, typo.getvalue()[-300:]]
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.mark.megatron
+def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
+    if sys.version_info < (3, 12):
+        typing_extensions = pytest.importorskip("typing_extensions", reason="megatron.training needs typing.override")
+        if not hasattr(typing_extensions, "override"):
+            pytest.skip("Python < 3.12 and typing_extensions without override: megatron.training cannot import")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+    out = json.loads(lines[0][len("RESULT"):])
+
+    assert tuple(out["choices"]) == MODE_CHOICES and out["default"] == "headwise"
+    assert "--linear-cp-mode {" + ",".join(MODE_CHOICES) + "}" in out["help_entry"], out["help_entry"]
+    assert all(f'"{m}"' in out["help"] for m in MODE_CHOICES), out["help"]  # the field's docstring
+    assert out["typo"][0] == 2 and "invalid choice: 'head_wise'" in out["typo"][1], out["typo"]
+
+    # explicit modes pass through; auto arrives at the config as the mode it resolves to (no GPU here
+    # unless on the device machine: chunkwise with FLA's CP path, else headwise when legal)
+    for mode in ("headwise", "chunkwise", "all_gather"):
+        assert out["modes"][mode] == {"parsed": mode, "config": mode}, out["modes"]
+    assert out["modes"]["auto"]["parsed"] == "auto" and out["modes"]["auto"]["config"] in ("chunkwise", "headwise")
+    assert "gdn-cp linear_cp_mode: requested=auto" in r.stderr  # logged with the reason
+    assert out["auto_odd_heads"]["config"] in ("chunkwise", "all_gather"), out["auto_odd_heads"]
+    error = out["auto_nothing_legal"]["error"]
+    assert "linear_cp_mode='auto': no mode is legal" in error and "linear_num_key_heads=3" in error and "Fix:" in error
