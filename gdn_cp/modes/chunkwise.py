@@ -112,7 +112,7 @@ def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNSha
             num_k_heads=shape.num_k_heads, num_v_heads=shape.num_v_heads,
             head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
             group=group, cu_seqlens_global=list(plan.cu),
-            cu_seqlens_global_device=plan.cu_tensor(qkv_c.device), cache=plan.backend_cache,
+            cu_seqlens_global_device=plan.cu.on(qkv_c.device, torch.int32), cache=plan.backend_cache,
             use_qk_l2norm=shape.qk_l2norm,
         )
 
