@@ -17,6 +17,7 @@ __all__ = [
     "reset_comm_stats",
     "group_size",
     "group_rank",
+    "group_backend",
     "route_all_to_all",
     "seq_to_head",
     "head_to_seq",
@@ -52,6 +53,11 @@ def group_size(group) -> int:
 
 def group_rank(group) -> int:
     return dist.get_rank(group)
+
+
+def group_backend(group) -> str:
+    """The group's backend name (``"nccl"``, ``"gloo"``, ...): a host-side lookup."""
+    return dist.get_backend(group)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
