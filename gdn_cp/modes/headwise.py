@@ -2,7 +2,8 @@
 
 Two all-to-alls in (channels of q/k/v and the gates, grouped by destination rank), one
 out. Each rank runs the CP=1 core on every token of its head group, so heads must
-divide cp (and TP*cp upstream).
+divide cp (and TP*cp upstream): :mod:`gdn_cp.modes.spec` holds that rule, and
+:func:`gdn_cp.modes.gdn_core` checks it before calling :func:`headwise_core`.
 """
 
 from __future__ import annotations
@@ -11,18 +12,10 @@ import torch
 
 from ..comm import head_to_seq, seq_to_head
 from ..layout.plan import CPPlan
-from .common import GDNShape, local_core, stack_gates, unstack_gates
+from ..ops.shape import GDNShape
+from .common import local_core, stack_gates, unstack_gates
 
-__all__ = ["check_headwise", "headwise_core"]
-
-
-def check_headwise(shape: GDNShape, cp: int) -> None:
-    for name, heads in (("num_k_heads", shape.num_k_heads), ("num_v_heads", shape.num_v_heads)):
-        if heads % cp:
-            raise ValueError(
-                f"linear_cp_mode='headwise' needs {name} divisible by cp, got {name}={heads}, cp={cp}; "
-                f"use linear_cp_mode='chunkwise' or 'all_gather' (they need heads divisible by TP only)"
-            )
+__all__ = ["headwise_core"]
 
 
 def _channel_index(shape: GDNShape, cp: int, rank: int) -> torch.Tensor:
