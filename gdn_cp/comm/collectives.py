@@ -7,6 +7,8 @@ tensors. No op reads device data on the host: split sizes come from routes (Pyth
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -61,7 +63,8 @@ def group_backend(group) -> str:
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0], -1).contiguous()
+    """``[n, *F] -> [n, prod(F)]`` contiguous (features spelled out: n may be 0)."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:])).contiguous()
 
 
 def _apply_route(x: torch.Tensor, route: Route, group) -> torch.Tensor:

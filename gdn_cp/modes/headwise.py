@@ -33,9 +33,9 @@ def _channel_index(shape: GDNShape, cp: int, rank: int) -> torch.Tensor:
 
 def _group_by_rank(qkv: torch.Tensor, shape: GDNShape, cp: int) -> torch.Tensor:
     """``[T, C]`` -> ``[T, cp, C/cp]``: rank p's q, k and v heads side by side."""
-    t = qkv.shape[0]
+    t, kq, vq = qkv.shape[0], shape.key_dim // cp, shape.value_dim // cp  # sizes spelled out: t may be 0
     q, k, v = torch.split(qkv, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
-    return torch.cat([q.reshape(t, cp, -1), k.reshape(t, cp, -1), v.reshape(t, cp, -1)], dim=-1)
+    return torch.cat([q.reshape(t, cp, kq), k.reshape(t, cp, kq), v.reshape(t, cp, vq)], dim=-1)
 
 
 def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
@@ -47,7 +47,7 @@ def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan
 
     qkv_h = seq_to_head(_group_by_rank(qkv, shape, cp), group).index_select(0, to_natural)
     gates = stack_gates(g, beta).reshape(t_local, cp, v_heads * 2)
-    gates_h = seq_to_head(gates, group).index_select(0, to_natural).reshape(-1, v_heads, 2)
+    gates_h = seq_to_head(gates, group).index_select(0, to_natural).reshape(plan.t_global, v_heads, 2)
 
     weight = conv_weight.index_select(0, channels)
     bias = None if conv_bias is None else conv_bias.index_select(0, channels)

@@ -1,4 +1,5 @@
-"""gdn_core dispatches through the mode registry and hands backends the plan's Boundaries."""
+"""gdn_core dispatches through the mode registry, hands backends the plan's Boundaries, and
+takes packings of nothing but padding slots."""
 
 from __future__ import annotations
 
@@ -100,3 +101,20 @@ def test_backends_get_the_plans_boundaries_every_call(gloo_pool):
         for mode, rec in per_mode.items():
             assert rec["calls"] >= 2 and rec["all_boundaries"] and rec["same_objects"], (rank, mode, rec)
 
+
+def _empty_packing(rank, world):
+    cu = [0, 0, 0]  # nothing but padding slots
+    args, plan = _args(cu, world, rank)
+    out = {}
+    for mode in MODE_NAMES:
+        leaves = [t.detach().clone().requires_grad_(True) for t in args]
+        o = gdn_core(*leaves, shape=SHAPE, mode=mode, plan=plan, group=dist.group.WORLD, backend=reference)
+        if o.requires_grad:  # the same on every rank, so backward collectives stay matched
+            o.sum().backward()
+        out[mode] = tuple(o.shape)
+    return out
+
+
+def test_every_mode_takes_an_empty_packing(gloo_pool):
+    for per_mode in gloo_pool(2).run(_empty_packing):
+        assert per_mode == {mode: (0, SHAPE.num_v_heads, SHAPE.head_v_dim) for mode in MODE_NAMES}
