@@ -10,6 +10,7 @@ Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -63,9 +64,15 @@ class ModeSpec:
         """The core for rows in ``layout`` (ValueError naming the layouts this mode takes)."""
         for name, target in self.cores:
             if name == layout:
-                module, _, fn = target.partition(":")
-                return getattr(importlib.import_module(module), fn)
+                return _load(target)
         raise ValueError(f"linear_cp_mode={self.name!r} takes rows in {self.layouts}, not {layout!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(target: str) -> Callable:
+    """``"module:function"`` -> the function (imported once; later layer calls import nothing)."""
+    module, _, fn = target.partition(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 MODES: dict[str, ModeSpec] = {
