@@ -6,6 +6,7 @@ it does not import flash-linear-attention).
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from .contract import Backend, NativeCPCore
@@ -16,8 +17,9 @@ __all__ = ["BACKENDS", "Backend", "GDNShape", "NativeCPCore", "get_backend", "va
 BACKENDS: dict[str, str] = {"reference": "gdn_cp.ops.reference", "fla": "gdn_cp.ops.fla"}  # name -> module
 
 
+@functools.lru_cache(maxsize=None)
 def get_backend(name: str) -> Backend:
-    """The backend called ``name`` (its module, imported on first use)."""
+    """The backend called ``name`` (its module, imported on first use, then remembered)."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {name!r}")
     return importlib.import_module(BACKENDS[name])
