@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -22,8 +23,8 @@ def _fake_fla(*, kernels_take_cp=True, build_params=("cu_seqlens", "group", "con
     def build(*args, **kwargs):
         return None
 
-    build.__signature__ = __import__("inspect").Signature(
-        [__import__("inspect").Parameter(p, __import__("inspect").Parameter.POSITIONAL_OR_KEYWORD) for p in build_params]
+    build.__signature__ = inspect.Signature(
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in build_params]
     )
     modules = {
         "fla.ops.gated_delta_rule": types.SimpleNamespace(
