@@ -340,11 +340,9 @@ def rank_info(ctx, spec) -> dict:
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
                     capability=list(torch.cuda.get_device_capability(dev)), gpu_count=torch.cuda.device_count())
     if spec["backend"] == "fla":
-        from gdn_cp.ops.fla import fla_available, fla_version, has_cp_context
+        from gdn_cp.ops.fla import fla_available, fla_import_error, fla_version, has_cp_context
 
-        from gdn_cp.ops.fla.backend import _fla_import_error
-
-        info.update(fla=fla_version(), fla_available=fla_available(), fla_error=_fla_import_error(),
+        info.update(fla=fla_version(), fla_available=fla_available(), fla_error=fla_import_error(),
                     fla_cp_context=has_cp_context() if fla_available() else False)
     info["triton"] = _pkg_version("triton")
     info["fast_autotune"] = os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1"
@@ -452,8 +450,7 @@ def rank_case(ctx, spec) -> dict:
 
     out = {"rank": rank, "t_local": t_local}
     if mode == "chunkwise" and cp > 1:
-        native = getattr(backend, "native_cp_available", None)
-        out["chunkwise_path"] = ("fla cp_context" if native is not None and native(group)
+        out["chunkwise_path"] = ("fla cp_context" if backend.native_cp_core(group) is not None
                                  else "gdn-cp halo + state-summary exchange")
     # warm-up (compiles/autotunes on first use of a shape)
     _sync(device)

@@ -261,7 +261,7 @@ def run(args) -> dict:
                     "cp": cp,
                     "rank": args.rank,
                     "T_local": t_global // cp,
-                    "route_pieces": {"send": len(route.send_pieces), "recv": len(route.recv_pieces)},
+                    "route_pieces": {"send": len(route.send_transfers), "recv": len(route.recv_transfers)},
                     "agree": agree,
                     "checks": checks,
                     "passes": {m: [] for m in methods},

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from .comm import all_gather_rows, route_all_to_all
 from .layout import CONTIGUOUS, ZIGZAG, RouteCache, build_natural_order
-from .modes import MODES, GDNShape, gdn_core, local_core
+from .modes import GDNShape, gdn_core, local_core
+from .modes.spec import MODE_NAMES
 from .ops import get_backend
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class JobConfig:
     cp_sizes: tuple[int, ...] = (2, 4)
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = MODE_NAMES
     num_sequences: int = 37
     tokens_per_rank: int = 1024
     shape: GDNShape = GDNShape(num_k_heads=4, num_v_heads=8, head_k_dim=32, head_v_dim=32)

@@ -299,8 +299,7 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
         cases.append(CaseResult(name="fla/cuda", ok=False, error="CUDA is not available to torch "
                                 f"{torch.__version__}; the FLA backend needs a CUDA GPU"))
     elif not fla_backend.fla_available():
-        from gdn_cp.ops.fla.backend import _fla_import_error
-        cases.append(CaseResult(name="fla/import", ok=False, error=str(_fla_import_error())))
+        cases.append(CaseResult(name="fla/import", ok=False, error=str(fla_backend.fla_import_error())))
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
         for dtype in (torch.float32, torch.bfloat16):

@@ -3,6 +3,7 @@
 from .collectives import (
     all_gather_rows,
     comm_stats,
+    group_backend,
     group_rank,
     group_size,
     head_to_seq,
@@ -14,6 +15,7 @@ from .collectives import (
 __all__ = [
     "all_gather_rows",
     "comm_stats",
+    "group_backend",
     "group_rank",
     "group_size",
     "head_to_seq",

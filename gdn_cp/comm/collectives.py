@@ -7,6 +7,8 @@ tensors. No op reads device data on the host: split sizes come from routes (Pyth
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -17,6 +19,7 @@ __all__ = [
     "reset_comm_stats",
     "group_size",
     "group_rank",
+    "group_backend",
     "route_all_to_all",
     "seq_to_head",
     "head_to_seq",
@@ -54,8 +57,14 @@ def group_rank(group) -> int:
     return dist.get_rank(group)
 
 
+def group_backend(group) -> str:
+    """The group's backend name (``"nccl"``, ``"gloo"``, ...): a host-side lookup."""
+    return dist.get_backend(group)
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0], -1).contiguous()
+    """``[n, *F] -> [n, prod(F)]`` contiguous (features spelled out: n may be 0)."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:])).contiguous()
 
 
 def _apply_route(x: torch.Tensor, route: Route, group) -> torch.Tensor:

@@ -1,21 +1,37 @@
-"""Index math only: layouts as segment lists, routes, plans and their cache.
+"""Index math only: boundaries, layouts as span lists, routes, plans and their cache.
 
 No torch.distributed and no device work here (device copies of index tensors are made
-once per micro-batch, host->device).
+once per micro-batch, host->device, never read back).
+
+Words (used the same way in ``layout/``, ``modes/`` and ``ops/``):
+
+- *boundaries* (``cu``, ``cu_seqlens``): ``0 = cu[0] <= ... <= cu[-1] = T``; *sequence* i is
+  rows ``[cu[i], cu[i+1])`` (empty: a padding slot). Global boundaries cover the whole
+  packed stream; local boundaries cover the rows a per-rank op is given, whose sequences
+  may be the truncated ends of global ones. :class:`Boundaries` is the checked value.
+- *part*: one of the 2*cp equal cuts of a sequence in the zigzag layout; rank r holds
+  parts r and 2*cp-1-r.
+- *span*: consecutive global rows ``[start, start + length)`` (:class:`Spans`); routes,
+  layouts and index tensors are lists of spans.
+- *slice*: rank r's rows ``[r*T/cp, (r+1)*T/cp)`` in the contiguous layout.
+- *transfer*: a span that a route sends to, or receives from, one peer.
 """
 
-from .boundaries import sbhd_cu_seqlens, validate_cu_seqlens
+from .boundaries import Boundaries, check_cp, host_boundaries, sbhd_cu_seqlens, validate_cu_seqlens
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
 from .plan import CPPlan, RouteCache, plan_for_sbhd
 from .route import NaturalOrder, Route, build_natural_order, build_sbhd_route, build_thd_route
-from .segments import CONTIGUOUS, LAYOUTS, ZIGZAG, Runs, expand_runs
+from .spans import CONTIGUOUS, LAYOUTS, ZIGZAG, Spans, expand_spans
 
 __all__ = [
     "CONTIGUOUS",
     "ZIGZAG",
     "LAYOUTS",
-    "Runs",
-    "expand_runs",
+    "Boundaries",
+    "Spans",
+    "expand_spans",
+    "check_cp",
+    "host_boundaries",
     "validate_cu_seqlens",
     "sbhd_cu_seqlens",
     "Route",

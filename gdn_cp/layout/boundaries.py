@@ -1,92 +1,216 @@
-"""Validated packed-sequence boundaries: the one place where cu_seqlens rules live.
+"""Packed-sequence boundaries: the one place where cu_seqlens rules live.
 
-Everything downstream (segments, routes, plans) works on host values, so a device
-``cu_seqlens`` is read to the host exactly once per micro-batch, here. The checks run in
-numpy: a handful of tiny ops, each far cheaper than a torch CPU op.
+A :class:`Boundaries` value is a tuple of Python ints ``0 = cu[0] <= ... <= cu[-1] = T``:
+sequence i is rows ``[cu[i], cu[i+1])`` and equal neighbours are empty padding slots. It is
+checked once, when it is made, and trusted from then on. It carries cached views of itself
+(an int64 numpy array, CPU tensors, device copies made with the sync-free
+:func:`host_to_device`), so whoever holds one (a plan, for one micro-batch) makes each copy
+once, and a backend handed one never converts or hashes a list per call.
+
+Two checks add rules for where the boundaries are used:
+
+- :func:`validate_cu_seqlens`: the global boundaries of a zigzag CP split (every length a
+  multiple of ``2*cp``). It takes a device tensor: the one device->host read of a micro-batch.
+- :func:`host_boundaries`: boundaries of exactly ``total`` rows, given as host ints (what the
+  per-rank ops take); a tensor is refused, since reading it would synchronize the device.
+
+The checks run in numpy, a handful of tiny vector ops; the offending index is looked up only
+when a check fails.
 """
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import torch
 
-__all__ = ["validate_cu_seqlens", "sbhd_cu_seqlens"]
+from .device import host_to_device
+
+__all__ = ["Boundaries", "check_cp", "host_boundaries", "sbhd_cu_seqlens", "validate_cu_seqlens"]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
-def _to_host_int64(cu_seqlens, name: str) -> np.ndarray:
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1:
+class Boundaries(tuple):
+    """Checked boundaries ``(0, end_0, end_1, ..., T)`` as a tuple of ints, with cached views.
+
+    ``Boundaries(values)`` checks ``values`` (ints, at least two, starting at 0, never
+    decreasing) and raises TypeError / ValueError naming the fix. A Boundaries passed in is
+    returned as it is. Views (:meth:`numpy`, :meth:`cpu`, :meth:`on`) are shared by every
+    caller: treat them as read-only.
+    """
+
+    def __new__(cls, values, *, name: str = "cu_seqlens"):
+        if isinstance(values, Boundaries):
+            return values
+        return cls._from_array(_host_int64(values, name, allow_tensor=False), name)
+
+    @classmethod
+    def _from_array(cls, cu: np.ndarray, name: str) -> "Boundaries":
+        """Check an int64 array and wrap it (the array is kept as the numpy view)."""
+        _check_structure(cu, name)
+        self = super().__new__(cls, cu.tolist())
+        cu.flags.writeable = False
+        self._array = cu
+        self._views = {}
+        self._nonempty = None
+        return self
+
+    def __reduce__(self):
+        return (Boundaries, (tuple(self),))  # caches (device copies) are not pickled
+
+    def __repr__(self) -> str:
+        return f"Boundaries({tuple.__repr__(self)})"
+
+    @property
+    def total(self) -> int:
+        """T, the number of rows the boundaries cover."""
+        return self[-1]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self) - 1
+
+    def numpy(self) -> np.ndarray:
+        """int64 ``[n+1]``, read-only."""
+        return self._array
+
+    def cpu(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A CPU tensor ``[n+1]`` of ``dtype`` (its own memory; made once)."""
+        key = ("cpu", dtype)
+        if key not in self._views:
+            self._views[key] = torch.tensor(self._array, dtype=dtype)
+        return self._views[key]
+
+    def on(self, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """The boundaries on ``device`` (host->device once per device and dtype; never read back)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.cpu(dtype)
+        key = (str(device), dtype)
+        if key not in self._views:
+            self._views[key] = host_to_device(self.cpu(dtype), device)
+        return self._views[key]
+
+    def nonempty(self) -> tuple["Boundaries", tuple[int, ...]]:
+        """These boundaries without empty sequences, and the indices of the sequences kept."""
+        if self._nonempty is None:
+            keep = tuple(i for i in range(len(self) - 1) if self[i + 1] > self[i])
+            if len(keep) == len(self) - 1:
+                self._nonempty = (self, keep)
+            else:
+                self._nonempty = (Boundaries((0,) + tuple(self[i + 1] for i in keep)), keep)
+        return self._nonempty
+
+
+def _short(cu, n: int = 12) -> str:
+    cu = [int(c) for c in cu]
+    return str(cu) if len(cu) <= n else f"[{', '.join(map(str, cu[:n]))}, ... ({len(cu)} entries)]"
+
+
+def _host_int64(values, name: str, *, allow_tensor: bool) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        if not allow_tensor:
+            raise TypeError(
+                f"{name} must be Python ints (a list, tuple or Boundaries), got a torch.Tensor on "
+                f"{values.device}; reading it here would synchronize the device on every call: convert "
+                f"it once per micro-batch ({name}.tolist(), or a RouteCache plan's boundaries) and pass that"
+            )
+        if values.dim() != 1:
             raise ValueError(
-                f"{name} must be a 1-D tensor of boundaries, got shape {tuple(cu_seqlens.shape)}; "
+                f"{name} must be a 1-D tensor of boundaries, got shape {tuple(values.shape)}; "
                 f"pass [0, end_0, end_1, ..., T_global]"
             )
-        if cu_seqlens.dtype not in _INT_DTYPES:
-            raise TypeError(
-                f"{name} must have an integer dtype, got {cu_seqlens.dtype}; use torch.int32 or torch.int64"
-            )
+        if values.dtype not in _INT_DTYPES:
+            raise TypeError(f"{name} must have an integer dtype, got {values.dtype}; use torch.int32 or torch.int64")
         # The single device->host transfer of the micro-batch (a copy: never the caller's memory).
-        return cu_seqlens.detach().cpu().numpy().astype(np.int64)
-    if isinstance(cu_seqlens, (list, tuple)):
-        for i, v in enumerate(cu_seqlens):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r}")
-        return np.array(cu_seqlens, dtype=np.int64)
-    raise TypeError(
-        f"{name} must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens).__name__}"
-    )
+        return values.detach().cpu().numpy().astype(np.int64)
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        return values.astype(np.int64)
+    if not isinstance(values, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of ints (or a 1-D integer tensor), got {type(values).__name__}")
+    ints = []
+    for i, v in enumerate(values):
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            ints.append(operator.index(v))
+        except TypeError:
+            raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r}; pass Python ints") from None
+    return np.array(ints, dtype=np.int64)
 
 
-def _first(mask: np.ndarray) -> int:
-    return int(np.argmax(mask))
+def _check_structure(cu: np.ndarray, name: str) -> None:
+    if len(cu) < 2:
+        raise ValueError(
+            f"{name} needs at least 2 boundaries [0, ..., T], got {_short(cu)}; for one sequence of T rows pass [0, T]"
+        )
+    if cu[0] != 0:
+        raise ValueError(
+            f"{name}[0] must be 0, got {int(cu[0])}; boundaries are offsets into the packed rows, so they start at 0"
+        )
+    falls = cu[1:] < cu[:-1]
+    if falls.any():
+        i = int(np.argmax(falls)) + 1
+        raise ValueError(
+            f"{name} must be non-decreasing, but {name}[{i}]={int(cu[i])} < {name}[{i - 1}]={int(cu[i - 1])}; "
+            f"pass cumulative sums of the sequence lengths (equal neighbours are empty slots)"
+        )
 
 
-def validate_cu_seqlens(
-    cu_seqlens,
-    cp_size: int,
-    *,
-    t_global: int | None = None,
-    name: str = "cu_seqlens",
-    as_tensor: bool = False,
-):
-    """Check packed boundaries for a zigzag CP split; return them as a tuple of ints
-    (or, with ``as_tensor``, an int64 CPU tensor).
-
-    Rules (each violation raises ValueError naming the value and the fix):
-    starts at 0, never decreases (equal neighbours are empty padding slots), ends at
-    ``t_global`` when given, every sequence length divisible by ``2 * cp_size`` (the
-    zigzag cut), and so ``T_global`` divisible by ``cp_size``. Checked with a few vector
-    ops; the offending index is looked up only when a check fails.
-    """
+def check_cp(cp_size, cp_rank=None) -> None:
+    """The one check of a CP size (a positive int) and, when given, a rank in ``[0, cp_size)``."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    cu = _to_host_int64(cu_seqlens, name)
-    if len(cu) < 2:
-        raise ValueError(f"{name} needs at least 2 boundaries [0, T_global], got {cu.tolist()}")
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}; boundaries are offsets into the packed stream")
-    lengths = cu[1:] - cu[:-1]
-    if (lengths < 0).any():
-        i = _first(lengths < 0) + 1
+    if cp_rank is not None and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
+        raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
+
+
+def host_boundaries(cu_seqlens, total: int | None = None, *, name: str = "cu_seqlens") -> Boundaries:
+    """``cu_seqlens`` (host ints or Boundaries) as Boundaries, ending at ``total`` rows when given.
+
+    What the per-rank ops call on their ``cu_seqlens``: a Boundaries costs one int compare.
+    """
+    cu = Boundaries(cu_seqlens, name=name)
+    if total is not None and cu[-1] != total:
         raise ValueError(
-            f"{name} must be non-decreasing, but {name}[{i}]={int(cu[i])} < {name}[{i - 1}]={int(cu[i - 1])}"
+            f"{name} must end at the number of rows T={total}, got {name}[-1]={cu[-1]} in {_short(cu)}; "
+            f"the inputs' row count and the boundaries disagree (pass the boundaries of exactly these rows)"
         )
-    if t_global is not None and int(cu[-1]) != t_global:
+    return cu
+
+
+def validate_cu_seqlens(cu_seqlens, cp_size: int, *, t_global: int | None = None, name: str = "cu_seqlens") -> Boundaries:
+    """Check global packed boundaries for a zigzag CP split over ``cp_size`` ranks.
+
+    ``cu_seqlens``: a 1-D integer tensor (any device: read to the host here, once), a list of
+    ints, or Boundaries (then only the rules below are checked). Rules, each violation a
+    ValueError naming the value and the fix: the :class:`Boundaries` rules, ends at
+    ``t_global`` when given, every sequence length divisible by ``2 * cp_size`` (the zigzag
+    cut), and so ``T_global`` divisible by ``cp_size``.
+    """
+    check_cp(cp_size)
+    if isinstance(cu_seqlens, Boundaries):
+        cu = cu_seqlens
+    else:
+        cu = Boundaries._from_array(_host_int64(cu_seqlens, name, allow_tensor=True), name)
+    if t_global is not None and cu[-1] != t_global:
         raise ValueError(
-            f"{name}[-1]={int(cu[-1])} must equal the packed length T_global={t_global}; "
+            f"{name}[-1]={cu[-1]} must equal the packed length T_global={t_global}; "
             f"pass the padded boundaries (cu_seqlens_q_padded) that cover every row"
         )
     step = 2 * cp_size
+    lengths = np.diff(cu.numpy())
     bad = lengths % step != 0
     if bad.any():
-        i = _first(bad)
+        i = int(np.argmax(bad))
         raise ValueError(
             f"sequence {i} of {name} has length {int(lengths[i])}, not divisible by 2*cp={step}; "
             f"pad every sequence to a multiple of {step} (Megatron: cu_seqlens_q_padded)"
         )
     # T_global % cp == 0 follows from the rule above.
-    return torch.from_numpy(cu) if as_tensor else tuple(cu.tolist())
+    return cu
 
 
 def sbhd_cu_seqlens(seq_len: int, batch: int) -> tuple[int, ...]:

@@ -1,29 +1,27 @@
 """Per-micro-batch CP plans and the provenance-keyed cache that keeps them fresh.
 
-A :class:`CPPlan` holds everything one rank needs for one micro-batch: the boundaries as
-Python ints, routes per direction, the natural-order maps, the chunkwise plan, device
-copies of these, and a ``backend_cache`` dict for backend contexts (FLA's cp context).
-Everything is built lazily on first use and then reused by every layer, both
-directions and activation-recompute replays.
+A :class:`CPPlan` holds everything one rank needs for one micro-batch: the checked global
+:class:`Boundaries` (with their cached host and device views), routes per direction, the
+natural-order maps, the chunkwise plan, other device copies, and a ``backend_cache`` dict
+for backend contexts (FLA's cp context). Everything is built lazily on first use and then
+reused by every layer, both directions and activation-recompute replays.
 
-:class:`RouteCache` returns the plan for ``(cu_seqlens, cp_size, cp_rank)``; it
-remembers the boundaries tensor by identity (it holds a reference, so the id cannot be
-recycled) and by ``_version`` (any in-place write bumps it), and rebuilds when any of
-these differ. A hit reads only host-side attributes: no device work, no sync.
+:class:`RouteCache` returns the plan for ``(cu_seqlens, cp_size, cp_rank)``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
-from .boundaries import sbhd_cu_seqlens, validate_cu_seqlens
-from .device import host_to_device
+from .boundaries import Boundaries, check_cp, sbhd_cu_seqlens, validate_cu_seqlens
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
-from .route import NaturalOrder, Route, _build_route, _check_rank, build_natural_order
+from .device import host_to_device
+from .route import NaturalOrder, Route, build_natural_order, build_thd_route
 
 __all__ = ["CPPlan", "RouteCache", "plan_for_sbhd"]
 
@@ -34,28 +32,19 @@ logger = logging.getLogger(__name__)
 class CPPlan:
     """One rank's layout plan for one micro-batch (THD, or SBHD seen as B sequences)."""
 
-    cu_cpu: torch.Tensor  # int64 [n+1] global boundaries on the host
+    cu: Boundaries  # global boundaries, checked for a zigzag split over cp_size ranks
     cp_size: int
     cp_rank: int
-    cu_device: torch.Tensor | None = None  # the caller's boundaries tensor, if on a device
     routes: dict = field(default_factory=dict)
     backend_cache: dict = field(default_factory=dict)
     _natural: NaturalOrder | None = None
     _chunkwise: dict = field(default_factory=dict)
-    _cu_tensors: dict = field(default_factory=dict)
+    _on_device: dict = field(default_factory=dict)
     builds: int = 0  # how many routes/maps were built (tests and benchmarks read it)
-    _cu: tuple[int, ...] | None = None
-
-    @property
-    def cu(self) -> tuple[int, ...]:
-        """The global boundaries as Python ints (made on first use)."""
-        if self._cu is None:
-            self._cu = tuple(self.cu_cpu.tolist())
-        return self._cu
 
     @property
     def t_global(self) -> int:
-        return int(self.cu_cpu[-1])
+        return self.cu.total
 
     @property
     def t_local(self) -> int:
@@ -63,18 +52,18 @@ class CPPlan:
 
     @property
     def num_sequences(self) -> int:
-        return self.cu_cpu.numel() - 1
+        return self.cu.num_sequences
 
     def route(self, source: str, target: str) -> Route:
         key = (source, target)
         if key not in self.routes:
-            self.routes[key] = _build_route(self.cu_cpu, self.cp_size, self.cp_rank, source, target)
+            self.routes[key] = build_thd_route(self.cu, self.cp_size, self.cp_rank, source, target)
             self.builds += 1
         return self.routes[key]
 
     def natural_order(self) -> NaturalOrder:
         if self._natural is None:
-            self._natural = build_natural_order(self.cu_cpu, self.cp_size, self.cp_rank)
+            self._natural = build_natural_order(self.cu, self.cp_size, self.cp_rank)
             self.builds += 1
         return self._natural
 
@@ -84,46 +73,75 @@ class CPPlan:
             self.builds += 1
         return self._chunkwise[conv_width]
 
-    def cu_tensor(self, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        """Global boundaries on ``device`` (host->device copy once; never read back)."""
-        key = (str(torch.device(device)), dtype)
-        if key not in self._cu_tensors:
-            self._cu_tensors[key] = host_to_device(self.cu_cpu.to(dtype), device)
-        return self._cu_tensors[key]
-
     def cached_on(self, name, device, make) -> torch.Tensor:
         """``make()`` (a CPU tensor) copied to ``device`` once per plan, then reused."""
         key = (name, str(torch.device(device)))
-        if key not in self._cu_tensors:
-            self._cu_tensors[key] = host_to_device(make(), device)
-        return self._cu_tensors[key]
+        if key not in self._on_device:
+            self._on_device[key] = host_to_device(make(), device)
+        return self._on_device[key]
+
+
+class _Entry(NamedTuple):
+    source: Any  # the caller's boundaries object (held: its id cannot be reused meanwhile)
+    version: int | None  # its tensor version counter when the plan was built
+    plan: CPPlan
+
+    def fresh_for(self, cu_seqlens) -> bool:
+        """Whether ``cu_seqlens`` (the same object) still holds the plan's boundaries.
+
+        Boundaries cannot change. Host values (lists, CPU tensors) are compared by value,
+        which costs no sync, so every write is seen. A device tensor is trusted by its
+        version counter: reading its values would synchronize the device.
+        """
+        if isinstance(cu_seqlens, Boundaries):
+            return True
+        if isinstance(cu_seqlens, torch.Tensor):
+            if cu_seqlens._version != self.version:
+                return False
+            if cu_seqlens.device.type != "cpu":
+                return True
+            return np.array_equal(cu_seqlens.detach().numpy(), self.plan.cu.numpy())
+        return tuple(cu_seqlens) == self.plan.cu
 
 
 class RouteCache:
-    """Cache of :class:`CPPlan` keyed by provenance; attach one to each micro-batch."""
+    """Cache of :class:`CPPlan` keyed by provenance; attach one to each micro-batch.
+
+    The plan for ``(cu_seqlens, cp_size, cp_rank)`` is reused while ``cu_seqlens`` is the
+    same object and still holds the same boundaries, and rebuilt otherwise:
+
+    - :class:`Boundaries` are immutable: the same object always hits;
+    - host boundaries (a list, a CPU tensor) are compared by value on every call (no sync),
+      so any write is seen, even one that bypasses the version counter
+      (``t.numpy()[i] = ...``, ``t.data[i] = ...``, a collective into ``t``);
+    - a device tensor is remembered by identity and ``_version``: ordinary in-place writes
+      bump the version and cause a rebuild, but a write that bypasses the counter
+      (``t.data[i] = ...``, ``dist.broadcast(t, ...)`` into the same tensor) cannot be seen
+      without reading the tensor back, which would synchronize the device on every layer
+      call. Give each micro-batch fresh boundaries (Megatron does), or call :meth:`clear`
+      after writing into a device tensor that way.
+
+    A hit reads only host-side attributes (and, for host boundaries, host values): no
+    device work, no sync.
+    """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple, tuple[Any, int, CPPlan]] = {}
+        self._entries: dict[tuple, _Entry] = {}
         self.hits = 0
         self.misses = 0
 
     def plan(self, cu_seqlens, cp_size: int, cp_rank: int) -> CPPlan:
-        """Plan for THD boundaries ``cu_seqlens`` (1-D int tensor, any device, or list)."""
-        _check_rank_args(cp_size, cp_rank)
+        """Plan for THD boundaries ``cu_seqlens`` (1-D int tensor on any device, list, or Boundaries)."""
+        check_cp(cp_size, cp_rank)
         key = (id(cu_seqlens), cp_size, cp_rank)
-        version = getattr(cu_seqlens, "_version", None)
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is cu_seqlens and entry[1] == version and not isinstance(
-            cu_seqlens, list
-        ):
+        if entry is not None and entry.source is cu_seqlens and entry.fresh_for(cu_seqlens):
             self.hits += 1
-            return entry[2]
+            return entry.plan
         self.misses += 1
-        cu = validate_cu_seqlens(cu_seqlens, cp_size, as_tensor=True)
-        device_cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
-        plan = CPPlan(cu_cpu=cu, cp_size=cp_size, cp_rank=cp_rank, cu_device=device_cu)
-        # Keep a reference to the boundaries: its id cannot be reused while we hold it.
-        self._entries[key] = (cu_seqlens, version, plan)
+        version = getattr(cu_seqlens, "_version", None)  # read before the values, as a hit compares
+        plan = CPPlan(cu=validate_cu_seqlens(cu_seqlens, cp_size), cp_size=cp_size, cp_rank=cp_rank)
+        self._entries[key] = _Entry(cu_seqlens, version, plan)
         logger.debug("built CP plan: %d sequences, T=%d, cp=%d, rank=%d", plan.num_sequences, plan.t_global, cp_size, cp_rank)
         return plan
 
@@ -131,14 +149,8 @@ class RouteCache:
         self._entries.clear()
 
 
-def _check_rank_args(cp_size: int, cp_rank: int) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    _check_rank(cp_size, cp_rank)
-
-
 def plan_for_sbhd(seq_len: int, batch: int, cp_size: int, cp_rank: int) -> CPPlan:
     """Plan for SBHD input of global length ``seq_len``: batch element b is sequence b."""
-    _check_rank_args(cp_size, cp_rank)
-    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd sequence length", as_tensor=True)
-    return CPPlan(cu_cpu=cu, cp_size=cp_size, cp_rank=cp_rank)
+    check_cp(cp_size, cp_rank)
+    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd sequence length")
+    return CPPlan(cu=cu, cp_size=cp_size, cp_rank=cp_rank)

@@ -7,47 +7,41 @@ rows ``[T_dst_local, ...]`` in layout ``target`` with one ``all_to_all_single``:
 2. exchange with ``send_splits`` / ``recv_splits``;
 3. ``y = recv[recv_index]``  received rows put in target local order.
 
-Both layouts order a rank's rows by global position and the contiguous layout's ranks
+Both layouts order a rank's rows by global position and the contiguous layout's slices
 are in global order, so in each direction one of the two indices is the identity:
 zigzag -> contiguous needs only the receive gather, contiguous -> zigzag only the send
-gather. A route whose layouts agree (cp == 1) moves nothing at all (``is_identity``).
+gather. A route whose layouts agree (cp == 1, or no rows) moves nothing (``is_identity``).
 
-Building a route is interval arithmetic on the boundaries: this rank's zigzag segments
-counted per contiguous rank, and the zigzag parts of the sequences that overlap this
-rank's contiguous block: O(cp * sequences) at worst, never O(tokens), in numpy on small
-arrays. Index tensors are expanded from the runs on first use, the pieces printed by
-:meth:`Route.summary` only when asked for. Every rank builds its own route from the
-same boundaries, so split sizes agree without any communication.
+Building a route is interval arithmetic on the boundaries: this rank's zigzag spans
+counted per contiguous slice, and the zigzag parts of the sequences that overlap this
+rank's slice: O(cp * sequences) at worst, never O(tokens), in numpy on small arrays.
+Index tensors are expanded from their spans on first use, the transfers printed by
+:meth:`Route.summary` only when asked for. Every rank builds its own route from the same
+boundaries, so split sizes agree without any communication.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import torch
 
-from .boundaries import validate_cu_seqlens
+from .boundaries import check_cp, sbhd_cu_seqlens, validate_cu_seqlens
 from .device import host_to_device
-from .segments import (
+from .spans import (
     LAYOUTS,
     ZIGZAG,
-    Runs,
-    cut_by_blocks,
-    expand_runs,
-    host_int64,
+    Spans,
+    cut_at_slices,
+    expand_spans,
     zigzag_parts_in_range,
-    zigzag_rank_segments,
+    zigzag_rank_spans,
 )
 
 __all__ = ["Route", "build_thd_route", "build_sbhd_route", "NaturalOrder", "build_natural_order"]
-
-
-def _check_rank(cp_size: int, cp_rank: int) -> None:
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 
 
 def _by_owner(owner: np.ndarray, cp: int) -> np.ndarray:
@@ -55,8 +49,8 @@ def _by_owner(owner: np.ndarray, cp: int) -> np.ndarray:
     return np.argsort(owner.astype(np.int16) if cp <= 1 << 15 else owner, kind="stable")
 
 
-def _runs_or_none(start: np.ndarray, length: np.ndarray):
-    """``(start, length)`` as tensors, or None when the runs concatenate to ``0, 1, 2, ...``."""
+def _spans_or_none(start: np.ndarray, length: np.ndarray):
+    """``(start, length)`` as tensors, or None when the spans concatenate to ``0, 1, 2, ...``."""
     if np.array_equal(start, np.cumsum(length) - length):
         return None
     return torch.from_numpy(start), torch.from_numpy(length)
@@ -68,23 +62,23 @@ def _splits(owner: np.ndarray, length: np.ndarray, cp: int) -> tuple[int, ...]:
     return tuple(out.tolist())
 
 
-def _rows_per_block(runs: Runs, block: int, cp: int) -> tuple[int, ...]:
-    """Rows of sorted, disjoint ``runs`` in each block ``[p*block, (p+1)*block)``, without
-    cutting them: the rows below edge x are those of the runs starting below x, less the
-    part of the last such run that reaches past x."""
-    edges = np.arange(0, (cp + 1) * block, block, dtype=np.int64)
-    k = np.searchsorted(runs.start, edges)  # runs starting below each edge
-    cum = np.zeros(len(runs) + 1, np.int64)
-    np.cumsum(runs.length, out=cum[1:])
-    end = np.zeros(len(runs) + 1, np.int64)
-    end[1:] = runs.start + runs.length
+def _rows_per_slice(spans: Spans, slice_rows: int, cp: int) -> tuple[int, ...]:
+    """Rows of sorted, disjoint ``spans`` in each slice ``[p*slice_rows, (p+1)*slice_rows)``,
+    without cutting them: the rows below edge x are those of the spans starting below x, less
+    the part of the last such span that reaches past x."""
+    edges = np.arange(0, (cp + 1) * slice_rows, slice_rows, dtype=np.int64)
+    k = np.searchsorted(spans.start, edges)  # spans starting below each edge
+    cum = np.zeros(len(spans) + 1, np.int64)
+    np.cumsum(spans.length, out=cum[1:])
+    end = np.zeros(len(spans) + 1, np.int64)
+    end[1:] = spans.start + spans.length
     return tuple(np.diff(cum[k] - np.maximum(end[k] - edges, 0)).tolist())
 
 
 @dataclass
-class _Pieces:
-    """What one side of a route moves, for printing: peer, global start, length, local row
-    (int64 numpy arrays)."""
+class _Transfers:
+    """What one side of a route moves, for printing: spans of global rows with the peer and
+    the local row of each (int64 numpy arrays)."""
 
     peer: np.ndarray
     start: np.ndarray
@@ -106,48 +100,48 @@ class Route:
     cp_rank: int
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    # Runs (start, length) whose concatenation is the index; None = identity order.
-    send_runs: tuple[torch.Tensor, torch.Tensor] | None  # local source rows, peer-major
-    recv_runs: tuple[torch.Tensor, torch.Tensor] | None  # receive-buffer rows, target local order
+    # Spans (start, length) whose concatenation is the index; None = identity order.
+    send_spans: tuple[torch.Tensor, torch.Tensor] | None  # local source rows, peer-major
+    recv_spans: tuple[torch.Tensor, torch.Tensor] | None  # receive-buffer rows, target local order
     is_identity: bool
     # What each side moves, for printing; a callable is called (and replaced) on first use.
-    _send: _Pieces | Callable[[], _Pieces] | None = field(default=None, repr=False)
-    _recv: _Pieces | Callable[[], _Pieces] | None = field(default=None, repr=False)
+    _send: _Transfers | Callable[[], _Transfers] | None = field(default=None, repr=False)
+    _recv: _Transfers | Callable[[], _Transfers] | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def send_index(self) -> torch.Tensor | None:
         """``[sum(send_splits)]`` local source rows in send order (None: identity)."""
-        return self._index("send", self.send_runs)
+        return self._index("send", self.send_spans)
 
     @property
     def recv_index(self) -> torch.Tensor | None:
         """``[T_dst_local]`` receive-buffer row of each target row (None: identity)."""
-        return self._index("recv", self.recv_runs)
+        return self._index("recv", self.recv_spans)
 
-    def _index(self, name, runs):
-        if runs is None:
+    def _index(self, name, spans):
+        if spans is None:
             return None
         if name not in self._cache:  # written once per micro-batch, on first use
-            self._cache[name] = expand_runs(*runs)
+            self._cache[name] = expand_spans(*spans)
         return self._cache[name]
 
     @property
-    def send_pieces(self) -> list[tuple[int, int, int, int]]:
+    def send_transfers(self) -> list[tuple[int, int, int, int]]:
         """(peer, global_start, length, local source row) in send order."""
-        return self._pieces("_send")
+        return self._transfers("_send")
 
     @property
-    def recv_pieces(self) -> list[tuple[int, int, int, int]]:
+    def recv_transfers(self) -> list[tuple[int, int, int, int]]:
         """(peer, global_start, length, local target row) in receive-buffer order."""
-        return self._pieces("_recv")
+        return self._transfers("_recv")
 
-    def _pieces(self, side: str) -> list[tuple[int, int, int, int]]:
-        pieces = getattr(self, side)
-        if callable(pieces):
-            pieces = pieces()
-            setattr(self, side, pieces)
-        return [] if pieces is None else pieces.as_list()
+    def _transfers(self, side: str) -> list[tuple[int, int, int, int]]:
+        transfers = getattr(self, side)
+        if callable(transfers):
+            transfers = transfers()
+            setattr(self, side, transfers)
+        return [] if transfers is None else transfers.as_list()
 
     @property
     def rows_in(self) -> int:
@@ -176,84 +170,76 @@ class Route:
             f"  send splits {list(self.send_splits)}",
             f"  recv splits {list(self.recv_splits)}",
         ]
-        for peer, g, n, loc in self.send_pieces:
+        for peer, g, n, loc in self.send_transfers:
             lines.append(f"  send -> rank {peer}: global rows [{g}, {g + n}) from local row {loc}")
-        for peer, g, n, loc in self.recv_pieces:
+        for peer, g, n, loc in self.recv_transfers:
             lines.append(f"  recv <- rank {peer}: global rows [{g}, {g + n}) to local row {loc}")
         return "\n".join(lines)
 
 
-def _mine_by_contiguous_rank(mine: Runs, t_local: int) -> _Pieces:
-    """This rank's zigzag segments ``mine`` cut at contiguous rank edges, in local (= peer) order."""
-    pieces, src = cut_by_blocks(mine, t_local)
-    local = mine.local_offsets()[src] + (pieces.start - mine.start[src])
-    return _Pieces(pieces.owner, pieces.start, pieces.length, local)
+def _own_spans_by_slice(mine: Spans, slice_rows: int) -> _Transfers:
+    """This rank's zigzag spans ``mine`` cut at slice edges, in local (= peer) order."""
+    cut, src = cut_at_slices(mine, slice_rows)
+    local = mine.local_offsets()[src] + (cut.start - mine.start[src])
+    return _Transfers(cut.owner, cut.start, cut.length, local)
 
 
-def _block_by_zigzag_owner(cu: np.ndarray, cp: int, rank: int, t_local: int) -> tuple[_Pieces, np.ndarray, Runs]:
-    """This rank's contiguous block cut into zigzag parts, in owner-major order; for each
+def _slice_by_part_owner(cu: np.ndarray, cp: int, rank: int, slice_rows: int) -> tuple[_Transfers, np.ndarray, Spans]:
+    """This rank's contiguous slice cut into zigzag parts, in owner-major order; for each
     part (in global order) its position in that owner-major order's concatenation; the parts."""
-    lo = rank * t_local
-    parts: Runs = zigzag_parts_in_range(cu, cp, lo, lo + t_local)
+    lo = rank * slice_rows
+    parts = zigzag_parts_in_range(cu, cp, lo, lo + slice_rows)
     order = _by_owner(parts.owner, cp)
     ordered_start, ordered_len = parts.start[order], parts.length[order]
     pos = np.empty_like(parts.start)
     pos[order] = np.cumsum(ordered_len) - ordered_len
-    pieces = _Pieces(parts.owner[order], ordered_start, ordered_len, ordered_start - lo)
-    return pieces, pos, parts
-
-
-def _build_route(cu, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
-    """``cu``: validated int64 boundaries (CPU tensor or numpy array)."""
-    for name, value in (("source", source), ("target", target)):
-        if value not in LAYOUTS:
-            raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {value!r}")
-    _check_rank(cp_size, cp_rank)
-    cu = host_int64(cu)
-    t_global = int(cu[-1])
-    t_local = t_global // cp_size
-    if source == target or cp_size == 1 or t_global == 0:
-        splits = tuple(t_local if p == cp_rank else 0 for p in range(cp_size))
-        return Route(source, target, cp_size, cp_rank, splits, splits, None, None, True)
-
-    mine = zigzag_rank_segments(cu, cp_size, cp_rank)
-    zig_splits = _rows_per_block(mine, t_local, cp_size)  # my zigzag rows per contiguous owner
-    zig = partial(_mine_by_contiguous_rank, mine, t_local)  # the pieces themselves: only for printing
-    block, pos, parts = _block_by_zigzag_owner(cu, cp_size, cp_rank, t_local)  # my block by zigzag owner
-    block_splits = _splits(parts.owner, parts.length, cp_size)
-    if source == ZIGZAG:  # send my zigzag rows as they are; gather the block from the owner-major buffer
-        return Route(
-            source, target, cp_size, cp_rank,
-            send_splits=zig_splits, recv_splits=block_splits,
-            send_runs=None, recv_runs=_runs_or_none(pos, parts.length),
-            is_identity=False, _send=zig, _recv=block,
-        )
-    # contiguous -> zigzag: send my block owner-major; receive my zigzag rows in order.
-    return Route(
-        source, target, cp_size, cp_rank,
-        send_splits=block_splits, recv_splits=zig_splits,
-        send_runs=_runs_or_none(block.local, block.length), recv_runs=None,
-        is_identity=False, _send=block, _recv=zig,
-    )
+    transfers = _Transfers(parts.owner[order], ordered_start, ordered_len, ordered_start - lo)
+    return transfers, pos, parts
 
 
 def build_thd_route(cu_seqlens, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
     """Route for packed (THD) rows from ``source`` to ``target`` layout on ``cp_rank``.
 
-    ``cu_seqlens``: the global padded boundaries (1-D int tensor or list), read to the
-    host once. Raises ValueError for any boundary that a zigzag split cannot take.
+    ``cu_seqlens``: the global padded boundaries (Boundaries, a 1-D int tensor read to the
+    host once, or a list). Raises ValueError for any boundary that a zigzag split cannot take.
     """
-    cu = validate_cu_seqlens(cu_seqlens, cp_size, as_tensor=True)
-    return _build_route(cu, cp_size, cp_rank, source, target)
+    for name, value in (("source", source), ("target", target)):
+        if value not in LAYOUTS:
+            raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {value!r}")
+    check_cp(cp_size, cp_rank)
+    cu = validate_cu_seqlens(cu_seqlens, cp_size)
+    t_local = cu.total // cp_size
+    if source == target or cp_size == 1 or t_local == 0:
+        splits = tuple(t_local if p == cp_rank else 0 for p in range(cp_size))
+        return Route(source, target, cp_size, cp_rank, splits, splits, None, None, True)
+
+    cu = cu.numpy()
+    mine = zigzag_rank_spans(cu, cp_size, cp_rank)
+    zig_splits = _rows_per_slice(mine, t_local, cp_size)  # my zigzag rows per contiguous owner
+    zig = partial(_own_spans_by_slice, mine, t_local)  # the transfers themselves: only for printing
+    own_slice, pos, parts = _slice_by_part_owner(cu, cp_size, cp_rank, t_local)  # my slice by zigzag owner
+    slice_splits = _splits(parts.owner, parts.length, cp_size)
+    if source == ZIGZAG:  # send my zigzag rows as they are; gather the slice from the owner-major buffer
+        return Route(
+            source, target, cp_size, cp_rank,
+            send_splits=zig_splits, recv_splits=slice_splits,
+            send_spans=None, recv_spans=_spans_or_none(pos, parts.length),
+            is_identity=False, _send=zig, _recv=own_slice,
+        )
+    # contiguous -> zigzag: send my slice owner-major; receive my zigzag rows in order.
+    return Route(
+        source, target, cp_size, cp_rank,
+        send_splits=slice_splits, recv_splits=zig_splits,
+        send_spans=_spans_or_none(own_slice.local, own_slice.length), recv_spans=None,
+        is_identity=False, _send=own_slice, _recv=zig,
+    )
 
 
 def build_sbhd_route(seq_len: int, batch: int, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
     """Route for SBHD rows after ``[S_local, B, ...] -> [B*S_local, ...]`` (b-major):
     each batch element is one packed sequence of length ``seq_len``."""
-    from .boundaries import sbhd_cu_seqlens
-
-    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd boundaries", as_tensor=True)
-    return _build_route(cu, cp_size, cp_rank, source, target)
+    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd boundaries")
+    return build_thd_route(cu, cp_size, cp_rank, source, target)
 
 
 @dataclass
@@ -282,13 +268,14 @@ class NaturalOrder:
         return self._device_cache[key]
 
 
-def build_natural_order(cu: Sequence[int], cp_size: int, cp_rank: int) -> NaturalOrder:
-    """``cu``: validated global boundaries (ints or int64 tensor)."""
-    _check_rank(cp_size, cp_rank)
-    cu = host_int64(cu)
-    t_global = int(cu[-1])
+def build_natural_order(cu_seqlens, cp_size: int, cp_rank: int) -> NaturalOrder:
+    """The natural-order maps of ``cp_rank`` for the global boundaries ``cu_seqlens``
+    (Boundaries, tensor or list, checked as by :func:`validate_cu_seqlens`)."""
+    check_cp(cp_size, cp_rank)
+    cu = validate_cu_seqlens(cu_seqlens, cp_size)
+    t_global = cu.total
     t_local = t_global // cp_size
-    part = zigzag_parts_in_range(cu, cp_size, 0, t_global)  # every part, global order
+    part = zigzag_parts_in_range(cu.numpy(), cp_size, 0, t_global)  # every part, global order
     # Local offset of each part inside its owner's rows: cumulative per owner.
     order = _by_owner(part.owner, cp_size)
     local = np.empty_like(part.start)
@@ -298,8 +285,8 @@ def build_natural_order(cu: Sequence[int], cp_size: int, cp_rank: int) -> Natura
     owner_first = np.searchsorted(ordered_owner, ordered_owner, side="left")
     local[order] = csum - csum[owner_first]
     buf_pos = part.owner * t_local + local
-    to_natural = expand_runs(buf_pos, part.length)
-    to_buffer = expand_runs(part.start[order], ordered_len)
+    to_natural = expand_spans(buf_pos, part.length)
+    to_buffer = expand_spans(part.start[order], ordered_len)
     keep = part.owner == cp_rank
-    own_rows = expand_runs(part.start[keep], part.length[keep])
+    own_rows = expand_spans(part.start[keep], part.length[keep])
     return NaturalOrder(to_natural=to_natural, to_buffer=to_buffer, own_rows=own_rows)

@@ -21,8 +21,6 @@ has to detect the device / FLA and was not told).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 from typing import Any, Optional
 
@@ -111,28 +109,13 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
 
 
 def detect_fla_cp(device_type: Optional[str] = None) -> tuple[bool, str]:
-    """Whether FLA's chunkwise CP path is usable here: a CUDA device and an FLA whose
-    ``fla.ops.cp.build_cp_context`` imports. Returns ``(usable, reason)``.
+    """Whether FLA's chunkwise CP path is usable here: a CUDA device and a usable FLA cp context.
+    Returns ``(usable, reason)``; ``device_type`` (``"cuda"`` / ``"cpu"``) overrides device
+    detection. The one detector is :func:`gdn_cp.ops.fla.detect.detect_fla_cp` (imported here
+    on first call, so importing this module stays light)."""
+    from ..ops.fla.detect import detect_fla_cp as detect
 
-    ``device_type`` (e.g. ``"cuda"`` / ``"cpu"``) overrides device detection.
-    """
-    if device_type is None:
-        try:
-            import torch
-
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        except Exception as e:  # pragma: no cover - torch is a hard dependency
-            return False, f"torch is not usable ({type(e).__name__}: {e})"
-    if device_type != "cuda":
-        return False, f"device is {device_type!r}, FLA's CP kernels need CUDA"
-    if importlib.util.find_spec("fla") is None:
-        return False, "flash-linear-attention (fla) is not installed"
-    try:
-        mod = importlib.import_module("fla.ops.cp")
-        getattr(mod, "build_cp_context")
-    except Exception as e:  # FLA can fail with non-ImportErrors (e.g. Triton API changes)
-        return False, f"fla.ops.cp.build_cp_context is not importable ({type(e).__name__}: {e})"
-    return True, "CUDA device and fla.ops.cp.build_cp_context importable"
+    return detect(device_type)
 
 
 def _auto_choice(

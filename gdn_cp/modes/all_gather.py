@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ..comm import all_gather_rows
 from ..layout.plan import CPPlan
-from .common import GDNShape, local_core, stack_gates, unstack_gates
+from ..ops.shape import GDNShape
+from .common import local_core, stack_gates, unstack_gates
 
 __all__ = ["all_gather_core"]
 

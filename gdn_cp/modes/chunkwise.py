@@ -5,8 +5,8 @@ earlier ranks and the scan takes its initial state from the affine summaries
 ``S_out = M S_in + S_ext`` of earlier ranks, then contiguous -> zigzag. Per-rank compute
 is the CP=1 compute on T/cp tokens (in the generic path here, plus one wider scan on a
 rank whose whole slice continues a sequence on both sides, for its transition matrix M).
-A backend with a native context-parallel kernel for the group (``chunkwise_core``, FLA's
-cp context on NCCL) replaces the generic halo/summary path.
+A backend with a native context-parallel core for the group (``backend.native_cp_core``:
+FLA's cp context on NCCL) replaces the generic halo/summary path.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from ..comm import all_gather_rows, route_all_to_all
 from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
-from .common import GDNShape, split_qkv, stack_gates, unstack_gates
+from ..ops.shape import GDNShape
+from .common import split_qkv, stack_gates, unstack_gates
 
 __all__ = ["chunkwise_core", "contiguous_core", "gather_halo", "initial_state_from_summaries"]
 
@@ -55,8 +56,9 @@ def _keep_in_graph(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x + (like.sum() * 0).to(x.dtype)
 
 
-def _transition_summary(q, k, v, g, beta, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
-    """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of rows that continue a sequence on both sides.
+def _transition_summary(q, k, v, g, beta, cu, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
+    """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of rows (one sequence, boundaries ``cu``) that
+    continue a sequence on both sides.
 
     The scan is linear in (S_in, v) column by column, so one scan with
     ``v' = [0 | v]`` and initial state ``[I | 0]`` returns ``[M | S_ext]``.
@@ -66,7 +68,7 @@ def _transition_summary(q, k, v, g, beta, backend, state_dtype, qk_l2norm: bool)
     eye = torch.eye(dk, dtype=state_dtype, device=v.device).expand(1, hv, dk, dk)
     init = torch.cat([eye, eye.new_zeros(1, hv, dk, dv)], dim=-1)
     _, final = backend.chunk_gated_delta_rule(
-        q, k, v_aug, g, beta, cu_seqlens=[0, n], initial_state=init, output_final_state=True, use_qk_l2norm=qk_l2norm,
+        q, k, v_aug, g, beta, cu_seqlens=cu, initial_state=init, output_final_state=True, use_qk_l2norm=qk_l2norm,
     )
     return final[0].to(state_dtype)
 
@@ -75,7 +77,7 @@ def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk:
     """Compose earlier ranks' ``[M | S_ext]`` (``summaries [cp, Hv, Dk, Dk+Dv]``) in rank order.
 
     Returns ``[Hv, Dk, Dv]``: zeros (still in the graph, see :func:`_keep_in_graph`) when
-    the first piece starts on this rank.
+    the first local sequence starts on this rank.
     """
     state = summaries[0, ..., dk:] * 0
     for q in cw.compose_ranks:
@@ -105,15 +107,11 @@ def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNSha
     runs it; otherwise halos and state summaries go through gdn_cp.comm and the backend's
     kernels run per rank (same results; the reference backend, or FLA on gloo groups).
     """
-    native = getattr(backend, "chunkwise_core", None)
-    if native is not None and backend.native_cp_available(group):
+    native = backend.native_cp_core(group)
+    if native is not None:
         return native(
             qkv_c, g_c, beta_c, conv_weight, conv_bias,
-            num_k_heads=shape.num_k_heads, num_v_heads=shape.num_v_heads,
-            head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
-            group=group, cu_seqlens_global=list(plan.cu),
-            cu_seqlens_global_device=plan.cu_tensor(qkv_c.device), cache=plan.backend_cache,
-            use_qk_l2norm=shape.qk_l2norm,
+            shape=shape, cu_seqlens_global=plan.cu, group=group, cache=plan.backend_cache,
         )
 
     cw = plan.chunkwise(conv_weight.shape[1])
@@ -122,43 +120,40 @@ def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNSha
     if straddles and cw.conv_width > 1:
         index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
         halo = gather_halo(qkv_c, cw, index, group)
-    x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=list(cw.local_cu), halo=halo, activation="silu")
+    x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=cw.local_cu, halo=halo, activation="silu")
     q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
 
     if not straddles:
         o_c, _ = backend.chunk_gated_delta_rule(
-            q, k, v, g_c, beta_c, cu_seqlens=list(cw.local_cu), use_qk_l2norm=shape.qk_l2norm
+            q, k, v, g_c, beta_c, cu_seqlens=cw.local_cu, use_qk_l2norm=shape.qk_l2norm
         )
         return o_c
     return _scan_with_carried_state(q, k, v, g_c, beta_c, cw, backend, group, shape)
 
 
 def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group, shape: GDNShape):
-    """The scan of a slice whose first piece may continue an earlier rank's sequence.
+    """The scan of a slice whose first local sequence may continue an earlier rank's.
 
-    The pieces that start on this rank need no incoming state: they are scanned first, and the
-    last one's final state is this rank's summary ``[0 | S_ext]``. After the summaries are
-    exchanged, the first piece is scanned from its composed initial state. So every row is
-    scanned once, except when one piece covers the whole slice and continues on both sides:
-    its ``[M | S_ext]`` takes one more (wider) scan.
+    The local sequences that start on this rank need no incoming state: they are scanned
+    first, and the last one's final state is this rank's summary ``[0 | S_ext]``. After the
+    summaries are exchanged, the first local sequence (rows ``[0, cw.split)``) is scanned from
+    its composed initial state. So every row is scanned once, except when one sequence covers
+    the whole slice and continues on both sides: its ``[M | S_ext]`` takes one more (wider) scan.
     """
-    cu = list(cw.local_cu)
-    dk, t_local = shape.head_k_dim, v.shape[0]
+    dk = shape.head_k_dim
     state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     scan = partial(backend.chunk_gated_delta_rule, use_qk_l2norm=shape.qk_l2norm)
-    split = cu[1] if cw.first_continues else 0  # rows [0, split): the first piece, waiting for its state
+    split = cw.split
 
     o_rest = None
-    if split < t_local:
+    if cw.rest_cu is not None:
         rest = slice(split, None)
         o_rest, finals = scan(
-            q[rest], k[rest], v[rest], g[rest], beta[rest],
-            cu_seqlens=[c - split for c in cu[(1 if cw.first_continues else 0):]],
-            output_final_state=cw.last_continues,
+            q[rest], k[rest], v[rest], g[rest], beta[rest], cu_seqlens=cw.rest_cu, output_final_state=cw.last_continues,
         )
     hv, dv = v.shape[1], v.shape[2]
     if cw.last_is_first:
-        summary = _transition_summary(q, k, v, g, beta, backend, state_dtype, shape.qk_l2norm)
+        summary = _transition_summary(q, k, v, g, beta, cw.local_cu, backend, state_dtype, shape.qk_l2norm)
     elif cw.last_continues:
         summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), finals[-1].to(state_dtype)], -1)
     else:
@@ -170,6 +165,6 @@ def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group
         return _keep_in_graph(o_rest, s_in)  # s_in is zeros here, but must stay in the graph
     head = slice(0, split)
     o_first, _ = scan(
-        q[head], k[head], v[head], g[head], beta[head], cu_seqlens=[0, split], initial_state=s_in.unsqueeze(0)
+        q[head], k[head], v[head], g[head], beta[head], cu_seqlens=cw.head_cu, initial_state=s_in.unsqueeze(0)
     )
     return o_first if o_rest is None else torch.cat([o_first, o_rest])

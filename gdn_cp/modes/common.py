@@ -1,54 +1,21 @@
-"""What every mode shares: the head shape, input checks and the CP=1 core.
+"""What every mode shares: input checks, gate packing and the CP=1 core.
 
 Tensors are THD-packed rank-local rows (token dim first, no batch dim):
 ``qkv [T, C]`` with channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` before the conv,
-``g [T, Hv]`` (log decay, fp32), ``beta [T, Hv]``; output ``o [T, Hv, Dv]``.
+``g [T, Hv]`` (log decay, fp32), ``beta [T, Hv]``; output ``o [T, Hv, Dv]``. The head
+shape is :class:`~gdn_cp.ops.shape.GDNShape` (re-exported from ``gdn_cp.modes``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from ..layout.plan import CPPlan
+from ..ops.shape import GDNShape
 
-__all__ = ["GDNShape", "check_inputs", "local_core", "split_qkv", "stack_gates", "unstack_gates"]
-
-
-@dataclass(frozen=True)
-class GDNShape:
-    """Head layout of the GDN core on one TP rank, and whether q/k are l2-normalized."""
-
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    qk_l2norm: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GDNShape.{name} must be a positive int, got {value!r}")
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(
-                f"num_v_heads={self.num_v_heads} must be a multiple of num_k_heads={self.num_k_heads} "
-                f"(grouped value heads)"
-            )
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.key_dim + self.value_dim
+__all__ = ["check_inputs", "local_core", "split_qkv", "stack_gates", "unstack_gates"]
 
 
 def check_inputs(qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, plan: CPPlan, group_world: int) -> None:
@@ -124,14 +91,15 @@ def local_core(
 ):
     """Conv (SiLU) then gated delta rule on rows already in sequence order.
 
-    Returns ``o [T, v_heads, Dv]``. ``k_heads``/``v_heads`` default to all heads (headwise
-    passes its share).
+    ``cu_seqlens``: boundaries of these rows, passed on to the backend as they are (a plan's
+    Boundaries keep their device copies). Returns ``o [T, v_heads, Dv]``. ``k_heads``/``v_heads``
+    default to all heads (headwise passes its share).
     """
     k_heads = shape.num_k_heads if k_heads is None else k_heads
     v_heads = shape.num_v_heads if v_heads is None else v_heads
-    x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=list(cu_seqlens), halo=halo, activation="silu")
+    x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu_seqlens, halo=halo, activation="silu")
     q, k, v = split_qkv(x, shape, k_heads, v_heads)
     o, _ = backend.chunk_gated_delta_rule(
-        q, k, v, g, beta, cu_seqlens=list(cu_seqlens), initial_state=initial_state, use_qk_l2norm=shape.qk_l2norm
+        q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state, use_qk_l2norm=shape.qk_l2norm
     )
     return o

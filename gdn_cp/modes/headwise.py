@@ -2,7 +2,8 @@
 
 Two all-to-alls in (channels of q/k/v and the gates, grouped by destination rank), one
 out. Each rank runs the CP=1 core on every token of its head group, so heads must
-divide cp (and TP*cp upstream).
+divide cp (and TP*cp upstream): :mod:`gdn_cp.modes.spec` holds that rule, and
+:func:`gdn_cp.modes.gdn_core` checks it before calling :func:`headwise_core`.
 """
 
 from __future__ import annotations
@@ -11,18 +12,10 @@ import torch
 
 from ..comm import head_to_seq, seq_to_head
 from ..layout.plan import CPPlan
-from .common import GDNShape, local_core, stack_gates, unstack_gates
+from ..ops.shape import GDNShape
+from .common import local_core, stack_gates, unstack_gates
 
-__all__ = ["check_headwise", "headwise_core"]
-
-
-def check_headwise(shape: GDNShape, cp: int) -> None:
-    for name, heads in (("num_k_heads", shape.num_k_heads), ("num_v_heads", shape.num_v_heads)):
-        if heads % cp:
-            raise ValueError(
-                f"linear_cp_mode='headwise' needs {name} divisible by cp, got {name}={heads}, cp={cp}; "
-                f"use linear_cp_mode='chunkwise' or 'all_gather' (they need heads divisible by TP only)"
-            )
+__all__ = ["headwise_core"]
 
 
 def _channel_index(shape: GDNShape, cp: int, rank: int) -> torch.Tensor:
@@ -40,9 +33,9 @@ def _channel_index(shape: GDNShape, cp: int, rank: int) -> torch.Tensor:
 
 def _group_by_rank(qkv: torch.Tensor, shape: GDNShape, cp: int) -> torch.Tensor:
     """``[T, C]`` -> ``[T, cp, C/cp]``: rank p's q, k and v heads side by side."""
-    t = qkv.shape[0]
+    t, kq, vq = qkv.shape[0], shape.key_dim // cp, shape.value_dim // cp  # sizes spelled out: t may be 0
     q, k, v = torch.split(qkv, [shape.key_dim, shape.key_dim, shape.value_dim], dim=-1)
-    return torch.cat([q.reshape(t, cp, -1), k.reshape(t, cp, -1), v.reshape(t, cp, -1)], dim=-1)
+    return torch.cat([q.reshape(t, cp, kq), k.reshape(t, cp, kq), v.reshape(t, cp, vq)], dim=-1)
 
 
 def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
@@ -54,7 +47,7 @@ def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan
 
     qkv_h = seq_to_head(_group_by_rank(qkv, shape, cp), group).index_select(0, to_natural)
     gates = stack_gates(g, beta).reshape(t_local, cp, v_heads * 2)
-    gates_h = seq_to_head(gates, group).index_select(0, to_natural).reshape(-1, v_heads, 2)
+    gates_h = seq_to_head(gates, group).index_select(0, to_natural).reshape(plan.t_global, v_heads, 2)
 
     weight = conv_weight.index_select(0, channels)
     bias = None if conv_bias is None else conv_bias.index_select(0, channels)

@@ -10,6 +10,7 @@ Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` 
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -32,19 +33,25 @@ class ModeSpec:
     """One CP mode.
 
     ``divides_by_cp``: heads must divide TP*CP (True) or TP only (False).
-    ``layouts``: row layouts the core accepts (``zigzag`` always; ``contiguous`` when the caller
-    may swap layouts outside the core). ``core``: ``"module:function"`` of the core, imported
-    on first use so that reading the registry never imports torch. ``cost``: one line for
-    ``doctor`` and logs. ``auto_rank``: order in which ``auto`` prefers legal modes (lower
-    first; chunkwise only when FLA's CP path is usable, see :mod:`gdn_cp.megatron.config`).
+    ``cores``: ``(layout, "module:function")`` pairs, the core that takes rows in that layout
+    (``zigzag`` always, first; ``contiguous`` when the caller may swap layouts outside the
+    core), imported on first use so that reading the registry never imports torch. Every core
+    is called as ``core(qkv, g, beta, conv_weight, conv_bias, *, shape, plan, group, backend)``
+    by :func:`gdn_cp.modes.gdn_core`. ``cost``: one line for ``doctor`` and logs.
+    ``auto_rank``: order in which ``auto`` prefers legal modes (lower first; chunkwise only
+    when FLA's CP path is usable, see :mod:`gdn_cp.megatron.config`).
     """
 
     name: str
     divides_by_cp: bool
-    layouts: tuple[str, ...]
-    core: str
+    cores: tuple[tuple[str, str], ...]
     cost: str
     auto_rank: int
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """Row layouts the mode takes (``zigzag`` first)."""
+        return tuple(layout for layout, _ in self.cores)
 
     def head_divisor(self, tp: int, cp: int) -> int:
         return tp * cp if self.divides_by_cp else tp
@@ -53,9 +60,19 @@ class ModeSpec:
         """``TP*CP=2*4=8`` or ``TP=2``: how messages name the divisor."""
         return f"TP*CP={tp}*{cp}={tp * cp}" if self.divides_by_cp else f"TP={tp}"
 
-    def core_fn(self) -> Callable:
-        module, _, fn = self.core.partition(":")
-        return getattr(importlib.import_module(module), fn)
+    def core_fn(self, layout: str = "zigzag") -> Callable:
+        """The core for rows in ``layout`` (ValueError naming the layouts this mode takes)."""
+        for name, target in self.cores:
+            if name == layout:
+                return _load(target)
+        raise ValueError(f"linear_cp_mode={self.name!r} takes rows in {self.layouts}, not {layout!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(target: str) -> Callable:
+    """``"module:function"`` -> the function (imported once; later layer calls import nothing)."""
+    module, _, fn = target.partition(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 MODES: dict[str, ModeSpec] = {
@@ -64,24 +81,24 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec(
             name="headwise",
             divides_by_cp=True,
-            layouts=("zigzag",),
-            core="gdn_cp.modes.headwise:headwise_core",
+            cores=(("zigzag", "gdn_cp.modes.headwise:headwise_core"),),
             cost="two all-to-alls of every activation; full sequence on 1/cp of the heads",
             auto_rank=1,
         ),
         ModeSpec(
             name="chunkwise",
             divides_by_cp=False,
-            layouts=("zigzag", "contiguous"),
-            core="gdn_cp.modes.chunkwise:chunkwise_core",
+            cores=(
+                ("zigzag", "gdn_cp.modes.chunkwise:chunkwise_core"),
+                ("contiguous", "gdn_cp.modes.chunkwise:contiguous_core"),
+            ),
             cost="CP=1 work on T/cp tokens plus a route all-to-all and a small halo/state exchange",
             auto_rank=0,
         ),
         ModeSpec(
             name="all_gather",
             divides_by_cp=False,
-            layouts=("zigzag",),
-            core="gdn_cp.modes.all_gather:all_gather_core",
+            cores=(("zigzag", "gdn_cp.modes.all_gather:all_gather_core"),),
             cost="cp x the compute and O(T) activation memory (the fallback of last resort)",
             auto_rank=2,
         ),

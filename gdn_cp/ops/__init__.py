@@ -1,34 +1,25 @@
-"""Per-rank math backends with one interface.
+"""Per-rank math backends behind one contract (:class:`~gdn_cp.ops.contract.Backend`).
 
-A backend is a module-like object with:
-
-- ``causal_conv1d(x [T, C], weight [C, W], bias, *, cu_seqlens: list[int], halo [W-1, C] | None,
-  activation="silu") -> [T, C]``
-- ``chunk_gated_delta_rule(q [T, Hk, Dk], k, v [T, Hv, Dv], g [T, Hv], beta [T, Hv], *, cu_seqlens,
-  scale=None, initial_state [N, Hv, Dk, Dv] | None, output_final_state=False, use_qk_l2norm=True)
-  -> (o [T, Hv, Dv], final_state | None)``
-- optionally ``chunkwise_core(...)``: a native context-parallel conv + scan on the contiguous
-  layout (FLA's cp context); without it the chunkwise mode exchanges halos and state
-  summaries itself through ``gdn_cp.comm``.
-
-``reference`` is plain torch (any device, any float dtype); ``fla`` is CUDA only.
+``reference`` is plain torch (any device, any float dtype); ``fla`` is CUDA only (importing
+it does not import flash-linear-attention).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from types import ModuleType
 
-__all__ = ["BACKENDS", "get_backend"]
+from .contract import Backend, NativeCPCore
+from .shape import GDNShape, value_heads_per_key_head
 
-BACKENDS = ("reference", "fla")
+__all__ = ["BACKENDS", "Backend", "GDNShape", "NativeCPCore", "get_backend", "value_heads_per_key_head"]
+
+BACKENDS: dict[str, str] = {"reference": "gdn_cp.ops.reference", "fla": "gdn_cp.ops.fla"}  # name -> module
 
 
-def get_backend(name: str) -> ModuleType:
-    """The backend module called ``name`` (imported on first use)."""
+@functools.lru_cache(maxsize=None)
+def get_backend(name: str) -> Backend:
+    """The backend called ``name`` (its module, imported on first use, then remembered)."""
     if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
-    if name == "reference":
-        return importlib.import_module("gdn_cp.ops.reference")
-    module = importlib.import_module("gdn_cp.ops.fla")
-    return module
+        raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {name!r}")
+    return importlib.import_module(BACKENDS[name])

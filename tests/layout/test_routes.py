@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from gdn_cp.layout import (
     CONTIGUOUS,
     ZIGZAG,
+    build_chunkwise_plan,
     build_natural_order,
     build_sbhd_route,
     build_thd_route,
@@ -155,3 +156,41 @@ def test_bad_rank_raises(rank):
 def test_bad_layout_raises():
     with pytest.raises(ValueError, match="layout"):
         build_thd_route([0, 8], 2, 0, "zig-zag", CONTIGUOUS)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("cu", [[0, 0], [0, 0, 0, 0]], ids=["one_empty_slot", "only_padding_slots"])
+def test_empty_packings_work(cu, cp):
+    """A micro-batch of nothing but padding slots: every rank holds no rows, nothing moves."""
+    for rank in range(cp):
+        for source, target in DIRECTIONS:
+            route = build_thd_route(cu, cp, rank, source, target)
+            assert route.is_identity and route.rows_in == route.rows_out == 0
+            assert route.send_index is None and route.recv_index is None
+        nat = build_natural_order(cu, cp, rank)
+        assert [t.numel() for t in (nat.to_natural, nat.to_buffer, nat.own_rows)] == [0, 0, 0]
+        cw = build_chunkwise_plan(cu, cp, rank, 4)
+        assert cw.t_local == 0 and cw.local_cu == (0, 0) and cw.rest_cu is None and cw.head_cu is None
+        assert not (cw.first_continues or cw.last_continues or cw.any_straddle or cw.needs_halo)
+
+
+def test_natural_order_checks_its_boundaries():
+    with pytest.raises(ValueError, match=r"not divisible by 2\*cp=4"):
+        build_natural_order([0, 6], 2, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_chunkwise_plan_scan_boundaries(cp):
+    """head_cu / rest_cu cut the slice's local sequences at the first one when it continues."""
+    cu = packings(cp)["straddling"]
+    t_local = cu[-1] // cp
+    for rank in range(cp):
+        cw = build_chunkwise_plan(cu, cp, rank, 4)
+        assert cw.local_cu[0] == 0 and cw.local_cu[-1] == t_local
+        if cw.first_continues:
+            assert cw.head_cu == (0, cw.split) and cw.split == cw.local_cu[1]
+        else:
+            assert cw.split == 0 and cw.head_cu is None
+        assert (cw.rest_cu is None) == (cw.split == t_local)
+        if cw.rest_cu is not None:
+            assert list(cw.rest_cu) == [c - cw.split for c in cw.local_cu if c >= cw.split]

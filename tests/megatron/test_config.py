@@ -221,46 +221,24 @@ def test_resolve_uses_given_logger(caplog):
 
 def test_resolve_detects_cpu_device_without_fla_import(monkeypatch, caplog):
     """device_type='cpu' -> FLA path unusable, without looking for FLA at all."""
-    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: pytest.fail("looked for FLA"))
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: pytest.fail("looked for FLA"))
     caplog.set_level(logging.INFO, logger="gdn_cp.megatron.config")
     got = resolve_linear_cp_mode("auto", num_key_heads=16, num_value_heads=32, tp=1, cp=2, device_type="cpu")
     assert got == "headwise"
     assert "device is 'cpu'" in caplog.records[-1].getMessage()
 
 
-def test_detect_fla_cp_variants(monkeypatch):
-    # CUDA but FLA missing
-    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: None)
-    ok, why = cfgmod.detect_fla_cp("cuda")
-    assert not ok and "not installed" in why
+def test_detect_fla_cp_is_the_ops_detector(monkeypatch):
+    """config.detect_fla_cp answers what gdn_cp.ops.fla.detect answers (variants: tests/ops/test_fla_detect.py)."""
+    from gdn_cp.ops.fla import detect
 
-    # CUDA and an FLA whose fla.ops.cp has build_cp_context
-    monkeypatch.setattr(cfgmod.importlib.util, "find_spec", lambda name: object())
-    fake = types.ModuleType("fla.ops.cp")
-    fake.build_cp_context = lambda *a, **k: None
-    monkeypatch.setattr(cfgmod.importlib, "import_module", lambda name: fake)
-    ok, why = cfgmod.detect_fla_cp("cuda")
-    assert ok and "build_cp_context" in why
-
-    # CUDA and an FLA that fails to import with a non-ImportError (seen with Triton API changes)
-    def boom(name):
-        raise KeyError("STAGE")
-
-    monkeypatch.setattr(cfgmod.importlib, "import_module", boom)
-    ok, why = cfgmod.detect_fla_cp("cuda")
-    assert not ok and "KeyError" in why
-
-    # an old FLA without build_cp_context
-    monkeypatch.setattr(cfgmod.importlib, "import_module", lambda name: types.ModuleType("fla.ops.cp"))
-    ok, why = cfgmod.detect_fla_cp("cuda")
-    assert not ok and "not importable" in why
-
-    # auto with a detected device: this machine's torch decides (CPU here -> not usable)
-    import torch
-
-    ok, why = cfgmod.detect_fla_cp()
-    if not torch.cuda.is_available():
-        assert not ok and "cpu" in why
+    monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, "kernels take no cp_context"))
+    assert cfgmod.detect_fla_cp("cuda") == (False, "kernels take no cp_context")
+    monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, None, "conv1d_kernel_size"))
+    assert cfgmod.detect_fla_cp("cuda")[0] is True
+    assert cfgmod.detect_fla_cp("cpu") == (False, "device is 'cpu', FLA's CP kernels need CUDA")
 
 
 def test_explain_linear_cp_modes():

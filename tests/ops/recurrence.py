@@ -21,7 +21,7 @@ def naive_causal_conv1d(
     halo: Optional[torch.Tensor] = None,
     activation: Optional[str] = "silu",
 ) -> torch.Tensor:
-    """Per segment: left-pad with W-1 zeros (or the halo, for the segment starting at row 0), then
+    """Per sequence: left-pad with W-1 zeros (or the halo, for the sequence starting at row 0), then
     y[t] = bias + sum_j weight[:, j] * padded[t + j]. x [T, C], weight [C, W] -> y [T, C] in x.dtype."""
     C, W = weight.shape
     w = weight.double()
@@ -63,7 +63,7 @@ def naive_gated_delta_rule(
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Token by token, per segment, per value head, in fp64:
+    """Token by token, per sequence, per value head, in fp64:
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = scale * S_t^T q_t.
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; initial_state [N, Hv, Dk, Dv].
     Returns o [T, Hv, Dv] in v.dtype and final_state [N, Hv, Dk, Dv] (fp64 if v is fp64, else fp32)

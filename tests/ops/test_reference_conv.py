@@ -1,4 +1,4 @@
-"""gdn_cp.ops.reference.causal_conv1d against the naive per-segment conv and torch's Conv1d."""
+"""gdn_cp.ops.reference.causal_conv1d against the naive per-sequence conv and torch's Conv1d."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gdn_cp.ops.reference import causal_conv1d
 
 from .recurrence import naive_causal_conv1d
 
-# Empty segments (front, middle, back), segments shorter than W and longer.
+# Empty sequences (front, middle, back), sequences shorter than W and longer.
 CU = [0, 0, 1, 3, 3, 11, 40, 41, 41]
 
 
@@ -42,7 +42,7 @@ def test_matches_naive_fp64(W, with_halo, with_bias, activation):
     assert rel_err(y, naive_causal_conv1d(x, w, bias, **kw)) <= 1e-10
 
 
-def test_matches_torch_conv1d_per_segment():
+def test_matches_torch_conv1d_per_sequence():
     x, w, b, _ = make()
     y = causal_conv1d(x, w, b, cu_seqlens=CU, activation=None)
     C, W = w.shape

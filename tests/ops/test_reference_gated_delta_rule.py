@@ -12,7 +12,7 @@ from gdn_cp.ops.reference import chunk_gated_delta_rule, l2norm
 
 from .recurrence import naive_gated_delta_rule
 
-# With chunk_size=16: empty segments (front, middle, back), shorter than a chunk, exactly one chunk,
+# With chunk_size=16: empty sequences (front, middle, back), shorter than a chunk, exactly one chunk,
 # longer and not a multiple of the chunk.
 CU = [0, 0, 5, 21, 21, 58, 90, 91, 91]
 CHUNK = 16
@@ -89,7 +89,7 @@ def test_bf16_runs_and_stays_near_fp32():
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
     chunk_size=st.sampled_from([1, 3, 8, 16, 64]),
 )
-def test_any_segmentation_and_chunk_size(lengths, chunk_size):
+def test_any_packing_and_chunk_size(lengths, chunk_size):
     cu = [0]
     for n in lengths:
         cu.append(cu[-1] + n)
@@ -100,7 +100,7 @@ def test_any_segmentation_and_chunk_size(lengths, chunk_size):
     torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-10)
 
 
-def test_empty_segment_final_state_is_initial_state():
+def test_empty_sequence_final_state_is_initial_state():
     x = make()
     _, s = call(chunk_gated_delta_rule, x)
     for n, (a, b) in enumerate(zip(CU[:-1], CU[1:])):

@@ -1,33 +1,33 @@
 """FLA backend (CUDA): flash-linear-attention's causal conv and chunked gated delta rule.
 
-Same interface as ``gdn_cp.ops.reference`` plus :func:`chunkwise_core`, the hook the chunkwise
-mode uses for FLA's native context parallelism. Importing this package does not import FLA.
+Satisfies :class:`gdn_cp.ops.contract.Backend`, with FLA's cp context as its native CP core.
+Importing this package does not import FLA.
+
+- :mod:`.detect`: what the installed FLA offers (probed once per process);
+- :mod:`.kernels`: the CP=1 kernels behind the backend contract;
+- :mod:`.native_cp`: the chunkwise core with FLA's cp context.
 """
 
-from .backend import (
-    FLA_MAX_HEAD_K_DIM,
-    FLA_MIN_HEAD_DIM,
-    causal_conv1d,
-    check_chunkwise_layout,
-    chunk_gated_delta_rule,
-    chunkwise_core,
+from . import detect, kernels, native_cp
+from .detect import (
+    FLAFeatures,
+    detect_fla_cp,
+    features,
     fla_available,
+    fla_import_error,
     fla_version,
     has_cp_context,
     has_zigzag_layout,
-    native_cp_available,
+    probe,
 )
+from .kernels import (
+    FLA_MAX_HEAD_K_DIM,
+    FLA_MIN_HEAD_DIM,
+    causal_conv1d,
+    check_head_dims,
+    chunk_gated_delta_rule,
+    fla_api,
+)
+from .native_cp import check_chunkwise_layout, cp_context_core, native_cp_core
 
-__all__ = [
-    "FLA_MAX_HEAD_K_DIM",
-    "FLA_MIN_HEAD_DIM",
-    "causal_conv1d",
-    "check_chunkwise_layout",
-    "chunk_gated_delta_rule",
-    "chunkwise_core",
-    "fla_available",
-    "fla_version",
-    "has_cp_context",
-    "has_zigzag_layout",
-    "native_cp_available",
-]
+__all__ = [*detect.__all__, *kernels.__all__, *native_cp.__all__]

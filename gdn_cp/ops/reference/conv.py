@@ -2,61 +2,21 @@
 
 The short conv of a GDN layer (kernel W=4 on q/k/v) must not see across sequence boundaries, and
 under chunkwise context parallelism a rank's first sequence continues from its left neighbour: the
-W-1 rows that neighbour holds arrive as a ``halo``. Boundaries are Python ints, so every mask here
+W-1 rows that neighbour holds arrive as a ``halo``. Boundaries are host ints, so every mask here
 is built on the host from them and shipped to the device; nothing is read back from the device.
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from ...layout.boundaries import host_boundaries
 from ...layout.device import host_to_device
 
-__all__ = ["causal_conv1d", "check_local_boundaries", "compute_dtype"]
-
-
-def check_local_boundaries(cu_seqlens: Sequence[int], total: int, *, name: str = "cu_seqlens") -> list[int]:
-    """Check cumulative sequence boundaries given as Python ints and return them as a list.
-
-    Boundaries must come from the host: a tensor here would mean a device->host sync per call, so
-    tensors are refused (convert once per micro-batch with ``.tolist()``).
-    """
-    if isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(
-            f"{name} must be a sequence of Python ints, got a torch.Tensor on {cu_seqlens.device}; "
-            f"convert it once per micro-batch with {name}.tolist() and pass the list"
-        )
-    try:
-        cu = [operator.index(c) for c in cu_seqlens]
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a sequence of Python ints, got {cu_seqlens!r}; pass e.g. [0, 5, 12]"
-        ) from None
-    if any(isinstance(c, bool) for c in cu_seqlens):
-        raise TypeError(f"{name} must hold ints, not bools, got {cu_seqlens!r}")
-    if len(cu) < 2:
-        raise ValueError(
-            f"{name} must hold at least 2 boundaries [0, ..., T], got {cu!r}; for one sequence of "
-            f"T={total} tokens pass [0, {total}]"
-        )
-    if cu[0] != 0:
-        raise ValueError(f"{name} must start at 0, got {name}[0]={cu[0]} in {cu!r}; prepend 0")
-    for i in range(1, len(cu)):
-        if cu[i] < cu[i - 1]:
-            raise ValueError(
-                f"{name} must be non-decreasing, got {name}[{i}]={cu[i]} < {name}[{i - 1}]={cu[i - 1]} "
-                f"in {cu!r}; pass cumulative sums of the sequence lengths"
-            )
-    if cu[-1] != total:
-        raise ValueError(
-            f"{name} must end at the number of tokens T={total}, got {name}[-1]={cu[-1]} in {cu!r}; "
-            f"the token dim of the inputs and the boundaries disagree"
-        )
-    return cu
+__all__ = ["causal_conv1d", "compute_dtype"]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -86,15 +46,15 @@ def causal_conv1d(
         x: [T, C] packed tokens (no batch dim).
         weight: [C, W] depthwise taps (Megatron's [C, 1, W] with the middle dim squeezed).
         bias: [C] or None.
-        cu_seqlens: Python ints 0 = cu[0] <= ... <= cu[-1] = T; empty segments allowed. Rows before
-            a segment's start read as zeros.
-        halo: [W-1, C] or None: the W-1 rows preceding x[0] in the sequence of the first segment
+        cu_seqlens: host ints (Boundaries or a list) 0 = cu[0] <= ... <= cu[-1] = T; empty sequences
+            allowed. Rows before a sequence's start read as zeros.
+        halo: [W-1, C] or None: the W-1 rows preceding x[0] in the first sequence
             (halo[-1] is the row right before x[0]); rows belonging to no sequence must be zeros.
         activation: "silu" or None.
 
     Returns:
         y: [T, C] in x.dtype, accumulated in fp32 (fp64 for fp64 x). Same as
-        ``Conv1d(C, C, W, groups=C, padding=W-1)(x_seg.T)[..., :len]`` per segment.
+        ``Conv1d(C, C, W, groups=C, padding=W-1)(x_seq.T)[..., :len]`` per sequence.
     """
     _check_float("x", x)
     _check_float("weight", weight)
@@ -126,15 +86,15 @@ def causal_conv1d(
     for name, t in (("weight", weight), ("bias", bias), ("halo", halo)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; move it with .to(x.device)")
-    cu = check_local_boundaries(cu_seqlens, T)
+    cu = host_boundaries(cu_seqlens, T)
 
     dtype = compute_dtype(x.dtype)
     xc = x.to(dtype)
     front = halo.to(dtype) if halo is not None else xc.new_zeros(W - 1, C)
     xp = torch.cat([front, xc], dim=0)  # [W-1+T, C]; row r is token r-(W-1)
 
-    # pos[t] = t - start of t's segment; tap with shift s reads a valid row iff pos[t] >= s.
-    # With a halo, the segment that starts at row 0 continues into it: never masked.
+    # pos[t] = t - start of t's sequence; tap with shift s reads a valid row iff pos[t] >= s.
+    # With a halo, the sequence that starts at row 0 continues into it: never masked.
     starts = torch.tensor(cu[:-1], dtype=torch.long)
     lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:])], dtype=torch.long)
     pos = torch.arange(T, dtype=torch.long) - torch.repeat_interleave(starts, lengths, output_size=T)

@@ -16,7 +16,7 @@ so D = U - W S with U, W independent of S. Then
     O       = scale * (exp(G) Q S + ((Q K^T) * exp(G_i - G_j))_{j <= i} D)
     S_next  = exp(G_C) S + (K exp(G_C - G))^T D
 
-Everything but the state carry is batched over all chunks of all segments and all heads; only the
+Everything but the state carry is batched over all chunks of all sequences and all heads; only the
 carry ``S -> S_next`` runs as a Python loop over chunks. All exponents are differences G_i - G_j
 with j <= i, so they are <= 0 and never overflow (for g <= 0, which is not checked: that would read
 device data).
@@ -28,8 +28,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from ...layout.boundaries import host_boundaries
 from ...layout.device import host_to_device
-from .conv import compute_dtype, check_local_boundaries
+from ..shape import value_heads_per_key_head
+from .conv import compute_dtype
 
 __all__ = ["chunk_gated_delta_rule", "l2norm"]
 
@@ -57,7 +59,7 @@ def _chunk_plan(cu: list[int], chunk_size: int, T: int):
     """Host-side layout of the padded chunks. Returns
     gather: [n_chunks*C] token index per padded slot (T = padding, reads a zero row);
     scatter: [T] padded slot of each token;
-    first: per segment, index of its first chunk; count: per segment, number of chunks."""
+    first: per sequence, index of its first chunk; count: per sequence, number of chunks."""
     C = chunk_size
     chunk_starts, chunk_ends, first, count = [], [], [], []
     for a, b in zip(cu[:-1], cu[1:]):
@@ -94,11 +96,12 @@ def chunk_gated_delta_rule(
         q, k: [T, Hk, Dk]. v: [T, Hv, Dv], Hv a multiple of Hk (value head h uses key head
             h // (Hv // Hk), as Megatron's repeat_interleave). g: [T, Hv] log decay (<= 0).
             beta: [T, Hv].
-        cu_seqlens: Python ints 0 = cu[0] <= ... <= cu[-1] = T; empty segments allowed; N segments.
+        cu_seqlens: host ints (Boundaries or a list) 0 = cu[0] <= ... <= cu[-1] = T; empty sequences
+            allowed; N sequences.
         scale: defaults to Dk ** -0.5.
         initial_state: [N, Hv, Dk, Dv] or None (zeros). Any values (CP passes [I | 0] to get a
             slice's transition matrix).
-        output_final_state: also return the state after each segment.
+        output_final_state: also return the state after each sequence.
         use_qk_l2norm: l2-normalize q and k over Dk first (FLA's l2norm, eps=1e-6).
         chunk_size: tokens per chunk (any positive int; results do not depend on it up to rounding).
 
@@ -117,21 +120,17 @@ def chunk_gated_delta_rule(
         raise ValueError(f"k must have q's shape {tuple(q.shape)} [T, Hk, Dk], got {tuple(k.shape)}")
     if v.shape[0] != T:
         raise ValueError(f"v must have T={T} tokens like q, got shape {tuple(v.shape)}")
-    if Hk == 0 or Hv % Hk != 0:
-        raise ValueError(
-            f"v's head count Hv={Hv} must be a positive multiple of q/k's Hk={Hk} (grouped heads); "
-            f"check linear_num_value_heads / linear_num_key_heads"
-        )
+    value_heads_per_key_head(Hk, Hv)
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (T, Hv):
             raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
-    cu = check_local_boundaries(cu_seqlens, T)
+    cu = host_boundaries(cu_seqlens, T)
     N = len(cu) - 1
     if initial_state is not None:
         _check("initial_state", initial_state, 4, "[N, Hv, Dk, Dv]")
         if initial_state.shape != (N, Hv, Dk, Dv):
             raise ValueError(
-                f"initial_state must be [N, Hv, Dk, Dv] = [{N}, {Hv}, {Dk}, {Dv}] (one state per segment "
+                f"initial_state must be [N, Hv, Dk, Dv] = [{N}, {Hv}, {Dk}, {Dv}] (one state per sequence "
                 f"of cu_seqlens), got shape {tuple(initial_state.shape)}"
             )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -151,8 +150,8 @@ def chunk_gated_delta_rule(
         k = k.repeat_interleave(Hv // Hk, dim=1)
     q = q * scale
 
-    # Pad every segment to whole chunks (padding: k = v = beta = g = 0, which leaves the state
-    # alone) and lay all chunks of all segments side by side: [n_chunks, H, C, ...].
+    # Pad every sequence to whole chunks (padding: k = v = beta = g = 0, which leaves the state
+    # alone) and lay all chunks of all sequences side by side: [n_chunks, H, C, ...].
     C = chunk_size
     gather, scatter, first, count = _chunk_plan(cu, C, T)
     n_chunks = gather.numel() // C
@@ -179,7 +178,7 @@ def chunk_gated_delta_rule(
     k_out = kc * (G[..., -1:] - G).exp()[..., None]  # writes the outgoing state
     g_last = G[..., -1].exp()[..., None, None]  # [n, H, 1, 1]
 
-    # The only serial part: carry the state through the chunks of each segment.
+    # The only serial part: carry the state through the chunks of each sequence.
     starts_of_chunks: list[torch.Tensor] = []
     corrections: list[torch.Tensor] = []
     finals: list[torch.Tensor] = []

@@ -1,17 +1,16 @@
-"""Layouts as segment lists, cut by arithmetic on the boundaries.
+"""Layouts as span lists, cut by arithmetic on the boundaries.
 
-A *segment* is a run of global packed rows ``[start, start + length)``. In both layouts a
-rank's local rows are its segments in increasing global order, so local offsets are the
-cumulative lengths.
+A *span* is a run of consecutive global packed rows ``[start, start + length)``. In both
+layouts a rank's local rows are its spans in increasing global order, so local offsets are
+the cumulative lengths.
 
-- zigzag: sequence i of length L is cut into 2*cp parts of L/(2*cp) rows; rank r holds
+- zigzag: sequence i of length L is cut into 2*cp *parts* of L/(2*cp) rows; rank r holds
   part r and part 2*cp-1-r of every sequence (Megatron's load-balanced layout).
-- contiguous: rank r holds rows ``[r*T/cp, (r+1)*T/cp)``, ignoring sequence boundaries.
+- contiguous: rank r holds the *slice* ``[r*T/cp, (r+1)*T/cp)``, ignoring sequence boundaries.
 
 Everything works on small int64 numpy arrays whose size is the number of sequences (times
-cp at most): numpy's per-call overhead on arrays this small is a fraction of torch's.
-Nothing is per token except :func:`expand_runs`, which writes an index tensor once per
-micro-batch.
+cp at most), where numpy's per-call overhead is below torch's. Nothing is per token except
+:func:`expand_spans`, which writes an index tensor once per micro-batch.
 """
 
 from __future__ import annotations
@@ -21,15 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .boundaries import Boundaries
+
 __all__ = [
     "ZIGZAG",
     "CONTIGUOUS",
     "LAYOUTS",
-    "Runs",
-    "zigzag_rank_segments",
+    "Spans",
+    "zigzag_rank_spans",
     "zigzag_parts_in_range",
-    "cut_by_blocks",
-    "expand_runs",
+    "cut_at_slices",
+    "expand_spans",
 ]
 
 ZIGZAG = "zigzag"
@@ -38,30 +39,33 @@ LAYOUTS = (ZIGZAG, CONTIGUOUS)
 
 
 @dataclass(frozen=True)
-class Runs:
-    """Runs of global rows: ``start``, ``length`` (and ``owner``, a rank) as int64 numpy [n]."""
+class Spans:
+    """Spans of global rows: ``start``, ``length`` (and ``owner``, a rank) as int64 numpy [n]."""
 
     start: np.ndarray
     length: np.ndarray
     owner: np.ndarray
 
     def local_offsets(self) -> np.ndarray:
-        """Local row of each run's first row, when the runs are one rank's rows in order."""
+        """Local row of each span's first row, when the spans are one rank's rows in order."""
         return np.cumsum(self.length) - self.length
 
     def __len__(self) -> int:
         return len(self.start)
 
 
-def _keep_nonempty(start, length, owner) -> Runs:
+_NO_SPANS = Spans(*(np.zeros(0, np.int64) for _ in range(3)))
+
+
+def _keep_nonempty(start, length, owner) -> Spans:
     keep = length > 0
     if keep.all():
-        return Runs(start, length, owner)
-    return Runs(start[keep], length[keep], owner[keep])
+        return Spans(start, length, owner)
+    return Spans(start[keep], length[keep], owner[keep])
 
 
-def zigzag_rank_segments(cu: np.ndarray, cp: int, rank: int) -> Runs:
-    """Rank ``rank``'s zigzag segments in its local order (part r, part 2cp-1-r, next sequence...).
+def zigzag_rank_spans(cu: np.ndarray, cp: int, rank: int) -> Spans:
+    """Rank ``rank``'s zigzag spans in its local order (part r, part 2cp-1-r, next sequence...).
 
     ``cu``: int64 [n+1] global boundaries. ``owner`` is ``rank``.
     """
@@ -72,11 +76,13 @@ def zigzag_rank_segments(cu: np.ndarray, cp: int, rank: int) -> Runs:
     return _keep_nonempty(start.ravel(), np.repeat(chunk, 2), np.full(2 * len(chunk), rank, np.int64))
 
 
-def zigzag_parts_in_range(cu: np.ndarray, cp: int, lo: int, hi: int) -> Runs:
+def zigzag_parts_in_range(cu: np.ndarray, cp: int, lo: int, hi: int) -> Spans:
     """The zigzag parts of the rows ``[lo, hi)``, clipped to it, in global order, with owners.
 
-    Only sequences overlapping ``[lo, hi)`` are looked at.
+    Only sequences overlapping ``[lo, hi)`` are looked at; an empty range has no parts.
     """
+    if hi <= lo:
+        return _NO_SPANS
     first = int(np.searchsorted(cu[1:], lo, side="right"))
     last = int(np.searchsorted(cu[:-1], hi, side="left"))  # exclusive
     sub = cu[first : last + 1]
@@ -89,34 +95,36 @@ def zigzag_parts_in_range(cu: np.ndarray, cp: int, lo: int, hi: int) -> Runs:
     return _keep_nonempty(start_c, length, np.minimum(part, 2 * cp - 1 - part))
 
 
-def cut_by_blocks(runs: Runs, block: int) -> tuple[Runs, np.ndarray]:
-    """Cut runs at multiples of ``block`` (the contiguous layout's rank edges).
+def cut_at_slices(spans: Spans, slice_rows: int) -> tuple[Spans, np.ndarray]:
+    """Cut spans at multiples of ``slice_rows`` (the contiguous layout's slice edges).
 
-    Returns the pieces in the same order, ``owner`` = the block (contiguous rank) each lies
-    in, and for each piece the index of the run it came from.
+    Returns the cut spans in the same order, ``owner`` = the slice (contiguous rank) each
+    lies in, and for each cut span the index of the span it came from.
     """
-    first = runs.start // block
-    count = (runs.start + runs.length - 1) // block - first + 1
-    n = len(runs)
+    first = spans.start // slice_rows
+    count = (spans.start + spans.length - 1) // slice_rows - first + 1
+    n = len(spans)
     if n == 0 or (count == 1).all():
-        return Runs(runs.start, runs.length, first), np.arange(n, dtype=np.int64)
+        return Spans(spans.start, spans.length, first), np.arange(n, dtype=np.int64)
     src = np.repeat(np.arange(n, dtype=np.int64), count)
-    blk = first[src] + np.arange(len(src), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    start = np.maximum(runs.start[src], blk * block)
-    end = np.minimum(runs.start[src] + runs.length[src], (blk + 1) * block)
-    return Runs(start, end - start, blk), src
+    owner = first[src] + np.arange(len(src), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    start = np.maximum(spans.start[src], owner * slice_rows)
+    end = np.minimum(spans.start[src] + spans.length[src], (owner + 1) * slice_rows)
+    return Spans(start, end - start, owner), src
 
 
 def host_int64(x) -> np.ndarray:
-    """A CPU tensor (zero copy when int64), array or ints as an int64 numpy array."""
+    """Boundaries, a CPU tensor (zero copy when int64), an array or ints as an int64 numpy array."""
+    if isinstance(x, Boundaries):
+        return x.numpy()
     return np.asarray(x.numpy() if isinstance(x, torch.Tensor) else x, dtype=np.int64)
 
 
-def expand_runs(start, length) -> torch.Tensor:
+def expand_spans(start, length) -> torch.Tensor:
     """Concatenate ``arange(start[i], start[i] + length[i])`` for all i: an int64 index tensor.
 
     ``start``, ``length``: int64 tensors or arrays. One full-size buffer, cumsum in place:
-    ones, with a jump written at each run start.
+    ones, with a jump written at each span start.
     """
     start, length = host_int64(start), host_int64(length)
     keep = length > 0

@@ -1,0 +1,70 @@
+""":func:`gdn_core`, the one entry point of the modes: checks, then the registry's core."""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import group_size
+from ..layout import ZIGZAG
+from ..layout.plan import CPPlan
+from ..ops.contract import Backend
+from ..ops.shape import GDNShape
+from .common import check_inputs, local_core
+from .spec import MODES, ModeSpec, get_mode
+
+__all__ = ["gdn_core"]
+
+
+def _check_layout(spec: ModeSpec, layout: str) -> None:
+    if layout not in spec.layouts:
+        takers = " or ".join(s.name for s in MODES.values() if layout in s.layouts) or "no mode"
+        raise ValueError(
+            f"layout={layout!r} with mode={spec.name!r}: only {takers} takes {layout} rows; pass zigzag rows"
+        )
+
+
+def _check_heads(spec: ModeSpec, shape: GDNShape, cp: int) -> None:
+    """The registry's head rule for this CP group (``shape`` is one TP rank's: TP is divided out)."""
+    divisor = spec.head_divisor(1, cp)
+    for name, heads in (("num_k_heads", shape.num_k_heads), ("num_v_heads", shape.num_v_heads)):
+        if heads % divisor:
+            others = " or ".join(repr(s.name) for s in MODES.values() if not s.divides_by_cp)
+            raise ValueError(
+                f"linear_cp_mode={spec.name!r} needs {name} divisible by cp, got {name}={heads}, cp={cp}; "
+                f"use linear_cp_mode={others} (they need heads divisible by TP only)"
+            )
+
+
+def gdn_core(
+    qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    *,
+    shape: GDNShape,
+    mode: str,
+    plan: CPPlan,
+    group,
+    backend: Backend,
+    layout: str = ZIGZAG,
+) -> torch.Tensor:
+    """GDN core (conv + SiLU + gated delta rule) under context parallelism.
+
+    qkv ``[T_local, C]`` pre-conv, g ``[T_local, Hv]`` fp32 log decay, beta ``[T_local, Hv]``,
+    all rank-local rows in zigzag layout for ``plan`` (THD; SBHD via :func:`sbhd_to_thd`).
+    conv_weight ``[C, W]``. Returns ``o [T_local, Hv, Dv]`` in the same rows. Every check
+    runs before the first collective; there is no fallback to another mode.
+
+    ``layout``: the rows' layout, one of the mode's ``ModeSpec.layouts``; ``"contiguous"``
+    (chunkwise) when the caller swapped layouts on hidden_states, and the output stays there.
+    """
+    spec = get_mode(mode)
+    _check_layout(spec, layout)
+    world = 1 if group is None else group_size(group)
+    check_inputs(qkv, g, beta, conv_weight, conv_bias, shape, plan, world)
+    if world == 1:
+        return local_core(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens=plan.cu, backend=backend)
+    _check_heads(spec, shape, world)
+    core = spec.core_fn(layout)
+    return core(qkv, g, beta, conv_weight, conv_bias, shape=shape, plan=plan, group=group, backend=backend)

@@ -1,0 +1,86 @@
+"""What a per-rank math backend provides: the contract the modes call.
+
+Tensors are THD-packed rows without a batch dim. ``cu_seqlens`` are local boundaries of
+exactly the rows given, as host ints: a :class:`~gdn_cp.layout.Boundaries` (modes pass the
+plan's, so a backend finds its device copies cached on it) or a list / tuple of ints. A
+backend never reads device data back to the host.
+
+A backend is any object with these members; ``gdn_cp.ops.reference`` and
+``gdn_cp.ops.fla`` are modules that satisfy it (``tests/ops/test_contract.py`` checks both).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from .shape import GDNShape
+
+__all__ = ["Backend", "NativeCPCore"]
+
+
+class NativeCPCore(Protocol):
+    """A native context-parallel chunkwise core: conv (SiLU) + gated delta rule on this rank's
+    contiguous slice, the halo and the carried state exchanged by the backend itself.
+
+    ``qkv [T_local, C]`` pre-conv, ``g, beta [T_local, Hv]``, ``conv_weight [C, W]``;
+    ``cu_seqlens_global``: the global boundaries; ``cache``: a dict that lives as long as the
+    boundaries (a plan's ``backend_cache``) for the backend's context. Returns
+    ``o [T_local, Hv, Dv]``. Everything is checked before the first collective.
+    """
+
+    def __call__(
+        self,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: Optional[torch.Tensor],
+        *,
+        shape: GDNShape,
+        cu_seqlens_global: Sequence[int],
+        group,
+        cache: Optional[dict] = None,
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        cu_seqlens: Sequence[int],
+        halo: Optional[torch.Tensor] = None,
+        activation: Optional[str] = "silu",
+    ) -> torch.Tensor:
+        """Depthwise causal conv ``x [T, C]``, ``weight [C, W]`` -> ``[T, C]``, restarting at
+        every boundary; ``halo [W-1, C]``: the rows before row 0 in row 0's sequence."""
+        ...
+
+    def chunk_gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        cu_seqlens: Sequence[int],
+        scale: Optional[float] = None,
+        initial_state: Optional[torch.Tensor] = None,
+        output_final_state: bool = False,
+        use_qk_l2norm: bool = True,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g, beta [T, Hv]``, ``initial_state
+        [N, Hv, Dk, Dv]`` -> ``(o [T, Hv, Dv], final_state [N, Hv, Dk, Dv] | None)``."""
+        ...
+
+    def native_cp_core(self, group) -> Optional[NativeCPCore]:
+        """The backend's native context-parallel core for ``group``, or None: then the
+        chunkwise mode exchanges halos and state summaries itself through ``gdn_cp.comm``."""
+        ...

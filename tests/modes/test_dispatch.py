@@ -1,0 +1,120 @@
+"""gdn_core dispatches through the mode registry, hands backends the plan's Boundaries, and
+takes packings of nothing but padding slots."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gdn_cp.layout import LAYOUTS, ZIGZAG, Boundaries, RouteCache
+from gdn_cp.modes import GDNShape, gdn_core
+from gdn_cp.modes.spec import MODE_NAMES, MODES
+from gdn_cp.ops import reference
+from tests.modes.cases import make_inputs, own_rows
+
+SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+
+
+@pytest.mark.parametrize("name", MODE_NAMES)
+def test_every_registered_core_resolves(name):
+    spec = MODES[name]
+    assert spec.layouts[0] == ZIGZAG and set(spec.layouts) <= set(LAYOUTS)
+    for layout in spec.layouts:
+        params = inspect.signature(spec.core_fn(layout)).parameters
+        assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
+            "shape", "plan", "group", "backend"]
+    with pytest.raises(ValueError, match=f"linear_cp_mode='{name}' takes rows in"):
+        spec.core_fn("diagonal")
+
+
+def test_mode_registry_import_is_torch_free():
+    code = ("import sys, gdn_cp.modes.spec as s; s.get_mode('chunkwise').layouts; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}))")
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
+                         env={"PYTHONPATH": str(repo), "PATH": ""}, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def _args(cu, cp=1, rank=0):
+    plan = RouteCache().plan(Boundaries(cu), cp, rank)
+    inputs = make_inputs(cu[-1], SHAPE, 4, torch.float64, seed=1)
+    rows = own_rows(cu, cp, rank)
+    return [inputs[k][rows] for k in ("qkv", "g", "beta")] + [inputs["conv_weight"], inputs["conv_bias"]], plan
+
+
+def test_bad_mode_and_layout_fail_before_anything_runs():
+    args, plan = _args([0, 8])
+    with pytest.raises(ValueError, match="linear_cp_mode='ring' is not a concrete mode"):
+        gdn_core(*args, shape=SHAPE, mode="ring", plan=plan, group=None, backend=reference)
+    with pytest.raises(ValueError, match="only chunkwise takes contiguous rows"):
+        gdn_core(*args, shape=SHAPE, mode="headwise", plan=plan, group=None, backend=reference, layout="contiguous")
+
+
+class RecordingBackend:
+    """The reference backend, recording every ``cu_seqlens`` it is handed."""
+
+    def __init__(self):
+        self.seen = []
+
+    def causal_conv1d(self, *args, cu_seqlens, **kwargs):
+        self.seen.append(cu_seqlens)
+        return reference.causal_conv1d(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    def chunk_gated_delta_rule(self, *args, cu_seqlens, **kwargs):
+        self.seen.append(cu_seqlens)
+        return reference.chunk_gated_delta_rule(*args, cu_seqlens=cu_seqlens, **kwargs)
+
+    def native_cp_core(self, group):
+        return None
+
+
+def _boundaries_handed_to_backends(rank, world):
+    """Two calls per mode on one plan: which boundaries objects did the backend get?"""
+    cu = [0, 6 * world, 20 * world, 20 * world, 32 * world]  # straddling sequences and a padding slot
+    args, plan = _args(cu, world, rank)
+    out = {}
+    for mode in MODE_NAMES:
+        calls = []
+        for _ in range(2):
+            backend = RecordingBackend()
+            gdn_core(*args, shape=SHAPE, mode=mode, plan=plan, group=dist.group.WORLD, backend=backend)
+            calls.append(backend.seen)
+        out[mode] = {
+            "all_boundaries": all(isinstance(c, Boundaries) for c in calls[0] + calls[1]),
+            "same_objects": [id(c) for c in calls[0]] == [id(c) for c in calls[1]],
+            "calls": len(calls[0]),
+        }
+    return out
+
+
+def test_backends_get_the_plans_boundaries_every_call(gloo_pool):
+    """No per-call lists: a backend sees the plan's Boundaries objects, so their device copies are
+    made once per micro-batch (FLA reads them from the cache on the object)."""
+    for rank, per_mode in enumerate(gloo_pool(2).run(_boundaries_handed_to_backends)):
+        for mode, rec in per_mode.items():
+            assert rec["calls"] >= 2 and rec["all_boundaries"] and rec["same_objects"], (rank, mode, rec)
+
+
+def _empty_packing(rank, world):
+    cu = [0, 0, 0]  # nothing but padding slots
+    args, plan = _args(cu, world, rank)
+    out = {}
+    for mode in MODE_NAMES:
+        leaves = [t.detach().clone().requires_grad_(True) for t in args]
+        o = gdn_core(*leaves, shape=SHAPE, mode=mode, plan=plan, group=dist.group.WORLD, backend=reference)
+        if o.requires_grad:  # the same on every rank, so backward collectives stay matched
+            o.sum().backward()
+        out[mode] = tuple(o.shape)
+    return out
+
+
+def test_every_mode_takes_an_empty_packing(gloo_pool):
+    for per_mode in gloo_pool(2).run(_empty_packing):
+        assert per_mode == {mode: (0, SHAPE.num_v_heads, SHAPE.head_v_dim) for mode in MODE_NAMES}
