@@ -1,24 +1,55 @@
-"""Shared fixtures: one spawned gloo pool per world size per test session."""
+"""Session fixtures: one spawned rank pool per (world size, device), and the megatron-core policy."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 
-from tests.distributed import GlooPool
+from gdn_cp.testing.ranks import RankPool
 
-_POOLS: dict[int, GlooPool] = {}
+SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
 
 
 @pytest.fixture(scope="session")
-def gloo_pool():
-    """``gloo_pool(world)`` -> a running :class:`GlooPool` of that many gloo ranks."""
+def rank_pool():
+    """``rank_pool(world, device="cpu")`` -> a running :class:`RankPool` of that many ranks, shared by
+    the whole session (spawning costs seconds). A pool broken by a failed case is replaced."""
 
-    def get(world: int) -> GlooPool:
-        if world not in _POOLS:
-            _POOLS[world] = GlooPool(world)
-        return _POOLS[world]
+    def get(world: int, device: str = "cpu") -> RankPool:
+        key = (world, device)
+        pool = _POOLS.get(key)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.kill()
+            pool = _POOLS[key] = RankPool(world, device=device, timeout_s=300.0)
+        return pool
 
     yield get
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+def megatron_unavailable(reason: str):
+    """Fail (the default: CI installs megatron-core) or skip (``GDN_CP_ALLOW_SKIP_MEGATRON=1``)."""
+    from gdn_cp.megatron.patching import PINNED_VERSION
+
+    if os.environ.get(SKIP_MEGATRON_ENV) == "1":
+        pytest.skip(reason)
+    pytest.fail(
+        f"{reason}\nThe GatedDeltaNet tests need megatron-core=={PINNED_VERSION} installed (patched by "
+        f"`python3 -m gdn_cp.cli patch apply`, or pristine: the tests patch it for the session). "
+        f"Set {SKIP_MEGATRON_ENV}=1 to skip them instead.",
+        pytrace=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def megatron_installed():
+    """megatron-core is importable (else fail or skip, see :func:`megatron_unavailable`)."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        megatron_unavailable("megatron-core is not importable")

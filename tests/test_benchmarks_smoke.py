@@ -86,7 +86,7 @@ def test_benchmark_copy_matches_megatron():
         import route_build
     finally:
         sys.path.remove(str(SCRIPT.parent))
-    from gdn_cp.demo import packed_boundaries
+    from gdn_cp.testing.packings import packed_boundaries
 
     for nseq, t_global, cp in ((1, 4096, 2), (37, 8192, 4), (64, 16384, 8)):
         cu = torch.tensor(packed_boundaries(nseq, t_global, cp, seed=3), dtype=torch.int32)

@@ -4,8 +4,8 @@ matches the CP=1 curve within 1e-4 relative.
 
 The benchmark never writes the installed megatron-core (it patches a temporary copy when the
 installed one is pristine), so this test needs no ``patched_megatron`` fixture; it needs
-megatron-core 0.19.2 installed, with the same policy as tests/megatron/shims.py: missing fails,
-unless GDN_CP_ALLOW_SKIP_MEGATRON=1 (then it skips).
+megatron-core 0.19.2 installed (the ``megatron_installed`` fixture: missing fails, unless
+GDN_CP_ALLOW_SKIP_MEGATRON=1, then it skips).
 """
 
 from __future__ import annotations
@@ -26,16 +26,8 @@ QUICK_STEPS = 5
 TOL = 1e-4
 
 
-def _need_megatron():
-    from tests.megatron.shims import _unavailable
-
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        _unavailable("megatron-core is not importable")
-
-
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    _need_megatron()
+def quick_report(tmp_path_factory, megatron_installed):
     out = tmp_path_factory.mktemp("bench") / "train_curve.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
