@@ -403,6 +403,11 @@ class RankPool:
             proc.start()
             child_end.close()  # the child holds its end; a dead child then reads as EOF here
 
+    @property
+    def pids(self) -> list[Optional[int]]:
+        """Process ids of the ranks, by rank."""
+        return [p.pid for p in self._procs]
+
     # -- waiting ----------------------------------------------------------------------------
     def _collect(self, tag, timeout_s: float, what: str) -> dict[int, tuple[bool, Any]]:
         """Each rank's ``(ok, payload)`` for message ``tag``; ranks that died, were stopped or timed
