@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 from gdn_cp.testing.ranks import RankPool
 
 SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 _POOLS: dict[tuple[int, str], RankPool] = {}
 
@@ -53,3 +56,21 @@ def megatron_installed():
     """megatron-core is importable (else fail or skip, see :func:`megatron_unavailable`)."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         megatron_unavailable("megatron-core is not importable")
+
+
+@pytest.fixture(scope="session")
+def benchmark_module():
+    """``benchmark_module("route_build")`` -> that benchmark script imported in this process (its
+    ``main(["--help"])`` costs milliseconds here, a torch import in a subprocess)."""
+    loaded = {}
+
+    def load(name: str):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    return load

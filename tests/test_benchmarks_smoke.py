@@ -48,12 +48,15 @@ def quick_report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def test_help_runs():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
-    assert "--quick" in proc.stdout and "--out" in proc.stdout
+def test_help_runs(benchmark_module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_module("route_build").main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "--quick" in out and "--out" in out
 
 
+@pytest.mark.slow
 def test_report_keys(quick_report):
     for key in ("benchmark", "date", "machine", "versions", "settings", "methods", "results", "all_agree", "target"):
         assert key in quick_report, key
@@ -70,6 +73,7 @@ def test_report_keys(quick_report):
             assert row[f"{m}_ms"] > 0
 
 
+@pytest.mark.slow
 def test_per_token_agrees_with_routes(quick_report):
     assert quick_report["all_agree"] is True
     for row in quick_report["results"]:
@@ -78,14 +82,10 @@ def test_per_token_agrees_with_routes(quick_report):
         assert row["checks"]["natural_order_equals_per_token"] is True
 
 
-def test_benchmark_copy_matches_megatron():
+def test_benchmark_copy_matches_megatron(benchmark_module):
     """The benchmark's per-token copy is the function megatron-core ships (when installed)."""
     common = pytest.importorskip("megatron.core.ssm.gated_delta_net.common")
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import route_build
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    route_build = benchmark_module("route_build")
     from gdn_cp.testing.packings import packed_boundaries
 
     for nseq, t_global, cp in ((1, 4096, 2), (37, 8192, 4), (64, 16384, 8)):

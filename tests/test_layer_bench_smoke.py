@@ -34,14 +34,16 @@ def quick(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("layer_bench"), "layer", "--no-plot")
 
 
-def test_help_runs():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0
+def test_help_runs(benchmark_module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_module("layer_bench").main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
     for flag in ("--quick", "--out", "--time-limit", "--iters", "--tokens", "--cp"):
-        assert flag in proc.stdout
+        assert flag in out
 
 
+@pytest.mark.slow
 def test_report_structure(quick):
     report, proc = quick
     for key in ("benchmark", "date", "machine", "versions", "config", "notes", "cases", "summary", "tune",
@@ -57,6 +59,7 @@ def test_report_structure(quick):
     assert all(t["status"] == "ok" for t in report["tune"]), report["tune"]
 
 
+@pytest.mark.slow
 def test_every_case_has_numbers_or_an_error(quick):
     report, _ = quick
     cases = report["cases"]
@@ -74,6 +77,7 @@ def test_every_case_has_numbers_or_an_error(quick):
             assert isinstance(c["error"], str) and c["error"]
 
 
+@pytest.mark.slow
 def test_numbers_for_every_mode_and_cp1(quick):
     report, _ = quick
     ok = [c for c in report["cases"] if c["status"] == "ok"]
@@ -89,6 +93,7 @@ def test_numbers_for_every_mode_and_cp1(quick):
     assert any(c.get("chunkwise_path") for c in ok if c["mode"] == "chunkwise")
 
 
+@pytest.mark.slow
 def test_summary(quick):
     report, _ = quick
     s = report["summary"]
@@ -101,6 +106,7 @@ def test_summary(quick):
     assert any(k.startswith("headwise") for k in s["bytes_per_token"])
 
 
+@pytest.mark.slow
 def test_headwise_refused_not_crashed(tmp_path):
     report, proc = _run(tmp_path, "refused", "--no-plot", "--cp", "2", "--modes", "headwise", "--tokens", "128",
                         "--num-k-heads", "1", "--num-v-heads", "2")

@@ -60,6 +60,7 @@ def test_check_job_names_fields_for_programmatic_use():
         check_job(JobConfig(modes=("blockwise",)))
 
 
+@pytest.mark.slow
 def test_default_modes_skip_what_cannot_run_and_pass():
     lines = []
     result = run_job(JobConfig(cp_sizes=(2,), **SMALL), echo=lines.append)
@@ -74,6 +75,7 @@ def test_default_modes_skip_what_cannot_run_and_pass():
     assert result.ran == 2 and result.skipped[0][:2] == (2, "headwise")
 
 
+@pytest.mark.slow
 def test_asked_for_modes_that_cannot_run_and_wrong_answers_fail():
     """Both make the exit code 1, each with its own line: a mode named in --modes that cannot run,
     and errors over the tolerance (a tolerance no run meets: the comparison is not vacuous)."""

@@ -39,13 +39,16 @@ def quick_report(tmp_path_factory, megatron_installed):
     return json.loads(out.read_text()), out
 
 
-def test_help_runs():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+def test_help_runs(benchmark_module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_module("train_curve").main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
     for opt in ("--steps", "--quick", "--out"):
-        assert opt in proc.stdout
+        assert opt in out
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 def test_quick_report_structure(quick_report):
     report, out = quick_report
@@ -73,6 +76,7 @@ def test_quick_report_structure(quick_report):
         assert Path(report["plot"]) == out.with_suffix(".png")
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 def test_cp2_curves_match_cp1(quick_report):
     report, _ = quick_report

@@ -91,6 +91,7 @@ def test_results_by_rank_and_ordinary_failures_keep_the_pool(rank_pool, hang_gua
     assert not pool.broken and pool.run(_where)[1][0] == 1  # still serving
 
 
+@pytest.mark.slow
 def test_rank_failing_at_start_is_reported(hang_guard):
     with pytest.raises(RankError) as err:
         RankPool(1, device="cpu", env={"GDN_CP_TEST_PG_TIMEOUT": "soon"})  # float("soon") fails in the rank
@@ -98,6 +99,7 @@ def test_rank_failing_at_start_is_reported(hang_guard):
     assert "could not convert string to float: 'soon'" in err.value.failures[0]
 
 
+@pytest.mark.slow
 def test_rank_raising_while_its_peer_waits_in_a_collective(hang_guard):
     pool = RankPool(2, device="cpu", failure_grace_s=1.0)
     pids = pool.pids
@@ -110,6 +112,7 @@ def test_rank_raising_while_its_peer_waits_in_a_collective(hang_guard):
         pool.run(_where)
 
 
+@pytest.mark.slow
 def test_rank_exiting_is_noticed(hang_guard):
     pool = RankPool(2, device="cpu", failure_grace_s=1.0)
     with pytest.raises(RankError) as err:
@@ -118,6 +121,7 @@ def test_rank_exiting_is_noticed(hang_guard):
     assert "stopped" in err.value.failures[1] and _alive(pool.pids) == []
 
 
+@pytest.mark.slow
 def test_silent_ranks_time_out(hang_guard):
     pool = RankPool(1, device="cpu")
     with pytest.raises(RankError) as err:
@@ -126,6 +130,7 @@ def test_silent_ranks_time_out(hang_guard):
     assert _alive(pool.pids) == []
 
 
+@pytest.mark.slow
 def test_interrupt_in_the_parent_stops_every_rank(hang_guard):
     pool = RankPool(1, device="cpu")
     pids = pool.pids
