@@ -347,12 +347,12 @@ def rel_diffs(curve, ref) -> list[float]:
 
 def param_rel_diff(params, ref) -> tuple[float, str]:
     """(max over tensors of max |p - p_ref| / max |p_ref|, the name of that tensor)."""
+    from gdn_cp.testing.metrics import max_rel
+
     worst, where = 0.0, ""
     for name, want in ref.items():
-        got = params[name]
-        scale = float(want.double().abs().max().clamp_min(1e-30))
-        d = float((got.double() - want.double()).abs().max()) / scale
-        if d > worst:
+        d = max_rel(params.get(name), want)
+        if math.isnan(d) or (not math.isnan(worst) and d > worst):  # NaN is the worst and stays so
             worst, where = d, name
     return worst, where
 

@@ -1,10 +1,14 @@
-"""Session fixtures: one spawned rank pool per (world size, device), and the megatron-core policy."""
+"""Session fixtures: one spawned rank pool per (world size, device), the megatron-core policy, and
+benchmark smoke runs started in the background when the session starts."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,8 @@ import pytest
 from gdn_cp.testing.ranks import RankPool
 
 SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
 
 _POOLS: dict[tuple[int, str], RankPool] = {}
 
@@ -74,3 +79,91 @@ def benchmark_module():
         return loaded[name]
 
     return load
+
+
+# ------------------------------------------------------------------------------------------
+# benchmark smoke runs, overlapped with the rest of the session
+# ------------------------------------------------------------------------------------------
+class SmokeRun:
+    """``python3 benchmarks/<script>.py <args> --out <json>`` in a subprocess, started when the
+    session starts so that it runs while other tests do (a smoke run is mostly process start-up
+    and imports: on a 2-core machine it overlaps well with the in-process tests)."""
+
+    def __init__(self, key: str, script: str, args: list[str], workdir: Path):
+        self.key = key
+        self.out = workdir / f"{key.replace(':', '.')}.json"
+        self._log = open(workdir / f"{key.replace(':', '.')}.log", "w+")
+        self.argv = [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(self.out)]
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True)
+
+    def result(self, timeout_s: float = 600.0) -> tuple[int, str, Path]:
+        """``(exit code, everything it printed, the JSON path)`` once it has finished."""
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"{' '.join(self.argv)} ran past {timeout_s:g}s and was killed", pytrace=False)
+        self._log.seek(0)
+        return code, self._log.read(), self.out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+_SMOKE: dict[str, SmokeRun] = {}
+_SMOKE_DIR: list[Path] = []
+
+
+def _smoke_dir() -> Path:
+    if not _SMOKE_DIR:
+        _SMOKE_DIR.append(Path(tempfile.mkdtemp(prefix="gdn_cp_smoke_")))
+    return _SMOKE_DIR[0]
+
+
+def start_smoke_run(module, fixture: str) -> SmokeRun:
+    """The run behind ``fixture`` of a test module that declares ``SMOKE_RUNS = {fixture: (script,
+    [args])}``; started now unless the session already started it."""
+    key = f"{module.__name__}:{fixture}"
+    if key not in _SMOKE:
+        script, args = module.SMOKE_RUNS[fixture]
+        _SMOKE[key] = SmokeRun(key, script, list(args), _smoke_dir())
+    return _SMOKE[key]
+
+
+def _megatron_may_change() -> bool:
+    """True when the installed megatron-core is not (verifiably) patched: the ``patched_megatron``
+    fixture may then rewrite it during the session, so runs that import it start only when their
+    test asks (after that), never in the background."""
+    try:
+        from gdn_cp.megatron import patching
+
+        return patching.overall_state(patching.check_patch(patching.find_megatron_root())) != patching.PATCHED
+    except Exception:  # noqa: BLE001 - not installed or not readable: the tests say so themselves
+        return True
+
+
+def pytest_collection_finish(session):
+    """Start every smoke run that a selected test will wait for (see :class:`SmokeRun`)."""
+    wanted = []
+    for item in session.items:
+        module = getattr(item, "module", None)
+        runs = getattr(module, "SMOKE_RUNS", None) or {}
+        wanted += [(module, f) for f in sorted(set(runs) & set(getattr(item, "fixturenames", ())))]
+    if any(getattr(m, "SMOKE_IMPORTS_MEGATRON", False) for m, _ in wanted) and _megatron_may_change():
+        wanted = [(m, f) for m, f in wanted if not getattr(m, "SMOKE_IMPORTS_MEGATRON", False)]
+    for module, fixture in wanted:
+        start_smoke_run(module, fixture)
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
+    for run in _SMOKE.values():
+        run.stop()
+    _SMOKE.clear()
+    for path in _SMOKE_DIR:
+        shutil.rmtree(path, ignore_errors=True)
+    _SMOKE_DIR.clear()

@@ -5,15 +5,12 @@ gdn-cp's routes on every config. No timing assertions: CI machines are shared an
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "route_build.py"
+from tests.conftest import start_smoke_run
 
 RESULT_KEYS = {
     "T_global",
@@ -33,18 +30,17 @@ RESULT_KEYS = {
 }
 
 
+# started in the background when the session starts (tests/conftest.py), unless the session may
+# patch the installed megatron-core while it runs (route_build imports it for the per-token builder)
+SMOKE_RUNS = {"quick_report": ("route_build", ["--quick", "--no-plot", "--budget", "0.005"])}
+SMOKE_IMPORTS_MEGATRON = True
+
+
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "route_build.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--no-plot", "--budget", "0.005", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"route_build.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "ours plan ms" in proc.stdout  # the table was printed
+def quick_report():
+    code, printed, out = start_smoke_run(sys.modules[__name__], "quick_report").result(timeout_s=300)
+    assert code == 0, f"route_build.py --quick failed:\n{printed}"
+    assert "ours plan ms" in printed  # the table was printed
     return json.loads(out.read_text())
 
 

@@ -13,29 +13,30 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "train_curve.py"
+from tests.conftest import start_smoke_run
+
 RUNS = ("cp1", "cp2-headwise", "cp2-chunkwise", "cp2-chunkwise-core", "cp2-all_gather")
 QUICK_STEPS = 5
 TOL = 1e-4
 
 
+# started in the background when the session starts (tests/conftest.py), unless the session may
+# patch the installed megatron-core while it runs
+SMOKE_RUNS = {"quick_report": ("train_curve", ["--quick"])}
+SMOKE_IMPORTS_MEGATRON = True
+
+
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory, megatron_installed):
-    out = tmp_path_factory.mktemp("bench") / "train_curve.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, f"train_curve.py --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    assert "max rel diff loss" in proc.stdout  # the table was printed
-    assert "step    5/5" in proc.stdout  # progress lines
+def quick_report(megatron_installed):
+    code, printed, out = start_smoke_run(sys.modules[__name__], "quick_report").result(timeout_s=300)
+    assert code == 0, f"train_curve.py --quick failed ({code}):\n{printed}"
+    assert "max rel diff loss" in printed  # the table was printed
+    assert "step    5/5" in printed  # progress lines
     return json.loads(out.read_text()), out
 
 
