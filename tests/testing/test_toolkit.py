@@ -94,3 +94,36 @@ def test_probes():
 
     layer.__dict__[gdn._SWAP_ATTR] = {("auto", 32, "fp32"): "core", ("auto", 32, "bf16"): "hidden"}
     assert chunkwise_swap_points(layer) == ["core", "hidden"]
+
+
+def test_fast_autotune_takes_the_first_config_that_runs(monkeypatch):
+    """GDN_CP_TEST_FAST_AUTOTUNE=1 on a stub run/_bench of Triton's Autotuner: a config that does
+    not fit (inf) is skipped, the first that runs is taken, later ones are never compiled, and
+    autotune results are not cached. The class is restored afterwards."""
+    autotuner = pytest.importorskip("triton.runtime.autotuner")
+    from gdn_cp.testing.ranks import maybe_fast_autotune
+
+    cls = autotuner.Autotuner
+    timings = {"too_big": float("inf"), "fits": 2.0, "faster": 1.0}
+    benched = []
+
+    def stub_bench(self, *args, config, **meta):
+        benched.append(config)
+        return [timings[config]] * 3
+
+    def stub_run(self, *args, **kwargs):
+        return {c: self._bench(config=c) for c in timings}
+
+    monkeypatch.setattr(cls, "_bench", stub_bench)
+    monkeypatch.setattr(cls, "run", stub_run)
+    monkeypatch.setattr(cls, "_gdn_cp_fast", False, raising=False)
+    monkeypatch.delenv("GDN_CP_TEST_FAST_AUTOTUNE", raising=False)
+    assert maybe_fast_autotune() is False and cls.run is stub_run  # opt-in only
+    monkeypatch.setenv("GDN_CP_TEST_FAST_AUTOTUNE", "1")
+    assert maybe_fast_autotune() is True
+    tuner = object.__new__(cls)
+    tuner.cache_results = True
+    result = tuner.run()
+    assert benched == ["too_big", "fits"]  # "faster" was never compiled or timed
+    assert result["faster"][0] == float("inf") and result["fits"][0] == 2.0
+    assert tuner.cache_results is False
