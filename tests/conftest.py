@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -85,54 +86,81 @@ def benchmark_module():
 # benchmark smoke runs, overlapped with the rest of the session
 # ------------------------------------------------------------------------------------------
 class SmokeRun:
-    """``python3 benchmarks/<script>.py <args> --out <json>`` in a subprocess, started when the
-    session starts so that it runs while other tests do (a smoke run is mostly process start-up
-    and imports: on a 2-core machine it overlaps well with the in-process tests)."""
+    """``python3 benchmarks/<script>.py <args> --out <json>`` in a subprocess. A smoke run is mostly
+    process start-up and imports, so the session runs them one after the other in a background
+    thread while the in-process tests run (2 cores: one for each); a test that needs a run that
+    has not started yet starts it at once."""
 
     def __init__(self, key: str, script: str, args: list[str], workdir: Path):
         self.key = key
-        self.out = workdir / f"{key.replace(':', '.')}.json"
-        self._log = open(workdir / f"{key.replace(':', '.')}.log", "w+")
+        name = key.replace(":", ".")
+        self.out = workdir / f"{name}.json"
+        self._log_path = workdir / f"{name}.log"
         self.argv = [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(self.out)]
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True)
+        self.proc: subprocess.Popen | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def start(self) -> subprocess.Popen | None:
+        """The process, started now if it was not yet (None once the session has ended)."""
+        with self._lock:
+            if self.proc is None and not self._stopped:
+                with open(self._log_path, "w") as log:
+                    self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL)
+            return self.proc
 
     def result(self, timeout_s: float = 600.0) -> tuple[int, str, Path]:
         """``(exit code, everything it printed, the JSON path)`` once it has finished."""
+        proc = self.start()
+        if proc is None:
+            pytest.fail(f"{self.key}: the session has ended", pytrace=False)
         try:
-            code = self.proc.wait(timeout=timeout_s)
+            code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            proc.kill()
+            proc.wait()
             pytest.fail(f"{' '.join(self.argv)} ran past {timeout_s:g}s and was killed", pytrace=False)
-        self._log.seek(0)
-        return code, self._log.read(), self.out
+        return code, self._log_path.read_text(), self.out
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+        with self._lock:
+            self._stopped = True
+            proc = self.proc
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
 _SMOKE: dict[str, SmokeRun] = {}
 _SMOKE_DIR: list[Path] = []
 
 
-def _smoke_dir() -> Path:
-    if not _SMOKE_DIR:
-        _SMOKE_DIR.append(Path(tempfile.mkdtemp(prefix="gdn_cp_smoke_")))
-    return _SMOKE_DIR[0]
+def _smoke_run(module, fixture: str) -> SmokeRun:
+    key = f"{module.__name__}:{fixture}"
+    if key not in _SMOKE:
+        if not _SMOKE_DIR:
+            _SMOKE_DIR.append(Path(tempfile.mkdtemp(prefix="gdn_cp_smoke_")))
+        script, args = module.SMOKE_RUNS[fixture]
+        _SMOKE[key] = SmokeRun(key, script, list(args), _SMOKE_DIR[0])
+    return _SMOKE[key]
 
 
 def start_smoke_run(module, fixture: str) -> SmokeRun:
     """The run behind ``fixture`` of a test module that declares ``SMOKE_RUNS = {fixture: (script,
-    [args])}``; started now unless the session already started it."""
-    key = f"{module.__name__}:{fixture}"
-    if key not in _SMOKE:
-        script, args = module.SMOKE_RUNS[fixture]
-        _SMOKE[key] = SmokeRun(key, script, list(args), _smoke_dir())
-    return _SMOKE[key]
+    [args])}``, started now unless the session already started it."""
+    run = _smoke_run(module, fixture)
+    run.start()
+    return run
+
+
+def _run_in_turn(runs: list[SmokeRun]) -> None:
+    for run in runs:
+        proc = run.start()
+        if proc is None:  # the session ended
+            return
+        proc.wait()
 
 
 def _megatron_may_change() -> bool:
@@ -148,7 +176,7 @@ def _megatron_may_change() -> bool:
 
 
 def pytest_collection_finish(session):
-    """Start every smoke run that a selected test will wait for (see :class:`SmokeRun`)."""
+    """Queue every smoke run that a selected test will wait for (see :class:`SmokeRun`)."""
     wanted = []
     for item in session.items:
         module = getattr(item, "module", None)
@@ -156,8 +184,9 @@ def pytest_collection_finish(session):
         wanted += [(module, f) for f in sorted(set(runs) & set(getattr(item, "fixturenames", ())))]
     if any(getattr(m, "SMOKE_IMPORTS_MEGATRON", False) for m, _ in wanted) and _megatron_may_change():
         wanted = [(m, f) for m, f in wanted if not getattr(m, "SMOKE_IMPORTS_MEGATRON", False)]
-    for module, fixture in wanted:
-        start_smoke_run(module, fixture)
+    queue = list({id(r): r for r in (_smoke_run(m, f) for m, f in wanted)}.values())
+    if queue:
+        threading.Thread(target=_run_in_turn, args=(queue,), name="gdn-cp-smoke-runs", daemon=True).start()
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
