@@ -9,7 +9,9 @@ share, so each of them checks the same thing the same way.
 * :mod:`.packings`: packed micro-batches (boundaries) and Megatron's zigzag rows;
 * :mod:`.results`: machine and versions, JSON files, JSON-lines records;
 * :mod:`.megatron_layer` / :mod:`.megatron_parity`: the real patched Megatron GatedDeltaNet built on
-  a CPU or GPU, run, and compared with CP=1 or with stock megatron-core.
+  a CPU or GPU, run, and compared with CP=1 or with stock megatron-core;
+* :mod:`.probes`: the one place outside the library that reads its private details (why FLA does
+  not import, which chunkwise swap point a layer used), for reports.
 
 Nothing under ``gdn_cp.layout``, ``comm``, ``ops``, ``modes`` or ``megatron`` imports this package
 (a test checks it): it sits on top of the library, next to the command line. Submodules are

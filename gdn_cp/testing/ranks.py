@@ -243,6 +243,12 @@ def _format_exception() -> str:
     return traceback.format_exc()
 
 
+def _format_case_failure(err: BaseException) -> str:
+    """The traceback of a failed case, from the case function down (without the pool's frame)."""
+    tb = err.__traceback__.tb_next if err.__traceback__ is not None else None
+    return "".join(traceback.format_exception(type(err), err, tb))
+
+
 def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: bool, init_file: str,
                env: dict, conn, test_shims: bool, parent_pid: int) -> None:
     """Body of a rank process: start, then answer tasks from the parent until told to stop."""
@@ -289,8 +295,8 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
         task_id, fn, args, kwargs = item
         try:
             reply = (task_id, True, fn(ctx, *args, **kwargs))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
-            reply = (task_id, False, _format_exception())
+        except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent
+            reply = (task_id, False, _format_case_failure(err))
         try:
             conn.send(reply)
         except Exception:  # noqa: BLE001 - e.g. a result that cannot be pickled
