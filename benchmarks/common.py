@@ -8,14 +8,13 @@
 - :func:`plot_lines`: an optional matplotlib plot (skipped, not failed, without matplotlib);
 - :func:`setup_logging`, :func:`import_gdn_cp`: script plumbing.
 
-Importing this module makes ``gdn_cp`` importable (this checkout when it is not installed); the
-benchmarks use only ``gdn_cp`` (its testing toolkit included), never the ``tests`` package.
+Importing this module puts this checkout first on ``sys.path``, so a benchmark runs the ``gdn_cp`` it
+ships with; the benchmarks use only ``gdn_cp`` (its testing toolkit included), never ``tests``.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import logging
 import statistics
 import sys
@@ -43,8 +42,8 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-if importlib.util.find_spec("gdn_cp") is None:  # not installed: this checkout's
-    sys.path.append(str(REPO_ROOT))
+if str(REPO_ROOT) not in sys.path:  # the benchmarks run the gdn_cp of their own checkout
+    sys.path.insert(0, str(REPO_ROOT))
 
 from gdn_cp.testing.results import load_average, machine_info, now_iso, stack_versions, write_json  # noqa: E402
 
@@ -52,7 +51,7 @@ logger = logging.getLogger("benchmarks")
 
 
 def import_gdn_cp():
-    """The ``gdn_cp`` package (installed, else this checkout's)."""
+    """The ``gdn_cp`` package (this checkout's)."""
     import gdn_cp
 
     return gdn_cp
