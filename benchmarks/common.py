@@ -1,23 +1,21 @@
 """Small shared helpers for the benchmarks in this folder.
 
-- :func:`machine_info` / :func:`versions`: what a result was measured on;
+- :func:`machine_info` / :func:`versions` / :func:`now_iso` / :func:`write_json`: what a result was
+  measured on, and atomic JSON output (from :mod:`gdn_cp.testing.results`, shared with the tests);
 - :func:`time_call`: median wall time of a callable (warm-up first, adaptive repeats), with its
   CPU time and page faults per call; :func:`retain_freed_memory` pins glibc's allocator regime;
-- :func:`write_json`, :func:`format_table`: machine- and human-readable output;
+- :func:`format_table`: human-readable output;
 - :func:`plot_lines`: an optional matplotlib plot (skipped, not failed, without matplotlib);
 - :func:`setup_logging`, :func:`import_gdn_cp`: script plumbing.
 
-Nothing here imports gdn_cp at module level, so a benchmark can set up ``sys.path`` first.
+Importing this module puts this checkout first on ``sys.path``, so a benchmark runs the ``gdn_cp`` it
+ships with; the benchmarks use only ``gdn_cp`` (its testing toolkit included), never ``tests``.
 """
 
 from __future__ import annotations
 
-import datetime
 import gc
-import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
@@ -44,17 +42,24 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
+if str(REPO_ROOT) not in sys.path:  # the benchmarks run the gdn_cp of their own checkout
+    sys.path.insert(0, str(REPO_ROOT))
+
+from gdn_cp.testing.results import load_average, machine_info, now_iso, stack_versions, write_json  # noqa: E402
+
 logger = logging.getLogger("benchmarks")
 
 
 def import_gdn_cp():
-    """Import gdn_cp (falling back to this checkout when it is not installed) and put the
-    checkout on sys.path so that benchmarks can use the test harness (``tests.``)."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.append(str(REPO_ROOT))
-    import gdn_cp  # noqa: F401,F811
+    """The ``gdn_cp`` package (this checkout's)."""
+    import gdn_cp
 
-    return sys.modules["gdn_cp"]
+    return gdn_cp
+
+
+def versions(extra: dict | None = None) -> dict:
+    """Python, torch, Triton, FLA, megatron-core, gdn-cp and GPU versions (+ ``extra``)."""
+    return stack_versions(extra)
 
 
 def save_figure(fig, path) -> bool:
@@ -76,74 +81,6 @@ def setup_logging(verbose: bool = False) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def load_average() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def machine_info() -> dict:
-    """CPU model, core counts, OS: enough to say what a timing was measured on."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    mem_gib = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem_gib = round(int(line.split()[1]) / 2**20, 1)
-                    break
-    except OSError:
-        pass
-    return {
-        "cpu_model": _cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "usable_cores": usable,
-        "memory_gib": mem_gib,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "load_average_1_5_15": load_average(),
-    }
-
-
-def versions(extra: dict | None = None) -> dict:
-    out = {"python": platform.python_version()}
-    try:
-        import torch
-
-        out["torch"] = torch.__version__
-        out["torch_num_threads"] = torch.get_num_threads()
-    except ImportError:
-        out["torch"] = None
-    try:
-        import gdn_cp
-
-        out["gdn_cp"] = getattr(gdn_cp, "__version__", None)
-    except ImportError:
-        out["gdn_cp"] = None
-    if extra:
-        out.update(extra)
-    return out
-
-
-def now_iso() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
 def time_call(
@@ -224,18 +161,6 @@ def retain_freed_memory() -> bool:
         return bool(ok)
     except (OSError, AttributeError):
         return False
-
-
-def write_json(path, obj) -> Path:
-    """Write ``obj`` as indented JSON (creating folders; atomic replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
-    return path
 
 
 def _cell(v) -> str:

@@ -10,7 +10,7 @@ shared by every layer; see ``route_build.py``).
 Sweep (defaults): T_global in {8K, 32K, 128K}, cp in {1, 2, 4}, modes chunkwise / headwise /
 all_gather, the Qwen3.5-9B GDN shape at TP=1 (16 key heads, 32 value heads, head dims 128, conv
 W=4), bf16 activations on CUDA (fp32 on the CPU), one micro-batch of ``--num-sequences`` packed
-sequences of mixed lengths per T (``gdn_cp.demo.packed_boundaries``; lengths are multiples of
+sequences of mixed lengths per T (``gdn_cp.testing.packings.packed_boundaries``; lengths are multiples of
 2*max(cp), so every cp uses the same boundaries).
 
 Order (FLA's Triton autotune runs once per kernel key, in one process where it can: the GDN
@@ -22,7 +22,7 @@ kernels' key holds the head count and V but not T; the conv's holds the channels
    compute(CP=1, T/N) / compute(CP=N, T)); then warm-ups at the exact shapes the ranks will meet:
    chunkwise's halo conv and state-summary scans (V = Dk+Dv) at each T/cp, headwise's heads/cp at
    each T;
-2. one pool of max(cp) ranks (``tests/distributed.py``'s RankPool: gloo ranks on one GPU, NCCL
+2. one pool of max(cp) ranks (``gdn_cp.testing.ranks.RankPool``: gloo ranks on one GPU, NCCL
    with one rank per GPU when there are enough GPUs, gloo on the CPU): every (T, cp, mode) with
    cp > 1, T ascending, ranks outside the cp group idle. On gloo groups chunkwise runs gdn-cp's
    halo + state-summary exchange around FLA's per-rank kernels (warmed in step 1); on NCCL groups
@@ -84,11 +84,12 @@ from common import (  # noqa: E402
     write_json,
 )
 
-import_gdn_cp()  # also puts the checkout on sys.path for `tests.` imports
+import_gdn_cp()
 
 import torch  # noqa: E402
 
-from gdn_cp.demo import packed_boundaries  # noqa: E402
+from gdn_cp.testing.packings import packed_boundaries  # noqa: E402
+from gdn_cp.testing.ranks import RankError, RankPool  # noqa: E402
 
 logger = logging.getLogger("benchmarks.layer_bench")
 
@@ -559,20 +560,13 @@ class Sweep:
                 "GDN_CP_TEST_PG_TIMEOUT": str(self.args.pg_timeout)}
 
     def open_pool(self, world: int):
-        from tests.distributed import RankPool
-
         self.close_pool()
         backend = "gloo" if (self.args.device == "cpu" or world == 1) else None
         timeout = max(10.0, min(self.args.case_timeout, self.hard_left()))
         t = time.perf_counter()
         logger.info("spawning %d rank(s) (%s)", world, backend or "auto backend")
-        pool = RankPool.__new__(RankPool)  # keep a handle: a failed start must not leave ranks behind
-        try:
-            pool.__init__(world, backend=backend, timeout_s=timeout, env=self._env())
-        except BaseException:
-            self._kill(pool)
-            raise
-        self.pool = pool
+        # a failed start kills its own ranks before raising
+        self.pool = RankPool(world, device=self.args.device, backend=backend, timeout_s=timeout, env=self._env())
         self.pool_world = world
         rec = {"world": world, "backend": self.pool.backend, "one_gpu": self.pool.one_gpu,
                "startup_s": round(time.perf_counter() - t, 2)}
@@ -587,33 +581,18 @@ class Sweep:
             raise RuntimeError(self.fatal)
         return self.pool
 
-    @staticmethod
-    def _kill(pool) -> None:
-        procs = getattr(pool, "_procs", [])
-        for p in procs:
-            try:
-                if p.is_alive():
-                    p.kill()
-            except Exception:  # noqa: BLE001 - not started
-                pass
-        for p in procs:
-            try:
-                p.join(timeout=5)
-            except Exception:  # noqa: BLE001
-                pass
-
     def close_pool(self, kill: bool = False) -> None:
         pool, self.pool = self.pool, None
         if pool is None:
             return
         if kill or pool.broken:
             self.kills += 1
-            self._kill(pool)
+            pool.kill()
         else:
             try:
                 pool.close()
             except Exception:  # noqa: BLE001
-                self._kill(pool)
+                pool.kill()
 
     def ensure_pool(self, world: int):
         if self.pool is not None and self.pool_world == world and not self.pool.broken:
@@ -737,8 +716,6 @@ class Sweep:
 
 
 def fill_case(case: dict, outs: list) -> None:
-    from tests.distributed import RankError
-
     failures = {i: o for i, o in enumerate(outs) if isinstance(o, RankError)}
     if failures:
         body = "\n".join(str(e) for e in failures.values())

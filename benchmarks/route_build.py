@@ -65,7 +65,7 @@ import_gdn_cp()
 
 import torch  # noqa: E402
 
-from gdn_cp.demo import packed_boundaries  # noqa: E402
+from gdn_cp.testing.packings import packed_boundaries  # noqa: E402
 from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_natural_order, build_thd_route  # noqa: E402
 
 logger = logging.getLogger("benchmarks.route_build")
@@ -331,7 +331,7 @@ def run(args) -> dict:
             "seed": args.seed,
             "malloc": args.malloc,
             "malloc_retain_applied": malloc_retain,
-            "boundaries": "gdn_cp.demo.packed_boundaries(num_sequences, T_global, cp, seed), int32 CPU tensor",
+            "boundaries": "gdn_cp.testing.packings.packed_boundaries(num_sequences, T_global, cp, seed), int32 CPU tensor",
             "statistic": "median wall time per pass; the lowest median over passes is reported "
             "(*_cpu_ms: the calling thread's median CPU time in that pass, a contention check)",
         },

@@ -4,8 +4,8 @@ Patched megatron-core 0.19.2 (every ``linear_cp_mode``) against stock 0.19.2 hea
 CUDA machine with FLA: each rank builds two GDN layers, runs the first on the micro-batch
 (it builds the routes), then counts the syncs of the second layer's forward and backward
 with ``torch.cuda.set_sync_debug_mode("warn")``. Collectives are excluded: with gloo ranks on
-one GPU, gloo stages CUDA tensors through the host, which NCCL does not (the one-GPU test
-harness suspends the sync check while a collective runs and counts the collectives).
+one GPU, gloo stages CUDA tensors through the host, which NCCL does not (the rank pool of
+``gdn_cp.testing.ranks`` suspends the sync check while a collective runs and counts the collectives).
 
     python3 benchmarks/syncs.py --out benchmarks/results/syncs.json      # needs CUDA + FLA + megatron
 
@@ -22,7 +22,9 @@ import sys
 import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from common import machine_info  # noqa: E402  (also makes gdn_cp importable)
 
 import torch  # noqa: E402
 
@@ -48,9 +50,9 @@ def _count_syncs(fn):
 
 def _rank_syncs(ctx, cp_sizes):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
-    from tests.megatron.shims import (
-        build_gdn, make_config, make_inputs, rank_groups, stock_forward, thd_case, thd_params, zigzag_rows,
-    )
+    from gdn_cp.testing.inputs import hidden_inputs
+    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
+    from gdn_cp.testing.packings import thd_case, zigzag_rows
 
     rank_groups()  # every rank creates every group, in the same order, before any rank goes on
     out = {}
@@ -60,7 +62,7 @@ def _rank_syncs(ctx, cp_sizes):
         group = rank_groups()["world"] if cp == ctx.world_size else rank_groups()["self"]
         padded, actual = thd_case(cp)
         rows = zigzag_rows(padded, cp, ctx.rank).to(ctx.device)
-        x, dout = make_inputs(padded[-1], 1, torch.bfloat16, 5, CFG["hidden_size"], ctx.device)
+        x, dout = hidden_inputs(padded[-1], 1, torch.bfloat16, 5, CFG["hidden_size"], ctx.device)
         x, dout = x[rows], dout[rows]
         res = {}
         for path in ("headwise", "chunkwise", "all_gather", "stock headwise"):
@@ -102,17 +104,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("syncs.py needs CUDA (it counts CUDA device->host synchronizations); nothing to do here")
         return 0
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from common import machine_info
-    from tests.distributed import RankPool
-
     from gdn_cp.megatron import patching
+    from gdn_cp.testing.ranks import RankPool
 
     root = patching.find_megatron_root()
     if patching.overall_state(patching.check_patch(root)) != "patched":
         patching.apply_patch(root)
     world = max(args.cp)
-    pool = RankPool(world)
+    pool = RankPool(world, device="cuda")
     try:
         per_rank = pool.run(_rank_syncs, args.cp)
     finally:

@@ -6,10 +6,10 @@ difference <= 1e-4 in fp32).
 Model (fp32, CPU): token embedding -> N blocks of [RMSNorm -> the REAL patched megatron-core 0.19.2
 ``GatedDeltaNet`` (``deterministic_mode=True``: gdn-cp's ``reference`` backend) -> residual ->
 RMSNorm -> MLP (Linear, SiLU, Linear) -> residual] -> RMSNorm -> output head -> cross-entropy on
-next-token targets. The GDN layers are built exactly as the CPU test suite builds them: this
-benchmark reuses the test shims of ``tests/megatron/shims.py`` (CPU stand-ins for CUDA calls, FLA's
-l2norm and TransformerEngine; the local in_proj / RMSNorm / out_proj submodules; seeded weights) to
-run CPU-only Megatron. Every other parameter is drawn from a generator seeded by the run seed and
+next-token targets. The GDN layers are built exactly as the CPU test suite builds them, with
+``gdn_cp.testing.megatron_layer`` (CPU stand-ins for CUDA calls, FLA's l2norm and
+TransformerEngine; the local in_proj / RMSNorm / out_proj submodules; seeded weights) to run
+CPU-only Megatron. Every other parameter is drawn from a generator seeded by the run seed and
 the parameter's name, so every run starts from the same weights.
 
 Data: a synthetic, learnable, packed THD stream, one micro-batch per step (drawn from
@@ -81,7 +81,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-import_gdn_cp()  # also puts the checkout on sys.path for `tests.` imports
+import_gdn_cp()
 
 import torch  # noqa: E402
 
@@ -222,7 +222,7 @@ class TinyGDNLM(torch.nn.Module):
 # ------------------------------------------------------------------------------------------
 # one run, inside every rank of the pool
 # ------------------------------------------------------------------------------------------
-def train_run(rank, world, run_name, cfg):
+def train_run(ctx, run_name, cfg):
     """Train one run; returns a dict on rank 0 (and on rank 1 for CP=2), None where idle."""
     import warnings
 
@@ -232,10 +232,12 @@ def train_run(rank, world, run_name, cfg):
     # megatron-core's import-time notices (no TE / Apex / absl on this machine): noise here
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from gdn_cp.megatron.swap import set_chunkwise_swap
-    from tests.megatron.shims import (
-        assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params, zigzag_rows,
+    from gdn_cp.testing.megatron_layer import (
+        assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params,
     )
+    from gdn_cp.testing.packings import zigzag_rows
 
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     assert_patched()
     import megatron.core
@@ -303,9 +305,9 @@ def train_run(rank, world, run_name, cfg):
     if rank == 0:
         out["final_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         if mode == "chunkwise" and cp > 1:
-            from gdn_cp.megatron.gdn import _SWAP_ATTR
+            from gdn_cp.testing.probes import chunkwise_swap_points
 
-            out["chunkwise_swap_points"] = sorted({str(pt) for g in gdns for pt in g.__dict__.get(_SWAP_ATTR, {}).values()})
+            out["chunkwise_swap_points"] = sorted({pt for g in gdns for pt in chunkwise_swap_points(g)})
     return out
 
 
@@ -345,12 +347,12 @@ def rel_diffs(curve, ref) -> list[float]:
 
 def param_rel_diff(params, ref) -> tuple[float, str]:
     """(max over tensors of max |p - p_ref| / max |p_ref|, the name of that tensor)."""
+    from gdn_cp.testing.metrics import max_rel
+
     worst, where = 0.0, ""
     for name, want in ref.items():
-        got = params[name]
-        scale = float(want.double().abs().max().clamp_min(1e-30))
-        d = float((got.double() - want.double()).abs().max()) / scale
-        if d > worst:
+        d = max_rel(params.get(name), want)
+        if math.isnan(d) or (not math.isnan(worst) and d > worst):  # NaN is the worst and stays so
             worst, where = d, name
     return worst, where
 
@@ -445,19 +447,19 @@ def main(argv=None) -> int:
     )
     t_start = time.perf_counter()
     load_before = load_average()
-    from tests.distributed import GlooPool
+    from gdn_cp.testing.ranks import RankPool
 
     with tempfile.TemporaryDirectory(prefix="gdn_cp_train_curve_") as tmp:
         mcore = prepare_megatron(Path(tmp))
         print(f"megatron-core {mcore['version']}: {mcore['source']}", flush=True)
         print(f"config: {cfg}", flush=True)
         t0 = time.perf_counter()
-        pool = GlooPool(CP)
+        pool = RankPool(CP, device="cpu", timeout_s=args.timeout)
         results = {}
         try:
             for name in args.runs:
                 print(f"run {name} ({RUNS[name][0]} rank(s), mode {RUNS[name][1]}, swap {RUNS[name][2]})", flush=True)
-                per_rank = pool.run(train_run, name, cfg, timeout=args.timeout)
+                per_rank = pool.run(train_run, name, cfg)
                 r0 = per_rank[0]
                 if RUNS[name][0] > 1:  # every rank saw the same all-reduced loss
                     assert per_rank[1]["loss"] == r0["loss"], f"{name}: ranks disagree on the loss"

@@ -7,6 +7,7 @@ import logging
 import sys
 
 from . import __version__
+from .cli_run import add_run_command
 from .megatron.pins import PINS
 from .modes.spec import MODE_NAMES
 
@@ -66,23 +67,6 @@ def _cmd_route(args) -> int:
     return 0
 
 
-def _cmd_run(args) -> int:
-    from .demo import auto_config, run_job
-
-    overrides = {
-        "cp_sizes": tuple(args.cp),
-        "modes": tuple(args.modes),
-        "num_sequences": args.sequences,
-        "tokens_per_rank": args.tokens_per_rank,
-        "dtype": args.dtype,
-    }
-    for name in ("device", "backend", "dist_backend"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
-    cfg = auto_config(**overrides)
-    return 0 if run_job(cfg) else 1
-
-
 def _cmd_selftest(args) -> int:
     from .selftest import main as selftest_main
 
@@ -103,19 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("run", help="the main job: CP run of the GDN core checked against CP=1",
-                       description="Spawn cp ranks (CPU gloo by default; NCCL + FLA when there are enough GPUs), "
-                       "round-trip the routes of a packed micro-batch, then run every mode forward+backward and "
-                       "compare output and gradients with CP=1. Exit 1 if any check fails.")
-    p.add_argument("--cp", type=_int_list, default=[2, 4], help="CP sizes to run, e.g. 2,4 (default 2,4)")
-    p.add_argument("--modes", nargs="+", default=list(MODE_NAMES), choices=MODE_NAMES, help="modes to run (default: all)")
-    p.add_argument("--sequences", type=int, default=37, help="packed sequences per micro-batch (default 37)")
-    p.add_argument("--tokens-per-rank", type=int, default=1024, help="T_global / cp (default 1024)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when enough GPUs")
-    p.add_argument("--backend", choices=["reference", "fla"], default=None, help="math backend (default: auto)")
-    p.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None, help="default: gloo on CPU")
-    p.set_defaults(func=_cmd_run)
+    add_run_command(sub)
 
     p = sub.add_parser("route", help="print the all-to-all plan for packed boundaries",
                        description="Build the zigzag <-> contiguous routes for the given padded boundaries and "

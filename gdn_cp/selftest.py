@@ -9,12 +9,12 @@ reported) or the gradients disagree with the reference (a failed tolerance is re
 CPU path); ``run_selftest(gpu=True)`` checks FLA's kernels (fp32 and bf16) against the reference
 in fp64, and needs CUDA and flash-linear-attention.
 
-The case builders and error metrics here are shared with ``tests/gpu``.
+The case builders here are shared with ``tests/gpu``; the error metrics, tolerances and version
+report come from :mod:`gdn_cp.testing`.
 """
 
 from __future__ import annotations
 
-import platform
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,67 +23,21 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from .testing.metrics import max_rel, rel_l2, worst
+from .testing.results import stack_versions
+from .testing.tolerances import FLA_VS_FP64_REL_L2
+
 __all__ = [
     "CaseResult",
     "SelftestReport",
-    "TOLERANCES",
     "conv_case",
     "gdn_case",
-    "max_rel",
-    "rel_l2",
     "run_selftest",
-    "stack_versions",
 ]
-
-# Relative L2 error (||a - b|| / ||b||) allowed against the fp64 reference, per compute dtype.
-# FLA's fp32 path uses TF32 dots (~1.5e-3 seen at head dim 64); bf16 rounds inputs and outputs.
-TOLERANCES = {"float32": 5e-3, "bfloat16": 1e-2}
 
 # The small case: packed THD with an empty segment and a segment starting at row 0 fed by a halo.
 SELFTEST_CU = [0, 37, 37, 130, 301]
 SELFTEST_DIMS = dict(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, conv_kernel_size=4)
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    den = b.norm().item()
-    num = (a - b).norm().item()
-    return num / den if den > 0 else num
-
-
-def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    den = b.abs().max().item() if b.numel() else 0.0
-    num = (a - b).abs().max().item() if a.numel() else 0.0
-    return num / den if den > 0 else num
-
-
-def _ver(mod: str, dist: str | None = None) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(dist or mod)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def stack_versions() -> dict[str, Any]:
-    """Versions that decide whether FLA's kernels are right: torch, CUDA, Triton, FLA, the GPU."""
-    from gdn_cp.ops.fla import fla_version
-
-    v: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "triton": _ver("triton"),
-        "fla": fla_version(),
-        "gpu": None,
-        "capability": None,
-    }
-    if torch.cuda.is_available():
-        v["gpu"] = torch.cuda.get_device_name(0)
-        v["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    return v
 
 
 def _vtuple(s: str | None) -> tuple[int, ...]:
@@ -123,8 +77,8 @@ class CaseResult:
         status = "PASS" if self.ok else "FAIL"
         if self.error is not None:
             return f"{status} {self.name}: {self.error.strip().splitlines()[-1]}"
-        worst = max(self.errors.items(), key=lambda kv: kv[1]) if self.errors else ("-", 0.0)
-        return (f"{status} {self.name}: worst rel-L2 {worst[1]:.2e} ({worst[0]}), tolerance "
+        name, err = worst(self.errors)
+        return (f"{status} {self.name}: worst rel-L2 {err:.2e} ({name}), tolerance "
                 f"{self.tolerance:.0e} ({self.seconds:.1f}s)")
 
 
@@ -289,7 +243,7 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
             cases.append(_run_case(
                 f"reference/{name}/float32/cpu",
                 lambda fn=fn: fn(reference, reference, dtype=torch.float32, device="cpu", seed=seed),
-                TOLERANCES["float32"]))
+                FLA_VS_FP64_REL_L2["float32"]))
         return SelftestReport(ok=all(c.ok for c in cases), gpu=False, versions=versions, cases=cases,
                               notes=notes)
 
@@ -308,7 +262,7 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                 cases.append(_run_case(
                     f"fla/{name}/{dname}",
                     lambda fn=fn, dtype=dtype: fn(fla_backend, reference, dtype=dtype, device=dev, seed=seed),
-                    TOLERANCES[dname]))
+                    FLA_VS_FP64_REL_L2[dname]))
         if not fla_backend.has_cp_context():
             notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
                          "the FLA backend")

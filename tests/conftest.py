@@ -1,24 +1,198 @@
-"""Shared fixtures: one spawned gloo pool per world size per test session."""
+"""Session fixtures: one spawned rank pool per (world size, device), the megatron-core policy, and
+benchmark smoke runs started in the background when the session starts."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
 import pytest
 
-from tests.distributed import GlooPool
+from gdn_cp.testing.ranks import RankPool
 
-_POOLS: dict[int, GlooPool] = {}
+SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+_POOLS: dict[tuple[int, str], RankPool] = {}
 
 
 @pytest.fixture(scope="session")
-def gloo_pool():
-    """``gloo_pool(world)`` -> a running :class:`GlooPool` of that many gloo ranks."""
+def rank_pool():
+    """``rank_pool(world, device="cpu")`` -> a running :class:`RankPool` of that many ranks, shared by
+    the whole session (spawning costs seconds). A pool broken by a failed case is replaced."""
 
-    def get(world: int) -> GlooPool:
-        if world not in _POOLS:
-            _POOLS[world] = GlooPool(world)
-        return _POOLS[world]
+    def get(world: int, device: str = "cpu") -> RankPool:
+        key = (world, device)
+        pool = _POOLS.get(key)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.kill()
+            pool = _POOLS[key] = RankPool(world, device=device, timeout_s=300.0)
+        return pool
 
     yield get
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+def megatron_unavailable(reason: str):
+    """Fail (the default: CI installs megatron-core) or skip (``GDN_CP_ALLOW_SKIP_MEGATRON=1``)."""
+    from gdn_cp.megatron.patching import PINNED_VERSION
+
+    if os.environ.get(SKIP_MEGATRON_ENV) == "1":
+        pytest.skip(reason)
+    pytest.fail(
+        f"{reason}\nThe GatedDeltaNet tests need megatron-core=={PINNED_VERSION} installed (patched by "
+        f"`python3 -m gdn_cp.cli patch apply`, or pristine: the tests patch it for the session). "
+        f"Set {SKIP_MEGATRON_ENV}=1 to skip them instead.",
+        pytrace=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def megatron_installed():
+    """megatron-core is importable (else fail or skip, see :func:`megatron_unavailable`)."""
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        megatron_unavailable("megatron-core is not importable")
+
+
+@pytest.fixture(scope="session")
+def benchmark_module():
+    """``benchmark_module("route_build")`` -> that benchmark script imported in this process (its
+    ``main(["--help"])`` costs milliseconds here, a torch import in a subprocess)."""
+    loaded = {}
+
+    def load(name: str):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = module
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded[name]
+
+    return load
+
+
+# ------------------------------------------------------------------------------------------
+# benchmark smoke runs, overlapped with the rest of the session
+# ------------------------------------------------------------------------------------------
+class SmokeRun:
+    """``python3 benchmarks/<script>.py <args> --out <json>`` in a subprocess. A smoke run is mostly
+    process start-up and imports, so the session runs them one after the other in a background
+    thread while the in-process tests run (2 cores: one for each); a test that needs a run that
+    has not started yet starts it at once."""
+
+    def __init__(self, key: str, script: str, args: list[str], workdir: Path):
+        self.key = key
+        name = key.replace(":", ".")
+        self.out = workdir / f"{name}.json"
+        self._log_path = workdir / f"{name}.log"
+        self.argv = [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(self.out)]
+        self.proc: subprocess.Popen | None = None
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def start(self) -> subprocess.Popen | None:
+        """The process, started now if it was not yet (None once the session has ended)."""
+        with self._lock:
+            if self.proc is None and not self._stopped:
+                with open(self._log_path, "w") as log:
+                    self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL)
+            return self.proc
+
+    def result(self, timeout_s: float = 600.0) -> tuple[int, str, Path]:
+        """``(exit code, everything it printed, the JSON path)`` once it has finished."""
+        proc = self.start()
+        if proc is None:
+            pytest.fail(f"{self.key}: the session has ended", pytrace=False)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            pytest.fail(f"{' '.join(self.argv)} ran past {timeout_s:g}s and was killed", pytrace=False)
+        return code, self._log_path.read_text(), self.out
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            proc = self.proc
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+_SMOKE: dict[str, SmokeRun] = {}
+_SMOKE_DIR: list[Path] = []
+
+
+def _smoke_run(module, fixture: str) -> SmokeRun:
+    key = f"{module.__name__}:{fixture}"
+    if key not in _SMOKE:
+        if not _SMOKE_DIR:
+            _SMOKE_DIR.append(Path(tempfile.mkdtemp(prefix="gdn_cp_smoke_")))
+        script, args = module.SMOKE_RUNS[fixture]
+        _SMOKE[key] = SmokeRun(key, script, list(args), _SMOKE_DIR[0])
+    return _SMOKE[key]
+
+
+def start_smoke_run(module, fixture: str) -> SmokeRun:
+    """The run behind ``fixture`` of a test module that declares ``SMOKE_RUNS = {fixture: (script,
+    [args])}``, started now unless the session already started it."""
+    run = _smoke_run(module, fixture)
+    run.start()
+    return run
+
+
+def _run_in_turn(runs: list[SmokeRun]) -> None:
+    for run in runs:
+        proc = run.start()
+        if proc is None:  # the session ended
+            return
+        proc.wait()
+
+
+def _megatron_may_change() -> bool:
+    """True when the installed megatron-core is not (verifiably) patched: the ``patched_megatron``
+    fixture may then rewrite it during the session, so runs that import it start only when their
+    test asks (after that), never in the background."""
+    try:
+        from gdn_cp.megatron import patching
+
+        return patching.overall_state(patching.check_patch(patching.find_megatron_root())) != patching.PATCHED
+    except Exception:  # noqa: BLE001 - not installed or not readable: the tests say so themselves
+        return True
+
+
+def pytest_collection_finish(session):
+    """Queue every smoke run that a selected test will wait for (see :class:`SmokeRun`)."""
+    wanted = []
+    for item in session.items:
+        module = getattr(item, "module", None)
+        runs = getattr(module, "SMOKE_RUNS", None) or {}
+        wanted += [(module, f) for f in sorted(set(runs) & set(getattr(item, "fixturenames", ())))]
+    if any(getattr(m, "SMOKE_IMPORTS_MEGATRON", False) for m, _ in wanted) and _megatron_may_change():
+        wanted = [(m, f) for m, f in wanted if not getattr(m, "SMOKE_IMPORTS_MEGATRON", False)]
+    queue = list({id(r): r for r in (_smoke_run(m, f) for m, f in wanted)}.values())
+    if queue:
+        threading.Thread(target=_run_in_turn, args=(queue,), name="gdn-cp-smoke-runs", daemon=True).start()
+
+
+def pytest_sessionfinish(session, exitstatus):  # noqa: ARG001
+    for run in _SMOKE.values():
+        run.stop()
+    _SMOKE.clear()
+    for path in _SMOKE_DIR:
+        shutil.rmtree(path, ignore_errors=True)
+    _SMOKE_DIR.clear()

@@ -5,15 +5,12 @@ gdn-cp's routes on every config. No timing assertions: CI machines are shared an
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "route_build.py"
+from tests.conftest import start_smoke_run
 
 RESULT_KEYS = {
     "T_global",
@@ -33,27 +30,29 @@ RESULT_KEYS = {
 }
 
 
+# started in the background when the session starts (tests/conftest.py), unless the session may
+# patch the installed megatron-core while it runs (route_build imports it for the per-token builder)
+SMOKE_RUNS = {"quick_report": ("route_build", ["--quick", "--no-plot", "--budget", "0.005"])}
+SMOKE_IMPORTS_MEGATRON = True
+
+
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "route_build.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--no-plot", "--budget", "0.005", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"route_build.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "ours plan ms" in proc.stdout  # the table was printed
+def quick_report():
+    code, printed, out = start_smoke_run(sys.modules[__name__], "quick_report").result(timeout_s=300)
+    assert code == 0, f"route_build.py --quick failed:\n{printed}"
+    assert "ours plan ms" in printed  # the table was printed
     return json.loads(out.read_text())
 
 
-def test_help_runs():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
-    assert "--quick" in proc.stdout and "--out" in proc.stdout
+def test_help_runs(benchmark_module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_module("route_build").main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "--quick" in out and "--out" in out
 
 
+@pytest.mark.slow
 def test_report_keys(quick_report):
     for key in ("benchmark", "date", "machine", "versions", "settings", "methods", "results", "all_agree", "target"):
         assert key in quick_report, key
@@ -70,6 +69,7 @@ def test_report_keys(quick_report):
             assert row[f"{m}_ms"] > 0
 
 
+@pytest.mark.slow
 def test_per_token_agrees_with_routes(quick_report):
     assert quick_report["all_agree"] is True
     for row in quick_report["results"]:
@@ -78,15 +78,11 @@ def test_per_token_agrees_with_routes(quick_report):
         assert row["checks"]["natural_order_equals_per_token"] is True
 
 
-def test_benchmark_copy_matches_megatron():
+def test_benchmark_copy_matches_megatron(benchmark_module):
     """The benchmark's per-token copy is the function megatron-core ships (when installed)."""
     common = pytest.importorskip("megatron.core.ssm.gated_delta_net.common")
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import route_build
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    from gdn_cp.demo import packed_boundaries
+    route_build = benchmark_module("route_build")
+    from gdn_cp.testing.packings import packed_boundaries
 
     for nseq, t_global, cp in ((1, 4096, 2), (37, 8192, 4), (64, 16384, 8)):
         cu = torch.tensor(packed_boundaries(nseq, t_global, cp, seed=3), dtype=torch.int32)

@@ -5,45 +5,55 @@ backend, gloo ranks) writes the expected JSON, and a head count that cp does not
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "layer_bench.py"
+from tests.conftest import start_smoke_run
+
 MODES = ("chunkwise", "headwise", "all_gather")
 CASE_KEYS = {"phase", "cp", "t_global", "t_local", "mode", "status", "error", "cu", "slice_of"}
 NUMBER_KEYS = ("wall_ms", "bytes_per_token", "dist_bytes_per_token", "warmup_s")
 GPU_KEYS = ("compute_ms", "comm_wait_ms", "peak_gib")  # None on the CPU
 
 
-def _run(tmp_path: Path, name: str, *extra: str) -> tuple[dict, subprocess.CompletedProcess]:
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
-    )
-    assert proc.returncode == 0, f"layer_bench.py --quick failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(out.read_text()), proc
+# started in the background when the session starts (tests/conftest.py)
+SMOKE_RUNS = {
+    "quick": ("layer_bench", ["--quick", "--no-plot"]),
+    "refused": ("layer_bench", ["--quick", "--no-plot", "--cp", "2", "--modes", "headwise", "--tokens", "128",
+                                "--num-k-heads", "1", "--num-v-heads", "2"]),
+}
+
+
+def _result(fixture: str) -> tuple[dict, str]:
+    """(the JSON report, everything the run printed)."""
+    code, printed, out = start_smoke_run(sys.modules[__name__], fixture).result(timeout_s=300)
+    assert code == 0, f"layer_bench.py --quick failed:\n{printed}"
+    return json.loads(out.read_text()), printed
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("layer_bench"), "layer", "--no-plot")
+def quick():
+    return _result("quick")
 
 
-def test_help_runs():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0
+@pytest.fixture(scope="module")
+def refused():
+    return _result("refused")
+
+
+def test_help_runs(benchmark_module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_module("layer_bench").main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
     for flag in ("--quick", "--out", "--time-limit", "--iters", "--tokens", "--cp"):
-        assert flag in proc.stdout
+        assert flag in out
 
 
+@pytest.mark.slow
 def test_report_structure(quick):
-    report, proc = quick
+    report, printed = quick
     for key in ("benchmark", "date", "machine", "versions", "config", "notes", "cases", "summary", "tune",
                 "pools", "finished", "elapsed_s"):
         assert key in report, key
@@ -53,10 +63,11 @@ def test_report_structure(quick):
     assert report["versions"]["torch"]
     assert report["config"]["backend"] == "reference" and report["config"]["device"] == "cpu"
     assert report["config"]["cp"] == [1, 2]
-    assert "wall ms" in proc.stdout and "comm/wait ms" in proc.stdout  # the final table
+    assert "wall ms" in printed and "comm/wait ms" in printed  # the final table
     assert all(t["status"] == "ok" for t in report["tune"]), report["tune"]
 
 
+@pytest.mark.slow
 def test_every_case_has_numbers_or_an_error(quick):
     report, _ = quick
     cases = report["cases"]
@@ -74,6 +85,7 @@ def test_every_case_has_numbers_or_an_error(quick):
             assert isinstance(c["error"], str) and c["error"]
 
 
+@pytest.mark.slow
 def test_numbers_for_every_mode_and_cp1(quick):
     report, _ = quick
     ok = [c for c in report["cases"] if c["status"] == "ok"]
@@ -89,6 +101,7 @@ def test_numbers_for_every_mode_and_cp1(quick):
     assert any(c.get("chunkwise_path") for c in ok if c["mode"] == "chunkwise")
 
 
+@pytest.mark.slow
 def test_summary(quick):
     report, _ = quick
     s = report["summary"]
@@ -101,10 +114,10 @@ def test_summary(quick):
     assert any(k.startswith("headwise") for k in s["bytes_per_token"])
 
 
-def test_headwise_refused_not_crashed(tmp_path):
-    report, proc = _run(tmp_path, "refused", "--no-plot", "--cp", "2", "--modes", "headwise", "--tokens", "128",
-                        "--num-k-heads", "1", "--num-v-heads", "2")
+@pytest.mark.slow
+def test_headwise_refused_not_crashed(refused):
+    report, printed = refused
     (case,) = [c for c in report["cases"] if c["cp"] == 2]
     assert case["status"] == "refused"
     assert "ValueError" in case["error"] and "divisible" in case["error"]
-    assert "refused" in proc.stdout
+    assert "refused" in printed

@@ -4,8 +4,8 @@ matches the CP=1 curve within 1e-4 relative.
 
 The benchmark never writes the installed megatron-core (it patches a temporary copy when the
 installed one is pristine), so this test needs no ``patched_megatron`` fixture; it needs
-megatron-core 0.19.2 installed, with the same policy as tests/megatron/shims.py: missing fails,
-unless GDN_CP_ALLOW_SKIP_MEGATRON=1 (then it skips).
+megatron-core 0.19.2 installed (the ``megatron_installed`` fixture: missing fails, unless
+GDN_CP_ALLOW_SKIP_MEGATRON=1, then it skips).
 """
 
 from __future__ import annotations
@@ -13,47 +13,43 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "train_curve.py"
+from tests.conftest import start_smoke_run
+
 RUNS = ("cp1", "cp2-headwise", "cp2-chunkwise", "cp2-chunkwise-core", "cp2-all_gather")
 QUICK_STEPS = 5
 TOL = 1e-4
 
 
-def _need_megatron():
-    from tests.megatron.shims import _unavailable
-
-    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
-        _unavailable("megatron-core is not importable")
+# started in the background when the session starts (tests/conftest.py), unless the session may
+# patch the installed megatron-core while it runs
+SMOKE_RUNS = {"quick_report": ("train_curve", ["--quick"])}
+SMOKE_IMPORTS_MEGATRON = True
 
 
 @pytest.fixture(scope="module")
-def quick_report(tmp_path_factory):
-    _need_megatron()
-    out = tmp_path_factory.mktemp("bench") / "train_curve.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, f"train_curve.py --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    assert "max rel diff loss" in proc.stdout  # the table was printed
-    assert "step    5/5" in proc.stdout  # progress lines
+def quick_report(megatron_installed):
+    code, printed, out = start_smoke_run(sys.modules[__name__], "quick_report").result(timeout_s=300)
+    assert code == 0, f"train_curve.py --quick failed ({code}):\n{printed}"
+    assert "max rel diff loss" in printed  # the table was printed
+    assert "step    5/5" in printed  # progress lines
     return json.loads(out.read_text()), out
 
 
-def test_help_runs():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+def test_help_runs(benchmark_module, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        benchmark_module("train_curve").main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
     for opt in ("--steps", "--quick", "--out"):
-        assert opt in proc.stdout
+        assert opt in out
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 def test_quick_report_structure(quick_report):
     report, out = quick_report
@@ -81,6 +77,7 @@ def test_quick_report_structure(quick_report):
         assert Path(report["plot"]) == out.with_suffix(".png")
 
 
+@pytest.mark.slow
 @pytest.mark.megatron
 def test_cp2_curves_match_cp1(quick_report):
     report, _ = quick_report

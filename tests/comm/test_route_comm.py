@@ -9,14 +9,15 @@ import torch.distributed as dist
 from gdn_cp.comm import all_gather_rows, head_to_seq, route_all_to_all, seq_to_head
 from gdn_cp.layout import CONTIGUOUS, ZIGZAG, RouteCache
 from tests.layout.test_routes import naive_rows
-from tests.packings import packings
+from gdn_cp.testing.packings import named_packings
 
 
-def _round_trip_case(rank, world):
+def _round_trip_case(ctx):
+    rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD
     cache = RouteCache()
     report = {}
-    for name, cu_list in packings(world).items():
+    for name, cu_list in named_packings(world).items():
         cu = torch.tensor(cu_list, dtype=torch.int32)
         plan = cache.plan(cu, world, rank)
         z2c, c2z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
@@ -37,15 +38,16 @@ def _round_trip_case(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_zigzag_contiguous_round_trip_exact(gloo_pool, world):
-    for rank_report in gloo_pool(world).run(_round_trip_case):
+def test_zigzag_contiguous_round_trip_exact(rank_pool, world):
+    for rank_report in rank_pool(world).run(_round_trip_case):
         for name, (moved_right, round_trip, grads) in rank_report.items():
             assert moved_right, f"{name}: rows landed in the wrong place"
             assert round_trip, f"{name}: zigzag->contiguous->zigzag is not exact"
             assert grads, f"{name}: gradient of the round trip != incoming gradient"
 
 
-def _head_and_gather_case(rank, world):
+def _head_and_gather_case(ctx):
+    rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD
     torch.manual_seed(0)
     t_local, heads, dim = 6, 2 * world, 3
@@ -68,8 +70,8 @@ def _head_and_gather_case(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_seq_head_all_to_all_and_all_gather(gloo_pool, world):
-    for ok in gloo_pool(world).run(_head_and_gather_case):
+def test_seq_head_all_to_all_and_all_gather(rank_pool, world):
+    for ok in rank_pool(world).run(_head_and_gather_case):
         assert ok == (True, True, True, True)
 
 
@@ -82,10 +84,11 @@ def test_route_rejects_wrong_rows_before_communicating():
         route_all_to_all(torch.zeros(12, 2), route, route, group=None)
 
 
-def _stats_case(rank, world):
+def _stats_case(ctx):
     from gdn_cp.comm import comm_stats, reset_comm_stats
 
-    plan = RouteCache().plan(torch.tensor(packings(world)["straddling"]), world, rank)
+    rank, world = ctx.rank, ctx.world_size
+    plan = RouteCache().plan(torch.tensor(named_packings(world)["straddling"]), world, rank)
     z2c, c2z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
     reset_comm_stats()
     x = torch.zeros(plan.t_local, 5, dtype=torch.float32)
@@ -93,6 +96,6 @@ def _stats_case(rank, world):
     return comm_stats(), plan.t_local
 
 
-def test_comm_stats_count_bytes_sent(gloo_pool):
-    for stats, t_local in gloo_pool(2).run(_stats_case):
+def test_comm_stats_count_bytes_sent(rank_pool):
+    for stats, t_local in rank_pool(2).run(_stats_case):
         assert stats["route_all_to_all"] == t_local * 5 * 4 and stats["route_all_to_all:calls"] == 1

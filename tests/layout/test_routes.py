@@ -16,7 +16,7 @@ from gdn_cp.layout import (
     build_thd_route,
     validate_cu_seqlens,
 )
-from tests.packings import packings
+from gdn_cp.testing.packings import named_packings
 
 CPS = [1, 2, 4, 8]
 DIRECTIONS = [(ZIGZAG, CONTIGUOUS), (CONTIGUOUS, ZIGZAG)]
@@ -67,9 +67,9 @@ def simulate(cu, cp, source, target):
 
 @pytest.mark.parametrize("cp", CPS)
 @pytest.mark.parametrize("source,target", DIRECTIONS)
-@pytest.mark.parametrize("name", list(packings(1)))
+@pytest.mark.parametrize("name", list(named_packings(1)))
 def test_route_matches_per_token_reference(cp, source, target, name):
-    cu = packings(cp)[name]
+    cu = named_packings(cp)[name]
     routes, out = simulate(cu, cp, source, target)
     assert out == naive_rows(target, cu, cp)
     for route in routes:
@@ -78,7 +78,7 @@ def test_route_matches_per_token_reference(cp, source, target, name):
 
 @pytest.mark.parametrize("cp", CPS)
 def test_natural_order_matches_reference(cp):
-    cu = packings(cp)["straddling"]
+    cu = named_packings(cp)["straddling"]
     zig = naive_rows(ZIGZAG, cu, cp)
     buffer = [g for r in range(cp) for g in zig[r]]  # rank-major buffer after all-gather
     for r in range(cp):
@@ -182,7 +182,7 @@ def test_natural_order_checks_its_boundaries():
 @pytest.mark.parametrize("cp", [2, 4])
 def test_chunkwise_plan_scan_boundaries(cp):
     """head_cu / rest_cu cut the slice's local sequences at the first one when it continues."""
-    cu = packings(cp)["straddling"]
+    cu = named_packings(cp)["straddling"]
     t_local = cu[-1] // cp
     for rank in range(cp):
         cw = build_chunkwise_plan(cu, cp, rank, 4)

@@ -19,25 +19,22 @@ import io
 import pytest
 import torch
 
-from tests.megatron.shims import (
+from gdn_cp.testing.inputs import hidden_inputs
+from gdn_cp.testing.megatron_layer import (
     DIMS,
-    MODES,
-    TOL,
     build_gdn,
     install_cpu_shims,
     make_config,
-    make_inputs,
-    parity_case,
     rank_groups,
-    rel_err,
     run_layer,
-    sbhd_len,
     stock_forward,
     stock_vs_patched,
-    thd_case,
     thd_params,
-    zigzag_rows,
 )
+from gdn_cp.testing.megatron_parity import HIDDEN, MODES, parity_case, sbhd_len
+from gdn_cp.testing.metrics import max_rel
+from gdn_cp.testing.packings import thd_case, zigzag_rows
+from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
 
 pytestmark = pytest.mark.megatron
 
@@ -56,7 +53,7 @@ def _worst(results, key=None):
 
 def _local_thd(cp, rank, dtype, seed=5):
     cu_pad, cu_act = thd_case(cp)
-    x, dout = make_inputs(cu_pad[-1], 1, dtype, seed=seed)
+    x, dout = hidden_inputs(cu_pad[-1], 1, dtype, seed=seed, hidden=HIDDEN)
     rows = zigzag_rows(cu_pad, cp, rank)
     return cu_pad, cu_act, x[rows], dout[rows]
 
@@ -70,11 +67,12 @@ def _cache_plan(psp):
 # ------------------------------------------------------------------------------------------
 # 2. head counts headwise cannot split
 # ------------------------------------------------------------------------------------------
-def _odd_heads(rank, world):
+def _odd_heads(ctx):
     import torch.distributed as dist
 
     import gdn_cp.megatron.config as cfgmod
 
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     res = {"parity": {}}
     for layout in ("sbhd", "thd"):
@@ -116,8 +114,8 @@ def _odd_heads(rank, world):
     return res
 
 
-def test_odd_heads(patched_megatron, gloo_pool):
-    results = gloo_pool(2).run(_odd_heads, timeout=120)
+def test_odd_heads(patched_megatron, rank_pool):
+    results = rank_pool(2).run(_odd_heads, timeout_s=120)
     worst = _worst(results, "parity")
     assert all(v <= TOL[torch.float64] for v in worst.values()), worst
     assert set(worst) == {(l, m) for l in ("sbhd", "thd") for m in ("chunkwise", "all_gather")}
@@ -137,9 +135,10 @@ def test_odd_heads(patched_megatron, gloo_pool):
 # ------------------------------------------------------------------------------------------
 # 3. dynamic CP
 # ------------------------------------------------------------------------------------------
-def _dynamic(rank, world):
+def _dynamic(ctx):
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     groups = rank_groups()
     pair, me = groups["pair"], groups["self"]
@@ -179,8 +178,8 @@ def _dynamic(rank, world):
     return res
 
 
-def test_dynamic_cp(patched_megatron, gloo_pool):
-    results = gloo_pool(4).run(_dynamic, timeout=180)
+def test_dynamic_cp(patched_megatron, rank_pool):
+    results = rank_pool(4).run(_dynamic, timeout_s=180)
     for key in ("pair", "single"):
         worst = _worst(results, key)
         assert len(worst) == 6 and all(v <= TOL[torch.float64] for v in worst.values()), (key, worst)
@@ -195,9 +194,10 @@ def test_dynamic_cp(patched_megatron, gloo_pool):
 # ------------------------------------------------------------------------------------------
 # 4. route cache on PackedSeqParams
 # ------------------------------------------------------------------------------------------
-def _route_cache(rank, world):
+def _route_cache(ctx):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
 
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     group = rank_groups()["world"]
     cu_pad, cu_act, x, dout = _local_thd(world, rank, torch.float64)
@@ -233,8 +233,8 @@ def _route_cache(rank, world):
     return out
 
 
-def test_route_cache(patched_megatron, gloo_pool):
-    for rank, per_mode in enumerate(gloo_pool(2).run(_route_cache)):
+def test_route_cache(patched_megatron, rank_pool):
+    for rank, per_mode in enumerate(rank_pool(2).run(_route_cache)):
         for mode, rec in per_mode.items():
             hits, misses, builds = rec["after_layer1"]
             assert (hits, misses) == (0, 1) and builds > 0, (rank, mode, rec)
@@ -250,9 +250,10 @@ def test_route_cache(patched_megatron, gloo_pool):
 # ------------------------------------------------------------------------------------------
 # 5. recompute
 # ------------------------------------------------------------------------------------------
-def _recompute(rank, world):
+def _recompute(ctx):
     from megatron.core import tensor_parallel
 
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     group = rank_groups()["world"]
     selective = dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"])
@@ -263,7 +264,7 @@ def _recompute(rank, world):
             psp = lambda: thd_params(cu_pad, cu_act)  # noqa: E731
         else:
             s = sbhd_len(world)
-            x, dout = make_inputs(s, 2, torch.float64, seed=9)
+            x, dout = hidden_inputs(s, 2, torch.float64, seed=9, hidden=HIDDEN)
             rows = zigzag_rows([0, s], world, rank)
             x, dout = x[rows], dout[rows]
             psp = lambda: None  # noqa: E731
@@ -309,8 +310,8 @@ def _bitwise(got, want):
     return diff
 
 
-def test_recompute(patched_megatron, gloo_pool):
-    for rank, per_case in enumerate(gloo_pool(2).run(_recompute)):
+def test_recompute(patched_megatron, rank_pool):
+    for rank, per_case in enumerate(rank_pool(2).run(_recompute)):
         assert len(per_case) == 6
         for case, rec in per_case.items():
             assert rec["selective_bitwise"] == [], (rank, case, rec)
@@ -326,7 +327,8 @@ def test_recompute(patched_megatron, gloo_pool):
 # ------------------------------------------------------------------------------------------
 # 6. checkpoints across modes
 # ------------------------------------------------------------------------------------------
-def _state_dicts(rank, world):
+def _state_dicts(ctx):
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     group = rank_groups()["world"]
     cu_pad, cu_act, x, _ = _local_thd(world, rank, torch.float64)
@@ -356,7 +358,7 @@ def _state_dicts(rank, world):
             buf.seek(0)
             missing = target.load_state_dict(torch.load(buf), strict=True)
             got, _ = target(x, None, packed_seq_params=thd_params(cu_pad, cu_act))
-            crossed[(src, dst)] = (rel_err(got.detach(), want.detach()), list(missing.missing_keys))
+            crossed[(src, dst)] = (max_rel(got.detach(), want.detach()), list(missing.missing_keys))
     res["crossed"] = crossed
     return res
 
@@ -377,8 +379,8 @@ def _describe_sharded(ssd):
     return out
 
 
-def test_state_dict_same_in_every_mode(patched_megatron, gloo_pool):
-    for rank, res in enumerate(gloo_pool(2).run(_state_dicts)):
+def test_state_dict_same_in_every_mode(patched_megatron, rank_pool):
+    for rank, res in enumerate(rank_pool(2).run(_state_dicts)):
         assert res["sharded_error"] is None, res["sharded_error"]
         ref = res["sd"]["headwise"]
         assert {"in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "dt_bias", "out_norm.weight",
@@ -397,43 +399,45 @@ def test_state_dict_same_in_every_mode(patched_megatron, gloo_pool):
 # ------------------------------------------------------------------------------------------
 # 7. stock vs patched; 8. THD + deterministic at CP=1; should_dispatch
 # ------------------------------------------------------------------------------------------
-def _stock_vs_patched(rank, world):
+def _stock_vs_patched(ctx):
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     group = rank_groups()["world"]
     s = sbhd_len(world)
-    x, dout = make_inputs(s, 2, torch.float32, seed=13)
+    x, dout = hidden_inputs(s, 2, torch.float32, seed=13, hidden=HIDDEN)
     rows = zigzag_rows([0, s], world, rank)
     x, dout = x[rows], dout[rows]
     res = {}
     for conv_bias in (False, True):
         module = build_gdn(make_config(world, "headwise", torch.float32), group, seed=4, conv_bias=conv_bias)
-        res[conv_bias] = stock_vs_patched(module, x, dout, group, rel_err)
+        res[conv_bias] = stock_vs_patched(module, x, dout, group, max_rel)
     return res
 
 
-def test_stock_vs_patched_headwise(patched_megatron, gloo_pool):
+def test_stock_vs_patched_headwise(patched_megatron, rank_pool):
     """fp32, rounding level (<= 1e-5): not bit-equal, because stock's deterministic core is
     torch_chunk_gated_delta_rule and gdn-cp's is the reference backend (same math, different
     summation order; the conv is F.conv1d vs the reference's unfolded conv)."""
-    for rank, res in enumerate(gloo_pool(2).run(_stock_vs_patched)):
+    for rank, res in enumerate(rank_pool(2).run(_stock_vs_patched)):
         for conv_bias, errs in res.items():
             assert len(errs) >= 8
             bad = {k: v for k, v in errs.items() if not v <= TOL[torch.float32]}
             assert not bad, (rank, conv_bias, bad)
 
 
-def _thd_cp1_and_dispatch(rank, world):
+def _thd_cp1_and_dispatch(ctx):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from gdn_cp.megatron.gdn import should_dispatch
 
+    rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     groups = rank_groups()
     res = {}
     # THD + deterministic at CP=1 vs stock on each sequence (SBHD [L, 1, H], stock path)
     cu_pad, cu_act = thd_case(2)
     module = build_gdn(make_config(1, "headwise", torch.float32), groups["self"], seed=6, conv_bias=True)
-    x, dout = make_inputs(cu_pad[-1], 1, torch.float32, seed=21 + rank)
+    x, dout = hidden_inputs(cu_pad[-1], 1, torch.float32, seed=21 + rank, hidden=HIDDEN)
     psp = thd_params(cu_pad, cu_act)
     got = run_layer(module, x, dout, psp)
     ys, gxs, grads = [], [], {}
@@ -446,8 +450,8 @@ def _thd_cp1_and_dispatch(rank, world):
         gxs.append(gx)
         for n, v in g.items():
             grads[n] = v if n not in grads else grads[n] + v
-    errs = {"out": rel_err(got[0], torch.cat(ys)), "grad:hidden_states": rel_err(got[1], torch.cat(gxs))}
-    errs.update({f"grad:{n}": rel_err(got[2][n], grads[n]) for n in grads})
+    errs = {"out": max_rel(got[0], torch.cat(ys)), "grad:hidden_states": max_rel(got[1], torch.cat(gxs))}
+    errs.update({f"grad:{n}": max_rel(got[2][n], grads[n]) for n in grads})
     res["thd_cp1"] = errs
     try:
         with stock_forward():
@@ -473,8 +477,8 @@ def _thd_cp1_and_dispatch(rank, world):
     return res
 
 
-def test_thd_deterministic_cp1_and_dispatch(patched_megatron, gloo_pool):
-    for rank, res in enumerate(gloo_pool(2).run(_thd_cp1_and_dispatch)):
+def test_thd_deterministic_cp1_and_dispatch(patched_megatron, rank_pool):
+    for rank, res in enumerate(rank_pool(2).run(_thd_cp1_and_dispatch)):
         bad = {k: v for k, v in res["thd_cp1"].items() if not v <= TOL[torch.float32]}
         assert not bad and len(res["thd_cp1"]) >= 8, (rank, res["thd_cp1"])
         assert res["stock_thd_error"] and "deterministic" in res["stock_thd_error"], res["stock_thd_error"]

@@ -22,12 +22,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.megatron.shims import MODES, TOL, parity_case
+from gdn_cp.testing.megatron_parity import MODES, parity_case
+from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
 
 
-def _all_cases(rank, world, dtypes):
+def _all_cases(ctx, dtypes):
     return {
-        (layout, str(dtype)): parity_case(rank, world, layout, dtype, MODES)
+        (layout, str(dtype)): parity_case(ctx.rank, ctx.world_size, layout, dtype, MODES)
         for layout in ("sbhd", "thd")
         for dtype in dtypes
     }
@@ -47,9 +48,9 @@ def _check(results, tol_for, what=""):
 
 @pytest.mark.megatron
 @pytest.mark.parametrize("world", [2, 4])
-def test_gdn_cp_equals_cp1(patched_megatron, gloo_pool, world):
+def test_gdn_cp_equals_cp1(patched_megatron, rank_pool, world):
     """fp64 (tol 1e-10) and fp32 (tol 1e-5); SBHD and THD; headwise, chunkwise, all_gather."""
-    results = gloo_pool(world).run(_all_cases, (torch.float64, torch.float32))
+    results = rank_pool(world).run(_all_cases, (torch.float64, torch.float32))
     _check(results, lambda case: TOL[torch.float64] if "float64" in case[1] else TOL[torch.float32],
            f"CP={world} vs CP=1")
     # Every parameter was compared (a new parameter cannot slip through unchecked).
@@ -62,7 +63,7 @@ def test_gdn_cp_equals_cp1(patched_megatron, gloo_pool, world):
 # ------------------------------------------------------------------------------------------
 # the comparison above can fail
 # ------------------------------------------------------------------------------------------
-def _mutated(rank, world, which):
+def _mutated(ctx, which):
     import gdn_cp.megatron.gdn as glue
     import gdn_cp.modes.chunkwise as chunkwise_module
 
@@ -80,7 +81,7 @@ def _mutated(rank, world, which):
 
             glue.gdn_core = core
             modes = ("all_gather",)
-        return parity_case(rank, world, "thd", torch.float64, modes)
+        return parity_case(ctx.rank, ctx.world_size, "thd", torch.float64, modes)
     finally:
         chunkwise_module.initial_state_from_summaries, glue.gdn_core = saved
 
@@ -88,7 +89,7 @@ def _mutated(rank, world, which):
 @pytest.mark.megatron
 @pytest.mark.parametrize("which,quantity", [("drop_incoming_state", "out"),
                                             ("conv_bias_not_trained", "grad:conv1d.bias")])
-def test_parity_check_can_fail(patched_megatron, gloo_pool, which, quantity):
-    results = gloo_pool(2).run(_mutated, which)
+def test_parity_check_can_fail(patched_megatron, rank_pool, which, quantity):
+    results = rank_pool(2).run(_mutated, which)
     worst = max(errs[quantity] for r in results for errs in r.values())
     assert worst > 1e-3, f"{which} went unnoticed ({quantity} error {worst})"

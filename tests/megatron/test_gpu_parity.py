@@ -19,17 +19,17 @@ gradients that are summed over CP).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 
 import pytest
 import torch
 
-from tests.megatron.shims import MODES, parity_case, rel_l2
+from gdn_cp.testing.megatron_parity import MODES, parity_case
+from gdn_cp.testing.metrics import rel_l2
+from gdn_cp.testing.results import JsonlRecorder
+from gdn_cp.testing.tolerances import MEGATRON_BF16_REL_L2 as BF16_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 
-BF16_TOL = {"out": 2e-2, "grad": 3e-2}
 # FLA's Triton kernels want head dims of at least 16; keep the rest small and fast.
 GPU_CFG = dict(deterministic_mode=False, hidden_size=128, linear_num_key_heads=4, linear_num_value_heads=8,
                linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
@@ -42,28 +42,14 @@ def _require_gpu():
         pytest.skip("needs flash-linear-attention (fla) installed")
 
 
-def _record(kind: str, **data) -> None:
-    path = os.environ.get("GDN_CP_GPU_RESULTS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"kind": kind, **data}, default=str) + "\n")
+_record = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS").record
 
 
 @pytest.fixture(scope="module")
-def gpu_pools():
+def gpu_pools(rank_pool):
+    """``gpu_pools(world)``: the session's CUDA rank pool of that size (after the GPU check)."""
     _require_gpu()
-    from tests.distributed import RankPool
-
-    pools = {}
-
-    def get(world):
-        if world not in pools:
-            pools[world] = RankPool(world)
-        return pools[world]
-
-    yield get
-    for p in pools.values():
-        p.close()
+    return lambda world: rank_pool(world, device="cuda")
 
 
 def _gpu_cases(ctx):
@@ -97,11 +83,14 @@ def test_gpu_parity_bf16(gpu_pools, patched_megatron, world):
 
 
 def _stock_vs_patched(ctx):
-    from tests.megatron.shims import build_gdn, make_config, make_inputs, rank_groups, sbhd_len, stock_vs_patched, zigzag_rows
+    from gdn_cp.testing.inputs import hidden_inputs
+    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, stock_vs_patched
+    from gdn_cp.testing.megatron_parity import sbhd_len
+    from gdn_cp.testing.packings import zigzag_rows
 
     group = rank_groups()["world"]
     s = sbhd_len(ctx.world_size)
-    x, dout = make_inputs(s, 2, torch.bfloat16, 13, GPU_CFG["hidden_size"], ctx.device)
+    x, dout = hidden_inputs(s, 2, torch.bfloat16, 13, GPU_CFG["hidden_size"], ctx.device)
     rows = zigzag_rows([0, s], ctx.world_size, ctx.rank).to(ctx.device)
     x, dout = x[rows], dout[rows]
     cfg = make_config(ctx.world_size, "headwise", torch.bfloat16, **GPU_CFG)

@@ -7,7 +7,8 @@ import torch
 
 from gdn_cp.megatron.swap import choose_swap_point, set_chunkwise_swap
 from gdn_cp.modes import GDNShape
-from tests.megatron.shims import parity_case
+from gdn_cp.testing.megatron_parity import HIDDEN, parity_case
+from gdn_cp.testing.packings import thd_case
 
 QWEN35_9B = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)
 
@@ -47,10 +48,10 @@ def test_forcing_hidden_under_sequence_parallel_is_refused():
         set_chunkwise_swap("middle")
 
 
-def _both_points(rank, world):
+def _both_points(ctx):
     from gdn_cp.comm import comm_stats, reset_comm_stats
-    from tests.megatron.shims import HIDDEN, thd_case
 
+    rank, world = ctx.rank, ctx.world_size
     out, moved = {}, {}
     for point in ("hidden", "core"):
         set_chunkwise_swap(point)
@@ -67,8 +68,8 @@ def _both_points(rank, world):
 
 
 @pytest.mark.megatron
-def test_both_swap_points_equal_cp1(patched_megatron, gloo_pool):
-    for rank, (res, moved, hidden_thd) in enumerate(gloo_pool(2).run(_both_points)):
+def test_both_swap_points_equal_cp1(patched_megatron, rank_pool):
+    for rank, (res, moved, hidden_thd) in enumerate(rank_pool(2).run(_both_points)):
         for key, errs in res.items():
             assert max(errs.values()) <= 1e-10, (rank, key, errs)
         assert moved[("hidden", "thd")] == hidden_thd, moved

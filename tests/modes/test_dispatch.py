@@ -16,7 +16,8 @@ from gdn_cp.layout import LAYOUTS, ZIGZAG, Boundaries, RouteCache
 from gdn_cp.modes import GDNShape, gdn_core
 from gdn_cp.modes.spec import MODE_NAMES, MODES
 from gdn_cp.ops import reference
-from tests.modes.cases import make_inputs, own_rows
+from gdn_cp.testing.inputs import core_inputs
+from gdn_cp.testing.packings import zigzag_rows
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 
@@ -44,8 +45,8 @@ def test_mode_registry_import_is_torch_free():
 
 def _args(cu, cp=1, rank=0):
     plan = RouteCache().plan(Boundaries(cu), cp, rank)
-    inputs = make_inputs(cu[-1], SHAPE, 4, torch.float64, seed=1)
-    rows = own_rows(cu, cp, rank)
+    inputs = core_inputs(cu[-1], SHAPE, 4, torch.float64, seed=1)
+    rows = zigzag_rows(cu, cp, rank)
     return [inputs[k][rows] for k in ("qkv", "g", "beta")] + [inputs["conv_weight"], inputs["conv_bias"]], plan
 
 
@@ -75,7 +76,8 @@ class RecordingBackend:
         return None
 
 
-def _boundaries_handed_to_backends(rank, world):
+def _boundaries_handed_to_backends(ctx):
+    rank, world = ctx.rank, ctx.world_size
     """Two calls per mode on one plan: which boundaries objects did the backend get?"""
     cu = [0, 6 * world, 20 * world, 20 * world, 32 * world]  # straddling sequences and a padding slot
     args, plan = _args(cu, world, rank)
@@ -94,15 +96,16 @@ def _boundaries_handed_to_backends(rank, world):
     return out
 
 
-def test_backends_get_the_plans_boundaries_every_call(gloo_pool):
+def test_backends_get_the_plans_boundaries_every_call(rank_pool):
     """No per-call lists: a backend sees the plan's Boundaries objects, so their device copies are
     made once per micro-batch (FLA reads them from the cache on the object)."""
-    for rank, per_mode in enumerate(gloo_pool(2).run(_boundaries_handed_to_backends)):
+    for rank, per_mode in enumerate(rank_pool(2).run(_boundaries_handed_to_backends)):
         for mode, rec in per_mode.items():
             assert rec["calls"] >= 2 and rec["all_boundaries"] and rec["same_objects"], (rank, mode, rec)
 
 
-def _empty_packing(rank, world):
+def _empty_packing(ctx):
+    rank, world = ctx.rank, ctx.world_size
     cu = [0, 0, 0]  # nothing but padding slots
     args, plan = _args(cu, world, rank)
     out = {}
@@ -115,6 +118,6 @@ def _empty_packing(rank, world):
     return out
 
 
-def test_every_mode_takes_an_empty_packing(gloo_pool):
-    for per_mode in gloo_pool(2).run(_empty_packing):
+def test_every_mode_takes_an_empty_packing(rank_pool):
+    for per_mode in rank_pool(2).run(_empty_packing):
         assert per_mode == {mode: (0, SHAPE.num_v_heads, SHAPE.head_v_dim) for mode in MODE_NAMES}

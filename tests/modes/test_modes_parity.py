@@ -14,12 +14,16 @@ import gdn_cp.modes.chunkwise as chunkwise_module
 from gdn_cp.layout import RouteCache, plan_for_sbhd
 from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd
 from gdn_cp.ops import get_backend
-from tests.modes.cases import make_inputs, own_rows, reference_answer, rel_err
+from gdn_cp.testing.inputs import core_inputs, cp1_core_answer
+from gdn_cp.testing.metrics import max_rel
+from gdn_cp.testing.packings import zigzag_rows
+from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL
+from gdn_cp.modes.spec import MODE_NAMES
 
-MODES = ("headwise", "chunkwise", "all_gather")
+MODES = MODE_NAMES
 SHAPE = GDNShape(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12)
 WIDTH = 4
-TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TOL = CP_VS_CP1_MAX_REL
 
 
 def thd_boundaries(cp):
@@ -31,24 +35,25 @@ def thd_boundaries(cp):
     return cu
 
 
-def _run_modes(rank, world, layout, dtype, modes=MODES, mutate=None, shape=SHAPE):
+def _run_modes(ctx, layout, dtype, modes=MODES, mutate=None, shape=SHAPE):
+    rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD
     backend = get_backend("reference")
     out = {}
     if layout == "thd":
         cu = thd_boundaries(world)
-        inputs = make_inputs(cu[-1], shape, WIDTH, dtype, seed=7)
-        ref_o, ref_g = reference_answer(inputs, shape, cu)
-        rows = own_rows(cu, world, rank)
+        inputs = core_inputs(cu[-1], shape, WIDTH, dtype, seed=7)
+        ref_o, ref_g = cp1_core_answer(inputs, shape, cu)
+        rows = zigzag_rows(cu, world, rank)
         plan = RouteCache().plan(torch.tensor(cu, dtype=torch.int32), world, rank)
         to_local = lambda t: t[rows]  # noqa: E731
     else:
         seq, batch = 24 * world, 3
         cu = [b * seq for b in range(batch + 1)]
-        inputs = make_inputs(cu[-1], shape, WIDTH, dtype, seed=11)
-        ref_o, ref_g = reference_answer(inputs, shape, cu)  # b-major packed = CP=1 SBHD
+        inputs = core_inputs(cu[-1], shape, WIDTH, dtype, seed=11)
+        ref_o, ref_g = cp1_core_answer(inputs, shape, cu)  # b-major packed = CP=1 SBHD
         plan = plan_for_sbhd(seq, batch, world, rank)
-        s_rows = own_rows([0, seq], world, rank)
+        s_rows = zigzag_rows([0, seq], world, rank)
         to_sbhd = lambda t: t.reshape(batch, seq, *t.shape[1:]).transpose(0, 1)  # noqa: E731
         to_local = lambda t: sbhd_to_thd(to_sbhd(t)[s_rows])  # noqa: E731
     for mode in modes:
@@ -61,14 +66,14 @@ def _run_modes(rank, world, layout, dtype, modes=MODES, mutate=None, shape=SHAPE
             shape=shape, mode=mode, plan=plan, group=group, backend=backend,
         )
         o.backward(to_local(inputs["dout"]))
-        errs = {"out": rel_err(o.detach(), to_local(ref_o))}
+        errs = {"out": max_rel(o.detach(), to_local(ref_o))}
         for k in ("qkv", "g", "beta"):
-            errs[k] = rel_err(leaves[k].grad, to_local(ref_g[k]))
+            errs[k] = max_rel(leaves[k].grad, to_local(ref_g[k]))
         # Parameters are replicated over CP: their gradients sum over ranks (Megatron's DP-CP all-reduce).
         for k in ("conv_weight", "conv_bias"):
             grad = weights[k].grad.clone()
             dist.all_reduce(grad, group=group)
-            errs[k] = rel_err(grad, ref_g[k])
+            errs[k] = max_rel(grad, ref_g[k])
         out[mode] = errs
     return out
 
@@ -76,8 +81,8 @@ def _run_modes(rank, world, layout, dtype, modes=MODES, mutate=None, shape=SHAPE
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("layout", ["thd", "sbhd"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_modes_equal_cp1(gloo_pool, world, layout, dtype):
-    results = gloo_pool(world).run(_run_modes, layout, dtype)
+def test_modes_equal_cp1(rank_pool, world, layout, dtype):
+    results = rank_pool(world).run(_run_modes, layout, dtype)
     tol = TOL[dtype]
     for rank, per_mode in enumerate(results):
         for mode, errs in per_mode.items():
@@ -95,18 +100,18 @@ def _drop_halo():
     chunkwise_module.gather_halo = lambda x, cw, index, group: torch.zeros_like(original(x, cw, index, group))
 
 
-def _mutated(rank, world, which):
+def _mutated(ctx, which):
     saved = (chunkwise_module.initial_state_from_summaries, chunkwise_module.gather_halo)
     try:
-        return _run_modes(rank, world, "thd", torch.float64, modes=("chunkwise",), mutate=which)
+        return _run_modes(ctx, "thd", torch.float64, modes=("chunkwise",), mutate=which)
     finally:
         chunkwise_module.initial_state_from_summaries, chunkwise_module.gather_halo = saved
 
 
 @pytest.mark.parametrize("which", [_drop_state, _drop_halo], ids=["drop_incoming_state", "drop_halo"])
-def test_parity_check_can_fail(gloo_pool, which):
+def test_parity_check_can_fail(rank_pool, which):
     """The comparison above is not vacuous: losing the state or the halo breaks it."""
-    results = gloo_pool(2).run(_mutated, which)
+    results = rank_pool(2).run(_mutated, which)
     worst = max(errs["out"] for r in results for errs in r.values())
     assert worst > 1e-3, f"dropping {which.__name__} went unnoticed (max error {worst})"
 
@@ -114,49 +119,50 @@ def test_parity_check_can_fail(gloo_pool, which):
 ODD = GDNShape(num_k_heads=3, num_v_heads=6, head_k_dim=8, head_v_dim=8)
 
 
-def _odd_heads(rank, world):
-    results = _run_modes(rank, world, "thd", torch.float64, modes=("chunkwise", "all_gather"), shape=ODD)
+def _odd_heads(ctx):
+    results = _run_modes(ctx, "thd", torch.float64, modes=("chunkwise", "all_gather"), shape=ODD)
     try:
-        _run_modes(rank, world, "thd", torch.float64, modes=("headwise",), shape=ODD)
+        _run_modes(ctx, "thd", torch.float64, modes=("headwise",), shape=ODD)
     except ValueError as err:
         results["headwise_error"] = str(err)
     return results
 
 
-def test_heads_not_divisible_by_cp(gloo_pool):
-    for res in gloo_pool(2).run(_odd_heads):
+def test_heads_not_divisible_by_cp(rank_pool):
+    for res in rank_pool(2).run(_odd_heads):
         assert "num_k_heads divisible by cp" in res["headwise_error"] and "chunkwise" in res["headwise_error"]
         for mode in ("chunkwise", "all_gather"):
             assert max(res[mode].values()) <= 1e-10, res[mode]
 
 
-def _tiny_slices(rank, world):
+def _tiny_slices(ctx):
     """T_local = 2 < W-1 = 3: a rank's halo comes from two earlier ranks."""
     global thd_boundaries
     saved = thd_boundaries
     thd_boundaries = lambda cp: [0, 2 * cp, 2 * cp]  # noqa: E731  one sequence over all ranks + empty slot
     try:
-        return _run_modes(rank, world, "thd", torch.float64, modes=("chunkwise", "all_gather"))
+        return _run_modes(ctx, "thd", torch.float64, modes=("chunkwise", "all_gather"))
     finally:
         thd_boundaries = saved
 
 
-def test_halo_from_several_ranks_when_slices_are_shorter_than_the_conv(gloo_pool):
-    for res in gloo_pool(4).run(_tiny_slices):
+def test_halo_from_several_ranks_when_slices_are_shorter_than_the_conv(rank_pool):
+    for res in rank_pool(4).run(_tiny_slices):
         for mode, errs in res.items():
             assert max(errs.values()) <= 1e-10, (mode, errs)
 
 
-def _contiguous_input(rank, world):
+def _contiguous_input(ctx):
     """chunkwise on rows the caller already moved to the contiguous layout equals zigzag chunkwise."""
+    rank, world = ctx.rank, ctx.world_size
     from gdn_cp.comm import route_all_to_all
     from gdn_cp.layout import CONTIGUOUS, ZIGZAG
 
     group = dist.group.WORLD
     backend = get_backend("reference")
     cu = thd_boundaries(world)
-    inputs = make_inputs(cu[-1], SHAPE, WIDTH, torch.float64, seed=3)
-    rows = own_rows(cu, world, rank)
+    inputs = core_inputs(cu[-1], SHAPE, WIDTH, torch.float64, seed=3)
+    rows = zigzag_rows(cu, world, rank)
     plan = RouteCache().plan(torch.tensor(cu), world, rank)
     to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
     args = [inputs[k][rows] for k in ("qkv", "g", "beta")] + [inputs["conv_weight"], inputs["conv_bias"]]
@@ -173,8 +179,8 @@ def _contiguous_input(rank, world):
     return torch.equal(back, zig), refused
 
 
-def test_chunkwise_on_contiguous_rows(gloo_pool):
-    for same, refused in gloo_pool(2).run(_contiguous_input):
+def test_chunkwise_on_contiguous_rows(rank_pool):
+    for same, refused in rank_pool(2).run(_contiguous_input):
         assert same and refused
 
 
@@ -190,12 +196,12 @@ def test_sbhd_packing_round_trip():
 NO_L2 = GDNShape(num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=12, qk_l2norm=False)
 
 
-def _no_l2norm(rank, world):
-    return _run_modes(rank, world, "thd", torch.float64, shape=NO_L2)
+def _no_l2norm(ctx):
+    return _run_modes(ctx, "thd", torch.float64, shape=NO_L2)
 
 
-def test_modes_without_qk_l2norm(gloo_pool):
+def test_modes_without_qk_l2norm(rank_pool):
     """use_qk_l2norm=False reaches every path (the summaries included), not only CP=1."""
-    for res in gloo_pool(2).run(_no_l2norm):
+    for res in rank_pool(2).run(_no_l2norm):
         for mode, errs in res.items():
             assert max(errs.values()) <= 1e-8, (mode, errs)

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_cp.ops.reference import chunk_gated_delta_rule, l2norm
+from gdn_cp.testing.metrics import max_rel
 
 from .recurrence import naive_gated_delta_rule
 
@@ -16,10 +17,6 @@ from .recurrence import naive_gated_delta_rule
 # longer and not a multiple of the chunk.
 CU = [0, 0, 5, 21, 21, 58, 90, 91, 91]
 CHUNK = 16
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def make(cu=CU, Hk=2, Hv=4, Dk=8, Dv=6, dtype=torch.float64, seed=0, with_state=True, normalized_k=False):
@@ -62,8 +59,8 @@ def test_matches_naive_fp64(use_qk_l2norm, with_state, heads):
     o_ref, s_ref = call(naive_gated_delta_rule, x, use_qk_l2norm=use_qk_l2norm)
     assert o.dtype == torch.float64 and o.shape == (CU[-1], Hv, 6)
     assert s.dtype == torch.float64 and s.shape == (len(CU) - 1, Hv, 8, 6)
-    assert rel_err(o, o_ref) <= 1e-10
-    assert rel_err(s, s_ref) <= 1e-10
+    assert max_rel(o, o_ref) <= 1e-10
+    assert max_rel(s, s_ref) <= 1e-10
 
 
 def test_fp32_close_to_fp64_oracle():
@@ -71,8 +68,8 @@ def test_fp32_close_to_fp64_oracle():
     o, s = call(chunk_gated_delta_rule, x)
     assert o.dtype == torch.float32 and s.dtype == torch.float32
     o_ref, s_ref = call(naive_gated_delta_rule, {n: t.double() for n, t in x.items()})
-    assert rel_err(o, o_ref) <= 1e-5
-    assert rel_err(s, s_ref) <= 1e-5
+    assert max_rel(o, o_ref) <= 1e-5
+    assert max_rel(s, s_ref) <= 1e-5
 
 
 def test_bf16_runs_and_stays_near_fp32():
@@ -80,8 +77,8 @@ def test_bf16_runs_and_stays_near_fp32():
     o, s = call(chunk_gated_delta_rule, x)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     o32, s32 = call(chunk_gated_delta_rule, {n: t.float() for n, t in x.items()})
-    assert rel_err(o, o32) <= 2e-2
-    assert rel_err(s, s32) <= 1e-5  # same bf16-rounded inputs, state math in fp32 both times
+    assert max_rel(o, o32) <= 2e-2
+    assert max_rel(s, s32) <= 1e-5  # same bf16-rounded inputs, state math in fp32 both times
 
 
 @settings(max_examples=25, deadline=None, derandomize=True)
@@ -181,7 +178,7 @@ def test_grads_match_naive():
         loss.backward()
         grads.append({n: inputs[n].grad for n in names})
     for n in names:
-        assert rel_err(grads[0][n], grads[1][n]) <= 1e-10, n
+        assert max_rel(grads[0][n], grads[1][n]) <= 1e-10, n
 
 
 def test_l2norm():

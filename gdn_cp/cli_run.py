@@ -1,0 +1,117 @@
+"""``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.main_job`).
+
+Every flag is checked by argparse (the error names the flag); what depends on the machine (CUDA,
+NCCL, FLA) is checked by :func:`gdn_cp.main_job.check_job` before any rank is spawned. Lists are
+comma-separated for every flag that takes one (``--cp 2,4 --modes headwise,chunkwise``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .modes.spec import MODE_NAMES
+
+__all__ = ["add_run_command"]
+
+
+def _comma_items(text: str) -> list[str]:
+    items = [v.strip() for v in text.split(",")]
+    if not text.strip() or any(v == "" for v in items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
+    duplicates = sorted({v for v in items if items.count(v) > 1})
+    if duplicates:
+        raise argparse.ArgumentTypeError(f"{', '.join(duplicates)} listed twice in {text!r}")
+    return items
+
+
+def cp_sizes(text: str) -> tuple[int, ...]:
+    """``--cp``: comma-separated CP sizes, each an integer >= 1."""
+    out = []
+    for item in _comma_items(text):
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not an integer; use e.g. --cp 2,4") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"CP size {value} must be >= 1; use e.g. --cp 2,4")
+        out.append(value)
+    return tuple(out)
+
+
+def mode_names(text: str) -> tuple[str, ...]:
+    """``--modes``: comma-separated mode names from the registry."""
+    items = _comma_items(text)
+    unknown = [m for m in items if m not in MODE_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown)}; use a comma-separated list of "
+                                         f"{', '.join(MODE_NAMES)}")
+    return tuple(items)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def even_positive_int(text: str) -> int:
+    value = positive_int(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"{value} must be even (T_global = tokens per rank * cp is cut into "
+                                         "2*cp zigzag parts)")
+    return value
+
+
+def add_run_command(sub) -> None:
+    """Add ``run`` to the ``gdn-cp`` subcommands."""
+    p = sub.add_parser(
+        "run", help="the main job: CP run of the GDN core checked against CP=1",
+        description="Spawn cp ranks (CPU gloo by default; NCCL + FLA when there are enough GPUs), round-trip the "
+        "routes of a packed micro-batch, then run each mode forward+backward and print, per mode, the relative "
+        "errors of the output and of every gradient against CP=1 on the same inputs. Modes that cannot run at a "
+        "CP size are skipped and listed. Exit 0 when everything that ran passed (and every mode named in "
+        "--modes ran), 1 otherwise, 2 on bad flags.")
+    p.add_argument("--cp", type=cp_sizes, default=(2, 4), metavar="LIST",
+                   help="comma-separated CP sizes >= 1, e.g. 2,4 (default 2,4)")
+    p.add_argument("--modes", type=mode_names, default=None, metavar="LIST",
+                   help=f"comma-separated modes, from {','.join(MODE_NAMES)} (default: all; a mode named here "
+                   "that cannot run is a failure, in the default it is listed as skipped)")
+    p.add_argument("--sequences", type=positive_int, default=37, help="packed sequences per micro-batch (default 37)")
+    p.add_argument("--tokens-per-rank", type=even_positive_int, default=1024,
+                   help="T_global / cp, an even number (default 1024)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when torch sees a GPU")
+    p.add_argument("--backend", choices=["reference", "fla"], default=None,
+                   help="math backend (default: fla on CUDA when it imports, else reference)")
+    p.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None,
+                   help="default: nccl with a GPU per rank, else gloo")
+    p.set_defaults(func=run_command)
+
+
+def run_command(args) -> int:
+    from .main_job import auto_config, run_job
+
+    overrides = {
+        "cp_sizes": tuple(args.cp),
+        "modes": args.modes,
+        "num_sequences": args.sequences,
+        "tokens_per_rank": args.tokens_per_rank,
+        "dtype": args.dtype,
+    }
+    for name in ("device", "backend", "dist_backend"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    try:
+        result = run_job(auto_config(**overrides), echo=lambda line: print(line, flush=True))
+    except ValueError as err:  # the job cannot run on this machine: said before anything was spawned
+        print(f"gdn-cp run: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ngdn-cp run: interrupted; the ranks were stopped", file=sys.stderr)
+        return 130
+    return result.exit_code

@@ -1,0 +1,312 @@
+"""The main job (``gdn-cp run``): a real context-parallel run of the GDN core, checked against CP=1.
+
+For each CP size it spawns ``cp`` ranks (:class:`gdn_cp.testing.ranks.RankPool`: CPU gloo by
+default; NCCL with one rank per GPU when there are enough GPUs), and on every rank:
+
+1. builds the routes of a realistic packed micro-batch and runs zigzag -> contiguous -> zigzag,
+   checking that the round trip is bit-exact and that the cached plan is reused;
+2. runs every mode's core forward + backward on that micro-batch and compares the output, the
+   input gradients and the conv gradients (summed over ranks) with CP=1 on the same inputs.
+
+Each cp block is printed as soon as it finishes. Modes that cannot run at a CP size (headwise when
+the heads do not divide cp) are not started: they are listed as skipped, with the reason. The job
+passes when every check of everything that ran passed, and, when modes were asked for by name,
+every asked-for mode ran at every CP size.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .modes import GDNShape
+from .modes.spec import MODE_NAMES, head_problem
+from .testing.inputs import core_inputs, core_leaves
+from .testing.metrics import max_rel
+from .testing.packings import packed_boundaries
+from .testing.ranks import RankError, RankPool
+from .testing.tolerances import cp_vs_cp1_tolerance
+
+__all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "run_job"]
+
+logger = logging.getLogger(__name__)
+
+DTYPES = ("float32", "float64", "bfloat16")
+COLUMNS = ("out", "qkv", "g", "beta", "conv_weight", "conv_bias")
+HEADERS = ("out", "d_qkv", "d_g", "d_beta", "d_convw", "d_convb")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What ``gdn-cp run`` runs. ``modes=None``: every mode (those that cannot run are skipped)."""
+
+    cp_sizes: tuple[int, ...] = (2, 4)
+    modes: Optional[tuple[str, ...]] = None
+    num_sequences: int = 37
+    tokens_per_rank: int = 1024
+    shape: GDNShape = GDNShape(num_k_heads=4, num_v_heads=8, head_k_dim=32, head_v_dim=32)
+    conv_width: int = 4
+    dtype: str = "float32"
+    device: str = "cpu"
+    backend: str = "reference"
+    dist_backend: str = "gloo"
+    seed: int = 0
+
+    @property
+    def modes_to_run(self) -> tuple[str, ...]:
+        return MODE_NAMES if self.modes is None else self.modes
+
+
+def auto_config(**overrides) -> JobConfig:
+    """CPU + gloo + reference by default. With CUDA (and no ``device`` given): the GPU, FLA when it
+    imports, NCCL when there is a GPU per rank of the largest CP size (else gloo ranks sharing one)."""
+    cfg = JobConfig(**overrides)
+    if "device" in overrides or not torch.cuda.is_available():
+        return cfg
+    from .ops.fla import fla_available
+
+    choice = {"device": "cuda"}
+    if "backend" not in overrides:
+        choice["backend"] = "fla" if fla_available() else "reference"
+    if "dist_backend" not in overrides:
+        enough = torch.cuda.device_count() >= max(cfg.cp_sizes, default=1)
+        choice["dist_backend"] = "nccl" if enough and torch.distributed.is_nccl_available() else "gloo"
+    logger.info("CUDA found (%d GPU(s)): %s", torch.cuda.device_count(), choice)
+    return JobConfig(**{**cfg.__dict__, **choice})
+
+
+def check_job(cfg: JobConfig) -> None:
+    """ValueError naming the flag, the value and the fix when the job cannot run here; raised
+    before any rank is spawned."""
+    if not cfg.cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cfg.cp_sizes):
+        raise ValueError(f"--cp {cfg.cp_sizes}: every CP size must be an integer >= 1, e.g. --cp 2,4")
+    if cfg.modes is not None:
+        unknown = [m for m in cfg.modes if m not in MODE_NAMES]
+        if unknown or not cfg.modes:
+            raise ValueError(f"--modes {','.join(cfg.modes)}: unknown {unknown}; use a comma-separated list "
+                             f"of {', '.join(MODE_NAMES)}")
+    if cfg.num_sequences < 1:
+        raise ValueError(f"--sequences {cfg.num_sequences}: a micro-batch needs at least 1 sequence")
+    if cfg.tokens_per_rank < 2 or cfg.tokens_per_rank % 2:
+        raise ValueError(f"--tokens-per-rank {cfg.tokens_per_rank}: must be even and >= 2 (every sequence "
+                         "length is a multiple of 2*cp, so T_global = tokens_per_rank * cp must be too)")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"--dtype {cfg.dtype}: use one of {', '.join(DTYPES)}")
+    if cfg.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device {cfg.device}: use cpu or cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU build of torch, or no "
+                         "GPU visible); use --device cpu")
+    if cfg.backend not in ("reference", "fla"):
+        raise ValueError(f"--backend {cfg.backend}: use reference or fla")
+    if cfg.backend == "fla":
+        if cfg.device != "cuda":
+            raise ValueError("--backend fla needs --device cuda (FLA's kernels are CUDA-only); use --backend "
+                             "reference on the CPU")
+        from .ops.fla import fla_available
+        from .ops.fla import fla_import_error
+
+        if not fla_available():
+            raise ValueError(f"--backend fla: {fla_import_error()}; use --backend reference")
+    if cfg.dist_backend not in ("gloo", "nccl"):
+        raise ValueError(f"--dist-backend {cfg.dist_backend}: use gloo or nccl")
+    if cfg.dist_backend == "nccl":
+        if cfg.device != "cuda":
+            raise ValueError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on the CPU")
+        if not torch.distributed.is_nccl_available():
+            raise ValueError(f"--dist-backend nccl: this torch {torch.__version__} has no NCCL; "
+                             "use --dist-backend gloo")
+        gpus, need = torch.cuda.device_count(), max(cfg.cp_sizes)
+        if gpus < need:
+            raise ValueError(f"--dist-backend nccl needs one GPU per rank: --cp {need} needs {need} GPUs, "
+                             f"{gpus} visible; use --dist-backend gloo (ranks share a GPU) or a smaller --cp")
+
+
+# ------------------------------------------------------------------------------------------
+# inside each rank
+# ------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
+    """One rank of a cp-sized run: round trip, CP=1 answer, then each mode. A JSON-able report."""
+    import torch.distributed as dist
+
+    from .comm import all_gather_rows, route_all_to_all
+    from .layout import CONTIGUOUS, ZIGZAG, RouteCache
+    from .modes import gdn_core, local_core
+    from .ops import get_backend
+    from .testing.packings import zigzag_rows
+
+    rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
+    report: dict = {"rank": rank}
+    t_global = cfg.tokens_per_rank * cp
+    cu = packed_boundaries(cfg.num_sequences, t_global, cp, cfg.seed)
+    cache = RouteCache()
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    t0 = time.perf_counter()
+    plan = cache.plan(cu_t, cp, rank)
+    z2c, c2z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+    report["route_build_ms"] = (time.perf_counter() - t0) * 1e3
+    report["route_summary"] = z2c.summary() if rank == 0 else ""
+    report["cu"] = cu
+    own = zigzag_rows(cu, cp, rank, device)
+    rows = own.to(torch.float64).unsqueeze(1)
+    back = route_all_to_all(route_all_to_all(rows, z2c, c2z, group), c2z, z2c, group)
+    report["round_trip_exact"] = bool(torch.equal(back, rows))
+
+    backend = get_backend(cfg.backend)
+    data = core_inputs(t_global, cfg.shape, cfg.conv_width, getattr(torch, cfg.dtype), cfg.seed, device)
+    full = core_leaves(data)
+    _sync(device)
+    t0 = time.perf_counter()
+    o_ref = local_core(full["qkv"], full["g"], full["beta"], full["conv_weight"], full["conv_bias"],
+                       shape=cfg.shape, cu_seqlens=cu, backend=backend)
+    o_ref.backward(data["dout"])
+    _sync(device)
+    report["cp1_s"] = time.perf_counter() - t0
+    per_mode = {}
+    for mode in modes:
+        leaves = core_leaves(data, own)
+        dist.barrier(group)
+        _sync(device)
+        t0 = time.perf_counter()
+        o = gdn_core(leaves["qkv"], leaves["g"], leaves["beta"], leaves["conv_weight"], leaves["conv_bias"],
+                     shape=cfg.shape, mode=mode, plan=plan, group=group, backend=backend)
+        o.backward(data["dout"][own])
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        errs = {"out": max_rel(o, o_ref[own])}
+        for k in ("qkv", "g", "beta"):
+            errs[k] = max_rel(leaves[k].grad, full[k].grad[own])
+        for k in ("conv_weight", "conv_bias"):  # replicated parameters: gradients sum over CP ranks
+            total = all_gather_rows(leaves[k].grad.reshape(1, -1), group).sum(0)
+            errs[k] = max_rel(total, full[k].grad.reshape(-1))
+        per_mode[mode] = {"errors": errs, "seconds": elapsed}
+    report["modes"] = per_mode
+    report["plan_hits_after_first"] = cache.plan(cu_t, cp, rank) is plan
+    return report
+
+
+# ------------------------------------------------------------------------------------------
+# the parent: one cp size after the other, each block printed when it is done
+# ------------------------------------------------------------------------------------------
+@dataclass
+class JobResult:
+    """What the job found. ``ok``: every check of what ran passed and nothing asked for by name was
+    skipped; ``skipped``: ``(cp, mode, reason)``; ``failures``: one line each."""
+
+    ok: bool = True
+    ran: int = 0
+    skipped: list[tuple[int, str, str]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 1
+
+
+def _print_block(cp: int, reports: list[dict], modes: tuple[str, ...], skipped: dict[str, str], tol: float,
+                 result: JobResult, echo: Callable[[str], None]) -> None:
+    r0 = reports[0]
+    lengths = [b - a for a, b in zip(r0["cu"][:-1], r0["cu"][1:])]
+    echo(f"packed micro-batch: {len(lengths)} sequences (lengths {min(lengths)}..{max(lengths)}, "
+         f"{lengths.count(0)} empty slots), T_global={r0['cu'][-1]}")
+    summary = r0["route_summary"].splitlines()
+    echo("\n".join(summary[:4]))
+    echo(f"  ... {max(0, len(summary) - 4)} more send/recv pieces; route build {r0['route_build_ms']:.2f} ms")
+    exact = all(r["round_trip_exact"] for r in reports)
+    hits = all(r["plan_hits_after_first"] for r in reports)
+    echo(f"zigzag -> contiguous -> zigzag round trip bit-exact on all ranks: {exact}; cached plan reused: {hits}")
+    if not exact:
+        result.failures.append(f"cp={cp}: the zigzag -> contiguous -> zigzag round trip is not bit-exact")
+    if not hits:
+        result.failures.append(f"cp={cp}: the route cache did not reuse the plan")
+    echo(f"CP=1 reference forward+backward: {r0['cp1_s']:.3f} s")
+    echo(f"{'mode':<11} " + " ".join(f"{h:>9}" for h in HEADERS) + f" {'time s':>8}  ok")
+    for mode in MODE_NAMES:
+        if mode in skipped:
+            echo(f"{mode:<11} skipped: {skipped[mode]}")
+        if mode not in modes:
+            continue
+        errs = {k: max(r["modes"][mode]["errors"][k] for r in reports) for k in COLUMNS}
+        secs = max(r["modes"][mode]["seconds"] for r in reports)
+        good = all(v <= tol for v in errs.values())  # NaN is never <= tol
+        result.ran += 1
+        if not good:
+            bad = ", ".join(f"{k} {v:.1e}" for k, v in errs.items() if not v <= tol)
+            result.failures.append(f"cp={cp} {mode}: relative error over {tol:g}: {bad}")
+        cols = " ".join(f"{errs[k]:>9.1e}" for k in COLUMNS)
+        echo(f"{mode:<11} {cols} {secs:>8.3f}  {'yes' if good else 'NO'}")
+
+
+def _skips(cfg: JobConfig, cp: int) -> dict[str, str]:
+    """Modes that cannot run at this CP size (TP=1), with the reason, from the mode registry."""
+    out = {}
+    for mode in cfg.modes_to_run:
+        why = head_problem(mode, num_key_heads=cfg.shape.num_k_heads, num_value_heads=cfg.shape.num_v_heads,
+                           tp=1, cp=cp)
+        if why:
+            out[mode] = why
+    return out
+
+
+def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[str], None] = print,
+            timeout_s: float = 900.0) -> JobResult:
+    """Run the job for every cp size (see the module docstring); print as it goes; return the result.
+
+    Raises ValueError (:func:`check_job`) before spawning anything when the job cannot run here.
+    """
+    check_job(cfg)
+    tol = cp_vs_cp1_tolerance(cfg.dtype, cfg.backend) if tolerance is None else tolerance
+    result = JobResult()
+    echo(f"gdn-cp run: CP sizes {','.join(map(str, cfg.cp_sizes))}; modes {', '.join(cfg.modes_to_run)}; "
+         f"{cfg.num_sequences} packed sequences, {cfg.tokens_per_rank} tokens per rank; {cfg.dtype} on "
+         f"{cfg.device}, {cfg.backend} backend, {cfg.dist_backend} ranks")
+    echo(f"Each mode's columns are relative errors against CP=1 on the same inputs, max over ranks: "
+         f"max|CP - CP=1| / max|CP=1| of the output and of each gradient; allowed: <= {tol:g}.")
+    for cp in cfg.cp_sizes:
+        skipped = _skips(cfg, cp)
+        result.skipped += [(cp, mode, why) for mode, why in skipped.items()]
+        modes = tuple(m for m in cfg.modes_to_run if m not in skipped)
+        echo(f"\n== cp={cp}: spawning {cp} rank(s) ({cfg.dist_backend}, {cfg.device})")
+        try:
+            with RankPool(cp, device=cfg.device, backend=cfg.dist_backend, test_shims=False,
+                          timeout_s=timeout_s) as pool:
+                reports = pool.run(_rank_job, cp, cfg, modes)
+        except RankError as err:
+            echo(f"cp={cp} failed:\n{err}")
+            result.failures.append(f"cp={cp}: {len(err.failures)} rank(s) failed (above)")
+            continue
+        _print_block(cp, reports, modes, skipped, tol, result, echo)
+    _finish(cfg, result, echo)
+    return result
+
+
+def _finish(cfg: JobConfig, result: JobResult, echo: Callable[[str], None]) -> None:
+    asked = cfg.modes is not None
+    for cp, mode, why in result.skipped:
+        if asked:
+            result.failures.append(f"{mode} at cp={cp} was asked for with --modes but cannot run: {why}")
+    if result.ran == 0 and not result.failures:
+        result.failures.append("nothing ran: every mode was skipped at every CP size")
+    result.ok = not result.failures
+    echo("")
+    if not asked:
+        for cp, mode, why in result.skipped:
+            echo(f"skipped: {mode} at cp={cp} ({why})")
+    for line in result.failures:
+        echo(f"failed: {line}")
+    if not result.ok:
+        echo(f"result: FAIL ({len(result.failures)} problem(s) listed above)")
+    elif result.skipped:
+        echo(f"result: PASS: all {result.ran} (cp, mode) runs that could run passed; "
+             f"{len(result.skipped)} skipped (listed above)")
+    else:
+        echo(f"result: PASS: all {result.ran} (cp, mode) runs passed")

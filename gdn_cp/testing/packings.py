@@ -1,0 +1,91 @@
+"""Packed micro-batches (global padded boundaries ``cu``) for tests, ``gdn-cp run`` and benchmarks.
+
+A packing is a list of Python ints ``[0, c_1, ..., T_global]``; sequence i holds global rows
+``[cu[i], cu[i+1])``; equal neighbours are empty padding slots. Megatron's zigzag split needs every
+length divisible by ``2*cp``, so every builder here takes ``cp`` and returns such lengths.
+
+:func:`zigzag_rows` writes Megatron's load-balanced split out independently of ``gdn_cp.layout``,
+so tests can check the library against it.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+__all__ = [
+    "cumsum0",
+    "named_packings",
+    "packed_boundaries",
+    "thd_case",
+    "zigzag_rows",
+]
+
+
+def cumsum0(lengths: Iterable[int]) -> list[int]:
+    """``[0, l0, l0+l1, ...]``: boundaries from sequence lengths."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def named_packings(cp: int) -> dict[str, list[int]]:
+    """Packings with a name for what each exercises; lengths are multiples of ``2*cp``."""
+    u = 2 * cp
+
+    def cu(units):
+        return cumsum0(n * u for n in units)
+
+    return {
+        "one_sequence": cu([12]),
+        "uneven": cu([1, 7, 2, 5, 3]),
+        "straddling": cu([3, 9, 1, 11]),  # long sequences cross contiguous rank boundaries
+        "padding_slots": cu([2, 0, 5, 0, 0, 3]),  # duplicate boundaries = empty slots
+        "tiny_pieces": cu([1, 1, 1, 1, 1, 1, 1, 1]),
+        "trailing_empty": cu([4, 6, 0]),
+    }
+
+
+def packed_boundaries(num_sequences: int, t_global: int, cp: int, seed: int) -> list[int]:
+    """A realistic micro-batch: ``num_sequences`` mixed lengths (short and long), each a multiple
+    of ``2*cp``, summing to ``t_global`` (a multiple of ``2*cp``), with two empty padding slots."""
+    if num_sequences < 1:
+        raise ValueError(f"num_sequences={num_sequences} must be >= 1")
+    if t_global <= 0 or t_global % (2 * cp):
+        raise ValueError(f"t_global={t_global} must be a positive multiple of 2*cp={2 * cp}")
+    rng = random.Random(seed)
+    unit = 2 * cp
+    units = t_global // unit
+    weights = [rng.choice([1, 1, 2, 3, 8, 20]) * rng.random() + 0.05 for _ in range(num_sequences)]
+    lengths = [max(0, int(units * w / sum(weights))) for w in weights]
+    for i in rng.sample(range(num_sequences), k=min(2, num_sequences)):
+        lengths[i] = 0  # empty padding slots
+    lengths[max(range(num_sequences), key=lambda i: lengths[i])] += units - sum(lengths)
+    return cumsum0(n * unit for n in lengths)
+
+
+def thd_case(cp: int) -> tuple[list[int], list[int]]:
+    """``(padded, actual)`` global boundaries of a Megatron THD micro-batch at CP=cp: sequences that
+    straddle the contiguous rank boundaries, an empty padding slot, actual lengths shorter than
+    padded (24 * 2*cp rows in all)."""
+    u = 2 * cp
+    padded = [5 * u, 0, 11 * u, 2 * u, 6 * u]
+    actual = [5 * u - 3, 0, 11 * u, 2 * u - 1, 6 * u - 2]
+    return cumsum0(padded), cumsum0(actual)
+
+
+def zigzag_rows(cu: Sequence[int], cp: int, rank: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
+    """Global rows of ``rank`` under Megatron's zigzag split, ``[T_global / cp]`` int64: every
+    sequence is cut in 2*cp parts, the rank holds parts ``rank`` and ``2*cp-1-rank``, sequence
+    after sequence."""
+    rows: list[int] = []
+    for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        part, rest = divmod(b - a, 2 * cp)
+        if rest:
+            raise ValueError(f"sequence {i} of cu has length {b - a}, not divisible by 2*cp={2 * cp}")
+        for j in (rank, 2 * cp - 1 - rank):
+            rows.extend(range(a + j * part, a + (j + 1) * part))
+    return torch.tensor(rows, dtype=torch.long, device=device)

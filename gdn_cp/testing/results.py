@@ -1,0 +1,160 @@
+"""Machine-readable results: what a number was measured on, JSON files and JSON-lines records.
+
+* :func:`machine_info`, :func:`stack_versions`, :func:`now_iso`: the context every result row
+  carries (a timing or an error without the machine and versions cannot be compared later);
+* :func:`write_json`: one JSON document, replaced atomically (a killed run leaves the old file or
+  the new one, never half of one);
+* :class:`JsonlRecorder`: appends one JSON object per line (GPU test records, incremental runs);
+  the first row a process writes to a file is a ``"context"`` row with machine and versions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["JsonlRecorder", "load_average", "machine_info", "now_iso", "stack_versions", "write_json"]
+
+
+def now_iso() -> str:
+    """Local time with its UTC offset, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def load_average() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, core counts, memory, OS, load: enough to say what a result was measured on."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    mem_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_gib = round(int(line.split()[1]) / 2**20, 1)
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": _cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "usable_cores": usable,
+        "memory_gib": mem_gib,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "load_average_1_5_15": load_average(),
+    }
+
+
+def _dist_version(*names: str) -> Optional[str]:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _fla_version() -> Optional[str]:
+    try:  # gdn-cp's detector also finds a source checkout without package metadata
+        from gdn_cp.ops.fla import fla_version
+
+        return fla_version()
+    except ImportError:
+        return _dist_version("fla-core", "flash-linear-attention")
+
+
+def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
+    """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, FLA, megatron-core,
+    gdn-cp, the GPUs. Read from package metadata: nothing heavy is imported."""
+    import torch
+
+    import gdn_cp
+
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "triton": _dist_version("triton"),
+        "fla": _fla_version(),
+        "megatron_core": _dist_version("megatron-core"),
+        "gdn_cp": getattr(gdn_cp, "__version__", None),
+        "gpu": None,
+        "gpu_count": 0,
+        "capability": None,
+    }
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu_count"] = torch.cuda.device_count()
+        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    if extra:
+        out.update(extra)
+    return out
+
+
+def write_json(path, obj) -> Path:
+    """Write ``obj`` as indented JSON to ``path`` (creating folders), replacing the file atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+class JsonlRecorder:
+    """Append-only JSON lines at ``path`` (None: records nothing, e.g. an unset env variable).
+
+    ``record(kind, **fields)`` writes ``{"kind", "date", **defaults, **fields}``; the first record
+    of this process in this file is preceded by a ``{"kind": "context", machine, versions}`` row.
+    """
+
+    def __init__(self, path, **defaults):
+        self.path = None if path in (None, "") else Path(path)
+        self.defaults = defaults
+        self._context_written = False
+
+    @classmethod
+    def from_env(cls, variable: str, **defaults) -> "JsonlRecorder":
+        return cls(os.environ.get(variable), **defaults)
+
+    def _append(self, row: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+
+    def record(self, kind: str, **fields) -> None:
+        if self.path is None:
+            return
+        if not self._context_written:
+            self._append({"kind": "context", "date": now_iso(), "machine": machine_info(),
+                          "versions": stack_versions()})
+            self._context_written = True
+        self._append({"kind": kind, "date": now_iso(), **self.defaults, **fields})

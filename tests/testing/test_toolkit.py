@@ -1,0 +1,126 @@
+"""The toolkit's small parts: metrics, packings, results, probes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gdn_cp.layout import build_natural_order
+from gdn_cp.testing.metrics import max_rel, rel_l2, worst
+from gdn_cp.testing.packings import named_packings, packed_boundaries, thd_case, zigzag_rows
+from gdn_cp.testing.probes import chunkwise_swap_points
+from gdn_cp.testing.results import JsonlRecorder, write_json
+
+
+@pytest.mark.parametrize("metric", [max_rel, rel_l2])
+def test_metrics_refuse_to_pass_what_is_missing_or_wrong(metric):
+    a = torch.tensor([1.0, -2.0, 4.0])
+    assert metric(a, a) == 0.0
+    assert metric(None, a) == math.inf and metric(a, None) == math.inf
+    assert metric(a[:2], a) == math.inf  # shape mismatch
+    assert metric(torch.zeros(3), torch.zeros(3)) == 0.0
+    assert metric(a, torch.zeros(3)) == math.inf  # no scale: any difference is infinitely wrong
+    assert math.isnan(metric(torch.tensor([1.0, float("nan"), 4.0]), a))
+    assert metric(torch.zeros(0, 3), torch.zeros(0, 3)) == 0.0
+
+
+def test_metric_values():
+    want = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    got = torch.tensor([3.0, 4.5], dtype=torch.float32)
+    assert max_rel(got, want) == pytest.approx(0.5 / 4.0)
+    assert rel_l2(got, want) == pytest.approx(0.5 / 5.0)
+    assert worst({"a": 1e-3, "b": float("nan"), "c": 1.0})[0] == "b"
+    assert worst({}) == ("-", 0.0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_zigzag_rows_agree_with_the_library(cp):
+    """The toolkit's zigzag rows are written independently of gdn_cp.layout: both must agree."""
+    for name, cu in {**named_packings(cp), "thd_case": thd_case(cp)[0]}.items():
+        for rank in range(cp):
+            want = build_natural_order(cu, cp, rank).own_rows
+            assert torch.equal(zigzag_rows(cu, cp, rank), want.to(torch.long)), (name, cp, rank)
+
+
+def test_zigzag_rows_name_the_bad_sequence():
+    with pytest.raises(ValueError, match=r"sequence 1 of cu has length 6, not divisible by 2\*cp=4"):
+        zigzag_rows([0, 4, 10], 2, 0)
+
+
+def test_packed_boundaries():
+    cu = packed_boundaries(37, 4096, 4, seed=3)
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    assert len(lengths) == 37 and cu[0] == 0 and cu[-1] == 4096
+    assert all(n >= 0 and n % 8 == 0 for n in lengths) and lengths.count(0) >= 2
+    assert packed_boundaries(37, 4096, 4, seed=3) == cu  # seeded
+    with pytest.raises(ValueError, match="t_global=100"):
+        packed_boundaries(3, 100, 4, seed=0)
+    with pytest.raises(ValueError, match="num_sequences=0"):
+        packed_boundaries(0, 64, 4, seed=0)
+
+
+def test_jsonl_recorder_writes_context_first(tmp_path):
+    path = tmp_path / "out" / "rows.jsonl"
+    rec = JsonlRecorder(path, run="x")
+    rec.record("case", value=1.5)
+    rec.record("case", value=2.5)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["context", "case", "case"]
+    assert rows[0]["versions"]["torch"] == torch.__version__ and rows[0]["machine"]["logical_cores"] >= 1
+    assert rows[2]["value"] == 2.5 and rows[2]["run"] == "x" and rows[2]["date"]
+    JsonlRecorder(None).record("case", value=1)  # no path: records nothing, raises nothing
+
+
+def test_write_json_replaces_atomically(tmp_path):
+    path = write_json(tmp_path / "a" / "r.json", {"x": [1, 2]})
+    write_json(path, {"x": [3]})
+    assert json.loads(path.read_text()) == {"x": [3]}
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary left behind
+
+
+def test_probes():
+    class Layer:
+        pass
+
+    layer = Layer()
+    assert chunkwise_swap_points(layer) == []
+    from gdn_cp.megatron import gdn
+
+    layer.__dict__[gdn._SWAP_ATTR] = {("auto", 32, "fp32"): "core", ("auto", 32, "bf16"): "hidden"}
+    assert chunkwise_swap_points(layer) == ["core", "hidden"]
+
+
+def test_fast_autotune_takes_the_first_config_that_runs(monkeypatch):
+    """GDN_CP_TEST_FAST_AUTOTUNE=1 on a stub run/_bench of Triton's Autotuner: a config that does
+    not fit (inf) is skipped, the first that runs is taken, later ones are never compiled, and
+    autotune results are not cached. The class is restored afterwards."""
+    autotuner = pytest.importorskip("triton.runtime.autotuner")
+    from gdn_cp.testing.ranks import maybe_fast_autotune
+
+    cls = autotuner.Autotuner
+    timings = {"too_big": float("inf"), "fits": 2.0, "faster": 1.0}
+    benched = []
+
+    def stub_bench(self, *args, config, **meta):
+        benched.append(config)
+        return [timings[config]] * 3
+
+    def stub_run(self, *args, **kwargs):
+        return {c: self._bench(config=c) for c in timings}
+
+    monkeypatch.setattr(cls, "_bench", stub_bench)
+    monkeypatch.setattr(cls, "run", stub_run)
+    monkeypatch.setattr(cls, "_gdn_cp_fast", False, raising=False)
+    monkeypatch.delenv("GDN_CP_TEST_FAST_AUTOTUNE", raising=False)
+    assert maybe_fast_autotune() is False and cls.run is stub_run  # opt-in only
+    monkeypatch.setenv("GDN_CP_TEST_FAST_AUTOTUNE", "1")
+    assert maybe_fast_autotune() is True
+    tuner = object.__new__(cls)
+    tuner.cache_results = True
+    result = tuner.run()
+    assert benched == ["too_big", "fits"]  # "faster" was never compiled or timed
+    assert result["faster"][0] == float("inf") and result["fits"][0] == 2.0
+    assert tuner.cache_results is False
