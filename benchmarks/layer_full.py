@@ -80,6 +80,7 @@ import_gdn_cp()  # also puts the checkout on sys.path for the test harness
 import torch  # noqa: E402
 
 import layer_full_rank as rank_side  # noqa: E402
+from gdn_cp.layout import build_chunkwise_plan  # noqa: E402
 from layer_full_math import (  # noqa: E402
     CASES,
     PACKINGS,
@@ -103,9 +104,10 @@ TINY = GDNDims(hidden=32, num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim
 DEFAULTS = dict(tokens=[32 * 1024], align=64, warmup=5, iters=20, profile_iters=3)
 QUICK = dict(tokens=[512], align=4, warmup=1, iters=3, profile_iters=0)
 GIB = float(2**30)
+SPAWN_S = 180.0  # spawning a pool (imports, NCCL init, building the layers) may take this long
 
 
-class _Stop(Exception):
+class _Stop(BaseException):
     """SIGINT / SIGTERM: stop, write what was collected."""
 
 
@@ -291,9 +293,11 @@ class Runner:
             return f"time limit: not started ({self.elapsed():.0f} s elapsed, --time-limit {self.args.time_limit:g} s)"
         return None
 
-    def _wait_s(self) -> float:
+    def _wait_s(self, at_least: float = 0.0) -> float:
+        """How long to wait for the ranks now: ``--case-timeout`` (or ``at_least``), never past the
+        hard deadline (``--time-limit`` + ``--grace``)."""
         hard = self.args.time_limit + self.args.grace - self.elapsed()
-        return max(5.0, min(self.args.case_timeout, hard))
+        return max(5.0, min(max(self.args.case_timeout, at_least), hard))
 
     def open(self, kind: str, setup_spec: dict) -> list:
         self.close()
@@ -303,20 +307,20 @@ class Runner:
         logger.info("[%4.0fs] spawning %d ranks for %s", self.elapsed(), self.args.cp, kind)
         pool = RankPool.__new__(RankPool)  # keep a handle: a failed start must not leave ranks behind
         try:
-            pool.__init__(self.args.cp, backend=backend, timeout_s=self._wait_s(), env=env)
+            pool.__init__(self.args.cp, backend=backend, timeout_s=self._wait_s(SPAWN_S), env=env)
         except BaseException:
             self._kill(pool)
             raise
         self.pool, self.kind = pool, kind
-        infos = self.call(rank_side.rank_setup, setup_spec)
+        infos = self.call(rank_side.rank_setup, setup_spec, at_least=SPAWN_S)
         self.infos[kind] = infos
         logger.info("[%4.0fs] %s pool up (%s, megatron %s: %s)", self.elapsed(), kind, pool.backend,
                     infos[0]["megatron"]["state"], infos[0]["megatron"]["root"])
         return infos
 
-    def call(self, fn, spec: dict) -> list:
+    def call(self, fn, spec: dict, at_least: float = 0.0) -> list:
         """``fn(ctx, spec)`` on every rank; a rank that fails raises, a silent one gets the pool killed."""
-        self.pool.timeout_s = self._wait_s()
+        self.pool.timeout_s = self._wait_s(at_least)
         try:
             return self.pool.run(fn, spec)
         except Exception:
@@ -449,6 +453,8 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         meds = stats["per_rank_median_ms"]
         row["critical_rank"] = max(range(len(meds)), key=lambda r: meds[r])
         row["slices"] = [contiguous_slice(row["cu"], row["cp"], r) for r in range(row["cp"])]
+        plans = [build_chunkwise_plan(row["cu"], row["cp"], r, args.dims.conv_width) for r in range(row["cp"])]
+        row["slice_continues"] = [{"from_left": p.first_continues, "to_right": p.last_continues} for p in plans]
     b = bytes_per_token(row["case"], layout=row["layout"], cu=row["cu"], cp=row["cp"], dims=args.dims,
                         act_bytes=torch.finfo(getattr(torch, args.dtype)).bits // 8,
                         chunkwise_path=row.get("chunkwise_path") or "generic")
@@ -505,7 +511,10 @@ def run_pool(runner: Runner, rows: Rows, pool_rows: list[dict], kind: str, setup
                 t0 = time.perf_counter()
                 try:
                     if runner.pool is None:  # killed after a hang: one respawn
-                        runner.open(kind, setup_spec)
+                        try:
+                            runner.open(kind, setup_spec)
+                        except Exception as err:  # noqa: BLE001
+                            raise RuntimeError(f"respawning the {kind} pool failed: {err}") from err
                     outs = runner.call(rank_side.rank_case, _spec(row, args, phase))
                     if phase == "compile":
                         fill_compile(row, outs)
@@ -573,8 +582,10 @@ def main(argv=None) -> int:
         if args.stock_from == "copy":
             workdir = args.workdir or Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_"))
             trees = prepare_megatron_trees(args.megatron, workdir)
-            pools = [("stock", str(trees["stock"]), "pristine", ["stock_headwise"]),
-                     ("patched", str(trees["patched"]), "patched", [c for c in CASES if c != "stock_headwise"])]
+            # patched first: with a cold Triton cache its headwise case autotunes the kernels stock's
+            # THD path uses too (same head count), so the stock pool has less left to tune.
+            pools = [("patched", str(trees["patched"]), "patched", [c for c in CASES if c != "stock_headwise"]),
+                     ("stock", str(trees["stock"]), "pristine", ["stock_headwise"])]
         else:
             pools = [("installed", None, "patched", list(CASES))]
         for kind, root, state, cases in pools:

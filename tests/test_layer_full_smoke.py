@@ -103,6 +103,9 @@ def test_bytes_per_token_in_the_rows(smoke):
     slices = by["mixed8", "cp1_slice"]
     assert slices["slices"] == [lfm.contiguous_slice(slices["cu"], 2, r) for r in range(2)]
     assert slices["critical_rank"] in (0, 1)
+    # mixed8 at T=256, cp=2: the third sequence, rows [100, 140), crosses row 128: rank 0 hands it on
+    # and rank 1 takes it over
+    assert slices["slice_continues"] == [{"from_left": False, "to_right": True}, {"from_left": True, "to_right": False}]
 
 
 def test_markdown_and_merge(smoke, tmp_path):
