@@ -366,12 +366,20 @@ def rank_case(ctx, spec: dict) -> dict:
         return out
 
     out.update(_timed(case.step, spec["warmup"], spec["iters"], device, memory=True))
+    # The profile and the core explain the timing above; a failure there (the same on every rank:
+    # both start from a barrier) is recorded and must not lose it.
     if spec["profile_iters"] > 0 and device.type == "cuda":
-        out["profile"] = _profiled(case.step, spec["profile_iters"], device)
+        try:
+            out["profile"] = _profiled(case.step, spec["profile_iters"], device)
+        except Exception as err:  # noqa: BLE001
+            out["profile"] = {"error": f"{type(err).__name__}: {err}"}
     core = case.core_step(spec["seed"]) if spec["core"] else None
     if core is not None:
-        timed = _timed(core, spec["warmup"], spec["iters"], device, memory=True)
-        out["core"] = {"iter_ms": timed["iter_ms"], "peak_gib": timed.get("peak_gib")}
+        try:
+            timed = _timed(core, spec["warmup"], spec["iters"], device, memory=True)
+            out["core"] = {"iter_ms": timed["iter_ms"], "peak_gib": timed.get("peak_gib")}
+        except Exception as err:  # noqa: BLE001
+            out["core_error"] = f"{type(err).__name__}: {err}"
     return out
 
 
