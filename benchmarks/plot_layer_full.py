@@ -184,7 +184,6 @@ def plot_rows(rows, path) -> bool:
         ax.legend(fontsize=7)
         if nrows == 2:
             ax = axes[1][j]
-            labels, bottoms = [], None
             bars = [(name, c, by_p[name][c]) for name in names for c in cases if c in by_p[name]]
             xs = list(range(len(bars)))
             bottoms = [0.0] * len(bars)
