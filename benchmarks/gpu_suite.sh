@@ -7,13 +7,16 @@
 # 2. restores the Triton cache (compiled kernels + FLA autotune results, FLA_CACHE_RESULTS=1) from
 #    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
 # 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
-#    parity; "syncs": benchmarks/syncs.py; "layer": benchmarks/layer_bench.py), each under a time
+#    parity; "syncs": benchmarks/syncs.py; "layer": benchmarks/layer_bench.py; "layer_full":
+#    benchmarks/layer_full.py with GDN_CP_LAYER_FULL_ARGS, e.g. "--tokens 32K"), each under a time
 #    limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON files
 #    from the benchmarks, and everything printed in $OUT/run.log;
 # 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if
 #    the whole cache would not fit), to be carried back as .triton_cache/ next time.
 #
 # Env: OUT (default /tmp/gdn_cp_gpu_out), GDN_CP_SUITE_TIMEOUT (pytest seconds, default 420),
+#      GDN_CP_LAYER_FULL_TIMEOUT (layer_full.py --time-limit, default 480: with its 45 s grace,
+#      startup and the cache tarball it fits one 600 s device call),
 #      GDN_CP_CACHE_MAX_MB (largest cache tarball kept, default 56),
 #      GDN_CP_TEST_FAST_AUTOTUNE=1 (test-only: first working Triton config per kernel instead of a
 #      full autotune; a cold FLA 0.4.2 autotune costs ~1 min per conv dtype and ~3 min per GDN
@@ -58,7 +61,8 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| cuda
 EOF
 
 # Stages (GDN_CP_STAGES, default "tests"): tests = pytest tests/gpu + the Megatron GPU parity;
-# syncs = benchmarks/syncs.py; layer = benchmarks/layer_bench.py. Each under its own time limit.
+# syncs = benchmarks/syncs.py; layer = benchmarks/layer_bench.py; layer_full = benchmarks/layer_full.py.
+# Each under its own time limit.
 RC=0
 for stage in ${GDN_CP_STAGES:-tests}; do
   T1=$(date +%s)
@@ -73,6 +77,10 @@ for stage in ${GDN_CP_STAGES:-tests}; do
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_TIMEOUT:-300} + 60 ))" python3 benchmarks/layer_bench.py \
         --out "$OUT/layer_bench.json" --time-limit "${GDN_CP_LAYER_TIMEOUT:-300}" ${GDN_CP_LAYER_ARGS:-} ;;
+    layer_full)
+      # shellcheck disable=SC2086
+      timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 benchmarks/layer_full.py \
+        --out "$OUT/layer_full.json" --time-limit "${GDN_CP_LAYER_FULL_TIMEOUT:-480}" ${GDN_CP_LAYER_FULL_ARGS:-} ;;
     *) echo "unknown stage $stage"; false ;;
   esac
   rc=$?

@@ -1,0 +1,637 @@
+#!/usr/bin/env python
+"""Full GatedDeltaNet layer benchmark: stock megatron-core 0.19.2 headwise against every gdn-cp
+mode, forward + backward, on the same weights and the same packed input, plus the ideal.
+
+What is timed: the real megatron-core 0.19.2 ``GatedDeltaNet`` (local modules: ColumnParallelLinear
+in_proj, RMSNorm, RowParallelLinear out_proj; TransformerEngine is not installable here) from
+``in_proj`` to ``out_proj``, forward and backward, as a training step runs it; and, to explain it,
+the core alone (``gdn_cp.modes.gdn_core``: conv + gated delta rule with the mode's layout changes).
+
+Cases, per (T, packing), all on the same weights and input rows:
+
+- ``stock_headwise``: stock megatron-core 0.19.2 from pristine files, in its own rank processes;
+- ``headwise``, ``chunkwise_hidden`` (layout swap at hidden_states), ``chunkwise_core`` (swap
+  around the core), ``all_gather``: the patched layer (gdn-cp), one rank pool for all of them;
+- ``cp1_slice``: the ideal for chunkwise: CP=1 (no communication) on each rank's own contiguous
+  slice of the same packing (the slice's sequence pieces, THD), every rank at once; an iteration
+  takes as long as the slowest rank, so the median is that of the critical rank (the one whose
+  slice continues a sequence on both sides), never rank 0's by assumption.
+
+Packings (``--packings``): ``mixed8`` (THD, 8 sequences of mixed lengths), ``long1`` (THD, one
+sequence), ``short64`` (THD, 64 equal sequences), ``sbhd`` (SBHD, one sequence, B=1).
+Shape (default): Qwen3.5-9B's GDN layer, hidden 4096, 16 key / 32 value heads of dim 128, conv
+W=4, bf16, TP=1. CP = the number of GPUs (NCCL, one rank per GPU); on the CPU, gloo ranks.
+
+How stock and patched coexist: the megatron-core package found by this Python (or ``--megatron
+PATH``) is copied twice into a work folder; one copy is made pristine and the other patched with
+gdn-cp's patch tool (``gdn_cp.megatron.patching``: hash-checked, whatever state the source is in);
+each rank pool puts its copy first on ``sys.path`` and checks what it imported. With
+``--stock-from dispatch-off`` there is one pool on the installed (patched) megatron and the stock
+case runs its untouched stock code with gdn-cp's hand-over disabled (``stock_forward``).
+
+Method (see DESIGN.md, "Measuring performance"):
+
+1. per pool and packing, a compile pass: one fwd+bwd per case (FLA compiles and autotunes here,
+   never in a timed iteration), compared with CP=1 on the same weights and inputs (relative L2 of
+   output rows, input-gradient rows, parameter gradients summed over CP; recorded as ``check``);
+2. then per case: ``--warmup`` fwd+bwd, ``--iters`` timed ones (CUDA events, each after a device
+   synchronize and a host-side gloo barrier); per iteration the maximum over ranks; median, p10,
+   p90 of those; peak memory per rank (``torch.cuda.max_memory_allocated``, reset after warm-up);
+3. ``--profile-iters`` more under torch.profiler (CUDA activity): per rank, the same iterations'
+   CUDA-event wall split into compute kernels, NCCL kernels (communication and waiting for a
+   slower rank: never counted as compute), memcpy/memset and idle (wall minus the union of busy
+   intervals); each instant goes to one part, so the parts add up to the wall;
+4. the core alone, timed like 2;
+5. bytes per token from the plan: only rows that leave the rank (``layer_full_math.bytes_per_token``).
+
+Robustness: no new case starts after ``--time-limit`` seconds; a case that does not answer by
+``--time-limit + --grace`` (or within ``--case-timeout``) has its ranks killed and is recorded as
+an error. Rows are written after every case (atomic replace), merged into ``--out``: rows of the
+same machine size, CP, T, dtype and shape are replaced by this run's. SIGINT/SIGTERM write what
+was collected.
+
+    python benchmarks/layer_full.py --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
+    python benchmarks/layer_full.py --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
+    python benchmarks/plot_layer_full.py $OUT/layer_full.json                 # PNG + markdown table
+
+On the device machine, ``benchmarks/gpu_suite.sh`` does the wheel install and the Triton cache:
+``GDN_CP_STAGES=layer_full GDN_CP_LAYER_FULL_ARGS="--tokens 32K" bash benchmarks/gpu_suite.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, import_gdn_cp, machine_info, now_iso, setup_logging, write_json  # noqa: E402
+
+import_gdn_cp()  # also puts the checkout on sys.path for the test harness
+
+import torch  # noqa: E402
+
+import layer_full_rank as rank_side  # noqa: E402
+from gdn_cp.layout import build_chunkwise_plan  # noqa: E402
+from layer_full_math import (  # noqa: E402
+    CASES,
+    PACKINGS,
+    GDNDims,
+    bytes_per_token,
+    contiguous_slice,
+    fmt_tokens,
+    iteration_stats,
+    packing,
+    parse_tokens,
+    run_key,
+)
+
+# Test-harness import (moving to gdn_cp.testing; re-point it here).
+from tests.distributed import RankPool  # noqa: E402
+
+logger = logging.getLogger("benchmarks.layer_full")
+
+SCHEMA = 1
+TINY = GDNDims(hidden=32, num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8, conv_width=4)
+DEFAULTS = dict(tokens=[32 * 1024], align=64, warmup=5, iters=20, profile_iters=3)
+QUICK = dict(tokens=[512], align=4, warmup=1, iters=3, profile_iters=0)
+GIB = float(2**30)
+SPAWN_S = 180.0  # spawning a pool (imports, NCCL init, building the layers) may take this long
+
+
+class _Stop(BaseException):
+    """SIGINT / SIGTERM: stop, write what was collected."""
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    raise _Stop(f"signal {signum}")
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------
+
+def _csv(choices):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
+        return items
+    return parse
+
+
+def _tokens(text: str) -> int:
+    try:
+        return parse_tokens(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what")
+    g.add_argument("--tokens", type=_tokens, nargs="+", default=None,
+                   help="T per micro-batch, e.g. 32K (default 32K; one T per 10-minute call)")
+    g.add_argument("--packings", type=_csv(PACKINGS), default=list(PACKINGS),
+                   help=f"comma list, in run order (default {','.join(PACKINGS)})")
+    g.add_argument("--cases", type=_csv(CASES), default=list(CASES), help=f"comma list (default {','.join(CASES)})")
+    g.add_argument("--cp", type=int, default=None, help="CP size = ranks (default: GPUs on CUDA, 2 on the CPU)")
+    g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    g.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default=None,
+                   help="activations and weights (default bfloat16 on CUDA, float32 on the CPU)")
+    g.add_argument("--align", type=int, default=None,
+                   help="every sequence length is a multiple of this (a multiple of 2*cp; default 64)")
+    g.add_argument("--seed", type=int, default=0)
+    s = p.add_argument_group("shape (default Qwen3.5-9B GDN)")
+    d = GDNDims()
+    s.add_argument("--hidden", type=int, default=d.hidden)
+    s.add_argument("--num-k-heads", type=int, default=d.num_k_heads)
+    s.add_argument("--num-v-heads", type=int, default=d.num_v_heads)
+    s.add_argument("--head-k-dim", type=int, default=d.head_k_dim)
+    s.add_argument("--head-v-dim", type=int, default=d.head_v_dim)
+    s.add_argument("--conv-width", type=int, default=d.conv_width)
+    s.add_argument("--tiny", action="store_true", help=f"tiny shape for CPU runs ({asdict(TINY)})")
+    m = p.add_argument_group("method")
+    m.add_argument("--warmup", type=int, default=None,
+                   help="untimed fwd+bwd per case after the compile pass (default 5)")
+    m.add_argument("--iters", type=int, default=None, help="timed fwd+bwd per case (default 20)")
+    m.add_argument("--profile-iters", type=int, default=None,
+                   help="profiled iterations per case, CUDA only (default 3; 0: none)")
+    m.add_argument("--no-core", action="store_true", help="do not time the core alone")
+    m.add_argument("--no-check", action="store_true", help="do not compare each case with CP=1")
+    m.add_argument("--compile-only", action="store_true",
+                   help="only the compile pass (compile/autotune every case, check it against CP=1), no timing: "
+                        "a first call with a cold Triton cache; its rows have status 'compiled'")
+    m.add_argument("--fast-autotune", action="store_true",
+                   help="test knob: each Triton autotuner takes its first working config (flagged in every row; "
+                        "kernels are then not tuned, so do not quote the times)")
+    m.add_argument("--stock-from", choices=("copy", "dispatch-off"), default="copy",
+                   help="copy: pristine and patched copies of megatron-core, one pool each (default); dispatch-off: "
+                        "one pool on the installed patched megatron-core, stock via its untouched code path")
+    m.add_argument("--megatron", type=Path, default=None,
+                   help="megatron-core 0.19.2 to copy (a site-packages folder; default: the importable one)")
+    m.add_argument("--workdir", type=Path, default=None, help="where the copies go (default: a temp folder, removed)")
+    r = p.add_argument_group("run")
+    r.add_argument("--time-limit", type=float, default=480.0, help="no new case after this many seconds (default 480)")
+    r.add_argument("--grace", type=float, default=45.0, help="a running case is killed this long after the limit")
+    r.add_argument("--case-timeout", type=float, default=420.0,
+                   help="longest wait for one call into the ranks (a cold FLA autotune takes minutes; default 420)")
+    r.add_argument("--out", type=Path, default=RESULTS_DIR / "layer_full.json", help="JSON rows (merged, see above)")
+    r.add_argument("--quick", action="store_true",
+                   help=f"CPU dry run: tiny shape and {QUICK} unless given")
+    r.add_argument("--list", action="store_true", help="print the plan and exit")
+    r.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def resolve_args(args):
+    """Fill the defaults (``--quick``'s where it is given), then check the combination."""
+    defaults = QUICK if args.quick else DEFAULTS
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.tiny = args.tiny or args.quick
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    args.gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    args.cp = args.cp or (args.gpus if args.device == "cuda" else 2)
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    args.dims = TINY if args.tiny else GDNDims(args.hidden, args.num_k_heads, args.num_v_heads, args.head_k_dim,
+                                               args.head_v_dim, args.conv_width)
+    for name in ("warmup", "iters", "profile_iters"):
+        if getattr(args, name) < (1 if name == "iters" else 0):
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= {1 if name == 'iters' else 0}")
+    if args.cp < 2:
+        raise SystemExit(f"--cp must be >= 2 (a CP benchmark), got {args.cp}; on CUDA it defaults to the GPU count")
+    if args.align % (2 * args.cp):
+        raise SystemExit(f"--align {args.align} must be a multiple of 2*cp={2 * args.cp} (Megatron's zigzag cut)")
+    for t in args.tokens:
+        for name in args.packings:
+            try:
+                packing(name, t, args.align)
+            except ValueError as err:
+                raise SystemExit(f"--tokens {fmt_tokens(t)} --packings {name}: {err}") from None
+    return args
+
+
+def knobs(args) -> dict:
+    """Every setting that can change a number, stored in each row."""
+    return {"dims": asdict(args.dims), "dtype": args.dtype, "align": args.align, "seed": args.seed,
+            "warmup": args.warmup, "iters": args.iters, "profile_iters": args.profile_iters,
+            "core": not args.no_core, "check": not args.no_check, "fast_autotune": args.fast_autotune,
+            "compile_only": args.compile_only,
+            "stock_from": args.stock_from, "time_limit_s": args.time_limit, "grace_s": args.grace,
+            "case_timeout_s": args.case_timeout, "packings": args.packings, "cases": args.cases,
+            "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
+            "route_build": "once per micro-batch (PackedSeqParams reused across iterations, as the layers of one "
+                           "micro-batch share it); stock rebuilds its per-token permutation every call"}
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron trees
+# ---------------------------------------------------------------------------------------------
+
+def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path]:
+    """Two copies of megatron-core 0.19.2's ``megatron/`` package: ``stock`` (pristine) and
+    ``patched`` (gdn-cp's patch), whatever state ``source`` is in. Returns their roots."""
+    from gdn_cp.megatron import patching
+
+    root = patching.find_megatron_root(source)
+    version = patching.megatron_version(root)
+    if version != patching.PINNED_VERSION:
+        raise ValueError(f"--megatron {root} holds megatron-core {version}; the benchmark needs "
+                         f"{patching.PINNED_VERSION} (pip install megatron-core=={patching.PINNED_VERSION})")
+    out = {}
+    for kind, action, want in (("stock", patching.revert_patch, patching.PRISTINE),
+                               ("patched", patching.apply_patch, patching.PATCHED)):
+        dest = workdir / kind
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(root / "megatron", dest / "megatron", symlinks=True,
+                        ignore=shutil.ignore_patterns("*" + patching.BACKUP_SUFFIX))
+        action(dest)
+        state = patching.overall_state(patching.check_patch(dest))
+        if state != want:
+            raise RuntimeError(f"the {kind} copy of megatron-core at {dest} is {state}, expected {want}")
+        out[kind] = dest
+    logger.info("megatron-core %s from %s: pristine copy %s, patched copy %s", version, root, out["stock"],
+                out["patched"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# rank pools under a time guard
+# ---------------------------------------------------------------------------------------------
+
+class Runner:
+    """One rank pool at a time; every call into the ranks is bounded by the time guard."""
+
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.monotonic()
+        self.pool = None
+        self.kind = None
+        self.infos: dict[str, list] = {}
+        self.kills = 0
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def may_start(self) -> str | None:
+        """None, or why nothing new may start."""
+        if self.elapsed() >= self.args.time_limit:
+            return f"time limit: not started ({self.elapsed():.0f} s elapsed, --time-limit {self.args.time_limit:g} s)"
+        return None
+
+    def _wait_s(self, at_least: float = 0.0) -> float:
+        """How long to wait for the ranks now: ``--case-timeout`` (or ``at_least``), never past the
+        hard deadline (``--time-limit`` + ``--grace``)."""
+        hard = self.args.time_limit + self.args.grace - self.elapsed()
+        return max(5.0, min(max(self.args.case_timeout, at_least), hard))
+
+    def open(self, kind: str, setup_spec: dict) -> list:
+        self.close()
+        env = {"GDN_CP_TEST_FAST_AUTOTUNE": "1" if self.args.fast_autotune else "0",
+               "GDN_CP_TEST_PG_TIMEOUT": str(int(self.args.case_timeout + 60))}
+        backend = "gloo" if self.args.device == "cpu" else None
+        logger.info("[%4.0fs] spawning %d ranks for %s", self.elapsed(), self.args.cp, kind)
+        pool = RankPool.__new__(RankPool)  # keep a handle: a failed start must not leave ranks behind
+        try:
+            pool.__init__(self.args.cp, backend=backend, timeout_s=self._wait_s(SPAWN_S), env=env)
+        except BaseException:
+            self._kill(pool)
+            raise
+        self.pool, self.kind = pool, kind
+        infos = self.call(rank_side.rank_setup, setup_spec, at_least=SPAWN_S)
+        self.infos[kind] = infos
+        logger.info("[%4.0fs] %s pool up (%s, megatron %s: %s)", self.elapsed(), kind, pool.backend,
+                    infos[0]["megatron"]["state"], infos[0]["megatron"]["root"])
+        return infos
+
+    def call(self, fn, spec: dict, at_least: float = 0.0) -> list:
+        """``fn(ctx, spec)`` on every rank; a rank that fails raises, a silent one gets the pool killed."""
+        self.pool.timeout_s = self._wait_s(at_least)
+        try:
+            return self.pool.run(fn, spec)
+        except Exception:
+            if self.pool is not None and self.pool.broken:
+                logger.warning("rank pool broken (%s): killing it", self.pool.broken)
+                self.close(kill=True)
+            raise
+
+    @staticmethod
+    def _kill(pool) -> None:
+        for p in getattr(pool, "_procs", []):
+            try:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=5)
+            except Exception:  # noqa: BLE001 - never started
+                pass
+
+    def close(self, kill: bool = False) -> None:
+        pool, self.pool, self.kind = self.pool, None, None
+        if pool is None:
+            return
+        if kill or pool.broken:
+            self.kills += 1
+            self._kill(pool)
+            return
+        try:
+            pool.close()
+        except Exception:  # noqa: BLE001
+            self._kill(pool)
+
+
+# ---------------------------------------------------------------------------------------------
+# rows
+# ---------------------------------------------------------------------------------------------
+
+class Rows:
+    """This run's rows, merged into the rows already in ``path`` (written after every change)."""
+
+    def __init__(self, path: Path, replaces: list[dict]):
+        self.path = path
+        old = []
+        if path.exists():
+            import json
+
+            old = json.loads(path.read_text())
+            if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
+                raise SystemExit(f"--out {path} exists and is not a list of layer_full rows; pick another --out")
+        keys = {run_key(r) for r in replaces}
+        self.kept = [r for r in old if run_key(r) not in keys]
+        self.new: list[dict] = []
+        if len(self.kept) != len(old):
+            logger.info("replacing %d earlier row(s) of the same runs in %s", len(old) - len(self.kept), path)
+
+    def add(self, row: dict) -> None:
+        self.new.append(row)
+        self.write()
+
+    def write(self) -> None:
+        write_json(self.path, self.kept + self.new)
+
+
+def plan_rows(args, run: dict) -> list[dict]:
+    """Every (T, packing, case) of this run as a row skeleton, in run order."""
+    rows = []
+    for t in args.tokens:
+        for name in args.packings:
+            layout, cu = packing(name, t, args.align)
+            for case in args.cases:
+                rows.append({
+                    "benchmark": "layer_full", "schema": SCHEMA, "date": run["date"], "run_id": run["run_id"],
+                    "gpus": args.gpus, "device": args.device, "backend": None, "cp": args.cp, "tp": 1, "T": t,
+                    "layout": layout, "packing": name, "case": case, "status": "skipped", "error": None,
+                    "median_ms": None, "p10_ms": None, "p90_ms": None, "iters": 0, "peak_gib": None,
+                    "bytes_per_token": None, "check": None, "core": None, "profile": None,
+                    "num_sequences": sum(1 for a, b in zip(cu, cu[1:]) if b > a), "cu": cu,
+                    "knobs": run["knobs"], "machine": run["machine"], "versions": run["versions"],
+                    "command": run["command"],
+                })
+    return rows
+
+
+def _spec(row: dict, args, phase: str) -> dict:
+    return {"phase": phase, "case": row["case"], "layout": row["layout"], "cu": row["cu"], "seed": args.seed,
+            "check": not args.no_check, "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
+            "profile_iters": args.profile_iters}
+
+
+# Above these (relative L2 vs CP=1) a case is flagged as not computing the CP=1 answer: bf16 CP runs
+# measured so far stay below 7e-3 (docs/gpu-results.md), fp32 below 1e-5 on the CPU.
+CHECK_SUSPECT = {"bfloat16": 2e-2, "float32": 1e-4, "float64": 1e-8}
+
+
+def fill_compile(row: dict, outs: list[dict]) -> None:
+    refused = [o["refused"] for o in outs if "refused" in o]
+    if refused:
+        row.update(status="refused", error=refused[0])
+        return
+    row["compile_s"] = max(o["compile_s"] for o in outs)
+    if "core_compile_s" in outs[0]:
+        row["core_compile_s"] = max(o["core_compile_s"] for o in outs)
+    if "check" in outs[0]:
+        c = [o["check"] for o in outs]
+        row["check"] = {"metric": "relative L2 vs CP=1 (same weights, same input), max over ranks",
+                        "out": max(x["out"] for x in c), "grad_x": max(x["grad_x"] for x in c),
+                        "grad_params": max(x["grad_params"] for x in c), "worst_param": c[0]["worst_param"]}
+        limit = CHECK_SUSPECT[row["knobs"]["dtype"]]
+        worst = max(row["check"][k] for k in ("out", "grad_x", "grad_params"))
+        row["check"].update(suspect_above=limit, suspect=worst > limit)
+        if worst > limit:
+            logger.warning("T=%s %s %s differs from CP=1 by %.2e (> %.0e): its time is not of a correct computation",
+                           fmt_tokens(row["T"]), row["packing"], row["case"], worst, limit)
+    row["chunkwise_path"] = outs[0]["chunkwise_path"]
+
+
+def fill_time(row: dict, outs: list[dict], args) -> None:
+    stats = iteration_stats([o["iter_ms"] for o in outs])
+    row.update(status="ok", error=None, **{k: stats[k] for k in ("median_ms", "p10_ms", "p90_ms", "iters")},
+               iter_max_ms=stats["iter_max_ms"], per_rank_median_ms=stats["per_rank_median_ms"], warmup=args.warmup)
+    if outs[0].get("peak_gib") is not None:
+        row["peak_gib_per_rank"] = [o["peak_gib"] for o in outs]
+        row["peak_gib"] = max(row["peak_gib_per_rank"])
+        row["peak_delta_gib"] = max(o["peak_gib"] - o["allocated_before_gib"] for o in outs)
+    if all("profile" in o and "compute_ms" in o["profile"] for o in outs):
+        per_rank = [o["profile"] for o in outs]
+        crit = max(range(len(per_rank)), key=lambda r: per_rank[r]["compute_ms"])
+        p = per_rank[crit]
+        row.update(compute_ms=p["compute_ms"], comm_wait_ms=p["nccl_ms"], memcpy_ms=p["memcpy_ms"],
+                   idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit)
+        row["profile"] = {"note": "per rank, ms per iteration over the same profiled iterations: compute + nccl + "
+                                  "memcpy + idle = wall (exclusive; *_total = overlapping sums); the flat fields "
+                                  "are the rank with the most compute", "per_rank": per_rank}
+    elif any("profile" in o for o in outs):
+        row["profile"] = {"error": next(o["profile"] for o in outs if "profile" in o)}
+    if any("core_error" in o for o in outs):
+        row["core"] = {"error": next(o["core_error"] for o in outs if "core_error" in o)}
+    elif all("core" in o for o in outs):
+        core = iteration_stats([o["core"]["iter_ms"] for o in outs])
+        row["core"] = {k: core[k] for k in ("median_ms", "p10_ms", "p90_ms", "iters", "per_rank_median_ms")}
+        if outs[0]["core"].get("peak_gib") is not None:
+            row["core"]["peak_gib"] = max(o["core"]["peak_gib"] for o in outs)
+    if row["case"] == "cp1_slice":
+        meds = stats["per_rank_median_ms"]
+        row["critical_rank"] = max(range(len(meds)), key=lambda r: meds[r])
+        row["slices"] = [contiguous_slice(row["cu"], row["cp"], r) for r in range(row["cp"])]
+        plans = [build_chunkwise_plan(row["cu"], row["cp"], r, args.dims.conv_width) for r in range(row["cp"])]
+        row["slice_continues"] = [{"from_left": p.first_continues, "to_right": p.last_continues} for p in plans]
+    b = bytes_per_token(row["case"], layout=row["layout"], cu=row["cu"], cp=row["cp"], dims=args.dims,
+                        act_bytes=torch.finfo(getattr(torch, args.dtype)).bits // 8,
+                        chunkwise_path=row.get("chunkwise_path") or "generic")
+    row.update(bytes_per_token=b["bytes_per_token"], bytes_per_token_mean=b["bytes_per_token_mean"],
+               bytes_detail={"note": "bytes leaving each rank per fwd+bwd / T_local, from the plan",
+                             "per_rank": b["per_rank"], "exchange_per_rank": b["exchange_per_rank"],
+                             "chunkwise_exchange_path": b["chunkwise_exchange_path"]})
+
+
+def _error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
+
+
+def run_pool(runner: Runner, rows: Rows, pool_rows: list[dict], kind: str, setup_spec: dict, args) -> None:
+    """Open the pool, then per (T, packing): the compile pass over its cases, then the timed pass."""
+    why = runner.may_start()
+    if why:
+        for row in pool_rows:
+            row["error"] = why
+        return
+    try:
+        infos = runner.open(kind, setup_spec)
+    except Exception as err:  # noqa: BLE001 - recorded in every row of this pool
+        text = _error_text(err)
+        logger.error("%s pool failed to start: %s", kind, text)
+        for row in pool_rows:
+            row.update(status="error", error=f"{kind} pool failed to start: {text}")
+        return
+    for row in pool_rows:
+        row["backend"] = runner.pool.backend
+        row["megatron"] = {**infos[0]["megatron"], "pool": kind,
+                           "stock_source": None if row["case"] != "stock_headwise" else
+                           ("pristine copy, own processes" if kind == "stock" else
+                            "installed patched megatron, gdn-cp dispatch off (stock_forward)")}
+        row["rank_info"] = {k: infos[0].get(k) for k in ("gpu", "gpu_memory_gib", "capability", "fla", "triton",
+                                                           "torch", "torch_cuda", "fast_autotune", "dist_backend")}
+    groups: dict[tuple, list[dict]] = {}
+    for row in pool_rows:
+        groups.setdefault((row["T"], row["packing"]), []).append(row)
+    for (t, name), group in groups.items():
+        for phase in ("compile",) if args.compile_only else ("compile", "time"):
+            for row in group:
+                if phase == "time" and row.get("status") != "compiled":
+                    continue
+                why = runner.may_start()
+                if why:
+                    row.update(status="skipped", error=why)
+                    continue
+                if runner.pool is None and runner.kills > 1:
+                    row.update(status="error", error="rank pools were killed twice (hang or crash); not starting another")
+                    continue
+                label = f"T={fmt_tokens(t)} {name} {row['case']} ({phase})"
+                logger.info("[%4.0fs] %s ...", runner.elapsed(), label)
+                t0 = time.perf_counter()
+                try:
+                    if runner.pool is None:  # killed after a hang: one respawn
+                        try:
+                            runner.open(kind, setup_spec)
+                        except Exception as err:  # noqa: BLE001
+                            raise RuntimeError(f"respawning the {kind} pool failed: {err}") from err
+                    outs = runner.call(rank_side.rank_case, _spec(row, args, phase))
+                    if phase == "compile":
+                        fill_compile(row, outs)
+                        if row["status"] != "refused":
+                            row["status"] = "compiled"
+                    else:
+                        fill_time(row, outs, args)
+                except _Stop:
+                    row.update(status="error", error="stopped by a signal while running")
+                    raise
+                except Exception as err:  # noqa: BLE001 - record, go on
+                    row.update(status="error", error=f"{phase}: {_error_text(err)}")
+                row[f"{phase}_elapsed_s"] = round(time.perf_counter() - t0, 2)
+                logger.info("[%4.0fs] %s: %s", runner.elapsed(), label, _summary(row, phase))
+                if phase == "time" or row["status"] in ("error", "refused") or args.compile_only:
+                    rows.add(row)
+    for row in pool_rows:
+        if row.get("status") == "compiled" and not args.compile_only:  # compiled, then the time guard stopped it
+            row.update(status="skipped", error=row.get("error") or "time limit after the compile pass")
+
+
+def _summary(row: dict, phase: str) -> str:
+    if row["status"] in ("error", "refused", "skipped"):
+        return f"{row['status']}: {str(row['error']).splitlines()[0][:200]}"
+    if phase == "compile":
+        c = row.get("check")
+        return f"compiled in {row['compile_s']:.1f} s" + (
+            f"; vs CP=1: out {c['out']:.2e}, grad_x {c['grad_x']:.2e}, params {c['grad_params']:.2e}" if c else "")
+    core = row.get("core") or {}
+    return (f"median {row['median_ms']:.2f} ms (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})"
+            + (f", core {core['median_ms']:.2f} ms" if "median_ms" in core else "")
+            + (f", peak {row['peak_gib']:.2f} GiB" if row.get("peak_gib") is not None else "")
+            + f", {row['bytes_per_token']:.0f} B/token")
+
+
+def _versions(args) -> dict:
+    from common import versions
+
+    from gdn_cp.ops.fla import fla_version
+
+    return versions({"torch_cuda": torch.version.cuda, "fla": fla_version(), "triton": rank_side._version("triton"),
+                     "megatron_core": rank_side._version("megatron-core")})
+
+
+def main(argv=None) -> int:
+    args = resolve_args(build_parser().parse_args(argv))
+    setup_logging(args.verbose)
+    run = {"date": now_iso(), "run_id": f"layer_full-{time.strftime('%Y%m%d-%H%M%S')}",
+           "command": " ".join(["layer_full.py", *(sys.argv[1:] if argv is None else argv)]),
+           "machine": machine_info(), "versions": _versions(args), "knobs": knobs(args)}
+    run["machine"]["gpu_count"] = args.gpus  # the GPU's name is in each row's rank_info (no CUDA context here)
+    planned = plan_rows(args, run)
+    if args.list:
+        for r in planned:
+            print(f"T={fmt_tokens(r['T'])} {r['packing']:>8} ({r['layout']}, {r['num_sequences']} seqs) {r['case']}")
+        return 0
+    rows = Rows(args.out, planned)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _on_signal)
+    runner = Runner(args)
+    tmp = None
+    stopped = None
+    setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed}
+    try:
+        if args.stock_from == "copy":
+            workdir = args.workdir or Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_"))
+            trees = prepare_megatron_trees(args.megatron, workdir)
+            # patched first: with a cold Triton cache its headwise case autotunes the kernels stock's
+            # THD path uses too (same head count), so the stock pool has less left to tune.
+            pools = [("patched", str(trees["patched"]), "patched", [c for c in CASES if c != "stock_headwise"]),
+                     ("stock", str(trees["stock"]), "pristine", ["stock_headwise"])]
+        else:
+            pools = [("installed", None, "patched", list(CASES))]
+        for kind, root, state, cases in pools:
+            mine = [r for r in planned if r["case"] in cases]
+            if mine:
+                run_pool(runner, rows, mine, kind, {**setup, "megatron_root": root, "expect_state": state}, args)
+                runner.close()
+    except _Stop as err:
+        stopped = str(err)
+        logger.warning("stopped by %s: writing what was collected", stopped)
+    finally:
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        runner.close(kill=stopped is not None)
+        done = {id(r) for r in rows.new}
+        for r in planned:
+            if id(r) not in done:
+                if r["status"] == "skipped" or (r["status"] == "compiled" and not args.compile_only):
+                    r.update(status="skipped", error=r.get("error") or f"not run ({stopped or 'run ended'})")
+                rows.new.append(r)
+        rows.write()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        from plot_layer_full import markdown_tables
+
+        print(markdown_tables(rows.kept + rows.new), flush=True)
+    except Exception as err:  # noqa: BLE001 - the table must never lose the results
+        logger.warning("table failed: %s", err)
+    ok = sum(r["status"] == "ok" for r in rows.new)
+    print(f"{ok}/{len(rows.new)} cases measured; JSON: {args.out}", flush=True)
+    return 0 if stopped is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

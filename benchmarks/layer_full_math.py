@@ -1,0 +1,325 @@
+"""Pure helpers of ``layer_full.py``: packings, bytes per token from the CP plan, statistics, and the
+split of a profiled rank's time. No torch.distributed, no Megatron, no device work: the main
+process uses them and the tests check them directly.
+
+Words (see /work/shared/DESIGN.md): T is the global token count of one micro-batch, ``cu`` its
+global padded boundaries (Python ints), T_local = T / cp the rows of one rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_sbhd_route, build_thd_route
+
+__all__ = [
+    "CASES",
+    "PATCHED_CASES",
+    "PACKINGS",
+    "GDNDims",
+    "packing",
+    "contiguous_slice",
+    "parse_tokens",
+    "fmt_tokens",
+    "quantile",
+    "iteration_stats",
+    "rows_leaving",
+    "bytes_per_token",
+    "split_busy_time",
+    "run_key",
+]
+
+# The cases of one (T, packing), in the order they are reported.
+CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "all_gather", "cp1_slice")
+PATCHED_CASES = CASES[1:]
+PACKINGS = ("mixed8", "long1", "short64", "sbhd")
+
+# mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
+_MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)
+
+
+@dataclass(frozen=True)
+class GDNDims:
+    """The GDN layer shape on one TP rank (TP=1 here). Defaults: Qwen3.5-9B's GDN layers."""
+
+    hidden: int = 4096
+    num_k_heads: int = 16
+    num_v_heads: int = 32
+    head_k_dim: int = 128
+    head_v_dim: int = 128
+    conv_width: int = 4
+
+    @property
+    def conv_dim(self) -> int:  # q | k | v channels before the conv
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+
+def run_key(row: dict) -> tuple:
+    """Rows with the same run key describe the same measurement (machine size, CP, T, dtype,
+    shape, compile-only or timed); a newer run replaces them."""
+    k = row.get("knobs", {})
+    return (row.get("device"), row.get("gpus"), row.get("cp"), row.get("tp"), row.get("T"), k.get("dtype"),
+            tuple(sorted(k.get("dims", {}).items())), bool(k.get("compile_only")))
+
+
+def parse_tokens(text: str) -> int:
+    """'32K' -> 32768, '1M' -> 1048576, '512' -> 512."""
+    t = str(text).strip().lower()
+    mult = 1
+    if t.endswith("k"):
+        mult, t = 1024, t[:-1]
+    elif t.endswith("m"):
+        mult, t = 1024 * 1024, t[:-1]
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise ValueError(f"tokens must look like 8K, 32K, 128K or 4096, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"tokens must be positive, got {text!r}")
+    return value
+
+
+def fmt_tokens(t: int) -> str:
+    if t % (1024 * 1024) == 0:
+        return f"{t // (1024 * 1024)}M"
+    if t % 1024 == 0:
+        return f"{t // 1024}K"
+    return str(t)
+
+
+def packing(name: str, t_global: int, align: int) -> tuple[str, list[int]]:
+    """``(layout, cu)`` of a named packing of ``t_global`` tokens, every length a multiple of ``align``.
+
+    - ``mixed8``: THD, 8 sequences of mixed lengths (31%, 4%, 17%, 9%, 22%, 2%, 10%, 5% of T;
+      rounding goes to the longest);
+    - ``long1``: THD, one sequence of T tokens;
+    - ``short64``: THD, 64 sequences of T/64 tokens;
+    - ``sbhd``: SBHD, one sequence of T tokens (S = T, B = 1).
+
+    ``align`` must be a multiple of 2*cp (Megatron's zigzag cut); 64 (FLA's chunk) by default.
+    """
+    if align < 1 or t_global % align:
+        raise ValueError(f"T={t_global} must be a positive multiple of --align={align}; pick T or --align to fit")
+    units = t_global // align
+    if name in ("long1", "sbhd"):
+        return ("sbhd" if name == "sbhd" else "thd"), [0, t_global]
+    if name == "short64":
+        if units % 64:
+            raise ValueError(f"packing short64 needs T={t_global} divisible by 64*align={64 * align}; "
+                             f"use a larger T or a smaller --align")
+        return "thd", [i * (t_global // 64) for i in range(65)]
+    if name == "mixed8":
+        lengths = [int(units * f) for f in _MIXED8]
+        if min(lengths) < 1:
+            raise ValueError(f"packing mixed8 needs T={t_global} >= {math.ceil(1 / min(_MIXED8))}*align "
+                             f"(align={align}); use a larger T or a smaller --align")
+        lengths[lengths.index(max(lengths))] += units - sum(lengths)
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n * align)
+        return "thd", cu
+    raise ValueError(f"packing must be one of {PACKINGS}, got {name!r}")
+
+
+def contiguous_slice(cu: Sequence[int], cp: int, rank: int) -> list[int]:
+    """Local boundaries of rank ``rank``'s contiguous rows ``[r*T/cp, (r+1)*T/cp)`` of ``cu``: the
+    pieces of the sequences it overlaps (what chunkwise computes there, and what cp1_slice runs)."""
+    part = cu[-1] // cp
+    lo, hi = rank * part, (rank + 1) * part
+    return [0] + sorted({c - lo for c in cu if lo < c < hi}) + [part]
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), q in [0, 1]."""
+    if not values:
+        raise ValueError("quantile of no values")
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def iteration_stats(per_rank_ms: Sequence[Sequence[float]]) -> dict:
+    """Statistics of the per-iteration maximum over ranks.
+
+    ``per_rank_ms[r][i]``: rank r's time of iteration i (every rank ran the same iterations,
+    separated by a barrier). An iteration takes as long as its slowest rank.
+    """
+    n = {len(t) for t in per_rank_ms}
+    if len(n) != 1 or 0 in n:
+        raise ValueError(f"every rank must report the same non-zero number of iterations, got {sorted(n)}")
+    iter_max = [max(ts) for ts in zip(*per_rank_ms)]
+    return {
+        "median_ms": quantile(iter_max, 0.5),
+        "p10_ms": quantile(iter_max, 0.1),
+        "p90_ms": quantile(iter_max, 0.9),
+        "iters": len(iter_max),
+        "iter_max_ms": iter_max,
+        "per_rank_median_ms": [quantile(t, 0.5) for t in per_rank_ms],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# bytes per token, from the plan
+# ---------------------------------------------------------------------------------------------
+
+def rows_leaving(layout: str, cu: Sequence[int], cp: int, rank: int, source: str, target: str) -> int:
+    """Rows of rank ``rank`` that a ``source -> target`` route sends to OTHER ranks (rows that
+    stay on the rank are not counted)."""
+    if layout == "sbhd":
+        route = build_sbhd_route(cu[-1], 1, cp, rank, source, target)
+    else:
+        route = build_thd_route(list(cu), cp, rank, source, target)
+    return sum(route.send_splits) - route.send_splits[rank]
+
+
+def _exchange_bytes(path: str, cu: Sequence[int], cp: int, rank: int, dims: GDNDims, act_bytes: int) -> int:
+    """chunkwise's halo and state exchange per fwd+bwd on ``rank`` (sizes of what each path sends).
+
+    - ``generic`` (gdn-cp's own, gloo / reference): when some sequence crosses a rank boundary,
+      all-gather of every rank's W-1 tail rows ``[W-1, C]`` (backward: reduce-scatter) and of one
+      ``[Hv, Dk, Dk+Dv]`` fp32 state summary per rank (backward: reduce-scatter);
+    - ``fla`` (FLA's cp_context, NCCL): the W-1 conv tail rows to the next rank (backward: to the
+      previous one), and an all-gather of one ``[Hv, Dk, Dk+Dv]`` fp32 block per rank, forward and
+      backward.
+    """
+    state = dims.num_v_heads * dims.head_k_dim * (dims.head_k_dim + dims.head_v_dim) * 4
+    tail = (dims.conv_width - 1) * dims.conv_dim * act_bytes
+    if path == "fla":
+        return tail * (rank < cp - 1) + tail * (rank > 0) + 2 * (cp - 1) * state
+    if path == "generic":
+        layout_cu = list(cu)
+        if not build_chunkwise_plan(layout_cu, cp, rank, dims.conv_width).any_straddle:
+            return 0
+        return 2 * (cp - 1) * tail + 2 * (cp - 1) * state
+    raise ValueError(f"chunkwise exchange path must be 'generic' or 'fla', got {path!r}")
+
+
+def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims: GDNDims, act_bytes: int,
+                    chunkwise_path: str = "generic") -> dict:
+    """Bytes that leave each rank per forward+backward of one layer, divided by T_local.
+
+    Counted from the plan (route send splits, all-to-all and all-gather sizes), never from
+    send buffers: rows that stay on their rank are not counted. ``a`` = activation bytes, C =
+    q|k|v channels, V = Hv*Dv, gates g|beta travel as fp32 (8*Hv bytes per token):
+
+    - stock_headwise: all-to-all of q|k|v|z|beta|alpha in ((C + V + 2Hv) a) and the normed
+      output out (V a); (cp-1)/cp of each buffer leaves; backward the same;
+    - headwise (gdn-cp): q|k|v (C a) and the gates in, the core output (V a) out; z stays;
+    - all_gather: own q|k|v and gates to cp-1 peers; backward reduce-scatter sends (cp-1)/cp
+      of the gathered buffer = the same bytes;
+    - chunkwise_hidden: hidden_states (H a) along zigzag->contiguous, out_proj's output back;
+      backward the reverse; plus the halo/state exchange (:func:`_exchange_bytes`);
+    - chunkwise_core: q|k|v + gates along zigzag->contiguous, the core output back; plus the
+      exchange;
+    - cp1_slice: nothing.
+
+    Returns ``{"bytes_per_token": max over ranks, "bytes_per_token_mean", "per_rank", "exchange_per_rank"}``.
+    """
+    c, v, hv, h, a = dims.conv_dim, dims.value_dim, dims.num_v_heads, dims.hidden, act_bytes
+    t_local = cu[-1] // cp
+    gates = 8 * hv
+    per_rank, exchange = [], []
+    for r in range(cp):
+        ex = 0
+        if cp == 1 or case == "cp1_slice":
+            total = 0
+        elif case == "stock_headwise":
+            total = 2 * (cp - 1) * t_local * ((c + v + 2 * hv) * a + v * a) // cp
+        elif case == "headwise":
+            total = 2 * (cp - 1) * t_local * ((c + v) * a + gates) // cp
+        elif case == "all_gather":
+            total = 2 * (cp - 1) * t_local * (c * a + gates)
+        elif case in ("chunkwise_hidden", "chunkwise_core"):
+            moved = rows_leaving(layout, cu, cp, r, ZIGZAG, CONTIGUOUS) + rows_leaving(layout, cu, cp, r, CONTIGUOUS, ZIGZAG)
+            per_row = 2 * h * a if case == "chunkwise_hidden" else (c + v) * a + gates
+            ex = _exchange_bytes(chunkwise_path, cu, cp, r, dims, a)
+            total = moved * per_row + ex
+        else:
+            raise ValueError(f"case must be one of {CASES}, got {case!r}")
+        per_rank.append(total / t_local)
+        exchange.append(ex / t_local)
+    return {
+        "bytes_per_token": max(per_rank),
+        "bytes_per_token_mean": sum(per_rank) / cp,
+        "per_rank": per_rank,
+        "exchange_per_rank": exchange,
+        "chunkwise_exchange_path": chunkwise_path if case.startswith("chunkwise") else None,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# profile split
+# ---------------------------------------------------------------------------------------------
+
+CATEGORIES = ("compute", "nccl", "memcpy")  # attribution priority, highest first
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans: Iterable[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _minus(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Parts of disjoint sorted ``spans`` not covered by disjoint sorted ``cover``."""
+    out = []
+    j = 0
+    for a, b in spans:
+        start = a
+        while j < len(cover) and cover[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            if cover[k][0] > start:
+                out.append((start, cover[k][0]))
+            start = max(start, cover[k][1])
+            k += 1
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def split_busy_time(spans: dict[str, Sequence[tuple[float, float]]], wall: float) -> dict:
+    """Split ``wall`` (the CUDA-event time of the same profiled iterations) into exclusive parts.
+
+    ``spans[category]``: ``(start, end)`` of every GPU activity of that category ("compute"
+    kernels, "nccl" kernels, "memcpy" = memcpy/memset), in one clock. Each instant is given to
+    the highest-priority category busy then: compute, else nccl (communication or waiting for a
+    slower rank: NCCL kernels spin while they wait), else memcpy; idle = wall minus the union of
+    all busy intervals. So ``compute + nccl + memcpy + idle == wall`` (idle clamped at 0 when the
+    trace's busy time exceeds the event wall by clock skew). Also returns the plain (overlapping)
+    sums per category as ``*_total``.
+    """
+    unknown = set(spans) - set(CATEGORIES)
+    if unknown:
+        raise ValueError(f"span categories must be among {CATEGORIES}, got {sorted(unknown)}")
+    out = {}
+    covered: list[tuple[float, float]] = []
+    for cat in CATEGORIES:
+        mine = _union(spans.get(cat, ()))
+        out[f"{cat}_total"] = sum(b - a for a, b in spans.get(cat, ()))
+        out[cat] = _length(_minus(mine, covered))
+        covered = _union([*covered, *mine])
+    busy = _length(covered)
+    out["busy"] = busy
+    out["idle"] = max(0.0, wall - busy)
+    out["wall"] = wall
+    return out

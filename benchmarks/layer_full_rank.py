@@ -1,0 +1,546 @@
+"""Rank side of ``layer_full.py``: runs inside each spawned rank of a pool (one rank per GPU with
+NCCL; gloo ranks on the CPU). Module-level functions, pickled by name.
+
+One pool serves one megatron-core tree (a pristine copy for ``stock_headwise``, a patched copy for
+the gdn-cp cases): :func:`rank_setup` puts that tree first on ``sys.path`` before anything imports
+megatron, checks which file was imported, and builds the layers once per rank:
+
+- ``layer``: GatedDeltaNet on the pool's CP group (every rank of the pool), the case's mode set on
+  its config per case (``linear_cp_mode``; the chunkwise swap point through
+  ``gdn_cp.megatron.swap.set_chunkwise_swap``);
+- ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
+  CP=1 reference of the correctness check.
+
+Weights come from a seeded generator by parameter name (``shims.set_params``), inputs from a
+seeded generator on the device: identical on every rank, in both pools, for every case.
+
+:func:`rank_case` runs one case in one of two phases:
+
+- ``compile``: one fwd+bwd (compiles / autotunes FLA's kernels for this shape), the comparison
+  with CP=1 on the same weights and inputs (output rows, input gradient rows, parameter gradients
+  summed over the CP group; relative L2), and one core call;
+- ``time``: ``warmup`` fwd+bwd, then ``iters`` timed ones (CUDA events; device synchronize and a
+  host-side gloo barrier before each, so every iteration starts together on every rank and no
+  barrier kernel lands in a timed or profiled iteration), peak memory over the timed ones; then
+  ``profile_iters`` more under torch.profiler (CUDA activity), split into compute / NCCL /
+  memcpy / idle from those same iterations; then the core alone, timed the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from layer_full_math import CATEGORIES, GDNDims, contiguous_slice, split_busy_time
+
+# Test-harness imports, in one place (they are moving to gdn_cp.testing; re-point them here).
+from tests.megatron.shims import (  # noqa: E402
+    build_gdn,
+    install_cpu_shims,
+    install_gpu_shims,
+    rel_l2,
+    stock_forward,
+    thd_params,
+    zigzag_rows,
+)
+
+GIB = float(2**30)
+_STATE: dict = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# setup
+# ---------------------------------------------------------------------------------------------
+
+def _select_megatron(root: str | None) -> dict:
+    """Import megatron-core from ``root`` (first on sys.path), or the installed one (None)."""
+    if root is not None:
+        if any(m == "megatron" or m.startswith("megatron.") for m in sys.modules):
+            raise RuntimeError("megatron was imported in this rank before its tree was chosen")
+        sys.path.insert(0, str(root))
+    with warnings.catch_warnings():  # "TransformerEngine / Apex not installed", once per module
+        warnings.simplefilter("ignore", UserWarning)
+        import megatron.core
+        import megatron.core.ssm.gated_delta_net.gdn  # noqa: F401
+
+    from gdn_cp.megatron import patching
+
+    where = Path(megatron.core.__file__).resolve().parent.parent.parent
+    if root is not None and where != Path(root).resolve():
+        raise RuntimeError(f"megatron.core was imported from {where}, not from the chosen tree {root}")
+    return {"root": str(where), "state": patching.overall_state(patching.check_patch(where)),
+            "version": patching.megatron_version(where)}
+
+
+def _cpu_stock_kernels() -> None:
+    """CPU dry run only: stock 0.19.2's non-deterministic path calls FLA's Triton kernels
+    (``causal_conv1d`` and ``chunk_gated_delta_rule`` on ``[B, S, ...]`` with optional
+    ``cu_seqlens``). Point those names at gdn-cp's plain-torch reference kernels so the stock
+    code runs on the CPU, packed THD included (its deterministic path refuses THD). Same math;
+    on a GPU nothing is replaced."""
+    import megatron.core.ssm.gated_delta_net.gdn as gdn_module
+
+    from gdn_cp.ops import reference as ref
+
+    def boundaries(b, s, cu_seqlens):
+        return [i * s for i in range(b + 1)] if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
+
+    def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None, output_final_state=False,
+                      cu_seqlens=None, **_):
+        b, s, d = x.shape
+        act = "silu" if activation in ("silu", "swish") else activation
+        y = ref.causal_conv1d(x.reshape(b * s, d), weight, bias, cu_seqlens=boundaries(b, s, cu_seqlens),
+                              activation=act)
+        return y.reshape(b, s, d), None
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, **_):
+        b, s = q.shape[:2]
+        flat = lambda t: t.reshape(b * s, *t.shape[2:])  # noqa: E731
+        o, _ = ref.chunk_gated_delta_rule(flat(q), flat(k), flat(v), flat(g), flat(beta),
+                                          cu_seqlens=boundaries(b, s, cu_seqlens), scale=scale,
+                                          use_qk_l2norm=use_qk_l2norm_in_kernel)
+        return o.reshape(b, s, *o.shape[1:]), None
+
+    gdn_module.causal_conv1d = causal_conv1d
+    gdn_module.chunk_gated_delta_rule = chunk_gated_delta_rule
+
+
+def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool):
+    """TransformerConfig of one GDN layer. Stock megatron has no ``linear_cp_mode`` field; the
+    patched one is built with chunkwise (legal for any head count) and set per case."""
+    from megatron.core.transformer import TransformerConfig
+
+    kw = dict(
+        num_layers=2, hidden_size=dims.hidden, num_attention_heads=dims.num_k_heads,
+        perform_initialization=False, use_cpu_initialization=True, deterministic_mode=False,
+        activation_func=F.silu, normalization="RMSNorm", experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=2, context_parallel_size=cp, params_dtype=dtype, add_bias_linear=False,
+        linear_num_key_heads=dims.num_k_heads, linear_num_value_heads=dims.num_v_heads,
+        linear_key_head_dim=dims.head_k_dim, linear_value_head_dim=dims.head_v_dim,
+        linear_conv_kernel_dim=dims.conv_width,
+    )
+    if patched:
+        kw["linear_cp_mode"] = "chunkwise"
+    return TransformerConfig(**kw)
+
+
+def _timing_group(ctx):
+    """A gloo group over the pool for host-side barriers (no kernel on the GPU timeline)."""
+    import torch.distributed as dist
+
+    if ctx.backend == "gloo":
+        return ctx.group(ctx.world_size)
+    return dist.new_group(list(range(ctx.world_size)), backend="gloo")
+
+
+def rank_setup(ctx, spec: dict) -> dict:
+    """Choose the megatron tree, build the layers, report versions. First task of every pool."""
+    mega = _select_megatron(spec["megatron_root"])
+    want = spec["expect_state"]
+    if mega["state"] != want:
+        raise RuntimeError(f"megatron-core at {mega['root']} is {mega['state']}, this pool needs it {want} "
+                           f"(--stock-from dispatch-off needs the installed megatron-core patched: "
+                           f"`python -m gdn_cp.cli patch apply`)")
+    device = ctx.device
+    if device.type == "cpu":
+        install_cpu_shims()
+        _cpu_stock_kernels()
+    else:
+        install_gpu_shims()
+    dims = GDNDims(**spec["dims"])
+    dtype = getattr(torch, spec["dtype"])
+    patched = want == "patched"
+    cp = ctx.world_size
+    build = dict(seed=spec["seed"], bias=False, conv_bias=False, device=device)
+    _STATE.clear()
+    _STATE.update(
+        ctx=ctx, device=device, dims=dims, dtype=dtype, cp=cp, patched=patched, barrier_group=_timing_group(ctx),
+        layer=build_gdn(gdn_config(cp, dims, dtype, patched), ctx.group(cp), **build),
+        layer1=build_gdn(gdn_config(1, dims, dtype, patched), ctx.group(1), **build),
+        reference=None,
+    )
+    info = {"rank": ctx.rank, "dist_backend": ctx.backend, "device": str(device), "megatron": mega,
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "pid": os.getpid()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
+                    capability=list(torch.cuda.get_device_capability(device)))
+    from gdn_cp.ops.fla import fla_available, fla_version
+
+    info.update(fla=fla_version(), fla_available=fla_available(), triton=_version("triton"),
+                fast_autotune=os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1")
+    return info
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        import importlib.metadata as md
+
+        return md.version(dist_name)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# one case
+# ---------------------------------------------------------------------------------------------
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier(group=_STATE["barrier_group"])
+
+
+def _randn(shape, seed: int, dtype, device, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def _rows(case: str, layout: str, cu, cp: int, rank: int, device) -> torch.Tensor:
+    """Global rows this rank feeds the layer: its zigzag rows, or its contiguous slice (cp1_slice)."""
+    t_local = cu[-1] // cp
+    if case == "cp1_slice":
+        return torch.arange(rank * t_local, (rank + 1) * t_local, device=device)
+    return zigzag_rows(cu if layout == "thd" else [0, cu[-1]], cp, rank).to(device)
+
+
+def _set_mode(case: str) -> None:
+    """The patched layer's mode for ``case`` (config field read at every forward) and swap point."""
+    from gdn_cp.megatron.swap import set_chunkwise_swap
+
+    mode = {"headwise": "headwise", "chunkwise_hidden": "chunkwise", "chunkwise_core": "chunkwise",
+            "all_gather": "all_gather", "cp1_slice": "chunkwise"}[case]
+    _STATE["layer"].config.linear_cp_mode = mode
+    _STATE["layer1"].config.linear_cp_mode = mode
+    set_chunkwise_swap({"chunkwise_hidden": "hidden", "chunkwise_core": "core"}.get(case, "auto"))
+
+
+class _Case:
+    """What one rank runs for one case: the layer's inputs and step, and the core's."""
+
+    def __init__(self, spec: dict):
+        st = _STATE
+        ctx, device, dims, dtype = st["ctx"], st["device"], st["dims"], st["dtype"]
+        self.case, self.layout, self.cu = spec["case"], spec["layout"], list(spec["cu"])
+        cp, rank = st["cp"], ctx.rank
+        t = self.cu[-1]
+        if self.case == "stock_headwise":
+            self.stock = contextlib.nullcontext if not st["patched"] else stock_forward
+        else:
+            if not st["patched"]:
+                raise RuntimeError(f"case {self.case} needs the patched megatron, this pool has the pristine one")
+            self.stock = contextlib.nullcontext
+            _set_mode(self.case)
+        self.module = st["layer1"] if self.case == "cp1_slice" else st["layer"]
+        self.rows = _rows(self.case, self.layout, self.cu, cp, rank, device)
+        x_full = _randn((t, 1, dims.hidden), spec["seed"] + 1, dtype, device)
+        self.x = x_full.index_select(0, self.rows).requires_grad_(True)
+        del x_full
+        dout_full = _randn((t, 1, dims.hidden), spec["seed"] + 2, dtype, device)
+        self.dout = dout_full.index_select(0, self.rows)
+        del dout_full
+        if self.case == "cp1_slice":
+            self.local_cu = contiguous_slice(self.cu, cp, rank)
+            self.psp = thd_params(self.local_cu, device=device)  # the slice's pieces, THD at CP=1
+        else:
+            self.local_cu = None
+            self.psp = thd_params(self.cu, device=device) if self.layout == "thd" else None
+        self.group = None if self.case == "cp1_slice" else ctx.group(cp)
+
+    def step(self):
+        """One forward + backward of the layer, as a training step runs it (gradients reset)."""
+        self.module.zero_grad(set_to_none=True)
+        self.x.grad = None
+        with self.stock():
+            out, bias = self.module(self.x, None, packed_seq_params=self.psp)
+        y = out if bias is None else out + bias
+        y.backward(self.dout)
+        return y
+
+    def chunkwise_path(self) -> str | None:
+        if not self.case.startswith("chunkwise"):
+            return None
+        from gdn_cp.megatron.gdn import choose_backend
+
+        backend = choose_backend(self.module, _STATE["device"])
+        native = getattr(backend, "native_cp_available", None)
+        return "fla" if native is not None and native(self.group) else "generic"
+
+    # -- the core alone ------------------------------------------------------------------------
+    def core_step(self, seed: int):
+        """``step`` for the core alone (``gdn_cp.modes.gdn_core``: conv + gated delta rule under
+        the case's mode, with its layout changes and exchanges), on random q|k|v and gates and
+        the layer's own conv weight. None for stock (its core is inline in its forward)."""
+        if self.case == "stock_headwise":
+            return None
+        from gdn_cp.layout import RouteCache, plan_for_sbhd
+        from gdn_cp.megatron.gdn import choose_backend
+        from gdn_cp.modes import GDNShape, gdn_core
+
+        st = _STATE
+        m, device, dtype, cp, rank = self.module, st["device"], st["dtype"], st["cp"], st["ctx"].rank
+        shape = GDNShape(m.num_k_heads_local_tp, m.num_v_heads_local_tp, m.key_head_dim, m.value_head_dim,
+                         qk_l2norm=m.use_qk_l2norm)
+        if self.case == "cp1_slice":
+            plan, group = RouteCache().plan(torch.tensor(self.local_cu), 1, 0), None
+        elif self.layout == "sbhd":
+            plan, group = plan_for_sbhd(self.cu[-1], 1, cp, rank), self.group
+        else:
+            plan, group = RouteCache().plan(torch.tensor(self.cu), cp, rank), self.group
+        mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(self.case, "chunkwise")
+        layout = "contiguous" if self.case == "chunkwise_hidden" else "zigzag"
+        n = plan.t_local
+        qkv = _randn((n, shape.conv_dim), seed + 11, dtype, device).requires_grad_(True)
+        g = (-F.softplus(_randn((n, shape.num_v_heads), seed + 12, torch.float32, device)) * 0.3).requires_grad_(True)
+        beta = torch.sigmoid(_randn((n, shape.num_v_heads), seed + 13, torch.float32, device)).to(dtype)
+        beta.requires_grad_(True)
+        do = _randn((n, shape.num_v_heads, shape.head_v_dim), seed + 14, dtype, device)
+        weight = m.conv1d.weight
+        bias = m.conv1d.bias if m.conv_bias else None
+        backend = choose_backend(m, device)
+
+        def step():
+            m.zero_grad(set_to_none=True)
+            for t in (qkv, g, beta):
+                t.grad = None
+            o = gdn_core(qkv, g, beta, weight.reshape(weight.shape[0], -1), bias, shape=shape, mode=mode, plan=plan,
+                         group=group, backend=backend, layout=layout)
+            o.backward(do)
+
+        return step
+
+
+def _free() -> None:
+    """Between cases on a GPU: drop reference cycles and cached blocks, so that one case's
+    memory does not count in the next one's peak (on the CPU there is no peak to protect)."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def rank_case(ctx, spec: dict) -> dict:
+    """One case, one phase (``compile`` or ``time``) on this rank. A ValueError of the first call
+    (raised before any collective, on every rank alike) is returned as ``refused``."""
+    st = _STATE
+    if spec["phase"] == "time":
+        st["reference"] = None  # free the CP=1 reference: it must not count in peak memory
+    _free()
+    case = _Case(spec)
+    device = st["device"]
+    out = {"rank": ctx.rank, "t_local": int(case.rows.numel()), "chunkwise_path": case.chunkwise_path()}
+    if spec["phase"] == "compile":
+        _sync(device)
+        _barrier()
+        t0 = time.perf_counter()
+        try:
+            y = case.step()
+        except ValueError as err:
+            return {**out, "refused": f"{type(err).__name__}: {err}"}
+        _sync(device)
+        out["compile_s"] = time.perf_counter() - t0
+        if spec["check"] and case.case != "cp1_slice":
+            out["check"] = _check(case, y, spec)
+        del y
+        core = case.core_step(spec["seed"]) if spec["core"] else None
+        if core is not None:
+            t0 = time.perf_counter()
+            core()
+            _sync(device)
+            out["core_compile_s"] = time.perf_counter() - t0
+        return out
+
+    out.update(_timed(case.step, spec["warmup"], spec["iters"], device, memory=True))
+    # The profile and the core explain the timing above; a failure there (the same on every rank:
+    # both start from a barrier) is recorded and must not lose it.
+    if spec["profile_iters"] > 0 and device.type == "cuda":
+        try:
+            out["profile"] = _profiled(case.step, spec["profile_iters"], device)
+        except Exception as err:  # noqa: BLE001
+            out["profile"] = {"error": f"{type(err).__name__}: {err}"}
+    core = case.core_step(spec["seed"]) if spec["core"] else None
+    if core is not None:
+        try:
+            timed = _timed(core, spec["warmup"], spec["iters"], device, memory=True)
+            out["core"] = {"iter_ms": timed["iter_ms"], "peak_gib": timed.get("peak_gib")}
+        except Exception as err:  # noqa: BLE001
+            out["core_error"] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _timed(step, warmup: int, iters: int, device, memory: bool) -> dict:
+    """``warmup`` untimed then ``iters`` timed calls of ``step``; each starts after a device
+    synchronize and a host barrier. Times in ms (CUDA events on a GPU, perf_counter on the CPU)."""
+    for _ in range(warmup):
+        _sync(device)
+        _barrier()
+        step()
+    _sync(device)
+    out = {}
+    if device.type == "cuda" and memory:
+        torch.cuda.reset_peak_memory_stats(device)
+        out["allocated_before_gib"] = torch.cuda.memory_allocated(device) / GIB
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        _barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    out["iter_ms"] = times
+    if device.type == "cuda" and memory:
+        out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# profile
+# ---------------------------------------------------------------------------------------------
+
+def _category(event: dict) -> str | None:
+    cat = str(event.get("cat", "")).lower()
+    name = str(event.get("name", "")).lower()
+    if cat in ("gpu_memcpy", "gpu_memset") or name.startswith(("memcpy", "memset")):
+        return "memcpy"
+    if cat == "kernel":
+        return "nccl" if "nccl" in name else "compute"
+    return None
+
+
+def spans_from_trace(trace) -> tuple[dict, dict]:
+    """GPU activity of a chrome trace by category (us), and kernel time by name."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    spans: dict[str, list] = {c: [] for c in CATEGORIES}
+    by_name: dict[str, float] = {}
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        cat = _category(e)
+        if cat is None:
+            continue
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        spans[cat].append((ts, ts + dur))
+        key = f"{cat}: {str(e.get('name'))[:90]}"
+        by_name[key] = by_name.get(key, 0.0) + dur
+    return spans, by_name
+
+
+def _profiled(step, n: int, device) -> dict:
+    """``n`` iterations under torch.profiler (schedule: 1 wait, 1 warm-up, ``n`` active; CUDA
+    activity). The split comes from the active iterations' kernels and their CUDA-event walls:
+    per iteration, compute + nccl + memcpy + idle = wall."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    trace: dict = {}
+
+    def on_ready(prof):
+        fd, path = tempfile.mkstemp(suffix=".json", prefix="layer_full_trace_")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace["data"] = json.load(f)
+        finally:
+            os.unlink(path)
+
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=1, active=n, repeat=1),
+                 on_trace_ready=on_ready) as prof:
+        for i in range(n + 2):
+            _sync(device)
+            _barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            if i >= 2:
+                walls.append(start.elapsed_time(end))
+            prof.step()
+    if "data" not in trace:
+        return {"error": "the profiler produced no trace"}
+    spans, by_name = spans_from_trace(trace["data"])
+    split = split_busy_time(spans, sum(walls) * 1e3)  # us over the n iterations
+    per_iter = {k: v / 1e3 / n for k, v in split.items()}  # ms per iteration
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    return {"iters": n, "wall_ms_iters": walls, **{f"{k}_ms": v for k, v in per_iter.items()},
+            "kernels": {c: len(s) // n for c, s in spans.items()},
+            "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top]}
+
+
+# ---------------------------------------------------------------------------------------------
+# correctness: the case against CP=1 on the same weights and inputs
+# ---------------------------------------------------------------------------------------------
+
+def _grads(module) -> dict:
+    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
+
+
+def _reference(spec: dict) -> dict:
+    """CP=1 on the whole micro-batch (``layer1``: this pool's megatron at CP=1), kept until the
+    time phase: out, x.grad, grads."""
+    key = (spec["layout"], tuple(spec["cu"]), spec["seed"])
+    ref = _STATE.get("reference")
+    if ref is not None and ref["key"] == key:
+        return ref
+    _STATE["reference"] = None
+    _free()
+    st = _STATE
+    device, dims, dtype, t = st["device"], st["dims"], st["dtype"], spec["cu"][-1]
+    module = st["layer1"]
+    x = _randn((t, 1, dims.hidden), spec["seed"] + 1, dtype, device).requires_grad_(True)
+    dout = _randn((t, 1, dims.hidden), spec["seed"] + 2, dtype, device)
+    psp = thd_params(spec["cu"], device=device) if spec["layout"] == "thd" else None
+    module.zero_grad(set_to_none=True)
+    out, bias = module(x, None, packed_seq_params=psp)
+    y = out if bias is None else out + bias
+    y.backward(dout)
+    ref = {"key": key, "out": y.detach(), "grad_x": x.grad.detach(), "grads": _grads(module)}
+    module.zero_grad(set_to_none=True)
+    _STATE["reference"] = ref
+    return ref
+
+
+def _check(case: _Case, y, spec: dict) -> dict:
+    """Relative L2 of this rank's output rows and input-gradient rows, and of every parameter
+    gradient summed over the CP group, against CP=1. Run right after the case's first step."""
+    import torch.distributed as dist
+
+    got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
+    ref = _reference(spec)
+    errs = {"out": rel_l2(got_out, ref["out"].index_select(0, case.rows)),
+            "grad_x": rel_l2(got_gx, ref["grad_x"].index_select(0, case.rows))}
+    worst_name, worst = None, 0.0
+    for name in sorted(ref["grads"]):
+        g = got.get(name)
+        if g is not None:
+            dist.all_reduce(g, group=case.group)
+        e = rel_l2(g, ref["grads"][name])
+        if worst_name is None or e > worst:
+            worst_name, worst = name, e
+    errs.update(grad_params=worst, worst_param=worst_name)
+    return errs

@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""Tables and a plot from ``layer_full.py`` rows; merges row files from several device calls.
+
+    python benchmarks/plot_layer_full.py a.json b.json --merge-out benchmarks/results/layer_full.json
+    python benchmarks/plot_layer_full.py benchmarks/results/layer_full.json --md table.md --png plot.png
+
+Merging: files are read in order; the rows of a later file replace every earlier row of the same
+run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed), so
+re-running a T replaces its rows.
+
+The markdown table (for the README) gives, per (T, packing), each case's median fwd+bwd time of
+the whole layer, its ratio to stock headwise (< 1 is faster) and the fraction of the ideal it
+reaches (``cp1_slice`` median / case median: 100% = as fast as CP=1 on the critical rank's own
+slice with no communication). A second table says where the time goes. Runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import import_gdn_cp, save_figure, write_json  # noqa: E402
+
+import_gdn_cp()
+
+from layer_full_math import run_key  # noqa: E402
+
+logger = logging.getLogger("benchmarks.plot_layer_full")
+
+CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "all_gather", "cp1_slice")
+LABELS = {"stock_headwise": "stock headwise", "headwise": "headwise", "chunkwise_hidden": "chunkwise (hidden swap)",
+          "chunkwise_core": "chunkwise (core swap)", "all_gather": "all_gather", "cp1_slice": "ideal: CP=1 on own slice"}
+COLORS = {"stock_headwise": "tab:gray", "headwise": "tab:orange", "chunkwise_hidden": "tab:blue",
+          "chunkwise_core": "tab:cyan", "all_gather": "tab:red", "cp1_slice": "black"}
+PARTS = (("compute_ms", "compute", "tab:blue"), ("comm_wait_ms", "NCCL (comm/wait)", "tab:orange"),
+         ("memcpy_ms", "memcpy/memset", "tab:green"), ("idle_ms", "idle", "lightgray"))
+
+
+def load_rows(paths) -> list[dict]:
+    """Rows of every file, later files replacing earlier rows of the same run."""
+    rows: list[dict] = []
+    for path in paths:
+        new = json.loads(Path(path).read_text())
+        if not isinstance(new, list):
+            raise ValueError(f"{path} is not a list of layer_full rows (got {type(new).__name__})")
+        keys = {run_key(r) for r in new}
+        rows = [r for r in rows if run_key(r) not in keys] + new
+    return rows
+
+
+def _fmt_t(t: int) -> str:
+    return f"{t // 1024}K" if t % 1024 == 0 else str(t)
+
+
+def _groups(rows):
+    """{(device, gpus, backend, cp, dtype): {(T, packing): {case: row}}} of the measured rows."""
+    out: dict = {}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        g = (r.get("device"), r.get("gpus"), r.get("backend"), r.get("cp"), r.get("knobs", {}).get("dtype"))
+        out.setdefault(g, {}).setdefault((r["T"], r["packing"]), {})[r["case"]] = r
+    return out
+
+
+def _cell(row, stock, ideal) -> str:
+    if row is None:
+        return "-"
+    text = f"{row['median_ms']:.2f}"
+    extra = []
+    if stock is not None and row["case"] != "stock_headwise":
+        extra.append(f"{row['median_ms'] / stock['median_ms']:.2f}x")
+    if ideal is not None and row["case"] != "cp1_slice":
+        extra.append(f"{100 * ideal['median_ms'] / row['median_ms']:.0f}%")
+    return text + (f" ({', '.join(extra)})" if extra else "")
+
+
+def markdown_tables(rows) -> str:
+    """README tables: medians with (x stock, % of ideal), then where the time goes."""
+    parts = []
+    for (device, gpus, backend, cp, dtype), by_tp in sorted(_groups(rows).items(), key=str):
+        any_row = next(iter(next(iter(by_tp.values())).values()))
+        gpu = any_row.get("rank_info", {}).get("gpu") or any_row.get("machine", {}).get("cpu_model")
+        cases = [c for c in CASES if any(c in v for v in by_tp.values())]
+        parts.append(f"**GatedDeltaNet fwd+bwd, CP={cp}** ({gpus} x {gpu}, {backend}, {dtype}; median ms of the "
+                     f"slowest rank per iteration over {any_row['iters']} iterations; "
+                     f"(time / stock headwise, ideal / time))\n")
+        parts.append("| T | packing | " + " | ".join(LABELS[c] for c in cases) + " |")
+        parts.append("|---|---|" + "---:|" * len(cases))
+        for (t, name), by_case in sorted(by_tp.items()):
+            stock, ideal = by_case.get("stock_headwise"), by_case.get("cp1_slice")
+            parts.append(f"| {_fmt_t(t)} | {name} | " + " | ".join(_cell(by_case.get(c), stock, ideal) for c in cases)
+                         + " |")
+        parts.append("\nWhere the time goes (critical rank, ms per iteration from the profiled iterations; "
+                     "B/token = bytes leaving a rank per fwd+bwd / T_local, max over ranks):\n")
+        parts.append("| T | packing | case | median | p10-p90 | core | compute | NCCL | memcpy | idle | B/token "
+                     "| peak GiB | vs CP=1 (out / grad) |")
+        parts.append("|---|---|---|" + "---:|" * 10)
+        for (t, name), by_case in sorted(by_tp.items()):
+            for c in cases:
+                r = by_case.get(c)
+                if r is None:
+                    continue
+                core = r.get("core") or {}
+                chk = r.get("check") or {}
+                num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+                parts.append(
+                    f"| {_fmt_t(t)} | {name} | {LABELS[c]} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
+                    f"| {num(core.get('median_ms'))} | {num(r.get('compute_ms'))} | {num(r.get('comm_wait_ms'))} "
+                    f"| {num(r.get('memcpy_ms'))} | {num(r.get('idle_ms'))} | {num(r.get('bytes_per_token'), '{:.0f}')} "
+                    f"| {num(r.get('peak_gib'))} | "
+                    + ("-" if not chk else f"{chk['out']:.1e} / {max(chk['grad_x'], chk['grad_params']):.1e}") + " |")
+        parts.append("")
+    compiled = [r for r in rows if r.get("status") == "compiled"]
+    if compiled:
+        parts.append("Compile pass only (no timing): first fwd+bwd in seconds (compile and autotune included), "
+                     "and the case against CP=1 (relative L2, max over ranks):\n")
+        parts.append("| CP | T | packing | case | compile s | out | grad x | grad params |")
+        parts.append("|---:|---|---|---|---:|---:|---:|---:|")
+        for r in compiled:
+            c = r.get("check") or {}
+            e = lambda k: "-" if k not in c else f"{c[k]:.1e}"  # noqa: E731
+            parts.append(f"| {r['cp']} | {_fmt_t(r['T'])} | {r['packing']} | {LABELS[r['case']]} | "
+                         f"{r.get('compile_s', 0):.1f} | {e('out')} | {e('grad_x')} | {e('grad_params')} |")
+        parts.append("")
+    not_ok = [r for r in rows if r.get("status") not in ("ok", "compiled")]
+    if not_ok:
+        parts.append(f"Not measured: {len(not_ok)} case(s): " + "; ".join(
+            f"T={_fmt_t(r['T'])} {r['packing']} {r['case']}: {r['status']} ({str(r.get('error')).splitlines()[0][:80]})"
+            for r in not_ok[:12]))
+    return "\n".join(parts) if parts else "no measured rows"
+
+
+def plot_rows(rows, path) -> bool:
+    """One column per (cp, T): medians with p10-p90 per packing and case; below, the critical rank's
+    profile split when there is one. False (logged) without matplotlib or without numbers."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib not installed: no plot written (pip install matplotlib)")
+        return False
+    panels = []
+    for (device, gpus, backend, cp, dtype), by_tp in sorted(_groups(rows).items(), key=str):
+        for t in sorted({t for t, _ in by_tp}):
+            panels.append((cp, t, {name: v for (tt, name), v in by_tp.items() if tt == t}, backend, dtype))
+    if not panels:
+        logger.warning("no measured rows: no plot written")
+        return False
+    profiled = any(r.get("compute_ms") is not None for _, _, by_p, _, _ in panels for v in by_p.values()
+                   for r in v.values())
+    nrows = 2 if profiled else 1
+    fig, axes = plt.subplots(nrows, len(panels), figsize=(6.5 * len(panels), 4.6 * nrows), squeeze=False)
+    for j, (cp, t, by_p, backend, dtype) in enumerate(panels):
+        names = list(by_p)
+        cases = [c for c in CASES if any(c in v for v in by_p.values())]
+        width = 0.8 / max(1, len(cases))
+        ax = axes[0][j]
+        for i, c in enumerate(cases):
+            xs, ys, lo, hi = [], [], [], []
+            for k, name in enumerate(names):
+                r = by_p[name].get(c)
+                if r is None:
+                    continue
+                xs.append(k + (i - (len(cases) - 1) / 2) * width)
+                ys.append(r["median_ms"])
+                lo.append(r["median_ms"] - r["p10_ms"])
+                hi.append(r["p90_ms"] - r["median_ms"])
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=COLORS[c], label=LABELS[c],
+                   hatch="//" if c == "cp1_slice" else None, edgecolor="white" if c != "cp1_slice" else "black",
+                   fill=c != "cp1_slice")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names)
+        ax.set_ylabel("fwd+bwd ms (median, p10-p90)")
+        ax.set_title(f"GatedDeltaNet layer, CP={cp}, T={_fmt_t(t)} ({backend}, {dtype})", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+        if nrows == 2:
+            ax = axes[1][j]
+            bars = [(name, c, by_p[name][c]) for name in names for c in cases if c in by_p[name]]
+            xs = list(range(len(bars)))
+            bottoms = [0.0] * len(bars)
+            for key, label, color in PARTS:
+                vals = [r.get(key) or 0.0 for _, _, r in bars]
+                ax.bar(xs, vals, 0.8, bottom=bottoms, color=color, label=label)
+                bottoms = [b + v for b, v in zip(bottoms, vals)]
+            labels = [f"{name}\n{c.replace('chunkwise_', 'cw_').replace('stock_headwise', 'stock')}"
+                      for name, c, _ in bars]
+            ax.set_xticks(xs)
+            ax.set_xticklabels(labels, fontsize=6, rotation=90)
+            ax.set_ylabel("ms per iteration (critical rank)")
+            ax.set_title("where the time goes (profiled iterations)", fontsize=10)
+            ax.legend(fontsize=7)
+    return save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("json", type=Path, nargs="+", help="layer_full.py row files (later ones win)")
+    ap.add_argument("--merge-out", type=Path, default=None, help="write the merged rows here")
+    ap.add_argument("--md", type=Path, default=None, help="markdown tables (default: print them)")
+    ap.add_argument("--png", type=Path, default=None, help="plot (default: the first JSON path with .png)")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    rows = load_rows(args.json)
+    if args.merge_out:
+        write_json(args.merge_out, rows)
+        print(f"merged {len(rows)} rows into {args.merge_out}")
+    text = markdown_tables(rows)
+    if args.md:
+        args.md.write_text(text + "\n")
+        print(f"tables: {args.md}")
+    else:
+        print(text)
+    if not args.no_plot:
+        png = args.png or (args.merge_out or args.json[0]).with_suffix(".png")
+        if plot_rows(rows, png):
+            print(f"plot: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

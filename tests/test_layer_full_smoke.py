@@ -1,0 +1,248 @@
+"""benchmarks/layer_full.py on the CPU: one small run (2 gloo ranks, reference backend, tiny shape;
+stock megatron-core from a pristine copy in its own ranks, the gdn-cp cases from a patched copy)
+writes rows with the promised fields, and every case's output and gradients equal CP=1's, so the
+benchmark times correct code. The pure pieces (packings, bytes per token from the plan, statistics
+over ranks, the profile split, row merging) are checked against independent counts. No timing
+assertions: CI machines are shared and noisy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+SCRIPT = BENCH / "layer_full.py"
+sys.path.insert(0, str(BENCH))
+
+import layer_full  # noqa: E402
+import layer_full_math as lfm  # noqa: E402
+import plot_layer_full  # noqa: E402
+from layer_full_rank import spans_from_trace  # noqa: E402
+
+from tests.megatron.shims import zigzag_rows  # noqa: E402
+
+ROW_KEYS = {"gpus", "backend", "cp", "tp", "T", "layout", "packing", "case", "median_ms", "p10_ms", "p90_ms",
+            "iters", "peak_gib", "machine", "versions", "date", "knobs", "bytes_per_token", "status", "check",
+            "megatron", "core", "cu"}
+TINY = lfm.GDNDims(hidden=32, num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8, conv_width=4)
+FP32_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layer_full") / "layer_full.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--tokens", "256", "--packings", "mixed8,sbhd", "--iters", "2",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"layer_full.py failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_help_lists_the_knobs():
+    text = layer_full.build_parser().format_help()
+    for flag in ("--tokens", "--packings", "--cases", "--warmup", "--iters", "--profile-iters", "--time-limit",
+                 "--stock-from", "--compile-only", "--out", "--quick"):
+        assert flag in text, flag
+
+
+def test_every_case_measured_with_the_promised_fields(smoke):
+    rows, stdout = smoke
+    assert {(r["packing"], r["case"]) for r in rows} == {(p, c) for p in ("mixed8", "sbhd") for c in lfm.CASES}
+    for r in rows:
+        assert ROW_KEYS <= set(r), ROW_KEYS - set(r)
+        assert r["status"] == "ok", (r["case"], r["error"])
+        assert (r["cp"], r["tp"], r["T"], r["backend"], r["gpus"]) == (2, 1, 256, "gloo", 0)
+        assert r["layout"] == ("sbhd" if r["packing"] == "sbhd" else "thd")
+        assert r["iters"] == 2 and len(r["iter_max_ms"]) == 2
+        assert 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        assert r["peak_gib"] is None  # CPU: no CUDA allocator
+        assert r["knobs"]["dims"] == vars(TINY) and r["versions"]["torch"]
+    assert "| T | packing |" in stdout  # the markdown table
+
+
+def test_every_case_equals_cp1(smoke):
+    """Output rows, input-gradient rows and parameter gradients (summed over CP) against CP=1 on
+    the same weights and inputs: the benchmark times code that computes the right thing."""
+    rows, _ = smoke
+    for r in rows:
+        if r["case"] == "cp1_slice":  # the ideal drops the state a slice inherits: not a CP=1 answer
+            assert r["check"] is None
+            continue
+        c = r["check"]
+        assert max(c["out"], c["grad_x"], c["grad_params"]) <= FP32_TOL, (r["packing"], r["case"], c)
+        assert c["suspect"] is False
+
+
+def test_stock_ran_pristine_megatron_in_its_own_ranks(smoke):
+    rows, _ = smoke
+    stock = [r for r in rows if r["case"] == "stock_headwise"]
+    patched = [r for r in rows if r["case"] != "stock_headwise"]
+    assert {r["megatron"]["state"] for r in stock} == {"pristine"}
+    assert {r["megatron"]["state"] for r in patched} == {"patched"}
+    assert {r["megatron"]["root"] for r in stock}.isdisjoint({r["megatron"]["root"] for r in patched})
+    assert all(r["core"] is None for r in stock)  # stock's core is inline: only the layer is timed
+    assert all(r["core"]["median_ms"] > 0 for r in patched)
+
+
+def test_bytes_per_token_in_the_rows(smoke):
+    """fp32 tiny shape: C=128 channels, V=64, Hv=8, H=32, a=4 bytes, cp=2."""
+    rows, _ = smoke
+    by = {(r["packing"], r["case"]): r for r in rows}
+    for p in ("mixed8", "sbhd"):
+        assert by[p, "stock_headwise"]["bytes_per_token"] == (128 + 64 + 16 + 64) * 4  # (cp-1)/cp * 2 directions
+        assert by[p, "headwise"]["bytes_per_token"] == (128 + 64) * 4 + 8 * 8
+        assert by[p, "all_gather"]["bytes_per_token"] == 2 * (128 * 4 + 8 * 8)
+        assert by[p, "cp1_slice"]["bytes_per_token"] == 0
+        assert by[p, "chunkwise_hidden"]["bytes_per_token"] < by[p, "chunkwise_core"]["bytes_per_token"]
+    slices = by["mixed8", "cp1_slice"]
+    assert slices["slices"] == [lfm.contiguous_slice(slices["cu"], 2, r) for r in range(2)]
+    assert slices["critical_rank"] in (0, 1)
+    # mixed8 at T=256, cp=2: the third sequence, rows [100, 140), crosses row 128: rank 0 hands it on
+    # and rank 1 takes it over
+    assert slices["slice_continues"] == [{"from_left": False, "to_right": True}, {"from_left": True, "to_right": False}]
+
+
+def test_markdown_and_merge(smoke, tmp_path):
+    rows, _ = smoke
+    text = plot_layer_full.markdown_tables(rows)
+    assert "stock headwise" in text and "ideal" in text and "x, " in text
+    old = [dict(r, T=512) for r in rows[:2]] + [dict(r, median_ms=-1.0) for r in rows]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(old))
+    b.write_text(json.dumps(rows))
+    merged = plot_layer_full.load_rows([a, b])
+    assert len(merged) == 2 + len(rows)  # T=512 kept, the T=256 rows replaced by the later file
+    assert all(r["median_ms"] > 0 for r in merged)
+
+
+def test_rows_file_replaces_rows_of_the_same_run(tmp_path):
+    path = tmp_path / "rows.json"
+    mine = {"device": "cpu", "gpus": 0, "cp": 2, "tp": 1, "T": 256, "knobs": {"dtype": "float32", "dims": {"a": 1}}}
+    other = dict(mine, T=512)
+    path.write_text(json.dumps([dict(mine, case="x"), dict(other, case="y")]))
+    rows = layer_full.Rows(path, [mine])
+    assert [r["case"] for r in rows.kept] == ["y"]
+    rows.add(dict(mine, case="z"))
+    assert [r["case"] for r in json.loads(path.read_text())] == ["y", "z"]
+    path.write_text(json.dumps({"not": "rows"}))
+    with pytest.raises(SystemExit, match="not a list"):
+        layer_full.Rows(path, [mine])
+
+
+# ---------------------------------------------------------------------------------------------
+# pure pieces
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", lfm.PACKINGS)
+@pytest.mark.parametrize("t", [8192, 32768, 131072])
+def test_packings(name, t):
+    layout, cu = lfm.packing(name, t, 64)
+    assert cu[0] == 0 and cu[-1] == t
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    assert all(n > 0 and n % 64 == 0 for n in lengths)
+    assert len(lengths) == {"mixed8": 8, "long1": 1, "short64": 64, "sbhd": 1}[name]
+    assert layout == ("sbhd" if name == "sbhd" else "thd")
+
+
+def test_packing_errors_name_the_fix():
+    with pytest.raises(ValueError, match="--align"):
+        lfm.packing("long1", 1000, 64)
+    with pytest.raises(ValueError, match="short64"):
+        lfm.packing("short64", 2048, 64)
+    with pytest.raises(ValueError, match="packing must be one of"):
+        lfm.packing("nope", 4096, 64)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("name", ["mixed8", "long1", "short64"])
+def test_rows_leaving_matches_a_per_row_count(cp, name):
+    """Route send splits against the per-row truth: a zigzag row leaves its rank for the contiguous
+    layout when it lies outside the rank's block, and a block row leaves when another rank owns it
+    in the zigzag layout."""
+    _, cu = lfm.packing(name, 4096, 64)
+    t_local = cu[-1] // cp
+    owner = {}
+    for r in range(cp):
+        for g in zigzag_rows(cu, cp, r).tolist():
+            owner[g] = r
+    for r in range(cp):
+        mine = zigzag_rows(cu, cp, r).tolist()
+        to_c = sum(1 for g in mine if g // t_local != r)
+        to_z = sum(1 for g in range(r * t_local, (r + 1) * t_local) if owner[g] != r)
+        assert lfm.rows_leaving("thd", cu, cp, r, "zigzag", "contiguous") == to_c
+        assert lfm.rows_leaving("thd", cu, cp, r, "contiguous", "zigzag") == to_z
+
+
+def test_bytes_per_token_qwen_shape():
+    """Qwen3.5-9B GDN, bf16, CP=2, fwd+bwd: stock headwise 32,896 B/token, gdn-cp headwise 24,832
+    (z stays home), the hidden swap 16,384 on one long sequence plus the state/halo exchange."""
+    q = lfm.GDNDims()
+    cu = [0, 32768]
+    b = lambda case, **kw: lfm.bytes_per_token(case, layout="thd", cu=cu, cp=2, dims=q, act_bytes=2, **kw)  # noqa: E731
+    assert b("stock_headwise")["bytes_per_token"] == 32896
+    assert b("headwise")["bytes_per_token"] == 24832
+    hidden = b("chunkwise_hidden", chunkwise_path="fla")
+    state = 32 * 128 * 256 * 4
+    tail = 3 * 8192 * 2
+    assert hidden["exchange_per_rank"] == [(tail + 2 * state) / 16384] * 2
+    assert hidden["bytes_per_token"] == 16384 + (tail + 2 * state) / 16384
+    assert b("cp1_slice")["bytes_per_token"] == 0
+
+
+def test_iteration_stats_take_the_slowest_rank_per_iteration():
+    s = lfm.iteration_stats([[1.0, 5.0, 3.0], [4.0, 2.0, 3.0]])
+    assert s["iter_max_ms"] == [4.0, 5.0, 3.0]
+    assert s["median_ms"] == 4.0 and s["per_rank_median_ms"] == [3.0, 3.0]
+    assert s["p10_ms"] == pytest.approx(3.2) and s["p90_ms"] == pytest.approx(4.8)
+    with pytest.raises(ValueError, match="same non-zero number"):
+        lfm.iteration_stats([[1.0], [1.0, 2.0]])
+
+
+def test_split_busy_time_gives_each_instant_to_one_part():
+    spans = {"compute": [(0, 10), (5, 12), (30, 40)],  # union 0-12, 30-40
+             "nccl": [(8, 20), (35, 50)],              # exclusive 12-20, 40-50
+             "memcpy": [(19, 25), (60, 61)]}            # exclusive 20-25, 60-61
+    s = lfm.split_busy_time(spans, wall=100)
+    assert (s["compute"], s["nccl"], s["memcpy"]) == (22, 18, 6)
+    assert s["idle"] == 100 - 46 and s["compute"] + s["nccl"] + s["memcpy"] + s["idle"] == 100
+    assert s["compute_total"] == 27 and s["nccl_total"] == 27
+    with pytest.raises(ValueError, match="categories"):
+        lfm.split_busy_time({"cpu": [(0, 1)]}, 1)
+
+
+def test_spans_from_a_kineto_trace():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "chunk_gated_delta_rule_fwd_kernel_h", "ts": 100.0, "dur": 50.0},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+         "ts": 120.0, "dur": 80.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 210.0, "dur": 5.0},
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 220.0, "dur": 1.0},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 90.0, "dur": 3.0},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1.0},
+    ]}
+    spans, by_name = spans_from_trace(trace)
+    assert spans == {"compute": [(100.0, 150.0)], "nccl": [(120.0, 200.0)], "memcpy": [(210.0, 215.0), (220.0, 221.0)]}
+    split = lfm.split_busy_time(spans, wall=200.0)
+    assert split["compute"] == 50 and split["nccl"] == 50 and split["memcpy"] == 6
+    assert by_name["nccl: ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"] == 80.0
+
+
+def test_megatron_trees_pristine_and_patched(tmp_path):
+    """The copies the two pools import: one pristine, one patched, from the installed megatron-core."""
+    from gdn_cp.megatron import patching
+
+    try:
+        root = patching.find_megatron_root()
+    except patching.PatchError as err:
+        pytest.skip(f"megatron-core not installed: {err}")
+    trees = layer_full.prepare_megatron_trees(None, tmp_path)
+    assert patching.overall_state(patching.check_patch(trees["stock"])) == patching.PRISTINE
+    assert patching.overall_state(patching.check_patch(trees["patched"])) == patching.PATCHED
+    assert patching.overall_state(patching.check_patch(root)) in (patching.PRISTINE, patching.PATCHED)  # untouched
