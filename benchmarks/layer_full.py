@@ -75,12 +75,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, import_gdn_cp, machine_info, now_iso, setup_logging, write_json  # noqa: E402
 
-import_gdn_cp()  # also puts the checkout on sys.path for the test harness
+import_gdn_cp()
 
 import torch  # noqa: E402
 
 import layer_full_rank as rank_side  # noqa: E402
 from gdn_cp.layout import build_chunkwise_plan  # noqa: E402
+from gdn_cp.testing.ranks import RankPool  # noqa: E402
 from layer_full_math import (  # noqa: E402
     CASES,
     PACKINGS,
@@ -94,8 +95,6 @@ from layer_full_math import (  # noqa: E402
     run_key,
 )
 
-# Test-harness import (moving to gdn_cp.testing; re-point it here).
-from tests.distributed import RankPool  # noqa: E402
 
 logger = logging.getLogger("benchmarks.layer_full")
 
@@ -305,12 +304,9 @@ class Runner:
                "GDN_CP_TEST_PG_TIMEOUT": str(int(self.args.case_timeout + 60))}
         backend = "gloo" if self.args.device == "cpu" else None
         logger.info("[%4.0fs] spawning %d ranks for %s", self.elapsed(), self.args.cp, kind)
-        pool = RankPool.__new__(RankPool)  # keep a handle: a failed start must not leave ranks behind
-        try:
-            pool.__init__(self.args.cp, backend=backend, timeout_s=self._wait_s(SPAWN_S), env=env)
-        except BaseException:
-            self._kill(pool)
-            raise
+        # A pool that fails to start kills its own ranks before raising.
+        pool = RankPool(self.args.cp, device=self.args.device, backend=backend,
+                        timeout_s=self._wait_s(SPAWN_S), env=env)
         self.pool, self.kind = pool, kind
         infos = self.call(rank_side.rank_setup, setup_spec, at_least=SPAWN_S)
         self.infos[kind] = infos
@@ -329,28 +325,15 @@ class Runner:
                 self.close(kill=True)
             raise
 
-    @staticmethod
-    def _kill(pool) -> None:
-        for p in getattr(pool, "_procs", []):
-            try:
-                if p.is_alive():
-                    p.kill()
-                p.join(timeout=5)
-            except Exception:  # noqa: BLE001 - never started
-                pass
-
     def close(self, kill: bool = False) -> None:
         pool, self.pool, self.kind = self.pool, None, None
         if pool is None:
             return
         if kill or pool.broken:
             self.kills += 1
-            self._kill(pool)
+            pool.kill()
             return
-        try:
-            pool.close()
-        except Exception:  # noqa: BLE001
-            self._kill(pool)
+        pool.close()
 
 
 # ---------------------------------------------------------------------------------------------

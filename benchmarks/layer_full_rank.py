@@ -11,7 +11,7 @@ megatron, checks which file was imported, and builds the layers once per rank:
 - ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
   CP=1 reference of the correctness check.
 
-Weights come from a seeded generator by parameter name (``shims.set_params``), inputs from a
+Weights come from a seeded generator by parameter name (``gdn_cp.testing.megatron_layer.set_params``), inputs from a
 seeded generator on the device: identical on every rank, in both pools, for every case.
 
 :func:`rank_case` runs one case in one of two phases:
@@ -43,16 +43,15 @@ import torch.nn.functional as F
 
 from layer_full_math import CATEGORIES, GDNDims, contiguous_slice, split_busy_time
 
-# Test-harness imports, in one place (they are moving to gdn_cp.testing; re-point them here).
-from tests.megatron.shims import (  # noqa: E402
+from gdn_cp.testing.megatron_layer import (  # noqa: E402
     build_gdn,
     install_cpu_shims,
     install_gpu_shims,
-    rel_l2,
     stock_forward,
     thd_params,
-    zigzag_rows,
 )
+from gdn_cp.testing.metrics import rel_l2  # noqa: E402
+from gdn_cp.testing.packings import zigzag_rows  # noqa: E402
 
 GIB = float(2**30)
 _STATE: dict = {}

@@ -24,7 +24,7 @@ import layer_full_math as lfm  # noqa: E402
 import plot_layer_full  # noqa: E402
 from layer_full_rank import spans_from_trace  # noqa: E402
 
-from tests.megatron.shims import zigzag_rows  # noqa: E402
+from gdn_cp.testing.packings import zigzag_rows  # noqa: E402
 
 ROW_KEYS = {"gpus", "backend", "cp", "tp", "T", "layout", "packing", "case", "median_ms", "p10_ms", "p90_ms",
             "iters", "peak_gib", "machine", "versions", "date", "knobs", "bytes_per_token", "status", "check",
