@@ -3,12 +3,13 @@
 #
 #   bash benchmarks/gpu_suite.sh [pytest args...]        # default: -x -q
 #
-# 1. installs the carried wheels (.whl/*.whl: fla-core, flash-linear-attention) into /tmp/site;
+# 1. installs the carried wheels (.whl/*.whl: fla-core, flash-linear-attention, megatron-core) into
+#    /tmp/site and applies the gdn-cp patch to that megatron-core;
 # 2. restores the Triton cache (compiled kernels + FLA autotune results, FLA_CACHE_RESULTS=1) from
 #    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
 # 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
-#    parity; "syncs": benchmarks/syncs.py; "layer": benchmarks/layer_bench.py; "layer_full":
-#    benchmarks/layer_full.py with GDN_CP_LAYER_FULL_ARGS, e.g. "--tokens 32K"), each under a time
+#    parity; "warm", "args", "syncs", "layer", "layer_full": see run_stage below; stages joined by
+#    "+" run side by side), each under a time
 #    limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON files
 #    from the benchmarks, and everything printed in $OUT/run.log;
 # 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if
@@ -24,7 +25,7 @@
 # On the device machine: carry [".whl", ".triton_cache"] and run
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 OUT=${OUT:-/tmp/gdn_cp_gpu_out}
 mkdir -p "$OUT"
@@ -34,6 +35,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  # Patched once, before any stage: side-by-side stages then never patch or revert it under another.
+  if [ -d /tmp/site/megatron ]; then
+    python3 -m gdn_cp.cli patch apply /tmp/site || { echo "patch apply failed"; exit 1; }
+  fi
 else
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -61,16 +66,25 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| cuda
 EOF
 
 # Stages (GDN_CP_STAGES, default "tests"): tests = pytest tests/gpu + the Megatron GPU parity;
-# syncs = benchmarks/syncs.py; layer = benchmarks/layer_bench.py; layer_full = benchmarks/layer_full.py.
-# Each under its own time limit.
-RC=0
-for stage in ${GDN_CP_STAGES:-tests}; do
-  T1=$(date +%s)
+# warm = benchmarks/warm_kernels.py (FLA kernels compiled side by side, one process per shape);
+# syncs = benchmarks/syncs.py; layer = benchmarks/layer_bench.py; layer_full = benchmarks/layer_full.py;
+# args = the megatron.training argument test (Python >= 3.12). Each under its own time limit.
+# Stages joined by "+" run side by side (each one's output goes to a temp file, printed whole into
+# run.log when all are done: what comes back from the device is limited to 8 files), e.g. GDN_CP_STAGES="warm+tests layer_full": the small-shape tests while warm compiles the
+# benchmark's shapes, then the benchmark alone on the GPUs.
+run_stage() {
+  local stage=$1; shift
+  local T1; T1=$(date +%s)
   case $stage in
     tests)
-      ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-q)
+      local ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-q)
       timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/megatron \
         -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}" ;;
+    args)
+      timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
+    warm)
+      # shellcheck disable=SC2086
+      python3 benchmarks/warm_kernels.py --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 benchmarks/syncs.py --out "$OUT/syncs.json" ;;
     layer)
@@ -83,9 +97,28 @@ for stage in ${GDN_CP_STAGES:-tests}; do
         --out "$OUT/layer_full.json" --time-limit "${GDN_CP_LAYER_FULL_TIMEOUT:-480}" ${GDN_CP_LAYER_FULL_ARGS:-} ;;
     *) echo "unknown stage $stage"; false ;;
   esac
-  rc=$?
+  local rc=$?
   echo "== stage $stage: rc=$rc in $(( $(date +%s) - T1 ))s"
-  [ $rc -ne 0 ] && RC=$rc
+  return $rc
+}
+
+RC=0
+for group in ${GDN_CP_STAGES:-tests}; do
+  if [ "$group" = "${group//+/}" ]; then
+    run_stage "$group" "$@" || RC=$?
+    continue
+  fi
+  PIDS=()
+  for stage in ${group//+/ }; do
+    run_stage "$stage" "$@" > "/tmp/gdn_cp_stage_$stage.log" 2>&1 &
+    PIDS+=($!)
+  done
+  for pid in "${PIDS[@]}"; do
+    wait "$pid" || RC=$?
+  done
+  for stage in ${group//+/ }; do
+    echo "== side-by-side stage $stage:"; cat "/tmp/gdn_cp_stage_$stage.log"
+  done
 done
 
 # save the Triton cache (split for the 16 MiB-per-file limit on what comes back)
