@@ -20,11 +20,16 @@ from .metrics import max_rel
 from .packings import thd_case, zigzag_rows
 
 __all__ = [
-    "HIDDEN", "MODES", "SBHD_BATCH", "case_inputs", "compare", "cp1_answer", "parity_case", "sbhd_len", "tp_parity_case",
+    "GPU_CFG", "HIDDEN", "MODES", "SBHD_BATCH", "case_inputs", "compare", "cp1_answer", "parity_case", "sbhd_len",
+    "tp_grid_case", "tp_parity_case",
 ]
 
 MODES = MODE_NAMES
 SBHD_BATCH = 2
+# The GPU parity tests' layer (FLA backend): FLA's Triton kernels want head dims of at least 16, and
+# compile per head shape, so every GPU test uses this one shape (the rest small and fast).
+GPU_CFG = dict(deterministic_mode=False, hidden_size=128, linear_num_key_heads=4, linear_num_value_heads=8,
+               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
 HIDDEN = DIMS["hidden_size"]
 
 
@@ -165,4 +170,22 @@ def tp_parity_case(layout, dtype, modes, *, tp_group, cp_group, static_cp_group=
             if g is not None:
                 dist.all_reduce(g, group=cp_group)
         out[mode] = compare((y, gx, gather_tp_grads(module, grads, tp_group)), want, rows, metric)
+    return out
+
+
+def tp_grid_case(grid, dtypes, modes=MODES, layouts=("sbhd", "thd"), **kw) -> dict:
+    """:func:`tp_parity_case` for every ``(tp, cp, sequence_parallel)`` of ``grid``, layout and dtype,
+    on Megatron's rank grid (:func:`gdn_cp.testing.megatron_tp.tp_cp_groups`; data-parallel
+    replicas get different data). Returns ``{(tp, cp, sp, layout, str(dtype)): {mode: errors}}``;
+    ``kw`` goes to :func:`tp_parity_case` (cfg, device, metric, bias, ...)."""
+    from .megatron_tp import tp_cp_groups
+
+    out = {}
+    for tp, cp, sp in grid:
+        tp_group, cp_group, dp_rank = tp_cp_groups(tp, cp)
+        for layout in layouts:
+            for dtype in dtypes:
+                out[(tp, cp, sp, layout, str(dtype))] = tp_parity_case(
+                    layout, dtype, modes, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sp,
+                    data_seed=dp_rank, **kw)
     return out

@@ -23,7 +23,7 @@ import contextlib
 import pytest
 import torch
 
-from gdn_cp.testing.megatron_parity import MODES, tp_parity_case
+from gdn_cp.testing.megatron_parity import MODES, tp_grid_case, tp_parity_case
 from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
 
 pytestmark = pytest.mark.megatron
@@ -100,17 +100,7 @@ def test_tp_split_is_megatrons_checkpoint_layout(patched_megatron, rank_pool):
 # 1. TP=2 x CP=2 and TP=2 x CP=1, SP off and on, every mode, SBHD and THD, fp64 and fp32
 # ------------------------------------------------------------------------------------------
 def _grid(ctx, grid, dtypes, cfg=None, modes=MODES):
-    from gdn_cp.testing.megatron_tp import tp_cp_groups
-
-    out = {}
-    for tp, cp, sp in grid:
-        tp_group, cp_group, dp_rank = tp_cp_groups(tp, cp)
-        for layout in LAYOUTS:
-            for dtype in dtypes:
-                out[(tp, cp, sp, layout, str(dtype))] = tp_parity_case(
-                    layout, dtype, modes, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sp,
-                    data_seed=dp_rank, cfg=cfg)
-    return out
+    return tp_grid_case(grid, dtypes, modes, LAYOUTS, cfg=cfg)
 
 
 TP_GRID = [(2, 2, False), (2, 2, True), (2, 1, False), (2, 1, True)]
