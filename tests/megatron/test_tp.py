@@ -380,6 +380,34 @@ def test_out_norm_gradient_after_finalize_model_grads(patched_megatron, rank_poo
                 (case, rank, errs)
 
 
+def _hook_once(ctx):
+    """Steps on one TP=2 layer (stock CP=1 SBHD path twice, gdn-cp's path twice, THD): the out_norm
+    gradient sum is installed once, so every step's gradient is the same full gradient."""
+    from gdn_cp.testing.inputs import hidden_inputs
+    from gdn_cp.testing.megatron_layer import build_gdn, gdn_cp_forward, make_config, run_layer, thd_params
+    from gdn_cp.testing.megatron_tp import tp_cp_groups
+    from gdn_cp.testing.packings import thd_case
+
+    tp_group, single, _ = tp_cp_groups(2, 1)
+    module = build_gdn(make_config(1, "chunkwise", torch.float64, tensor_model_parallel_size=2), single,
+                       tp_group=tp_group)
+    cu_pad, cu_act = thd_case(1)
+    x, dout = hidden_inputs(cu_pad[-1], 1, torch.float64, 3, module.config.hidden_size)
+    grads = [run_layer(module, x, dout)[2]["out_norm.weight"] for _ in range(2)]
+    with gdn_cp_forward():
+        grads += [run_layer(module, x, dout)[2]["out_norm.weight"] for _ in range(2)]
+    run_layer(module, x, dout, thd_params(cu_pad, cu_act))
+    return [len(module.out_norm.weight._backward_hooks)] + grads
+
+
+def test_out_norm_gradient_sum_is_installed_once(patched_megatron, rank_pool):
+    for rank, (hooks, *grads) in enumerate(rank_pool(WORLD).run(_hook_once)):
+        assert hooks == 1, (rank, hooks)
+        assert torch.equal(grads[0], grads[1]) and torch.equal(grads[2], grads[3]), rank
+        # stock path (fp32 core) == gdn-cp path (fp64): the same sum, not twice it
+        assert torch.allclose(grads[0], grads[2], rtol=1e-5, atol=0), rank
+
+
 # ------------------------------------------------------------------------------------------
 # 4. combinations that cannot work fail before any collective
 # ------------------------------------------------------------------------------------------
