@@ -7,7 +7,8 @@
 # 2. restores the Triton cache (compiled kernels + FLA autotune results, FLA_CACHE_RESULTS=1) from
 #    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
 # 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
-#    parity; "syncs": benchmarks/syncs.py; "layer": benchmarks/layer_bench.py; "layer_full":
+#    parity, CP and TP x CP: tests/megatron/test_gpu_tp.py wants 2 GPUs, 4 for TP=2 x CP=2, and
+#    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "syncs": benchmarks/syncs.py; "layer": benchmarks/layer_bench.py; "layer_full":
 #    benchmarks/layer_full.py with GDN_CP_LAYER_FULL_ARGS, e.g. "--tokens 32K"), each under a time
 #    limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON files
 #    from the benchmarks, and everything printed in $OUT/run.log;

@@ -212,7 +212,8 @@ def test_heads_dividing_tp_but_not_tp_times_cp(patched_megatron, rank_pool):
                        "linear_num_key_heads=2", "'chunkwise'"):
             assert needle in msg, (needle, msg)
     with pytest.raises(ValueError, match=r"headwise.*tensor_model_parallel_size=2, context_parallel_size=2.*"
-                                         r"linear_num_key_heads=2 is not divisible by TP\*CP=2\*2=4.*'chunkwise' or 'all_gather'"):
+                                         r"linear_num_key_heads=2 is not divisible by TP\*CP=2\*2=4.*"
+                                         r"'chunkwise' or 'all_gather'"):
         make_config(2, "headwise", torch.float64, tensor_model_parallel_size=2, **TP_ONLY_HEADS)
 
 
