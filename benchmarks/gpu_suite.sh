@@ -8,8 +8,9 @@
 # 2. restores the Triton cache (compiled kernels + FLA autotune results, FLA_CACHE_RESULTS=1) from
 #    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
 # 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
-#    parity; "warm", "args", "syncs", "layer", "layer_full": see run_stage below; stages joined by
-#    "+" run side by side), each under a time
+#    parity, CP and TP x CP: tests/megatron/test_gpu_tp.py wants 2 GPUs, 4 for TP=2 x CP=2, and
+#    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "warm", "args", "syncs", "layer",
+#    "layer_full": see run_stage below; stages joined by "+" run side by side), each under a time
 #    limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON files
 #    from the benchmarks, and everything printed in $OUT/run.log;
 # 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if

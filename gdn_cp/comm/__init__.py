@@ -5,11 +5,13 @@ from .collectives import (
     comm_stats,
     group_backend,
     group_rank,
+    group_ranks,
     group_size,
     head_to_seq,
     reset_comm_stats,
     route_all_to_all,
     seq_to_head,
+    sum_over_group,
 )
 
 __all__ = [
@@ -17,9 +19,11 @@ __all__ = [
     "comm_stats",
     "group_backend",
     "group_rank",
+    "group_ranks",
     "group_size",
     "head_to_seq",
     "reset_comm_stats",
     "route_all_to_all",
     "seq_to_head",
+    "sum_over_group",
 ]

@@ -1,4 +1,5 @@
-"""Differentiable collectives over an explicit CP process group.
+"""Differentiable collectives over an explicit CP process group, and the two TP helpers the
+Megatron glue needs (group membership, a gradient sum for TP-replicated parameters).
 
 The only module that calls torch.distributed. Every op flattens its tensor to
 ``[rows, features]`` contiguous so that it runs on NCCL and on gloo, with CPU or CUDA
@@ -20,6 +21,8 @@ __all__ = [
     "group_size",
     "group_rank",
     "group_backend",
+    "group_ranks",
+    "sum_over_group",
     "route_all_to_all",
     "seq_to_head",
     "head_to_seq",
@@ -60,6 +63,20 @@ def group_rank(group) -> int:
 def group_backend(group) -> str:
     """The group's backend name (``"nccl"``, ``"gloo"``, ...): a host-side lookup."""
     return dist.get_backend(group)
+
+
+def group_ranks(group) -> tuple[int, ...]:
+    """Global ranks of the group's members, in group-rank order (a host-side lookup)."""
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
+    """A copy of ``x`` summed over ``group`` (any shape). Not differentiable: it is meant for
+    gradient hooks, where the result replaces the gradient."""
+    out = x.contiguous().clone()
+    _count("grad_all_reduce", out)
+    dist.all_reduce(out, group=group)
+    return out
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

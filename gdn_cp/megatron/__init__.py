@@ -1,6 +1,7 @@
 """Megatron-Core glue: ``linear_cp_mode`` checks and resolution (:mod:`.config`), the patched
-GatedDeltaNet forward (:mod:`.gdn`), the supported megatron-core releases and their adapters
-(:mod:`.pins`), and installing / checking / reverting the pinned patch (:mod:`.patching`).
+GatedDeltaNet forward (:mod:`.gdn`), out_norm's gradient sum over TP (:mod:`.tp_grads`), the
+supported megatron-core releases and their adapters (:mod:`.pins`), and installing / checking /
+reverting the pinned patch (:mod:`.patching`).
 
 Importing this package imports nothing else: the names below load their module on first use,
 so ``gdn_cp.megatron.patching`` (the ``gdn-cp patch`` command) stays free of torch.

@@ -28,7 +28,7 @@ from functools import lru_cache, partial
 import torch
 import torch.nn.functional as F
 
-from ..comm import route_all_to_all
+from ..comm import group_ranks, route_all_to_all
 from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
 from ..modes import GDNShape, gdn_core, sbhd_to_thd, thd_to_sbhd
@@ -36,6 +36,7 @@ from ..ops import get_backend
 from . import config as _config
 from .pins import load_adapter, pin_of_layer_class
 from .swap import choose_swap_point, chunkwise_swap
+from .tp_grads import install_tp_grad_sum
 
 __all__ = [
     "should_dispatch", "gated_delta_net_forward", "resolve_cp_group", "choose_backend", "layer_adapter", "ROUTE_CACHE_ATTR",
@@ -47,6 +48,7 @@ ROUTE_CACHE_ATTR = "_gdn_cp_route_cache"  # RouteCache stored on each micro-batc
 _SWAP_ATTR = "_gdn_cp_swap_points"  # chunkwise swap point per (setting, hidden size, dtype) on a layer
 _SBHD_PLANS_ATTR = "_gdn_cp_sbhd_plans"
 _VALIDATED_ATTR = "_gdn_cp_validated_modes"  # (mode, tp, cp) already checked on this layer
+_DISJOINT_ATTR = "_gdn_cp_cp_groups_disjoint_from_tp"  # id(CP group) -> the group, checked against TP
 
 
 @lru_cache(maxsize=None)
@@ -103,12 +105,43 @@ def should_dispatch(module, packed_seq_params) -> bool:
     A static CP group of more than one rank always dispatches, even when this micro-batch's
     dynamic group has a single rank: the stock code below the hand-over would use the static
     group (``self.cp_size``, ``pg_collection.cp``); gdn-cp runs such a micro-batch without CP.
+
+    It also installs, on the first call, the TP gradient sum of ``out_norm``
+    (:mod:`gdn_cp.megatron.tp_grads`): this is the one gdn-cp function every forward of the
+    patched layer runs, so the stock path (CP=1 SBHD) gets the fix too.
     """
+    layer = layer_adapter(module)
+    install_tp_grad_sum(layer)
     if _is_thd(packed_seq_params):
         return True
-    if layer_adapter(module).static_cp_group.size() > 1:
+    if layer.static_cp_group.size() > 1:
         return True
     return resolve_cp_group(module, packed_seq_params).size() > 1
+
+
+def _check_cp_group_disjoint_from_tp(layer, group, dynamic: bool) -> None:
+    """ValueError when the CP group shares a rank other than this one with the TP group.
+
+    The ranks of one TP group hold the same tokens (or, under sequence parallelism, slices that
+    in_proj gathers), so a CP group must take one rank of each TP group: a CP group inside a TP
+    group would split tokens that TP expects to be identical. Checked on the host (group
+    membership, no collective) once per (layer, group).
+    """
+    if layer.tp_size == 1:
+        return
+    checked = layer.layer.__dict__.setdefault(_DISJOINT_ATTR, {})
+    if checked.get(id(group)) is group:
+        return
+    cp_ranks, tp_ranks = group_ranks(group), group_ranks(layer.tp_group)
+    shared = sorted(set(cp_ranks) & set(tp_ranks))
+    if len(shared) > 1:
+        field = "PackedSeqParams.cp_group" if dynamic else "pg_collection.cp (the static CP group)"
+        raise ValueError(
+            f"{field} has ranks {list(cp_ranks)}, of which {shared} are also in this layer's tensor-parallel "
+            f"group {list(tp_ranks)}; a CP group may hold at most one rank of each TP group: pass the ranks "
+            f"that share this rank's TP index (Megatron's layout: rank = tp_rank + {layer.tp_size} * cp_rank)"
+        )
+    checked[id(group)] = group  # keeps the group alive, so its id cannot be reused by another
 
 
 def _checked_mode(layer, cp: int) -> str:
@@ -266,6 +299,7 @@ def gated_delta_net_forward(
     thd = _is_thd(packed_seq_params)
     group = resolve_cp_group(module, packed_seq_params)
     cp = group.size()
+    _check_cp_group_disjoint_from_tp(layer, group, dynamic=group is not layer.static_cp_group)
     mode = _checked_mode(layer, cp)
     shape = _core_shape(layer)
 

@@ -69,8 +69,10 @@ def choose_swap_point(
     hidden = 2 * hidden_size * act_bytes if allowed else None
     if requested == "hidden" and hidden is None:
         raise ValueError(
-            "chunkwise swap at hidden_states is not possible with sequence_parallel and "
-            f"tensor_model_parallel_size={tp}; use 'core' or 'auto'"
+            "chunkwise swap at hidden_states (set_chunkwise_swap('hidden')) is not possible with "
+            f"sequence_parallel=True and tensor_model_parallel_size={tp}: hidden_states are then split "
+            "along the sequence over TP and gathered inside in_proj; call "
+            "gdn_cp.megatron.swap.set_chunkwise_swap('core') or ('auto')"
         )
     if requested != "auto":
         return SwapChoice(requested, core, hidden, stock, "requested")

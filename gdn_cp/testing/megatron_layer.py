@@ -14,6 +14,8 @@ belong in test and benchmark processes only, never in a training job):
   on a GPU this is the only change (:func:`install_gpu_shims`);
 * Megatron's checkpoint helpers save and restore the CUDA RNG state: on the CPU they get the CPU
   generator's state instead;
+* ``torch.cuda.current_stream()`` -> a stream that waits for nothing (Megatron's
+  DistributedDataParallel asks for it in its gradient sync, to wait on CUDA-graph events);
 * without TransformerEngine, 0.19.2's ``CheckpointWithoutOutput()`` (gdn_norm_out recompute) is
   broken (``self.fp8 = fp8 is not None`` is True for the default ``fp8=False``, then TE's
   ``FP8GlobalStateManager`` is a NameError): stand-ins that say "no fp8" are installed when TE is
@@ -21,7 +23,12 @@ belong in test and benchmark processes only, never in a training job):
 
 The 0.19.2 local spec has ``in_proj=None`` for GDN (no layer-norm-fused linear without TE), so the
 submodules are built by hand (ColumnParallelLinear / the local RMSNorm / RowParallelLinear), and
-weights come from a seeded generator, identical on every rank and for every CP size.
+weights come from a seeded generator, identical on every rank and for every CP size. Under TP
+(``build_gdn(..., tp_group=...)``) each rank gets its part of the same full weights
+(:mod:`gdn_cp.testing.megatron_tp`). Under sequence parallelism Megatron's local norm refuses to
+build ("sequence parallel not supported by torch LayerNorm"), so ``out_norm`` is then
+:class:`SequenceParallelRMSNorm`: torch's RMSNorm with its weight tagged ``sequence_parallel``,
+as TransformerEngine's and Apex's norms tag theirs.
 """
 
 from __future__ import annotations
@@ -37,8 +44,10 @@ from .metrics import max_rel
 
 __all__ = [
     "DIMS",
+    "SequenceParallelRMSNorm",
     "assert_patched",
     "build_gdn",
+    "gdn_cp_forward",
     "install_cpu_shims",
     "install_gpu_shims",
     "make_config",
@@ -62,12 +71,23 @@ def _torch_l2norm(x, dim: int = -1, eps: float = 1e-6, **_):
     return x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
 
 
+class _CpuStream:
+    """Stands in for ``torch.cuda.current_stream()`` on the CPU: work is done when issued."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
 def install_cpu_shims() -> None:
     """Idempotent. Call in every process that builds or runs a GatedDeltaNet on the CPU."""
     global _CPU_SHIMS_INSTALLED
     if _CPU_SHIMS_INSTALLED:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_stream = lambda *a, **k: _CpuStream()
     torch._dynamo.config.disable = True
     import megatron.core.ssm.gated_delta_net.common as common
     import megatron.core.tensor_parallel.random as mrandom
@@ -135,12 +155,12 @@ def rank_groups() -> dict:
     return _GROUPS
 
 
-def pg_collection(cp_group):
-    """A ProcessGroupCollection with TP = this rank alone and the given CP group."""
+def pg_collection(cp_group, tp_group=None):
+    """A ProcessGroupCollection with the given CP group and TP group (default: this rank alone)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     pg = ProcessGroupCollection()
-    pg.tp = rank_groups()["self"]
+    pg.tp = rank_groups()["self"] if tp_group is None else tp_group
     pg.cp = cp_group
     return pg
 
@@ -161,21 +181,32 @@ def make_config(cp: int, mode: str = "headwise", dtype=torch.float32, **override
     return TransformerConfig(**kw)
 
 
-def _submodules():
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """``out_norm`` for sequence-parallel tests: torch's RMSNorm over the last dim, its weight tagged
+    ``sequence_parallel = config.sequence_parallel`` as TransformerEngine's and Apex's norms tag
+    theirs (so ``finalize_model_grads`` treats it as it treats theirs). Megatron's local norm
+    refuses sequence parallelism, and TransformerEngine cannot be installed on the test machines."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm needs normalization='RMSNorm', got {config.normalization!r}")
+        super().__init__(hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+def _submodules(sequence_parallel: bool = False):
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    return GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear,
-        out_norm=LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False),
-        out_proj=RowParallelLinear,
-    )
+    norm = SequenceParallelRMSNorm if sequence_parallel else LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False)
+    return GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear)
 
 
-def build_gdn(config, cp_group, *, seed: int = 0, layer_number: int = 1, bias: bool = False,
+def build_gdn(config, cp_group, *, tp_group=None, seed: int = 0, layer_number: int = 1, bias: bool = False,
               conv_bias: bool = False, device="cpu"):
-    """A GatedDeltaNet with the given CP group and seeded weights (same on every rank and CP size).
+    """A GatedDeltaNet with the given CP (and TP) group and seeded weights: the same full weights on
+    every rank and for every CP and TP size; under TP each rank holds its part of them.
 
     The module is cast to ``config.params_dtype`` as a whole (the local RMSNorm makes an fp32
     weight whatever params_dtype says).
@@ -186,11 +217,48 @@ def build_gdn(config, cp_group, *, seed: int = 0, layer_number: int = 1, bias: b
         install_gpu_shims()
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    module = GatedDeltaNet(config, _submodules(), layer_number=layer_number, bias=bias,
-                           conv_bias=conv_bias, pg_collection=pg_collection(cp_group))
+    tp = 1 if tp_group is None else tp_group.size()
+    if config.sequence_parallel:
+        _ensure_global_memory_buffer()
+    if tp != config.tensor_model_parallel_size:
+        raise ValueError(f"tp_group has {tp} ranks but config.tensor_model_parallel_size="
+                         f"{config.tensor_model_parallel_size}; pass the TP group of that size")
+    module = GatedDeltaNet(config, _submodules(config.sequence_parallel), layer_number=layer_number, bias=bias,
+                           conv_bias=conv_bias, pg_collection=pg_collection(cp_group, tp_group))
     module.to(device=device, dtype=config.params_dtype)
-    set_params(module, seed)
+    if tp == 1:
+        set_params(module, seed)
+    else:
+        _load_tp_part(module, config, tp_group.rank(), seed=seed, layer_number=layer_number, bias=bias,
+                      conv_bias=conv_bias, device=device)
     return module
+
+
+def _ensure_global_memory_buffer() -> None:
+    """Megatron's sequence-parallel linears gather into ``parallel_state``'s global memory buffer,
+    which ``initialize_model_parallel`` creates; tests that pass their own groups create it here."""
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def _load_tp_part(module, config, tp_rank: int, **build):
+    """Copy this TP rank's part of the full weights (those of the same layer at TP=1) into ``module``."""
+    import dataclasses
+
+    from .megatron_tp import shard_for_tp, tp_splits
+
+    full_config = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
+                                      context_parallel_size=1)
+    group = rank_groups()["self"]
+    full = dict(build_gdn(full_config, group, **build).named_parameters())
+    tp = config.tensor_model_parallel_size
+    splits = tp_splits(module)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            split = splits[name]
+            p.copy_(full[name] if split is None else shard_for_tp(full[name], split, tp_rank, tp))
 
 
 def set_params(module, seed: int) -> None:
@@ -254,14 +322,32 @@ def stock_forward():
         glue.should_dispatch = saved
 
 
-def run_layer(module, x, dout, packed_seq_params=None, forward=None):
-    """Forward + backward of one layer call. Returns ``(out [+ bias], x.grad, {param: grad})``."""
+@contextlib.contextmanager
+def gdn_cp_forward():
+    """Hand every GatedDeltaNet call to gdn-cp's forward, CP=1 SBHD included (stock 0.19.2 computes
+    its deterministic core in fp32: fp64 comparisons at CP=1 SBHD need gdn-cp's path). The real
+    ``should_dispatch`` still runs first, so whatever it installs on the layer is installed."""
+    import gdn_cp.megatron.gdn as glue
+
+    saved = glue.should_dispatch
+    glue.should_dispatch = lambda module, packed_seq_params: saved(module, packed_seq_params) or True
+    try:
+        yield
+    finally:
+        glue.should_dispatch = saved
+
+
+def run_layer(module, x, dout, packed_seq_params=None, forward=None, after_backward=None):
+    """Forward + backward of one layer call. Returns ``(out [+ bias], x.grad, {param: grad})``;
+    ``after_backward(module)`` runs before the gradients are read (e.g. a finalize step)."""
     module.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
     fwd = forward or module
     out, bias = fwd(x, None, packed_seq_params=packed_seq_params)
     y = out if bias is None else out + bias
     y.backward(dout)
+    if after_backward is not None:
+        after_backward(module)
     grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
     return y.detach(), x.grad.detach(), grads
 

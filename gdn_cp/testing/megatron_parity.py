@@ -1,4 +1,5 @@
-"""The Megatron parity case: the patched GatedDeltaNet under CP against the same module at CP=1.
+"""The Megatron parity case: the patched GatedDeltaNet under CP (and TP, sequence parallelism:
+:func:`tp_parity_case`) against the same module at CP=1 (TP=1) on the same full weights.
 
 Run inside every rank of a CP group (a :class:`gdn_cp.testing.ranks.RankPool` case). Shared by the
 CPU tests (fp64/fp32, reference backend), the GPU tests (bf16, FLA) and benchmarks that must time
@@ -7,20 +8,28 @@ correct code.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 
 import torch
 
 from ..modes.spec import MODE_NAMES
 from .inputs import hidden_inputs
-from .megatron_layer import DIMS, build_gdn, make_config, rank_groups, run_layer, thd_params
+from .megatron_layer import DIMS, build_gdn, gdn_cp_forward, make_config, rank_groups, run_layer, thd_params
 from .metrics import max_rel
 from .packings import thd_case, zigzag_rows
 
-__all__ = ["HIDDEN", "MODES", "SBHD_BATCH", "compare", "parity_case", "sbhd_len"]
+__all__ = [
+    "GPU_CFG", "HIDDEN", "MODES", "SBHD_BATCH", "case_inputs", "compare", "cp1_answer", "parity_case", "sbhd_len",
+    "tp_grid_case", "tp_parity_case",
+]
 
 MODES = MODE_NAMES
 SBHD_BATCH = 2
+# The GPU parity tests' layer (FLA backend): FLA's Triton kernels want head dims of at least 16, and
+# compile per head shape, so every GPU test uses this one shape (the rest small and fast).
+GPU_CFG = dict(deterministic_mode=False, hidden_size=128, linear_num_key_heads=4, linear_num_value_heads=8,
+               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
 HIDDEN = DIMS["hidden_size"]
 
 
@@ -43,6 +52,36 @@ def compare(got, want, rows, metric=max_rel) -> dict:
     return errs
 
 
+def case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device):
+    """``(x, dout, rows, psp)``: global ``[S, B, H]`` / ``[T, 1, H]`` inputs of the case, this CP
+    rank's global rows (zigzag) and ``psp(**dynamic_cp_fields)`` -> its PackedSeqParams (SBHD: None
+    unless fields are given)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if layout == "sbhd":
+        s = sbhd_len(cp)
+        x, dout = hidden_inputs(s, SBHD_BATCH, dtype, 100 + cp + 1000 * data_seed, hidden, device)
+        rows = zigzag_rows([0, s], cp, cp_rank).to(device)
+        psp = lambda **kw: PackedSeqParams(qkv_format="sbhd", **kw) if kw else None  # noqa: E731
+    else:
+        cu_pad, cu_act = thd_case(cp)
+        x, dout = hidden_inputs(cu_pad[-1], 1, dtype, 200 + cp + 1000 * data_seed, hidden, device)
+        rows = zigzag_rows(cu_pad, cp, cp_rank).to(device)
+        psp = lambda **kw: thd_params(cu_pad, cu_act, device=device, **kw)  # noqa: E731
+    return x, dout, rows, psp
+
+
+def cp1_answer(base, layout, dtype, x, dout, psp):
+    """The TP=1 CP=1 answer on the whole input. fp64 SBHD runs gdn-cp's path at CP=1 (stock
+    computes its deterministic core in fp32); everything else runs the module as a user gets it."""
+    from gdn_cp.megatron.gdn import gated_delta_net_forward
+
+    forward = None
+    if layout == "sbhd" and dtype == torch.float64:
+        forward = partial(gated_delta_net_forward, base)
+    return run_layer(base, x, dout, psp(), forward=forward)
+
+
 def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, dynamic=False, seed=1,
                 data_seed=0, bias=True, conv_bias=True, device="cpu", metric=max_rel):
     """One layout (``"sbhd"`` or ``"thd"``) and dtype on this rank: the CP=1 answer, then each mode
@@ -56,9 +95,6 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     ``device`` / ``metric``: the GPU tests pass "cuda" and :func:`gdn_cp.testing.metrics.rel_l2`.
     """
     import torch.distributed as dist
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    from gdn_cp.megatron.gdn import gated_delta_net_forward
 
     groups = rank_groups()
     cp_group = groups["world"] if cp_group is None else cp_group
@@ -69,22 +105,9 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     hidden = cfg.get("hidden_size", DIMS["hidden_size"])
     extra = dict(cp_group=cp_group, local_cp_size=cp) if dynamic else {}
 
-    if layout == "sbhd":
-        s = sbhd_len(cp)
-        x, dout = hidden_inputs(s, SBHD_BATCH, dtype, 100 + cp + 1000 * data_seed, hidden, device)
-        rows = zigzag_rows([0, s], cp, cp_rank).to(device)
-        psp = lambda **kw: PackedSeqParams(qkv_format="sbhd", **kw) if kw else None  # noqa: E731
-    else:
-        cu_pad, cu_act = thd_case(cp)
-        x, dout = hidden_inputs(cu_pad[-1], 1, dtype, 200 + cp + 1000 * data_seed, hidden, device)
-        rows = zigzag_rows(cu_pad, cp, cp_rank).to(device)
-        psp = lambda **kw: thd_params(cu_pad, cu_act, device=device, **kw)  # noqa: E731
-
+    x, dout, rows, psp = case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device)
     base = build(make_config(1, "headwise", dtype, **cfg), groups["self"])
-    forward = None
-    if layout == "sbhd" and dtype == torch.float64:  # stock computes its core in fp32
-        forward = partial(gated_delta_net_forward, base)
-    want = run_layer(base, x, dout, psp(), forward=forward)
+    want = cp1_answer(base, layout, dtype, x, dout, psp)
 
     out = {}
     for mode in modes:
@@ -94,4 +117,75 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
             if g is not None:
                 dist.all_reduce(g, group=cp_group)
         out[mode] = compare((y, gx, grads), want, rows, metric)
+    return out
+
+
+def tp_parity_case(layout, dtype, modes, *, tp_group, cp_group, static_cp_group=None, sequence_parallel=False,
+                   data_seed=0, cfg=None, seed=1, bias=True, conv_bias=True, device="cpu", metric=max_rel):
+    """One layout and dtype at TP x CP on this rank against TP=1 CP=1 on the same full weights.
+    Returns ``{mode: {quantity: error}}`` like :func:`parity_case`.
+
+    ``tp_group`` / ``cp_group``: this rank's groups (:func:`gdn_cp.testing.megatron_tp.tp_cp_groups`);
+    ``cp_group`` is the group the micro-batch is split over. ``static_cp_group`` (default
+    ``cp_group``): the modules' static CP group; when it differs, the micro-batch brings
+    ``cp_group`` in its PackedSeqParams (dynamic CP). ``sequence_parallel``: hidden_states and the
+    output are split along their rows over TP. Every rank of a TP group must pass the same
+    ``data_seed``.
+
+    Compared, per rank: the output and the hidden_states gradient on this rank's rows, and every
+    parameter gradient after what Megatron does before the optimizer: the TP step of
+    finalize_model_grads (:func:`gdn_cp.testing.megatron_tp.finalize_tp_step`), the sum over CP
+    (Megatron's DP-CP all-reduce) and, for TP-sharded parameters, the gather of the TP parts to
+    full shape. Replicated parameters are compared on every TP rank as they are.
+    """
+    import torch.distributed as dist
+
+    from .megatron_tp import finalize_tp_step, gather_tp_grads, sp_slice
+
+    groups = rank_groups()
+    static_cp_group = cp_group if static_cp_group is None else static_cp_group
+    tp, cp, cp_rank = tp_group.size(), cp_group.size(), cp_group.rank()
+    cfg = dict(cfg or {})
+    hidden = cfg.get("hidden_size", DIMS["hidden_size"])
+    build = partial(build_gdn, seed=seed, bias=bias, conv_bias=conv_bias, device=device)
+
+    x, dout, rows, psp = case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device)
+    if sequence_parallel:
+        rows = rows[sp_slice(rows.numel(), tp, tp_group.rank())]
+    base = build(make_config(1, "headwise", dtype, **cfg), groups["self"])
+    want = cp1_answer(base, layout, dtype, x, dout, psp)
+
+    extra = dict(cp_group=cp_group, local_cp_size=cp) if static_cp_group is not cp_group else {}
+    tp_cfg = dict(cfg, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
+    out = {}
+    for mode in modes:
+        config = make_config(static_cp_group.size(), mode, dtype, **tp_cfg)
+        module = build(config, static_cp_group, tp_group=tp_group)
+        # fp64 SBHD without CP: gdn-cp's path, as the baseline (stock's core computes in fp32)
+        path = gdn_cp_forward() if layout == "sbhd" and dtype == torch.float64 and cp == 1 else nullcontext()
+        with path:
+            y, gx, grads = run_layer(module, x[rows], dout[rows], psp(**extra),
+                                     after_backward=lambda m: finalize_tp_step(m, tp_group))
+        for g in grads.values():
+            if g is not None:
+                dist.all_reduce(g, group=cp_group)
+        out[mode] = compare((y, gx, gather_tp_grads(module, grads, tp_group)), want, rows, metric)
+    return out
+
+
+def tp_grid_case(grid, dtypes, modes=MODES, layouts=("sbhd", "thd"), **kw) -> dict:
+    """:func:`tp_parity_case` for every ``(tp, cp, sequence_parallel)`` of ``grid``, layout and dtype,
+    on Megatron's rank grid (:func:`gdn_cp.testing.megatron_tp.tp_cp_groups`; data-parallel
+    replicas get different data). Returns ``{(tp, cp, sp, layout, str(dtype)): {mode: errors}}``;
+    ``kw`` goes to :func:`tp_parity_case` (cfg, device, metric, bias, ...)."""
+    from .megatron_tp import tp_cp_groups
+
+    out = {}
+    for tp, cp, sp in grid:
+        tp_group, cp_group, dp_rank = tp_cp_groups(tp, cp)
+        for layout in layouts:
+            for dtype in dtypes:
+                out[(tp, cp, sp, layout, str(dtype))] = tp_parity_case(
+                    layout, dtype, modes, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sp,
+                    data_seed=dp_rank, **kw)
     return out

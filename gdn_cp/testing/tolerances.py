@@ -14,6 +14,7 @@ __all__ = [
     "FLA_CP_VS_CP1_REL_L2",
     "FLA_VS_FP64_REL_L2",
     "MEGATRON_BF16_REL_L2",
+    "MEGATRON_FP32_REL_L2",
     "cp_vs_cp1_tolerance",
 ]
 
@@ -37,6 +38,10 @@ FLA_CP_CEILING_REL_L2 = {"float32": 5e-4, "bfloat16": 5e-3}
 # The patched Megatron GatedDeltaNet in bf16 on the GPU vs the same module at CP=1 (rel_l2): the CP=1
 # answer is itself bf16, and per-rank bf16 parameter gradients are summed over CP.
 MEGATRON_BF16_REL_L2 = {"out": 2e-2, "grad": 3e-2}
+# The same in fp32 (FLA backend): FLA's fp32 kernels use TF32 dots (FLA_VS_FP64_REL_L2: 5e-3 from
+# fp64), and CP / TP cut the scan and the projections differently from CP=1, so the two sides carry
+# different TF32 roundings. A layout, halo, state or TP-split bug shows up at 1e-1 and above.
+MEGATRON_FP32_REL_L2 = {"out": 2e-3, "grad": 5e-3}
 
 
 def cp_vs_cp1_tolerance(dtype: str, backend: str) -> float:

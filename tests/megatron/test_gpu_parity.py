@@ -23,17 +23,12 @@ import importlib.util
 import pytest
 import torch
 
-from gdn_cp.testing.megatron_parity import MODES, parity_case
+from gdn_cp.testing.megatron_parity import GPU_CFG, MODES, parity_case
 from gdn_cp.testing.metrics import rel_l2
 from gdn_cp.testing.results import JsonlRecorder
 from gdn_cp.testing.tolerances import MEGATRON_BF16_REL_L2 as BF16_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
-
-# FLA's Triton kernels want head dims of at least 16; keep the rest small and fast.
-GPU_CFG = dict(deterministic_mode=False, hidden_size=128, linear_num_key_heads=4, linear_num_value_heads=8,
-               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
-
 
 def _require_gpu():
     if not torch.cuda.is_available():

@@ -9,12 +9,19 @@ this one (see :mod:`gdn_cp.megatron.pins`). Imports neither torch nor Megatron a
 ``num_key_heads`` / ``num_value_heads`` (global), ``num_k_heads_local_tp`` /
 ``num_v_heads_local_tp``, ``key_head_dim`` / ``value_head_dim``, ``use_qk_l2norm``, ``A_log``,
 ``dt_bias``, ``conv1d`` and ``conv_bias``, ``in_proj``, ``_apply_gated_norm`` (out_norm and the
-gate), ``out_proj``, ``recompute_norm_out`` and ``norm_out_checkpoint``.
+gate), ``out_norm``'s parameters, ``out_proj``, ``recompute_norm_out`` and ``norm_out_checkpoint``.
+
+How 0.19.2 splits the layer over TP (``tensor_model_parallel=True`` on the sharded parameters):
+``in_proj`` is a column-parallel linear whose output channels are the sections
+``q|k|v|z|beta|alpha``, each split over TP (``in_proj_split_sections``); ``conv1d`` holds the
+TP-local ``q|k|v`` channels; ``A_log`` / ``dt_bias`` the TP-local value heads; ``out_proj`` is
+row-parallel over the value heads. Replicated over TP: ``out_norm`` (one weight shared by every
+value head) and ``out_proj``'s bias.
 
 ``TransformerConfig`` fields used: ``linear_cp_mode`` (added by the patch),
 ``linear_num_key_heads``, ``linear_num_value_heads``, ``tensor_model_parallel_size``,
 ``context_parallel_size``, ``experimental_attention_variant``,
-``deterministic_mode``.
+``deterministic_mode``, ``sequence_parallel``.
 
 Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
 ``cu_seqlens_q_padded`` / ``cu_seqlens_q``, ``cp_group``, ``local_cp_size``) are read in
@@ -102,6 +109,11 @@ class LayerAdapter:
         return self.layer.tp_size
 
     @property
+    def tp_group(self):
+        """The model's TP group (``pg_collection.tp``)."""
+        return self.layer.pg_collection.tp
+
+    @property
     def sp_size(self) -> int:
         """TP size under sequence parallelism (hidden_states are split along S over TP), else 1."""
         return self.layer.sp_size
@@ -151,6 +163,29 @@ class LayerAdapter:
     def conv_bias(self):
         """``[C_local]`` or None."""
         return self.layer.conv1d.bias if self.layer.conv_bias else None
+
+    # -- TP-replicated parameters with per-rank partial gradients -----------------------------
+    def tp_partial_grad_params(self) -> list:
+        """``[(name, param)]``: parameters replicated over TP whose gradient on a TP rank covers only
+        that rank's value heads, so the TP replicas must sum them to get the true gradient.
+
+        That is ``out_norm``'s parameters: one norm weight (and bias, for LayerNorm) over D_v shared
+        by every value head, applied on each rank to its own heads. Not here: ``out_proj.bias`` is
+        replicated too but is added after out_proj's TP all-reduce, so each rank already has its
+        full gradient; every other parameter is TP-sharded.
+        """
+        norm = self.layer.out_norm
+        return [(f"out_norm.{name}", p) for name, p in norm.named_parameters()
+                if not getattr(p, "tensor_model_parallel", False)]
+
+    def finalize_sums_over_tp(self, param) -> bool:
+        """True when 0.19.2's ``finalize_model_grads`` (``_allreduce_non_tensor_model_parallel_grads``)
+        sums this parameter's gradient over TP itself: ``config.sequence_parallel`` on and the
+        parameter tagged ``sequence_parallel`` (TransformerEngine's and Apex's norms tag their
+        weights with the config's value). Its other TP reduction, an average of params tagged
+        ``average_gradients_across_tp_domain``, leaves replicas that are already equal unchanged.
+        """
+        return bool(self.layer.config.sequence_parallel and getattr(param, "sequence_parallel", False))
 
     # -- submodules, called exactly as the stock forward calls them ---------------------------
     def in_proj(self, hidden_states):
