@@ -17,6 +17,14 @@ Cases, per (T, packing), all on the same weights and input rows:
   takes as long as the slowest rank, so the median is that of the critical rank (the one whose
   slice continues a sequence on both sides), never rank 0's by assumption.
 
+``--cp 1`` (one GPU, one process per megatron tree): the per-rank work, measurable without a
+second GPU. ``stock_cp1``: stock megatron-core at CP=1 on the whole packing (THD: its own FLA
+path); ``patched_cp1``: the patched layer at CP=1 on the same rows (THD goes through gdn-cp's
+path at CP=1); with ``--slice-of-cp N``, ``stock_slice`` / ``patched_slice``: the same on each
+rank's contiguous slice of a CP=N run, one row per rank (``slice_rank``): what chunkwise and
+``cp1_slice`` compute per rank. The patched cases are checked against stock on the same module and
+rows (``check``); every row carries the profile split and the top 15 CUDA kernels.
+
 Packings (``--packings``): ``mixed8`` (THD, 8 sequences of mixed lengths), ``long1`` (THD, one
 sequence), ``short64`` (THD, 64 equal sequences), ``sbhd`` (SBHD, one sequence, B=1).
 Shape (default): Qwen3.5-9B's GDN layer, hidden 4096, 16 key / 32 value heads of dim 128, conv
@@ -51,6 +59,7 @@ same machine size, CP, T, dtype and shape are replaced by this run's. SIGINT/SIG
 was collected.
 
     python benchmarks/layer_full.py --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
+    python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
     python benchmarks/layer_full.py --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
     python benchmarks/plot_layer_full.py $OUT/layer_full.json                 # PNG + markdown table
 
@@ -84,9 +93,13 @@ from gdn_cp.layout import build_chunkwise_plan  # noqa: E402
 from gdn_cp.testing.ranks import RankPool  # noqa: E402
 from layer_full_math import (  # noqa: E402
     CASES,
+    CP1_CASES,
     PACKINGS,
+    SLICE_CASES,
+    STOCK_CASES,
     GDNDims,
     bytes_per_token,
+    case_key,
     contiguous_slice,
     fmt_tokens,
     iteration_stats,
@@ -142,8 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="T per micro-batch, e.g. 32K (default 32K; one T per 10-minute call)")
     g.add_argument("--packings", type=_csv(PACKINGS), default=list(PACKINGS),
                    help=f"comma list, in run order (default {','.join(PACKINGS)})")
-    g.add_argument("--cases", type=_csv(CASES), default=list(CASES), help=f"comma list (default {','.join(CASES)})")
-    g.add_argument("--cp", type=int, default=None, help="CP size = ranks (default: GPUs on CUDA, 2 on the CPU)")
+    g.add_argument("--cases", type=_csv(CASES + CP1_CASES), default=None,
+                   help=f"comma list (default at CP >= 2: {','.join(CASES)}; at --cp 1: stock_cp1,patched_cp1, "
+                        f"and {','.join(SLICE_CASES)} with --slice-of-cp)")
+    g.add_argument("--cp", type=int, default=None,
+                   help="CP size = ranks (default: GPUs on CUDA, 2 on the CPU); 1: the per-rank work on one GPU")
+    g.add_argument("--slice-of-cp", type=int, default=None, metavar="N",
+                   help="with --cp 1: also time each rank's contiguous slice of a CP=N run (one row per rank)")
     g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default=None,
                    help="activations and weights (default bfloat16 on CUDA, float32 on the CPU)")
@@ -210,10 +228,26 @@ def resolve_args(args):
     for name in ("warmup", "iters", "profile_iters"):
         if getattr(args, name) < (1 if name == "iters" else 0):
             raise SystemExit(f"--{name.replace('_', '-')} must be >= {1 if name == 'iters' else 0}")
-    if args.cp < 2:
-        raise SystemExit(f"--cp must be >= 2 (a CP benchmark), got {args.cp}; on CUDA it defaults to the GPU count")
-    if args.align % (2 * args.cp):
-        raise SystemExit(f"--align {args.align} must be a multiple of 2*cp={2 * args.cp} (Megatron's zigzag cut)")
+    if args.cp < 1:
+        raise SystemExit(f"--cp must be >= 1, got {args.cp}; on CUDA it defaults to the GPU count")
+    if args.slice_of_cp is not None:
+        if args.cp != 1:
+            raise SystemExit(f"--slice-of-cp goes with --cp 1 (got --cp {args.cp}); at CP >= 2 the cp1_slice case "
+                             "times every rank's slice")
+        if args.slice_of_cp < 2:
+            raise SystemExit(f"--slice-of-cp must be >= 2 (the CP size whose slices to time), got {args.slice_of_cp}")
+    if args.cases is None:
+        args.cases = list(CASES) if args.cp > 1 else [
+            c for c in CP1_CASES if c not in SLICE_CASES or args.slice_of_cp is not None]
+    allowed = CASES if args.cp > 1 else CP1_CASES
+    wrong = [c for c in args.cases if c not in allowed]
+    if wrong:
+        raise SystemExit(f"--cases {','.join(wrong)} cannot run at --cp {args.cp}; choose from {','.join(allowed)}")
+    if args.cp == 1 and args.slice_of_cp is None and any(c in SLICE_CASES for c in args.cases):
+        raise SystemExit(f"--cases {','.join(SLICE_CASES)} need --slice-of-cp N (the CP size whose slices to time)")
+    zigzag_cp = args.slice_of_cp or args.cp  # the packing must be one a CP run of this size takes
+    if args.align % (2 * zigzag_cp):
+        raise SystemExit(f"--align {args.align} must be a multiple of 2*cp={2 * zigzag_cp} (Megatron's zigzag cut)")
     for t in args.tokens:
         for name in args.packings:
             try:
@@ -228,7 +262,7 @@ def knobs(args) -> dict:
     return {"dims": asdict(args.dims), "dtype": args.dtype, "align": args.align, "seed": args.seed,
             "warmup": args.warmup, "iters": args.iters, "profile_iters": args.profile_iters,
             "core": not args.no_core, "check": not args.no_check, "fast_autotune": args.fast_autotune,
-            "compile_only": args.compile_only,
+            "compile_only": args.compile_only, "slice_of_cp": args.slice_of_cp,
             "stock_from": args.stock_from, "time_limit_s": args.time_limit, "grace_s": args.grace,
             "case_timeout_s": args.case_timeout, "packings": args.packings, "cases": args.cases,
             "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
@@ -373,23 +407,34 @@ def plan_rows(args, run: dict) -> list[dict]:
         for name in args.packings:
             layout, cu = packing(name, t, args.align)
             for case in args.cases:
-                rows.append({
-                    "benchmark": "layer_full", "schema": SCHEMA, "date": run["date"], "run_id": run["run_id"],
-                    "gpus": args.gpus, "device": args.device, "backend": None, "cp": args.cp, "tp": 1, "T": t,
-                    "layout": layout, "packing": name, "case": case, "status": "skipped", "error": None,
-                    "median_ms": None, "p10_ms": None, "p90_ms": None, "iters": 0, "peak_gib": None,
-                    "bytes_per_token": None, "check": None, "core": None, "profile": None,
-                    "num_sequences": sum(1 for a, b in zip(cu, cu[1:]) if b > a), "cu": cu,
-                    "knobs": run["knobs"], "machine": run["machine"], "versions": run["versions"],
-                    "command": run["command"],
-                })
+                for slice_rank in range(args.slice_of_cp) if case in SLICE_CASES else [None]:
+                    row = {
+                        "benchmark": "layer_full", "schema": SCHEMA, "date": run["date"], "run_id": run["run_id"],
+                        "gpus": args.gpus, "device": args.device, "backend": None, "cp": args.cp, "tp": 1, "T": t,
+                        "layout": layout, "packing": name, "case": case, "status": "skipped", "error": None,
+                        "median_ms": None, "p10_ms": None, "p90_ms": None, "iters": 0, "peak_gib": None,
+                        "bytes_per_token": None, "check": None, "core": None, "profile": None,
+                        "num_sequences": sum(1 for a, b in zip(cu, cu[1:]) if b > a), "cu": cu,
+                        "knobs": run["knobs"], "machine": run["machine"], "versions": run["versions"],
+                        "command": run["command"],
+                    }
+                    if slice_rank is not None:
+                        n = args.slice_of_cp
+                        plan = build_chunkwise_plan(cu, n, slice_rank, args.dims.conv_width)
+                        row.update(slice_rank=slice_rank, slice_of_cp=n, slice_cu=contiguous_slice(cu, n, slice_rank),
+                                   rows_timed=t // n,
+                                   slice_continues={"from_left": plan.first_continues, "to_right": plan.last_continues})
+                    else:
+                        row["rows_timed"] = t // args.cp
+                    rows.append(row)
     return rows
 
 
 def _spec(row: dict, args, phase: str) -> dict:
     return {"phase": phase, "case": row["case"], "layout": row["layout"], "cu": row["cu"], "seed": args.seed,
             "check": not args.no_check, "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
-            "profile_iters": args.profile_iters}
+            "profile_iters": args.profile_iters, "slice_of_cp": row.get("slice_of_cp"),
+            "slice_rank": row.get("slice_rank")}
 
 
 # Above these (relative L2 vs CP=1) a case is flagged as not computing the CP=1 answer: bf16 CP runs
@@ -408,6 +453,7 @@ def fill_compile(row: dict, outs: list[dict]) -> None:
     if "check" in outs[0]:
         c = [o["check"] for o in outs]
         row["check"] = {"metric": "relative L2 vs CP=1 (same weights, same input), max over ranks",
+                        "against": c[0].get("against", "CP=1 on the whole micro-batch"),
                         "out": max(x["out"] for x in c), "grad_x": max(x["grad_x"] for x in c),
                         "grad_params": max(x["grad_params"] for x in c), "worst_param": c[0]["worst_param"]}
         limit = CHECK_SUSPECT[row["knobs"]["dtype"]]
@@ -432,7 +478,8 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         crit = max(range(len(per_rank)), key=lambda r: per_rank[r]["compute_ms"])
         p = per_rank[crit]
         row.update(compute_ms=p["compute_ms"], comm_wait_ms=p["nccl_ms"], memcpy_ms=p["memcpy_ms"],
-                   idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit)
+                   idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit,
+                   kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"))
         row["profile"] = {"note": "per rank, ms per iteration over the same profiled iterations: compute + nccl + "
                                   "memcpy + idle = wall (exclusive; *_total = overlapping sums); the flat fields "
                                   "are the rank with the most compute", "per_rank": per_rank}
@@ -482,7 +529,7 @@ def run_pool(runner: Runner, rows: Rows, pool_rows: list[dict], kind: str, setup
     for row in pool_rows:
         row["backend"] = runner.pool.backend
         row["megatron"] = {**infos[0]["megatron"], "pool": kind,
-                           "stock_source": None if row["case"] != "stock_headwise" else
+                           "stock_source": None if row["case"] not in STOCK_CASES else
                            ("pristine copy, own processes" if kind == "stock" else
                             "installed patched megatron, gdn-cp dispatch off (stock_forward)")}
         row["rank_info"] = {k: infos[0].get(k) for k in ("gpu", "gpu_memory_gib", "capability", "fla", "triton",
@@ -502,7 +549,7 @@ def run_pool(runner: Runner, rows: Rows, pool_rows: list[dict], kind: str, setup
                 if runner.pool is None and runner.kills > 1:
                     row.update(status="error", error="rank pools were killed twice (hang or crash); not starting another")
                     continue
-                label = f"T={fmt_tokens(t)} {name} {row['case']} ({phase})"
+                label = f"T={fmt_tokens(t)} {name} {case_key(row)} ({phase})"
                 logger.info("[%4.0fs] %s ...", runner.elapsed(), label)
                 t0 = time.perf_counter()
                 try:
@@ -565,7 +612,7 @@ def main(argv=None) -> int:
     planned = plan_rows(args, run)
     if args.list:
         for r in planned:
-            print(f"T={fmt_tokens(r['T'])} {r['packing']:>8} ({r['layout']}, {r['num_sequences']} seqs) {r['case']}")
+            print(f"T={fmt_tokens(r['T'])} {r['packing']:>8} ({r['layout']}, {r['num_sequences']} seqs) {case_key(r)}")
         return 0
     rows = Rows(args.out, planned)
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -580,10 +627,10 @@ def main(argv=None) -> int:
             trees = prepare_megatron_trees(args.megatron, workdir)
             # patched first: with a cold Triton cache its headwise case autotunes the kernels stock's
             # THD path uses too (same head count), so the stock pool has less left to tune.
-            pools = [("patched", str(trees["patched"]), "patched", [c for c in CASES if c != "stock_headwise"]),
-                     ("stock", str(trees["stock"]), "pristine", ["stock_headwise"])]
+            pools = [("patched", str(trees["patched"]), "patched", [c for c in args.cases if c not in STOCK_CASES]),
+                     ("stock", str(trees["stock"]), "pristine", [c for c in args.cases if c in STOCK_CASES])]
         else:
-            pools = [("installed", None, "patched", list(CASES))]
+            pools = [("installed", None, "patched", list(args.cases))]
         for kind, root, state, cases in pools:
             mine = [r for r in planned if r["case"] in cases]
             if mine:

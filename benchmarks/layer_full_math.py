@@ -17,6 +17,10 @@ from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_sbhd_r
 __all__ = [
     "CASES",
     "PATCHED_CASES",
+    "CP1_CASES",
+    "SLICE_CASES",
+    "STOCK_CASES",
+    "case_key",
     "PACKINGS",
     "GDNDims",
     "packing",
@@ -31,9 +35,16 @@ __all__ = [
     "run_key",
 ]
 
-# The cases of one (T, packing), in the order they are reported.
+# The cases of one (T, packing) at CP >= 2, in the order they are reported.
 CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "all_gather", "cp1_slice")
 PATCHED_CASES = CASES[1:]
+# ``--cp 1`` (one GPU, one process): per-rank work without communication. ``*_cp1`` run the whole
+# packing, ``*_slice`` one contiguous slice of it per row (``--slice-of-cp N``: rank r's rows of a
+# CP=N run, the ideal's per-rank work); ``stock_*`` run pristine megatron-core, ``patched_*`` gdn-cp's
+# THD path at CP=1.
+CP1_CASES = ("stock_cp1", "patched_cp1", "stock_slice", "patched_slice")
+SLICE_CASES = ("stock_slice", "patched_slice")
+STOCK_CASES = ("stock_headwise", "stock_cp1", "stock_slice")
 PACKINGS = ("mixed8", "long1", "short64", "sbhd")
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
@@ -62,10 +73,16 @@ class GDNDims:
 
 def run_key(row: dict) -> tuple:
     """Rows with the same run key describe the same measurement (machine size, CP, T, dtype,
-    shape, compile-only or timed); a newer run replaces them."""
+    shape, compile-only or timed, the CP size a ``--cp 1`` run slices for); a newer run replaces them."""
     k = row.get("knobs", {})
     return (row.get("device"), row.get("gpus"), row.get("cp"), row.get("tp"), row.get("T"), k.get("dtype"),
-            tuple(sorted(k.get("dims", {}).items())), bool(k.get("compile_only")))
+            tuple(sorted(k.get("dims", {}).items())), bool(k.get("compile_only")), k.get("slice_of_cp"))
+
+
+def case_key(row: dict) -> str:
+    """The case name, with the slice's rank for ``*_slice`` rows (one row per rank): ``patched_slice[r1]``."""
+    rank = row.get("slice_rank")
+    return row["case"] if rank is None else f"{row['case']}[r{rank}]"
 
 
 def parse_tokens(text: str) -> int:
@@ -219,7 +236,7 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
       backward the reverse; plus the halo/state exchange (:func:`_exchange_bytes`);
     - chunkwise_core: q|k|v + gates along zigzag->contiguous, the core output back; plus the
       exchange;
-    - cp1_slice: nothing.
+    - cp1_slice and every ``--cp 1`` case: nothing.
 
     Returns ``{"bytes_per_token": max over ranks, "bytes_per_token_mean", "per_rank", "exchange_per_rank"}``.
     """
@@ -229,7 +246,7 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
     per_rank, exchange = [], []
     for r in range(cp):
         ex = 0
-        if cp == 1 or case == "cp1_slice":
+        if cp == 1 or case == "cp1_slice" or case in CP1_CASES:
             total = 0
         elif case == "stock_headwise":
             total = 2 * (cp - 1) * t_local * ((c + v + 2 * hv) * a + v * a) // cp
@@ -243,7 +260,7 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
             ex = _exchange_bytes(chunkwise_path, cu, cp, r, dims, a)
             total = moved * per_row + ex
         else:
-            raise ValueError(f"case must be one of {CASES}, got {case!r}")
+            raise ValueError(f"case must be one of {CASES + CP1_CASES}, got {case!r}")
         per_rank.append(total / t_local)
         exchange.append(ex / t_local)
     return {

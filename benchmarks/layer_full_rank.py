@@ -9,7 +9,7 @@ megatron, checks which file was imported, and builds the layers once per rank:
   its config per case (``linear_cp_mode``; the chunkwise swap point through
   ``gdn_cp.megatron.swap.set_chunkwise_swap``);
 - ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
-  CP=1 reference of the correctness check.
+  CP=1 reference of the correctness check. In a one-rank pool (``--cp 1``) ``layer`` is ``layer1``.
 
 Weights come from a seeded generator by parameter name (``gdn_cp.testing.megatron_layer.set_params``), inputs from a
 seeded generator on the device: identical on every rank, in both pools, for every case.
@@ -18,7 +18,8 @@ seeded generator on the device: identical on every rank, in both pools, for ever
 
 - ``compile``: one fwd+bwd (compiles / autotunes FLA's kernels for this shape), the comparison
   with CP=1 on the same weights and inputs (output rows, input gradient rows, parameter gradients
-  summed over the CP group; relative L2), and one core call;
+  summed over the CP group; relative L2; for the patched ``--cp 1`` cases: against stock
+  megatron-core's code on the same module and rows), and one core call;
 - ``time``: ``warmup`` fwd+bwd, then ``iters`` timed ones (CUDA events; device synchronize and a
   host-side gloo barrier before each, so every iteration starts together on every rank and no
   barrier kernel lands in a timed or profiled iteration), peak memory over the timed ones; then
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from layer_full_math import CATEGORIES, GDNDims, contiguous_slice, split_busy_time
+from layer_full_math import CATEGORIES, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice, split_busy_time
 
 from gdn_cp.testing.megatron_layer import (  # noqa: E402
     build_gdn,
@@ -54,6 +55,7 @@ from gdn_cp.testing.metrics import rel_l2  # noqa: E402
 from gdn_cp.testing.packings import zigzag_rows  # noqa: E402
 
 GIB = float(2**30)
+TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank
 _STATE: dict = {}
 
 
@@ -163,11 +165,11 @@ def rank_setup(ctx, spec: dict) -> dict:
     cp = ctx.world_size
     build = dict(seed=spec["seed"], bias=False, conv_bias=False, device=device)
     _STATE.clear()
+    layer1 = build_gdn(gdn_config(1, dims, dtype, patched), ctx.group(1), **build)
     _STATE.update(
         ctx=ctx, device=device, dims=dims, dtype=dtype, cp=cp, patched=patched, barrier_group=_timing_group(ctx),
-        layer=build_gdn(gdn_config(cp, dims, dtype, patched), ctx.group(cp), **build),
-        layer1=build_gdn(gdn_config(1, dims, dtype, patched), ctx.group(1), **build),
-        reference=None,
+        layer=layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched), ctx.group(cp), **build),
+        layer1=layer1, reference=None,
     )
     info = {"rank": ctx.rank, "dist_backend": ctx.backend, "device": str(device), "megatron": mega,
             "torch": torch.__version__, "torch_cuda": torch.version.cuda, "pid": os.getpid()}
@@ -212,10 +214,13 @@ def _randn(shape, seed: int, dtype, device, scale: float = 1.0) -> torch.Tensor:
 
 
 def _rows(case: str, layout: str, cu, cp: int, rank: int, device) -> torch.Tensor:
-    """Global rows this rank feeds the layer: its zigzag rows, or its contiguous slice (cp1_slice)."""
+    """Global rows this rank feeds the layer: its zigzag rows, or its contiguous slice (cp1_slice;
+    ``*_slice`` pass the slice's CP size and rank as ``cp`` and ``rank``), or all rows (``*_cp1``)."""
     t_local = cu[-1] // cp
-    if case == "cp1_slice":
+    if case == "cp1_slice" or case in SLICE_CASES:
         return torch.arange(rank * t_local, (rank + 1) * t_local, device=device)
+    if case in ("stock_cp1", "patched_cp1"):
+        return torch.arange(cu[-1], device=device)
     return zigzag_rows(cu if layout == "thd" else [0, cu[-1]], cp, rank).to(device)
 
 
@@ -223,8 +228,7 @@ def _set_mode(case: str) -> None:
     """The patched layer's mode for ``case`` (config field read at every forward) and swap point."""
     from gdn_cp.megatron.swap import set_chunkwise_swap
 
-    mode = {"headwise": "headwise", "chunkwise_hidden": "chunkwise", "chunkwise_core": "chunkwise",
-            "all_gather": "all_gather", "cp1_slice": "chunkwise"}[case]
+    mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(case, "chunkwise")
     _STATE["layer"].config.linear_cp_mode = mode
     _STATE["layer1"].config.linear_cp_mode = mode
     set_chunkwise_swap({"chunkwise_hidden": "hidden", "chunkwise_core": "core"}.get(case, "auto"))
@@ -238,15 +242,18 @@ class _Case:
         ctx, device, dims, dtype = st["ctx"], st["device"], st["dims"], st["dtype"]
         self.case, self.layout, self.cu = spec["case"], spec["layout"], list(spec["cu"])
         cp, rank = st["cp"], ctx.rank
+        self.sliced = self.case == "cp1_slice" or self.case in SLICE_CASES  # CP=1 on a contiguous slice
+        if self.case in SLICE_CASES:  # --cp 1: one rank plays rank slice_rank of a CP=slice_of_cp run
+            cp, rank = spec["slice_of_cp"], spec["slice_rank"]
         t = self.cu[-1]
-        if self.case == "stock_headwise":
+        if self.case in STOCK_CASES:
             self.stock = contextlib.nullcontext if not st["patched"] else stock_forward
         else:
             if not st["patched"]:
                 raise RuntimeError(f"case {self.case} needs the patched megatron, this pool has the pristine one")
             self.stock = contextlib.nullcontext
             _set_mode(self.case)
-        self.module = st["layer1"] if self.case == "cp1_slice" else st["layer"]
+        self.module = st["layer1"] if self.sliced else st["layer"]
         self.rows = _rows(self.case, self.layout, self.cu, cp, rank, device)
         x_full = _randn((t, 1, dims.hidden), spec["seed"] + 1, dtype, device)
         self.x = x_full.index_select(0, self.rows).requires_grad_(True)
@@ -254,19 +261,20 @@ class _Case:
         dout_full = _randn((t, 1, dims.hidden), spec["seed"] + 2, dtype, device)
         self.dout = dout_full.index_select(0, self.rows)
         del dout_full
-        if self.case == "cp1_slice":
+        if self.sliced:
             self.local_cu = contiguous_slice(self.cu, cp, rank)
             self.psp = thd_params(self.local_cu, device=device)  # the slice's pieces, THD at CP=1
         else:
             self.local_cu = None
             self.psp = thd_params(self.cu, device=device) if self.layout == "thd" else None
-        self.group = None if self.case == "cp1_slice" else ctx.group(cp)
+        self.group = None if self.sliced or st["cp"] == 1 else ctx.group(cp)
 
-    def step(self):
-        """One forward + backward of the layer, as a training step runs it (gradients reset)."""
+    def step(self, stock=None):
+        """One forward + backward of the layer, as a training step runs it (gradients reset).
+        ``stock``: a context to run it under instead of the case's own (the CP=1 check)."""
         self.module.zero_grad(set_to_none=True)
         self.x.grad = None
-        with self.stock():
+        with (stock or self.stock)():
             out, bias = self.module(self.x, None, packed_seq_params=self.psp)
         y = out if bias is None else out + bias
         y.backward(self.dout)
@@ -286,7 +294,7 @@ class _Case:
         """``step`` for the core alone (``gdn_cp.modes.gdn_core``: conv + gated delta rule under
         the case's mode, with its layout changes and exchanges), on random q|k|v and gates and
         the layer's own conv weight. None for stock (its core is inline in its forward)."""
-        if self.case == "stock_headwise":
+        if self.case in STOCK_CASES:
             return None
         from gdn_cp.layout import RouteCache, plan_for_sbhd
         from gdn_cp.megatron.gdn import choose_backend
@@ -296,8 +304,11 @@ class _Case:
         m, device, dtype, cp, rank = self.module, st["device"], st["dtype"], st["cp"], st["ctx"].rank
         shape = GDNShape(m.num_k_heads_local_tp, m.num_v_heads_local_tp, m.key_head_dim, m.value_head_dim,
                          qk_l2norm=m.use_qk_l2norm)
-        if self.case == "cp1_slice":
+        if self.sliced:
             plan, group = RouteCache().plan(torch.tensor(self.local_cu), 1, 0), None
+        elif self.group is None:  # --cp 1 on the whole packing
+            plan = RouteCache().plan(torch.tensor(self.cu if self.layout == "thd" else [0, self.cu[-1]]), 1, 0)
+            group = None
         elif self.layout == "sbhd":
             plan, group = plan_for_sbhd(self.cu[-1], 1, cp, rank), self.group
         else:
@@ -353,7 +364,9 @@ def rank_case(ctx, spec: dict) -> dict:
             return {**out, "refused": f"{type(err).__name__}: {err}"}
         _sync(device)
         out["compile_s"] = time.perf_counter() - t0
-        if spec["check"] and case.case != "cp1_slice":
+        if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
+            out["check"] = _check_vs_stock(case, y)
+        elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:
             out["check"] = _check(case, y, spec)
         del y
         core = case.core_step(spec["seed"]) if spec["core"] else None
@@ -485,7 +498,7 @@ def _profiled(step, n: int, device) -> dict:
     spans, by_name = spans_from_trace(trace["data"])
     split = split_busy_time(spans, sum(walls) * 1e3)  # us over the n iterations
     per_iter = {k: v / 1e3 / n for k, v in split.items()}  # ms per iteration
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:8]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {"iters": n, "wall_ms_iters": walls, **{f"{k}_ms": v for k, v in per_iter.items()},
             "kernels": {c: len(s) // n for c, s in spans.items()},
             "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top]}
@@ -494,6 +507,24 @@ def _profiled(step, n: int, device) -> dict:
 # ---------------------------------------------------------------------------------------------
 # correctness: the case against CP=1 on the same weights and inputs
 # ---------------------------------------------------------------------------------------------
+
+def _check_vs_stock(case: _Case, y) -> dict:
+    """``--cp 1``: the patched case's output, input gradient and parameter gradients against stock
+    megatron-core's code (``stock_forward``: gdn-cp's hand-over off) on the same module and rows;
+    relative L2. Run right after the case's first step."""
+    got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
+    ref_out = case.step(stock=stock_forward).detach()
+    ref_gx, ref = case.x.grad.detach(), _grads(case.module)
+    errs = {"out": rel_l2(got_out, ref_out), "grad_x": rel_l2(got_gx, ref_gx)}
+    worst_name, worst = None, 0.0
+    for name in sorted(ref):
+        e = rel_l2(got.get(name), ref[name])
+        if worst_name is None or e > worst:
+            worst_name, worst = name, e
+    errs.update(grad_params=worst, worst_param=worst_name, against="stock megatron-core, same module and rows")
+    case.module.zero_grad(set_to_none=True)
+    return errs
+
 
 def _grads(module) -> dict:
     return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}

@@ -28,15 +28,35 @@ from common import import_gdn_cp, save_figure, write_json  # noqa: E402
 
 import_gdn_cp()
 
-from layer_full_math import run_key  # noqa: E402
+from layer_full_math import case_key, run_key  # noqa: E402
 
 logger = logging.getLogger("benchmarks.plot_layer_full")
 
-CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "all_gather", "cp1_slice")
+CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "all_gather", "cp1_slice",
+         "stock_cp1", "patched_cp1", "stock_slice", "patched_slice")
 LABELS = {"stock_headwise": "stock headwise", "headwise": "headwise", "chunkwise_hidden": "chunkwise (hidden swap)",
-          "chunkwise_core": "chunkwise (core swap)", "all_gather": "all_gather", "cp1_slice": "ideal: CP=1 on own slice"}
+          "chunkwise_core": "chunkwise (core swap)", "all_gather": "all_gather", "cp1_slice": "ideal: CP=1 on own slice",
+          "stock_cp1": "stock CP=1", "patched_cp1": "gdn-cp CP=1", "stock_slice": "stock CP=1 slice",
+          "patched_slice": "gdn-cp CP=1 slice"}
 COLORS = {"stock_headwise": "tab:gray", "headwise": "tab:orange", "chunkwise_hidden": "tab:blue",
-          "chunkwise_core": "tab:cyan", "all_gather": "tab:red", "cp1_slice": "black"}
+          "chunkwise_core": "tab:cyan", "all_gather": "tab:red", "cp1_slice": "black", "stock_cp1": "tab:gray",
+          "patched_cp1": "tab:blue", "stock_slice": "silver", "patched_slice": "tab:cyan"}
+
+
+def _base(key: str) -> str:
+    """``patched_slice[r1]`` -> ``patched_slice``."""
+    return key.split("[", 1)[0]
+
+
+def _label(key: str) -> str:
+    base = _base(key)
+    return LABELS.get(base, base) + key[len(base):]
+
+
+def _ordered(keys) -> list[str]:
+    """Case keys in report order (CASES, then slice rank)."""
+    order = {c: i for i, c in enumerate(CASES)}
+    return sorted(set(keys), key=lambda k: (order.get(_base(k), len(order)), k))
 PARTS = (("compute_ms", "compute", "tab:blue"), ("comm_wait_ms", "NCCL (comm/wait)", "tab:orange"),
          ("memcpy_ms", "memcpy/memset", "tab:green"), ("idle_ms", "idle", "lightgray"))
 
@@ -64,7 +84,7 @@ def _groups(rows):
         if r.get("status") != "ok":
             continue
         g = (r.get("device"), r.get("gpus"), r.get("backend"), r.get("cp"), r.get("knobs", {}).get("dtype"))
-        out.setdefault(g, {}).setdefault((r["T"], r["packing"]), {})[r["case"]] = r
+        out.setdefault(g, {}).setdefault((r["T"], r["packing"]), {})[case_key(r)] = r
     return out
 
 
@@ -73,7 +93,7 @@ def _cell(row, stock, ideal) -> str:
         return "-"
     text = f"{row['median_ms']:.2f}"
     extra = []
-    if stock is not None and row["case"] != "stock_headwise":
+    if stock is not None and row is not stock:
         extra.append(f"{row['median_ms'] / stock['median_ms']:.2f}x")
     if ideal is not None and row["case"] != "cp1_slice":
         extra.append(f"{100 * ideal['median_ms'] / row['median_ms']:.0f}%")
@@ -86,11 +106,14 @@ def markdown_tables(rows) -> str:
     for (device, gpus, backend, cp, dtype), by_tp in sorted(_groups(rows).items(), key=str):
         any_row = next(iter(next(iter(by_tp.values())).values()))
         gpu = any_row.get("rank_info", {}).get("gpu") or any_row.get("machine", {}).get("cpu_model")
-        cases = [c for c in CASES if any(c in v for v in by_tp.values())]
+        cases = _ordered(k for v in by_tp.values() for k in v)
+        if cp == 1:
+            parts.append(_cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row))
+            continue
         parts.append(f"**GatedDeltaNet fwd+bwd, CP={cp}** ({gpus} x {gpu}, {backend}, {dtype}; median ms of the "
                      f"slowest rank per iteration over {any_row['iters']} iterations; "
                      f"(time / stock headwise, ideal / time))\n")
-        parts.append("| T | packing | " + " | ".join(LABELS[c] for c in cases) + " |")
+        parts.append("| T | packing | " + " | ".join(_label(c) for c in cases) + " |")
         parts.append("|---|---|" + "---:|" * len(cases))
         for (t, name), by_case in sorted(by_tp.items()):
             stock, ideal = by_case.get("stock_headwise"), by_case.get("cp1_slice")
@@ -110,7 +133,7 @@ def markdown_tables(rows) -> str:
                 chk = r.get("check") or {}
                 num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
                 parts.append(
-                    f"| {_fmt_t(t)} | {name} | {LABELS[c]} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
+                    f"| {_fmt_t(t)} | {name} | {_label(c)} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
                     f"| {num(core.get('median_ms'))} | {num(r.get('compute_ms'))} | {num(r.get('comm_wait_ms'))} "
                     f"| {num(r.get('memcpy_ms'))} | {num(r.get('idle_ms'))} | {num(r.get('bytes_per_token'), '{:.0f}')} "
                     f"| {num(r.get('peak_gib'))} | "
@@ -125,15 +148,42 @@ def markdown_tables(rows) -> str:
         for r in compiled:
             c = r.get("check") or {}
             e = lambda k: "-" if k not in c else f"{c[k]:.1e}"  # noqa: E731
-            parts.append(f"| {r['cp']} | {_fmt_t(r['T'])} | {r['packing']} | {LABELS[r['case']]} | "
+            parts.append(f"| {r['cp']} | {_fmt_t(r['T'])} | {r['packing']} | {_label(case_key(r))} | "
                          f"{r.get('compile_s', 0):.1f} | {e('out')} | {e('grad_x')} | {e('grad_params')} |")
         parts.append("")
     not_ok = [r for r in rows if r.get("status") not in ("ok", "compiled")]
     if not_ok:
         parts.append(f"Not measured: {len(not_ok)} case(s): " + "; ".join(
-            f"T={_fmt_t(r['T'])} {r['packing']} {r['case']}: {r['status']} ({str(r.get('error')).splitlines()[0][:80]})"
+            f"T={_fmt_t(r['T'])} {r['packing']} {case_key(r)}: {r['status']} ({str(r.get('error')).splitlines()[0][:80]})"
             for r in not_ok[:12]))
     return "\n".join(parts) if parts else "no measured rows"
+
+
+def _cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row) -> str:
+    """``--cp 1`` rows: per-rank work on one GPU; each patched row against stock on the same rows,
+    and the three largest kernels."""
+    num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    lines = [f"**GatedDeltaNet fwd+bwd at CP=1, one process** ({gpu}, {dtype}; median ms over {any_row['iters']} "
+             "iterations; gdn-cp / stock on the same rows; ms per iteration of the profiled iterations)\n",
+             "| T | packing | case | rows | median | p10-p90 | vs stock | core | compute | memcpy | idle | kernels "
+             "| peak GiB | top kernels (ms) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for (t, name), by_case in sorted(by_tp.items()):
+        for c in cases:
+            r = by_case.get(c)
+            if r is None:
+                continue
+            stock = by_case.get(c.replace("patched", "stock")) if c.startswith("patched") else None
+            ratio = None if stock is None else r["median_ms"] / stock["median_ms"]
+            top = "; ".join(f"{k.split(': ', 1)[-1][:40]} {v:.2f}" for k, v in (r.get("top_kernels_ms") or [])[:3])
+            kernels = sum((r.get("kernels_per_iter") or {}).values()) or None
+            lines.append(
+                f"| {_fmt_t(t)} | {name} | {_label(c)} | {r.get('rows_timed', '-')} | {r['median_ms']:.2f} "
+                f"| {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | {num(ratio, '{:.3f}x')} | {num((r.get('core') or {}).get('median_ms'))} "
+                f"| {num(r.get('compute_ms'))} | {num(r.get('memcpy_ms'))} | {num(r.get('idle_ms'))} "
+                f"| {num(kernels, '{:d}')} | {num(r.get('peak_gib'))} | {top or '-'} |")
+    lines.append("")
+    return "\n".join(lines)
 
 
 def plot_rows(rows, path) -> bool:
@@ -160,7 +210,7 @@ def plot_rows(rows, path) -> bool:
     fig, axes = plt.subplots(nrows, len(panels), figsize=(6.5 * len(panels), 4.6 * nrows), squeeze=False)
     for j, (cp, t, by_p, backend, dtype) in enumerate(panels):
         names = list(by_p)
-        cases = [c for c in CASES if any(c in v for v in by_p.values())]
+        cases = _ordered(k for v in by_p.values() for k in v)
         width = 0.8 / max(1, len(cases))
         ax = axes[0][j]
         for i, c in enumerate(cases):
@@ -173,7 +223,7 @@ def plot_rows(rows, path) -> bool:
                 ys.append(r["median_ms"])
                 lo.append(r["median_ms"] - r["p10_ms"])
                 hi.append(r["p90_ms"] - r["median_ms"])
-            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=COLORS[c], label=LABELS[c],
+            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=COLORS.get(_base(c), "tab:purple"), label=_label(c),
                    hatch="//" if c == "cp1_slice" else None, edgecolor="white" if c != "cp1_slice" else "black",
                    fill=c != "cp1_slice")
         ax.set_xticks(range(len(names)))

@@ -80,6 +80,66 @@ def test_every_case_equals_cp1(smoke):
         assert c["suspect"] is False
 
 
+@pytest.fixture(scope="module")
+def smoke_cp1(tmp_path_factory):
+    """``--cp 1``: one process per megatron tree, the whole packing and both slices of a CP=2 run."""
+    out = tmp_path_factory.mktemp("layer_full_cp1") / "layer_full.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--cp", "1", "--slice-of-cp", "2", "--tokens", "256",
+         "--packings", "mixed8", "--iters", "2", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"layer_full.py --cp 1 failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_cp1_rows_time_the_whole_packing_and_each_slice(smoke_cp1):
+    rows, stdout = smoke_cp1
+    keys = sorted(lfm.case_key(r) for r in rows)
+    assert keys == sorted(["stock_cp1", "patched_cp1", "stock_slice[r0]", "stock_slice[r1]",
+                           "patched_slice[r0]", "patched_slice[r1]"])
+    _, cu = lfm.packing("mixed8", 256, 4)
+    for r in rows:
+        assert r["status"] == "ok", (lfm.case_key(r), r["error"])
+        assert (r["cp"], r["T"], r["bytes_per_token"]) == (1, 256, 0)
+        assert r["megatron"]["state"] == ("pristine" if r["case"].startswith("stock") else "patched")
+        if r["case"].endswith("_slice"):
+            assert r["slice_cu"] == lfm.contiguous_slice(cu, 2, r["slice_rank"]) and r["rows_timed"] == 128
+        else:
+            assert r["rows_timed"] == 256
+    # mixed8 at T=256: the third sequence, rows [100, 140), crosses row 128
+    by = {lfm.case_key(r): r for r in rows}
+    assert by["patched_slice[r0]"]["slice_continues"] == {"from_left": False, "to_right": True}
+    assert by["patched_slice[r1]"]["slice_continues"] == {"from_left": True, "to_right": False}
+    assert "gdn-cp CP=1 slice[r1]" in stdout and "vs stock" in stdout
+
+
+def test_cp1_patched_equals_stock_on_the_same_rows(smoke_cp1):
+    """gdn-cp's THD path at CP=1 against stock megatron-core's code on the same module and rows."""
+    rows, _ = smoke_cp1
+    for r in rows:
+        if r["case"].startswith("stock"):
+            assert r["check"] is None
+            continue
+        c = r["check"]
+        assert max(c["out"], c["grad_x"], c["grad_params"]) <= FP32_TOL, (lfm.case_key(r), c)
+        assert c["against"].startswith("stock")
+
+
+def test_cp1_arguments_are_checked():
+    parse = lambda *a: layer_full.resolve_args(layer_full.build_parser().parse_args(["--device", "cpu", *a]))  # noqa: E731
+    with pytest.raises(SystemExit, match="--slice-of-cp goes with --cp 1"):
+        parse("--cp", "2", "--slice-of-cp", "2")
+    with pytest.raises(SystemExit, match="need --slice-of-cp"):
+        parse("--cp", "1", "--cases", "patched_slice")
+    with pytest.raises(SystemExit, match="cannot run at --cp 2"):
+        parse("--cp", "2", "--cases", "stock_cp1")
+    with pytest.raises(SystemExit, match="multiple of 2\\*cp=8"):
+        parse("--cp", "1", "--slice-of-cp", "4", "--align", "4", "--tokens", "256")
+    assert parse("--cp", "1").cases == ["stock_cp1", "patched_cp1"]
+    assert parse("--cp", "1", "--slice-of-cp", "2").cases == list(lfm.CP1_CASES)
+
+
 def test_stock_ran_pristine_megatron_in_its_own_ranks(smoke):
     rows, _ = smoke
     stock = [r for r in rows if r["case"] == "stock_headwise"]
