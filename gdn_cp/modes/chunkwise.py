@@ -147,6 +147,31 @@ def _transition_summary(q, k, v, g, beta, cu, backend, state_dtype, qk_l2norm: b
     return final[0].to(state_dtype)
 
 
+def _scan_after_parallel_summary(rows, cw: ChunkwisePlan, scan, summarize, group, shape: GDNShape, state_dtype, v):
+    """:func:`_scan_with_carried_state` with a backend that summarizes a piece without scanning
+    it: summary, gather started, rows ``[split, T_local)`` scanned in one call, gather waited
+    for, head scanned from its composed initial state."""
+    dk, hv, dv = shape.head_k_dim, v.shape[1], v.shape[2]
+    if cw.last_is_first:
+        _, k, vv, g, beta = rows(0, None)
+        summary = summarize(k, vv, g, beta, cu_seqlens=cw.local_cu, use_qk_l2norm=shape.qk_l2norm)[-1]
+    elif cw.tail_cu is not None:
+        _, k, vv, g, beta = rows(cw.tail_split, None)
+        ext = summarize(k, vv, g, beta, cu_seqlens=cw.tail_cu, use_qk_l2norm=shape.qk_l2norm)[-1, ..., dk:]
+        summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), ext.to(state_dtype)], -1)
+    else:
+        summary = _keep_in_graph(torch.zeros(hv, dk, dk + dv, dtype=state_dtype, device=v.device), v)
+    flight = start_all_gather_rows(summary.to(state_dtype).unsqueeze(0), group)
+    o_rest = None
+    if cw.rest_cu is not None:
+        o_rest, _ = scan(*rows(cw.split, None), cu_seqlens=cw.rest_cu)
+    s_in = initial_state_from_summaries(wait_all_gather_rows(flight), cw, dk)
+    if not cw.first_continues:
+        return _keep_in_graph(o_rest, s_in)
+    o_head, _ = scan(*rows(0, cw.split), cu_seqlens=cw.head_cu, initial_state=s_in.unsqueeze(0))
+    return o_head if o_rest is None else torch.cat([o_head, o_rest])
+
+
 def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk: int) -> torch.Tensor:
     """Compose earlier ranks' ``[M | S_ext]`` (``summaries [cp, Hv, Dk, Dk+Dv]``) in rank order.
 
@@ -224,6 +249,10 @@ def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group
     Every row is scanned once (the wider scan aside). Backward mirrors the overlap: the head's
     gradient reaches the earlier ranks' tails through a reduce-scatter that travels while the
     mid's backward runs (:class:`gdn_cp.comm.GatherInFlight`).
+
+    A backend with ``chunk_state_summary`` (the reference backend: chunk maps composed in a
+    tree, O(log chunks) deep) gives the summary without scanning the tail first: then the
+    gather starts at once and mid and tail are scanned in one call while it travels.
     """
     dk = shape.head_k_dim
     state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
@@ -233,6 +262,10 @@ def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group
     def rows(a, b):
         part = slice(a, b)
         return q[part], k[part], v[part], g[part], beta[part]
+
+    summarize = getattr(backend, "chunk_state_summary", None)
+    if summarize is not None:
+        return _scan_after_parallel_summary(rows, cw, scan, summarize, group, shape, state_dtype, v)
 
     o_tail = None
     if cw.last_is_first:
