@@ -226,7 +226,8 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
 
     Counted from the plan (route send splits, all-to-all and all-gather sizes), never from
     send buffers: rows that stay on their rank are not counted. ``a`` = activation bytes, C =
-    q|k|v channels, V = Hv*Dv, gates g|beta travel as fp32 (8*Hv bytes per token):
+    q|k|v channels, V = Hv*Dv, gates g|beta travel as fp32 (8*Hv bytes per token; at
+    chunkwise's core swap g as fp32 and beta in the activation dtype, (4+a)*Hv):
 
     - stock_headwise: all-to-all of q|k|v|z|beta|alpha in ((C + V + 2Hv) a) and the normed
       output out (V a); (cp-1)/cp of each buffer leaves; backward the same;
@@ -258,7 +259,7 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
             total = 2 * (cp - 1) * t_local * (c * a + gates)
         elif case in ("chunkwise_hidden", "chunkwise_core", "chunkwise_generic"):
             moved = rows_leaving(layout, cu, cp, r, ZIGZAG, CONTIGUOUS) + rows_leaving(layout, cu, cp, r, CONTIGUOUS, ZIGZAG)
-            per_row = (c + v) * a + gates if case == "chunkwise_core" else 2 * h * a
+            per_row = (c + v) * a + (4 + a) * hv if case == "chunkwise_core" else 2 * h * a
             ex = _exchange_bytes(chunkwise_path, cu, cp, r, dims, a)
             total = moved * per_row + ex
         else:
