@@ -11,7 +11,10 @@ Cases, per (T, packing), all on the same weights and input rows:
 
 - ``stock_headwise``: stock megatron-core 0.19.2 from pristine files, in its own rank processes;
 - ``headwise``, ``chunkwise_hidden`` (layout swap at hidden_states), ``chunkwise_core`` (swap
-  around the core), ``all_gather``: the patched layer (gdn-cp), one rank pool for all of them;
+  around the core), ``chunkwise_generic`` (hidden swap, gdn-cp's own halo/state exchange even
+  where FLA's cp context could run: ``gdn_cp.modes.set_chunkwise_path("generic")``; the other
+  chunkwise cases take the ``auto`` path), ``all_gather``: the patched layer (gdn-cp), one rank
+  pool for all of them;
 - ``cp1_slice``: the ideal for chunkwise: CP=1 (no communication) on each rank's own contiguous
   slice of the same packing (the slice's sequence pieces, THD), every rank at once; an iteration
   takes as long as the slowest rank, so the median is that of the critical rank (the one whose

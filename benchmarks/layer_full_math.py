@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 # The cases of one (T, packing) at CP >= 2, in the order they are reported.
-CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "all_gather", "cp1_slice")
+CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "chunkwise_generic", "all_gather",
+         "cp1_slice")
 PATCHED_CASES = CASES[1:]
 # ``--cp 1`` (one GPU, one process): per-rank work without communication. ``*_cp1`` run the whole
 # packing, ``*_slice`` one contiguous slice of it per row (``--slice-of-cp N``: rank r's rows of a
@@ -225,15 +226,17 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
 
     Counted from the plan (route send splits, all-to-all and all-gather sizes), never from
     send buffers: rows that stay on their rank are not counted. ``a`` = activation bytes, C =
-    q|k|v channels, V = Hv*Dv, gates g|beta travel as fp32 (8*Hv bytes per token):
+    q|k|v channels, V = Hv*Dv, gates g|beta travel as fp32 (8*Hv bytes per token; at
+    chunkwise's core swap g as fp32 and beta in the activation dtype, (4+a)*Hv):
 
     - stock_headwise: all-to-all of q|k|v|z|beta|alpha in ((C + V + 2Hv) a) and the normed
       output out (V a); (cp-1)/cp of each buffer leaves; backward the same;
     - headwise (gdn-cp): q|k|v (C a) and the gates in, the core output (V a) out; z stays;
     - all_gather: own q|k|v and gates to cp-1 peers; backward reduce-scatter sends (cp-1)/cp
       of the gathered buffer = the same bytes;
-    - chunkwise_hidden: hidden_states (H a) along zigzag->contiguous, out_proj's output back;
-      backward the reverse; plus the halo/state exchange (:func:`_exchange_bytes`);
+    - chunkwise_hidden, chunkwise_generic: hidden_states (H a) along zigzag->contiguous,
+      out_proj's output back; backward the reverse; plus the halo/state exchange
+      (:func:`_exchange_bytes`; chunkwise_generic always takes gdn-cp's own);
     - chunkwise_core: q|k|v + gates along zigzag->contiguous, the core output back; plus the
       exchange;
     - cp1_slice and every ``--cp 1`` case: nothing.
@@ -254,9 +257,9 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
             total = 2 * (cp - 1) * t_local * ((c + v) * a + gates) // cp
         elif case == "all_gather":
             total = 2 * (cp - 1) * t_local * (c * a + gates)
-        elif case in ("chunkwise_hidden", "chunkwise_core"):
+        elif case in ("chunkwise_hidden", "chunkwise_core", "chunkwise_generic"):
             moved = rows_leaving(layout, cu, cp, r, ZIGZAG, CONTIGUOUS) + rows_leaving(layout, cu, cp, r, CONTIGUOUS, ZIGZAG)
-            per_row = 2 * h * a if case == "chunkwise_hidden" else (c + v) * a + gates
+            per_row = (c + v) * a + (4 + a) * hv if case == "chunkwise_core" else 2 * h * a
             ex = _exchange_bytes(chunkwise_path, cu, cp, r, dims, a)
             total = moved * per_row + ex
         else:

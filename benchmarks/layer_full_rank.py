@@ -225,13 +225,17 @@ def _rows(case: str, layout: str, cu, cp: int, rank: int, device) -> torch.Tenso
 
 
 def _set_mode(case: str) -> None:
-    """The patched layer's mode for ``case`` (config field read at every forward) and swap point."""
+    """The patched layer's mode for ``case`` (config field read at every forward), swap point and
+    chunkwise path (``chunkwise_generic``: gdn-cp's own exchange; every other case: ``auto``)."""
     from gdn_cp.megatron.swap import set_chunkwise_swap
+    from gdn_cp.modes import set_chunkwise_path
 
     mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(case, "chunkwise")
     _STATE["layer"].config.linear_cp_mode = mode
     _STATE["layer1"].config.linear_cp_mode = mode
-    set_chunkwise_swap({"chunkwise_hidden": "hidden", "chunkwise_core": "core"}.get(case, "auto"))
+    set_chunkwise_swap({"chunkwise_hidden": "hidden", "chunkwise_core": "core", "chunkwise_generic": "hidden"}
+                       .get(case, "auto"))
+    set_chunkwise_path("generic" if case == "chunkwise_generic" else "auto")
 
 
 class _Case:
@@ -284,10 +288,10 @@ class _Case:
         if not self.case.startswith("chunkwise"):
             return None
         from gdn_cp.megatron.gdn import choose_backend
+        from gdn_cp.modes import resolve_chunkwise_path
 
-        backend = choose_backend(self.module, _STATE["device"])
-        native = getattr(backend, "native_cp_available", None)
-        return "fla" if native is not None and native(self.group) else "generic"
+        path, _ = resolve_chunkwise_path(choose_backend(self.module, _STATE["device"]), self.group)
+        return "fla" if path == "native" else "generic"
 
     # -- the core alone ------------------------------------------------------------------------
     def core_step(self, seed: int):
@@ -314,7 +318,7 @@ class _Case:
         else:
             plan, group = RouteCache().plan(torch.tensor(self.cu), cp, rank), self.group
         mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(self.case, "chunkwise")
-        layout = "contiguous" if self.case == "chunkwise_hidden" else "zigzag"
+        layout = "contiguous" if self.case in ("chunkwise_hidden", "chunkwise_generic") else "zigzag"
         n = plan.t_local
         qkv = _randn((n, shape.conv_dim), seed + 11, dtype, device).requires_grad_(True)
         g = (-F.softplus(_randn((n, shape.num_v_heads), seed + 12, torch.float32, device)) * 0.3).requires_grad_(True)

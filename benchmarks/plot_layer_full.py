@@ -32,14 +32,16 @@ from layer_full_math import case_key, run_key  # noqa: E402
 
 logger = logging.getLogger("benchmarks.plot_layer_full")
 
-CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "all_gather", "cp1_slice",
+CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "chunkwise_generic", "all_gather",
+         "cp1_slice",
          "stock_cp1", "patched_cp1", "stock_slice", "patched_slice")
 LABELS = {"stock_headwise": "stock headwise", "headwise": "headwise", "chunkwise_hidden": "chunkwise (hidden swap)",
-          "chunkwise_core": "chunkwise (core swap)", "all_gather": "all_gather", "cp1_slice": "ideal: CP=1 on own slice",
+          "chunkwise_core": "chunkwise (core swap)", "chunkwise_generic": "chunkwise (hidden, gdn-cp exchange)",
+          "all_gather": "all_gather", "cp1_slice": "ideal: CP=1 on own slice",
           "stock_cp1": "stock CP=1", "patched_cp1": "gdn-cp CP=1", "stock_slice": "stock CP=1 slice",
           "patched_slice": "gdn-cp CP=1 slice"}
 COLORS = {"stock_headwise": "tab:gray", "headwise": "tab:orange", "chunkwise_hidden": "tab:blue",
-          "chunkwise_core": "tab:cyan", "all_gather": "tab:red", "cp1_slice": "black", "stock_cp1": "tab:gray",
+          "chunkwise_core": "tab:cyan", "chunkwise_generic": "tab:purple", "all_gather": "tab:red", "cp1_slice": "black", "stock_cp1": "tab:gray",
           "patched_cp1": "tab:blue", "stock_slice": "silver", "patched_slice": "tab:cyan"}
 
 

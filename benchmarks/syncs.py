@@ -50,6 +50,7 @@ def _count_syncs(fn):
 
 def _rank_syncs(ctx, cp_sizes):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
+    from gdn_cp.modes import set_chunkwise_path
     from gdn_cp.testing.inputs import hidden_inputs
     from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
     from gdn_cp.testing.packings import thd_case, zigzag_rows
@@ -65,8 +66,10 @@ def _rank_syncs(ctx, cp_sizes):
         x, dout = hidden_inputs(padded[-1], 1, torch.bfloat16, 5, CFG["hidden_size"], ctx.device)
         x, dout = x[rows], dout[rows]
         res = {}
-        for path in ("headwise", "chunkwise", "all_gather", "stock headwise"):
-            mode = "headwise" if path == "stock headwise" else path
+        for path in ("headwise", "chunkwise", "chunkwise generic", "all_gather", "stock headwise"):
+            mode = {"stock headwise": "headwise", "chunkwise generic": "chunkwise"}.get(path, path)
+            # gdn-cp's own chunkwise exchange (async summary gather on NCCL), else the auto path
+            set_chunkwise_path("generic" if path == "chunkwise generic" else None)
             cfg = make_config(cp, mode, torch.bfloat16, **CFG)
             first = build_gdn(cfg, group, seed=1, layer_number=1, device=ctx.device)
             second = build_gdn(cfg, group, seed=2, layer_number=2, device=ctx.device)
@@ -93,6 +96,7 @@ def _rank_syncs(ctx, cp_sizes):
                 "route_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
             }
         out[cp] = res
+    set_chunkwise_path(None)
     return out
 
 

@@ -161,6 +161,9 @@ def test_bytes_per_token_in_the_rows(smoke):
         assert by[p, "all_gather"]["bytes_per_token"] == 2 * (128 * 4 + 8 * 8)
         assert by[p, "cp1_slice"]["bytes_per_token"] == 0
         assert by[p, "chunkwise_hidden"]["bytes_per_token"] < by[p, "chunkwise_core"]["bytes_per_token"]
+        # on gloo both hidden-swap cases take gdn-cp's own exchange: the same bytes
+        assert by[p, "chunkwise_generic"]["chunkwise_path"] == by[p, "chunkwise_hidden"]["chunkwise_path"] == "generic"
+        assert by[p, "chunkwise_generic"]["bytes_per_token"] == by[p, "chunkwise_hidden"]["bytes_per_token"]
     slices = by["mixed8", "cp1_slice"]
     assert slices["slices"] == [lfm.contiguous_slice(slices["cu"], 2, r) for r in range(2)]
     assert slices["critical_rank"] in (0, 1)

@@ -24,9 +24,13 @@ __all__ = [
     "group_ranks",
     "sum_over_group",
     "route_all_to_all",
+    "route_all_to_all_many",
     "seq_to_head",
     "head_to_seq",
     "all_gather_rows",
+    "GatherInFlight",
+    "start_all_gather_rows",
+    "wait_all_gather_rows",
 ]
 
 # torch >= 2.13 names them *_single; older releases only have *_tensor.
@@ -131,6 +135,95 @@ def route_all_to_all(x: torch.Tensor, route: Route, inverse: Route, group) -> to
     return _RouteAllToAll.apply(x, route, inverse, group)
 
 
+def _byte_columns(specs) -> tuple[list[int], int]:
+    """Byte offset of each ``(dtype, features)`` in a packed row, and the row's width. Wider
+    elements first and the width a multiple of the widest element, so that every column block
+    can be viewed in its own dtype."""
+    order = sorted(range(len(specs)), key=lambda i: -specs[i][0].itemsize)
+    offsets, at = [0] * len(specs), 0
+    for i in order:
+        offsets[i] = at
+        at += specs[i][0].itemsize * specs[i][1]
+    widest = max(d.itemsize for d, _ in specs)
+    return offsets, -(-at // widest) * widest
+
+
+def _columns(buf: torch.Tensor, offset: int, dtype: torch.dtype, features: int) -> torch.Tensor:
+    """``[rows, features]`` of ``dtype`` viewing bytes ``[offset, offset + features*itemsize)``
+    of every row of the uint8 ``buf`` (no copy)."""
+    return buf[:, offset:offset + features * dtype.itemsize].view(dtype)
+
+
+def _apply_route_many(xs, route: Route, group) -> list[torch.Tensor]:
+    """:func:`_apply_route` for several tensors of the same rows in one all-to-all: each is
+    written (bit for bit) into its byte columns of one uint8 send buffer, in send order, and
+    read back from the receive buffer in target order: one copy on each side, as one route.
+    Where the receive order is the identity the results are views of the receive buffer (rows
+    strided by the packed width), not copies."""
+    if route.is_identity:
+        return list(xs)
+    flats = [x.reshape(x.shape[0], -1) for x in xs]
+    specs = [(f.dtype, f.shape[1]) for f in flats]
+    offsets, width = _byte_columns(specs)
+    send = torch.empty((route.rows_in, width), dtype=torch.uint8, device=xs[0].device)
+    positions = route.send_positions_on(send.device)
+    for f, off, (dtype, n) in zip(flats, offsets, specs):
+        cols = _columns(send, off, dtype, n)
+        if positions is None:
+            cols.copy_(f)
+        else:
+            cols.index_copy_(0, positions, f)
+    recv = send.new_empty((route.rows_out, width))
+    _count("route_all_to_all", send)
+    dist.all_to_all_single(
+        recv, send, output_split_sizes=list(route.recv_splits), input_split_sizes=list(route.send_splits), group=group
+    )
+    _, recv_idx = route.indices_on(recv.device)
+    outs = []
+    for x, off, (dtype, n) in zip(xs, offsets, specs):
+        cols = _columns(recv, off, dtype, n)
+        if recv_idx is not None:
+            cols = cols.index_select(0, recv_idx)
+        outs.append(cols.unflatten(1, x.shape[1:]) if x.dim() > 1 else cols.squeeze(1))
+    return outs
+
+
+class _RouteAllToAllMany(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, route, inverse, group, *xs):
+        ctx.route, ctx.inverse, ctx.group = route, inverse, group
+        return tuple(_apply_route_many(xs, route, group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, *_apply_route_many(grads, ctx.inverse, ctx.group))
+
+
+def route_all_to_all_many(xs, route: Route, inverse: Route, group) -> tuple[torch.Tensor, ...]:
+    """:func:`route_all_to_all` of several tensors with the same rows (``[T_src_local, *F_i]``,
+    any dtypes) in ONE all-to-all per direction, exactly (bytes are moved, nothing is cast).
+    Returns ``[T_dst_local, *F_i]`` in the same order (possibly strided views of one buffer);
+    gradients go back along ``inverse``, also in one all-to-all."""
+    xs = tuple(xs)
+    if not xs:
+        raise ValueError("route_all_to_all_many needs at least one tensor")
+    if (inverse.source, inverse.target) != (route.target, route.source):
+        raise ValueError(
+            f"inverse route goes {inverse.source}->{inverse.target}, expected {route.target}->{route.source}"
+        )
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"route_all_to_all_many: item {i} is a {type(x).__name__}, not a tensor")
+        if x.dim() < 1 or x.shape[0] != route.rows_in:
+            raise ValueError(
+                f"route {route.source}->{route.target} expects {route.rows_in} local rows, item {i} has shape "
+                f"{tuple(x.shape)}; the tensors and the route must come from the same micro-batch"
+            )
+        if x.device != xs[0].device:
+            raise ValueError(f"route_all_to_all_many: item {i} is on {x.device}, item 0 on {xs[0].device}")
+    return _RouteAllToAllMany.apply(route, inverse, group, *xs)
+
+
 def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     t_local = x.shape[0]
@@ -221,3 +314,91 @@ class _AllGatherRows(torch.autograd.Function):
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """``[n, *F]`` on every rank -> ``[cp*n, *F]`` rank-major; backward reduce-scatters (sums)."""
     return _AllGatherRows.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# an all-gather that travels while the caller computes
+# ---------------------------------------------------------------------------------------------
+
+class GatherInFlight:
+    """An all-gather started by :func:`start_all_gather_rows` and not yet waited for.
+
+    Autograd sees two nodes: the start (made where the gather is launched) and the wait (made
+    where its result is first needed). Backward runs them mirrored: the wait's backward launches
+    the reduce-scatter of the gradient and the start's backward waits for it. Autograd runs the
+    ready node made last first, so the nodes made between the two (the work the gather overlapped
+    in forward) run their backward in between, while the reduce-scatter travels.
+
+    The collectives are asynchronous (``async_op=True``) where waiting costs no host sync: NCCL
+    (the wait orders the compute stream after the collective) and gloo with CPU tensors; gloo
+    with CUDA tensors stages through the host, so there they run synchronously (same results,
+    no overlap).
+    """
+
+    __slots__ = ("group", "world", "async_op", "shape", "token", "send", "out", "work",
+                 "grad_send", "grad_in", "grad_work")
+
+    def __init__(self, group, async_op: bool):
+        self.group, self.world, self.async_op = group, group_size(group), async_op
+        self.shape = self.token = self.send = self.out = self.work = None
+        self.grad_send = self.grad_in = self.grad_work = None
+
+
+class _StartAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, flight):
+        flat = _flat(x)
+        out = flat.new_empty((flight.world * flat.shape[0], flat.shape[1]))
+        _count("all_gather", flat)
+        flight.work = _all_gather_flat(out, flat, group=flight.group, async_op=flight.async_op)
+        flight.shape, flight.send, flight.out = tuple(x.shape), flat, out
+        ctx.flight = flight
+        return flat.new_zeros(())  # the token: links this node to the wait in the graph
+
+    @staticmethod
+    def backward(ctx, token_grad):  # noqa: ARG004 - the token carries no value
+        f = ctx.flight
+        if f.grad_work is not None:
+            f.grad_work.wait()
+        grad = f.grad_in.view(f.shape)
+        f.grad_send = f.grad_in = f.grad_work = None
+        return grad, None
+
+
+class _WaitAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token, flight):  # noqa: ARG004 - the token only orders the graph
+        if flight.work is not None:
+            flight.work.wait()
+        ctx.flight = flight
+        out = flight.out
+        flight.work = flight.send = flight.out = None
+        return out.view(flight.world * flight.shape[0], *flight.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        f = ctx.flight
+        flat = _flat(grad)
+        out = flat.new_empty((flat.shape[0] // f.world, flat.shape[1]))
+        _count("reduce_scatter", flat)
+        f.grad_work = _reduce_scatter_flat(out, flat, group=f.group, async_op=f.async_op)
+        f.grad_send, f.grad_in = flat, out  # kept alive until the start's backward has waited
+        return grad.new_zeros(()), None
+
+
+def start_all_gather_rows(x: torch.Tensor, group) -> GatherInFlight:
+    """Launch :func:`all_gather_rows` of ``x [n, *F]``; the result comes from
+    :func:`wait_all_gather_rows`. Between the two the caller may compute (see
+    :class:`GatherInFlight` for the backward)."""
+    async_op = group_backend(group) == "nccl" or x.device.type == "cpu"
+    flight = GatherInFlight(group, async_op)
+    flight.token = _StartAllGather.apply(x, flight)
+    return flight
+
+
+def wait_all_gather_rows(flight: GatherInFlight) -> torch.Tensor:
+    """``[cp*n, *F]`` rank-major, as :func:`all_gather_rows`; backward reduce-scatters (sums)."""
+    if flight.token is None:
+        raise ValueError("wait_all_gather_rows: this gather was already waited for; start a new one")
+    token, flight.token = flight.token, None
+    return _WaitAllGather.apply(token, flight)

@@ -42,6 +42,13 @@ class ChunkwisePlan:
     split: int
     head_cu: Boundaries | None  # (0, split); None when split == 0
     rest_cu: Boundaries | None  # rows [split, t_local) from 0; None when there are none
+    # The rest, cut once more so that the summary a later rank waits for comes first: rows
+    # [tail_split, t_local) are the last sequence when it starts on this rank and continues onto
+    # the next (its final state is the summary), rows [split, tail_split) the sequences between.
+    # tail_split == t_local when there is no such tail.
+    tail_split: int = 0
+    mid_cu: Boundaries | None = None  # rows [split, tail_split) from 0; None when there are none
+    tail_cu: Boundaries | None = None  # (0, t_local - tail_split); None when there is no tail
 
     @property
     def needs_halo(self) -> bool:
@@ -81,6 +88,8 @@ def build_chunkwise_plan(cu_seqlens, cp_size: int, cp_rank: int, conv_width: int
         compose = list(range(seq_start // t_local, cp_rank))
     split = local_cu[1] if first_continues else 0
     rest = local_cu[1:] if first_continues else local_cu
+    tail_split = local_cu[-2] if last_continues and not last_is_first else t_local
+    mid = [c - split for c in rest if c <= tail_split]
     return ChunkwisePlan(
         cp_size=cp_size,
         cp_rank=cp_rank,
@@ -96,4 +105,7 @@ def build_chunkwise_plan(cu_seqlens, cp_size: int, cp_rank: int, conv_width: int
         split=split,
         head_cu=Boundaries((0, split)) if split else None,
         rest_cu=Boundaries([c - split for c in rest]) if split < t_local else None,
+        tail_split=tail_split,
+        mid_cu=Boundaries(mid) if tail_split > split else None,
+        tail_cu=Boundaries((0, t_local - tail_split)) if tail_split < t_local else None,
     )

@@ -162,6 +162,21 @@ class Route:
             )
         return self._cache[key]
 
+    def send_positions_on(self, device: torch.device) -> torch.Tensor | None:
+        """``[rows_in]``: the send-buffer row of each local source row (the inverse of
+        ``send_index``; None when that is the identity), on ``device``, cached. For writing rows
+        straight into their send-buffer place (``index_copy_``) instead of gathering them."""
+        if self.send_spans is None:
+            return None
+        device = torch.device(device)
+        key = ("send_positions", str(device))
+        if key not in self._cache:
+            index = self.send_index
+            positions = torch.empty_like(index)
+            positions[index] = torch.arange(index.numel(), dtype=index.dtype)
+            self._cache[key] = positions if device.type == "cpu" else host_to_device(positions, device)
+        return self._cache[key]
+
     def summary(self) -> str:
         lines = [
             f"route {self.source} -> {self.target}  cp={self.cp_size} rank={self.cp_rank}"

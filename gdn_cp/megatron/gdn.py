@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..comm import group_ranks, route_all_to_all
 from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
-from ..modes import GDNShape, gdn_core, sbhd_to_thd, thd_to_sbhd
+from ..modes import GDNShape, gdn_core, resolve_chunkwise_path, sbhd_to_thd, thd_to_sbhd
 from ..ops import get_backend
 from . import config as _config
 from .pins import load_adapter, pin_of_layer_class
@@ -315,8 +315,11 @@ def gated_delta_net_forward(
     if plan.t_local != s_local * batch:
         raise ValueError(f"plan expects {plan.t_local} local rows, hidden_states gives {s_local * batch}")
 
-    if mode == "chunkwise" and cp > 1 and _swap_point(layer, shape, hidden_states) == "hidden":
-        return _forward_hidden_swap(layer, hidden_states, plan, group, shape, thd, batch)
+    if mode == "chunkwise" and cp > 1:
+        # a 'native' path setting the backend cannot honour on this group fails before any collective
+        resolve_chunkwise_path(choose_backend(module, hidden_states.device), group)
+        if _swap_point(layer, shape, hidden_states) == "hidden":
+            return _forward_hidden_swap(layer, hidden_states, plan, group, shape, thd, batch)
 
     qkvzba = layer.in_proj(hidden_states)  # [S_local, B, D_tp]
     rows = qkvzba.reshape(-1, qkvzba.shape[-1]) if thd else sbhd_to_thd(qkvzba)

@@ -3,12 +3,13 @@
 chunkwise moves rows zigzag -> contiguous and back. in_proj, the gates, the gated norm and
 out_proj act per token, so the swap can happen either
 
-- at the core: in_proj output ``q|k|v`` plus the gates in (fp32), the core output ``o`` out, or
+- at the core: in_proj output ``q|k|v`` plus the gates in (g fp32, beta in the activation
+  dtype, packed into the same all-to-all), the core output ``o`` out, or
 - at hidden_states: ``hidden_states`` in before in_proj, out_proj's output back.
 
-The rule, per TP rank, in bytes per token (``a`` = activation bytes, gates fp32):
+The rule, per TP rank, in bytes per token (``a`` = activation bytes):
 
-    core   = (2*Hk*Dk + Hv*Dv) * a + 2*Hv * 4 + Hv*Dv * a        (TP-local heads)
+    core   = (2*Hk*Dk + Hv*Dv) * a + Hv * (4 + a) + Hv*Dv * a    (TP-local heads)
     hidden = 2 * H * a                                          (H = hidden size, replicated over TP)
 
 take ``hidden`` when it is strictly smaller and allowed, else ``core``. The hidden swap is
@@ -16,7 +17,7 @@ not allowed with sequence parallelism and TP > 1 (hidden_states are then split a
 sequence over TP and gathered inside in_proj). Both paths give the same numbers (tested).
 Example, computed from the rule (``tests/megatron/test_swap.py`` checks these numbers): the
 Qwen3.5-9B GDN shape at TP=1 (H=4096, 16 key / 32 value heads of dim 128, bf16) gives core
-24,832 B/token and hidden 16,384 B/token; stock headwise moves 32,896 (q|k|v|z|beta|alpha in,
+24,768 B/token and hidden 16,384 B/token; stock headwise moves 32,896 (q|k|v|z|beta|alpha in,
 the normed output out), so the hidden swap moves 0.50x of stock headwise.
 """
 
@@ -63,7 +64,7 @@ def choose_swap_point(
     raises ValueError where it is not allowed)."""
     if requested not in SWAP_POINTS:
         raise ValueError(f"chunkwise swap point must be one of {SWAP_POINTS}, got {requested!r}")
-    core = (shape.conv_dim + shape.value_dim) * act_bytes + 2 * shape.num_v_heads * _GATE_BYTES
+    core = (shape.conv_dim + shape.value_dim) * act_bytes + shape.num_v_heads * (_GATE_BYTES + act_bytes)
     stock = (shape.conv_dim + 2 * shape.value_dim + 2 * shape.num_v_heads) * act_bytes
     allowed = tp == 1 or not sequence_parallel
     hidden = 2 * hidden_size * act_bytes if allowed else None

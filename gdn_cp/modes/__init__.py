@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["GDNShape", "gdn_core", "local_core", "sbhd_to_thd", "thd_to_sbhd"]
+__all__ = [
+    "GDNShape", "gdn_core", "local_core", "sbhd_to_thd", "thd_to_sbhd", "chunkwise_path", "set_chunkwise_path",
+    "resolve_chunkwise_path",
+]
 
 _HOMES = {
     "GDNShape": "gdn_cp.ops.shape",
@@ -18,6 +21,9 @@ _HOMES = {
     "local_core": "gdn_cp.modes.common",
     "sbhd_to_thd": "gdn_cp.modes.packing",
     "thd_to_sbhd": "gdn_cp.modes.packing",
+    "chunkwise_path": "gdn_cp.modes.chunkwise",
+    "set_chunkwise_path": "gdn_cp.modes.chunkwise",
+    "resolve_chunkwise_path": "gdn_cp.modes.chunkwise",
 }
 
 

@@ -6,23 +6,97 @@ earlier ranks and the scan takes its initial state from the affine summaries
 is the CP=1 compute on T/cp tokens (in the generic path here, plus one wider scan on a
 rank whose whole slice continues a sequence on both sides, for its transition matrix M).
 A backend with a native context-parallel core for the group (``backend.native_cp_core``:
-FLA's cp context on NCCL) replaces the generic halo/summary path.
+FLA's cp context on NCCL) replaces the generic halo/summary path, unless the chunkwise path
+setting says otherwise (:func:`set_chunkwise_path`, env ``GDN_CP_CHUNKWISE_PATH``):
+
+- ``auto`` (default): the backend's native core where it has one for the group, else generic;
+- ``native``: the native core; a ValueError (before any collective) where there is none;
+- ``generic``: gdn-cp's own halo and state-summary exchange around the backend's CP=1 kernels.
+
+The choice is made per call from the setting and the group, never switched on its own, and
+logged once per (setting, path).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from functools import partial
 
 import torch
 
-from ..comm import all_gather_rows, route_all_to_all
+from ..comm import (
+    all_gather_rows,
+    route_all_to_all,
+    route_all_to_all_many,
+    start_all_gather_rows,
+    wait_all_gather_rows,
+)
 from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
 from ..ops.shape import GDNShape
-from .common import split_qkv, stack_gates, unstack_gates
+from .common import split_qkv
 
-__all__ = ["chunkwise_core", "contiguous_core", "gather_halo", "initial_state_from_summaries"]
+__all__ = [
+    "CHUNKWISE_PATHS",
+    "CHUNKWISE_PATH_ENV",
+    "chunkwise_core",
+    "chunkwise_path",
+    "contiguous_core",
+    "gather_halo",
+    "initial_state_from_summaries",
+    "resolve_chunkwise_path",
+    "set_chunkwise_path",
+]
+
+logger = logging.getLogger(__name__)
+
+CHUNKWISE_PATHS = ("auto", "native", "generic")
+CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
+_PATH_SETTING: list = [None]  # set_chunkwise_path's value; None: the environment decides
+_LOGGED: set = set()
+
+
+def _check_path(path, where: str) -> str:
+    if path not in CHUNKWISE_PATHS:
+        raise ValueError(f"{where}={path!r}: the chunkwise path must be one of {', '.join(CHUNKWISE_PATHS)}")
+    return path
+
+
+def set_chunkwise_path(path: str | None) -> None:
+    """Choose how chunkwise exchanges halos and state summaries: ``auto``, ``native`` (the
+    backend's own CP kernels, FLA's cp context on NCCL) or ``generic`` (gdn-cp's exchange).
+    ``None`` hands the choice back to ``GDN_CP_CHUNKWISE_PATH`` (default ``auto``)."""
+    _PATH_SETTING[0] = None if path is None else _check_path(path, "set_chunkwise_path(path)")
+
+
+def chunkwise_path() -> str:
+    """The setting: :func:`set_chunkwise_path`'s, else ``GDN_CP_CHUNKWISE_PATH``'s, else ``auto``."""
+    if _PATH_SETTING[0] is not None:
+        return _PATH_SETTING[0]
+    return _check_path(os.environ.get(CHUNKWISE_PATH_ENV, "auto") or "auto", CHUNKWISE_PATH_ENV)
+
+
+def resolve_chunkwise_path(backend, group):
+    """``(path, native_core)`` for this call: ``("native", core)`` or ``("generic", None)``.
+
+    Host-side only; raises ValueError (before any collective) when the setting is ``native`` and
+    the backend has no native core for ``group``.
+    """
+    setting = chunkwise_path()
+    native = None if setting == "generic" or group is None else backend.native_cp_core(group)
+    if setting == "native" and native is None:
+        raise ValueError(
+            f"chunkwise path 'native' (set_chunkwise_path or {CHUNKWISE_PATH_ENV}) but the "
+            f"{getattr(backend, '__name__', type(backend).__name__)} backend has no native CP core for this "
+            "group (FLA's cp context needs an NCCL group, FLA >= 0.4.2, a CUDA device); set 'auto' or 'generic'"
+        )
+    path = "native" if native is not None else "generic"
+    if (setting, path) not in _LOGGED:
+        _LOGGED.add((setting, path))
+        logger.info("chunkwise halo/state exchange: %s path (setting %s)", path, setting)
+    return path, native
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:
@@ -73,6 +147,31 @@ def _transition_summary(q, k, v, g, beta, cu, backend, state_dtype, qk_l2norm: b
     return final[0].to(state_dtype)
 
 
+def _scan_after_parallel_summary(rows, cw: ChunkwisePlan, scan, summarize, group, shape: GDNShape, state_dtype, v):
+    """:func:`_scan_with_carried_state` with a backend that summarizes a piece without scanning
+    it: summary, gather started, rows ``[split, T_local)`` scanned in one call, gather waited
+    for, head scanned from its composed initial state."""
+    dk, hv, dv = shape.head_k_dim, v.shape[1], v.shape[2]
+    if cw.last_is_first:
+        _, k, vv, g, beta = rows(0, None)
+        summary = summarize(k, vv, g, beta, cu_seqlens=cw.local_cu, use_qk_l2norm=shape.qk_l2norm)[-1]
+    elif cw.tail_cu is not None:
+        _, k, vv, g, beta = rows(cw.tail_split, None)
+        ext = summarize(k, vv, g, beta, cu_seqlens=cw.tail_cu, use_qk_l2norm=shape.qk_l2norm)[-1, ..., dk:]
+        summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), ext.to(state_dtype)], -1)
+    else:
+        summary = _keep_in_graph(torch.zeros(hv, dk, dk + dv, dtype=state_dtype, device=v.device), v)
+    flight = start_all_gather_rows(summary.to(state_dtype).unsqueeze(0), group)
+    o_rest = None
+    if cw.rest_cu is not None:
+        o_rest, _ = scan(*rows(cw.split, None), cu_seqlens=cw.rest_cu)
+    s_in = initial_state_from_summaries(wait_all_gather_rows(flight), cw, dk)
+    if not cw.first_continues:
+        return _keep_in_graph(o_rest, s_in)
+    o_head, _ = scan(*rows(0, cw.split), cu_seqlens=cw.head_cu, initial_state=s_in.unsqueeze(0))
+    return o_head if o_rest is None else torch.cat([o_head, o_rest])
+
+
 def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk: int) -> torch.Tensor:
     """Compose earlier ranks' ``[M | S_ext]`` (``summaries [cp, Hv, Dk, Dk+Dv]``) in rank order.
 
@@ -88,10 +187,10 @@ def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk:
 
 def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
     """zigzag rows in and out; the routes wrap :func:`contiguous_core`."""
+    resolve_chunkwise_path(backend, group)  # a 'native' setting it cannot honour fails before the routes
     to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
-    qkv_c = route_all_to_all(qkv, to_c, to_z, group)
-    gates_c = route_all_to_all(stack_gates(g, beta), to_c, to_z, group)
-    g_c, beta_c = unstack_gates(gates_c, g.dtype, beta.dtype)
+    # q|k|v and both gates in one all-to-all per direction (bytes packed side by side, exact)
+    qkv_c, g_c, beta_c = route_all_to_all_many((qkv, g, beta), to_c, to_z, group)
     o_c = contiguous_core(
         qkv_c, g_c, beta_c, conv_weight, conv_bias,
         shape=shape, plan=plan, group=group, backend=backend,
@@ -104,10 +203,11 @@ def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNSha
 
     Used directly when the layout swap happens outside the core (on hidden_states). A
     backend with a native context-parallel kernel for this group (FLA's cp_context on NCCL)
-    runs it; otherwise halos and state summaries go through gdn_cp.comm and the backend's
-    kernels run per rank (same results; the reference backend, or FLA on gloo groups).
+    runs it unless the path setting says ``generic``; otherwise halos and state summaries go
+    through gdn_cp.comm and the backend's kernels run per rank (same results; the reference
+    backend, or FLA on gloo groups).
     """
-    native = backend.native_cp_core(group)
+    _, native = resolve_chunkwise_path(backend, group)
     if native is not None:
         return native(
             qkv_c, g_c, beta_c, conv_weight, conv_bias,
@@ -134,37 +234,60 @@ def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNSha
 def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group, shape: GDNShape):
     """The scan of a slice whose first local sequence may continue an earlier rank's.
 
-    The local sequences that start on this rank need no incoming state: they are scanned
-    first, and the last one's final state is this rank's summary ``[0 | S_ext]``. After the
-    summaries are exchanged, the first local sequence (rows ``[0, cw.split)``) is scanned from
-    its composed initial state. So every row is scanned once, except when one sequence covers
-    the whole slice and continues on both sides: its ``[M | S_ext]`` takes one more (wider) scan.
+    Ordered so that what later ranks wait for comes first. The slice is cut into head (rows
+    ``[0, cw.split)``: the first local sequence when it continues an earlier rank's), mid and
+    tail (rows ``[cw.tail_split, T_local)``: the last local sequence when it starts here and
+    continues onto the next rank). In order:
+
+    1. this rank's summary: the tail's final state ``[0 | S_ext]`` (one scan of the tail), or
+       ``[M | S_ext]`` by one wider scan when one sequence covers the whole slice and continues
+       on both sides, or zeros when nothing continues onto the next rank;
+    2. the all-gather of the summaries starts (asynchronous where that costs no host sync);
+    3. the mid is scanned while the summaries travel;
+    4. the gather is waited for, the head's initial state composed and the head scanned.
+
+    Every row is scanned once (the wider scan aside). Backward mirrors the overlap: the head's
+    gradient reaches the earlier ranks' tails through a reduce-scatter that travels while the
+    mid's backward runs (:class:`gdn_cp.comm.GatherInFlight`).
+
+    A backend with ``chunk_state_summary`` (the reference backend: chunk maps composed in a
+    tree, O(log chunks) deep) gives the summary without scanning the tail first: then the
+    gather starts at once and mid and tail are scanned in one call while it travels.
     """
     dk = shape.head_k_dim
     state_dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
     scan = partial(backend.chunk_gated_delta_rule, use_qk_l2norm=shape.qk_l2norm)
-    split = cw.split
-
-    o_rest = None
-    if cw.rest_cu is not None:
-        rest = slice(split, None)
-        o_rest, finals = scan(
-            q[rest], k[rest], v[rest], g[rest], beta[rest], cu_seqlens=cw.rest_cu, output_final_state=cw.last_continues,
-        )
     hv, dv = v.shape[1], v.shape[2]
+
+    def rows(a, b):
+        part = slice(a, b)
+        return q[part], k[part], v[part], g[part], beta[part]
+
+    summarize = getattr(backend, "chunk_state_summary", None)
+    if summarize is not None:
+        return _scan_after_parallel_summary(rows, cw, scan, summarize, group, shape, state_dtype, v)
+
+    o_tail = None
     if cw.last_is_first:
         summary = _transition_summary(q, k, v, g, beta, cw.local_cu, backend, state_dtype, shape.qk_l2norm)
-    elif cw.last_continues:
+    elif cw.tail_cu is not None:
+        o_tail, finals = scan(*rows(cw.tail_split, None), cu_seqlens=cw.tail_cu, output_final_state=True)
         summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), finals[-1].to(state_dtype)], -1)
     else:
         summary = _keep_in_graph(torch.zeros(hv, dk, dk + dv, dtype=state_dtype, device=v.device), v)
-    summaries = all_gather_rows(summary.unsqueeze(0), group)  # [cp, Hv, Dk, Dk+Dv]
-    s_in = initial_state_from_summaries(summaries, cw, dk)  # [Hv, Dk, Dv]
+    flight = start_all_gather_rows(summary.unsqueeze(0), group)
 
-    if not cw.first_continues:
-        return _keep_in_graph(o_rest, s_in)  # s_in is zeros here, but must stay in the graph
-    head = slice(0, split)
-    o_first, _ = scan(
-        q[head], k[head], v[head], g[head], beta[head], cu_seqlens=cw.head_cu, initial_state=s_in.unsqueeze(0)
-    )
-    return o_first if o_rest is None else torch.cat([o_first, o_rest])
+    o_mid = None
+    if cw.mid_cu is not None:
+        o_mid, _ = scan(*rows(cw.split, cw.tail_split), cu_seqlens=cw.mid_cu)
+
+    summaries = wait_all_gather_rows(flight)  # [cp, Hv, Dk, Dk+Dv]
+    s_in = initial_state_from_summaries(summaries, cw, dk)  # [Hv, Dk, Dv]
+    o_head = None
+    if cw.first_continues:
+        o_head, _ = scan(*rows(0, cw.split), cu_seqlens=cw.head_cu, initial_state=s_in.unsqueeze(0))
+    parts = [o for o in (o_head, o_mid, o_tail) if o is not None]
+    o = parts[0] if len(parts) == 1 else torch.cat(parts)
+    # s_in is zeros when the head does not continue, but must stay in the graph (every rank's
+    # backward runs the reduce-scatter)
+    return o if cw.first_continues else _keep_in_graph(o, s_in)

@@ -7,6 +7,11 @@ backend never reads device data back to the host.
 
 A backend is any object with these members; ``gdn_cp.ops.reference`` and
 ``gdn_cp.ops.fla`` are modules that satisfy it (``tests/ops/test_contract.py`` checks both).
+
+Optional: ``chunk_state_summary(k, v, g, beta, *, cu_seqlens, use_qk_l2norm) -> [N, Hv, Dk,
+Dk+Dv]``, each sequence's affine state summary ``[M | S_ext]`` computed without a serial scan
+(the reference backend has it). Chunkwise's own exchange then starts the summary all-gather
+before scanning; without it the summary comes from a scan of the slice's last sequence.
 """
 
 from __future__ import annotations

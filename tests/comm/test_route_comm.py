@@ -99,3 +99,114 @@ def _stats_case(ctx):
 def test_comm_stats_count_bytes_sent(rank_pool):
     for stats, t_local in rank_pool(2).run(_stats_case):
         assert stats["route_all_to_all"] == t_local * 5 * 4 and stats["route_all_to_all:calls"] == 1
+
+
+class _Log(torch.autograd.Function):
+    """Identity that writes ``name`` into ``log`` when its backward runs."""
+
+    @staticmethod
+    def forward(ctx, x, log, name):
+        ctx.log, ctx.name = log, name
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(ctx.name)
+        return grad, None, None
+
+
+def _gather_in_flight_case(ctx):
+    """start / wait equals all_gather_rows (values and gradients), the gloo CPU collectives run
+    asynchronously, and backward mirrors forward: the reduce-scatter is launched before the
+    backward of the work done between start and wait, and waited for after it."""
+    import gdn_cp.comm.collectives as coll
+
+    rank, world = ctx.rank, ctx.world_size
+    group = dist.group.WORLD
+    log: list[str] = []
+    a = torch.full((2, 3), float(rank + 1), dtype=torch.float64, requires_grad=True)
+    b = torch.arange(4.0, dtype=torch.float64, requires_grad=True)  # the overlapped work's input
+    launched = coll._reduce_scatter_flat
+
+    def logged_reduce_scatter(*args, **kwargs):
+        log.append("reduce_scatter launched" + (" async" if kwargs.get("async_op") else ""))
+        return launched(*args, **kwargs)
+
+    coll._reduce_scatter_flat = logged_reduce_scatter
+    try:
+        flight = coll.start_all_gather_rows(_Log.apply(a, log, "before start"), group)
+        mid = _Log.apply(b * 2, log, "between start and wait")
+        gathered = coll.wait_all_gather_rows(flight)
+        ok_gather = torch.equal(gathered[:, 0], torch.arange(1, world + 1, dtype=torch.float64).repeat_interleave(2))
+        ((gathered * (rank + 1)).sum() + mid.sum()).backward()
+    finally:
+        coll._reduce_scatter_flat = launched
+    ok_grad = torch.equal(a.grad, torch.full_like(a, sum(range(1, world + 1)))) and torch.equal(b.grad, 2 * torch.ones(4, dtype=torch.float64))
+    try:
+        coll.wait_all_gather_rows(flight)
+        twice = "no error"
+    except ValueError as err:
+        twice = str(err)
+    return ok_gather, ok_grad, log, flight.async_op, twice
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_in_flight_mirrors_its_overlap_in_backward(rank_pool, world):
+    for ok_gather, ok_grad, log, async_op, twice in rank_pool(world).run(_gather_in_flight_case):
+        assert ok_gather and ok_grad
+        assert async_op  # gloo with CPU tensors: asynchronous
+        assert log == ["reduce_scatter launched async", "between start and wait", "before start"], log
+        assert "already waited" in twice
+
+
+def _many_case(ctx):
+    """route_all_to_all_many moves tensors of mixed dtypes and shapes bit for bit where separate
+    routes put them, in one all-to-all per direction, and its gradients are theirs."""
+    from gdn_cp.comm import comm_stats, reset_comm_stats, route_all_to_all_many
+
+    rank, world = ctx.rank, ctx.world_size
+    group = dist.group.WORLD
+    cache = RouteCache()
+    report = {}
+    for name, cu_list in named_packings(world).items():
+        plan = cache.plan(torch.tensor(cu_list, dtype=torch.int32), world, rank)
+        z2c, c2z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+        n = z2c.rows_in
+        gen = torch.Generator().manual_seed(rank)
+        wide = torch.randn(n, 7, generator=gen, dtype=torch.float64)[:, 1:5].reshape(n, 2, 2)  # strided input
+        xs = [wide, torch.randn(n, generator=gen), torch.randn(n, 5, generator=gen).to(torch.bfloat16)]
+        leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
+        reset_comm_stats()
+        moved = route_all_to_all_many(leaves, z2c, c2z, group)
+        calls = comm_stats().get("route_all_to_all:calls", 0)
+        back = route_all_to_all_many(moved, c2z, z2c, group)
+        grads = [torch.randn_like(b) for b in back]
+        torch.autograd.backward(back, grads)
+        singles = [route_all_to_all(x, z2c, c2z, group) for x in xs]
+        report[name] = (
+            all(torch.equal(m, s) and m.dtype == s.dtype for m, s in zip(moved, singles)),
+            all(torch.equal(b, x) for b, x in zip(back, xs)),
+            all(torch.equal(leaf.grad, g) for leaf, g in zip(leaves, grads)),
+            calls == (0 if z2c.is_identity else 1),
+        )
+    return report
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_route_many_packs_mixed_dtypes_exactly(rank_pool, world):
+    for rank_report in rank_pool(world).run(_many_case):
+        for name, (same_as_single, round_trip, grads, one_call) in rank_report.items():
+            assert same_as_single, f"{name}: packed rows differ from separate routes"
+            assert round_trip and grads, f"{name}: round trip or gradients not exact"
+            assert one_call, f"{name}: more than one all-to-all for the packed tensors"
+
+
+def test_route_many_checks_before_communicating():
+    from gdn_cp.comm import route_all_to_all_many
+
+    plan = RouteCache().plan([0, 8, 24], 2, 0)
+    route, inverse = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+    with pytest.raises(ValueError, match="expects 12 local rows, item 1"):
+        route_all_to_all_many([torch.zeros(12, 2), torch.zeros(5)], route, inverse, group=None)
+    with pytest.raises(ValueError, match="inverse route"):
+        route_all_to_all_many([torch.zeros(12)], route, route, group=None)

@@ -194,3 +194,24 @@ def test_chunkwise_plan_scan_boundaries(cp):
         assert (cw.rest_cu is None) == (cw.split == t_local)
         if cw.rest_cu is not None:
             assert list(cw.rest_cu) == [c - cw.split for c in cw.local_cu if c >= cw.split]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+@pytest.mark.parametrize("name", ["straddling", "one_sequence", "uneven", "padding_slots", "tiny_pieces"])
+def test_chunkwise_plan_tail_first_cut(cp, name):
+    """head | mid | tail tile the slice in row order, every local boundary kept: the tail is the
+    last local sequence exactly when it starts on this rank and continues onto the next one."""
+    cu = named_packings(cp)[name]
+    t_local = cu[-1] // cp
+    for rank in range(cp):
+        cw = build_chunkwise_plan(cu, cp, rank, 4)
+        has_tail = cw.last_continues and not cw.last_is_first
+        assert (cw.tail_cu is not None) == has_tail
+        assert cw.tail_split == (cw.local_cu[-2] if has_tail else t_local)
+        assert cw.split <= cw.tail_split <= t_local
+        pieces = [(0, cw.head_cu), (cw.split, cw.mid_cu), (cw.tail_split, cw.tail_cu)]
+        joined = sorted({0, t_local} | {start + c for start, part in pieces if part is not None for c in part})
+        assert joined == list(cw.local_cu)
+        rows = sum(part[-1] for _, part in pieces if part is not None)
+        assert rows == t_local
+        assert (cw.mid_cu is None) == (cw.tail_split == cw.split)

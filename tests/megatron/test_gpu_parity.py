@@ -103,3 +103,51 @@ def test_gpu_stock_vs_patched_headwise(gpu_pools, patched_megatron):
             if not v <= tol:
                 bad.append(f"rank {rank} {k}: {v:.3e} > {tol}")
     assert not bad, "\n".join(bad)
+
+
+def _gpu_generic_cases(ctx):
+    """chunkwise with gdn-cp's own exchange forced (``generic``): on NCCL (one rank per GPU) the
+    summary all-gather and its reduce-scatter then run asynchronously, overlapped with the scans."""
+    import torch.distributed as dist
+
+    from gdn_cp.megatron.gdn import choose_backend
+    from gdn_cp.megatron.swap import set_chunkwise_swap
+    from gdn_cp.modes import resolve_chunkwise_path, set_chunkwise_path
+    from gdn_cp.testing.megatron_layer import rank_groups
+
+    out = {}
+    set_chunkwise_path("generic")
+    try:
+        for swap in ("hidden", "core"):
+            set_chunkwise_swap(swap)
+            for layout in ("sbhd", "thd"):
+                out[f"{layout}/{swap}"] = parity_case(
+                    ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=GPU_CFG,
+                    device=ctx.device, metric=rel_l2, bias=False, conv_bias=False)["chunkwise"]
+        from types import SimpleNamespace
+
+        probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
+        out["path"] = resolve_chunkwise_path(choose_backend(probe, ctx.device), rank_groups()["world"])[0]
+        out["dist_backend"] = dist.get_backend()
+    finally:
+        set_chunkwise_path(None)
+        set_chunkwise_swap("auto")
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_parity_chunkwise_generic_path(gpu_pools, patched_megatron, world):
+    results = gpu_pools(world).run(_gpu_generic_cases)
+    bad = []
+    for rank, res in enumerate(results):
+        assert res["path"] == "generic", res["path"]
+        for case, errs in res.items():
+            if case in ("path", "dist_backend"):
+                continue
+            _record("megatron_gdn_parity_generic", world=world, rank=rank, case=case, dist=res["dist_backend"],
+                    errors=errs)
+            for k, v in errs.items():
+                tol = BF16_TOL["out"] if k == "out" else BF16_TOL["grad"]
+                if not v <= tol:
+                    bad.append(f"rank {rank} {case} {k}: {v:.3e} > {tol}")
+    assert not bad, "\n".join(bad)

@@ -35,10 +35,20 @@ def thd_boundaries(cp):
     return cu
 
 
-def _run_modes(ctx, layout, dtype, modes=MODES, mutate=None, shape=SHAPE):
+class ScanOnlyBackend:
+    """The reference kernels without ``chunk_state_summary``: chunkwise then takes its state
+    summaries from scans (tail first, mid while the gather travels), as with FLA on gloo."""
+
+    def __init__(self):
+        ref = get_backend("reference")
+        self.causal_conv1d, self.chunk_gated_delta_rule = ref.causal_conv1d, ref.chunk_gated_delta_rule
+        self.native_cp_core = ref.native_cp_core
+
+
+def _run_modes(ctx, layout, dtype, modes=MODES, mutate=None, shape=SHAPE, scan_only=False):
     rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD
-    backend = get_backend("reference")
+    backend = ScanOnlyBackend() if scan_only else get_backend("reference")
     out = {}
     if layout == "thd":
         cu = thd_boundaries(world)
@@ -90,6 +100,17 @@ def test_modes_equal_cp1(rank_pool, world, layout, dtype):
             assert not bad, f"rank {rank} {mode} {layout} {dtype}: relative errors over {tol}: {bad}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_chunkwise_with_summaries_from_scans_equals_cp1(rank_pool, world, layout, dtype):
+    """The other summary flow (a backend without chunk_state_summary, like FLA)."""
+    results = rank_pool(world).run(_run_modes, layout, dtype, ("chunkwise",), None, SHAPE, True)
+    for rank, per_mode in enumerate(results):
+        bad = {k: v for k, v in per_mode["chunkwise"].items() if not v <= TOL[dtype]}
+        assert not bad, f"rank {rank} chunkwise (scan summaries) {layout} {dtype}: errors over {TOL[dtype]}: {bad}"
+
+
 def _drop_state():
     original = chunkwise_module.initial_state_from_summaries
     chunkwise_module.initial_state_from_summaries = lambda s, cw, dk: original(s, cw, dk) * 0
@@ -100,18 +121,19 @@ def _drop_halo():
     chunkwise_module.gather_halo = lambda x, cw, index, group: torch.zeros_like(original(x, cw, index, group))
 
 
-def _mutated(ctx, which):
+def _mutated(ctx, which, scan_only):
     saved = (chunkwise_module.initial_state_from_summaries, chunkwise_module.gather_halo)
     try:
-        return _run_modes(ctx, "thd", torch.float64, modes=("chunkwise",), mutate=which)
+        return _run_modes(ctx, "thd", torch.float64, modes=("chunkwise",), mutate=which, scan_only=scan_only)
     finally:
         chunkwise_module.initial_state_from_summaries, chunkwise_module.gather_halo = saved
 
 
+@pytest.mark.parametrize("scan_only", [False, True], ids=["tree_summaries", "scan_summaries"])
 @pytest.mark.parametrize("which", [_drop_state, _drop_halo], ids=["drop_incoming_state", "drop_halo"])
-def test_parity_check_can_fail(rank_pool, which):
+def test_parity_check_can_fail(rank_pool, which, scan_only):
     """The comparison above is not vacuous: losing the state or the halo breaks it."""
-    results = rank_pool(2).run(_mutated, which)
+    results = rank_pool(2).run(_mutated, which, scan_only)
     worst = max(errs["out"] for r in results for errs in r.values())
     assert worst > 1e-3, f"dropping {which.__name__} went unnoticed (max error {worst})"
 
@@ -135,19 +157,21 @@ def test_heads_not_divisible_by_cp(rank_pool):
             assert max(res[mode].values()) <= 1e-10, res[mode]
 
 
-def _tiny_slices(ctx):
+def _tiny_slices(ctx, scan_only=False):
     """T_local = 2 < W-1 = 3: a rank's halo comes from two earlier ranks."""
     global thd_boundaries
     saved = thd_boundaries
     thd_boundaries = lambda cp: [0, 2 * cp, 2 * cp]  # noqa: E731  one sequence over all ranks + empty slot
     try:
-        return _run_modes(ctx, "thd", torch.float64, modes=("chunkwise", "all_gather"))
+        return _run_modes(ctx, "thd", torch.float64, modes=("chunkwise", "all_gather"), scan_only=scan_only)
     finally:
         thd_boundaries = saved
 
 
-def test_halo_from_several_ranks_when_slices_are_shorter_than_the_conv(rank_pool):
-    for res in rank_pool(4).run(_tiny_slices):
+@pytest.mark.parametrize("scan_only", [False, True], ids=["tree_summaries", "scan_summaries"])
+def test_halo_from_several_ranks_when_slices_are_shorter_than_the_conv(rank_pool, scan_only):
+    """Also: every middle rank's slice is one sequence continuing on both sides ([M | S_ext])."""
+    for res in rank_pool(4).run(_tiny_slices, scan_only):
         for mode, errs in res.items():
             assert max(errs.values()) <= 1e-10, (mode, errs)
 

@@ -20,6 +20,12 @@ Everything but the state carry is batched over all chunks of all sequences and a
 carry ``S -> S_next`` runs as a Python loop over chunks. All exponents are differences G_i - G_j
 with j <= i, so they are <= 0 and never overflow (for g <= 0, which is not checked: that would read
 device data).
+
+State summaries (:func:`chunk_state_summary`, for context parallelism): a chunk maps its incoming
+state affinely, ``S_next = M_c S + S_c`` with ``M_c = exp(G_C) I - K_out^T W`` and ``S_c = K_out^T U``
+(``K_out = K exp(G_C - G)``). A sequence's summary ``S_out = M S_in + S_ext`` is the composition of
+its chunks' maps: every (M_c, S_c) at once (batched matmuls), then pairwise composition in a tree,
+O(log chunks) deep instead of a serial pass over the chunks.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from ...layout.device import host_to_device
 from ..shape import value_heads_per_key_head
 from .conv import compute_dtype
 
-__all__ = ["chunk_gated_delta_rule", "l2norm"]
+__all__ = ["chunk_gated_delta_rule", "chunk_state_summary", "l2norm"]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -74,6 +80,105 @@ def _chunk_plan(cu: list[int], chunk_size: int, T: int):
     gather = torch.where(real, slot, torch.full_like(slot, T)).reshape(-1)
     scatter = torch.arange(gather.numel(), dtype=torch.long)[real.reshape(-1)]
     return gather, scatter, first, count
+
+
+class _Chunks:
+    """Every chunk of every sequence, side by side, and its WY form (see the module docstring).
+
+    Sequences are padded to whole chunks (padding: k = v = beta = g = 0, which leaves the state
+    alone); ``gather``: :func:`_chunk_plan`'s slot index on the device. Tensors are
+    ``[n_chunks, H, C, ...]``: ``G`` (in-chunk cumulative log decay), ``decay`` (``exp(G_i - G_j)``,
+    j <= i), ``U, W`` (``D = U - W S``), ``k_out`` (writes the outgoing state), ``g_last``
+    (``exp(G_C)``, ``[n, H, 1, 1]``).
+    """
+
+    def __init__(self, k, v, g, beta, gather: torch.Tensor, chunk_size: int):
+        C, dtype, device = chunk_size, k.dtype, k.device
+        self.gather, self.C, self.n = gather, C, gather.numel() // C
+        kc, vc, gc, bc = (self.chunked(t) for t in (k, v, g, beta))
+        G = gc.cumsum(-1)  # [n, H, C]
+        tril = torch.ones(C, C, dtype=torch.bool, device=device).tril()
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill(~tril, float("-inf")).exp()  # [n, H, C, C]
+        kb = kc * bc[..., None]
+        A = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)  # strictly lower
+        eye = torch.eye(C, dtype=dtype, device=device)
+        rhs = torch.cat([vc * bc[..., None], kb * G.exp()[..., None]], dim=-1)
+        UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        dv = v.shape[-1]
+        self.kc, self.G, self.decay = kc, G, decay
+        self.U, self.W = UW[..., :dv], UW[..., dv:]
+        self.k_out = kc * (G[..., -1:] - G).exp()[..., None]
+        self.g_last = G[..., -1].exp()[..., None, None]
+
+    def chunked(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H, ...]`` rows -> ``[n_chunks, H, C, ...]`` (padding slots read a zero row)."""
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[self.gather]
+        x = x.view(self.n, self.C, *x.shape[1:])
+        return x.movedim(1, 2)
+
+
+def _compose_in_tree(maps: torch.Tensor, dk: int) -> torch.Tensor:
+    """``[n, H, Dk, Dk+Dv]`` chunk maps ``[M_c | S_c]`` in sequence order -> their composition
+    (the last applied last): pairs of neighbours composed at once, ceil(log2 n) rounds."""
+    while maps.shape[0] > 1:
+        n = maps.shape[0]
+        even = n - n % 2
+        earlier, later = maps[0:even:2], maps[1:even:2]
+        composed = later[..., :dk] @ earlier  # [M_b M_a | M_b S_a]
+        composed = composed + torch.cat([torch.zeros_like(later[..., :dk]), later[..., dk:]], dim=-1)
+        maps = torch.cat([composed, maps[even:]]) if n % 2 else composed
+    return maps[0]
+
+
+def chunk_state_summary(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    cu_seqlens: Sequence[int],
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Each sequence's affine state summary ``[M | S_ext]``: ``S_out = M S_in + S_ext``.
+
+    k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], ``cu_seqlens`` host boundaries (N sequences,
+    empty ones allowed: ``[I | 0]``); as :func:`chunk_gated_delta_rule` (q is not needed).
+    Returns ``[N, Hv, Dk, Dk+Dv]`` in fp32 (fp64 for fp64 v), differentiable. Equals the final
+    state of a scan from ``[I | 0]`` with values ``[0 | v]``, but every chunk's map is formed at
+    once and the maps are composed in a tree (depth O(log chunks)) instead of one after another.
+    """
+    _check("k", k, 3, "[T, Hk, Dk]")
+    _check("v", v, 3, "[T, Hv, Dv]")
+    _check("g", g, 2, "[T, Hv]")
+    _check("beta", beta, 2, "[T, Hv]")
+    T, Hk, Dk = k.shape
+    _, Hv, Dv = v.shape
+    if v.shape[0] != T:
+        raise ValueError(f"v must have T={T} tokens like k, got shape {tuple(v.shape)}")
+    value_heads_per_key_head(Hk, Hv)
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (T, Hv):
+            raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; 64 is the usual choice")
+    cu = host_boundaries(cu_seqlens, T)
+    dtype, device = compute_dtype(v.dtype), k.device
+    k, v, g, beta = (t.to(dtype) for t in (k, v, g, beta))
+    if use_qk_l2norm:
+        k = l2norm(k)
+    if Hv != Hk:
+        k = k.repeat_interleave(Hv // Hk, dim=1)
+    gather, _, first, count = _chunk_plan(cu, chunk_size, T)
+    eye = torch.eye(Dk, dtype=dtype, device=device)
+    identity = torch.cat([eye.expand(Hv, Dk, Dk), eye.new_zeros(Hv, Dk, Dv)], dim=-1)
+    if gather.numel() == 0:
+        return identity.expand(len(cu) - 1, Hv, Dk, Dk + Dv).clone()
+    ch = _Chunks(k, v, g, beta, host_to_device(gather, device), chunk_size)
+    k_out_t = ch.k_out.transpose(-1, -2)  # [n, H, Dk, C]
+    maps = torch.cat([ch.g_last * eye - k_out_t @ ch.W, k_out_t @ ch.U], dim=-1)  # [n, H, Dk, Dk+Dv]
+    out = [identity if c == 0 else _compose_in_tree(maps[f:f + c], Dk) for f, c in zip(first, count)]
+    return torch.stack(out)
 
 
 def chunk_gated_delta_rule(
@@ -150,33 +255,14 @@ def chunk_gated_delta_rule(
         k = k.repeat_interleave(Hv // Hk, dim=1)
     q = q * scale
 
-    # Pad every sequence to whole chunks (padding: k = v = beta = g = 0, which leaves the state
-    # alone) and lay all chunks of all sequences side by side: [n_chunks, H, C, ...].
     C = chunk_size
     gather, scatter, first, count = _chunk_plan(cu, C, T)
     n_chunks = gather.numel() // C
-    gather = host_to_device(gather, device)
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:
-        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])[gather]
-        x = x.view(n_chunks, C, *x.shape[1:])
-        return x.movedim(1, 2)  # [n_chunks, H, C, ...]
-
-    qc, kc, vc, gc, bc = (chunked(t) for t in (q, k, v, g, beta))
-
-    G = gc.cumsum(-1)  # [n, H, C]
-    tril = torch.ones(C, C, dtype=torch.bool, device=device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~tril, float("-inf")).exp()  # [n, H, C, C]
-    kb = kc * bc[..., None]
-    A = ((kb @ kc.transpose(-1, -2)) * decay).tril(-1)  # strictly lower
-    eye = torch.eye(C, dtype=dtype, device=device)
-    rhs = torch.cat([vc * bc[..., None], kb * G.exp()[..., None]], dim=-1)
-    UW = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    U, W = UW[..., :Dv], UW[..., Dv:]  # D = U - W @ S
-    qk = (qc @ kc.transpose(-1, -2)) * decay  # [n, H, C, C], lower incl. diagonal
-    q_in = qc * G.exp()[..., None]  # reads the incoming state
-    k_out = kc * (G[..., -1:] - G).exp()[..., None]  # writes the outgoing state
-    g_last = G[..., -1].exp()[..., None, None]  # [n, H, 1, 1]
+    ch = _Chunks(k, v, g, beta, host_to_device(gather, device), C)
+    qc = ch.chunked(q)
+    U, W, k_out, g_last = ch.U, ch.W, ch.k_out, ch.g_last
+    qk = (qc @ ch.kc.transpose(-1, -2)) * ch.decay  # [n, H, C, C], lower incl. diagonal
+    q_in = qc * ch.G.exp()[..., None]  # reads the incoming state
 
     # The only serial part: carry the state through the chunks of each sequence.
     starts_of_chunks: list[torch.Tensor] = []
