@@ -9,7 +9,7 @@
 #    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
 # 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
 #    parity, CP and TP x CP: tests/megatron/test_gpu_tp.py wants 2 GPUs, 4 for TP=2 x CP=2, and
-#    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "warm", "args", "syncs", "layer",
+#    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "warm", "args", "syncs",
 #    "layer_full": see run_stage below; stages joined by "+" run side by side), each under a time
 #    limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON files
 #    from the benchmarks, and everything printed in $OUT/run.log;
@@ -68,7 +68,7 @@ EOF
 
 # Stages (GDN_CP_STAGES, default "tests"): tests = pytest tests/gpu + the Megatron GPU parity;
 # warm = benchmarks/warm_kernels.py (FLA kernels compiled side by side, one process per shape);
-# syncs = benchmarks/syncs.py; layer = benchmarks/layer_bench.py; layer_full = benchmarks/layer_full.py;
+# syncs = benchmarks/syncs.py; layer_full = benchmarks/layer_full.py;
 # args = the megatron.training argument test (Python >= 3.12). Each under its own time limit.
 # Stages joined by "+" run side by side (each one's output goes to a temp file, printed whole into
 # run.log when all are done: what comes back from the device is limited to 8 files), e.g. GDN_CP_STAGES="warm+tests layer_full": the small-shape tests while warm compiles the
@@ -88,10 +88,6 @@ run_stage() {
       python3 benchmarks/warm_kernels.py --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 benchmarks/syncs.py --out "$OUT/syncs.json" ;;
-    layer)
-      # shellcheck disable=SC2086
-      timeout --signal=INT "$(( ${GDN_CP_LAYER_TIMEOUT:-300} + 60 ))" python3 benchmarks/layer_bench.py \
-        --out "$OUT/layer_bench.json" --time-limit "${GDN_CP_LAYER_TIMEOUT:-300}" ${GDN_CP_LAYER_ARGS:-} ;;
     layer_full)
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 benchmarks/layer_full.py \
