@@ -34,7 +34,8 @@ from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
 from ..modes import GDNShape, gdn_core, resolve_chunkwise_path, sbhd_to_thd, thd_to_sbhd
 from ..ops import get_backend
 from . import config as _config
-from .pins import load_adapter, pin_of_layer_class
+from .patching import pin_of_layer_class
+from .pins import load_adapter
 from .swap import choose_swap_point, chunkwise_swap
 from .tp_grads import install_tp_grad_sum
 

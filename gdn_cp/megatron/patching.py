@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Union
 
@@ -60,6 +61,7 @@ __all__ = [
     "detect_pin",
     "describe_tree",
     "file_matches_pin",
+    "pin_of_layer_class",
     "check_patch",
     "overall_state",
     "apply_patch",
@@ -300,6 +302,25 @@ def file_matches_pin(path: PathLike, pin: Pin, *, patched: bool) -> bool:
         if p.as_posix().endswith("/" + t.target):
             return digest == (t.sha256_patched if patched else t.sha256_pristine)
     return False
+
+
+def pin_of_layer_class(layer_cls: type) -> Pin:
+    """The pin whose patched ``gdn.py`` defines ``layer_cls`` (Megatron's ``GatedDeltaNet``).
+
+    With one pin in the table that pin is the answer. With several, the class's source file is
+    matched by sha256 against each pin's manifest (the patched file), so a Megatron-LM checkout
+    whose ``package_info.py`` reports another version string still gets the right adapter.
+    """
+    if len(PINS) == 1:
+        return next(iter(PINS.values()))
+    source = getattr(sys.modules.get(layer_cls.__module__), "__file__", None)
+    for pin in PINS.values():
+        if source is not None and file_matches_pin(source, pin, patched=True):
+            return pin
+    raise ValueError(
+        f"{layer_cls.__module__}.{layer_cls.__qualname__} (from {source}) is not the patched file of any "
+        f"megatron-core release this gdn-cp supports ({', '.join(PINS)}); run `gdn-cp patch check`"
+    )
 
 
 def _resolve_pin(root: Path, pin: Optional[str]) -> tuple[str, Manifest]:

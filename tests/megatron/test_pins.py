@@ -56,7 +56,7 @@ def test_layer_class_pin_single_and_by_hash(monkeypatch, tmp_path):
     class Layer:
         pass
 
-    assert pins.pin_of_layer_class(Layer) is pins.get_pin()  # one pin: no file needed
+    assert patching.pin_of_layer_class(Layer) is pins.get_pin()  # one pin: no file needed
 
     # Two pins: the class's source file decides, by the patched sha256 in each manifest.
     gdn = tmp_path / "megatron" / "core" / "ssm" / "gated_delta_net" / "gdn.py"
@@ -78,7 +78,7 @@ def test_layer_class_pin_single_and_by_hash(monkeypatch, tmp_path):
         return patching.Manifest("9.9.9", "megatron/core/package_info.py", (target,))
 
     monkeypatch.setattr(patching, "load_manifest", load_manifest)
-    assert pins.pin_of_layer_class(Layer) is other
+    assert patching.pin_of_layer_class(Layer) is other
     gdn.write_bytes(b"# something else\n")
     with pytest.raises(ValueError, match="not the patched file of any megatron-core release"):
-        pins.pin_of_layer_class(Layer)
+        patching.pin_of_layer_class(Layer)

@@ -16,11 +16,10 @@ CLI's help) reads it from here. Torch-free and Megatron-free.
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-__all__ = ["Pin", "PINS", "PINNED_VERSION", "get_pin", "load_adapter", "pin_of_layer_class"]
+__all__ = ["Pin", "PINS", "PINNED_VERSION", "get_pin", "load_adapter"]
 
 
 @dataclass(frozen=True)
@@ -78,24 +77,3 @@ def get_pin(version: str | None = None) -> Pin:
 def load_adapter(version: str | None = None) -> ModuleType:
     """The adapter module of a pin (imported on first use: it may import torch)."""
     return importlib.import_module(get_pin(version).adapter)
-
-
-def pin_of_layer_class(layer_cls: type) -> Pin:
-    """The pin whose patched ``gdn.py`` defines ``layer_cls`` (Megatron's ``GatedDeltaNet``).
-
-    With one pin in the table that pin is the answer. With several, the class's source file is
-    matched by sha256 against each pin's manifest (the patched file), so a Megatron-LM checkout
-    whose ``package_info.py`` reports another version string still gets the right adapter.
-    """
-    if len(PINS) == 1:
-        return next(iter(PINS.values()))
-    from .. import patching  # noqa: PLC0415 - patching imports this module
-
-    source = getattr(sys.modules.get(layer_cls.__module__), "__file__", None)
-    for pin in PINS.values():
-        if source is not None and patching.file_matches_pin(source, pin, patched=True):
-            return pin
-    raise ValueError(
-        f"{layer_cls.__module__}.{layer_cls.__qualname__} (from {source}) is not the patched file of any "
-        f"megatron-core release this gdn-cp supports ({', '.join(PINS)}); run `gdn-cp patch check`"
-    )
