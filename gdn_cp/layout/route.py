@@ -238,7 +238,8 @@ def build_thd_route(cu_seqlens, cp_size: int, cp_rank: int, source: str, target:
 def build_sbhd_route(seq_len: int, batch: int, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
     """Route for SBHD rows after ``[S_local, B, ...] -> [B*S_local, ...]`` (b-major):
     each batch element is one packed sequence of length ``seq_len``."""
-    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd boundaries")
+    check_cp(cp_size, cp_rank)
+    cu = validate_cu_seqlens(sbhd_cu_seqlens(seq_len, batch), cp_size, name="sbhd boundaries")
     return build_thd_route(cu, cp_size, cp_rank, source, target)
 
 
