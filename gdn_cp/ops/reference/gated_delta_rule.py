@@ -18,8 +18,8 @@ so D = U - W S with U, W independent of S. Then
 
 Everything but the state carry is batched over all chunks of all sequences and all heads; only the
 carry ``S -> S_next`` runs as a Python loop over chunks. All exponents are differences G_i - G_j
-with j <= i, so they are <= 0 and never overflow (for g <= 0, which is not checked: that would read
-device data).
+with j <= i, so they are <= 0 and never overflow for g <= 0 (checked for CPU tensors only: on a
+device reading g would synchronize; see :mod:`gdn_cp.ops.gates`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 from ...layout.boundaries import host_boundaries
 from ...layout.device import host_to_device
+from ..gates import check_log_decay
 from ..shape import value_heads_per_key_head
 from .conv import compute_dtype
 
@@ -94,7 +95,8 @@ def chunk_gated_delta_rule(
 
     Args:
         q, k: [T, Hk, Dk]. v: [T, Hv, Dv], Hv a multiple of Hk (value head h uses key head
-            h // (Hv // Hk), as Megatron's repeat_interleave). g: [T, Hv] log decay (<= 0).
+            h // (Hv // Hk), as Megatron's repeat_interleave). g: [T, Hv] log decay, finite and <= 0
+            (ValueError otherwise when g is on the CPU; on a GPU g > 0 gives non-finite output).
             beta: [T, Hv].
         cu_seqlens: host ints (Boundaries or a list) 0 = cu[0] <= ... <= cu[-1] = T; empty sequences
             allowed; N sequences.
@@ -138,6 +140,10 @@ def chunk_gated_delta_rule(
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
+    if q.is_meta:
+        raise ValueError("q is on the meta device, which holds no values; run the kernels on the CPU or a GPU")
+    if g.device.type == "cpu":  # host values: checking costs no device sync (see gdn_cp.ops.gates)
+        check_log_decay(g)
     if scale is None:
         scale = Dk**-0.5
 
