@@ -62,7 +62,9 @@ def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
 
 
 def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[str], None] = print) -> int:
-    """Print the report; exit code 1 when the patch is in a foreign or partial state."""
+    """Print the report. Exit code 0: all is well; 1: the patch is in a foreign or partial state,
+    the ``path`` asked for holds no megatron-core, or no mode is legal for ``heads``; 2: bad
+    arguments (printed as an error, before the report)."""
     try:
         report = collect_report(heads, tp, cp, path)
     except ValueError as err:
@@ -95,4 +97,13 @@ def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[
                 echo(f"  {mode:<10} {'legal  ' if info['legal'] else 'ILLEGAL'}  {info['reason']}")
         auto = report["modes"][AUTO]
         echo(f"  {AUTO:<10} -> {auto['resolved'] or 'nothing legal'}: {auto['reason']}")
-    return 1 if patch["state"] not in ("pristine", "patched", "unavailable") else 0
+    problems = []
+    if patch["state"] not in ("pristine", "patched", "unavailable"):
+        problems.append(f"the megatron-core patch is {patch['state']} (see `gdn-cp patch check`)")
+    if patch["root"] is None and path is not None:
+        problems.append(f"{path} holds no megatron-core the patch tool can use")
+    if "modes" in report and not report["modes"][AUTO]["legal"]:
+        problems.append("no linear_cp_mode is legal for these heads")
+    for problem in problems:
+        echo(f"problem: {problem}")
+    return 1 if problems else 0
