@@ -87,7 +87,8 @@ def _cmd_selftest(args) -> int:
 def _cmd_doctor(args) -> int:
     from .megatron.doctor import run_doctor
 
-    return run_doctor(heads=args.heads, tp=args.tp, cp=args.cp, path=args.path)
+    return run_doctor(heads=args.heads, tp=args.tp, cp=args.cp, path=args.path,
+                      error_echo=lambda line: print(line, file=sys.stderr))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,9 @@ MAX_ROWS = 1 << 62
 """Largest row count (and boundary) accepted: index arithmetic on boundaries (``start + length``,
 ``(cp + 1) * T_local``) stays inside int64 with headroom."""
 
+MAX_BATCH = 1 << 20
+"""Largest SBHD batch accepted (its boundaries hold B+1 entries)."""
+
 MAX_CP_SIZE = 1 << 16
 """Largest CP size accepted: plans hold per-peer lists of ``cp`` entries (a larger group is a
 mistake, not a cluster), and ranks are radix-sorted as int16 below this size."""
@@ -183,14 +186,17 @@ def _check_structure(cu: np.ndarray, name: str) -> None:
         _raise_out_of_range(name, len(cu) - 1, int(cu[-1]))
 
 
-def check_cp(cp_size, cp_rank=None) -> None:
-    """The one check of a CP size (an int in ``[1, MAX_CP_SIZE]``) and, when given, a rank in
-    ``[0, cp_size)``."""
+_NO_RANK = object()
+
+
+def check_cp(cp_size, cp_rank=_NO_RANK) -> None:
+    """The one check of a CP size (an int in ``[1, MAX_CP_SIZE]``) and, when given (None is not a
+    rank), a rank in ``[0, cp_size)``."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if cp_size > MAX_CP_SIZE:
         raise ValueError(f"cp_size={cp_size} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
-    if cp_rank is not None and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
+    if cp_rank is not _NO_RANK and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 
 
@@ -200,6 +206,8 @@ def host_boundaries(cu_seqlens, total: int | None = None, *, name: str = "cu_seq
     What the per-rank ops call on their ``cu_seqlens``: a Boundaries costs one int compare.
     """
     cu = Boundaries(cu_seqlens, name=name)
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+        raise TypeError(f"total (the number of rows) must be an int or None, got {type(total).__name__} {total!r}")
     if total is not None and cu[-1] != total:
         raise ValueError(
             f"{name} must end at the number of rows T={total}, got {name}[-1]={cu[-1]} in {_short(cu)}; "
@@ -243,11 +251,12 @@ def validate_cu_seqlens(cu_seqlens, cp_size: int, *, t_global: int | None = None
 def sbhd_cu_seqlens(seq_len: int, batch: int) -> Boundaries:
     """SBHD as packed THD: batch element b is sequence b, so ``[S, B]`` b-major is ``[B*S]``.
 
-    ``seq_len``: an int >= 0 (the global S); ``batch``: an int >= 1. Returns ``(0, S, 2S, ..., B*S)``.
+    ``seq_len``: an int >= 0 (the global S); ``batch``: an int in ``[1, MAX_BATCH]``. Returns
+    ``(0, S, 2S, ..., B*S)``.
     """
-    for name, value, low in (("seq_len", seq_len, 0), ("batch", batch, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    for name, value, low, high in (("seq_len", seq_len, 0, MAX_ROWS), ("batch", batch, 1, MAX_BATCH)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
     if seq_len * batch > MAX_ROWS:
         raise ValueError(f"seq_len * batch = {seq_len} * {batch} rows is out of range (at most 2**62)")
     return Boundaries(range(0, seq_len * batch + 1, seq_len) if seq_len else [0] * (batch + 1))

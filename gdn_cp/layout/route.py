@@ -204,7 +204,7 @@ def build_thd_route(cu_seqlens, cp_size: int, cp_rank: int, source: str, target:
     host once, or a list). Raises ValueError for any boundary that a zigzag split cannot take.
     """
     for name, value in (("source", source), ("target", target)):
-        if value not in LAYOUTS:
+        if not isinstance(value, str) or value not in LAYOUTS:
             raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {value!r}")
     check_cp(cp_size, cp_rank)
     cu = validate_cu_seqlens(cu_seqlens, cp_size)

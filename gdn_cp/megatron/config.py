@@ -56,12 +56,13 @@ def _positive_int(name: str, value: Any) -> int:
 def _checked_sizes(num_key_heads, num_value_heads, tp, cp) -> tuple[int, int, int, int]:
     """Positive ints, and value heads a multiple of key heads (the GDN grouping every mode needs)."""
     k, v = _positive_int("linear_num_key_heads", num_key_heads), _positive_int("linear_num_value_heads", num_value_heads)
+    tp, cp = _positive_int("tensor_model_parallel_size", tp), _positive_int("context_parallel_size", cp)
     if v % k:
         raise ValueError(
             f"linear_num_value_heads={v} must be a multiple of linear_num_key_heads={k} (value head h reads key "
             f"head h // (value heads / key heads)); choose head counts where it is, e.g. {k},{2 * k}."
         )
-    return k, v, _positive_int("tensor_model_parallel_size", tp), _positive_int("context_parallel_size", cp)
+    return k, v, tp, cp
 
 
 def _check_detection(device_type: Any, fla_usable: Any, logger: Any) -> None:

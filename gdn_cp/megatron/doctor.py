@@ -9,7 +9,7 @@ spec`), whether each is legal and what ``auto`` picks, with reasons.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Callable
+from typing import Callable, Optional
 
 from .config import AUTO, explain_linear_cp_modes
 from .pins import PINS
@@ -61,14 +61,15 @@ def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
     return report
 
 
-def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[str], None] = print) -> int:
+def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[str], None] = print,
+               error_echo: Optional[Callable[[str], None]] = None) -> int:
     """Print the report. Exit code 0: all is well; 1: the patch is in a foreign or partial state,
     the ``path`` asked for holds no megatron-core, or no mode is legal for ``heads``; 2: bad
-    arguments (printed as an error, before the report)."""
+    arguments (an error through ``error_echo``, default ``echo``, and no report)."""
     try:
         report = collect_report(heads, tp, cp, path)
     except ValueError as err:
-        echo(f"gdn-cp doctor: error: {err}")
+        (error_echo or echo)(f"gdn-cp doctor: error: {err}")
         return 2
     echo("versions:")
     for name, version in report["versions"].items():

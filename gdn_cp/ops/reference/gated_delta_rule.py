@@ -24,6 +24,7 @@ device reading g would synchronize; see :mod:`gdn_cp.ops.gates`).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -36,12 +37,26 @@ from .conv import compute_dtype
 
 __all__ = ["chunk_gated_delta_rule", "l2norm"]
 
+MAX_CHUNK_SIZE = 1024
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x^2, -1) + eps)`` over the last dim, as FLA's l2norm: fp32 math (fp64 for
     fp64 input), result in x.dtype."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     xc = x.to(compute_dtype(x.dtype))
     return (xc * torch.rsqrt((xc * xc).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _finite_number(x) -> bool:
+    """An int or float (not a bool) that is a finite float."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int beyond float
+        return False
 
 
 def _check(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
@@ -105,7 +120,7 @@ def chunk_gated_delta_rule(
             slice's transition matrix).
         output_final_state: also return the state after each sequence.
         use_qk_l2norm: l2-normalize q and k over Dk first (FLA's l2norm, eps=1e-6).
-        chunk_size: tokens per chunk (any positive int; results do not depend on it up to rounding).
+        chunk_size: tokens per chunk (an int in [1, 1024]; results do not depend on it up to rounding).
 
     Returns:
         o: [T, Hv, Dv] in v.dtype; final_state: [N, Hv, Dk, Dv] or None. Math (and final_state) in
@@ -135,8 +150,16 @@ def chunk_gated_delta_rule(
                 f"initial_state must be [N, Hv, Dk, Dv] = [{N}, {Hv}, {Dk}, {Dv}] (one state per sequence "
                 f"of cu_seqlens), got shape {tuple(initial_state.shape)}"
             )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; 64 is the usual choice")
+    if scale is not None and not _finite_number(scale):
+        raise TypeError(f"scale must be a finite float or None (Dk ** -0.5), got {scale!r}")
+    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm", use_qk_l2norm)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(
+            f"chunk_size must be an int in [1, {MAX_CHUNK_SIZE}] (the in-chunk matrices are chunk_size^2), got "
+            f"{chunk_size!r}; 64 is the usual choice"
+        )
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
@@ -144,8 +167,7 @@ def chunk_gated_delta_rule(
         raise ValueError("q is on the meta device, which holds no values; run the kernels on the CPU or a GPU")
     if g.device.type == "cpu":  # host values: checking costs no device sync (see gdn_cp.ops.gates)
         check_log_decay(g)
-    if scale is None:
-        scale = Dk**-0.5
+    scale = Dk**-0.5 if scale is None else float(scale)
 
     out_dtype, dtype, device = v.dtype, compute_dtype(v.dtype), q.device
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
