@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import __version__
+from .cli_args import int_list, int_range
 from .cli_run import add_run_command
 from .megatron.pins import PINS
 from .modes.spec import MODE_NAMES
@@ -23,60 +25,70 @@ Megatron-Core {", ".join(PINS)}.
 """
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+ROUTE_ALL_RANKS_MAX = 64
+"""``gdn-cp route`` prints every rank only up to this CP size (beyond it, ask for one ``--rank``)."""
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.replace(" ", "").split(",") if v != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+def _existing_path(text: str) -> str:
+    if not os.path.exists(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text} does not exist; pass a Megatron-LM checkout, a site-packages "
+                                         "folder or the megatron package folder")
+    return text
+
+
+def _route_text(args) -> str:
+    """Everything ``gdn-cp route`` prints, built (and so checked) before any of it is printed."""
+    from .layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
+    from .layout.boundaries import MAX_CP_SIZE
+    from .layout.chunkwise import MAX_CONV_WIDTH
+
+    if args.cp > MAX_CP_SIZE:
+        raise ValueError(f"--cp {args.cp} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
+    if args.conv_width > MAX_CONV_WIDTH:
+        raise ValueError(f"--conv-width {args.conv_width} is larger than gdn-cp plans for (at most {MAX_CONV_WIDTH})")
+    cu = validate_cu_seqlens(args.cu, args.cp, name="--cu")
+    if args.rank is not None and args.rank >= args.cp:
+        raise ValueError(f"--rank {args.rank} is not a rank of --cp {args.cp}; use a rank in [0, {args.cp - 1}]")
+    if args.rank is None and args.cp > ROUTE_ALL_RANKS_MAX:
+        raise ValueError(f"--cp {args.cp} would print {args.cp} ranks; pass --rank r to print one")
+    ranks = range(args.cp) if args.rank is None else [args.rank]
+    both = [(ZIGZAG, CONTIGUOUS), (CONTIGUOUS, ZIGZAG)]
+    directions = both if args.direction == "both" else [tuple(args.direction.split("->"))]
+    lines = [f"{cu.num_sequences} sequences, T_global={cu.total}, cp={args.cp}, T_local={cu.total // args.cp}"]
+    for rank in ranks:
+        lines.append(f"\n# rank {rank}")
+        for source, target in directions:
+            lines.append(build_thd_route(cu, args.cp, rank, source, target).summary())
+        cw = build_chunkwise_plan(cu, args.cp, rank, args.conv_width)
+        lines.append(
+            f"chunkwise pieces (local boundaries) {list(cw.local_cu)}; first piece continues: "
+            f"{cw.first_continues} (state from ranks {list(cw.compose_ranks)}); last piece continues: "
+            f"{cw.last_continues}"
+        )
+    return "\n".join(lines)
 
 
 def _cmd_route(args) -> int:
-    from .layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
-
     try:
-        cu = validate_cu_seqlens(args.cu, args.cp)
-        ranks = range(args.cp) if args.rank is None else [args.rank]
-        directions = [(ZIGZAG, CONTIGUOUS), (CONTIGUOUS, ZIGZAG)] if args.direction == "both" else [
-            tuple(args.direction.split("->"))
-        ]
-        lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        print(f"{len(lengths)} sequences, T_global={cu[-1]}, cp={args.cp}, T_local={cu[-1] // args.cp}")
-        for rank in ranks:
-            print(f"\n# rank {rank}")
-            for source, target in directions:
-                print(build_thd_route(list(cu), args.cp, rank, source, target).summary())
-            cw = build_chunkwise_plan(cu, args.cp, rank, args.conv_width)
-            print(
-                f"chunkwise pieces (local boundaries) {list(cw.local_cu)}; first piece continues: "
-                f"{cw.first_continues} (state from ranks {list(cw.compose_ranks)}); last piece continues: "
-                f"{cw.last_continues}"
-            )
+        text = _route_text(args)
     except (ValueError, TypeError) as err:
         print(f"gdn-cp route: error: {err}", file=sys.stderr)
         return 2
+    print(text)
     return 0
 
 
 def _cmd_selftest(args) -> int:
     from .selftest import main as selftest_main
 
-    return selftest_main(["--gpu"] if args.gpu else [])
+    return selftest_main((["--gpu"] if args.gpu else []) + (["--json"] if args.json else []))
 
 
 def _cmd_doctor(args) -> int:
     from .megatron.doctor import run_doctor
 
-    return run_doctor(heads=args.heads, tp=args.tp, cp=args.cp, path=args.path)
+    return run_doctor(heads=args.heads, tp=args.tp, cp=args.cp, path=args.path,
+                      error_echo=lambda line: print(line, file=sys.stderr))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,28 +103,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("route", help="print the all-to-all plan for packed boundaries",
                        description="Build the zigzag <-> contiguous routes for the given padded boundaries and "
-                       "print each rank's segments and send/receive plan.")
-    p.add_argument("--cu", type=_int_list, required=True, help="padded cu_seqlens, e.g. 0,128,384,512")
-    p.add_argument("--cp", type=int, required=True, help="context-parallel size")
-    p.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
-    p.add_argument("--direction", default="both", choices=["both", "zigzag->contiguous", "contiguous->zigzag"])
-    p.add_argument("--conv-width", type=int, default=4, help="conv kernel W for the chunkwise halo plan")
+                       "print each rank's segments and send/receive plan. Everything is checked before anything "
+                       "is printed; exit 2 on a bad flag or boundaries a zigzag split cannot take.")
+    p.add_argument("--cu", type=int_list(), required=True, metavar="LIST",
+                   help="padded cu_seqlens, comma-separated, e.g. 0,128,384,512 (every length a multiple of 2*cp)")
+    p.add_argument("--cp", type=int_range(1), required=True, help="context-parallel size")
+    p.add_argument("--rank", type=int_range(0), default=None,
+                   help=f"only this rank (default: all ranks, for --cp up to {ROUTE_ALL_RANKS_MAX})")
+    p.add_argument("--direction", default="both", choices=["both", "zigzag->contiguous", "contiguous->zigzag"],
+                   help="which route to print (default: both)")
+    p.add_argument("--conv-width", type=int_range(1), default=4,
+                   help="conv kernel W for the chunkwise halo plan (default 4)")
     p.set_defaults(func=_cmd_route)
 
     p = sub.add_parser("selftest", help="FLA vs reference backend on this GPU (catches broken FLA/Triton stacks)",
                        description="Compare the FLA backend with the plain-torch reference (outputs and gradients) "
                        "on this machine; exit 1 on a mismatch.")
     p.add_argument("--gpu", action="store_true", help="require a GPU (fail instead of skipping without one)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_selftest)
 
     p = sub.add_parser("doctor", help="versions, patch state, GPUs, legal modes for a head shape",
                        description="Report torch / megatron-core / FLA / Triton versions, the patch state of the "
                        "importable megatron-core, GPUs, and for --heads K,V --tp T --cp C which linear_cp_mode values "
-                       "are legal and what auto resolves to, with reasons.")
-    p.add_argument("--heads", type=_int_list, default=None, help="linear key,value heads, e.g. 16,32")
-    p.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--cp", type=_positive_int, default=1, help="context-parallel size (default 1)")
-    p.add_argument("--path", default=None, help="Megatron-LM checkout or site-packages (default: importable)")
+                       "are legal and what auto resolves to, with reasons. Exit 0 when all is well; 1 when the "
+                       "patch state is foreign or partial, --path holds no megatron-core, or no mode is legal for "
+                       "--heads; 2 on a bad flag.")
+    p.add_argument("--heads", type=int_list(1, count=2), default=None, metavar="K,V",
+                   help="linear key,value heads (linear_num_key_heads, linear_num_value_heads), e.g. 16,32")
+    p.add_argument("--tp", type=int_range(1), default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--cp", type=int_range(1), default=1, help="context-parallel size (default 1)")
+    p.add_argument("--path", type=_existing_path, default=None,
+                   help="Megatron-LM checkout or site-packages (default: the importable megatron)")
     p.set_defaults(func=_cmd_doctor)
 
     try:

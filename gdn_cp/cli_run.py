@@ -10,38 +10,33 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli_args import comma_items, int_list, int_range
 from .modes.spec import MODE_NAMES
 
 __all__ = ["add_run_command"]
 
 
-def _comma_items(text: str) -> list[str]:
-    items = [v.strip() for v in text.split(",")]
-    if not text.strip() or any(v == "" for v in items):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
-    duplicates = sorted({v for v in items if items.count(v) > 1})
-    if duplicates:
-        raise argparse.ArgumentTypeError(f"{', '.join(duplicates)} listed twice in {text!r}")
-    return items
+MAX_RANKS = 64
+"""Most ranks ``gdn-cp run`` spawns on one machine (each is a process)."""
+MAX_SEQUENCES = 1 << 16
+MAX_TOKENS_PER_RANK = 1 << 20
+
+cp_sizes = int_list(1, unique=True)
+cp_sizes.__doc__ = "``--cp``: comma-separated CP sizes, each an integer >= 1."
 
 
-def cp_sizes(text: str) -> tuple[int, ...]:
-    """``--cp``: comma-separated CP sizes, each an integer >= 1."""
-    out = []
-    for item in _comma_items(text):
-        try:
-            value = int(item)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r} is not an integer; use e.g. --cp 2,4") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"CP size {value} must be >= 1; use e.g. --cp 2,4")
-        out.append(value)
-    return tuple(out)
+def _cp_sizes(text: str) -> tuple[int, ...]:
+    sizes = cp_sizes(text)
+    too_many = [c for c in sizes if c > MAX_RANKS]
+    if too_many:
+        raise argparse.ArgumentTypeError(f"CP size {too_many[0]} would spawn more than {MAX_RANKS} ranks on this "
+                                         "machine; use e.g. --cp 2,4")
+    return tuple(sizes)
 
 
 def mode_names(text: str) -> tuple[str, ...]:
     """``--modes``: comma-separated mode names from the registry."""
-    items = _comma_items(text)
+    items = comma_items(text, unique=True)
     unknown = [m for m in items if m not in MODE_NAMES]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {', '.join(unknown)}; use a comma-separated list of "
@@ -49,18 +44,8 @@ def mode_names(text: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def even_positive_int(text: str) -> int:
-    value = positive_int(text)
+def even_tokens(text: str) -> int:
+    value = int_range(1, MAX_TOKENS_PER_RANK)(text)
     if value % 2:
         raise argparse.ArgumentTypeError(f"{value} must be even (T_global = tokens per rank * cp is cut into "
                                          "2*cp zigzag parts)")
@@ -76,15 +61,17 @@ def add_run_command(sub) -> None:
         "errors of the output and of every gradient against CP=1 on the same inputs. Modes that cannot run at a "
         "CP size are skipped and listed. Exit 0 when everything that ran passed (and every mode named in "
         "--modes ran), 1 otherwise, 2 on bad flags.")
-    p.add_argument("--cp", type=cp_sizes, default=(2, 4), metavar="LIST",
-                   help="comma-separated CP sizes >= 1, e.g. 2,4 (default 2,4)")
+    p.add_argument("--cp", type=_cp_sizes, default=(2, 4), metavar="LIST",
+                   help=f"comma-separated CP sizes in [1, {MAX_RANKS}], e.g. 2,4 (default 2,4)")
     p.add_argument("--modes", type=mode_names, default=None, metavar="LIST",
                    help=f"comma-separated modes, from {','.join(MODE_NAMES)} (default: all; a mode named here "
                    "that cannot run is a failure, in the default it is listed as skipped)")
-    p.add_argument("--sequences", type=positive_int, default=37, help="packed sequences per micro-batch (default 37)")
-    p.add_argument("--tokens-per-rank", type=even_positive_int, default=1024,
-                   help="T_global / cp, an even number (default 1024)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--sequences", type=int_range(1, MAX_SEQUENCES), default=37,
+                   help=f"packed sequences per micro-batch, in [1, {MAX_SEQUENCES}] (default 37)")
+    p.add_argument("--tokens-per-rank", type=even_tokens, default=1024,
+                   help=f"T_global / cp, an even number in [2, {MAX_TOKENS_PER_RANK}] (default 1024)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                   help="dtype of the activations (the log decay g stays fp32, fp64 with float64; default float32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when torch sees a GPU")
     p.add_argument("--backend", choices=["reference", "fla"], default=None,
                    help="math backend (default: fla on CUDA when it imports, else reference)")

@@ -31,6 +31,17 @@ __all__ = ["Boundaries", "check_cp", "host_boundaries", "sbhd_cu_seqlens", "vali
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
+MAX_ROWS = 1 << 62
+"""Largest row count (and boundary) accepted: index arithmetic on boundaries (``start + length``,
+``(cp + 1) * T_local``) stays inside int64 with headroom."""
+
+MAX_BATCH = 1 << 20
+"""Largest SBHD batch accepted (its boundaries hold B+1 entries)."""
+
+MAX_CP_SIZE = 1 << 16
+"""Largest CP size accepted: plans hold per-peer lists of ``cp`` entries (a larger group is a
+mistake, not a cluster), and ranks are radix-sorted as int16 below this size."""
+
 
 class Boundaries(tuple):
     """Checked boundaries ``(0, end_0, end_1, ..., T)`` as a tuple of ints, with cached views.
@@ -124,9 +135,16 @@ def _host_int64(values, name: str, *, allow_tensor: bool) -> np.ndarray:
             )
         if values.dtype not in _INT_DTYPES:
             raise TypeError(f"{name} must have an integer dtype, got {values.dtype}; use torch.int32 or torch.int64")
+        if values.is_meta:
+            raise ValueError(
+                f"{name} is on the meta device, which holds shapes but no values; pass the boundaries "
+                f"on the CPU or the GPU"
+            )
         # The single device->host transfer of the micro-batch (a copy: never the caller's memory).
         return values.detach().cpu().numpy().astype(np.int64)
     if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        if values.dtype.kind == "u" and len(values) and values.max() > MAX_ROWS:
+            _raise_out_of_range(name, int(np.argmax(values > MAX_ROWS)), int(values.max()))
         return values.astype(np.int64)
     if not isinstance(values, (list, tuple, range)):
         raise TypeError(f"{name} must be a list of ints (or a 1-D integer tensor), got {type(values).__name__}")
@@ -135,10 +153,17 @@ def _host_int64(values, name: str, *, allow_tensor: bool) -> np.ndarray:
         try:
             if isinstance(v, bool):
                 raise TypeError
-            ints.append(operator.index(v))
+            value = operator.index(v)
         except TypeError:
             raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r}; pass Python ints") from None
+        if not -MAX_ROWS <= value <= MAX_ROWS:
+            _raise_out_of_range(name, i, value)
+        ints.append(value)
     return np.array(ints, dtype=np.int64)
+
+
+def _raise_out_of_range(name: str, i: int, value: int) -> None:
+    raise ValueError(f"{name}[{i}]={value} is out of range: boundaries are row offsets in [0, 2**62]")
 
 
 def _check_structure(cu: np.ndarray, name: str) -> None:
@@ -157,13 +182,21 @@ def _check_structure(cu: np.ndarray, name: str) -> None:
             f"{name} must be non-decreasing, but {name}[{i}]={int(cu[i])} < {name}[{i - 1}]={int(cu[i - 1])}; "
             f"pass cumulative sums of the sequence lengths (equal neighbours are empty slots)"
         )
+    if cu[-1] > MAX_ROWS:  # a tensor's values are only seen here
+        _raise_out_of_range(name, len(cu) - 1, int(cu[-1]))
 
 
-def check_cp(cp_size, cp_rank=None) -> None:
-    """The one check of a CP size (a positive int) and, when given, a rank in ``[0, cp_size)``."""
+_NO_RANK = object()
+
+
+def check_cp(cp_size, cp_rank=_NO_RANK) -> None:
+    """The one check of a CP size (an int in ``[1, MAX_CP_SIZE]``) and, when given (None is not a
+    rank), a rank in ``[0, cp_size)``."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if cp_rank is not None and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
+    if cp_size > MAX_CP_SIZE:
+        raise ValueError(f"cp_size={cp_size} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
+    if cp_rank is not _NO_RANK and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 
 
@@ -173,6 +206,8 @@ def host_boundaries(cu_seqlens, total: int | None = None, *, name: str = "cu_seq
     What the per-rank ops call on their ``cu_seqlens``: a Boundaries costs one int compare.
     """
     cu = Boundaries(cu_seqlens, name=name)
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+        raise TypeError(f"total (the number of rows) must be an int or None, got {type(total).__name__} {total!r}")
     if total is not None and cu[-1] != total:
         raise ValueError(
             f"{name} must end at the number of rows T={total}, got {name}[-1]={cu[-1]} in {_short(cu)}; "
@@ -213,6 +248,15 @@ def validate_cu_seqlens(cu_seqlens, cp_size: int, *, t_global: int | None = None
     return cu
 
 
-def sbhd_cu_seqlens(seq_len: int, batch: int) -> tuple[int, ...]:
-    """SBHD as packed THD: batch element b is sequence b, so ``[S, B]`` b-major is ``[B*S]``."""
-    return tuple(b * seq_len for b in range(batch + 1))
+def sbhd_cu_seqlens(seq_len: int, batch: int) -> Boundaries:
+    """SBHD as packed THD: batch element b is sequence b, so ``[S, B]`` b-major is ``[B*S]``.
+
+    ``seq_len``: an int >= 0 (the global S); ``batch``: an int in ``[1, MAX_BATCH]``. Returns
+    ``(0, S, 2S, ..., B*S)``.
+    """
+    for name, value, low, high in (("seq_len", seq_len, 0, MAX_ROWS), ("batch", batch, 1, MAX_BATCH)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    if seq_len * batch > MAX_ROWS:
+        raise ValueError(f"seq_len * batch = {seq_len} * {batch} rows is out of range (at most 2**62)")
+    return Boundaries(range(0, seq_len * batch + 1, seq_len) if seq_len else [0] * (batch + 1))

@@ -23,6 +23,9 @@ from .boundaries import Boundaries, check_cp, validate_cu_seqlens
 
 __all__ = ["ChunkwisePlan", "build_chunkwise_plan"]
 
+MAX_CONV_WIDTH = 1 << 16
+"""Largest conv kernel W planned for (GDN uses 4): the plan holds W-1 halo positions."""
+
 
 @dataclass(frozen=True)
 class ChunkwisePlan:
@@ -59,8 +62,8 @@ def build_chunkwise_plan(cu_seqlens, cp_size: int, cp_rank: int, conv_width: int
     """``cu_seqlens``: global boundaries (checked as by :func:`validate_cu_seqlens`).
     ``conv_width``: the conv kernel W."""
     check_cp(cp_size, cp_rank)
-    if isinstance(conv_width, bool) or not isinstance(conv_width, int) or conv_width < 1:
-        raise ValueError(f"conv_width must be an int >= 1, got {conv_width!r}")
+    if isinstance(conv_width, bool) or not isinstance(conv_width, int) or not 1 <= conv_width <= MAX_CONV_WIDTH:
+        raise ValueError(f"conv_width must be an int in [1, {MAX_CONV_WIDTH}] (the conv kernel W), got {conv_width!r}")
     cu = validate_cu_seqlens(cu_seqlens, cp_size)
     t_local = cu.total // cp_size
     lo, hi = cp_rank * t_local, (cp_rank + 1) * t_local

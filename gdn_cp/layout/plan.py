@@ -42,6 +42,10 @@ class CPPlan:
     _on_device: dict = field(default_factory=dict)
     builds: int = 0  # how many routes/maps were built (tests and benchmarks read it)
 
+    def __post_init__(self) -> None:
+        check_cp(self.cp_size, self.cp_rank)
+        self.cu = validate_cu_seqlens(self.cu, self.cp_size)  # a Boundaries passes with one cheap check
+
     @property
     def t_global(self) -> int:
         return self.cu.total
@@ -152,5 +156,5 @@ class RouteCache:
 def plan_for_sbhd(seq_len: int, batch: int, cp_size: int, cp_rank: int) -> CPPlan:
     """Plan for SBHD input of global length ``seq_len``: batch element b is sequence b."""
     check_cp(cp_size, cp_rank)
-    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd sequence length")
+    cu = validate_cu_seqlens(sbhd_cu_seqlens(seq_len, batch), cp_size, name="sbhd sequence length")
     return CPPlan(cu=cu, cp_size=cp_size, cp_rank=cp_rank)

@@ -219,7 +219,7 @@ def build_thd_route(cu_seqlens, cp_size: int, cp_rank: int, source: str, target:
     host once, or a list). Raises ValueError for any boundary that a zigzag split cannot take.
     """
     for name, value in (("source", source), ("target", target)):
-        if value not in LAYOUTS:
+        if not isinstance(value, str) or value not in LAYOUTS:
             raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {value!r}")
     check_cp(cp_size, cp_rank)
     cu = validate_cu_seqlens(cu_seqlens, cp_size)
@@ -253,7 +253,8 @@ def build_thd_route(cu_seqlens, cp_size: int, cp_rank: int, source: str, target:
 def build_sbhd_route(seq_len: int, batch: int, cp_size: int, cp_rank: int, source: str, target: str) -> Route:
     """Route for SBHD rows after ``[S_local, B, ...] -> [B*S_local, ...]`` (b-major):
     each batch element is one packed sequence of length ``seq_len``."""
-    cu = validate_cu_seqlens(list(sbhd_cu_seqlens(seq_len, batch)), cp_size, name="sbhd boundaries")
+    check_cp(cp_size, cp_rank)
+    cu = validate_cu_seqlens(sbhd_cu_seqlens(seq_len, batch), cp_size, name="sbhd boundaries")
     return build_thd_route(cu, cp_size, cp_rank, source, target)
 
 

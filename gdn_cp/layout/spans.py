@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .boundaries import Boundaries
+from .boundaries import MAX_ROWS
 
 __all__ = [
     "ZIGZAG",
@@ -113,20 +113,42 @@ def cut_at_slices(spans: Spans, slice_rows: int) -> tuple[Spans, np.ndarray]:
     return Spans(start, end - start, owner), src
 
 
-def host_int64(x) -> np.ndarray:
-    """Boundaries, a CPU tensor (zero copy when int64), an array or ints as an int64 numpy array."""
-    if isinstance(x, Boundaries):
-        return x.numpy()
-    return np.asarray(x.numpy() if isinstance(x, torch.Tensor) else x, dtype=np.int64)
+def _span_array(name: str, x) -> np.ndarray:
+    """``x`` (a CPU integer tensor, an integer array, or a list / tuple of ints) as int64 [n]."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU (index math runs on the host), got a tensor on {x.device}")
+        x = x.numpy()
+    elif isinstance(x, (list, tuple)):
+        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in x):
+            raise TypeError(f"{name} must hold ints, got {x!r:.80}")
+        if any(not 0 <= v <= MAX_ROWS for v in x):
+            raise ValueError(f"{name} must hold rows in [0, 2**62], got {x!r:.80}")
+        x = np.array(x, dtype=np.int64)
+    if not isinstance(x, np.ndarray) or x.dtype.kind not in "iu":
+        raise TypeError(
+            f"{name} must be a 1-D integer tensor, array or list of ints, got {getattr(x, 'dtype', type(x).__name__)}"
+        )
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
+    if len(x) and (x.min() < 0 or x.max() > MAX_ROWS):
+        raise ValueError(f"{name} must hold rows in [0, 2**62], got values from {x.min()} to {x.max()}")
+    return x.astype(np.int64, copy=False)
 
 
 def expand_spans(start, length) -> torch.Tensor:
     """Concatenate ``arange(start[i], start[i] + length[i])`` for all i: an int64 index tensor.
 
-    ``start``, ``length``: int64 tensors or arrays. One full-size buffer, cumsum in place:
-    ones, with a jump written at each span start.
+    ``start``, ``length``: 1-D int tensors (CPU), arrays or lists of ints >= 0, of equal length;
+    a zero length is an empty span. The result has ``sum(length)`` rows. One full-size buffer,
+    cumsum in place: ones, with a jump written at each span start.
     """
-    start, length = host_int64(start), host_int64(length)
+    start, length = _span_array("start", start), _span_array("length", length)
+    if start.shape != length.shape:
+        raise ValueError(f"start and length must have the same length, got {len(start)} and {len(length)}")
+    # each value is <= 2**62, so start + length fits int64; the float sum cannot wrap around
+    if len(length) and (length.sum(dtype=np.float64) > MAX_ROWS or (start + length).max() > MAX_ROWS):
+        raise ValueError("start + length must stay within 2**62 rows")
     keep = length > 0
     if not keep.all():
         start, length = start[keep], length[keep]

@@ -54,12 +54,35 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def _checked_sizes(num_key_heads, num_value_heads, tp, cp) -> tuple[int, int, int, int]:
-    return (
-        _positive_int("linear_num_key_heads", num_key_heads),
-        _positive_int("linear_num_value_heads", num_value_heads),
-        _positive_int("tensor_model_parallel_size", tp),
-        _positive_int("context_parallel_size", cp),
-    )
+    """Positive ints, and value heads a multiple of key heads (the GDN grouping every mode needs)."""
+    k, v = _positive_int("linear_num_key_heads", num_key_heads), _positive_int("linear_num_value_heads", num_value_heads)
+    tp, cp = _positive_int("tensor_model_parallel_size", tp), _positive_int("context_parallel_size", cp)
+    if v % k:
+        raise ValueError(
+            f"linear_num_value_heads={v} must be a multiple of linear_num_key_heads={k} (value head h reads key "
+            f"head h // (value heads / key heads)); choose head counts where it is, e.g. {k},{2 * k}."
+        )
+    return k, v, tp, cp
+
+
+def _check_detection(device_type: Any, fla_usable: Any, logger: Any) -> None:
+    """The optional arguments of ``auto``: a torch device type, a bool, a logger (or None each)."""
+    if fla_usable is not None and not isinstance(fla_usable, bool):
+        raise TypeError(f"fla_usable must be True, False or None (detect), got {fla_usable!r}")
+    if device_type is not None:
+        import torch
+
+        try:
+            ok = isinstance(device_type, str) and torch.device(device_type).type == device_type
+        except (RuntimeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"device_type must be a torch device type such as 'cuda' or 'cpu' (no index), or None "
+                f"(detect), got {device_type!r}"
+            )
+    if logger is not None and not callable(getattr(logger, "info", None)):
+        raise TypeError(f"logger must be a logging.Logger or None, got {type(logger).__name__}")
 
 
 def _fix_hint(mode: str, k: int, v: int, tp: int, cp: int) -> str:
@@ -89,7 +112,7 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
     (it must be resolved before the model is built), unknown modes, sizes that are not positive
     integers, and heads the mode cannot split (see :func:`gdn_cp.modes.spec.head_problem`).
     """
-    if mode == AUTO:
+    if isinstance(mode, str) and mode == AUTO:
         raise ValueError(
             "linear_cp_mode='auto' must be resolved before the model is built: the patched "
             "TransformerConfig resolves it when the config is built (a field set to 'auto' later is "
@@ -169,7 +192,8 @@ def resolve_linear_cp_mode(
     logged with the requested and resolved modes, TP, CP, the heads and the reason. Never falls
     back silently: an illegal explicit mode raises ValueError.
     """
-    if requested == AUTO:
+    _check_detection(device_type, fla_usable, logger)
+    if isinstance(requested, str) and requested == AUTO:
         k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
         mode, reason = _auto_choice(k, v, tp, cp, device_type, fla_usable)
     elif not isinstance(requested, str) or requested not in MODES:
@@ -201,7 +225,7 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
     adapter = load_adapter()
     f = adapter.read_config(config)
     mode = f.linear_cp_mode
-    if mode == AUTO:
+    if isinstance(mode, str) and mode == AUTO:
         try:
             mode = resolve_linear_cp_mode(
                 AUTO, num_key_heads=f.num_key_heads, num_value_heads=f.num_value_heads, tp=f.tp, cp=f.cp,
@@ -234,6 +258,7 @@ def explain_linear_cp_modes(
     Returns ``{mode: {"legal": bool, "reason": str}, ..., "auto": {"legal": bool, "resolved": str |
     None, "reason": str}}`` with the modes in the registry's order.
     """
+    _check_detection(device_type, fla_usable, None)
     k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
     out: dict[str, dict[str, Any]] = {}
     for name, spec in MODES.items():

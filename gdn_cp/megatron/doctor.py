@@ -9,7 +9,7 @@ spec`), whether each is legal and what ``auto`` picks, with reasons.
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Callable
+from typing import Callable, Optional
 
 from .config import AUTO, explain_linear_cp_modes
 from .pins import PINS
@@ -61,12 +61,15 @@ def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
     return report
 
 
-def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[str], None] = print) -> int:
-    """Print the report; exit code 1 when the patch is in a foreign or partial state."""
+def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[str], None] = print,
+               error_echo: Optional[Callable[[str], None]] = None) -> int:
+    """Print the report. Exit code 0: all is well; 1: the patch is in a foreign or partial state,
+    the ``path`` asked for holds no megatron-core, or no mode is legal for ``heads``; 2: bad
+    arguments (an error through ``error_echo``, default ``echo``, and no report)."""
     try:
         report = collect_report(heads, tp, cp, path)
     except ValueError as err:
-        echo(f"gdn-cp doctor: error: {err}")
+        (error_echo or echo)(f"gdn-cp doctor: error: {err}")
         return 2
     echo("versions:")
     for name, version in report["versions"].items():
@@ -95,4 +98,13 @@ def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[
                 echo(f"  {mode:<10} {'legal  ' if info['legal'] else 'ILLEGAL'}  {info['reason']}")
         auto = report["modes"][AUTO]
         echo(f"  {AUTO:<10} -> {auto['resolved'] or 'nothing legal'}: {auto['reason']}")
-    return 1 if patch["state"] not in ("pristine", "patched", "unavailable") else 0
+    problems = []
+    if patch["state"] not in ("pristine", "patched", "unavailable"):
+        problems.append(f"the megatron-core patch is {patch['state']} (see `gdn-cp patch check`)")
+    if patch["root"] is None and path is not None:
+        problems.append(f"{path} holds no megatron-core the patch tool can use")
+    if "modes" in report and not report["modes"][AUTO]["legal"]:
+        problems.append("no linear_cp_mode is legal for these heads")
+    for problem in problems:
+        echo(f"problem: {problem}")
+    return 1 if problems else 0

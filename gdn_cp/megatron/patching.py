@@ -224,7 +224,7 @@ def find_megatron_root(path: Optional[PathLike] = None) -> Path:
             return Path(loc).resolve().parent
     raise PatchError(
         "megatron-core is not importable from this Python "
-        f"(python -m pip install megatron-core=={PINNED_VERSION}), or pass PATH: a Megatron-LM "
+        f"(install it: {get_pin().install_command()}), or pass PATH: a Megatron-LM "
         "checkout, a site-packages folder or the megatron package folder."
     )
 
@@ -392,7 +392,7 @@ def _foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, ve
     )
     if v == pin:
         why += "; these files differ from both the pristine and the patched ones (someone else changed them)"
-    fixes = [f"install megatron-core=={pin} (pip install megatron-core=={pin})"]
+    fixes = [f"install megatron-core=={pin} ({get_pin(pin).install_command()})"]
     if v and v != pin:
         fixes.append(f"use a gdn-cp release made for megatron-core {v}")
     if _is_checkout(root):
@@ -594,7 +594,7 @@ def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> P
     overall = overall_state(states)
     if overall == PATCHED:
         msg = f"megatron-core at {r} is already patched ({describe_tree(r, pin)}); nothing to do."
-        _logger.info(msg)
+        _logger.debug(msg)  # the message is returned (the CLI prints it): not logged twice
         return PatchResult(r, "already_patched", dict(states), (), msg)
     if overall in (MODIFIED, MISSING):
         raise _foreign_error(r, states, manifest, "apply")
@@ -634,7 +634,7 @@ def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> P
         f"patched megatron-core at {r} ({describe_tree(r, pin)}): {len(contents)} files; originals "
         f"kept as *{BACKUP_SUFFIX}{git_note}."
     )
-    _logger.info(msg)
+    _logger.debug(msg)  # the message is returned (the CLI prints it): not logged twice
     return PatchResult(r, "applied", files, tuple(t.target for t in manifest.files), msg)
 
 
@@ -690,11 +690,11 @@ def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> 
     files = _states(r, manifest)
     if not contents:
         msg = f"megatron-core at {r} is not patched; nothing to do."
-        _logger.info(msg)
+        _logger.debug(msg)  # the message is returned (the CLI prints it): not logged twice
         return PatchResult(r, "already_pristine", files, (), msg)
     changed = tuple(t.target for t in manifest.files if _target_path(r, t) in contents)
     msg = f"restored the pristine files at {r} ({describe_tree(r, pin)})."
-    _logger.info(msg)
+    _logger.debug(msg)  # the message is returned (the CLI prints it): not logged twice
     return PatchResult(r, "reverted", files, changed, msg)
 
 

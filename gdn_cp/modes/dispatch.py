@@ -7,7 +7,7 @@ import torch
 from ..comm import group_size
 from ..layout import ZIGZAG
 from ..layout.plan import CPPlan
-from ..ops.contract import Backend
+from ..ops.contract import Backend, check_backend
 from ..ops.shape import GDNShape
 from .common import check_inputs, local_core
 from .spec import MODES, ModeSpec, get_mode
@@ -60,7 +60,12 @@ def gdn_core(
     (chunkwise) when the caller swapped layouts on hidden_states, and the output stays there.
     """
     spec = get_mode(mode)
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str, one of {spec.layouts}, got {type(layout).__name__}")
     _check_layout(spec, layout)
+    check_backend(backend)
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None (no CP), got {type(group).__name__}")
     world = 1 if group is None else group_size(group)
     check_inputs(qkv, g, beta, conv_weight, conv_bias, shape, plan, world)
     if world == 1:

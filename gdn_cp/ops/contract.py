@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
     from .shape import GDNShape
 
-__all__ = ["Backend", "NativeCPCore"]
+__all__ = ["Backend", "NativeCPCore", "check_backend"]
+
+_BACKEND_MEMBERS = ("causal_conv1d", "chunk_gated_delta_rule", "native_cp_core")
 
 
 class NativeCPCore(Protocol):
@@ -89,3 +91,14 @@ class Backend(Protocol):
         """The backend's native context-parallel core for ``group``, or None: then the
         chunkwise mode exchanges halos and state summaries itself through ``gdn_cp.comm``."""
         ...
+
+
+def check_backend(backend, name: str = "backend") -> None:
+    """TypeError unless ``backend`` has the :class:`Backend` members (a cheap attribute check,
+    not ``isinstance`` on the protocol; ``gdn_cp.ops.get_backend(name)`` gives one)."""
+    missing = [m for m in _BACKEND_MEMBERS if not callable(getattr(backend, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name} must be a backend (gdn_cp.ops.get_backend('reference') or ('fla')), got "
+            f"{type(backend).__name__} {backend!r:.60} without {', '.join(missing)}"
+        )

@@ -13,6 +13,9 @@ __all__ = ["GDNShape", "value_heads_per_key_head"]
 
 def value_heads_per_key_head(num_k_heads: int, num_v_heads: int) -> int:
     """``Hv // Hk``; ValueError unless Hv is a positive multiple of Hk (grouped value heads)."""
+    for name, value in (("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if num_k_heads < 1 or num_v_heads < 1 or num_v_heads % num_k_heads:
         raise ValueError(
             f"num_v_heads={num_v_heads} must be a positive multiple of num_k_heads={num_k_heads} "
@@ -37,6 +40,8 @@ class GDNShape:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GDNShape.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.qk_l2norm, bool):
+            raise TypeError(f"GDNShape.qk_l2norm must be True or False, got {self.qk_l2norm!r}")
         value_heads_per_key_head(self.num_k_heads, self.num_v_heads)
 
     @property

@@ -25,14 +25,14 @@ SHAPES = [
     (2, 4, 1, 4),  # small head count, CP=4
     (2, 4, 2, 2),
     (3, 6, 1, 2),
-    (4, 6, 2, 1),
+    (4, 8, 2, 1),
     (3, 6, 2, 1),  # 3 % 2: nothing legal
     (4, 12, 1, 3),  # K=4 % 3
     (6, 12, 1, 3),
     (8, 8, 8, 1),
     (16, 48, 4, 2),
     (16, 48, 4, 4),  # 48 % 16 = 0 but 16 % 16 = 0 -> legal; V alone
-    (32, 48, 4, 8),  # V=48 % 32 illegal, K legal
+    (16, 64, 4, 8),  # V=64 % 32 legal, K illegal (V a multiple of K: V illegal with K legal cannot happen)
 ]
 
 

@@ -25,7 +25,7 @@ def test_doctor_lists_every_mode_and_what_auto_picks():
 
 def test_doctor_reports_a_missing_path_and_bad_heads(tmp_path):
     code, out = _run(path=tmp_path / "nowhere")
-    assert "megatron-core patch: unavailable" in out and "does not exist" in out and code == 0
+    assert "megatron-core patch: unavailable" in out and "does not exist" in out and code == 1
     code, out = _run(heads=[16])
     assert code == 2 and "--heads takes two numbers" in out
 
@@ -35,4 +35,4 @@ def test_cli_refuses_non_positive_sizes(capsys):
         cli.main(["doctor", "--heads", "16,32", "--cp", "0"])
     except SystemExit as e:
         assert e.code == 2
-    assert "expected a positive integer, got '0'" in capsys.readouterr().err
+    assert "argument --cp: 0 must be >= 1" in capsys.readouterr().err

@@ -43,6 +43,21 @@ class Pin:
         """The pip requirement that installs this release, e.g. ``megatron-core==0.19.2``."""
         return f"megatron-core=={self.version}"
 
+    def install_command(self, python_version: tuple[int, int] | None = None) -> str:
+        """The pip command that installs this release on ``python_version`` (default: this Python).
+
+        megatron-core 0.19.x declares Python >= 3.12, although its sources run on 3.11; there
+        the plain ``pip install`` fails, so the command builds the sdist past that declaration
+        (and adds triton, which megatron.core imports), as ``tests/install_deps.sh`` does.
+        """
+        major_minor = tuple(sys.version_info[:2]) if python_version is None else tuple(python_version)[:2]
+        if major_minor >= (3, 12):
+            return f"python -m pip install {self.requirement}"
+        return (
+            f"python -m pip install --no-binary megatron-core --ignore-requires-python --no-deps {self.requirement} "
+            f"&& python -m pip install --no-deps triton"
+        )
+
 
 PINS: dict[str, Pin] = {
     pin.version: pin

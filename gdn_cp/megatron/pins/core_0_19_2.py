@@ -51,19 +51,20 @@ class ConfigFields:
     linear_cp_mode: Any
     num_key_heads: Any
     num_value_heads: Any
-    tp: int
-    cp: int
+    tp: Any
+    cp: Any
     builds_gdn: bool
 
 
 def read_config(config) -> ConfigFields:
-    """Read the fields; absent ones take megatron-core 0.19.2's defaults (mode: ``headwise``)."""
+    """Read the fields as they are (unchecked); absent ones take megatron-core 0.19.2's defaults
+    (mode: ``headwise``, TP and CP: 1)."""
     return ConfigFields(
         linear_cp_mode=getattr(config, "linear_cp_mode", "headwise"),
         num_key_heads=getattr(config, "linear_num_key_heads", None),
         num_value_heads=getattr(config, "linear_num_value_heads", None),
-        tp=getattr(config, "tensor_model_parallel_size", 1) or 1,
-        cp=getattr(config, "context_parallel_size", 1) or 1,
+        tp=getattr(config, "tensor_model_parallel_size", 1),  # checked (positive ints) where used
+        cp=getattr(config, "context_parallel_size", 1),
         builds_gdn=getattr(config, "experimental_attention_variant", None) == "gated_delta_net",
     )
 

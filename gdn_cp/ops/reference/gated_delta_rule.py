@@ -18,8 +18,8 @@ so D = U - W S with U, W independent of S. Then
 
 Everything but the state carry is batched over all chunks of all sequences and all heads; only the
 carry ``S -> S_next`` runs as a Python loop over chunks. All exponents are differences G_i - G_j
-with j <= i, so they are <= 0 and never overflow (for g <= 0, which is not checked: that would read
-device data).
+with j <= i, so they are <= 0 and never overflow for g <= 0 (checked for CPU tensors only: on a
+device reading g would synchronize; see :mod:`gdn_cp.ops.gates`).
 
 State summaries (:func:`chunk_state_summary`, for context parallelism): a chunk maps its incoming
 state affinely, ``S_next = M_c S + S_c`` with ``M_c = exp(G_C) I - K_out^T W`` and ``S_c = K_out^T U``
@@ -30,23 +30,39 @@ O(log chunks) deep instead of a serial pass over the chunks.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
 
 from ...layout.boundaries import host_boundaries
 from ...layout.device import host_to_device
+from ..gates import check_log_decay
 from ..shape import value_heads_per_key_head
 from .conv import compute_dtype
 
 __all__ = ["chunk_gated_delta_rule", "chunk_state_summary", "l2norm"]
 
+MAX_CHUNK_SIZE = 1024
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x * rsqrt(sum(x^2, -1) + eps)`` over the last dim, as FLA's l2norm: fp32 math (fp64 for
     fp64 input), result in x.dtype."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     xc = x.to(compute_dtype(x.dtype))
     return (xc * torch.rsqrt((xc * xc).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _finite_number(x) -> bool:
+    """An int or float (not a bool) that is a finite float."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int beyond float
+        return False
 
 
 def _check(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
@@ -199,7 +215,8 @@ def chunk_gated_delta_rule(
 
     Args:
         q, k: [T, Hk, Dk]. v: [T, Hv, Dv], Hv a multiple of Hk (value head h uses key head
-            h // (Hv // Hk), as Megatron's repeat_interleave). g: [T, Hv] log decay (<= 0).
+            h // (Hv // Hk), as Megatron's repeat_interleave). g: [T, Hv] log decay, finite and <= 0
+            (ValueError otherwise when g is on the CPU; on a GPU g > 0 gives non-finite output).
             beta: [T, Hv].
         cu_seqlens: host ints (Boundaries or a list) 0 = cu[0] <= ... <= cu[-1] = T; empty sequences
             allowed; N sequences.
@@ -208,7 +225,7 @@ def chunk_gated_delta_rule(
             slice's transition matrix).
         output_final_state: also return the state after each sequence.
         use_qk_l2norm: l2-normalize q and k over Dk first (FLA's l2norm, eps=1e-6).
-        chunk_size: tokens per chunk (any positive int; results do not depend on it up to rounding).
+        chunk_size: tokens per chunk (an int in [1, 1024]; results do not depend on it up to rounding).
 
     Returns:
         o: [T, Hv, Dv] in v.dtype; final_state: [N, Hv, Dk, Dv] or None. Math (and final_state) in
@@ -238,13 +255,24 @@ def chunk_gated_delta_rule(
                 f"initial_state must be [N, Hv, Dk, Dv] = [{N}, {Hv}, {Dk}, {Dv}] (one state per sequence "
                 f"of cu_seqlens), got shape {tuple(initial_state.shape)}"
             )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; 64 is the usual choice")
+    if scale is not None and not _finite_number(scale):
+        raise TypeError(f"scale must be a finite float or None (Dk ** -0.5), got {scale!r}")
+    for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm", use_qk_l2norm)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(
+            f"chunk_size must be an int in [1, {MAX_CHUNK_SIZE}] (the in-chunk matrices are chunk_size^2), got "
+            f"{chunk_size!r}; 64 is the usual choice"
+        )
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
-    if scale is None:
-        scale = Dk**-0.5
+    if q.is_meta:
+        raise ValueError("q is on the meta device, which holds no values; run the kernels on the CPU or a GPU")
+    if g.device.type == "cpu":  # host values: checking costs no device sync (see gdn_cp.ops.gates)
+        check_log_decay(g)
+    scale = Dk**-0.5 if scale is None else float(scale)
 
     out_dtype, dtype, device = v.dtype, compute_dtype(v.dtype), q.device
     q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
