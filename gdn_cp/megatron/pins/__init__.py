@@ -16,6 +16,7 @@ CLI's help) reads it from here. Torch-free and Megatron-free.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
