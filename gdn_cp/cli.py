@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("route", help="print the all-to-all plan for packed boundaries",
                        description="Build the zigzag <-> contiguous routes for the given padded boundaries and "
-                       "print each rank's segments and send/receive plan. Everything is checked before anything "
-                       "is printed; exit 2 on a bad flag or boundaries a zigzag split cannot take.")
+                       "print each rank's send/receive transfers and chunkwise pieces. Everything is checked before "
+                       "anything is printed; exit 2 on a bad flag or boundaries a zigzag split cannot take.")
     p.add_argument("--cu", type=int_list(), required=True, metavar="LIST",
                    help="padded cu_seqlens, comma-separated, e.g. 0,128,384,512 (every length a multiple of 2*cp)")
     p.add_argument("--cp", type=int_range(1), required=True, help="context-parallel size")

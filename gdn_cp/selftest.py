@@ -35,7 +35,7 @@ __all__ = [
     "run_selftest",
 ]
 
-# The small case: packed THD with an empty segment and a segment starting at row 0 fed by a halo.
+# The small case: packed THD with an empty sequence and a sequence starting at row 0 fed by a halo.
 SELFTEST_CU = [0, 37, 37, 130, 301]
 SELFTEST_DIMS = dict(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, conv_kernel_size=4)
 
@@ -127,7 +127,7 @@ def _leaf(t: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
 def conv_case(backend, reference, *, dtype: torch.dtype, device, seed: int = 0,
               cu: list[int] | None = None, channels: int | None = None, conv_kernel_size: int = 4,
               ref_device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """causal_conv1d with a halo and an empty segment; candidate in ``dtype`` vs reference in fp64."""
+    """causal_conv1d with a halo and an empty sequence; candidate in ``dtype`` vs reference in fp64."""
     cu = list(cu or SELFTEST_CU)
     d = SELFTEST_DIMS
     C = channels or (2 * d["num_k_heads"] * d["head_k_dim"] + d["num_v_heads"] * d["head_v_dim"])
@@ -163,7 +163,7 @@ def conv_case(backend, reference, *, dtype: torch.dtype, device, seed: int = 0,
 def gdn_case(backend, reference, *, dtype: torch.dtype, device, seed: int = 0,
              cu: list[int] | None = None, dims: dict | None = None, initial_state: bool = True,
              ref_device=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """chunk_gated_delta_rule with grouped heads, an empty segment, initial and final states."""
+    """chunk_gated_delta_rule with grouped heads, an empty sequence, initial and final states."""
     cu = list(cu or SELFTEST_CU)
     d = dict(SELFTEST_DIMS, **(dims or {}))
     Hk, Hv, Dk, Dv = d["num_k_heads"], d["num_v_heads"], d["head_k_dim"], d["head_v_dim"]

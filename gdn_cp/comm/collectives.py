@@ -117,16 +117,20 @@ class _RouteAllToAll(torch.autograd.Function):
         return _apply_route(grad.contiguous(), ctx.inverse, ctx.group), None, None, None
 
 
+def _check_inverse(route: Route, inverse: Route) -> None:
+    if (inverse.source, inverse.target) != (route.target, route.source):
+        raise ValueError(
+            f"inverse route goes {inverse.source}->{inverse.target}, expected {route.target}->{route.source}"
+        )
+
+
 def route_all_to_all(x: torch.Tensor, route: Route, inverse: Route, group) -> torch.Tensor:
     """Move rows ``[T_src_local, *F]`` along ``route``; gradients go back along ``inverse``.
 
     ``inverse`` must be the route from ``route.target`` to ``route.source`` for the
     same boundaries, cp size and rank (a plan gives both).
     """
-    if (inverse.source, inverse.target) != (route.target, route.source):
-        raise ValueError(
-            f"inverse route goes {inverse.source}->{inverse.target}, expected {route.target}->{route.source}"
-        )
+    _check_inverse(route, inverse)
     if x.shape[0] != route.rows_in:
         raise ValueError(
             f"route {route.source}->{route.target} expects {route.rows_in} local rows, got tensor of shape "
@@ -191,7 +195,7 @@ def _apply_route_many(xs, route: Route, group) -> list[torch.Tensor]:
 class _RouteAllToAllMany(torch.autograd.Function):
     @staticmethod
     def forward(ctx, route, inverse, group, *xs):
-        ctx.route, ctx.inverse, ctx.group = route, inverse, group
+        ctx.inverse, ctx.group = inverse, group
         return tuple(_apply_route_many(xs, route, group))
 
     @staticmethod
@@ -207,10 +211,7 @@ def route_all_to_all_many(xs, route: Route, inverse: Route, group) -> tuple[torc
     xs = tuple(xs)
     if not xs:
         raise ValueError("route_all_to_all_many needs at least one tensor")
-    if (inverse.source, inverse.target) != (route.target, route.source):
-        raise ValueError(
-            f"inverse route goes {inverse.source}->{inverse.target}, expected {route.target}->{route.source}"
-        )
+    _check_inverse(route, inverse)
     for i, x in enumerate(xs):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"route_all_to_all_many: item {i} is a {type(x).__name__}, not a tensor")

@@ -33,6 +33,7 @@ from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
 from ..modes import GDNShape, gdn_core, resolve_chunkwise_path, sbhd_to_thd, thd_to_sbhd
 from ..ops import get_backend
+from ..ops.fla.detect import fla_available  # torch- and FLA-free: FLA is probed on first call
 from . import config as _config
 from .patching import pin_of_layer_class
 from .pins import load_adapter
@@ -172,8 +173,6 @@ def choose_backend(module, device: torch.device):
     """deterministic_mode -> reference; CUDA with FLA -> fla; otherwise reference."""
     if layer_adapter(module).deterministic or device.type != "cuda":
         return get_backend("reference")
-    from ..ops.fla import fla_available
-
     if fla_available():
         return get_backend("fla")
     return get_backend("reference")
@@ -219,7 +218,7 @@ def _gated_norm_to_rows(layer, core_out, gate, batch: int, thd: bool):
     return y.unsqueeze(1) if thd else thd_to_sbhd(y, batch).contiguous()
 
 
-def _core(layer, rows, shape: GDNShape, mode: str, plan, group, cp: int, device, layout: str = "zigzag"):
+def _core(layer, rows, shape: GDNShape, mode: str, plan, group, cp: int, backend, layout: str = "zigzag"):
     """in_proj rows ``[T, D_tp]`` -> gates -> mode -> ``(o, z)``, both ``[T, Hv, Dv]``."""
     qkv, gate, beta, alpha = torch.split(
         rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads], dim=-1
@@ -228,7 +227,7 @@ def _core(layer, rows, shape: GDNShape, mode: str, plan, group, cp: int, device,
     beta = beta.sigmoid()
     core_out = gdn_core(
         qkv, g, beta, layer.conv_weight, layer.conv_bias, shape=shape, mode=mode, plan=plan,
-        group=group if cp > 1 else None, backend=choose_backend(layer.layer, device), layout=layout,
+        group=group if cp > 1 else None, backend=backend, layout=layout,
     )
     return core_out, gate.reshape(core_out.shape)
 
@@ -260,7 +259,7 @@ def _swap_point(layer, shape: GDNShape, hidden_states) -> str:
     return choices[key]
 
 
-def _forward_hidden_swap(layer, hidden_states, plan, group, shape: GDNShape, thd: bool, batch: int):
+def _forward_hidden_swap(layer, hidden_states, plan, group, shape: GDNShape, thd: bool, batch: int, backend):
     """chunkwise with the layout swap on hidden_states: route ``[T_local, H]`` zigzag ->
     contiguous, run in_proj ... out_proj on contiguous rows, route the output back."""
     to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
@@ -270,7 +269,7 @@ def _forward_hidden_swap(layer, hidden_states, plan, group, shape: GDNShape, thd
     qkvzba = layer.in_proj(rows_c)
     core_out, gate = _core(
         layer, qkvzba.reshape(-1, qkvzba.shape[-1]), shape, "chunkwise", plan, group, group.size(),
-        hidden_states.device, layout="contiguous",
+        backend, layout="contiguous",
     )
     norm_out = _gated_norm(layer, core_out, gate, 1, True)
     out_c, out_bias = layer.out_proj(norm_out)  # [T_c, 1, H]
@@ -316,15 +315,16 @@ def gated_delta_net_forward(
     if plan.t_local != s_local * batch:
         raise ValueError(f"plan expects {plan.t_local} local rows, hidden_states gives {s_local * batch}")
 
+    backend = choose_backend(module, hidden_states.device)
     if mode == "chunkwise" and cp > 1:
         # a 'native' path setting the backend cannot honour on this group fails before any collective
-        resolve_chunkwise_path(choose_backend(module, hidden_states.device), group)
+        resolve_chunkwise_path(backend, group)
         if _swap_point(layer, shape, hidden_states) == "hidden":
-            return _forward_hidden_swap(layer, hidden_states, plan, group, shape, thd, batch)
+            return _forward_hidden_swap(layer, hidden_states, plan, group, shape, thd, batch, backend)
 
     qkvzba = layer.in_proj(hidden_states)  # [S_local, B, D_tp]
     rows = qkvzba.reshape(-1, qkvzba.shape[-1]) if thd else sbhd_to_thd(qkvzba)
-    core_out, gate = _core(layer, rows, shape, mode, plan, group, cp, hidden_states.device)
+    core_out, gate = _core(layer, rows, shape, mode, plan, group, cp, backend)
     norm_out = _gated_norm(layer, core_out, gate, batch, thd)
     out, out_bias = layer.out_proj(norm_out)
     if layer.recompute_norm_out:

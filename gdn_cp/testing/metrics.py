@@ -38,26 +38,25 @@ def _ratio(num: float, den: float) -> float:
     return num / den
 
 
-def max_rel(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> float:
-    """``max |got - want| / max |want|`` (see the module docstring for None, shapes, zeros)."""
+def _relative(got: Optional[torch.Tensor], want: Optional[torch.Tensor], size) -> float:
+    """``size(got - want) / size(want)``, with the module docstring's rules for None, shapes, zeros."""
     pair = _pair(got, want)
     if pair is None:
         return math.inf
     a, b = pair
     if b.numel() == 0:
         return 0.0
-    return _ratio(float((a - b).abs().max()), float(b.abs().max()))
+    return _ratio(size(a - b), size(b))
+
+
+def max_rel(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> float:
+    """``max |got - want| / max |want|`` (see the module docstring for None, shapes, zeros)."""
+    return _relative(got, want, lambda t: float(t.abs().max()))
 
 
 def rel_l2(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> float:
     """``||got - want||_2 / ||want||_2`` (see the module docstring for None, shapes, zeros)."""
-    pair = _pair(got, want)
-    if pair is None:
-        return math.inf
-    a, b = pair
-    if b.numel() == 0:
-        return 0.0
-    return _ratio(float((a - b).norm()), float(b.norm()))
+    return _relative(got, want, lambda t: float(t.norm()))
 
 
 def worst(errors: dict[str, float]) -> tuple[str, float]:

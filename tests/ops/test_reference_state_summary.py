@@ -94,5 +94,6 @@ def test_bad_input_names_the_fix():
     inputs = make()
     with pytest.raises(ValueError, match=r"g must be \[T, Hv\]"):
         chunk_state_summary(inputs["k"], inputs["v"], inputs["g"][:, :1], inputs["beta"], cu_seqlens=CU)
-    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        chunk_state_summary(inputs["k"], inputs["v"], inputs["g"], inputs["beta"], cu_seqlens=CU, chunk_size=0)
+    for chunk_size in (0, 1025):  # the same bound as chunk_gated_delta_rule's
+        with pytest.raises(ValueError, match=r"chunk_size must be an int in \[1, 1024\]"):
+            chunk_state_summary(inputs["k"], inputs["v"], inputs["g"], inputs["beta"], cu_seqlens=CU, chunk_size=chunk_size)

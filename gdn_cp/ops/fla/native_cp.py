@@ -9,6 +9,7 @@ by the boundaries object (immutable), the conv kernel size, the group and the de
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -76,18 +77,20 @@ def check_chunkwise_layout(
                 f"W-1={w1} rows from the previous rank. Fix: use more tokens per rank or a smaller cp."
             )
         if not allow_short_tails:
-            for i in range(len(cu) - 1):
+            # Each rank edge b lies strictly inside at most one sequence: look only at that one
+            # (O(cp log n) per call, not O(cp * n)); edges in rank order find the lowest i first.
+            for r in range(cp_size - 1):
+                b = (r + 1) * part
+                i = bisect.bisect_left(cu, b) - 1  # the last sequence starting before b
                 s, e = cu[i], cu[i + 1]
-                for r in range(cp_size - 1):
-                    b = (r + 1) * part
-                    if s < b < e and b - max(s, r * part) < w1:
-                        raise ValueError(
-                            f"sequence {i} (rows [{s}, {e}) of cu_seqlens_global) has only "
-                            f"{b - max(s, r * part)} rows on rank {r} and continues onto rank {r + 1}; "
-                            f"the conv halo needs W-1={w1}. Fix: pad or re-pack so that no sequence "
-                            f"starts within the last {w1 - 1} rows of a rank, or use a FLA whose CP "
-                            "context clamps the halo (pre_num_conv_tokens)."
-                        )
+                if s < b < e and b - max(s, r * part) < w1:
+                    raise ValueError(
+                        f"sequence {i} (rows [{s}, {e}) of cu_seqlens_global) has only "
+                        f"{b - max(s, r * part)} rows on rank {r} and continues onto rank {r + 1}; "
+                        f"the conv halo needs W-1={w1}. Fix: pad or re-pack so that no sequence "
+                        f"starts within the last {w1 - 1} rows of a rank, or use a FLA whose CP "
+                        "context clamps the halo (pre_num_conv_tokens)."
+                    )
     return cu
 
 

@@ -77,6 +77,14 @@ def _check(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
         )
 
 
+def _check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+        raise ValueError(
+            f"chunk_size must be an int in [1, {MAX_CHUNK_SIZE}] (the in-chunk matrices are chunk_size^2), got "
+            f"{chunk_size!r}; 64 is the usual choice"
+        )
+
+
 def _chunk_plan(cu: list[int], chunk_size: int, T: int):
     """Host-side layout of the padded chunks. Returns
     gather: [n_chunks*C] token index per padded slot (T = padding, reads a zero row);
@@ -176,8 +184,7 @@ def chunk_state_summary(
     for name, t in (("g", g), ("beta", beta)):
         if t.shape != (T, Hv):
             raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}; 64 is the usual choice")
+    _check_chunk_size(chunk_size)
     cu = host_boundaries(cu_seqlens, T)
     dtype, device = compute_dtype(v.dtype), k.device
     k, v, g, beta = (t.to(dtype) for t in (k, v, g, beta))
@@ -260,11 +267,7 @@ def chunk_gated_delta_rule(
     for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm", use_qk_l2norm)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
-        raise ValueError(
-            f"chunk_size must be an int in [1, {MAX_CHUNK_SIZE}] (the in-chunk matrices are chunk_size^2), got "
-            f"{chunk_size!r}; 64 is the usual choice"
-        )
+    _check_chunk_size(chunk_size)
     for name, t in (("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move it with .to(q.device)")
