@@ -3,6 +3,7 @@
 from .collectives import (
     GatherInFlight,
     all_gather_rows,
+    all_ranks_true,
     comm_stats,
     group_backend,
     group_rank,
@@ -21,6 +22,7 @@ from .collectives import (
 __all__ = [
     "GatherInFlight",
     "all_gather_rows",
+    "all_ranks_true",
     "comm_stats",
     "group_backend",
     "group_rank",

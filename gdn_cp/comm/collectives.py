@@ -83,6 +83,17 @@ def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_ranks_true(flag: bool, group) -> bool:
+    """Whether ``flag`` is True on every rank of ``group`` (one tiny all-reduce of a CPU int).
+
+    For decisions every rank must take together (e.g. refusing bad input that only one rank
+    can see), so that no rank stops while the others go on into a collective. Host-side: gloo
+    groups (CPU runs) only."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """``[n, *F] -> [n, prod(F)]`` contiguous (features spelled out: n may be 0)."""
     return x.reshape(x.shape[0], math.prod(x.shape[1:])).contiguous()

@@ -72,7 +72,7 @@ def check_inputs(qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, plan: CP
             raise ValueError(f"conv_bias has shape {tuple(conv_bias.shape)}, expected ({shape.conv_dim},)")
     if g.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"g (log decay) must be float32 or float64, got {g.dtype}")
-    if g.device.type == "cpu":  # host values: free to read, and every rank refuses before a collective
+    if g.device.type == "cpu" and group_world == 1:  # host values: free to read; no collective follows
         check_log_decay(g)
 
 

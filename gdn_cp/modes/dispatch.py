@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import group_size
+from ..comm import all_ranks_true, group_size
 from ..layout import ZIGZAG
 from ..layout.plan import CPPlan
 from ..ops.contract import Backend, check_backend
+from ..ops.gates import check_log_decay, log_decay_ok
 from ..ops.shape import GDNShape
 from .common import check_inputs, local_core
 from .spec import MODES, ModeSpec, get_mode
@@ -33,6 +34,27 @@ def _check_heads(spec: ModeSpec, shape: GDNShape, cp: int) -> None:
                 f"linear_cp_mode={spec.name!r} needs {name} divisible by cp, got {name}={heads}, cp={cp}; "
                 f"use linear_cp_mode={others} (they need heads divisible by TP only)"
             )
+
+
+def _check_log_decay_on_every_rank(g: torch.Tensor, group) -> None:
+    """Refuse a bad log decay on every rank of the group together, before any data moves.
+
+    ``g`` holds this rank's rows, so one rank may see a bad value the others do not; if it raised
+    alone, the others would wait in the first collective. The ranks agree first (one int
+    all-reduce). Only for host (CPU) values: reading a device ``g`` would synchronize, and the
+    layer never does (see :mod:`gdn_cp.ops.gates`).
+    """
+    if g.device.type != "cpu":
+        return
+    ok = log_decay_ok(g)
+    if all_ranks_true(ok, group):
+        return
+    if not ok:
+        check_log_decay(g)  # this rank's own message, naming the entry
+    raise ValueError(
+        "g (log decay) of another rank of this CP group is not finite and <= 0 (that rank names the entry); "
+        "every rank stops before any collective"
+    )
 
 
 def gdn_core(
@@ -71,5 +93,6 @@ def gdn_core(
     if world == 1:
         return local_core(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens=plan.cu, backend=backend)
     _check_heads(spec, shape, world)
+    _check_log_decay_on_every_rank(g, group)
     core = spec.core_fn(layout)
     return core(qkv, g, beta, conv_weight, conv_bias, shape=shape, plan=plan, group=group, backend=backend)

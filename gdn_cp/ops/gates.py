@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_log_decay"]
+__all__ = ["check_log_decay", "log_decay_ok"]
+
+
+def log_decay_ok(g: torch.Tensor) -> bool:
+    """Whether every entry of ``g`` is finite and <= 0 (reads the values: host tensors only on the
+    layer's path)."""
+    with torch.no_grad():
+        return bool(((g <= 0) & (g > float("-inf"))).all())
 
 
 def check_log_decay(g: torch.Tensor, *, name: str = "g") -> None:

@@ -121,3 +121,28 @@ def _empty_packing(ctx):
 def test_every_mode_takes_an_empty_packing(rank_pool):
     for per_mode in rank_pool(2).run(_empty_packing):
         assert per_mode == {mode: (0, SHAPE.num_v_heads, SHAPE.head_v_dim) for mode in MODE_NAMES}
+
+
+def _bad_log_decay_on_one_rank(ctx, mode):
+    """Rank 1 alone holds a g > 0: every rank must refuse, before any data moves."""
+    cu = [0, 8 * ctx.world_size, 16 * ctx.world_size]
+    args, plan = _args(cu, ctx.world_size, ctx.rank)
+    if ctx.rank == 1:
+        args[1] = args[1].clone()
+        args[1][3, 0] = 5.0
+    before = ctx.collective_count()
+    try:
+        gdn_core(*args, shape=SHAPE, mode=mode, plan=plan, group=dist.group.WORLD, backend=reference)
+    except ValueError as err:
+        # the agreement itself is one all-reduce; no data collective ran
+        return str(err), ctx.collective_count() - before
+    return None, ctx.collective_count() - before
+
+
+@pytest.mark.parametrize("mode", MODE_NAMES)
+def test_a_bad_log_decay_on_one_rank_stops_every_rank(rank_pool, mode):
+    results = rank_pool(2).run(_bad_log_decay_on_one_rank, mode)
+    (msg0, n0), (msg1, n1) = results
+    assert msg1 is not None and "g[3, 0]=5.0" in msg1, msg1
+    assert msg0 is not None and "another rank" in msg0, msg0
+    assert n0 == n1 == 1, (n0, n1)
