@@ -220,7 +220,7 @@ def _print_block(cp: int, reports: list[dict], modes: tuple[str, ...], skipped: 
          f"{lengths.count(0)} empty slots), T_global={r0['cu'][-1]}")
     summary = r0["route_summary"].splitlines()
     echo("\n".join(summary[:4]))
-    echo(f"  ... {max(0, len(summary) - 4)} more send/recv pieces; route build {r0['route_build_ms']:.2f} ms")
+    echo(f"  ... {max(0, len(summary) - 4)} more send/recv transfers; route build {r0['route_build_ms']:.2f} ms")
     exact = all(r["round_trip_exact"] for r in reports)
     hits = all(r["plan_hits_after_first"] for r in reports)
     echo(f"zigzag -> contiguous -> zigzag round trip bit-exact on all ranks: {exact}; cached plan reused: {hits}")
