@@ -25,6 +25,7 @@ import torch
 
 from .modes import GDNShape
 from .modes.spec import MODE_NAMES, head_problem
+from .ops import BACKENDS
 from .testing.inputs import core_inputs, core_leaves
 from .testing.metrics import max_rel
 from .testing.packings import packed_boundaries
@@ -101,14 +102,13 @@ def check_job(cfg: JobConfig) -> None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU build of torch, or no "
                          "GPU visible); use --device cpu")
-    if cfg.backend not in ("reference", "fla"):
-        raise ValueError(f"--backend {cfg.backend}: use reference or fla")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"--backend {cfg.backend}: use one of {', '.join(BACKENDS)}")
     if cfg.backend == "fla":
         if cfg.device != "cuda":
             raise ValueError("--backend fla needs --device cuda (FLA's kernels are CUDA-only); use --backend "
                              "reference on the CPU")
-        from .ops.fla import fla_available
-        from .ops.fla import fla_import_error
+        from .ops.fla import fla_available, fla_import_error
 
         if not fla_available():
             raise ValueError(f"--backend fla: {fla_import_error()}; use --backend reference")
