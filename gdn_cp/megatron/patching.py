@@ -294,13 +294,12 @@ def detect_pin(root: Optional[PathLike] = None) -> Optional[Pin]:
 def file_matches_pin(path: PathLike, pin: Pin, *, patched: bool) -> bool:
     """Whether the file at ``path`` is one of ``pin``'s targets, pristine or (``patched``) patched."""
     p = Path(path)
-    try:
-        digest = _sha256(p.read_bytes())
-    except OSError:
-        return False
     for t in load_manifest(pin.version).files:
         if p.as_posix().endswith("/" + t.target):
-            return digest == (t.sha256_patched if patched else t.sha256_pristine)
+            try:
+                return _file_state(p, t) == (PATCHED if patched else PRISTINE)
+            except OSError:  # unreadable: not a match
+                return False
     return False
 
 
