@@ -1,29 +1,39 @@
 #!/usr/bin/env bash
 # The GPU suite in one command, for a CUDA machine with no network (the device machine):
 #
-#   bash benchmarks/gpu_suite.sh [pytest args...]        # default: -x -q
+#   bash benchmarks/gpu_suite.sh [pytest args...]                       # FLA 0.4.2 stack, default: -q
+#   GDN_CP_STACK=fla060 bash benchmarks/gpu_suite.sh [pytest args...]   # FLA 0.6.0 + Triton 3.7.1
 #
-# 1. installs the carried wheels (.whl/*.whl: fla-core, flash-linear-attention, megatron-core) into
-#    /tmp/site and applies the gdn-cp patch to that megatron-core;
-# 2. restores the Triton cache (compiled kernels + FLA autotune results, FLA_CACHE_RESULTS=1) from
-#    .triton_cache/cache.tar.gz.part* into .triton_cache/live (TRITON_CACHE_DIR);
+# Stacks (GDN_CP_STACK), each tested as a first-class stack:
+#   fla042 (default): the carried wheels .whl/*.whl: fla-core and flash-linear-attention 0.4.2 (what
+#          megatron-core 0.19 pins, ~=0.4.0) and megatron-core, on the machine's own Triton;
+#   fla060: FLA 0.6.0 and Triton 3.7.1 from a slim-triton pack (GDN_CP_SLIM, default .slim: made by
+#          `bash ../shared/tools/slim-triton/make.sh .slim`, ~46 MiB), unpacked to /tmp/site37 and put
+#          first on PYTHONPATH; from .whl/ only megatron-core (FLA wheels there are not installed).
+#
+# 1. installs the stack (above) into /tmp/site (+ /tmp/site37) and applies the gdn-cp patch to that
+#    megatron-core;
+# 2. restores the Triton cache of the stack (compiled kernels + FLA autotune results,
+#    FLA_CACHE_RESULTS=1) from .triton_cache/$GDN_CP_STACK/cache.tar.gz.part* (or, for fla042, the
+#    older flat .triton_cache/cache.tar.gz.part*) into .triton_cache/live (TRITON_CACHE_DIR);
 # 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
 #    parity, CP and TP x CP: tests/megatron/test_gpu_tp.py wants 2 GPUs, 4 for TP=2 x CP=2, and
-#    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "warm", "args", "syncs",
-#    "layer_full": see run_stage below; stages joined by "+" run side by side), each under a time
-#    limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON files
-#    from the benchmarks, and everything printed in $OUT/run.log;
+#    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "warm", "args", "syncs", "selftest",
+#    "levers", "layer_full": see run_stage below; stages joined by "+" run side by side), each under
+#    a time limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON
+#    files from the benchmarks, and everything printed in $OUT/run.log (the stack named first);
 # 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if
-#    the whole cache would not fit), to be carried back as .triton_cache/ next time.
+#    the whole cache would not fit), to be carried back as .triton_cache/$GDN_CP_STACK/ next time.
 #
-# Env: OUT (default /tmp/gdn_cp_gpu_out), GDN_CP_SUITE_TIMEOUT (pytest seconds, default 420),
+# Env: OUT (default /tmp/gdn_cp_gpu_out), GDN_CP_STACK (fla042 | fla060), GDN_CP_SLIM,
+#      GDN_CP_SUITE_TIMEOUT (pytest seconds, default 420),
 #      GDN_CP_LAYER_FULL_TIMEOUT (layer_full.py --time-limit, default 480: with its 45 s grace,
 #      startup and the cache tarball it fits one 600 s device call),
 #      GDN_CP_CACHE_MAX_MB (largest cache tarball kept, default 56),
 #      GDN_CP_TEST_FAST_AUTOTUNE=1 (test-only: first working Triton config per kernel instead of a
 #      full autotune; a cold FLA 0.4.2 autotune costs ~1 min per conv dtype and ~3 min per GDN
 #      dtype on an H200, see docs/gpu-results.md).
-# On the device machine: carry [".whl", ".triton_cache"] and run
+# On the device machine: carry [".whl", ".triton_cache"] (+ ".slim" for fla060) and run
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -32,36 +42,56 @@ OUT=${OUT:-/tmp/gdn_cp_gpu_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 
-if ls .whl/*.whl >/dev/null 2>&1; then
+STACK=${GDN_CP_STACK:-fla042}
+SITE_PATH=
+case $STACK in
+  fla042)
+    WHEELS=$(ls .whl/*.whl 2>/dev/null) ;;
+  fla060)
+    SLIM=${GDN_CP_SLIM:-.slim}
+    [ -f "$SLIM/unpack.py" ] || { echo "GDN_CP_STACK=fla060 needs the slim-triton pack in $SLIM (make.sh)"; exit 1; }
+    python3 "$SLIM/unpack.py" /tmp/site37 >/dev/null || { echo "slim-triton unpack failed"; exit 1; }
+    SITE_PATH=/tmp/site37:
+    WHEELS=$(ls .whl/*.whl 2>/dev/null | grep -v -e '/fla_core-' -e '/flash_linear_attention-') ;;
+  *) echo "GDN_CP_STACK=$STACK: use fla042 or fla060"; exit 1 ;;
+esac
+if [ -n "$WHEELS" ]; then
+  # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+    --target /tmp/site $WHEELS || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=$SITE_PATH/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
   # Patched once, before any stage: side-by-side stages then never patch or revert it under another.
   if [ -d /tmp/site/megatron ]; then
     python3 -m gdn_cp.cli patch apply /tmp/site || { echo "patch apply failed"; exit 1; }
   fi
 else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+  export PYTHONPATH=$SITE_PATH$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
+export GDN_CP_STACK=$STACK
 
 export TRITON_CACHE_DIR=$ROOT/.triton_cache/live
 export FLA_CACHE_RESULTS=1 PYTHONUNBUFFERED=1
 export GDN_CP_GPU_RESULTS=$OUT/gpu_results.jsonl
 mkdir -p "$TRITON_CACHE_DIR"
-if ls .triton_cache/cache.tar.gz.part* >/dev/null 2>&1; then
-  cat .triton_cache/cache.tar.gz.part* | tar -xzf - -C "$TRITON_CACHE_DIR" \
-    && echo "triton cache restored: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
+CACHE_IN=.triton_cache/$STACK
+if ! ls "$CACHE_IN"/cache.tar.gz.part* >/dev/null 2>&1 && [ "$STACK" = fla042 ]; then CACHE_IN=.triton_cache; fi
+if ls "$CACHE_IN"/cache.tar.gz.part* >/dev/null 2>&1; then
+  cat "$CACHE_IN"/cache.tar.gz.part* | tar -xzf - -C "$TRITON_CACHE_DIR" \
+    && echo "triton cache restored from $CACHE_IN: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
 fi
 
 exec > >(tee -a "$OUT/run.log") 2>&1
+echo "== stack $STACK"
 echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
 python3 - <<'EOF'
 import importlib.metadata as m, platform, torch
 def v(d):
     try: return m.version(d)
     except Exception: return None
+import triton
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
-      "| triton", v("triton"), "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"),
+      "| triton", triton.__version__, "from", triton.__file__.rsplit("/triton/", 1)[0],
+      "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"),
       "| gpus", torch.cuda.device_count(),
       "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
 EOF
@@ -88,10 +118,16 @@ run_stage() {
       python3 benchmarks/warm_kernels.py --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 benchmarks/syncs.py --out "$OUT/syncs.json" ;;
+    selftest)
+      timeout --signal=INT "${GDN_CP_SELFTEST_TIMEOUT:-300}" python3 -m gdn_cp.cli selftest --gpu ;;
+    levers)
+      # shellcheck disable=SC2086
+      timeout --signal=INT "${GDN_CP_LEVERS_TIMEOUT:-360}" python3 benchmarks/fla_levers.py \
+        --out "$OUT/fla_levers_$STACK.json" ${GDN_CP_LEVERS_ARGS:-} ;;
     layer_full)
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 benchmarks/layer_full.py \
-        --out "$OUT/layer_full.json" --time-limit "${GDN_CP_LAYER_FULL_TIMEOUT:-480}" ${GDN_CP_LAYER_FULL_ARGS:-} ;;
+        --out "$OUT/layer_full_$STACK.json" --time-limit "${GDN_CP_LAYER_FULL_TIMEOUT:-480}" ${GDN_CP_LAYER_FULL_ARGS:-} ;;
     *) echo "unknown stage $stage"; false ;;
   esac
   local rc=$?

@@ -191,6 +191,13 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
         per_mode[mode] = {"errors": errs, "seconds": elapsed}
     report["modes"] = per_mode
     report["plan_hits_after_first"] = cache.plan(cu_t, cp, rank) is plan
+    if "chunkwise" in modes:
+        from .modes.chunkwise import chunkwise_swaps_layout, resolve_chunkwise_path
+
+        path, _ = resolve_chunkwise_path(backend, group)
+        if path == "native" and not chunkwise_swaps_layout(backend, group, plan):
+            path = "native-zigzag"
+        report["chunkwise_path"] = f"{path} ({dist.get_backend(group)} group)"
     return report
 
 
@@ -229,6 +236,9 @@ def _print_block(cp: int, reports: list[dict], modes: tuple[str, ...], skipped: 
     if not hits:
         result.failures.append(f"cp={cp}: the route cache did not reuse the plan")
     echo(f"CP=1 reference forward+backward: {r0['cp1_s']:.3f} s")
+    if "chunkwise_path" in r0:
+        echo(f"chunkwise halo/state exchange: {r0['chunkwise_path']} (native: the backend's cp context; "
+             "generic: gdn-cp's own)")
     echo(f"{'mode':<11} " + " ".join(f"{h:>9}" for h in HEADERS) + f" {'time s':>8}  ok")
     for mode in MODE_NAMES:
         if mode in skipped:
@@ -277,8 +287,10 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
         modes = tuple(m for m in cfg.modes_to_run if m not in skipped)
         echo(f"\n== cp={cp}: spawning {cp} rank(s) ({cfg.dist_backend}, {cfg.device})")
         try:
+            # fla_on_gloo: on one GPU (gloo ranks) FLA's cp context runs too, its collectives adapted
+            # by gdn_cp.testing (a run on NCCL needs no adapter)
             with RankPool(cp, device=cfg.device, backend=cfg.dist_backend, test_shims=False,
-                          timeout_s=timeout_s) as pool:
+                          timeout_s=timeout_s, fla_on_gloo=True) as pool:
                 reports = pool.run(_rank_job, cp, cfg, modes)
         except RankError as err:
             echo(f"cp={cp} failed:\n{err}")

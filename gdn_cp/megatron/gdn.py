@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..comm import group_ranks, route_all_to_all
 from ..layout import CONTIGUOUS, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
-from ..modes import GDNShape, gdn_core, resolve_chunkwise_path, sbhd_to_thd, thd_to_sbhd
+from ..modes import GDNShape, chunkwise_swaps_layout, gdn_core, resolve_chunkwise_path, sbhd_to_thd, thd_to_sbhd
 from ..ops import get_backend
 from ..ops.fla.detect import fla_available  # torch- and FLA-free: FLA is probed on first call
 from . import config as _config
@@ -51,6 +51,7 @@ _SWAP_ATTR = "_gdn_cp_swap_points"  # chunkwise swap point per (setting, hidden 
 _SBHD_PLANS_ATTR = "_gdn_cp_sbhd_plans"
 _VALIDATED_ATTR = "_gdn_cp_validated_modes"  # (mode, tp, cp) already checked on this layer
 _DISJOINT_ATTR = "_gdn_cp_cp_groups_disjoint_from_tp"  # id(CP group) -> the group, checked against TP
+_NORM_ATTR = "_gdn_cp_gated_norm"  # backend name -> the fused gated norm (weight, eps, fn) or None
 
 
 @lru_cache(maxsize=None)
@@ -211,9 +212,34 @@ def _core_shape(layer) -> GDNShape:
     return GDNShape(num_k_heads=num_k, num_v_heads=num_v, head_k_dim=dk, head_v_dim=dv, qk_l2norm=layer.qk_l2norm)
 
 
-def _gated_norm_to_rows(layer, core_out, gate, batch: int, thd: bool):
+def _fused_gated_norm(layer, backend):
+    """``(fn, weight, eps)``: the backend's fused gated RMSNorm for this layer, or None when the
+    backend has none or the layer's gated norm is not plain RMSNorm * silu. Decided once per
+    (layer, backend) and logged."""
+    choices = layer.layer.__dict__.setdefault(_NORM_ATTR, {})
+    name = getattr(backend, "__name__", type(backend).__name__)
+    if name not in choices:
+        make = getattr(backend, "fused_gated_rms_norm", None)
+        fn = make() if make is not None else None
+        weight, eps, why = layer.plain_rms_gated_norm() if fn is not None else (None, None, None)
+        if fn is None:
+            why = f"the {name} backend has no fused gated RMSNorm"
+        choices[name] = None if weight is None else (fn, eps)
+        logger.info("GatedDeltaNet layer %s gated norm: %s", layer.layer_number,
+                    "the backend's fused RMSNorm * silu(z) kernel" if weight is not None
+                    else f"the layer's own out_norm * act(z) ({why})")
+    entry = choices[name]
+    return None if entry is None else (entry[0], layer.layer.out_norm.weight, entry[1])
+
+
+def _gated_norm_to_rows(layer, core_out, gate, batch: int, thd: bool, fused=None):
     """``o, z [T_local, Hv, Dv]`` -> gated norm -> ``[S_local, B, Hv*Dv]``."""
-    y = layer.gated_norm(core_out, gate)  # [T_local*Hv, Dv]
+    if fused is None:
+        y = layer.gated_norm(core_out, gate)  # [T_local*Hv, Dv]
+    else:
+        fn, weight, eps = fused
+        dv = core_out.shape[-1]
+        y = fn(core_out.reshape(-1, dv), gate.reshape(-1, dv), weight, eps)
     y = y.reshape(core_out.shape[0], -1)
     return y.unsqueeze(1) if thd else thd_to_sbhd(y, batch).contiguous()
 
@@ -232,11 +258,13 @@ def _core(layer, rows, shape: GDNShape, mode: str, plan, group, cp: int, backend
     return core_out, gate.reshape(core_out.shape)
 
 
-def _gated_norm(layer, core_out, gate, batch: int, thd: bool):
-    """Gated norm, under ``gdn_norm_out`` selective recompute when configured (as stock)."""
+def _gated_norm(layer, core_out, gate, batch: int, thd: bool, backend):
+    """Gated norm (the backend's fused kernel where it fits), under ``gdn_norm_out`` selective
+    recompute when configured (as stock)."""
+    fused = _fused_gated_norm(layer, backend)
     if not layer.recompute_norm_out:
-        return _gated_norm_to_rows(layer, core_out, gate, batch, thd)
-    norm_fn = partial(_gated_norm_to_rows, layer, batch=batch, thd=thd)
+        return _gated_norm_to_rows(layer, core_out, gate, batch, thd, fused)
+    norm_fn = partial(_gated_norm_to_rows, layer, batch=batch, thd=thd, fused=fused)
     return layer.new_norm_out_checkpoint().checkpoint(norm_fn, core_out, gate)
 
 
@@ -271,7 +299,7 @@ def _forward_hidden_swap(layer, hidden_states, plan, group, shape: GDNShape, thd
         layer, qkvzba.reshape(-1, qkvzba.shape[-1]), shape, "chunkwise", plan, group, group.size(),
         backend, layout="contiguous",
     )
-    norm_out = _gated_norm(layer, core_out, gate, 1, True)
+    norm_out = _gated_norm(layer, core_out, gate, 1, True, backend)
     out_c, out_bias = layer.out_proj(norm_out)  # [T_c, 1, H]
     if layer.recompute_norm_out:
         layer.register_norm_out_recompute(out_c)
@@ -319,13 +347,14 @@ def gated_delta_net_forward(
     if mode == "chunkwise" and cp > 1:
         # a 'native' path setting the backend cannot honour on this group fails before any collective
         resolve_chunkwise_path(backend, group)
-        if _swap_point(layer, shape, hidden_states) == "hidden":
+        # no swap at all where the backend's zigzag core takes these rows as they are
+        if chunkwise_swaps_layout(backend, group, plan) and _swap_point(layer, shape, hidden_states) == "hidden":
             return _forward_hidden_swap(layer, hidden_states, plan, group, shape, thd, batch, backend)
 
     qkvzba = layer.in_proj(hidden_states)  # [S_local, B, D_tp]
     rows = qkvzba.reshape(-1, qkvzba.shape[-1]) if thd else sbhd_to_thd(qkvzba)
     core_out, gate = _core(layer, rows, shape, mode, plan, group, cp, backend)
-    norm_out = _gated_norm(layer, core_out, gate, batch, thd)
+    norm_out = _gated_norm(layer, core_out, gate, batch, thd, backend)
     out, out_bias = layer.out_proj(norm_out)
     if layer.recompute_norm_out:
         layer.register_norm_out_recompute(out)

@@ -12,7 +12,7 @@ import importlib
 
 __all__ = [
     "GDNShape", "gdn_core", "local_core", "sbhd_to_thd", "thd_to_sbhd", "chunkwise_path", "set_chunkwise_path",
-    "resolve_chunkwise_path",
+    "resolve_chunkwise_path", "chunkwise_swaps_layout", "is_one_zigzag_stream",
 ]
 
 _HOMES = {
@@ -24,6 +24,8 @@ _HOMES = {
     "chunkwise_path": "gdn_cp.modes.chunkwise",
     "set_chunkwise_path": "gdn_cp.modes.chunkwise",
     "resolve_chunkwise_path": "gdn_cp.modes.chunkwise",
+    "chunkwise_swaps_layout": "gdn_cp.modes.chunkwise",
+    "is_one_zigzag_stream": "gdn_cp.modes.chunkwise",
 }
 
 

@@ -5,16 +5,24 @@ earlier ranks and the scan takes its initial state from the affine summaries
 ``S_out = M S_in + S_ext`` of earlier ranks, then contiguous -> zigzag. Per-rank compute
 is the CP=1 compute on T/cp tokens (in the generic path here, plus one wider scan on a
 rank whose whole slice continues a sequence on both sides, for its transition matrix M).
+
 A backend with a native context-parallel core for the group (``backend.native_cp_core``:
-FLA's cp context on NCCL) replaces the generic halo/summary path, unless the chunkwise path
-setting says otherwise (:func:`set_chunkwise_path`, env ``GDN_CP_CHUNKWISE_PATH``):
+FLA's cp context on NCCL, or on gloo where a harness adapted FLA's collectives) replaces the
+generic halo/summary path, unless the chunkwise path setting says otherwise
+(:func:`set_chunkwise_path`, env ``GDN_CP_CHUNKWISE_PATH``):
 
 - ``auto`` (default): the backend's native core where it has one for the group, else generic;
 - ``native``: the native core; a ValueError (before any collective) where there is none;
-- ``generic``: gdn-cp's own halo and state-summary exchange around the backend's CP=1 kernels.
+- ``generic``: gdn-cp's own halo and state summary exchange around the backend's CP=1 kernels.
 
-The choice is made per call from the setting and the group, never switched on its own, and
-logged once per (setting, path).
+Where the rows are already one zigzag-cut stream (:func:`is_one_zigzag_stream`: the whole
+packed row cut into 2*cp parts, rank r holding parts r and 2*cp-1-r: Megatron's SBHD at batch
+1, a plan whose split is whole-row, or a single sequence) and the backend also has a native
+zigzag core (``backend.native_zigzag_cp_core``: FLA >= 0.6's zigzag cp context), the native
+path runs on the rows as they are, with no layout all-to-all at all.
+
+The choice is made per call from the setting, the group and the plan, never switched on its
+own, and logged once per (setting, path).
 """
 
 from __future__ import annotations
@@ -45,7 +53,9 @@ __all__ = [
     "chunkwise_path",
     "contiguous_core",
     "gather_halo",
+    "chunkwise_swaps_layout",
     "initial_state_from_summaries",
+    "is_one_zigzag_stream",
     "resolve_chunkwise_path",
     "set_chunkwise_path",
 ]
@@ -78,6 +88,12 @@ def chunkwise_path() -> str:
     return _check_path(os.environ.get(CHUNKWISE_PATH_ENV, "auto") or "auto", CHUNKWISE_PATH_ENV)
 
 
+def _log_once(setting: str, path: str, why: str) -> None:
+    if (setting, path) not in _LOGGED:
+        _LOGGED.add((setting, path))
+        logger.info("chunkwise halo/state exchange: %s path (setting %s; %s)", path, setting, why)
+
+
 def resolve_chunkwise_path(backend, group):
     """``(path, native_core)`` for this call: ``("native", core)`` or ``("generic", None)``.
 
@@ -90,13 +106,44 @@ def resolve_chunkwise_path(backend, group):
         raise ValueError(
             f"chunkwise path 'native' (set_chunkwise_path or {CHUNKWISE_PATH_ENV}) but the "
             f"{getattr(backend, '__name__', type(backend).__name__)} backend has no native CP core for this "
-            "group (FLA's cp context needs an NCCL group, FLA >= 0.4.2, a CUDA device); set 'auto' or 'generic'"
+            "group (FLA's cp context needs a CUDA device, FLA >= 0.4.2 and an NCCL group, or a group whose "
+            "backend a harness adapted FLA's collectives for: gdn_cp.ops.fla.allow_fla_collectives); set 'auto' "
+            "or 'generic'"
         )
     path = "native" if native is not None else "generic"
-    if (setting, path) not in _LOGGED:
-        _LOGGED.add((setting, path))
-        logger.info("chunkwise halo/state exchange: %s path (setting %s)", path, setting)
+    _log_once(setting, path, "the backend's cp context" if native is not None else
+              "gdn-cp's own exchange" + (" (setting)" if setting == "generic" else ": no native core for this group"))
     return path, native
+
+
+def is_one_zigzag_stream(plan: CPPlan) -> bool:
+    """Whether this rank's zigzag rows are parts r and 2*cp-1-r of the whole packed stream cut as
+    one sequence: a plan whose split is whole-row, or one whose only non-empty sequence covers
+    every row (SBHD at batch 1, THD with one document), where the per-document cut is the same."""
+    if getattr(plan, "split", None) == "whole_row":
+        return True
+    return len(plan.cu.nonempty()[1]) == 1  # cached on the boundaries: one pass per micro-batch
+
+
+def _zigzag_core(backend, group, plan: CPPlan):
+    """The backend's native zigzag core when the native path runs and ``plan``'s rows are one
+    zigzag-cut stream, else None (logged once per outcome)."""
+    path, _ = resolve_chunkwise_path(backend, group)
+    if path != "native" or not is_one_zigzag_stream(plan):
+        return None
+    make = getattr(backend, "native_zigzag_cp_core", None)
+    core = None if make is None else make(group)
+    _log_once(chunkwise_path(), "native-zigzag" if core is not None else "native-contiguous",
+              "rows are one zigzag-cut stream: no layout all-to-all" if core is not None else
+              "rows are one zigzag-cut stream, but the backend's cp context takes no zigzag layout (FLA < 0.6): "
+              "routed to the contiguous layout")
+    return core
+
+
+def chunkwise_swaps_layout(backend, group, plan: CPPlan) -> bool:
+    """Whether chunkwise moves rows zigzag -> contiguous for this call (False where the backend's
+    zigzag core takes the rows as they are): the Megatron glue then needs no layout swap at all."""
+    return _zigzag_core(backend, group, plan) is None
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:
@@ -186,8 +233,12 @@ def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk:
 
 
 def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
-    """zigzag rows in and out; the routes wrap :func:`contiguous_core`."""
-    resolve_chunkwise_path(backend, group)  # a 'native' setting it cannot honour fails before the routes
+    """zigzag rows in and out: the backend's zigzag core on the rows as they are where it applies
+    (:func:`chunkwise_swaps_layout`), else the routes wrap :func:`contiguous_core`."""
+    zigzag = _zigzag_core(backend, group, plan)  # a 'native' setting it cannot honour fails before the routes
+    if zigzag is not None:
+        return zigzag(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens_global=plan.cu, group=group,
+                      cache=plan.backend_cache)
     to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
     # q|k|v and both gates in one all-to-all per direction (bytes packed side by side, exact)
     qkv_c, g_c, beta_c = route_all_to_all_many((qkv, g, beta), to_c, to_z, group)

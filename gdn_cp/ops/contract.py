@@ -8,10 +8,18 @@ backend never reads device data back to the host.
 A backend is any object with these members; ``gdn_cp.ops.reference`` and
 ``gdn_cp.ops.fla`` are modules that satisfy it (``tests/ops/test_contract.py`` checks both).
 
-Optional: ``chunk_state_summary(k, v, g, beta, *, cu_seqlens, use_qk_l2norm) -> [N, Hv, Dk,
-Dk+Dv]``, each sequence's affine state summary ``[M | S_ext]`` computed without a serial scan
-(the reference backend has it). Chunkwise's own exchange then starts the summary all-gather
-before scanning; without it the summary comes from a scan of the slice's last sequence.
+Optional members (looked up with ``getattr``; a backend without them works, more slowly):
+
+- ``chunk_state_summary(k, v, g, beta, *, cu_seqlens, use_qk_l2norm) -> [N, Hv, Dk, Dk+Dv]``,
+  each sequence's affine state summary ``[M | S_ext]`` computed without a serial scan (the
+  reference backend has it). Chunkwise's own exchange then starts the summary all-gather before
+  scanning; without it the summary comes from a scan of the slice's last sequence.
+- ``native_zigzag_cp_core(group) -> NativeCPCore | None``: like ``native_cp_core`` but on this
+  rank's zigzag rows of the whole stream cut as one sequence (parts r and 2*cp-1-r), the
+  documents' boundaries as ``cu_seqlens_global``; chunkwise then moves no rows (FLA >= 0.6).
+- ``fused_gated_rms_norm() -> callable | None``: ``fn(x [N, D], z [N, D], weight [D], eps) ->
+  x / rms(x) * weight * silu(z)`` in one kernel (FLA); the Megatron glue uses it in place of the
+  layer's ``out_norm`` then ``* act(z)`` where that is exactly what the layer computes.
 """
 
 from __future__ import annotations

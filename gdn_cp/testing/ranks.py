@@ -16,8 +16,10 @@ Test-only collective shims (``test_shims=True``, the default) are installed in t
 by the pool, never by the library:
 
 * every ``torch.distributed`` collective is counted (``ctx.collectives``);
-* on gloo: FLA 0.4.2 passes ``all_gather_into_tensor`` an output ``[world, n, ...]``, which NCCL
-  accepts and gloo rejects: the shim views it flat ``[world*n, ...]`` for the call;
+* on gloo: FLA (0.4.2 and 0.6) passes ``all_gather_into_tensor`` an output ``[world, n, ...]``,
+  which NCCL accepts and gloo rejects: the shim views it flat ``[world*n, ...]`` for the call, and
+  on CUDA ranks tells the FLA backend so (:func:`gdn_cp.ops.fla.allow_fla_collectives`), whose
+  chunkwise native path (FLA's cp context) then runs on these gloo groups as it does on NCCL;
 * on gloo: gloo stages CUDA tensors through the host (a device->host sync NCCL does not make):
   the shim suspends ``torch.cuda.set_sync_debug_mode`` while a collective runs, so a zero-sync
   check sees only the library's own syncs.
@@ -196,6 +198,39 @@ def maybe_fast_autotune() -> bool:
     return True
 
 
+_FLA_GLOO_SHIM = ("gdn_cp.testing.ranks (test shim: FLA's [world, n, ...] all_gather_into_tensor outputs viewed "
+                  "flat for gloo; one GPU, ranks staged through the host)")
+
+
+def _flat_all_gather_args(args, kwargs):
+    """``all_gather_into_tensor``'s arguments with a ``[world, n, ...]`` output viewed flat."""
+    args = list(args)
+    out = args[0] if args else kwargs["output_tensor"]
+    inp = args[1] if len(args) > 1 else kwargs["input_tensor"]
+    if out.dim() == inp.dim() + 1 and inp.dim() >= 1:  # FLA's [world, n, ...]
+        flat = out.view(out.shape[0] * out.shape[1], *out.shape[2:])
+        if args:
+            args[0] = flat
+        else:
+            kwargs["output_tensor"] = flat
+    return args, kwargs
+
+
+def _install_fla_gloo_adapter() -> None:
+    """Only the flattening of FLA's ``all_gather_into_tensor`` outputs (no counting, no sync-debug
+    handling): for pools that run FLA's cp context on gloo without the other test shims."""
+    import torch.distributed as dist
+
+    orig = dist.all_gather_into_tensor
+
+    def wrapped(*args, **kwargs):
+        args, kwargs = _flat_all_gather_args(args, kwargs)
+        return orig(*args, **kwargs)
+
+    functools.update_wrapper(wrapped, orig)
+    dist.all_gather_into_tensor = wrapped
+
+
 def _install_collective_shims(ctx: RankContext, gloo: bool) -> None:
     """Test-only (see the module docstring): count collectives; on gloo flatten FLA's
     ``all_gather_into_tensor`` output and suspend the sync-debug mode during the collective."""
@@ -209,15 +244,7 @@ def _install_collective_shims(ctx: RankContext, gloo: bool) -> None:
             if not gloo:
                 return __orig(*args, **kwargs)
             if __name == "all_gather_into_tensor":
-                args = list(args)
-                out = args[0] if args else kwargs["output_tensor"]
-                inp = args[1] if len(args) > 1 else kwargs["input_tensor"]
-                if out.dim() == inp.dim() + 1 and inp.dim() >= 1:  # FLA's [world, n, ...]
-                    flat = out.view(out.shape[0] * out.shape[1], *out.shape[2:])
-                    if args:
-                        args[0] = flat
-                    else:
-                        kwargs["output_tensor"] = flat
+                args, kwargs = _flat_all_gather_args(args, kwargs)
             mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
             if mode:
                 torch.cuda.set_sync_debug_mode(0)
@@ -250,7 +277,7 @@ def _format_case_failure(err: BaseException) -> str:
 
 
 def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: bool, init_file: str,
-               env: dict, conn, test_shims: bool, parent_pid: int) -> None:
+               env: dict, conn, test_shims: bool, parent_pid: int, fla_on_gloo: bool = False) -> None:
     """Body of a rank process: start, then answer tasks from the parent until told to stop."""
     global _CURRENT
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
@@ -280,6 +307,12 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
                     ctx.groups[size] = grp
         if test_shims:
             _install_collective_shims(ctx, gloo=(backend == "gloo"))
+        if backend == "gloo" and device_type == "cuda" and (test_shims or fla_on_gloo):
+            if not test_shims:  # the test shims flatten FLA's outputs themselves
+                _install_fla_gloo_adapter()
+            from gdn_cp.ops.fla.native_cp import allow_fla_collectives
+
+            allow_fla_collectives("gloo", by=_FLA_GLOO_SHIM)
         _CURRENT = ctx
         conn.send(("ready", True, None))
     except BaseException:  # noqa: BLE001 - reported to the parent, then this rank ends
@@ -363,11 +396,14 @@ class RankPool:
     ``timeout_s``: the longest a case (and the start-up) may take before the pool is killed.
     ``failure_grace_s``: how long the other ranks may still answer after one rank failed or died.
     ``env``: environment variables set in the ranks before anything is imported there.
+    ``fla_on_gloo``: with ``test_shims=False``, still adapt FLA's collectives on gloo CUDA ranks (one
+    GPU), so that the FLA backend's native chunkwise path runs there (``gdn-cp run --device cuda``);
+    the test shims always do.
     """
 
     def __init__(self, world_size: int, *, device: Optional[str] = None, backend: Optional[str] = None,
                  timeout_s: float = 480.0, failure_grace_s: float = 10.0, test_shims: bool = True,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, fla_on_gloo: bool = False):
         import multiprocessing
 
         self.world_size = world_size
@@ -375,6 +411,7 @@ class RankPool:
         check_pool_request(world_size, self.device, self.backend)
         self.timeout_s = timeout_s
         self.failure_grace_s = failure_grace_s
+        self.fla_on_gloo = fla_on_gloo
         self.broken: Optional[str] = None
         self._next_id = 0
         self._tmp = tempfile.mkdtemp(prefix="gdn_cp_pool_")
@@ -402,7 +439,8 @@ class RankPool:
             proc = ctx.Process(
                 target=_rank_main, name=f"gdn-cp-rank-{rank}", daemon=True,
                 args=(rank, self.world_size, self.backend, self.device, self.one_gpu,
-                      os.path.join(self._tmp, "rendezvous"), dict(env or {}), child_end, test_shims, os.getpid()),
+                      os.path.join(self._tmp, "rendezvous"), dict(env or {}), child_end, test_shims, os.getpid(),
+                      self.fla_on_gloo),
             )
             self._procs.append(proc)
             self._conns.append(parent_end)

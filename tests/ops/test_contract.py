@@ -53,7 +53,8 @@ def test_fla_package_exports_what_it_lists():
     fla = get_backend("fla")
     missing = [n for n in fla.__all__ if not hasattr(fla, n)]
     assert not missing and len(fla.__all__) == len(set(fla.__all__))
-    submodules = set(fla.detect.__all__) | set(fla.kernels.__all__) | set(fla.native_cp.__all__)
+    submodules = (set(fla.detect.__all__) | set(fla.kernels.__all__) | set(fla.native_cp.__all__)
+                  | set(fla.norm.__all__))
     assert set(fla.__all__) == submodules
 
 

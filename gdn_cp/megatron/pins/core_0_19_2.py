@@ -198,6 +198,23 @@ class LayerAdapter:
         """``o, z [T, Hv, Dv]`` -> ``out_norm(o) * act(z)`` as ``[T*Hv, Dv]``."""
         return self.layer._apply_gated_norm(core_out, gate)
 
+    def plain_rms_gated_norm(self):
+        """``(weight [Dv], eps, None)`` when ``_apply_gated_norm`` is exactly ``x / rms(x) * weight *
+        silu(z)``: out_norm is torch's RMSNorm (or a subclass keeping its forward) with a weight, and
+        the activation is SiLU; else ``(None, None, reason)``. A fused kernel may then replace it."""
+        import torch
+        import torch.nn.functional as F
+
+        norm, act = self.layer.out_norm, self.layer.act_fn
+        if not isinstance(norm, torch.nn.RMSNorm) or type(norm).forward is not torch.nn.RMSNorm.forward:
+            return None, None, f"out_norm is {type(norm).__module__}.{type(norm).__qualname__}, not torch's RMSNorm"
+        if norm.weight is None or len(norm.normalized_shape) != 1:
+            return None, None, "out_norm has no weight or normalizes over more than the last dim"
+        if act is not F.silu and getattr(act, "__name__", None) not in ("silu", "swish"):
+            return None, None, f"the gate activation is {getattr(act, '__name__', act)!r}, not silu"
+        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+        return norm.weight, float(eps), None
+
     def out_proj(self, x):
         """``[S', B, Hv*Dv]`` -> ``(out [S, B, H], bias)``."""
         return self.layer.out_proj(x)

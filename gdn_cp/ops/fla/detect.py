@@ -1,12 +1,15 @@
 """What the installed flash-linear-attention (FLA) offers: feature detection, not a version pin.
 
 :func:`features` probes once per process (later calls return the same answer): whether the
-GDN kernels and the causal conv import (they need CUDA and a Triton that FLA accepts), and
+GDN kernels and the causal conv import (they need CUDA and a Triton that FLA accepts), what the
+kernels take (grouped value heads, the gates in the kernel, the fused gated RMSNorm), and
 whether FLA's context-parallel path is usable: ``fla.ops.cp.build_cp_context`` with a conv
-kernel-size argument, and kernels that take ``cp_context``. :func:`detect_fla_cp` is the one
-answer to "is FLA's chunkwise CP path usable here?" for ``auto``, ``doctor`` and the
-chunkwise mode alike. Nothing here raises, and FLA is imported only when asked (importing
-it touches CUDA), so importing this module is safe on a CPU-only machine.
+kernel-size argument, and kernels that take ``cp_context`` (plus ``layout="zigzag"`` in FLA >=
+0.6). :func:`detect_fla_cp` is the one answer to "is FLA's chunkwise CP path usable here?" for
+``auto``, ``doctor`` and the chunkwise mode alike; :func:`stack_report` says, for logs,
+``doctor`` and ``selftest``, which stack this is and what gdn-cp uses of it. Nothing here
+raises, and FLA is imported only when asked (importing it touches CUDA), so importing this
+module is safe on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -28,8 +32,12 @@ __all__ = [
     "fla_version",
     "has_cp_context",
     "has_zigzag_layout",
+    "log_stack_once",
     "probe",
+    "stack_report",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,11 @@ class FLAFeatures:
     takes_cu_seqlens_cpu: bool = False  # build_cp_context takes the boundaries on the host too
     zigzag_layout: bool = False  # build_cp_context takes layout= (FLA >= 0.6)
     clamps_halo: bool = False  # FLACPContext clamps a halo longer than the rows (pre_num_conv_tokens)
+    # What the kernels take (known whenever they import, with or without a usable cp context):
+    grouped_value_heads: bool = False  # chunk_gated_delta_rule takes q/k at the key heads (GVA, FLA >= 0.5)
+    gate_in_kernel: bool = False  # use_gate_in_kernel with A_log / dt_bias (FLA >= 0.5)
+    beta_sigmoid_in_kernel: bool = False  # use_beta_sigmoid_in_kernel (FLA >= 0.5)
+    fused_gated_norm: bool = False  # fla.modules.fused_norm_gate.rms_norm_gated: RMSNorm(x) * silu(z) in one kernel
 
 
 def _params(fn) -> frozenset:
@@ -49,6 +62,33 @@ def _params(fn) -> frozenset:
         return frozenset(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return frozenset()
+
+
+def _module_source(fn) -> str:
+    """The source of the module that defines ``fn`` ('' when there is none: a fake, a C function)."""
+    try:
+        return inspect.getsource(inspect.getmodule(fn))
+    except (TypeError, OSError):
+        return ""
+
+
+def _kernel_features(gdr, import_module: Callable) -> dict:
+    """What FLA's chunk_gated_delta_rule takes beyond FLA 0.4's arguments, and the fused gated norm.
+
+    Grouped value heads and the in-kernel gate are not in the signature (FLA checks ``HV % H`` and
+    reads ``use_gate_in_kernel`` from ``**kwargs``), so the defining module's source is read."""
+    source = _module_source(gdr)
+    try:
+        import_module("fla.modules.fused_norm_gate").rms_norm_gated
+        fused_norm = True
+    except Exception:  # noqa: BLE001 - detection must never raise
+        fused_norm = False
+    return {
+        "grouped_value_heads": "HV % H" in source,
+        "gate_in_kernel": "use_gate_in_kernel" in source and "dt_bias" in source,
+        "beta_sigmoid_in_kernel": "use_beta_sigmoid_in_kernel" in _params(gdr),
+        "fused_gated_norm": fused_norm,
+    }
 
 
 def probe(
@@ -66,16 +106,18 @@ def probe(
     except Exception as exc:  # noqa: BLE001 - detection must never raise
         error = f"importing fla failed: {type(exc).__name__}: {exc}"
         return FLAFeatures(error, error)
+    found = _kernel_features(kernels[0], import_module)
     try:
         build = import_module("fla.ops.cp").build_cp_context
     except Exception as exc:  # noqa: BLE001
-        return FLAFeatures(None, f"fla.ops.cp.build_cp_context is not importable ({type(exc).__name__}: {exc})")
+        return FLAFeatures(None, f"fla.ops.cp.build_cp_context is not importable ({type(exc).__name__}: {exc})",
+                           **found)
     if not all("cp_context" in _params(fn) for fn in kernels):
-        return FLAFeatures(None, "FLA's chunk_gated_delta_rule / causal_conv1d take no cp_context argument")
+        return FLAFeatures(None, "FLA's chunk_gated_delta_rule / causal_conv1d take no cp_context argument", **found)
     params = _params(build)
     size_arg = next((a for a in ("conv1d_kernel_size", "kernel_size") if a in params), None)
     if size_arg is None:  # named conv1d_kernel_size in 0.4.x, kernel_size in some later trees
-        return FLAFeatures(None, "fla.ops.cp.build_cp_context takes no conv kernel size argument")
+        return FLAFeatures(None, "fla.ops.cp.build_cp_context takes no conv kernel size argument", **found)
     try:
         context_fields = getattr(import_module("fla.ops.cp.context").FLACPContext, "__dataclass_fields__", {})
     except Exception:  # noqa: BLE001
@@ -87,6 +129,7 @@ def probe(
         takes_cu_seqlens_cpu="cu_seqlens_cpu" in params,
         zigzag_layout="layout" in params,
         clamps_halo="pre_num_conv_tokens" in context_fields,
+        **found,
     )
 
 
@@ -128,8 +171,8 @@ def has_cp_context() -> bool:
 
 
 def has_zigzag_layout() -> bool:
-    """True when ``build_cp_context`` also takes ``layout=`` (FLA >= 0.6: a zigzag cp context;
-    reported only: gdn-cp routes rows to the contiguous layout instead)."""
+    """True when ``build_cp_context`` also takes ``layout=`` (FLA >= 0.6: a zigzag cp context, which
+    chunkwise uses on rows that are one zigzag-cut stream, with no layout all-to-all)."""
     return has_cp_context() and features().zigzag_layout
 
 
@@ -150,3 +193,48 @@ def detect_fla_cp(device_type: Optional[str] = None) -> tuple[bool, str]:
     if problem is not None:
         return False, problem
     return True, "CUDA device, fla.ops.cp.build_cp_context importable and kernels taking cp_context"
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def stack_report() -> dict:
+    """The FLA stack of this process and what gdn-cp uses of it, for logs, ``doctor`` and ``selftest``.
+
+    ``{"stack": "fla 0.6.0 + triton 3.7.1", "fla": ..., "triton": ..., "choices": {name: text}}``;
+    imports FLA (through :func:`features`) unless it is not installed."""
+    found = features()
+    fla, triton = fla_version(), _dist_version("triton")
+    report = {"stack": f"fla {fla} + triton {triton}", "fla": fla, "triton": triton, "choices": {}}
+    if found.import_error is not None:
+        report["choices"]["kernels"] = f"not usable: {found.import_error}"
+        return report
+    c = report["choices"]
+    c["grouped value heads"] = ("q/k at the key heads (FLA's GVA)" if found.grouped_value_heads else
+                                "q/k repeated to the value heads (repeat_interleave; this FLA has no GVA)")
+    c["gates"] = "computed by gdn-cp before the kernel (fp32 g, sigmoid beta)"
+    c["gated norm"] = ("FLA's fused RMSNorm * silu(z) (rms_norm_gated) where out_norm is a plain RMSNorm"
+                       if found.fused_gated_norm else "the layer's own out_norm, then * act(z) (no fused kernel)")
+    if found.cp_context_error is not None:
+        c["cp context"] = f"not usable: {found.cp_context_error}"
+    else:
+        c["cp context"] = ("contiguous; zigzag (no layout all-to-all) on rows that are one zigzag-cut stream"
+                           if found.zigzag_layout else "contiguous only (zigzag rows are routed to it)")
+    return report
+
+
+_LOGGED_STACK: list = []
+
+
+def log_stack_once() -> None:
+    """Log :func:`stack_report` once per process (the first time a kernel is resolved)."""
+    if _LOGGED_STACK:
+        return
+    _LOGGED_STACK.append(True)
+    report = stack_report()
+    logger.info("FLA stack: %s; %s", report["stack"],
+                "; ".join(f"{name}: {text}" for name, text in report["choices"].items()))

@@ -17,7 +17,7 @@ import torch
 
 from ...layout.boundaries import Boundaries, host_boundaries
 from ..shape import value_heads_per_key_head
-from .detect import fla_import_error, has_cp_context
+from .detect import features, fla_import_error, has_cp_context, log_stack_once
 
 __all__ = [
     "FLA_MAX_HEAD_K_DIM",
@@ -26,6 +26,7 @@ __all__ = [
     "check_head_dims",
     "chunk_gated_delta_rule",
     "fla_api",
+    "kv_heads_for_kernel",
 ]
 
 # chunk_gated_delta_rule_fwd_h asserts K <= 256 (FLA 0.4.2 .. 0.6); tl.dot needs every block dim >= 16.
@@ -42,6 +43,7 @@ def fla_api() -> dict[str, Any]:
             f"FLA backend unavailable: {err}. Fix: install flash-linear-attention (>= 0.4.2) with a "
             "Triton it supports on a CUDA machine, or use gdn_cp.ops.reference."
         )
+    log_stack_once()
     return {
         "chunk_gated_delta_rule": importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule,
         "causal_conv1d": importlib.import_module("fla.modules.convolution").causal_conv1d,
@@ -78,6 +80,14 @@ def expand_kv_groups(x: torch.Tensor, ratio: int) -> torch.Tensor:
     kernels take one head count for q/k/v, so grouped heads are expanded here (autograd sums
     the copies)."""
     return x if ratio == 1 else x.repeat_interleave(ratio, dim=1)
+
+
+def kv_heads_for_kernel(x: torch.Tensor, ratio: int) -> torch.Tensor:
+    """q or k ``[T, Hk, D]`` as this FLA's chunk_gated_delta_rule takes it: unchanged where it
+    takes grouped value heads (FLA >= 0.5: value head h reads key head h // ratio inside the
+    kernel, the same rule), else repeated to ``[T, Hv, D]`` (:func:`expand_kv_groups`). Which
+    one is logged once with the stack (:func:`gdn_cp.ops.fla.detect.log_stack_once`)."""
+    return x if features().grouped_value_heads else expand_kv_groups(x, ratio)
 
 
 def _boundaries(cu_seqlens: Sequence[int] | None, total: int) -> Boundaries:
@@ -201,8 +211,8 @@ def chunk_gated_delta_rule(
         h0 = h0.contiguous()
 
     o, fs = fla_api()["chunk_gated_delta_rule"](
-        q=expand_kv_groups(q, ratio).unsqueeze(0),
-        k=expand_kv_groups(k, ratio).unsqueeze(0),
+        q=kv_heads_for_kernel(q, ratio).unsqueeze(0),
+        k=kv_heads_for_kernel(k, ratio).unsqueeze(0),
         v=v.unsqueeze(0),
         g=g.float().unsqueeze(0),
         beta=beta.unsqueeze(0),

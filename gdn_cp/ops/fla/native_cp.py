@@ -1,15 +1,32 @@
-"""FLA's native context parallelism: the chunkwise core on a contiguous slice, with FLA's cp context.
+"""FLA's native context parallelism: the chunkwise core with FLA's cp context.
 
-Rank r holds global packed rows ``[r*T/cp, (r+1)*T/cp)`` (sequences may straddle ranks); FLA's
-kernels exchange the conv halo and the carried state themselves, through the cp context that
-``fla.ops.cp.build_cp_context`` makes from the global boundaries. The context is built from
+Two cuts of the global packed stream (``cu_seqlens_global``: the documents' boundaries):
+
+- contiguous (:func:`cp_context_core`): rank r holds global rows ``[r*T/cp, (r+1)*T/cp)``
+  (sequences may straddle ranks);
+- zigzag (:func:`zigzag_context_core`, FLA >= 0.6's ``build_cp_context(..., layout="zigzag")``):
+  the whole stream is cut into 2*cp equal parts and rank r holds part r then part 2*cp-1-r, as
+  if it were one sequence, while the state and the conv still restart at every document
+  boundary. That is Megatron's SBHD cut at batch 1 and its whole-row THD cut, so chunkwise needs
+  no layout all-to-all there.
+
+FLA's kernels exchange the conv halo and the carried state themselves, through the cp context
+that ``fla.ops.cp.build_cp_context`` makes from the global boundaries. The context is built from
 host values (no device sync), once per plan: it is kept in the plan's ``backend_cache``, keyed
-by the boundaries object (immutable), the conv kernel size, the group and the device.
+by the boundaries object (immutable), the layout, the conv kernel size, the group and the device.
+
+FLA's context collectives are ``all_gather_into_tensor`` into a ``[world, n, ...]`` output and
+``all_reduce``. NCCL takes that output; gloo wants it flat ``[world*n, ...]``. So the native
+core runs on NCCL groups, and on groups of another backend only after
+:func:`allow_fla_collectives` said that this process adapts FLA's collectives for it (the test
+harness does for gloo ranks sharing one GPU: :mod:`gdn_cp.testing.ranks`); the permission is
+logged when given and every group it admits is logged once.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -18,24 +35,78 @@ import torch
 from ...comm import group_backend, group_size
 from ...layout.boundaries import Boundaries, check_cp, host_boundaries
 from ..shape import GDNShape
-from .detect import features, fla_version, has_cp_context
-from .kernels import causal_conv1d, check_head_dims, chunk_gated_delta_rule, expand_kv_groups, fla_api, require_cuda
+from .detect import features, fla_version, has_cp_context, has_zigzag_layout
+from .kernels import causal_conv1d, check_head_dims, chunk_gated_delta_rule, fla_api, kv_heads_for_kernel, require_cuda
 
-__all__ = ["check_chunkwise_layout", "cp_context_core", "native_cp_core"]
+__all__ = [
+    "FLA_COLLECTIVE_BACKENDS",
+    "allow_fla_collectives",
+    "check_chunkwise_layout",
+    "check_zigzag_stream",
+    "cp_context_core",
+    "fla_collective_backends",
+    "native_cp_core",
+    "native_zigzag_cp_core",
+    "zigzag_context_core",
+]
+
+logger = logging.getLogger(__name__)
 
 _CACHE_KEY = "fla_cp_context"
+_ZIGZAG_CACHE_KEY = "fla_cp_context_zigzag"
+
+FLA_COLLECTIVE_BACKENDS = ("nccl",)
+"""torch.distributed backends that take FLA's collectives as FLA calls them."""
+_ALLOWED: dict[str, str] = {}  # backend -> who adapted FLA's collectives for it in this process
+_ADMITTED: set = set()  # backends already logged as running FLA's cp context
+
+
+def allow_fla_collectives(backend: str, by: str) -> None:
+    """Let the native core run on groups of ``backend`` in this process: the caller (``by``, said
+    in the log) has adapted FLA's collectives for it. Without this only NCCL groups are taken.
+
+    Meant for harnesses (the test rank pool installs a shim that views FLA's ``[world, n, ...]``
+    ``all_gather_into_tensor`` output flat for gloo); a library user on NCCL never needs it."""
+    if not isinstance(backend, str) or not backend:
+        raise ValueError(f"backend must be a torch.distributed backend name such as 'gloo', got {backend!r}")
+    if not isinstance(by, str) or not by:
+        raise ValueError(f"by must say who adapted FLA's collectives for {backend!r}, got {by!r}")
+    if _ALLOWED.get(backend) != by:
+        _ALLOWED[backend] = by
+        logger.info("FLA's cp context may run on %s groups in this process: collectives adapted by %s", backend, by)
+
+
+def fla_collective_backends() -> dict[str, str]:
+    """Backends whose groups the native core takes here, with the reason for each."""
+    return {**{b: "takes FLA's collectives as FLA calls them" for b in FLA_COLLECTIVE_BACKENDS}, **_ALLOWED}
+
+
+def _runs_on(group) -> bool:
+    if group is None or not has_cp_context():
+        return False
+    backend = group_backend(group)
+    if backend not in FLA_COLLECTIVE_BACKENDS and backend not in _ALLOWED:
+        return False
+    if backend not in _ADMITTED:
+        _ADMITTED.add(backend)
+        logger.info("FLA's cp context runs on a %s group (%s)", backend, fla_collective_backends()[backend])
+    return True
 
 
 def native_cp_core(group):
     """:func:`cp_context_core` when FLA's cp context can run on ``group``, else None.
 
-    FLA's context exchanges halos and states with ``all_gather_into_tensor`` into a
-    ``[world, n, ...]`` output, which NCCL takes and gloo rejects; on a gloo group (several
-    ranks on one GPU) the chunkwise mode exchanges them itself and runs FLA's kernels per rank.
+    It can on NCCL groups, and on groups of a backend that :func:`allow_fla_collectives`
+    admitted in this process; elsewhere (plain gloo) the chunkwise mode exchanges halos and
+    states itself and runs FLA's kernels per rank.
     """
-    if group is None or not has_cp_context() or group_backend(group) != "nccl":
-        return None
-    return cp_context_core
+    return cp_context_core if _runs_on(group) else None
+
+
+def native_zigzag_cp_core(group):
+    """:func:`zigzag_context_core` when :func:`native_cp_core` runs on ``group`` and this FLA's
+    ``build_cp_context`` takes ``layout="zigzag"`` (FLA >= 0.6), else None."""
+    return zigzag_context_core if has_zigzag_layout() and _runs_on(group) else None
 
 
 def check_chunkwise_layout(
@@ -103,9 +174,12 @@ class _CPContextEntry:
     ctx: Any
 
 
-def _cp_context(cache: dict | None, cu: Boundaries, group, conv_kernel_size: int, device: torch.device):
-    """FLA's cp context for these boundaries, group and kernel size, from ``cache`` when it holds it."""
-    entry = None if cache is None else cache.get(_CACHE_KEY)
+def _cp_context(cache: dict | None, cu: Boundaries, group, conv_kernel_size: int, device: torch.device,
+                layout: str = "contiguous"):
+    """FLA's cp context for these boundaries, group, kernel size and layout, from ``cache`` when it
+    holds it."""
+    key = _CACHE_KEY if layout == "contiguous" else _ZIGZAG_CACHE_KEY
+    entry = None if cache is None else cache.get(key)
     if (entry is not None and entry.boundaries is cu and entry.group is group
             and entry.conv_kernel_size == conv_kernel_size and entry.device == device):
         return entry.ctx
@@ -114,10 +188,73 @@ def _cp_context(cache: dict | None, cu: Boundaries, group, conv_kernel_size: int
     kwargs: dict[str, Any] = {found.kernel_size_arg: conv_kernel_size}
     if found.takes_cu_seqlens_cpu:
         kwargs["cu_seqlens_cpu"] = cu_ne.cpu().clone()  # FLA keys caches on identity: one per build
+    if layout != "contiguous":
+        kwargs["layout"] = layout
     ctx = fla_api()["build_cp_context"](cu_ne.on(device), group, **kwargs)
     if cache is not None:
-        cache[_CACHE_KEY] = _CPContextEntry(cu, conv_kernel_size, group, device, ctx)
+        cache[key] = _CPContextEntry(cu, conv_kernel_size, group, device, ctx)
     return ctx
+
+
+def _check_core_inputs(qkv, g, beta, conv_weight, shape: GDNShape) -> int:
+    """The tensor checks both cores share (before any collective); returns the conv width W."""
+    for name, t in (("qkv", qkv), ("g", g), ("beta", beta), ("conv_weight", conv_weight)):
+        require_cuda(name, t)
+    if qkv.dim() != 2:
+        raise ValueError(f"qkv must be [T_c, C] (THD, batch folded into tokens, B == 1); got {tuple(qkv.shape)}")
+    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    check_head_dims(dk, dv)
+    t_c, c = qkv.shape
+    if c != shape.conv_dim:
+        raise ValueError(
+            f"qkv has {c} channels but [q|k|v] needs 2*{hk}*{dk} + {hv}*{dv} = {shape.conv_dim}. "
+            "Fix: pass the GDNShape of this (TP-local) layer."
+        )
+    if conv_weight.dim() != 2 or conv_weight.shape[0] != c:
+        raise ValueError(f"conv_weight must be [C={c}, W]; got {tuple(conv_weight.shape)}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (t_c, hv):
+            raise ValueError(f"{name} must be [T_c={t_c}, Hv={hv}]; got {tuple(t.shape)}")
+    return conv_weight.shape[1]
+
+
+def _run_with_context(ctx, qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, scale) -> torch.Tensor:
+    """FLA's conv (SiLU) and gated delta rule on this rank's rows with cp context ``ctx``."""
+    t_c = qkv.shape[0]
+    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    api = fla_api()
+    x, _ = api["causal_conv1d"](
+        x=qkv.unsqueeze(0), weight=conv_weight, bias=conv_bias, activation="silu", cp_context=ctx)
+    x = x.squeeze(0)
+    q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
+    ratio = hv // hk
+    q = kv_heads_for_kernel(q.reshape(t_c, hk, dk), ratio)
+    k = kv_heads_for_kernel(k.reshape(t_c, hk, dk), ratio)
+    o, _ = api["chunk_gated_delta_rule"](
+        q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.reshape(t_c, hv, dv).unsqueeze(0),
+        g=g.float().unsqueeze(0), beta=beta.unsqueeze(0), scale=scale,
+        use_qk_l2norm_in_kernel=shape.qk_l2norm, cp_context=ctx)
+    return o.squeeze(0)
+
+
+def _local_core(qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, cu: Boundaries, scale) -> torch.Tensor:
+    """CP=1: the backend's own kernels on all rows."""
+    t_c = qkv.shape[0]
+    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
+    x = causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, activation="silu")
+    q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
+    o, _ = chunk_gated_delta_rule(
+        q.reshape(t_c, hk, dk), k.reshape(t_c, hk, dk), v.reshape(t_c, hv, dv), g, beta,
+        cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm)
+    return o
+
+
+def _require_cp_context() -> None:
+    if not has_cp_context():
+        raise RuntimeError(
+            f"FLA {fla_version()}: {features().cp_context_error}. Fix: install flash-linear-attention "
+            ">= 0.4.2, or use the headwise / all_gather modes."
+        )
 
 
 def cp_context_core(
@@ -140,53 +277,81 @@ def cp_context_core(
     Boundaries object on every call, e.g. a plan's, to reuse the cp context kept in ``cache``).
     Everything is checked before the first collective. Returns o [T_c, Hv, Dv].
     """
-    for name, t in (("qkv", qkv), ("g", g), ("beta", beta), ("conv_weight", conv_weight)):
-        require_cuda(name, t)
-    if qkv.dim() != 2:
-        raise ValueError(f"qkv must be [T_c, C] (THD, batch folded into tokens, B == 1); got {tuple(qkv.shape)}")
-    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
-    check_head_dims(dk, dv)
-    t_c, c = qkv.shape
-    if c != shape.conv_dim:
-        raise ValueError(
-            f"qkv has {c} channels but [q|k|v] needs 2*{hk}*{dk} + {hv}*{dv} = {shape.conv_dim}. "
-            "Fix: pass the GDNShape of this (TP-local) layer."
-        )
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != c:
-        raise ValueError(f"conv_weight must be [C={c}, W]; got {tuple(conv_weight.shape)}")
-    w = conv_weight.shape[1]
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (t_c, hv):
-            raise ValueError(f"{name} must be [T_c={t_c}, Hv={hv}]; got {tuple(t.shape)}")
-
+    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
     cp_size = 1 if group is None else group_size(group)
     cu = check_chunkwise_layout(
-        cu_seqlens_global, cp_size, w, local_rows=t_c, allow_short_tails=cp_size == 1 or features().clamps_halo
+        cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0],
+        allow_short_tails=cp_size == 1 or features().clamps_halo,
     )
     if cp_size == 1:
-        x = causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, activation="silu")
-        q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
-        o, _ = chunk_gated_delta_rule(
-            q.reshape(t_c, hk, dk), k.reshape(t_c, hk, dk), v.reshape(t_c, hv, dv), g, beta,
-            cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm)
-        return o
-
-    if not has_cp_context():
-        raise RuntimeError(
-            f"FLA {fla_version()}: {features().cp_context_error}. Fix: install flash-linear-attention "
-            ">= 0.4.2, or use the headwise / all_gather modes."
-        )
+        return _local_core(qkv, g, beta, conv_weight, conv_bias, shape, cu, scale)
+    _require_cp_context()
     ctx = _cp_context(cache, cu, group, w, qkv.device)
-    api = fla_api()
-    x, _ = api["causal_conv1d"](
-        x=qkv.unsqueeze(0), weight=conv_weight, bias=conv_bias, activation="silu", cp_context=ctx)
-    x = x.squeeze(0)
-    q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
-    ratio = hv // hk
-    q = expand_kv_groups(q.reshape(t_c, hk, dk), ratio)
-    k = expand_kv_groups(k.reshape(t_c, hk, dk), ratio)
-    o, _ = api["chunk_gated_delta_rule"](
-        q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.reshape(t_c, hv, dv).unsqueeze(0),
-        g=g.float().unsqueeze(0), beta=beta.unsqueeze(0), scale=scale,
-        use_qk_l2norm_in_kernel=shape.qk_l2norm, cp_context=ctx)
-    return o.squeeze(0)
+    return _run_with_context(ctx, qkv, g, beta, conv_weight, conv_bias, shape, scale)
+
+
+def check_zigzag_stream(cu_seqlens_global: Sequence[int], cp_size: int, conv_kernel_size: int, *,
+                        local_rows: int | None = None) -> Boundaries:
+    """Check global boundaries for FLA's zigzag cut of the whole stream (host ints, no comm).
+
+    Checks: the Boundaries rules; T_global % (2*cp) == 0 (FLA refuses it otherwise, after
+    nothing moved, but with a message about its own arguments); ``local_rows`` == T_global / cp;
+    each of the 2*cp parts holds >= W-1 rows (FLA's zigzag conv takes its halo from the part
+    before). Returns the boundaries as Boundaries.
+    """
+    cu = host_boundaries(cu_seqlens_global, name="cu_seqlens_global")
+    check_cp(cp_size)
+    total, parts = cu.total, 2 * cp_size
+    if total % parts:
+        raise ValueError(
+            f"cu_seqlens_global: T_global={total} is not divisible by 2*cp={parts}: the zigzag cut takes "
+            f"2*cp equal parts. Fix: pad the packed row to a multiple of {parts} rows."
+        )
+    if local_rows is not None and local_rows != total // cp_size:
+        raise ValueError(
+            f"this rank holds {local_rows} rows but cu_seqlens_global ends at {total}, i.e. "
+            f"{total // cp_size} rows per rank at cp={cp_size}. Fix: pass this rank's zigzag rows "
+            "(parts r and 2*cp-1-r of the whole stream) and the global (padded) boundaries."
+        )
+    if cp_size > 1 and total // parts < conv_kernel_size - 1:
+        raise ValueError(
+            f"each zigzag part holds {total // parts} rows (T_global={total} / 2*cp={parts}) but the conv halo "
+            f"needs W-1={conv_kernel_size - 1} rows from the part before. Fix: use more tokens per rank or a smaller cp."
+        )
+    return cu
+
+
+def zigzag_context_core(
+    qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    *,
+    shape: GDNShape,
+    cu_seqlens_global: Sequence[int],
+    group,
+    cache: dict | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Conv (SiLU) + gated delta rule on this rank's zigzag rows of the whole stream, with FLA's
+    zigzag cp context (FLA >= 0.6): no layout all-to-all.
+
+    Rows: part r then part 2*cp-1-r of the global packed stream cut into 2*cp equal parts
+    (``[T_local, ...]``, T_local = T_global/cp), the documents' boundaries ``cu_seqlens_global``
+    (the state and the conv restart there). Tensors as in :func:`cp_context_core`. Everything is
+    checked before the first collective. Returns o [T_local, Hv, Dv] in the same rows.
+    """
+    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
+    cp_size = 1 if group is None else group_size(group)
+    cu = check_zigzag_stream(cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0])
+    if cp_size == 1:
+        return _local_core(qkv, g, beta, conv_weight, conv_bias, shape, cu, scale)
+    _require_cp_context()
+    if not has_zigzag_layout():
+        raise RuntimeError(
+            f"FLA {fla_version()}: build_cp_context takes no layout= (FLA >= 0.6 does). Fix: upgrade FLA, "
+            "or let chunkwise route the rows to the contiguous layout (cp_context_core)."
+        )
+    ctx = _cp_context(cache, cu, group, w, qkv.device, layout="zigzag")
+    return _run_with_context(ctx, qkv, g, beta, conv_weight, conv_bias, shape, scale)
