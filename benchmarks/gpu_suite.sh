@@ -11,7 +11,7 @@
 #          `bash ../shared/tools/slim-triton/make.sh .slim`, ~46 MiB), unpacked to /tmp/site37 and put
 #          first on PYTHONPATH; from .whl/ only megatron-core (FLA wheels there are not installed).
 #
-# 1. installs the stack (above) into /tmp/site (+ /tmp/site37) and applies the gdn-cp patch to that
+# 1. installs the stack (above) into /tmp/site-$GDN_CP_STACK (+ /tmp/site37) and applies the gdn-cp patch to that
 #    megatron-core;
 # 2. restores the Triton cache of the stack (compiled kernels + FLA autotune results,
 #    FLA_CACHE_RESULTS=1) from .triton_cache/$GDN_CP_STACK/cache.tar.gz.part* (or, for fla042, the
@@ -26,6 +26,8 @@
 #    the whole cache would not fit), to be carried back as .triton_cache/$GDN_CP_STACK/ next time.
 #
 # Env: OUT (default /tmp/gdn_cp_gpu_out), GDN_CP_STACK (fla042 | fla060), GDN_CP_SLIM,
+#      GDN_CP_SAVE_CACHE=0 (no cache tarball), GDN_CP_TESTS_FAST_AUTOTUNE=1 (the knob below, for the
+#      tests stage only),
 #      GDN_CP_SUITE_TIMEOUT (pytest seconds, default 420),
 #      GDN_CP_LAYER_FULL_TIMEOUT (layer_full.py --time-limit, default 480: with its 45 s grace,
 #      startup and the cache tarball it fits one 600 s device call),
@@ -43,6 +45,7 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 
 STACK=${GDN_CP_STACK:-fla042}
+SITE=/tmp/site-$STACK  # one per stack: two suites of different stacks may run side by side
 SITE_PATH=
 case $STACK in
   fla042)
@@ -50,7 +53,8 @@ case $STACK in
   fla060)
     SLIM=${GDN_CP_SLIM:-.slim}
     [ -f "$SLIM/unpack.py" ] || { echo "GDN_CP_STACK=fla060 needs the slim-triton pack in $SLIM (make.sh)"; exit 1; }
-    python3 "$SLIM/unpack.py" /tmp/site37 >/dev/null || { echo "slim-triton unpack failed"; exit 1; }
+    [ -d /tmp/site37/triton ] || python3 "$SLIM/unpack.py" /tmp/site37 >/dev/null \
+      || { echo "slim-triton unpack failed"; exit 1; }
     SITE_PATH=/tmp/site37:
     WHEELS=$(ls .whl/*.whl 2>/dev/null | grep -v -e '/fla_core-' -e '/flash_linear_attention-') ;;
   *) echo "GDN_CP_STACK=$STACK: use fla042 or fla060"; exit 1 ;;
@@ -58,18 +62,18 @@ esac
 if [ -n "$WHEELS" ]; then
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site $WHEELS || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=$SITE_PATH/tmp/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}
+    --target "$SITE" $WHEELS || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=$SITE_PATH$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
   # Patched once, before any stage: side-by-side stages then never patch or revert it under another.
-  if [ -d /tmp/site/megatron ]; then
-    python3 -m gdn_cp.cli patch apply /tmp/site || { echo "patch apply failed"; exit 1; }
+  if [ -d "$SITE/megatron" ]; then
+    python3 -m gdn_cp.cli patch apply "$SITE" || { echo "patch apply failed"; exit 1; }
   fi
 else
   export PYTHONPATH=$SITE_PATH$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
 export GDN_CP_STACK=$STACK
 
-export TRITON_CACHE_DIR=$ROOT/.triton_cache/live
+export TRITON_CACHE_DIR=$ROOT/.triton_cache/live-$STACK
 export FLA_CACHE_RESULTS=1 PYTHONUNBUFFERED=1
 export GDN_CP_GPU_RESULTS=$OUT/gpu_results.jsonl
 mkdir -p "$TRITON_CACHE_DIR"
@@ -109,6 +113,9 @@ run_stage() {
   case $stage in
     tests)
       local ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-q)
+      # GDN_CP_TESTS_FAST_AUTOTUNE: the first-config knob for this stage only (benchmark stages beside it
+      # must autotune for real)
+      GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
       timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/megatron \
         -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}" ;;
     args)
@@ -143,31 +150,35 @@ for group in ${GDN_CP_STAGES:-tests}; do
   fi
   PIDS=()
   for stage in ${group//+/ }; do
-    run_stage "$stage" "$@" > "/tmp/gdn_cp_stage_$stage.log" 2>&1 &
+    run_stage "$stage" "$@" > "/tmp/gdn_cp_stage_${STACK}_$stage.log" 2>&1 &
     PIDS+=($!)
   done
   for pid in "${PIDS[@]}"; do
     wait "$pid" || RC=$?
   done
   for stage in ${group//+/ }; do
-    echo "== side-by-side stage $stage:"; cat "/tmp/gdn_cp_stage_$stage.log"
+    echo "== side-by-side stage $stage:"; cat "/tmp/gdn_cp_stage_${STACK}_$stage.log"
   done
 done
 
 # save the Triton cache (split for the 16 MiB-per-file limit on what comes back). Only what a cache
 # hit reads goes in: the kernel binaries (*.cubin), their metadata and group files (*.json) and the
 # launcher modules (*.so); the intermediate IR (ttir, ttgir, llir, ptx, source) is 3/4 of the bytes.
-rm -f "$OUT"/cache.tar.gz.part*
-MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
-(cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 \
-  | tar -czf /tmp/triton_cache.tar.gz --null -T -)
-SIZE=$(stat -c %s /tmp/triton_cache.tar.gz)
-if [ "$SIZE" -gt "$MAX" ]; then
-  echo "triton cache is $((SIZE / 1048576)) MiB compressed: keeping autotune results only"
-  (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf /tmp/triton_cache.tar.gz --null -T -)
-  SIZE=$(stat -c %s /tmp/triton_cache.tar.gz)
+# GDN_CP_SAVE_CACHE=0: none (a second suite beside this one saves its own).
+if [ "${GDN_CP_SAVE_CACHE:-1}" != 0 ]; then
+  TAR=/tmp/triton_cache_$STACK.tar.gz
+  rm -f "$OUT"/cache.tar.gz.part*
+  MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
+  (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 \
+    | tar -czf "$TAR" --null -T -)
+  SIZE=$(stat -c %s "$TAR")
+  if [ "$SIZE" -gt "$MAX" ]; then
+    echo "triton cache is $((SIZE / 1048576)) MiB compressed: keeping autotune results only"
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$TAR" --null -T -)
+    SIZE=$(stat -c %s "$TAR")
+  fi
+  split -b 15m -d "$TAR" "$OUT/cache.tar.gz.part"
+  echo "triton cache saved: $((SIZE / 1024)) KiB in $(ls "$OUT"/cache.tar.gz.part* | wc -l) part(s); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
 fi
-split -b 15m -d /tmp/triton_cache.tar.gz "$OUT/cache.tar.gz.part"
-echo "triton cache saved: $((SIZE / 1024)) KiB in $(ls "$OUT"/cache.tar.gz.part* | wc -l) part(s); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
 echo "suite total $(( $(date +%s) - T0 ))s"
 exit "$RC"

@@ -44,7 +44,10 @@ def variants(cp: int, dims: dict) -> list[dict]:
             continue
         channels = 2 * hk * dims["head_k_dim"] + hv * dims["head_v_dim"]
         out.append({"op": "gdn", "hk": hk, "hv": hv, "share": share})
+        if hk != hv:  # stock megatron-core repeats q/k to the value heads (and FLA < 0.5 needs it)
+            out.append({"op": "gdn", "hk": hv, "hv": hv, "share": share})
         out.append({"op": "conv", "channels": channels, "share": share})
+        out.append({"op": "norm", "hv": hv, "share": share})  # the fused gated RMSNorm
     return out
 
 
@@ -62,7 +65,18 @@ def _run_variant(spec: dict) -> None:
     t = spec["tokens"]
     gen = torch.Generator(device=dev).manual_seed(0)
     cu = Boundaries([0, t // 2, t])
-    if spec["op"] == "conv":
+    if spec["op"] == "norm":
+        from gdn_cp.ops.fla import fused_gated_rms_norm
+
+        fn = fused_gated_rms_norm()
+        if fn is None:
+            return
+        n, d = t * spec["hv"], spec["head_v_dim"]
+        x = torch.randn(n, d, device=dev, dtype=dtype, generator=gen, requires_grad=True)
+        z = torch.randn(n, d, device=dev, dtype=dtype, generator=gen, requires_grad=True)
+        w = torch.ones(d, device=dev, dtype=dtype, requires_grad=True)
+        y = fn(x, z, w, 1e-5)
+    elif spec["op"] == "conv":
         c, w = spec["channels"], spec["conv_width"]
         x = torch.randn(t, c, device=dev, dtype=dtype, generator=gen, requires_grad=True)
         weight = (0.5 * torch.randn(c, w, device=dev, dtype=dtype, generator=gen)).requires_grad_()
@@ -114,7 +128,7 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             p.kill()
             code = "timeout"
-        logger.info("%s %s: %s after %.0f s", spec["op"], {k: spec.get(k) for k in ("hk", "hv", "channels")},
+        logger.info("%s %s: %s after %.0f s", spec["op"], {k: spec[k] for k in ("hk", "hv", "channels") if k in spec},
                     "ok" if code == 0 else f"FAILED ({code})", time.monotonic() - t0)
         rc = rc or (0 if code == 0 else 1)
     return rc

@@ -89,10 +89,15 @@ class SelftestReport:
     versions: dict[str, Any]
     cases: list[CaseResult]
     notes: list[str] = field(default_factory=list)
+    stack: dict[str, Any] = field(default_factory=dict)  # GPU: gdn_cp.ops.fla.stack_report()
 
     def __str__(self) -> str:
         lines = [f"gdn-cp selftest ({'gpu: FLA vs reference' if self.gpu else 'cpu: reference fp32 vs fp64'}): "
                  f"{'OK' if self.ok else 'FAILED'}"]
+        if self.stack:
+            lines.append(f"  stack checked: {self.stack['stack']}")
+            for name, text in self.stack.get("choices", {}).items():
+                lines.append(f"    {name}: {text}")
         lines.append("  versions: " + ", ".join(f"{k}={v}" for k, v in self.versions.items()))
         for c in self.cases:
             lines.append("  " + c.line())
@@ -106,7 +111,7 @@ class SelftestReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "gpu": self.gpu, "versions": self.versions, "notes": self.notes,
+            "ok": self.ok, "gpu": self.gpu, "versions": self.versions, "notes": self.notes, "stack": self.stack,
             "cases": [c.__dict__ for c in self.cases],
         }
 
@@ -202,6 +207,23 @@ def gdn_case(backend, reference, *, dtype: torch.dtype, device, seed: int = 0,
     return out
 
 
+def gated_norm_case(backend, *, dtype: torch.dtype, device, seed: int = 0) -> dict:
+    """The backend's fused ``RMSNorm(x) * weight * silu(z)`` against the same in fp64: y, dx, dz, dw."""
+    gen = torch.Generator().manual_seed(seed)
+    n, d = 300, 64
+    x0, z0 = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    w0, dy = 1 + 0.1 * torch.randn(d, generator=gen), torch.randn(n, d, generator=gen)
+    got = [t.to(device=device, dtype=dtype).requires_grad_(True) for t in (x0, z0, w0)]
+    y = backend.fused_gated_rms_norm()(*got, 1e-5)
+    y.backward(dy.to(device=device, dtype=dtype))
+    ref = [t.detach().double().requires_grad_(True) for t in got]
+    x, z, w = ref
+    y_ref = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * w * torch.nn.functional.silu(z)
+    y_ref.backward(dy.to(device=device, dtype=torch.float64))
+    return {"y": (y.detach(), y_ref.detach()),
+            **{f"d{k}": (a.grad, b.grad) for k, a, b in zip("xzw", got, ref)}}
+
+
 def compare(name: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], tolerance: float,
             seconds: float = 0.0) -> CaseResult:
     errors, max_errors = {}, {}
@@ -263,10 +285,16 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                     f"fla/{name}/{dname}",
                     lambda fn=fn, dtype=dtype: fn(fla_backend, reference, dtype=dtype, device=dev, seed=seed),
                     FLA_VS_FP64_REL_L2[dname]))
+        if fla_backend.fused_gated_rms_norm() is not None:
+            cases.append(_run_case("fla/gated_norm/bfloat16",
+                                   lambda: gated_norm_case(fla_backend, dtype=torch.bfloat16, device=dev, seed=seed),
+                                   FLA_VS_FP64_REL_L2["bfloat16"]))
         if not fla_backend.has_cp_context():
             notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
                          "the FLA backend")
-    return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes)
+    stack = fla_backend.stack_report() if torch.cuda.is_available() else {}
+    return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes,
+                          stack=stack)
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - thin wrapper for the CLI

@@ -44,6 +44,11 @@ def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
         if torch.cuda.is_available()
         else [],
     }
+    if report["gpus"]:  # FLA's kernels import only with CUDA: probing them on a CPU machine says nothing
+        from ..ops.fla import fla_collective_backends, stack_report
+
+        report["fla_stack"] = stack_report()
+        report["fla_stack"]["cp context groups"] = fla_collective_backends()
     try:
         root = patching.find_megatron_root(path)
         states = patching.check_patch(root)
@@ -75,6 +80,13 @@ def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[
     for name, version in report["versions"].items():
         echo(f"  {name:<24} {version}")
     echo(f"GPUs: {', '.join(report['gpus']) if report['gpus'] else 'none (CPU: reference backend, gloo)'}")
+    if "fla_stack" in report:
+        stack = report["fla_stack"]
+        echo(f"FLA stack: {stack['stack']} (what the FLA backend uses of it, chosen once per process and logged):")
+        for name, text in stack["choices"].items():
+            echo(f"  {name:<20} {text}")
+        groups = ", ".join(f"{b} ({why})" for b, why in stack["cp context groups"].items())
+        echo(f"  {'cp context groups':<20} {groups}")
     patch = report["patch"]
     if patch["root"] is None:
         echo(f"megatron-core patch: unavailable ({patch.get('error')})")

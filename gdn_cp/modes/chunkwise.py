@@ -40,7 +40,7 @@ from ..comm import (
     start_all_gather_rows,
     wait_all_gather_rows,
 )
-from ..layout import CONTIGUOUS, ZIGZAG
+from ..layout import CONTIGUOUS, WHOLE_ROW, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
 from ..ops.shape import GDNShape
@@ -120,7 +120,7 @@ def is_one_zigzag_stream(plan: CPPlan) -> bool:
     """Whether this rank's zigzag rows are parts r and 2*cp-1-r of the whole packed stream cut as
     one sequence: a plan whose split is whole-row, or one whose only non-empty sequence covers
     every row (SBHD at batch 1, THD with one document), where the per-document cut is the same."""
-    if getattr(plan, "split", None) == "whole_row":
+    if plan.split == WHOLE_ROW:
         return True
     return len(plan.cu.nonempty()[1]) == 1  # cached on the boundaries: one pass per micro-batch
 

@@ -52,15 +52,16 @@ def compare(got, want, rows, metric=max_rel) -> dict:
     return errs
 
 
-def case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device):
+def case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device, sbhd_batch: int = SBHD_BATCH):
     """``(x, dout, rows, psp)``: global ``[S, B, H]`` / ``[T, 1, H]`` inputs of the case, this CP
     rank's global rows (zigzag) and ``psp(**dynamic_cp_fields)`` -> its PackedSeqParams (SBHD: None
-    unless fields are given)."""
+    unless fields are given). ``sbhd_batch``: B of the SBHD case (1: the rows of every rank are one
+    zigzag-cut stream)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if layout == "sbhd":
         s = sbhd_len(cp)
-        x, dout = hidden_inputs(s, SBHD_BATCH, dtype, 100 + cp + 1000 * data_seed, hidden, device)
+        x, dout = hidden_inputs(s, sbhd_batch, dtype, 100 + cp + 1000 * data_seed, hidden, device)
         rows = zigzag_rows([0, s], cp, cp_rank).to(device)
         psp = lambda **kw: PackedSeqParams(qkv_format="sbhd", **kw) if kw else None  # noqa: E731
     else:
@@ -83,7 +84,7 @@ def cp1_answer(base, layout, dtype, x, dout, psp):
 
 
 def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, dynamic=False, seed=1,
-                data_seed=0, bias=True, conv_bias=True, device="cpu", metric=max_rel):
+                data_seed=0, bias=True, conv_bias=True, device="cpu", metric=max_rel, sbhd_batch: int = SBHD_BATCH):
     """One layout (``"sbhd"`` or ``"thd"``) and dtype on this rank: the CP=1 answer, then each mode
     under CP. Returns ``{mode: {quantity: error}}`` (a missing gradient is inf).
 
@@ -93,6 +94,7 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     static WORLD group (context_parallel_size = world) and the micro-batch's PackedSeqParams carries
     ``cp_group`` and ``local_cp_size`` (dynamic CP). ``cfg`` overrides TransformerConfig fields.
     ``device`` / ``metric``: the GPU tests pass "cuda" and :func:`gdn_cp.testing.metrics.rel_l2`.
+    ``sbhd_batch``: B of the SBHD case (default 2; 1 makes every rank's rows one zigzag-cut stream).
     """
     import torch.distributed as dist
 
@@ -105,7 +107,7 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     hidden = cfg.get("hidden_size", DIMS["hidden_size"])
     extra = dict(cp_group=cp_group, local_cp_size=cp) if dynamic else {}
 
-    x, dout, rows, psp = case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device)
+    x, dout, rows, psp = case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device, sbhd_batch)
     base = build(make_config(1, "headwise", dtype, **cfg), groups["self"])
     want = cp1_answer(base, layout, dtype, x, dout, psp)
 

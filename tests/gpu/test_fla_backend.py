@@ -1,5 +1,8 @@
 """FLA backend on CUDA: against the fp64 reference at CP=1, and FLA's native chunkwise CP at cp=2/4
-(gloo ranks on one GPU, or NCCL with one GPU per rank) against the same at CP=1.
+(gloo ranks on one GPU, or NCCL with one GPU per rank) against the same at CP=1: the cp context
+cores alone, and the chunkwise mode (``gdn_core``) through both exchange paths (``native``: FLA's cp
+context, contiguous or, on FLA >= 0.6 where the rows are one zigzag-cut stream, zigzag with no
+layout all-to-all; ``generic``: gdn-cp's own exchange).
 
 Every test here is marked ``gpu`` and skipped without CUDA + flash-linear-attention (the FLA
 backend's input checks, which run anywhere, are in tests/ops/test_fla_checks.py). Measured errors
@@ -52,6 +55,9 @@ CHUNKWISE_CASES = {
     "single": [0, 512],
     "aligned": [0, 128, 256, 512],
 }
+# Per-document zigzag needs every length divisible by 2*cp (8 at cp=4): the chunkwise mode's own case.
+MODE_ONLY_CASES = {"docs8": [0, 40, 40, 128, 304, 384, 448, 512]}
+ALL_CASES = {**CHUNKWISE_CASES, **MODE_ONLY_CASES}
 DIMS = dict(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64)
 SHAPE = GDNShape(**DIMS)
 CONV_W = 4
@@ -64,7 +70,7 @@ _record = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS", fast_autotune=FAST_AUTOTU
 # chunkwise: FLA's native CP at cp=2/4 against CP=1
 # ------------------------------------------------------------------------------------------
 
-def _leaves(inp: dict, dtype: torch.dtype, device, rows: slice | None = None) -> dict:
+def _leaves(inp: dict, dtype: torch.dtype, device, rows=None) -> dict:
     sl = rows if rows is not None else slice(None)
     cast = {"qkv": dtype, "g": torch.float32, "beta": dtype, "w": dtype, "b": dtype}
     return {k: (inp[k][sl] if k in ("qkv", "g", "beta") else inp[k]).to(device=device, dtype=cast[k])
@@ -178,7 +184,7 @@ def _baseline(case: str, dtype: str):
     if key not in _BASELINES:
         from gdn_cp.ops import reference
 
-        cu = CHUNKWISE_CASES[case]
+        cu = ALL_CASES[case]
         inp = fla_core_inputs(cu[-1], **DIMS, width=CONV_W)
         dev = torch.device("cuda")
         t = _leaves(inp, DTYPES[dtype], dev)
@@ -206,38 +212,45 @@ def _gather_cp(results: list, cp: int, group_start: int) -> dict:
     return out
 
 
-def _check_chunkwise(cuda_pool, case, dtype, cp):
-    cu = CHUNKWISE_CASES[case]
-    inp, fla1, ref = _baseline(case, dtype)
+def _judge(got_by_group: list[dict], fla1: dict, ref: dict, dtype: str):
+    """``(failures, targets_met, errs, maxes, ref_errs, cp1_ref_errs)`` of CP results (one dict per
+    group) against CP=1 (``fla1``) and the fp64 reference, with the CEILING rule above."""
     cp1_ref_errs = {k: rel_l2(fla1[k], ref[k]) for k in fla1}
-    t0 = time.perf_counter()
-    results = cuda_pool.run(_rank_chunkwise, inp, cu, dtype, cp)
-    seconds = time.perf_counter() - t0
     tol = CP_TOL[dtype]
     errs, maxes, ref_errs = {}, {}, {}
     failures = []
     targets_met = True
-    for gstart in range(0, cuda_pool.world_size, cp):  # every cp-group ran the same case
-        got = _gather_cp(results, cp, gstart)
+    for gi, got in enumerate(got_by_group):
         for k, a in got.items():
             e = rel_l2(a, fla1[k])
-            errs[f"g{gstart}:{k}"] = e
-            maxes[f"g{gstart}:{k}"] = max_rel(a, fla1[k])
+            errs[f"g{gi}:{k}"] = e
+            maxes[f"g{gi}:{k}"] = max_rel(a, fla1[k])
             lim = tol["out"] if k == "o" else tol["grad"]
             e_ref = rel_l2(a, ref[k])
-            if gstart == 0:
+            if gi == 0:
                 ref_errs[k] = e_ref
             if e > lim:
                 targets_met = False
                 parity = e_ref <= 1.1 * cp1_ref_errs[k] + 1e-4
                 if e <= CEILING[dtype] and parity:
                     continue  # see CEILING
-                failures.append(f"group@{gstart} {k}: rel-L2 {e:.3e} > {lim:.0e} (vs fp64: CP {e_ref:.3e}, "
+                failures.append(f"group {gi} {k}: rel-L2 {e:.3e} > {lim:.0e} (vs fp64: CP {e_ref:.3e}, "
                                 f"CP=1 {cp1_ref_errs[k]:.3e})")
     ref_tol = TOLERANCES[dtype]
     for k, e in ref_errs.items():
         if e > ref_tol:
             failures.append(f"vs fp64 reference {k}: rel-L2 {e:.3e} > {ref_tol:.0e}")
+    return failures, targets_met, errs, maxes, ref_errs, cp1_ref_errs
+
+
+def _check_chunkwise(cuda_pool, case, dtype, cp):
+    cu = CHUNKWISE_CASES[case]
+    inp, fla1, ref = _baseline(case, dtype)
+    t0 = time.perf_counter()
+    results = cuda_pool.run(_rank_chunkwise, inp, cu, dtype, cp)
+    seconds = time.perf_counter() - t0
+    got = [_gather_cp(results, cp, gstart) for gstart in range(0, cuda_pool.world_size, cp)]
+    failures, targets_met, errs, maxes, ref_errs, cp1_ref_errs = _judge(got, fla1, ref, dtype)
     _record("chunkwise_cp_vs_cp1", case=case, dtype=dtype, cp=cp, backend=cuda_pool.backend,
             ok=not failures, issue_targets_met=targets_met, rel_l2=errs, max_rel=maxes,
             rel_l2_vs_fp64_reference=ref_errs, cp1_rel_l2_vs_fp64_reference=cp1_ref_errs,
@@ -323,3 +336,112 @@ def test_selftest_passes_on_this_gpu():
 @pytest.mark.parametrize("case", [c for c in CHUNKWISE_CASES if c != "packed"])
 def test_chunkwise_fla_cp_matches_cp1_other_layouts(cuda_pool, case, dtype, cp):
     _check_chunkwise(cuda_pool, case, dtype, cp)
+
+
+# ------------------------------------------------------------------------------------------
+# the chunkwise mode (gdn_core) through both exchange paths, against CP=1
+# ------------------------------------------------------------------------------------------
+
+# (case, split, row layout): which rows each rank feeds gdn_core. "zigzag" rows of a per-document
+# split are routed to the contiguous layout; one zigzag-cut stream (a whole-row split, or a single
+# sequence) goes to FLA >= 0.6's zigzag cp context as it is; "contiguous" rows are what the Megatron
+# glue hands over after swapping layouts on hidden_states.
+MODE_CASES = [
+    ("docs8", "per_document", "zigzag"),
+    ("packed", "whole_row", "zigzag"),
+    ("single", "per_document", "zigzag"),
+    ("docs8", "per_document", "contiguous"),
+]
+
+
+def _rank_mode_cases(rctx, inputs: dict, dtype: str, cp: int, path: str):
+    """Every MODE_CASES entry through ``gdn_core(mode="chunkwise")`` with the chunkwise path set to
+    ``path``, on this rank's rows; per case: outputs, gradients, the rows, what ran."""
+    import torch.distributed as dist
+
+    from gdn_cp.layout import RouteCache
+    from gdn_cp.modes import gdn_core, set_chunkwise_path
+    from gdn_cp.modes.chunkwise import chunkwise_swaps_layout, resolve_chunkwise_path
+    from gdn_cp.testing.packings import zigzag_rows
+
+    group = rctx.group(cp)
+    r = dist.get_rank(group)
+    dev = rctx.device
+    out = {}
+    set_chunkwise_path(path)
+    try:
+        for case, split, layout in MODE_CASES:
+            inp = inputs[case]
+            cu = ALL_CASES[case]
+            plan = RouteCache().plan(cu, cp, r, split=split)
+            if layout == "zigzag":
+                rows = zigzag_rows(cu, cp, r, whole_row=split == "whole_row")
+            else:
+                part = cu[-1] // cp
+                rows = torch.arange(r * part, (r + 1) * part)
+            t = _leaves(inp, DTYPES[dtype], dev, rows)
+            a2a_before = rctx.collectives.get("all_to_all_single", 0)
+            o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
+                         group=group, backend=fla_backend, layout=layout)
+            (o.float() * inp["do"][rows].to(dev)).sum().backward()
+            resolved, _ = resolve_chunkwise_path(fla_backend, group)
+            zigzag = layout == "zigzag" and resolved == "native" and not chunkwise_swaps_layout(
+                fla_backend, group, plan)
+            out[f"{case}/{split}/{layout}"] = {
+                "o": o.detach().cpu(), **_grads(t), "rows": rows,
+                "path": "native-zigzag" if zigzag else resolved,
+                "all_to_alls": rctx.collectives.get("all_to_all_single", 0) - a2a_before,
+            }
+    finally:
+        set_chunkwise_path(None)
+    return out
+
+
+def _gather_rows(results: list, key: str, cp: int, group_start: int, t_global: int) -> dict:
+    """One group's per-rank results of ``key`` in global row order (gradients of the replicated
+    conv weight and bias summed)."""
+    mine = [res[key] for res in results[group_start:group_start + cp]]
+    rows = torch.cat([m["rows"] for m in mine])
+    out = {}
+    for k in ("o", "dqkv", "dg", "dbeta"):
+        vals = torch.cat([m[k] for m in mine])
+        full = torch.empty((t_global, *vals.shape[1:]), dtype=vals.dtype)
+        full[rows] = vals
+        out[k] = full
+    for k in ("dw", "db"):
+        out[k] = torch.stack([m[k].double() for m in mine]).sum(0)
+    return out
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("path", ["native", "generic"])
+def test_chunkwise_mode_paths_match_cp1(cuda_pool, path, cp):
+    from gdn_cp.ops.fla import has_zigzag_layout
+
+    dtype = "bfloat16"
+    inputs = {case: _baseline(case, dtype)[0] for case in {c for c, _, _ in MODE_CASES}}
+    results = cuda_pool.run(_rank_mode_cases, inputs, dtype, cp, path)
+    failures = []
+    for case, split, layout in MODE_CASES:
+        key = f"{case}/{split}/{layout}"
+        _, fla1, ref = _baseline(case, dtype)
+        got = [_gather_rows(results, key, cp, g, ALL_CASES[case][-1])
+               for g in range(0, cuda_pool.world_size, cp)]
+        bad, targets_met, errs, maxes, ref_errs, cp1_ref_errs = _judge(got, fla1, ref, dtype)
+        ran = {res[key]["path"] for res in results}
+        a2a = [res[key]["all_to_alls"] for res in results]
+        one_stream = split == "whole_row" or case == "single"
+        want = path if path == "generic" or not (one_stream and layout == "zigzag" and has_zigzag_layout()) \
+            else "native-zigzag"
+        _record("chunkwise_mode_path_vs_cp1", case=case, split=split, layout=layout, path=path, ran=sorted(ran),
+                dtype=dtype, cp=cp, backend=cuda_pool.backend, ok=not bad, issue_targets_met=targets_met,
+                rel_l2=errs, max_rel=maxes, rel_l2_vs_fp64_reference=ref_errs,
+                cp1_rel_l2_vs_fp64_reference=cp1_ref_errs, all_to_alls=a2a)
+        failures += [f"{key}: {b}" for b in bad]
+        if ran != {want}:
+            failures.append(f"{key}: ran {sorted(ran)}, expected {want}")
+        if want == "native-zigzag" and any(a2a):
+            failures.append(f"{key}: the zigzag path made all-to-alls {a2a}")
+    assert not failures, "\n".join(failures)

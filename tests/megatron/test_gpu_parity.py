@@ -1,8 +1,10 @@
 """GPU version of the GatedDeltaNet parity suite: the patched megatron-core 0.19.2 GatedDeltaNet with
 the FLA backend (deterministic_mode=False), bf16, CP=2 and CP=4 as gloo ranks on one GPU (NCCL
 with one rank per GPU when there are enough GPUs), against the same module at CP=1 (SBHD: stock
-0.19.2's FLA path; THD: gdn-cp's path at CP=1), every ``linear_cp_mode``, SBHD and THD; plus
-stock vs patched headwise (SBHD, CP=2).
+0.19.2's FLA path; THD: gdn-cp's path at CP=1), every ``linear_cp_mode``, SBHD and THD; chunkwise
+through both exchange paths (FLA's cp context, ``native``, and gdn-cp's own, ``generic``) at both
+swap points, SBHD at batch 2 and 1 (one zigzag-cut stream: FLA >= 0.6's zigzag cp context, no
+all-to-all) and THD; plus stock vs patched headwise (SBHD, CP=2).
 
 Marked ``gpu``: skipped with a reason on CPU-only machines; run it
 on the device machine with::
@@ -105,30 +107,46 @@ def test_gpu_stock_vs_patched_headwise(gpu_pools, patched_megatron):
     assert not bad, "\n".join(bad)
 
 
-def _gpu_generic_cases(ctx):
-    """chunkwise with gdn-cp's own exchange forced (``generic``): on NCCL (one rank per GPU) the
-    summary all-gather and its reduce-scatter then run asynchronously, overlapped with the scans."""
+# (layout, SBHD batch): SBHD at batch 1 is one zigzag-cut stream per rank, which FLA >= 0.6's zigzag
+# cp context takes with no layout all-to-all on the native path; the others are routed.
+PATH_CASES = (("sbhd", 2), ("sbhd", 1), ("thd", 1))
+
+
+def _gpu_path_cases(ctx, path: str):
+    """chunkwise with the exchange path forced (``native``: FLA's cp context, which on gloo ranks of
+    one GPU runs through gdn_cp.testing's collective adapter; ``generic``: gdn-cp's own exchange,
+    asynchronous and overlapped with the scans on NCCL), at both swap points, SBHD and THD."""
     import torch.distributed as dist
 
+    from gdn_cp.layout import plan_for_sbhd
     from gdn_cp.megatron.gdn import choose_backend
     from gdn_cp.megatron.swap import set_chunkwise_swap
     from gdn_cp.modes import resolve_chunkwise_path, set_chunkwise_path
+    from gdn_cp.modes.chunkwise import chunkwise_swaps_layout
     from gdn_cp.testing.megatron_layer import rank_groups
+    from gdn_cp.testing.megatron_parity import sbhd_len
 
     out = {}
-    set_chunkwise_path("generic")
+    set_chunkwise_path(path)
     try:
-        for swap in ("hidden", "core"):
-            set_chunkwise_swap(swap)
-            for layout in ("sbhd", "thd"):
-                out[f"{layout}/{swap}"] = parity_case(
-                    ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=GPU_CFG,
-                    device=ctx.device, metric=rel_l2, bias=False, conv_bias=False)["chunkwise"]
         from types import SimpleNamespace
 
         probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
-        out["path"] = resolve_chunkwise_path(choose_backend(probe, ctx.device), rank_groups()["world"])[0]
+        backend = choose_backend(probe, ctx.device)
+        world = rank_groups()["world"]
+        out["path"] = resolve_chunkwise_path(backend, world)[0]
+        out["zigzag_for_sbhd1"] = not chunkwise_swaps_layout(
+            backend, world, plan_for_sbhd(sbhd_len(ctx.world_size), 1, ctx.world_size, ctx.rank))
         out["dist_backend"] = dist.get_backend()
+        for swap in ("hidden", "core"):
+            set_chunkwise_swap(swap)
+            for layout, batch in PATH_CASES:
+                a2a = ctx.collectives.get("all_to_all_single", 0)
+                errs = parity_case(
+                    ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=GPU_CFG,
+                    device=ctx.device, metric=rel_l2, bias=False, conv_bias=False, sbhd_batch=batch)["chunkwise"]
+                out[f"{layout}{batch if layout == 'sbhd' else ''}/{swap}"] = {
+                    "errors": errs, "all_to_alls": ctx.collectives.get("all_to_all_single", 0) - a2a}
     finally:
         set_chunkwise_path(None)
         set_chunkwise_swap("auto")
@@ -136,18 +154,29 @@ def _gpu_generic_cases(ctx):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_gpu_parity_chunkwise_generic_path(gpu_pools, patched_megatron, world):
-    results = gpu_pools(world).run(_gpu_generic_cases)
+@pytest.mark.parametrize("path", ["native", "generic"])
+def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world):
+    from gdn_cp.ops.fla import has_zigzag_layout
+
+    results = gpu_pools(world).run(_gpu_path_cases, path)
     bad = []
     for rank, res in enumerate(results):
-        assert res["path"] == "generic", res["path"]
-        for case, errs in res.items():
-            if case in ("path", "dist_backend"):
+        assert res["path"] == path, res["path"]
+        zigzag = path == "native" and has_zigzag_layout()
+        assert res["zigzag_for_sbhd1"] == zigzag, res
+        for case, got in res.items():
+            if not isinstance(got, dict):
                 continue
-            _record("megatron_gdn_parity_generic", world=world, rank=rank, case=case, dist=res["dist_backend"],
-                    errors=errs)
+            errs = got["errors"]
+            _record("megatron_gdn_parity_path", world=world, rank=rank, path=path, case=case,
+                    zigzag=zigzag and case.startswith("sbhd1"), dist=res["dist_backend"], errors=errs,
+                    all_to_alls=got["all_to_alls"])
             for k, v in errs.items():
                 tol = BF16_TOL["out"] if k == "out" else BF16_TOL["grad"]
                 if not v <= tol:
-                    bad.append(f"rank {rank} {case} {k}: {v:.3e} > {tol}")
+                    bad.append(f"rank {rank} {path} {case} {k}: {v:.3e} > {tol}")
+            if zigzag and case.startswith("sbhd1"):
+                # the CP=1 answer and headwise-free chunkwise: only the zigzag core ran, no all-to-all
+                if got["all_to_alls"]:
+                    bad.append(f"rank {rank} {case}: {got['all_to_alls']} all-to-alls on the zigzag path")
     assert not bad, "\n".join(bad)

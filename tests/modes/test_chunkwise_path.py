@@ -100,3 +100,49 @@ def test_native_without_a_native_core_fails_before_the_route():
     with pytest.raises(ValueError, match="no native CP core"):
         chunkwise.chunkwise_core(x["qkv"], x["g"], x["beta"], x["conv_weight"], None, shape=SHAPE, plan=plan,
                                  group=object(), backend=get_backend("reference"))
+
+
+class _FakeZigzagBackend(_FakeBackend):
+    """Also a native zigzag core that records the rows it was given (FLA >= 0.6's zigzag cp context)."""
+
+    def __init__(self):
+        super().__init__()
+        self.zigzag_calls = []
+
+    def native_zigzag_cp_core(self, group):
+        def core(qkv, g, beta, *rest, cu_seqlens_global, **kw):
+            self.zigzag_calls.append((qkv, tuple(cu_seqlens_global)))
+            return qkv.new_ones(qkv.shape[0], SHAPE.num_v_heads, SHAPE.head_v_dim)
+
+        return core
+
+
+@pytest.mark.parametrize("cu, split, one_stream", [
+    ([0, 32], "per_document", True),  # one sequence: SBHD at batch 1
+    ([0, 0, 32, 32], "per_document", True),  # one non-empty sequence among padding slots
+    ([0, 8, 32], "per_document", False),  # two documents each cut on its own
+    ([0, 3, 20, 32], "whole_row", True),  # the whole row cut as one sequence
+])
+def test_one_zigzag_stream(cu, split, one_stream):
+    plan = RouteCache().plan(cu, 2, 1, split=split)
+    assert chunkwise.is_one_zigzag_stream(plan) is one_stream
+
+
+def test_zigzag_core_takes_one_stream_as_it_is():
+    """Rows that are one zigzag-cut stream go to the backend's zigzag core unmoved (the stand-in group
+    would fail any collective), with the documents' boundaries; other rows take the routes."""
+    fake, group = _FakeZigzagBackend(), object()
+    plan = RouteCache().plan([0, 3, 20, 32], 2, 0, split="whole_row")
+    inp = core_inputs(plan.t_local, SHAPE, 4, torch.float64, seed=0)
+    o = chunkwise.chunkwise_core(inp["qkv"], inp["g"], inp["beta"], inp["conv_weight"], None, shape=SHAPE, plan=plan,
+                                 group=group, backend=fake)
+    assert torch.equal(o, torch.ones_like(o)) and fake.zigzag_calls[0][0] is inp["qkv"]
+    assert fake.zigzag_calls[0][1] == (0, 3, 20, 32)
+    assert not chunkwise.chunkwise_swaps_layout(fake, group, plan)
+    per_doc = RouteCache().plan([0, 8, 32], 2, 0)
+    assert chunkwise.chunkwise_swaps_layout(fake, group, per_doc)
+    chunkwise.set_chunkwise_path("generic")  # generic never takes a native core
+    assert chunkwise.chunkwise_swaps_layout(fake, group, plan)
+    chunkwise.set_chunkwise_path(None)
+    # a backend without a zigzag core routes even one stream
+    assert chunkwise.chunkwise_swaps_layout(_FakeBackend(), group, plan)

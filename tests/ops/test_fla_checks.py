@@ -99,3 +99,39 @@ def test_feature_detection_never_raises():
     assert v is None or isinstance(v, str)
     assert isinstance(fla_available(), bool)
     assert isinstance(has_cp_context(), bool)
+
+
+def test_native_core_runs_on_nccl_and_on_backends_a_harness_adapted(monkeypatch, caplog):
+    """Only NCCL takes FLA's collectives as FLA calls them; another backend's groups are taken once
+    allow_fla_collectives said who adapted them, and that is logged (never a silent switch)."""
+    import logging
+
+    monkeypatch.setattr(native_cp, "has_cp_context", lambda: True)
+    monkeypatch.setattr(native_cp, "has_zigzag_layout", lambda: True)
+    monkeypatch.setattr(native_cp, "_ALLOWED", {})
+    monkeypatch.setattr(native_cp, "_ADMITTED", set())
+    backends = {"nccl": object(), "gloo": object()}
+    monkeypatch.setattr(native_cp, "group_backend", lambda g: next(k for k, v in backends.items() if v is g))
+    assert native_cp.native_cp_core(backends["nccl"]) is native_cp.cp_context_core
+    assert native_cp.native_zigzag_cp_core(backends["nccl"]) is native_cp.zigzag_context_core
+    assert native_cp.native_cp_core(backends["gloo"]) is None and native_cp.native_cp_core(None) is None
+    with caplog.at_level(logging.INFO, logger=native_cp.__name__):
+        native_cp.allow_fla_collectives("gloo", by="a test harness")
+        assert native_cp.native_cp_core(backends["gloo"]) is native_cp.cp_context_core
+    assert "may run on gloo groups" in caplog.text and "a test harness" in caplog.text
+    assert native_cp.fla_collective_backends()["gloo"] == "a test harness"
+    monkeypatch.setattr(native_cp, "has_zigzag_layout", lambda: False)
+    assert native_cp.native_zigzag_cp_core(backends["gloo"]) is None
+    with pytest.raises(ValueError, match="by must say"):
+        native_cp.allow_fla_collectives("gloo", by="")
+
+
+@pytest.mark.parametrize("cu, cp, rows, match", [
+    ([0, 30], 2, 15, "not divisible by 2\\*cp=4"),
+    ([0, 32], 2, 8, "holds 8 rows"),
+    ([0, 8], 4, 2, "each zigzag part holds 1 rows"),
+])
+def test_zigzag_stream_checks(cu, cp, rows, match):
+    with pytest.raises(ValueError, match=match):
+        native_cp.check_zigzag_stream(cu, cp, 4, local_rows=rows)
+    assert native_cp.check_zigzag_stream([0, 5, 32], 2, 4, local_rows=16) == (0, 5, 32)

@@ -14,11 +14,10 @@ def _fake_fla(*, kernels_take_cp=True, build_params=("cu_seqlens", "group", "con
               has_build=True, clamps=False, import_error=None):
     """import_module / find_spec fakes for an FLA with the given features."""
 
-    def kernel(x, cp_context=None):
-        return x
-
-    def plain_kernel(x):
-        return x
+    # defined without a module (no source to read): the source-based features are False
+    ns: dict = {}
+    exec("def kernel(x, cp_context=None):\n    return x\ndef plain_kernel(x):\n    return x\n", ns)  # noqa: S102
+    kernel, plain_kernel = ns["kernel"], ns["plain_kernel"]
 
     def build(*args, **kwargs):
         return None
@@ -94,3 +93,47 @@ def test_this_machine_never_raises():
     ok, why = detect.detect_fla_cp()
     assert isinstance(ok, bool) and why
     assert isinstance(detect.has_zigzag_layout(), bool)
+
+
+def test_kernel_features_read_from_the_kernels_module(tmp_path, monkeypatch):
+    """Grouped value heads and the in-kernel gate are read from the source of the module that defines
+    chunk_gated_delta_rule (FLA checks HV % H and reads use_gate_in_kernel from **kwargs); the fused
+    gated norm from fla.modules.fused_norm_gate."""
+    import importlib
+    import sys
+
+    (tmp_path / "fake_gdr06.py").write_text(
+        "def chunk_gated_delta_rule(q, k, v, g, beta, use_beta_sigmoid_in_kernel=False, cp_context=None, **kw):\n"
+        "    H, HV = q.shape[2], v.shape[2]\n    assert HV % H == 0\n"
+        "    use_gate_in_kernel = kw.get('use_gate_in_kernel'); dt_bias = kw.get('dt_bias')\n")
+    (tmp_path / "fake_gdr04.py").write_text("def chunk_gated_delta_rule(q, k, v, g, beta, cp_context=None):\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    new, old = importlib.import_module("fake_gdr06"), importlib.import_module("fake_gdr04")
+    norm = types.SimpleNamespace(rms_norm_gated=lambda *a, **k: None)
+
+    def importer(with_norm):
+        def imp(name):
+            if name == "fla.modules.fused_norm_gate" and with_norm:
+                return norm
+            raise ImportError(name)
+        return imp
+
+    f = detect._kernel_features(new.chunk_gated_delta_rule, importer(True))
+    assert f == {"grouped_value_heads": True, "gate_in_kernel": True, "beta_sigmoid_in_kernel": True,
+                 "fused_gated_norm": True}
+    f = detect._kernel_features(old.chunk_gated_delta_rule, importer(False))
+    assert not any(f.values())
+    sys.modules.pop("fake_gdr06"), sys.modules.pop("fake_gdr04")
+
+
+def test_stack_report_names_the_stack_and_each_choice(monkeypatch):
+    monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(
+        None, None, "conv1d_kernel_size", zigzag_layout=True, grouped_value_heads=True, fused_gated_norm=True))
+    monkeypatch.setattr(detect, "fla_version", lambda: "0.6.0")
+    r = detect.stack_report()
+    assert r["stack"].startswith("fla 0.6.0 + triton ")
+    assert "key heads" in r["choices"]["grouped value heads"] and "zigzag" in r["choices"]["cp context"]
+    assert "fused" in r["choices"]["gated norm"]
+    monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, "no cp_context"))
+    r = detect.stack_report()
+    assert "repeat_interleave" in r["choices"]["grouped value heads"] and "not usable" in r["choices"]["cp context"]
