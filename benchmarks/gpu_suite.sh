@@ -135,6 +135,12 @@ run_stage() {
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 benchmarks/layer_full.py \
         --out "$OUT/layer_full_$STACK.json" --time-limit "${GDN_CP_LAYER_FULL_TIMEOUT:-480}" ${GDN_CP_LAYER_FULL_ARGS:-} ;;
+    layer_full_b)
+      # a second layer_full run in the same call (e.g. another T after the first finished), own limit and file
+      # shellcheck disable=SC2086
+      timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_B_TIMEOUT:-240} + 60 ))" python3 benchmarks/layer_full.py \
+        --out "$OUT/layer_full_${STACK}_b.json" --time-limit "${GDN_CP_LAYER_FULL_B_TIMEOUT:-240}" \
+        ${GDN_CP_LAYER_FULL_B_ARGS:-} ;;
     *) echo "unknown stage $stage"; false ;;
   esac
   local rc=$?

@@ -237,7 +237,7 @@ def _print_block(cp: int, reports: list[dict], modes: tuple[str, ...], skipped: 
         result.failures.append(f"cp={cp}: the route cache did not reuse the plan")
     echo(f"CP=1 reference forward+backward: {r0['cp1_s']:.3f} s")
     if "chunkwise_path" in r0:
-        echo(f"chunkwise halo/state exchange: {r0['chunkwise_path']} (native: the backend's cp context; "
+        echo(f"halo/state exchange of chunkwise: {r0['chunkwise_path']} (native: the backend's cp context; "
              "generic: gdn-cp's own)")
     echo(f"{'mode':<11} " + " ".join(f"{h:>9}" for h in HEADERS) + f" {'time s':>8}  ok")
     for mode in MODE_NAMES:
