@@ -207,7 +207,7 @@ def _run_modes(kind, group, static_cfg, batches, want, cut_kwargs) -> dict:
 
 def _strategy_cases(ctx, kind: str, cp: int) -> dict:
     """SBHD, per-document and whole-row micro-batches at static CP=cp, every mode."""
-    from gdn_cp.testing.megatron_batches import cut_for_rank, install_te_partition_stand_in
+    from gdn_cp.testing.megatron_batches import install_te_partition_stand_in
     from gdn_cp.testing.megatron_layer import rank_groups
     from gdn_cp.testing.megatron_model import build_model, model_config
 
@@ -240,7 +240,7 @@ def _hybrid_batches(ctx) -> dict:
 def _hybrid_cp_cases(ctx, kind: str) -> dict:
     """Hybrid CP: static CP group = the world (``context_parallel_size=4``,
     ``hybrid_context_parallel=True``), each sub-sample split over its own group, every mode."""
-    from gdn_cp.testing.megatron_batches import cut_for_rank, install_te_partition_stand_in
+    from gdn_cp.testing.megatron_batches import install_te_partition_stand_in
     from gdn_cp.testing.megatron_layer import rank_groups
     from gdn_cp.testing.megatron_model import build_model, model_config
 
@@ -270,15 +270,16 @@ def _check(results: list, kind: str, cp: int, names: list[str]) -> list[str]:
         for mode, result in per_mode.items():
             if (kind, cp, mode.split("@")[0]) in ILLEGAL:
                 if "refused" not in result or "linear_num_key_heads=2" not in result["refused"]:
-                    bad.append(f"{kind} cp={cp} {mode}: heads 2/6 at CP={cp} were not refused: {result}")
+                    bad.append(f"rank {rank} {kind} cp={cp} {mode}: heads 2/6 at CP={cp} were not refused: {result}")
                 continue
             if "refused" in result:
-                bad.append(f"{kind} cp={cp} {mode}: refused: {result['refused']}")
+                bad.append(f"rank {rank} {kind} cp={cp} {mode}: refused: {result['refused']}")
                 continue
             want_swap = {"chunkwise": ["hidden"], "chunkwise@core": ["core"]}.get(mode, [])
             ran = any(isinstance(result.get(name), dict) for name in names)
             if ran and result["swap"] != want_swap:
-                bad.append(f"{kind} cp={cp} {mode}: chunkwise swap points {result['swap']}, expected {want_swap}")
+                bad.append(f"rank {rank} {kind} cp={cp} {mode}: chunkwise swap points {result['swap']}, "
+                           f"expected {want_swap}")
             for name in names:
                 errs = result.get(name)
                 if not isinstance(errs, dict):
