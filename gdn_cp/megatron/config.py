@@ -148,13 +148,12 @@ def resolve_linear_cp_mode(
     """Turn a requested ``linear_cp_mode`` into the concrete mode to build the model with.
 
     Explicit modes are checked (:func:`check_linear_cp_mode`) and returned unchanged. ``"auto"``
-    picks the first legal mode of chunkwise, headwise, all_gather: chunkwise wherever the heads
-    divide TP (then every mode but headwise may be illegal, never chunkwise alone), from the sizes
-    alone, whatever the machine. An INFO line with the requested and resolved modes, TP, CP, the
+    picks the first legal mode of chunkwise, headwise, all_gather, from the sizes alone, whatever
+    the machine: chunkwise, legal wherever the heads divide TP, i.e. wherever any mode is. An INFO line with the requested and resolved modes, TP, CP, the
     heads and the reason is logged the first time this process resolves a request, DEBUG after.
     Never falls back silently: an illegal explicit mode raises ValueError.
     """
-    if logger is not None and not callable(getattr(logger, "info", None)):
+    if logger is not None and not callable(getattr(logger, "log", None)):
         raise TypeError(f"logger must be a logging.Logger or None, got {type(logger).__name__}")
     if isinstance(requested, str) and requested == AUTO:
         k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
