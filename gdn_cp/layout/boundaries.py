@@ -255,9 +255,10 @@ def validate_cu_seqlens(
     ``cu_seqlens``: a 1-D integer tensor (any device: read to the host here, once), a list of
     ints, or Boundaries (then only the rules below are checked). Rules, each violation a
     ValueError naming the value and the fix: the :class:`Boundaries` rules, ends at
-    ``t_global`` when given, and the zigzag cut of ``split`` is possible: every sequence length
-    divisible by ``2 * cp_size`` (:data:`PER_DOCUMENT`) or the total ``T_global``
-    (:data:`WHOLE_ROW`); so ``T_global`` is divisible by ``cp_size``.
+    ``t_global`` when given, and, when ``cp_size > 1``, the zigzag cut of ``split`` is possible:
+    every sequence length divisible by ``2 * cp_size`` (:data:`PER_DOCUMENT`) or the total
+    ``T_global`` (:data:`WHOLE_ROW`); so ``T_global`` is divisible by ``cp_size``. One rank cuts
+    nothing: any lengths pass.
     """
     check_cp(cp_size)
     check_thd_split(split)
@@ -270,6 +271,8 @@ def validate_cu_seqlens(
             f"{name}[-1]={cu[-1]} must equal the packed length T_global={t_global}; "
             f"pass the padded boundaries (cu_seqlens_q_padded) that cover every row"
         )
+    if cp_size == 1:
+        return cu  # nothing was cut: any lengths (stock megatron-core takes odd ones at CP=1 too)
     step = 2 * cp_size
     if split == WHOLE_ROW:
         if cu.total % step:

@@ -289,3 +289,17 @@ def test_route_cache_keys_the_split():
     a, b = cache.plan(cu, 2, 0, PER_DOCUMENT), cache.plan(cu, 2, 0, WHOLE_ROW)
     assert a is not b and (a.split, b.split) == (PER_DOCUMENT, WHOLE_ROW)
     assert cache.plan(cu, 2, 0, WHOLE_ROW) is b
+
+
+def test_one_rank_takes_any_lengths():
+    """At CP=1 nothing is cut: odd sequence lengths are legal (as in stock megatron-core), the
+    routes and the natural order are the identity, the chunkwise plan is the boundaries."""
+    cu = [0, 3, 3, 10]
+    for split in (PER_DOCUMENT, WHOLE_ROW):
+        plan = CPPlan(cu=cu, cp_size=1, cp_rank=0, split=split)
+        assert plan.route(ZIGZAG, CONTIGUOUS).is_identity
+        nat = plan.natural_order()
+        assert nat.to_natural.tolist() == nat.own_rows.tolist() == list(range(10))
+        assert list(plan.chunkwise(4).local_cu) == [0, 3, 10]
+    with pytest.raises(ValueError, match=r"not divisible by 2\*cp=4"):
+        validate_cu_seqlens(cu, 2)

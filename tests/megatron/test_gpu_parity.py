@@ -3,8 +3,9 @@ the FLA backend (deterministic_mode=False), bf16, CP=2 and CP=4 as gloo ranks on
 with one rank per GPU when there are enough GPUs), against the same module at CP=1 (SBHD: stock
 0.19.2's FLA path; THD: gdn-cp's path at CP=1), every ``linear_cp_mode``, SBHD and THD; chunkwise
 through both exchange paths (FLA's cp context, ``native``, and gdn-cp's own, ``generic``) at both
-swap points, SBHD at batch 2 and 1 (one zigzag-cut stream: FLA >= 0.6's zigzag cp context, no
-all-to-all) and THD; plus stock vs patched headwise (SBHD, CP=2).
+swap points, SBHD at batch 2 and 1 and THD cut per document and as a whole row (SBHD at batch 1 and
+whole-row THD are one zigzag-cut stream: FLA >= 0.6's zigzag cp context, no all-to-all); plus stock vs
+patched headwise (SBHD, CP=2).
 
 Marked ``gpu``: skipped with a reason on CPU-only machines; run it
 on the device machine with::
@@ -107,9 +108,11 @@ def test_gpu_stock_vs_patched_headwise(gpu_pools, patched_megatron):
     assert not bad, "\n".join(bad)
 
 
-# (layout, SBHD batch): SBHD at batch 1 is one zigzag-cut stream per rank, which FLA >= 0.6's zigzag
-# cp context takes with no layout all-to-all on the native path; the others are routed.
-PATH_CASES = (("sbhd", 2), ("sbhd", 1), ("thd", 1))
+# (layout, SBHD batch): SBHD at batch 1 and THD cut as a whole row (documents of odd lengths,
+# linear_cp_thd_split='whole_row') are one zigzag-cut stream per rank, which FLA >= 0.6's zigzag cp
+# context takes with no layout all-to-all on the native path; the others are routed.
+PATH_CASES = (("sbhd", 2), ("sbhd", 1), ("thd", 1), ("thd_whole_row", 1))
+ONE_STREAM = ("sbhd1", "thd_whole_row")
 
 
 def _gpu_path_cases(ctx, path: str):
@@ -142,8 +145,9 @@ def _gpu_path_cases(ctx, path: str):
             set_chunkwise_swap(swap)
             for layout, batch in PATH_CASES:
                 a2a = ctx.collectives.get("all_to_all_single", 0)
+                cfg = dict(GPU_CFG, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else GPU_CFG
                 errs = parity_case(
-                    ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=GPU_CFG,
+                    ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=cfg,
                     device=ctx.device, metric=rel_l2, bias=False, conv_bias=False, sbhd_batch=batch)["chunkwise"]
                 out[f"{layout}{batch if layout == 'sbhd' else ''}/{swap}"] = {
                     "errors": errs, "all_to_alls": ctx.collectives.get("all_to_all_single", 0) - a2a}
@@ -169,14 +173,14 @@ def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world):
                 continue
             errs = got["errors"]
             _record("megatron_gdn_parity_path", world=world, rank=rank, path=path, case=case,
-                    zigzag=zigzag and case.startswith("sbhd1"), dist=res["dist_backend"], errors=errs,
+                    zigzag=zigzag and case.startswith(ONE_STREAM), dist=res["dist_backend"], errors=errs,
                     all_to_alls=got["all_to_alls"])
             for k, v in errs.items():
                 tol = BF16_TOL["out"] if k == "out" else BF16_TOL["grad"]
                 if not v <= tol:
                     bad.append(f"rank {rank} {path} {case} {k}: {v:.3e} > {tol}")
-            if zigzag and case.startswith("sbhd1"):
-                # the CP=1 answer and headwise-free chunkwise: only the zigzag core ran, no all-to-all
+            if zigzag and case.startswith(ONE_STREAM):
+                # only FLA's zigzag core ran (the CP=1 answer needs none): no all-to-all at all
                 if got["all_to_alls"]:
                     bad.append(f"rank {rank} {case}: {got['all_to_alls']} all-to-alls on the zigzag path")
     assert not bad, "\n".join(bad)
