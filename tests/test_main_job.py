@@ -1,4 +1,4 @@
-"""``gdn-cp run`` (gdn_cp.main_job + gdn_cp.cli_run): flags, machine checks before spawning, the
+"""``gdn-cp run`` (gdn_cp.cli.main_job + gdn_cp.cli.run): flags, machine checks before spawning, the
 report a newcomer reads, and an exit code that says whether what was asked for passed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gdn_cp.cli import build_parser, main
-from gdn_cp.main_job import JobConfig, check_job, run_job
+from gdn_cp.cli.main_job import JobConfig, check_job, run_job
 from gdn_cp.modes import GDNShape
 
 # 3 key heads: headwise cannot split them over cp=2 (the others can); small and quick.

@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gdn_cp.cli import main
-from gdn_cp.main_job import check_job
+from gdn_cp.cli.main_job import check_job
 from gdn_cp.modes.spec import MODE_NAMES
 from gdn_cp.testing.packings import cumsum0, zigzag_rows
 
@@ -386,7 +386,7 @@ def test_run_flags(data):
         seen.append(cfg)
         return types.SimpleNamespace(exit_code=0)
 
-    with mock.patch("gdn_cp.main_job.run_job", fake_run_job):
+    with mock.patch("gdn_cp.cli.main_job.run_job", fake_run_job):
         rc, out, err = run_cli(["run", *argv_of(flags)])
     if any(maybe_option(v) for v in flags.values()) and rc == 2:
         assert out == "" and not seen

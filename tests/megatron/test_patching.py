@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp import cli_patch
+from gdn_cp.cli import patch as cli_patch
 from gdn_cp.megatron import patching
 from gdn_cp.megatron.patching import (
     BACKUP_SUFFIX,

@@ -7,11 +7,11 @@ import logging
 import os
 import sys
 
-from . import __version__
-from .cli_args import int_list, int_range
-from .cli_run import add_run_command
-from .megatron.pins import PINS
-from .modes.spec import MODE_NAMES
+from .. import __version__
+from .args import int_list, int_range
+from .run import add_run_command
+from ..megatron.pins import PINS
+from ..modes.spec import MODE_NAMES
 
 _DESCRIPTION = f"""\
 gdn-cp: context parallelism ({", ".join(MODE_NAMES)}) for Gated DeltaNet layers on
@@ -38,9 +38,9 @@ def _existing_path(text: str) -> str:
 
 def _route_text(args) -> str:
     """Everything ``gdn-cp route`` prints, built (and so checked) before any of it is printed."""
-    from .layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
-    from .layout.boundaries import MAX_CP_SIZE
-    from .layout.chunkwise import MAX_CONV_WIDTH
+    from ..layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
+    from ..layout.boundaries import MAX_CP_SIZE
+    from ..layout.chunkwise import MAX_CONV_WIDTH
 
     if args.cp > MAX_CP_SIZE:
         raise ValueError(f"--cp {args.cp} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
@@ -85,7 +85,7 @@ def _cmd_selftest(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
-    from .megatron.doctor import run_doctor
+    from ..megatron.doctor import run_doctor
 
     return run_doctor(heads=args.heads, tp=args.tp, cp=args.cp, path=args.path,
                       error_echo=lambda line: print(line, file=sys.stderr))
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_doctor)
 
     try:
-        from .cli_patch import add_patch_commands
+        from .patch import add_patch_commands
 
         add_patch_commands(sub)
     except ImportError as err:  # pragma: no cover - broken install

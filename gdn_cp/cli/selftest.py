@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .testing.metrics import max_rel, rel_l2, worst
-from .testing.results import stack_versions
-from .testing.tolerances import FLA_VS_FP64_REL_L2
+from ..testing.metrics import max_rel, rel_l2, worst
+from ..testing.results import stack_versions
+from ..testing.tolerances import FLA_VS_FP64_REL_L2
 
 __all__ = [
     "CaseResult",

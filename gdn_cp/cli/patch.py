@@ -1,6 +1,6 @@
 """`gdn-cp patch apply|check|revert [PATH]`: the pinned Megatron-Core patch from the command line.
 
-``gdn_cp.cli`` calls :func:`add_patch_commands` on its subparsers; the parsed ``args.func(args)``
+``gdn_cp.cli.command`` calls :func:`add_patch_commands` on its subparsers; the parsed ``args.func(args)``
 returns the exit code (0: done / consistent state, 1: error or unexpected state).
 """
 
@@ -134,7 +134,7 @@ def run_patch_command(
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Stand-alone entry point (``python -m gdn_cp.cli_patch patch check``)."""
+    """Stand-alone entry point (``python -m gdn_cp.cli.patch patch check``)."""
     parser = argparse.ArgumentParser(prog="gdn-cp")
     sub = parser.add_subparsers(dest="command", required=True)
     add_patch_commands(sub)

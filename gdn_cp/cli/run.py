@@ -1,7 +1,7 @@
-"""``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.main_job`).
+"""``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.cli.main_job`).
 
 Every flag is checked by argparse (the error names the flag); what depends on the machine (CUDA,
-NCCL, FLA) is checked by :func:`gdn_cp.main_job.check_job` before any rank is spawned. Lists are
+NCCL, FLA) is checked by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
 comma-separated for every flag that takes one (``--cp 2,4 --modes headwise,chunkwise``).
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_args import comma_items, int_list, int_range
-from .modes.spec import MODE_NAMES
+from .args import comma_items, int_list, int_range
+from ..modes.spec import MODE_NAMES
 
 __all__ = ["add_run_command"]
 

@@ -23,14 +23,14 @@ from typing import Callable, Optional
 
 import torch
 
-from .modes import GDNShape
-from .modes.spec import MODE_NAMES, head_problem
-from .ops import BACKENDS
-from .testing.inputs import core_inputs, core_leaves
-from .testing.metrics import max_rel
-from .testing.packings import packed_boundaries
-from .testing.ranks import RankError, RankPool
-from .testing.tolerances import cp_vs_cp1_tolerance
+from ..modes import GDNShape
+from ..modes.spec import MODE_NAMES, head_problem
+from ..ops import BACKENDS
+from ..testing.inputs import core_inputs, core_leaves
+from ..testing.metrics import max_rel
+from ..testing.packings import packed_boundaries
+from ..testing.ranks import RankError, RankPool
+from ..testing.tolerances import cp_vs_cp1_tolerance
 
 __all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "run_job"]
 
@@ -68,7 +68,7 @@ def auto_config(**overrides) -> JobConfig:
     cfg = JobConfig(**overrides)
     if "device" in overrides or not torch.cuda.is_available():
         return cfg
-    from .ops.fla import fla_available
+    from ..ops.fla import fla_available
 
     choice = {"device": "cuda"}
     if "backend" not in overrides:
@@ -108,7 +108,7 @@ def check_job(cfg: JobConfig) -> None:
         if cfg.device != "cuda":
             raise ValueError("--backend fla needs --device cuda (FLA's kernels are CUDA-only); use --backend "
                              "reference on the CPU")
-        from .ops.fla import fla_available, fla_import_error
+        from ..ops.fla import fla_available, fla_import_error
 
         if not fla_available():
             raise ValueError(f"--backend fla: {fla_import_error()}; use --backend reference")
@@ -138,11 +138,11 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     """One rank of a cp-sized run: round trip, CP=1 answer, then each mode. A JSON-able report."""
     import torch.distributed as dist
 
-    from .comm import all_gather_rows, route_all_to_all
-    from .layout import CONTIGUOUS, ZIGZAG, RouteCache
-    from .modes import gdn_core, local_core
-    from .ops import get_backend
-    from .testing.packings import zigzag_rows
+    from ..comm import all_gather_rows, route_all_to_all
+    from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
+    from ..modes import gdn_core, local_core
+    from ..ops import get_backend
+    from ..testing.packings import zigzag_rows
 
     rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
     report: dict = {"rank": rank}
