@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from ..checks import as_int
 from .boundaries import Boundaries, check_cp, validate_cu_seqlens
 
 __all__ = ["ChunkwisePlan", "build_chunkwise_plan"]
@@ -62,7 +63,7 @@ def build_chunkwise_plan(cu_seqlens, cp_size: int, cp_rank: int, conv_width: int
     """``cu_seqlens``: global boundaries (checked as by :func:`validate_cu_seqlens`).
     ``conv_width``: the conv kernel W."""
     check_cp(cp_size, cp_rank)
-    if isinstance(conv_width, bool) or not isinstance(conv_width, int) or not 1 <= conv_width <= MAX_CONV_WIDTH:
+    if as_int(conv_width) is None or not 1 <= conv_width <= MAX_CONV_WIDTH:
         raise ValueError(f"conv_width must be an int in [1, {MAX_CONV_WIDTH}] (the conv kernel W), got {conv_width!r}")
     cu = validate_cu_seqlens(cu_seqlens, cp_size)
     t_local = cu.total // cp_size
