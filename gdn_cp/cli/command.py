@@ -1,4 +1,11 @@
-"""The ``gdn-cp`` command: run the main job, inspect routes, patch Megatron-Core, check a stack."""
+"""The ``gdn-cp`` command: the top-level parser, ``doctor`` and ``selftest``'s flags, and :func:`main`.
+
+Every command goes through :func:`main`, which keeps the rules of :mod:`gdn_cp.cli.output` for
+all of them: every ``GDN_CP_*`` environment variable is checked before the command runs; a
+:class:`~gdn_cp.cli.output.CommandError` becomes one ``gdn-cp <command>: error: ...`` line and its
+exit status; a reader that closes the output early (``| head``) ends the command quietly.
+Importing this module imports no torch (``--help`` and ``patch`` run without it).
+"""
 
 from __future__ import annotations
 
@@ -6,27 +13,30 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 
-from .. import __version__
-from .args import int_list, int_range
-from .run import add_run_command
+from .. import __version__, env
 from ..megatron.pins import PINS
 from ..modes.spec import MODE_NAMES
+from .args import int_list, int_range
+from .output import EXIT_STATUS, EXIT_USAGE, CommandError, exit_epilog, print_error
+from .patch import add_patch_commands
+from .route import add_route_command
+from .run import add_run_command
 
-_DESCRIPTION = f"""\
-gdn-cp: context parallelism ({", ".join(MODE_NAMES)}) for Gated DeltaNet layers on
-Megatron-Core {", ".join(PINS)}.
+__all__ = ["build_parser", "main"]
 
-  run       the main job: a real CP run of the GDN core on spawned ranks, checked against CP=1
-  route     print the zigzag <-> contiguous all-to-all plan for a packing (debugging packings)
-  patch     apply / check / revert the pinned Megatron-Core patch
-  doctor    versions, patch state, GPUs, and which linear_cp_mode fits a head shape
-  selftest  FLA backend vs the reference backend on this machine's GPU and versions
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: what a Unix tool killed by a closed pipe exits with (``gdn-cp ... | head``)."""
+
+_DESCRIPTION = (f"gdn-cp: context parallelism ({', '.join(MODE_NAMES)}) for Gated DeltaNet layers on "
+                f"Megatron-Core {', '.join(PINS)}.")
+
+_EPILOG = f"""\
+`gdn-cp COMMAND --help` describes each command. -v (log at DEBUG level) goes before or after COMMAND.
+
+{textwrap.fill(EXIT_STATUS, width=100)}
 """
-
-
-ROUTE_ALL_RANKS_MAX = 64
-"""``gdn-cp route`` prints every rank only up to this CP size (beyond it, ask for one ``--rank``)."""
 
 
 def _existing_path(text: str) -> str:
@@ -36,124 +46,123 @@ def _existing_path(text: str) -> str:
     return text
 
 
-def _route_text(args) -> str:
-    """Everything ``gdn-cp route`` prints, built (and so checked) before any of it is printed."""
-    from ..layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
-    from ..layout.boundaries import MAX_CP_SIZE
-    from ..layout.chunkwise import MAX_CONV_WIDTH
-
-    if args.cp > MAX_CP_SIZE:
-        raise ValueError(f"--cp {args.cp} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
-    if args.conv_width > MAX_CONV_WIDTH:
-        raise ValueError(f"--conv-width {args.conv_width} is larger than gdn-cp plans for (at most {MAX_CONV_WIDTH})")
-    cu = validate_cu_seqlens(args.cu, args.cp, name="--cu")
-    if args.rank is not None and args.rank >= args.cp:
-        raise ValueError(f"--rank {args.rank} is not a rank of --cp {args.cp}; use a rank in [0, {args.cp - 1}]")
-    if args.rank is None and args.cp > ROUTE_ALL_RANKS_MAX:
-        raise ValueError(f"--cp {args.cp} would print {args.cp} ranks; pass --rank r to print one")
-    ranks = range(args.cp) if args.rank is None else [args.rank]
-    both = [(ZIGZAG, CONTIGUOUS), (CONTIGUOUS, ZIGZAG)]
-    directions = both if args.direction == "both" else [tuple(args.direction.split("->"))]
-    lines = [f"{cu.num_sequences} sequences, T_global={cu.total}, cp={args.cp}, T_local={cu.total // args.cp}"]
-    for rank in ranks:
-        lines.append(f"\n# rank {rank}")
-        for source, target in directions:
-            lines.append(build_thd_route(cu, args.cp, rank, source, target).summary())
-        cw = build_chunkwise_plan(cu, args.cp, rank, args.conv_width)
-        lines.append(
-            f"chunkwise pieces (local boundaries) {list(cw.local_cu)}; first piece continues: "
-            f"{cw.first_continues} (state from ranks {list(cw.compose_ranks)}); last piece continues: "
-            f"{cw.last_continues}"
-        )
-    return "\n".join(lines)
-
-
-def _cmd_route(args) -> int:
-    try:
-        text = _route_text(args)
-    except (ValueError, TypeError) as err:
-        print(f"gdn-cp route: error: {err}", file=sys.stderr)
-        return 2
-    print(text)
-    return 0
-
-
-def _cmd_selftest(args) -> int:
-    from .selftest import main as selftest_main
-
-    return selftest_main((["--gpu"] if args.gpu else []) + (["--json"] if args.json else []))
-
-
 def _cmd_doctor(args) -> int:
     from ..megatron.doctor import run_doctor
 
-    return run_doctor(heads=args.heads, tp=args.tp, cp=args.cp, path=args.path,
-                      error_echo=lambda line: print(line, file=sys.stderr))
+    heads = None if args.heads is None else tuple(args.heads)
+    try:
+        return run_doctor(heads=heads, tp=args.tp, cp=args.cp, path=args.path)
+    except ValueError as err:
+        raise CommandError(str(err)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="gdn-cp", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--version", action="version", version=f"gdn-cp {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def _cmd_selftest(args) -> int:
+    from .selftest import run_selftest_command  # imports torch
 
-    add_run_command(sub)
+    return run_selftest_command(args)
 
-    p = sub.add_parser("route", help="print the all-to-all plan for packed boundaries",
-                       description="Build the zigzag <-> contiguous routes for the given padded boundaries and "
-                       "print each rank's send/receive transfers and chunkwise pieces. Everything is checked before "
-                       "anything is printed; exit 2 on a bad flag or boundaries a zigzag split cannot take.")
-    p.add_argument("--cu", type=int_list(), required=True, metavar="LIST",
-                   help="padded cu_seqlens, comma-separated, e.g. 0,128,384,512 (every length a multiple of 2*cp)")
-    p.add_argument("--cp", type=int_range(1), required=True, help="context-parallel size")
-    p.add_argument("--rank", type=int_range(0), default=None,
-                   help=f"only this rank (default: all ranks, for --cp up to {ROUTE_ALL_RANKS_MAX})")
-    p.add_argument("--direction", default="both", choices=["both", "zigzag->contiguous", "contiguous->zigzag"],
-                   help="which route to print (default: both)")
-    p.add_argument("--conv-width", type=int_range(1), default=4,
-                   help="conv kernel W for the chunkwise halo plan (default 4)")
-    p.set_defaults(func=_cmd_route)
 
-    p = sub.add_parser("selftest", help="FLA vs reference backend on this GPU (catches broken FLA/Triton stacks)",
-                       description="Compare the FLA backend with the plain-torch reference (outputs and gradients) "
-                       "on this machine; exit 1 on a mismatch.")
-    p.add_argument("--gpu", action="store_true", help="require a GPU (fail instead of skipping without one)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=_cmd_selftest)
-
-    p = sub.add_parser("doctor", help="versions, patch state, GPUs, legal modes for a head shape",
-                       description="Report torch / megatron-core / FLA / Triton versions, the patch state of the "
-                       "importable megatron-core, GPUs, and for --heads K,V --tp T --cp C which linear_cp_mode values "
-                       "are legal and what auto resolves to, with reasons. Exit 0 when all is well; 1 when the "
-                       "patch state is foreign or partial, --path holds no megatron-core, or no mode is legal for "
-                       "--heads; 2 on a bad flag.")
+def _add_doctor_command(sub, parents) -> None:
+    p = sub.add_parser(
+        "doctor", parents=parents, help="versions, patch state, GPUs, and which linear_cp_mode fits a head shape",
+        description="Report gdn-cp / torch / megatron-core / FLA / Triton versions, GPUs, the GDN_CP_* environment "
+        "variables, the patch state of the importable megatron-core (or of --path), and, for --heads K,V "
+        "(with --tp and --cp), which linear_cp_mode values are legal and what auto resolves to, with reasons. "
+        "Runs without torch (and says so).",
+        epilog=exit_epilog("the megatron-core files are partially patched, modified or missing, or no mode is "
+                           "legal for --heads"))
     p.add_argument("--heads", type=int_list(1, count=2), default=None, metavar="K,V",
                    help="linear key,value heads (linear_num_key_heads, linear_num_value_heads), e.g. 16,32")
-    p.add_argument("--tp", type=int_range(1), default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--cp", type=int_range(1), default=1, help="context-parallel size (default 1)")
+    p.add_argument("--tp", type=int_range(1), default=None, help="tensor-parallel size for --heads (default 1)")
+    p.add_argument("--cp", type=int_range(1), default=None, help="context-parallel size for --heads (default 1)")
     p.add_argument("--path", type=_existing_path, default=None,
                    help="Megatron-LM checkout or site-packages (default: the importable megatron)")
     p.set_defaults(func=_cmd_doctor)
 
-    try:
-        from .patch import add_patch_commands
 
-        add_patch_commands(sub)
-    except ImportError as err:  # pragma: no cover - broken install
-        logging.getLogger(__name__).warning("patch commands unavailable: %s", err)
+def _add_selftest_command(sub, parents) -> None:
+    p = sub.add_parser(
+        "selftest", parents=parents, help="check the math backends on this machine (FLA against the reference)",
+        description="With a CUDA GPU and flash-linear-attention: FLA's kernels (float32, bfloat16) against the "
+        "plain-torch reference in float64, outputs and gradients (catches broken FLA/Triton stacks). Without "
+        "them: the reference backend in float32 against float64 on the CPU, and the report says that FLA was "
+        "not checked and why. Context parallelism is checked by `gdn-cp run`, not here.",
+        epilog=exit_epilog("a backend disagrees with the reference beyond the tolerance, or fails"))
+    p.add_argument("--gpu", action="store_true",
+                   help="insist on the FLA check (exit 2 where there is no CUDA GPU or FLA does not import)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_selftest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gdn-cp`` parser; each command sets ``func`` (returns the exit status) and ``prog``."""
+    parser = argparse.ArgumentParser(
+        prog="gdn-cp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"gdn-cp {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    # the same -v on every command; SUPPRESS keeps a command's parser from resetting one given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at DEBUG level")
+    parents = [common]
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    add_run_command(sub, parents)
+    add_route_command(sub, parents)
+    add_patch_commands(sub, parents)
+    _add_doctor_command(sub, parents)
+    _add_selftest_command(sub, parents)
+    for name, command in sub.choices.items():
+        command.set_defaults(prog=f"gdn-cp {name}")  # patch's actions set their own
     return parser
 
 
+def _quiet_stdout() -> None:
+    """After a reader closed our stdout: point it at /dev/null, so that flushing at exit cannot
+    raise a second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured)
+        pass
+    finally:
+        os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run ``gdn-cp`` with ``argv``; returns the exit status (see :data:`gdn_cp.cli.output.EXIT_STATUS`)."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
-        parser.print_help()
-        return 2
-    return int(args.func(args) or 0)
+        parser.print_help(sys.stderr)
+        print_error("gdn-cp", "name a COMMAND")
+        return EXIT_USAGE
+    try:
+        env.check_environment()
+    except ValueError as err:
+        print_error(args.prog, str(err))
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except CommandError as err:
+        print_error(args.prog, str(err))
+        return err.status
+    except ModuleNotFoundError as err:
+        if err.name not in ("torch", "numpy"):
+            raise
+        print_error(args.prog, f"this command needs {err.name}, which does not import here ({err}); install it "
+                    f"(pip install {err.name}; CPU torch: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cpu)")
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

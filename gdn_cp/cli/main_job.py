@@ -9,14 +9,16 @@ default; NCCL with one rank per GPU when there are enough GPUs), and on every ra
    input gradients and the conv gradients (summed over ranks) with CP=1 on the same inputs.
 
 Each cp block is printed as soon as it finishes. Modes that cannot run at a CP size (headwise when
-the heads do not divide cp) are not started: they are listed as skipped, with the reason. The job
-passes when every check of everything that ran passed, and, when modes were asked for by name,
-every asked-for mode ran at every CP size.
+the heads do not divide cp) are not started: they are listed as skipped, with the reason; a mode
+asked for by name (``--modes``) that cannot run at one of the CP sizes is refused by
+:func:`check_job`, before anything is spawned. The job passes when every check of everything that
+ran passed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -24,13 +26,14 @@ from typing import Callable, Optional
 import torch
 
 from ..modes import GDNShape
-from ..modes.spec import MODE_NAMES, head_problem
+from ..modes.spec import MODE_NAMES, get_mode, head_problem
 from ..ops import BACKENDS
 from ..testing.inputs import core_inputs, core_leaves
 from ..testing.metrics import max_rel
 from ..testing.packings import packed_boundaries
 from ..testing.ranks import RankError, RankPool
 from ..testing.tolerances import cp_vs_cp1_tolerance
+from .output import count
 
 __all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "run_job"]
 
@@ -92,6 +95,7 @@ def check_job(cfg: JobConfig) -> None:
                              f"of {', '.join(MODE_NAMES)}")
     if cfg.num_sequences < 1:
         raise ValueError(f"--sequences {cfg.num_sequences}: a micro-batch needs at least 1 sequence")
+    _check_named_modes(cfg)
     if cfg.tokens_per_rank < 2 or cfg.tokens_per_rank % 2:
         raise ValueError(f"--tokens-per-rank {cfg.tokens_per_rank}: must be even and >= 2 (every sequence "
                          "length is a multiple of 2*cp, so T_global = tokens_per_rank * cp must be too)")
@@ -124,6 +128,27 @@ def check_job(cfg: JobConfig) -> None:
         if gpus < need:
             raise ValueError(f"--dist-backend nccl needs one GPU per rank: --cp {need} needs {need} GPUs, "
                              f"{gpus} visible; use --dist-backend gloo (ranks share a GPU) or a smaller --cp")
+
+
+def _check_named_modes(cfg: JobConfig) -> None:
+    """A mode named in ``--modes`` must run at every CP size with these heads (TP=1): said here,
+    before anything is spawned, instead of after the ranks of the sizes that can run it."""
+    if cfg.modes is None:
+        return
+    k, v = cfg.shape.num_k_heads, cfg.shape.num_v_heads
+    bad = [(mode, cp) for mode in cfg.modes for cp in cfg.cp_sizes
+           if head_problem(mode, num_key_heads=k, num_value_heads=v, tp=1, cp=cp) is not None]
+    if not bad:
+        return
+    mode, _ = bad[0]
+    sizes = [cp for m, cp in bad if m == mode]
+    need = math.lcm(*cfg.cp_sizes)
+    raise ValueError(
+        f"--modes {mode} cannot run at --cp {','.join(map(str, sizes))} with --heads {k},{v}: {mode} needs both "
+        f"head counts divisible by {get_mode(mode).divisor_text(1, sizes[0])}; pass --heads {need},{2 * need} "
+        f"(divisible by every --cp size), leave {mode} out of --modes (without --modes it is listed as skipped "
+        "where it cannot run), or use other --cp sizes"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,11 +241,12 @@ def _print_block(cp: int, reports: list[dict], modes: tuple[str, ...], skipped: 
                  result: JobResult, echo: Callable[[str], None]) -> None:
     r0 = reports[0]
     lengths = [b - a for a, b in zip(r0["cu"][:-1], r0["cu"][1:])]
-    echo(f"packed micro-batch: {len(lengths)} sequences (lengths {min(lengths)}..{max(lengths)}, "
-         f"{lengths.count(0)} empty slots), T_global={r0['cu'][-1]}")
+    echo(f"packed micro-batch: {count(len(lengths), 'sequence')} (lengths {min(lengths)}..{max(lengths)}, "
+         f"{count(lengths.count(0), 'empty slot')}), T_global={r0['cu'][-1]}")
     summary = r0["route_summary"].splitlines()
     echo("\n".join(summary[:4]))
-    echo(f"  ... {max(0, len(summary) - 4)} more send/recv transfers; route build {r0['route_build_ms']:.2f} ms")
+    echo(f"  ... {count(max(0, len(summary) - 4), 'more send/recv transfer')}; route build "
+         f"{r0['route_build_ms']:.2f} ms")
     exact = all(r["round_trip_exact"] for r in reports)
     hits = all(r["plan_hits_after_first"] for r in reports)
     echo(f"zigzag -> contiguous -> zigzag round trip bit-exact on all ranks: {exact}; cached plan reused: {hits}")
@@ -266,8 +292,10 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
     check_job(cfg)
     tol = cp_vs_cp1_tolerance(cfg.dtype, cfg.backend) if tolerance is None else tolerance
     result = JobResult()
+    shape = cfg.shape
     echo(f"gdn-cp run: CP sizes {','.join(map(str, cfg.cp_sizes))}; modes {', '.join(cfg.modes_to_run)}; "
-         f"{cfg.num_sequences} packed sequences, {cfg.tokens_per_rank} tokens per rank; {cfg.dtype} on "
+         f"{count(cfg.num_sequences, 'packed sequence')}, {count(cfg.tokens_per_rank, 'token')} per rank; "
+         f"{shape.num_k_heads} key / {shape.num_v_heads} value heads of dim {shape.head_k_dim}; {cfg.dtype} on "
          f"{cfg.device}, {cfg.backend} backend, {cfg.dist_backend} ranks")
     echo(f"Each mode's columns are relative errors against CP=1 on the same inputs, max over ranks: "
          f"max|CP - CP=1| / max|CP=1| of the output and of each gradient; allowed: <= {tol:g}.")
@@ -275,14 +303,14 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
         skipped = _skips(cfg, cp)
         result.skipped += [(cp, mode, why) for mode, why in skipped.items()]
         modes = tuple(m for m in cfg.modes_to_run if m not in skipped)
-        echo(f"\n== cp={cp}: spawning {cp} rank(s) ({cfg.dist_backend}, {cfg.device})")
+        echo(f"\n== cp={cp}: spawning {count(cp, 'rank')} ({cfg.dist_backend}, {cfg.device})")
         try:
             with RankPool(cp, device=cfg.device, backend=cfg.dist_backend, test_shims=False,
                           timeout_s=timeout_s) as pool:
                 reports = pool.run(_rank_job, cp, cfg, modes)
         except RankError as err:
             echo(f"cp={cp} failed:\n{err}")
-            result.failures.append(f"cp={cp}: {len(err.failures)} rank(s) failed (above)")
+            result.failures.append(f"cp={cp}: {count(len(err.failures), 'rank')} failed (above)")
             continue
         _print_block(cp, reports, modes, skipped, tol, result, echo)
     _finish(cfg, result, echo)
@@ -291,7 +319,7 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
 
 def _finish(cfg: JobConfig, result: JobResult, echo: Callable[[str], None]) -> None:
     asked = cfg.modes is not None
-    for cp, mode, why in result.skipped:
+    for cp, mode, why in result.skipped:  # check_job refuses these before spawning; kept as a guard
         if asked:
             result.failures.append(f"{mode} at cp={cp} was asked for with --modes but cannot run: {why}")
     if result.ran == 0 and not result.failures:
@@ -304,9 +332,9 @@ def _finish(cfg: JobConfig, result: JobResult, echo: Callable[[str], None]) -> N
     for line in result.failures:
         echo(f"failed: {line}")
     if not result.ok:
-        echo(f"result: FAIL ({len(result.failures)} problem(s) listed above)")
+        echo(f"result: FAIL ({count(len(result.failures), 'problem')} listed above)")
     elif result.skipped:
-        echo(f"result: PASS: all {result.ran} (cp, mode) runs that could run passed; "
+        echo(f"result: PASS: {count(result.ran, '(cp, mode) run')} that could run passed; "
              f"{len(result.skipped)} skipped (listed above)")
     else:
-        echo(f"result: PASS: all {result.ran} (cp, mode) runs passed")
+        echo(f"result: PASS: {count(result.ran, '(cp, mode) run')} passed")

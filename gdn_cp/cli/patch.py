@@ -1,17 +1,18 @@
 """`gdn-cp patch apply|check|revert [PATH]`: the pinned Megatron-Core patch from the command line.
 
-``gdn_cp.cli.command`` calls :func:`add_patch_commands` on its subparsers; the parsed ``args.func(args)``
-returns the exit code (0: done / consistent state, 1: error or unexpected state).
+``gdn_cp.cli.command`` calls :func:`add_patch_commands` on its subparsers; the parsed
+``args.func(args)`` returns the exit code or raises :class:`~gdn_cp.cli.output.CommandError`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence, TextIO
+from typing import Optional, TextIO
 
-from gdn_cp.megatron import patching
-from gdn_cp.megatron.pins import PINS
+from ..megatron import patching
+from ..megatron.pins import PINS
+from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
 
 _RELEASES = ", ".join(PINS)
 
@@ -26,11 +27,17 @@ all files are replaced or none; the originals are kept as *{patching.BACKUP_SUFF
 .git/info/exclude in a git checkout) and `revert` restores them byte for byte.
 """
 
-_EPILOG = """\
+_PATH_HELP = """\
 PATH: a Megatron-LM checkout, a site-packages folder holding megatron-core, or the megatron
 package folder. Default: the megatron package importable by this Python.
-Exit status: 0 on success (check: pristine or patched, or the --expect-ed state), 1 otherwise.
 """
+
+_FOUND_PROBLEM = {
+    "apply": "the target files are not the release's (local edits, another release) or are partially "
+    "patched, or writing failed; nothing was changed",
+    "check": "the files are partially patched, modified or missing, or not in the --expect-ed state",
+    "revert": "the target files are not the release's, patched or not; nothing was changed",
+}
 
 _REVERT_NOTE = f"""
 Revert before `pip uninstall megatron-core`: pip does not know the *{patching.BACKUP_SUFFIX}
@@ -38,17 +45,19 @@ backups and leaves them (and their folders) behind; delete them by hand if it al
 """
 
 
-def add_patch_commands(subparsers) -> argparse.ArgumentParser:
-    """Register ``patch {apply,check,revert} [PATH]`` on an ``argparse`` subparsers object.
+def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
+    """Register ``patch {apply,check,revert} [PATH]`` on an ``argparse`` subparsers object
+    (``parents``: the flags every command takes, e.g. ``-v``).
 
     Sets ``func`` on the parsed namespace: ``args.func(args)`` runs it and returns the exit code.
     Returns the new ``patch`` parser.
     """
     p = subparsers.add_parser(
         "patch",
+        parents=list(parents),
         help=f"apply / check / revert the pinned Megatron-Core {patching.PINNED_VERSION} patch",
         description=_DESCRIPTION,
-        epilog=_EPILOG,
+        epilog=_PATH_HELP + "\n" + exit_epilog("see `gdn-cp patch apply|check|revert --help`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     actions = p.add_subparsers(dest="patch_action", metavar="{apply,check,revert}", required=True)
@@ -60,9 +69,10 @@ def add_patch_commands(subparsers) -> argparse.ArgumentParser:
     for action, text in helps.items():
         a = actions.add_parser(
             action,
+            parents=list(parents),
             help=text,
             description=text + (_REVERT_NOTE if action == "revert" else ""),
-            epilog=_EPILOG,
+            epilog=_PATH_HELP + "\n" + exit_epilog(_FOUND_PROBLEM[action]),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         a.add_argument(
@@ -82,7 +92,7 @@ def add_patch_commands(subparsers) -> argparse.ArgumentParser:
             )
         else:
             a.set_defaults(expect=None)
-        a.set_defaults(func=run_patch_command)
+        a.set_defaults(func=run_patch_command, prog=f"gdn-cp patch {action}")
     return p
 
 
@@ -92,55 +102,45 @@ def _print_states(files: dict, out: TextIO) -> None:
         print(f"  {target:<{width}}  {state}", file=out)
 
 
-def run_patch_command(
-    args: argparse.Namespace, out: Optional[TextIO] = None, err: Optional[TextIO] = None
-) -> int:
-    """Run ``gdn-cp patch``; returns the exit status."""
+def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    """Run ``gdn-cp patch``; returns the exit status, raises :class:`CommandError` with the reason
+    (2: no megatron-core where PATH points, nothing looked at; 1: the files are not in a state the
+    action can take, nothing changed)."""
     out = out or sys.stdout
-    err = err or sys.stderr
     try:
         root = patching.find_megatron_root(args.path)
+    except patching.MegatronNotFound as e:
+        raise CommandError(str(e)) from None
+    try:
         if args.patch_action == "check":
-            files = patching.check_patch(root)
-            state = patching.overall_state(files)
-            print(f"{root}: {patching.describe_tree(root)}", file=out)
-            _print_states(files, out)
-            print(f"state: {state}", file=out)
-            if args.expect is not None:
-                ok = state == args.expect
-                if not ok:
-                    print(f"error: expected {args.expect}, found {state}", file=err)
-                return 0 if ok else 1
-            if state in (patching.PRISTINE, patching.PATCHED):
-                return 0
-            hint = (
-                "run `gdn-cp patch revert` then `gdn-cp patch apply`"
-                if state == patching.PARTIAL
-                else f"restore files that match a supported megatron-core release ({_RELEASES}; "
-                "reinstall it, or check out a matching commit) before applying"
-            )
-            print(f"error: megatron-core is {state}: {hint}", file=err)
-            return 1
+            return _check(root, args.expect, out)
         if args.patch_action == "apply":
             result = patching.apply_patch(root)
         else:
             result = patching.revert_patch(root)
-        print(result.message, file=out)
-        _print_states(result.files, out)
-        return 0
     except patching.PatchError as e:
-        print(f"error: {e}", file=err)
-        return 1
+        raise CommandError(str(e), EXIT_FOUND_PROBLEM) from None
+    print(result.message, file=out)
+    _print_states(result.files, out)
+    return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Stand-alone entry point (``python -m gdn_cp.cli.patch patch check``)."""
-    parser = argparse.ArgumentParser(prog="gdn-cp")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_patch_commands(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+def _check(root, expect: Optional[str], out: TextIO) -> int:
+    files = patching.check_patch(root)
+    state = patching.overall_state(files)
+    print(f"{root}: {patching.describe_tree(root)}", file=out)
+    _print_states(files, out)
+    print(f"state: {state}", file=out)
+    if expect is not None:
+        if state != expect:
+            raise CommandError(f"expected {expect}, found {state}: {patching.describe_state(state)}",
+                               EXIT_FOUND_PROBLEM)
+        return 0
+    if state in (patching.PRISTINE, patching.PATCHED):
+        return 0
+    hint = (
+        "" if state == patching.PARTIAL
+        else f"; restore files that are a supported megatron-core release's ({_RELEASES}; reinstall it, or "
+        "check out a matching commit) before applying"
+    )
+    raise CommandError(f"megatron-core at {root}: {patching.describe_state(state)}{hint}", EXIT_FOUND_PROBLEM)

@@ -75,15 +75,74 @@ def test_default_modes_skip_what_cannot_run_and_pass():
     assert result.ran == 2 and result.skipped[0][:2] == (2, "headwise")
 
 
-@pytest.mark.slow
-def test_asked_for_modes_that_cannot_run_and_wrong_answers_fail():
-    """Both make the exit code 1, each with its own line: a mode named in --modes that cannot run,
-    and errors over the tolerance (a tolerance no run meets: the comparison is not vacuous)."""
+def test_named_mode_that_cannot_run_is_refused_before_spawning(monkeypatch, capsys):
+    """`gdn-cp run --modes headwise --cp 8` at 4/8 heads: one line, exit 2, no rank spawned; the
+    default modes list it as skipped instead (above)."""
+    from gdn_cp.cli import main_job
+
+    def no_spawn(*a, **k):
+        raise AssertionError("spawned ranks for a job that cannot run")
+
+    monkeypatch.setattr(main_job, "RankPool", no_spawn)
+    assert main(["run", "--modes", "headwise", "--cp", "2,8"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap
+    assert cap.err.startswith("gdn-cp run: error: --modes headwise cannot run at --cp 8 with --heads 4,8") and \
+        "--heads 8,16" in cap.err, cap.err
+    with pytest.raises(ValueError, match="--modes headwise cannot run at --cp 2 with --heads 3,6"):
+        check_job(JobConfig(cp_sizes=(2,), modes=("headwise", "chunkwise"), **SMALL))
+
+
+def test_heads_are_flags_and_in_the_header(monkeypatch):
+    """--heads K,V and --head-dim set the core's shape; the header says it before anything runs."""
+    from gdn_cp.cli import main_job
+
+    seen = {}
+
+    def fake_run_job(cfg, echo=print, **kw):
+        seen["cfg"] = cfg
+        return main_job.JobResult()
+
+    monkeypatch.setattr(main_job, "run_job", fake_run_job)
+    assert main(["run", "--heads", "2,6", "--head-dim", "16", "--modes", "headwise", "--cp", "2"]) == 0
+    assert seen["cfg"].shape == GDNShape(num_k_heads=2, num_v_heads=6, head_k_dim=16, head_v_dim=16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--heads", "4,6"])  # V not a multiple of K: a flag error
+
     lines = []
-    result = run_job(JobConfig(cp_sizes=(2,), modes=("headwise", "chunkwise"), **SMALL), tolerance=-1.0,
-                     echo=lines.append)
+    with pytest.raises(ValueError):  # stops in check_job, after nothing was printed
+        run_job(JobConfig(cp_sizes=(8,), modes=("headwise",)), echo=lines.append)
+    assert lines == []
+    header = []
+    monkeypatch.setattr(main_job, "RankPool", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        run_job(JobConfig(cp_sizes=(2,), num_sequences=1), echo=header.append)
+    assert "4 key / 8 value heads of dim 32" in header[0] and "1 packed sequence," in header[0], header[0]
+
+
+def test_counts_say_one_thing_not_one_things():
+    """The report's counted nouns (one case each: "1 sequence", "1 rank", "1 problem")."""
+    from gdn_cp.cli import main_job
+
+    lines = []
+    report = {"cu": [0, 8], "route_summary": "", "route_build_ms": 0.1, "round_trip_exact": True,
+              "plan_hits_after_first": True, "cp1_s": 0.1, "modes": {}}
+    result = main_job.JobResult()
+    main_job._print_block(1, [report], (), {}, 1e-5, result, lines.append)
+    main_job._finish(JobConfig(cp_sizes=(1,)), result, lines.append)
+    text = "\n".join(lines)
+    assert "packed micro-batch: 1 sequence (lengths 8..8, 0 empty slots)" in text, text
+    assert "result: FAIL (1 problem listed above)" in text, text
+    assert "1 sequences" not in text and "problem(s)" not in text
+
+
+@pytest.mark.slow
+def test_wrong_answers_fail():
+    """Errors over the tolerance make the exit code 1, with a line saying which (a tolerance no run
+    meets: the comparison is not vacuous)."""
+    lines = []
+    result = run_job(JobConfig(cp_sizes=(2,), modes=("chunkwise",), **SMALL), tolerance=-1.0, echo=lines.append)
     text = "\n".join(lines)
     assert result.exit_code == 1, text
-    assert "failed: headwise at cp=2 was asked for with --modes but cannot run" in text
     assert "failed: cp=2 chunkwise: relative error over -1" in text
-    assert "result: FAIL (2 problem(s)" in text
+    assert "result: FAIL (1 problem listed above)" in text

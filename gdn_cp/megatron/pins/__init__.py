@@ -74,7 +74,7 @@ PINS: dict[str, Pin] = {
 }
 
 PINNED_VERSION = "0.19.2"
-"""The default pin: what ``pip install gdn-cp[megatron]`` installs and the patch tool applies."""
+"""The default pin: what gdn-cp's ``megatron`` extra installs and the patch tool applies."""
 
 
 def get_pin(version: str | None = None) -> Pin:
@@ -85,7 +85,7 @@ def get_pin(version: str | None = None) -> Pin:
         supported = ", ".join(sorted(PINS))
         raise ValueError(
             f"megatron-core {key!r} is not supported by this gdn-cp (supported: {supported}); "
-            f"install one of those ({get_pin().requirement}) or a gdn-cp release made for {key}"
+            f"install one of those ({get_pin().requirement})"
         )
     return pin
 
