@@ -81,6 +81,8 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_FUZZ_EXAMPLES", "tests", "", "random examples per fuzz test (default: CI's derandomized few)"),
         EnvSetting("GDN_CP_GPU_RESULTS", "tests", "", "JSON lines file the GPU tests append their results to"),
         EnvSetting("GDN_CP_GPU_TP_DTYPES", "tests", "bfloat16,float32", "dtypes of the GPU TP x CP tests"),
+        EnvSetting("GDN_CP_README_COMMAND", "tests", "",
+                   "the README's training command, handed to a subprocess by tests/megatron/test_training_args.py"),
         EnvSetting("GDN_CP_STAGES", "benchmarks", "", "stages of benchmarks/gpu_suite.sh"),
         EnvSetting("GDN_CP_SUITE_TIMEOUT", "benchmarks", "", "benchmarks/gpu_suite.sh: time limit of the test stage"),
         EnvSetting("GDN_CP_WARM_ARGS", "benchmarks", "", "benchmarks/gpu_suite.sh: arguments of the warm stage"),

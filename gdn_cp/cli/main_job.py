@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..checks import as_int
 from ..modes import GDNShape
 from ..modes.spec import MODE_NAMES, get_mode, head_problem
 from ..ops import BACKENDS
@@ -86,7 +87,7 @@ def auto_config(**overrides) -> JobConfig:
 def check_job(cfg: JobConfig) -> None:
     """ValueError naming the flag, the value and the fix when the job cannot run here; raised
     before any rank is spawned."""
-    if not cfg.cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cfg.cp_sizes):
+    if not cfg.cp_sizes or any(as_int(c) is None or c < 1 for c in cfg.cp_sizes):
         raise ValueError(f"--cp {cfg.cp_sizes}: every CP size must be an integer >= 1, e.g. --cp 2,4")
     if cfg.modes is not None:
         unknown = [m for m in cfg.modes if m not in MODE_NAMES]

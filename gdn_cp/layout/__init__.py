@@ -11,13 +11,27 @@ Words (used the same way in ``layout/``, ``modes/`` and ``ops/``):
   may be the truncated ends of global ones. :class:`Boundaries` is the checked value.
 - *part*: one of the 2*cp equal cuts of a sequence in the zigzag layout; rank r holds
   parts r and 2*cp-1-r.
+- *split*: how the zigzag parts were cut from a packed row: ``per_document`` (every sequence
+  on its own) or ``whole_row`` (the whole row as one sequence, the sequence boundaries kept
+  for the recurrence); :func:`zigzag_cut` gives the boundaries the parts were cut from.
 - *span*: consecutive global rows ``[start, start + length)`` (:class:`Spans`); routes,
   layouts and index tensors are lists of spans.
 - *slice*: rank r's rows ``[r*T/cp, (r+1)*T/cp)`` in the contiguous layout.
 - *transfer*: a span that a route sends to, or receives from, one peer.
 """
 
-from .boundaries import Boundaries, check_cp, host_boundaries, sbhd_cu_seqlens, validate_cu_seqlens
+from .boundaries import (
+    PER_DOCUMENT,
+    THD_SPLITS,
+    WHOLE_ROW,
+    Boundaries,
+    check_cp,
+    check_thd_split,
+    host_boundaries,
+    sbhd_cu_seqlens,
+    validate_cu_seqlens,
+    zigzag_cut,
+)
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
 from .plan import CPPlan, RouteCache, plan_for_sbhd
 from .route import NaturalOrder, Route, build_natural_order, build_sbhd_route, build_thd_route
@@ -26,6 +40,11 @@ from .spans import CONTIGUOUS, LAYOUTS, ZIGZAG, Spans, expand_spans
 __all__ = [
     "CONTIGUOUS",
     "ZIGZAG",
+    "PER_DOCUMENT",
+    "WHOLE_ROW",
+    "THD_SPLITS",
+    "check_thd_split",
+    "zigzag_cut",
     "LAYOUTS",
     "Boundaries",
     "Spans",

@@ -26,7 +26,32 @@ import torch
 from ..checks import as_int
 from .device import host_to_device
 
-__all__ = ["Boundaries", "check_cp", "host_boundaries", "sbhd_cu_seqlens", "validate_cu_seqlens", "validate_sbhd"]
+__all__ = [
+    "PER_DOCUMENT",
+    "WHOLE_ROW",
+    "THD_SPLITS",
+    "Boundaries",
+    "check_cp",
+    "check_thd_split",
+    "host_boundaries",
+    "sbhd_cu_seqlens",
+    "validate_cu_seqlens",
+    "validate_sbhd",
+    "zigzag_cut",
+]
+
+PER_DOCUMENT = "per_document"
+"""THD split: every packed sequence (document) was cut into 2*cp parts on its own (Megatron's
+``_get_batch_on_this_cp_rank_per_document_balancing``, TransformerEngine's
+``thd_get_partitioned_indices``: what ``--sft`` does). Every sequence length must divide by 2*cp."""
+
+WHOLE_ROW = "whole_row"
+"""THD split: the whole packed row was cut into 2*cp parts as if it were one sequence, while the
+sequence boundaries stay where the documents are (Megatron's
+``_get_batch_on_this_cp_rank_per_sequence_balancing`` with ``cu_seqlens``: what
+``--dataloader-inter-document-masking`` and hybrid CP do). Only the row length must divide by 2*cp."""
+
+THD_SPLITS = (PER_DOCUMENT, WHOLE_ROW)
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -212,16 +237,28 @@ def host_boundaries(cu_seqlens, total: int | None = None, *, name: str = "cu_seq
     return cu
 
 
-def validate_cu_seqlens(cu_seqlens, cp_size: int, *, t_global: int | None = None, name: str = "cu_seqlens") -> Boundaries:
+def check_thd_split(split) -> str:
+    """``split`` if it is one of :data:`THD_SPLITS`, else ValueError listing them."""
+    if not isinstance(split, str) or split not in THD_SPLITS:
+        raise ValueError(f"split must be one of {THD_SPLITS} (how the zigzag rows were cut), got {split!r}")
+    return split
+
+
+def validate_cu_seqlens(
+    cu_seqlens, cp_size: int, *, split: str = PER_DOCUMENT, t_global: int | None = None, name: str = "cu_seqlens"
+) -> Boundaries:
     """Check global packed boundaries for a zigzag CP split over ``cp_size`` ranks.
 
     ``cu_seqlens``: a 1-D integer tensor (any device: read to the host here, once), a list of
     ints, or Boundaries (then only the rules below are checked). Rules, each violation a
     ValueError naming the value and the fix: the :class:`Boundaries` rules, ends at
-    ``t_global`` when given, every sequence length divisible by ``2 * cp_size`` (the zigzag
-    cut), and so ``T_global`` divisible by ``cp_size``.
+    ``t_global`` when given, and, when ``cp_size > 1``, the zigzag cut of ``split`` is possible:
+    every sequence length divisible by ``2 * cp_size`` (:data:`PER_DOCUMENT`) or the total
+    ``T_global`` (:data:`WHOLE_ROW`); so ``T_global`` is divisible by ``cp_size``. One rank cuts
+    nothing: any lengths pass.
     """
     check_cp(cp_size)
+    check_thd_split(split)
     if isinstance(cu_seqlens, Boundaries):
         cu = cu_seqlens
     else:
@@ -231,7 +268,16 @@ def validate_cu_seqlens(cu_seqlens, cp_size: int, *, t_global: int | None = None
             f"{name}[-1]={cu[-1]} must equal the packed length T_global={t_global}; "
             f"pass the padded boundaries (cu_seqlens_q_padded) that cover every row"
         )
+    if cp_size == 1:
+        return cu  # nothing was cut: any lengths (stock megatron-core takes odd ones at CP=1 too)
     step = 2 * cp_size
+    if split == WHOLE_ROW:
+        if cu.total % step:
+            raise ValueError(
+                f"the packed row of {name} has T_global={cu.total} rows, not divisible by 2*cp={step}: a whole-row "
+                f"zigzag cut needs the row padded to a multiple of {step} (Megatron: --seq-length)"
+            )
+        return cu
     lengths = np.diff(cu.numpy())
     bad = lengths % step != 0
     if bad.any():
@@ -251,12 +297,19 @@ def validate_sbhd(seq_len: int, batch: int, cp_size: int) -> Boundaries:
     ``2 * cp_size``) is said in SBHD's own terms (there are no packed boundaries to pad)."""
     check_cp(cp_size)
     cu = sbhd_cu_seqlens(seq_len, batch)
-    if seq_len % (2 * cp_size):
+    if cp_size > 1 and seq_len % (2 * cp_size):  # one rank cuts nothing, as for validate_cu_seqlens
         raise ValueError(
             f"SBHD sequence length seq_len={seq_len} is not divisible by 2*cp={2 * cp_size}: the zigzag split cuts "
             f"the sequence into 2*cp equal parts; pad the sequence dimension S to a multiple of {2 * cp_size}"
         )
     return validate_cu_seqlens(cu, cp_size, name="sbhd boundaries")
+
+
+def zigzag_cut(cu: Boundaries, split: str) -> Boundaries:
+    """The boundaries the zigzag parts were cut from: ``cu`` itself (:data:`PER_DOCUMENT`) or the
+    whole row as one sequence, ``(0, T)`` (:data:`WHOLE_ROW`). Routes and natural-order maps are
+    built from these; the recurrence restarts at ``cu`` in both."""
+    return cu if check_thd_split(split) == PER_DOCUMENT else Boundaries((0, cu.total))
 
 
 def sbhd_cu_seqlens(seq_len: int, batch: int) -> Boundaries:

@@ -20,7 +20,7 @@ import bisect
 from dataclasses import dataclass
 
 from ..checks import as_int
-from .boundaries import Boundaries, check_cp, validate_cu_seqlens
+from .boundaries import PER_DOCUMENT, Boundaries, check_cp, validate_cu_seqlens
 
 __all__ = ["ChunkwisePlan", "build_chunkwise_plan"]
 
@@ -59,13 +59,16 @@ class ChunkwisePlan:
         return any(i >= 0 for i in self.halo_index)
 
 
-def build_chunkwise_plan(cu_seqlens, cp_size: int, cp_rank: int, conv_width: int) -> ChunkwisePlan:
-    """``cu_seqlens``: global boundaries (checked as by :func:`validate_cu_seqlens`).
-    ``conv_width``: the conv kernel W."""
+def build_chunkwise_plan(
+    cu_seqlens, cp_size: int, cp_rank: int, conv_width: int, *, split: str = PER_DOCUMENT
+) -> ChunkwisePlan:
+    """``cu_seqlens``: global boundaries (checked as by :func:`validate_cu_seqlens` for ``split``:
+    the contiguous slices do not depend on how the zigzag rows were cut, but the boundaries must
+    be those of a legal cut). ``conv_width``: the conv kernel W."""
     check_cp(cp_size, cp_rank)
     if as_int(conv_width) is None or not 1 <= conv_width <= MAX_CONV_WIDTH:
         raise ValueError(f"conv_width must be an int in [1, {MAX_CONV_WIDTH}] (the conv kernel W), got {conv_width!r}")
-    cu = validate_cu_seqlens(cu_seqlens, cp_size)
+    cu = validate_cu_seqlens(cu_seqlens, cp_size, split=split)
     t_local = cu.total // cp_size
     lo, hi = cp_rank * t_local, (cp_rank + 1) * t_local
     # Non-empty sequences overlapping [lo, hi).

@@ -1,12 +1,18 @@
 """Per-micro-batch CP plans and the provenance-keyed cache that keeps them fresh.
 
 A :class:`CPPlan` holds everything one rank needs for one micro-batch: the checked global
-:class:`Boundaries` (with their cached host and device views), routes per direction, the
+:class:`Boundaries` (with their cached host and device views) and how the zigzag rows were cut
+from them (``split``: per document, or the whole row), routes per direction, the
 natural-order maps, the chunkwise plan, other device copies, and a ``backend_cache`` dict
 for backend contexts (FLA's cp context). Everything is built lazily on first use and then
 reused by every layer, both directions and activation-recompute replays.
 
-:class:`RouteCache` returns the plan for ``(cu_seqlens, cp_size, cp_rank)``.
+:class:`RouteCache` returns the plan for ``(cu_seqlens, cp_size, cp_rank, split)``.
+
+The split only moves rows: routes and natural-order maps are built from
+:func:`~gdn_cp.layout.boundaries.zigzag_cut` (the boundaries the parts were cut from: the
+sequences themselves, or ``(0, T)`` for a whole-row cut), while the recurrence, the conv and
+the chunkwise plan restart at ``cu`` in both.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .boundaries import Boundaries, check_cp, validate_cu_seqlens, validate_sbhd
+from .boundaries import PER_DOCUMENT, Boundaries, check_cp, check_thd_split, validate_cu_seqlens, validate_sbhd, zigzag_cut
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
 from .device import host_to_device
 from .route import NaturalOrder, Route, build_natural_order, build_thd_route
@@ -32,9 +38,11 @@ logger = logging.getLogger(__name__)
 class CPPlan:
     """One rank's layout plan for one micro-batch (THD, or SBHD seen as B sequences)."""
 
-    cu: Boundaries  # global boundaries, checked for a zigzag split over cp_size ranks
+    cu: Boundaries  # global sequence boundaries, checked for the zigzag split over cp_size ranks
     cp_size: int
     cp_rank: int
+    split: str = PER_DOCUMENT  # how the zigzag rows were cut: PER_DOCUMENT or WHOLE_ROW
+    zigzag_cu: Boundaries = field(init=False, repr=False)  # what the zigzag parts were cut from
     routes: dict = field(default_factory=dict)
     backend_cache: dict = field(default_factory=dict)
     _natural: NaturalOrder | None = None
@@ -44,7 +52,9 @@ class CPPlan:
 
     def __post_init__(self) -> None:
         check_cp(self.cp_size, self.cp_rank)
-        self.cu = validate_cu_seqlens(self.cu, self.cp_size)  # a Boundaries passes with one cheap check
+        # a Boundaries passes with one cheap check
+        self.cu = validate_cu_seqlens(self.cu, self.cp_size, split=check_thd_split(self.split))
+        self.zigzag_cu = zigzag_cut(self.cu, self.split)
 
     @property
     def t_global(self) -> int:
@@ -61,19 +71,21 @@ class CPPlan:
     def route(self, source: str, target: str) -> Route:
         key = (source, target)
         if key not in self.routes:
-            self.routes[key] = build_thd_route(self.cu, self.cp_size, self.cp_rank, source, target)
+            self.routes[key] = build_thd_route(self.zigzag_cu, self.cp_size, self.cp_rank, source, target)
             self.builds += 1
         return self.routes[key]
 
     def natural_order(self) -> NaturalOrder:
         if self._natural is None:
-            self._natural = build_natural_order(self.cu, self.cp_size, self.cp_rank)
+            self._natural = build_natural_order(self.zigzag_cu, self.cp_size, self.cp_rank)
             self.builds += 1
         return self._natural
 
     def chunkwise(self, conv_width: int) -> ChunkwisePlan:
         if conv_width not in self._chunkwise:
-            self._chunkwise[conv_width] = build_chunkwise_plan(self.cu, self.cp_size, self.cp_rank, conv_width)
+            self._chunkwise[conv_width] = build_chunkwise_plan(
+                self.cu, self.cp_size, self.cp_rank, conv_width, split=self.split
+            )
             self.builds += 1
         return self._chunkwise[conv_width]
 
@@ -111,8 +123,8 @@ class _Entry(NamedTuple):
 class RouteCache:
     """Cache of :class:`CPPlan` keyed by provenance; attach one to each micro-batch.
 
-    The plan for ``(cu_seqlens, cp_size, cp_rank)`` is reused while ``cu_seqlens`` is the
-    same object and still holds the same boundaries, and rebuilt otherwise:
+    The plan for ``(cu_seqlens, cp_size, cp_rank, split)`` is reused while ``cu_seqlens`` is
+    the same object and still holds the same boundaries, and rebuilt otherwise:
 
     - :class:`Boundaries` are immutable: the same object always hits;
     - host boundaries (a list, a CPU tensor) are compared by value on every call (no sync),
@@ -134,19 +146,24 @@ class RouteCache:
         self.hits = 0
         self.misses = 0
 
-    def plan(self, cu_seqlens, cp_size: int, cp_rank: int) -> CPPlan:
-        """Plan for THD boundaries ``cu_seqlens`` (1-D int tensor on any device, list, or Boundaries)."""
+    def plan(self, cu_seqlens, cp_size: int, cp_rank: int, split: str = PER_DOCUMENT) -> CPPlan:
+        """Plan for THD boundaries ``cu_seqlens`` (1-D int tensor on any device, list, or
+        Boundaries) whose zigzag rows were cut by ``split`` (``per_document`` or ``whole_row``)."""
         check_cp(cp_size, cp_rank)
-        key = (id(cu_seqlens), cp_size, cp_rank)
+        key = (id(cu_seqlens), cp_size, cp_rank, check_thd_split(split))
         entry = self._entries.get(key)
         if entry is not None and entry.source is cu_seqlens and entry.fresh_for(cu_seqlens):
             self.hits += 1
             return entry.plan
         self.misses += 1
         version = getattr(cu_seqlens, "_version", None)  # read before the values, as a hit compares
-        plan = CPPlan(cu=validate_cu_seqlens(cu_seqlens, cp_size), cp_size=cp_size, cp_rank=cp_rank)
+        cu = validate_cu_seqlens(cu_seqlens, cp_size, split=split)
+        plan = CPPlan(cu=cu, cp_size=cp_size, cp_rank=cp_rank, split=split)
         self._entries[key] = _Entry(cu_seqlens, version, plan)
-        logger.debug("built CP plan: %d sequences, T=%d, cp=%d, rank=%d", plan.num_sequences, plan.t_global, cp_size, cp_rank)
+        logger.debug(
+            "built CP plan: %d sequences, T=%d, cp=%d, rank=%d, %s split",
+            plan.num_sequences, plan.t_global, cp_size, cp_rank, split,
+        )  # fmt: skip
         return plan
 
     def clear(self) -> None:

@@ -290,6 +290,9 @@ def build_natural_order(cu_seqlens, cp_size: int, cp_rank: int) -> NaturalOrder:
     check_cp(cp_size, cp_rank)
     cu = validate_cu_seqlens(cu_seqlens, cp_size)
     t_global = cu.total
+    if cp_size == 1:  # one rank: its rows are the natural order (sequences of any length)
+        rows = torch.arange(t_global, dtype=torch.int64)
+        return NaturalOrder(to_natural=rows, to_buffer=rows, own_rows=rows)
     t_local = t_global // cp_size
     part = zigzag_parts_in_range(cu.numpy(), cp_size, 0, t_global)  # every part, global order
     # Local offset of each part inside its owner's rows: cumulative per owner.

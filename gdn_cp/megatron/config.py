@@ -14,9 +14,18 @@ Who calls what:
 * users may call :func:`resolve_linear_cp_mode` themselves; ``gdn-cp doctor`` calls
   :func:`explain_linear_cp_modes`.
 
+``auto`` depends on the heads, TP and CP alone, never on the machine: the same config resolves to
+the same mode on a CPU node and a GPU node, with or without FLA. It picks the first legal mode in
+the registry's ``auto_rank`` order (chunkwise, headwise, all_gather). chunkwise is legal wherever
+any mode is (heads divisible by TP), so ``auto`` never picks the O(cp) all_gather fallback. Why
+chunkwise first: every rank runs CP=1 work on its T/cp tokens (as headwise does on its heads), it
+moves fewer bytes per token than headwise (README "chunkwise: where the layout swap happens") and
+it takes any head count; where FLA's cp context cannot run, gdn-cp's own halo/state exchange gives
+the same numbers. Megatron-LM rebuilds the config every micro-batch: the resolution is logged at
+INFO once per process and request, at DEBUG after that.
+
 Megatron's fields are read through the pin's adapter (:mod:`gdn_cp.megatron.pins`). This module
-imports neither Megatron nor torch at import time (torch and FLA are only looked at when ``auto``
-has to detect the device / FLA and was not told).
+imports neither Megatron nor torch.
 """
 
 from __future__ import annotations
@@ -32,7 +41,6 @@ __all__ = [
     "MODE_CHOICES",
     "check_linear_cp_mode",
     "configure_linear_cp_mode",
-    "detect_fla_cp",
     "resolve_linear_cp_mode",
     "explain_linear_cp_modes",
 ]
@@ -40,8 +48,7 @@ __all__ = [
 _logger = logging.getLogger(__name__)
 
 _RESOLVER = "gdn_cp.megatron.resolve_linear_cp_mode"
-# auto picks these only where FLA's CP kernels are usable (elsewhere headwise is cheaper to run)
-_AUTO_NEEDS_FLA = frozenset({"chunkwise"})
+_LOGGED: set = set()  # (requested, resolved, heads, tp, cp) already logged at INFO by this process
 
 
 def _legal_list(names=None) -> str:
@@ -75,26 +82,6 @@ def _checked_sizes(num_key_heads, num_value_heads, tp, cp, *, config: bool = Fal
             f"head h // (value heads / key heads)); choose head counts where it is, e.g. {k},{2 * k}."
         )
     return k, v, tp, cp
-
-
-def _check_detection(device_type: Any, fla_usable: Any, logger: Any) -> None:
-    """The optional arguments of ``auto``: a torch device type, a bool, a logger (or None each)."""
-    if fla_usable is not None and not isinstance(fla_usable, bool):
-        raise TypeError(f"fla_usable must be True, False or None (detect), got {fla_usable!r}")
-    if device_type is not None:
-        import torch
-
-        try:
-            ok = isinstance(device_type, str) and torch.device(device_type).type == device_type
-        except (RuntimeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"device_type must be a torch device type such as 'cuda' or 'cpu' (no index), or None "
-                f"(detect), got {device_type!r}"
-            )
-    if logger is not None and not callable(getattr(logger, "info", None)):
-        raise TypeError(f"logger must be a logging.Logger or None, got {type(logger).__name__}")
 
 
 def _fix_hint(mode: str, k: int, v: int, tp: int, cp: int) -> str:
@@ -155,38 +142,15 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
     return mode
 
 
-def detect_fla_cp(device_type: Optional[str] = None) -> tuple[bool, str]:
-    """Whether FLA's chunkwise CP path is usable here: a CUDA device and a usable FLA cp context.
-    Returns ``(usable, reason)``; ``device_type`` (``"cuda"`` / ``"cpu"``) overrides device
-    detection. The one detector is :func:`gdn_cp.ops.fla.detect.detect_fla_cp` (imported here
-    on first call, so importing this module stays light)."""
-    from ..ops.fla.detect import detect_fla_cp as detect
-
-    return detect(device_type)
-
-
-def _auto_choice(
-    k: int, v: int, tp: int, cp: int, device_type: Optional[str], fla_usable: Optional[bool]
-) -> tuple[str, str]:
-    """``auto``: the first legal mode in the registry's ``auto_rank`` order, modes that need
-    FLA's CP path skipped where it is not usable. Returns ``(mode, reason)``."""
+def _auto_choice(k: int, v: int, tp: int, cp: int) -> tuple[str, str]:
+    """``auto``: the first legal mode in the registry's ``auto_rank`` order. Returns ``(mode,
+    reason)``; a pure function of the sizes (a few integer checks)."""
     skipped: list[str] = []
-    fla: Optional[tuple[bool, str]] = None
     for spec in sorted(MODES.values(), key=lambda s: s.auto_rank):
         problem = head_problem(spec.name, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
         if problem is not None:
             skipped.append(f"{spec.name} is illegal ({problem})")
             continue
-        if spec.name in _AUTO_NEEDS_FLA:
-            if fla is None:  # detected once, only when it matters
-                if fla_usable is None:
-                    fla = detect_fla_cp(device_type)
-                else:
-                    fla = (fla_usable, "FLA CP path given as " + ("usable" if fla_usable else "unusable"))
-            if not fla[0]:
-                skipped.append(f"{spec.name} skipped: FLA's CP path is not usable ({fla[1]})")
-                continue
-            skipped.append(f"FLA's CP path is usable ({fla[1]})")
         chosen = f"{spec.name}: heads divisible by {spec.divisor_text(tp, cp)}; {spec.cost}"
         return spec.name, "; ".join(skipped + [chosen])
     raise ValueError(
@@ -203,30 +167,32 @@ def resolve_linear_cp_mode(
     num_value_heads: int,
     tp: int,
     cp: int,
-    device_type: Optional[str] = None,
-    fla_usable: Optional[bool] = None,
     logger: Optional[logging.Logger] = None,
 ) -> str:
     """Turn a requested ``linear_cp_mode`` into the concrete mode to build the model with.
 
     Explicit modes are checked (:func:`check_linear_cp_mode`) and returned unchanged. ``"auto"``
-    picks ``chunkwise`` when FLA's CP path is usable (CUDA device and ``fla.ops.cp.
-    build_cp_context`` importable; detected unless ``fla_usable`` / ``device_type`` are given),
-    else ``headwise`` when both head counts divide TP*CP, else ``all_gather``. One INFO line is
-    logged with the requested and resolved modes, TP, CP, the heads and the reason. Never falls
-    back silently: an illegal explicit mode raises ValueError.
+    picks the first legal mode of chunkwise, headwise, all_gather, from the sizes alone, whatever
+    the machine: chunkwise, legal wherever the heads divide TP, i.e. wherever any mode is. An INFO line with the requested and resolved modes, TP, CP, the
+    heads and the reason is logged the first time this process resolves a request, DEBUG after.
+    Never falls back silently: an illegal explicit mode raises ValueError.
     """
-    _check_detection(device_type, fla_usable, logger)
+    if logger is not None and not callable(getattr(logger, "log", None)):
+        raise TypeError(f"logger must be a logging.Logger or None, got {type(logger).__name__}")
     if isinstance(requested, str) and requested == AUTO:
         k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
-        mode, reason = _auto_choice(k, v, tp, cp, device_type, fla_usable)
+        mode, reason = _auto_choice(k, v, tp, cp)
     elif not isinstance(requested, str) or requested not in MODES:
         raise _unknown_mode_error(requested)
     else:
         k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
         mode = check_linear_cp_mode(requested, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
         reason = "explicitly requested and legal for these heads"
-    (logger or _logger).info(
+    key = (requested, mode, num_key_heads, num_value_heads, tp, cp)
+    first = key not in _LOGGED
+    _LOGGED.add(key)
+    (logger or _logger).log(
+        logging.INFO if first else logging.DEBUG,
         "gdn-cp linear_cp_mode: requested=%s resolved=%s (tp=%d, cp=%d, linear_num_key_heads=%d, "
         "linear_num_value_heads=%d): %s",
         requested, mode, tp, cp, k, v, reason,
@@ -255,12 +221,15 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
     * any other config builds no GDN layer: only the mode's name is checked (a typo still
       fails); nothing is resolved, checked against the heads or logged.
 
-    Raises ValueError for unknown values (a typo fails when the config is built).
+    Raises ValueError for unknown values of ``linear_cp_mode`` and ``linear_cp_thd_split`` (a typo
+    fails when the config is built).
     """
     from gdn_cp.megatron.pins import load_adapter
+    from gdn_cp.megatron.thd_split import THD_SPLIT_FIELD, check_thd_split_setting  # imports torch
 
     adapter = load_adapter()
     f = adapter.read_config(config)
+    check_thd_split_setting(f.thd_split, f"TransformerConfig.{THD_SPLIT_FIELD}")
     mode = f.linear_cp_mode
     if not isinstance(mode, str) or (mode not in MODES and mode != AUTO):
         raise _unknown_mode_error(mode)
@@ -289,15 +258,12 @@ def explain_linear_cp_modes(
     num_value_heads: int,
     tp: int,
     cp: int,
-    device_type: Optional[str] = None,
-    fla_usable: Optional[bool] = None,
 ) -> dict[str, dict[str, Any]]:
     """Per mode, whether it is legal and why, plus what ``auto`` resolves to (for ``gdn-cp doctor``).
 
     Returns ``{mode: {"legal": bool, "reason": str}, ..., "auto": {"legal": bool, "resolved": str |
     None, "reason": str}}`` with the modes in the registry's order.
     """
-    _check_detection(device_type, fla_usable, None)
     k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
     out: dict[str, dict[str, Any]] = {}
     for name, spec in MODES.items():
@@ -307,7 +273,7 @@ def explain_linear_cp_modes(
         else:
             out[name] = {"legal": False, "reason": problem}
     try:
-        mode, reason = _auto_choice(k, v, tp, cp, device_type, fla_usable)
+        mode, reason = _auto_choice(k, v, tp, cp)
         out[AUTO] = {"legal": True, "resolved": mode, "reason": reason}
     except ValueError as e:
         out[AUTO] = {"legal": False, "resolved": None, "reason": str(e)}

@@ -96,10 +96,7 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
         report["patch"] = {"root": None, "state": "unavailable", "error": str(err)}
     if heads is not None:
         tp, cp = tp or 1, cp or 1
-        # without torch, FLA's CP path cannot be usable: say so instead of detecting (detection imports torch)
-        no_torch = {"fla_usable": False} if gpu_note is not None else {}
-        report["modes"] = explain_linear_cp_modes(num_key_heads=heads[0], num_value_heads=heads[1], tp=tp, cp=cp,
-                                                  **no_torch)
+        report["modes"] = explain_linear_cp_modes(num_key_heads=heads[0], num_value_heads=heads[1], tp=tp, cp=cp)
         report["shape"] = {"num_key_heads": heads[0], "num_value_heads": heads[1], "tp": tp, "cp": cp}
     return report
 

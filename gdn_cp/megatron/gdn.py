@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..checks import as_int
 from ..comm import group_ranks, route_all_to_all
-from ..layout import CONTIGUOUS, ZIGZAG
+from ..layout import CONTIGUOUS, PER_DOCUMENT, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
 from ..modes import GDNShape, gdn_core, resolve_chunkwise_path, sbhd_to_thd, thd_to_sbhd
 from ..ops import get_backend
@@ -39,6 +39,7 @@ from . import config as _config
 from .patching import pin_of_layer_class
 from .pins import load_adapter
 from .swap import choose_swap_point, chunkwise_swap
+from .thd_split import THD_SPLIT_FIELD, resolve_thd_split
 from .tp_grads import install_tp_grad_sum
 
 __all__ = [
@@ -68,21 +69,41 @@ def _is_thd(packed_seq_params) -> bool:
     return packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
 
 
+class _NoCP:
+    """The CP "group" of a micro-batch split over no other rank: hybrid CP's ``local_cp_size=1``
+    with ``cp_group=None``, which TransformerEngine (and so Megatron) treats as "CP off for this
+    micro-batch". It answers what the forward asks of a group; no collective ever gets it."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+NO_CP = _NoCP()
+
+
 def resolve_cp_group(module, packed_seq_params):
-    """The CP group of this micro-batch: PackedSeqParams.cp_group (dynamic CP) or the static one.
+    """The CP group of this micro-batch: PackedSeqParams.cp_group (dynamic CP), :data:`NO_CP` for
+    ``local_cp_size=1`` without a group (hybrid CP's "no CP for this sub-sample", as
+    TransformerEngine reads it), or the static one.
 
     Raises ValueError (before any collective) when ``cp_group`` and ``local_cp_size`` do not come
-    together, ``local_cp_size`` is not a positive integer or not the group's size, or this rank
-    is not a member of ``cp_group``.
+    together (other than that case), ``local_cp_size`` is not a positive integer or not the
+    group's size, or this rank is not a member of ``cp_group``.
     """
     group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
     local = getattr(packed_seq_params, "local_cp_size", None) if packed_seq_params is not None else None
     if group is None and local is None:
         return layer_adapter(module).static_cp_group
+    if group is None and local == 1 and not isinstance(local, bool):
+        return NO_CP
     if group is None or local is None:
         raise ValueError(
             f"PackedSeqParams.cp_group and local_cp_size must be set together for dynamic CP, got "
-            f"cp_group={'set' if group is not None else None}, local_cp_size={local}; set both or neither"
+            f"cp_group={'set' if group is not None else None}, local_cp_size={local}; set both, or neither, "
+            f"or local_cp_size=1 alone (no CP for this micro-batch)"
         )
     if as_int(local) is None or local < 1:
         raise ValueError(
@@ -130,7 +151,7 @@ def _check_cp_group_disjoint_from_tp(layer, group, dynamic: bool) -> None:
     group would split tokens that TP expects to be identical. Checked on the host (group
     membership, no collective) once per (layer, group).
     """
-    if layer.tp_size == 1:
+    if layer.tp_size == 1 or group.size() == 1:
         return
     checked = layer.layer.__dict__.setdefault(_DISJOINT_ATTR, {})
     if checked.get(id(group)) is group:
@@ -179,18 +200,32 @@ def choose_backend(module, device: torch.device):
     return get_backend("reference")
 
 
-def _thd_plan(packed_seq_params, group, t_global: int) -> CPPlan:
+def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
+    """The micro-batch's plan (cached on its PackedSeqParams), for the THD split Megatron made
+    (:mod:`gdn_cp.megatron.thd_split`: recorded by its splitter, else the config's setting)."""
     cu = packed_seq_params.cu_seqlens_q_padded
     name = "cu_seqlens_q_padded"
     if cu is None:
         cu, name = packed_seq_params.cu_seqlens_q, "cu_seqlens_q"
     if cu is None:
         raise ValueError("PackedSeqParams with qkv_format='thd' needs cu_seqlens_q_padded or cu_seqlens_q")
+    split, why = resolve_thd_split(
+        layer.thd_split_setting, hybrid_context_parallel=layer.hybrid_context_parallel, cu_seqlens=cu
+    )
     cache = getattr(packed_seq_params, ROUTE_CACHE_ATTR, None)
     if cache is None:
         cache = RouteCache()
         setattr(packed_seq_params, ROUTE_CACHE_ATTR, cache)
-    plan = cache.plan(cu, group.size(), group.rank())
+    try:
+        plan = cache.plan(cu, group.size(), group.rank(), split)
+    except ValueError as e:
+        if split != PER_DOCUMENT:
+            raise ValueError(f"PackedSeqParams.{name} ({split} split: {why}): {e}") from None
+        raise ValueError(
+            f"PackedSeqParams.{name} ({split} split: {why}): {e}. If these rows were cut as one whole row "
+            f"(Megatron-LM --dataloader-inter-document-masking, hybrid CP, or get_batch_on_this_cp_rank(..., "
+            f"use_per_sequence_balancing=True)), set TransformerConfig.{THD_SPLIT_FIELD}='whole_row'"
+        ) from None
     if plan.t_global != t_global:
         raise ValueError(
             f"PackedSeqParams.{name}[-1]={plan.t_global} does not match the packed length "
@@ -310,7 +345,7 @@ def gated_delta_net_forward(
     if thd:
         if batch != 1:
             raise ValueError(f"packed (THD) input needs batch 1, got hidden_states of shape {tuple(hidden_states.shape)}")
-        plan = _thd_plan(packed_seq_params, group, s_local * cp)
+        plan = _thd_plan(layer, packed_seq_params, group, s_local * cp)
     else:
         plan = _sbhd_plan(layer, s_local * cp, batch, group)
     if plan.t_local != s_local * batch:

@@ -38,8 +38,8 @@ class ModeSpec:
     core), imported on first use so that reading the registry never imports torch. Every core
     is called as ``core(qkv, g, beta, conv_weight, conv_bias, *, shape, plan, group, backend)``
     by :func:`gdn_cp.modes.gdn_core`. ``cost``: one line for ``doctor`` and logs.
-    ``auto_rank``: order in which ``auto`` prefers legal modes (lower first; chunkwise only
-    when FLA's CP path is usable, see :mod:`gdn_cp.megatron.config`).
+    ``auto_rank``: order in which ``auto`` prefers legal modes (lower first; the reasons are in
+    :mod:`gdn_cp.megatron.config`).
     """
 
     name: str

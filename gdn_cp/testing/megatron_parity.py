@@ -17,7 +17,7 @@ from ..modes.spec import MODE_NAMES
 from .inputs import hidden_inputs
 from .megatron_layer import DIMS, build_gdn, gdn_cp_forward, make_config, rank_groups, run_layer, thd_params
 from .metrics import max_rel
-from .packings import thd_case, zigzag_rows
+from .packings import document_packings, thd_case, zigzag_rows
 
 __all__ = [
     "GPU_CFG", "HIDDEN", "MODES", "SBHD_BATCH", "case_inputs", "compare", "cp1_answer", "parity_case", "sbhd_len",
@@ -55,7 +55,11 @@ def compare(got, want, rows, metric=max_rel) -> dict:
 def case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device):
     """``(x, dout, rows, psp)``: global ``[S, B, H]`` / ``[T, 1, H]`` inputs of the case, this CP
     rank's global rows (zigzag) and ``psp(**dynamic_cp_fields)`` -> its PackedSeqParams (SBHD: None
-    unless fields are given)."""
+    unless fields are given).
+
+    ``layout``: ``"sbhd"``; ``"thd"`` (cut per document: :func:`thd_case`); ``"thd_whole_row"``
+    (documents of odd lengths, the row cut whole: Megatron's inter-document masking; the layer must
+    be told, by ``linear_cp_thd_split='whole_row'`` or a record of Megatron's splitter)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if layout == "sbhd":
@@ -63,11 +67,14 @@ def case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device):
         x, dout = hidden_inputs(s, SBHD_BATCH, dtype, 100 + cp + 1000 * data_seed, hidden, device)
         rows = zigzag_rows([0, s], cp, cp_rank).to(device)
         psp = lambda **kw: PackedSeqParams(qkv_format="sbhd", **kw) if kw else None  # noqa: E731
-    else:
-        cu_pad, cu_act = thd_case(cp)
+    elif layout in ("thd", "thd_whole_row"):
+        whole_row = layout == "thd_whole_row"
+        cu_pad, cu_act = (document_packings(cp)["odd_documents"],) * 2 if whole_row else thd_case(cp)
         x, dout = hidden_inputs(cu_pad[-1], 1, dtype, 200 + cp + 1000 * data_seed, hidden, device)
-        rows = zigzag_rows(cu_pad, cp, cp_rank).to(device)
+        rows = zigzag_rows(cu_pad, cp, cp_rank, whole_row=whole_row).to(device)
         psp = lambda **kw: thd_params(cu_pad, cu_act, device=device, **kw)  # noqa: E731
+    else:
+        raise ValueError(f"layout must be 'sbhd', 'thd' or 'thd_whole_row', got {layout!r}")
     return x, dout, rows, psp
 
 

@@ -1,11 +1,12 @@
 """Packed micro-batches (global padded boundaries ``cu``) for tests, ``gdn-cp run`` and benchmarks.
 
 A packing is a list of Python ints ``[0, c_1, ..., T_global]``; sequence i holds global rows
-``[cu[i], cu[i+1])``; equal neighbours are empty padding slots. Megatron's zigzag split needs every
-length divisible by ``2*cp``, so every builder here takes ``cp`` and returns such lengths.
+``[cu[i], cu[i+1])``; equal neighbours are empty padding slots. Megatron's per-document zigzag split
+needs every length divisible by ``2*cp``, so those builders take ``cp`` and return such lengths; its
+whole-row split (:func:`document_packings`) needs only the row divisible by ``2*cp``.
 
-:func:`zigzag_rows` writes Megatron's load-balanced split out independently of ``gdn_cp.layout``,
-so tests can check the library against it.
+:func:`zigzag_rows` writes Megatron's load-balanced split out independently of ``gdn_cp.layout``
+(per document, or the whole row with ``whole_row=True``), so tests can check the library against it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 __all__ = [
     "cumsum0",
+    "document_packings",
     "named_packings",
     "packed_boundaries",
     "thd_case",
@@ -49,6 +51,19 @@ def named_packings(cp: int) -> dict[str, list[int]]:
     }
 
 
+def document_packings(cp: int) -> dict[str, list[int]]:
+    """Packings of a whole-row zigzag cut (Megatron's ``--dataloader-inter-document-masking``):
+    document lengths of any size (odd, shorter than a part, longer than a rank's share), the row
+    ``T_global`` a multiple of ``2*cp``."""
+    u = 2 * cp
+    return {
+        "odd_documents": cumsum0([3, 7 * u - 4, 1, u + 2, 2 * u - 2]),  # 10*u rows
+        "one_document": cumsum0([6 * u]),
+        "document_per_part": cumsum0([u // 2] * 2 * u),  # a boundary inside every part
+        "long_then_short": cumsum0([9 * u - 1, 0, 1, u]),  # an empty slot; a one-row document
+    }
+
+
 def packed_boundaries(num_sequences: int, t_global: int, cp: int, seed: int) -> list[int]:
     """A realistic micro-batch: ``num_sequences`` mixed lengths (short and long), each a multiple
     of ``2*cp``, summing to ``t_global`` (a multiple of ``2*cp``), with two empty padding slots."""
@@ -77,10 +92,14 @@ def thd_case(cp: int) -> tuple[list[int], list[int]]:
     return cumsum0(padded), cumsum0(actual)
 
 
-def zigzag_rows(cu: Sequence[int], cp: int, rank: int, device: Optional[torch.device | str] = None) -> torch.Tensor:
+def zigzag_rows(cu: Sequence[int], cp: int, rank: int, device: Optional[torch.device | str] = None, *,
+                whole_row: bool = False) -> torch.Tensor:
     """Global rows of ``rank`` under Megatron's zigzag split, ``[T_global / cp]`` int64: every
     sequence is cut in 2*cp parts, the rank holds parts ``rank`` and ``2*cp-1-rank``, sequence
-    after sequence."""
+    after sequence. ``whole_row=True``: the whole row ``[0, T_global)`` is cut as one sequence
+    (the sequence boundaries do not matter to which rows a rank holds)."""
+    if whole_row:
+        cu = [0, cu[-1]]
     rows: list[int] = []
     for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
         part, rest = divmod(b - a, 2 * cp)

@@ -123,7 +123,8 @@ def boundaries_rule(cu) -> bool:
 
 
 def zigzag_rule(cu, cp) -> bool:
-    return boundaries_rule(cu) and all((b - a) % (2 * cp) == 0 for a, b in zip(cu, cu[1:]))
+    """Boundaries a zigzag split over cp ranks takes: any at cp=1 (nothing is cut)."""
+    return boundaries_rule(cu) and (cp == 1 or all((b - a) % (2 * cp) == 0 for a, b in zip(cu, cu[1:])))
 
 
 def cp_rule(cp) -> bool:

@@ -1,18 +1,16 @@
 """Fuzz ``gdn_cp.megatron.__all__``: ``linear_cp_mode`` checks, resolution and explanation, and the
-config hook the patched ``TransformerConfig`` calls, with hostile modes, head counts, sizes,
-device types and FLA flags.
+config hook the patched ``TransformerConfig`` calls, with hostile modes, head counts and sizes.
 
 The independent rule, from the README's mode table: sizes are positive ints, value heads a
 multiple of key heads; headwise needs both head counts divisible by TP*CP, chunkwise and
-all_gather by TP; ``auto`` picks chunkwise when FLA's CP path is usable, else headwise when
-legal, else all_gather, and refuses when nothing is legal.
+all_gather by TP; ``auto`` picks chunkwise wherever it is legal (whatever the machine), and
+refuses when nothing is legal.
 """
 
 from __future__ import annotations
 
 import types
 
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -37,9 +35,6 @@ modes = st.one_of(st.sampled_from(MODES + ("auto",)), st.sampled_from(MODES), ho
                   st.sampled_from(["Headwise", "head-wise", "auto ", "ring"]))
 heads = st.one_of(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48]), hostile_scalars())
 sizes = st.one_of(st.sampled_from([1, 2, 3, 4, 8]), hostile_scalars())
-device_types = st.one_of(st.none(), st.sampled_from(["cpu", "cuda", "meta", "tpu", "gpu", "cuda:0", "CUDA"]),
-                         hostile_scalars())
-fla_flags = st.one_of(st.none(), st.booleans(), hostile_scalars())
 
 
 def legal(mode, k, v, tp, cp) -> bool:
@@ -47,19 +42,9 @@ def legal(mode, k, v, tp, cp) -> bool:
     return k % div == 0 and v % div == 0
 
 
-def expected_auto(k, v, tp, cp, fla_usable):
-    order = (["chunkwise"] if fla_usable else []) + ["headwise", "all_gather"]
-    return next((m for m in order if legal(m, k, v, tp, cp)), None)
-
-
-def auto_candidates(k, v, tp, cp, device_type, fla_usable) -> set:
-    """What ``auto`` may answer: FLA's CP path is usable only when told so, or on CUDA with FLA
-    installed (either answer is right there; this suite runs on CPUs and GPUs)."""
-    if fla_usable is not None:
-        return {expected_auto(k, v, tp, cp, fla_usable)}
-    if device_type == "cuda" or (device_type is None and torch.cuda.is_available()):
-        return {expected_auto(k, v, tp, cp, True), expected_auto(k, v, tp, cp, False)}
-    return {expected_auto(k, v, tp, cp, False)}
+def expected_auto(k, v, tp, cp):
+    """chunkwise wherever legal (then all_gather is too, and headwise may be); None: nothing legal."""
+    return next((m for m in ("chunkwise", "headwise", "all_gather") if legal(m, k, v, tp, cp)), None)
 
 
 def bad_size(values: dict, *, config: bool = False):
@@ -74,18 +59,9 @@ def bad_size(values: dict, *, config: bool = False):
     return None
 
 
-def detection_ok(device_type, fla_usable):
-    known = ("cpu", "cuda", "meta")  # torch device types among those drawn
-    if fla_usable is not None and not isinstance(fla_usable, bool):
-        return "fla_usable"
-    if device_type is not None and not (isinstance(device_type, str) and device_type in known):
-        return "device_type"
-    return None
-
-
 @fuzz_settings(200)
-@given(mode=modes, k=heads, v=heads, tp=sizes, cp=sizes, device_type=device_types, fla_usable=fla_flags)
-def test_resolve_and_check(mode, k, v, tp, cp, device_type, fla_usable):
+@given(mode=modes, k=heads, v=heads, tp=sizes, cp=sizes)
+def test_resolve_and_check(mode, k, v, tp, cp):
     values = dict(num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
     is_mode = isinstance(mode, str) and mode in MODES
     is_auto = isinstance(mode, str) and mode == "auto"
@@ -101,11 +77,8 @@ def test_resolve_and_check(mode, k, v, tp, cp, device_type, fla_usable):
     else:
         assert assert_accepted(result) == mode
 
-    result = outcome(lambda: resolve_linear_cp_mode(mode, **values, device_type=device_type, fla_usable=fla_usable))
-    detection_problem = detection_ok(device_type, fla_usable)
-    if detection_problem:
-        assert_refused_naming(result, detection_problem)
-    elif not (is_mode or is_auto):
+    result = outcome(lambda: resolve_linear_cp_mode(mode, **values))
+    if not (is_mode or is_auto):
         assert_refused_naming(result, "linear_cp_mode")
     elif size_problem:
         assert_refused_naming(result, size_problem)
@@ -115,27 +88,27 @@ def test_resolve_and_check(mode, k, v, tp, cp, device_type, fla_usable):
         else:
             assert_refused_naming(result, "linear_cp_mode")
     else:
-        candidates = auto_candidates(k, v, tp, cp, device_type, fla_usable)
-        if candidates == {None}:
+        want = expected_auto(k, v, tp, cp)
+        if want is None:
             assert_refused_naming(result, "linear_cp_mode='auto': no mode is legal")
         else:
-            assert assert_accepted(result) in candidates
+            assert assert_accepted(result) == want
 
 
 @fuzz_settings(120)
-@given(k=heads, v=heads, tp=sizes, cp=sizes, device_type=device_types, fla_usable=fla_flags)
-def test_explain(k, v, tp, cp, device_type, fla_usable):
+@given(k=heads, v=heads, tp=sizes, cp=sizes)
+def test_explain(k, v, tp, cp):
     values = dict(num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
-    result = outcome(lambda: explain_linear_cp_modes(**values, device_type=device_type, fla_usable=fla_usable))
-    problem = detection_ok(device_type, fla_usable) or bad_size(values)
+    result = outcome(lambda: explain_linear_cp_modes(**values))
+    problem = bad_size(values)
     if problem:
         assert_refused_naming(result, problem)
         return
     report = assert_accepted(result)
     for mode in MODES:
         assert report[mode]["legal"] == legal(mode, k, v, tp, cp), (mode, report[mode])
-    candidates = auto_candidates(k, v, tp, cp, device_type, fla_usable)
-    assert report["auto"]["resolved"] in candidates and report["auto"]["legal"] == (report["auto"]["resolved"] is not None)
+    assert report["auto"]["resolved"] == expected_auto(k, v, tp, cp)
+    assert report["auto"]["legal"] == (report["auto"]["resolved"] is not None)
 
 
 @fuzz_settings(150)
@@ -166,13 +139,13 @@ def test_configure_hook(mode, k, v, tp, cp, variant, hybrid):
         assert_refused_naming(result, problem)
         return
     if is_auto:
-        candidates = auto_candidates(k, v, tp, cp, None, None)
-        if candidates == {None} and builds_gdn:
+        want = expected_auto(k, v, tp, cp)
+        if want is None and builds_gdn:
             assert_refused_naming(result, "no mode is legal")
-        elif candidates == {None}:  # hybrid: left to its GDN layers, if any
+        elif want is None:  # hybrid: left to its GDN layers, if any
             assert assert_accepted(result) == "auto" and config.linear_cp_mode == "auto"
         else:
-            assert assert_accepted(result) in candidates and config.linear_cp_mode == result
+            assert assert_accepted(result) == want and config.linear_cp_mode == want
         return
     if builds_gdn and not legal(mode, k, v, tp, cp):
         assert_refused_naming(result, "linear_cp_mode")

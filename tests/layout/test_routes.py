@@ -215,3 +215,91 @@ def test_chunkwise_plan_tail_first_cut(cp, name):
         rows = sum(part[-1] for _, part in pieces if part is not None)
         assert rows == t_local
         assert (cw.mid_cu is None) == (cw.tail_split == cw.split)
+
+
+# -- whole-row splits (Megatron's --dataloader-inter-document-masking) --------------------------
+
+from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW, CPPlan  # noqa: E402
+from gdn_cp.testing.packings import document_packings, zigzag_rows  # noqa: E402
+
+
+def naive_whole_row_rows(layout, cu, cp):
+    """rows[r] for the whole-row cut: the row [0, T) cut as one sequence, whatever cu says."""
+    return naive_rows(layout, [0, cu[-1]], cp)
+
+
+@pytest.mark.parametrize("cp", CPS)
+@pytest.mark.parametrize("name", list(document_packings(1)))
+def test_whole_row_plan_routes_and_natural_order(cp, name):
+    """A whole-row plan moves the rows Megatron's whole-row cut put on each rank (checked against
+    a per-token walk and against the testing toolkit's independent zigzag_rows), for documents of
+    any length; the chunkwise plan still restarts at every document boundary."""
+    cu = document_packings(cp)[name]
+    plans = [CPPlan(cu=cu, cp_size=cp, cp_rank=r, split=WHOLE_ROW) for r in range(cp)]
+    zig = naive_whole_row_rows(ZIGZAG, cu, cp)
+    for r in range(cp):
+        assert zigzag_rows(cu, cp, r, whole_row=True).tolist() == zig[r]
+    for source, target in DIRECTIONS:
+        src_rows = naive_whole_row_rows(source, cu, cp)
+        sent = []
+        for r, plan in enumerate(plans):
+            route = plan.route(source, target)
+            x = torch.tensor(src_rows[r], dtype=torch.int64)
+            buf = x if route.send_index is None else x[route.send_index]
+            sent.append(list(torch.split(buf, list(route.send_splits))))
+        for r, plan in enumerate(plans):
+            route = plan.route(source, target)
+            recv = torch.cat([sent[q][r] for q in range(cp)])
+            y = recv if route.recv_index is None else recv[route.recv_index]
+            assert y.tolist() == naive_whole_row_rows(target, cu, cp)[r]
+    buffer = [g for r in range(cp) for g in zig[r]]
+    for r, plan in enumerate(plans):
+        nat = plan.natural_order()
+        assert [buffer[i] for i in nat.to_natural.tolist()] == list(range(cu[-1]))
+        assert nat.own_rows.tolist() == zig[r]
+        cw = plan.chunkwise(4)
+        lo, hi = r * (cu[-1] // cp), (r + 1) * (cu[-1] // cp)
+        inside = sorted({0, hi - lo} | {c - lo for c in cu if lo < c < hi})
+        assert sorted(set(cw.local_cu)) == inside
+
+
+def test_whole_row_differs_from_per_document_when_a_row_holds_documents():
+    """The two splits put different rows on a rank as soon as a row holds more than one
+    document: a plan of the wrong split would move the wrong rows."""
+    cu = [0, 8, 16]
+    doc = CPPlan(cu=cu, cp_size=2, cp_rank=0, split=PER_DOCUMENT).natural_order().own_rows.tolist()
+    row = CPPlan(cu=cu, cp_size=2, cp_rank=0, split=WHOLE_ROW).natural_order().own_rows.tolist()
+    assert doc == [0, 1, 6, 7, 8, 9, 14, 15] and row == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def test_whole_row_checks_only_the_row_length():
+    CPPlan(cu=[0, 3, 8], cp_size=2, cp_rank=0, split=WHOLE_ROW)  # odd documents are fine
+    with pytest.raises(ValueError, match=r"T_global=10 rows, not divisible by 2\*cp=4"):
+        CPPlan(cu=[0, 3, 10], cp_size=2, cp_rank=0, split=WHOLE_ROW)
+    with pytest.raises(ValueError, match=r"sequence 0 .* length 3"):
+        CPPlan(cu=[0, 3, 8], cp_size=2, cp_rank=0, split=PER_DOCUMENT)
+    with pytest.raises(ValueError, match="split must be one of"):
+        CPPlan(cu=[0, 8], cp_size=2, cp_rank=0, split="row")
+
+
+def test_route_cache_keys_the_split():
+    from gdn_cp.layout import RouteCache
+
+    cache, cu = RouteCache(), torch.tensor([0, 8, 16])
+    a, b = cache.plan(cu, 2, 0, PER_DOCUMENT), cache.plan(cu, 2, 0, WHOLE_ROW)
+    assert a is not b and (a.split, b.split) == (PER_DOCUMENT, WHOLE_ROW)
+    assert cache.plan(cu, 2, 0, WHOLE_ROW) is b
+
+
+def test_one_rank_takes_any_lengths():
+    """At CP=1 nothing is cut: odd sequence lengths are legal (as in stock megatron-core), the
+    routes and the natural order are the identity, the chunkwise plan is the boundaries."""
+    cu = [0, 3, 3, 10]
+    for split in (PER_DOCUMENT, WHOLE_ROW):
+        plan = CPPlan(cu=cu, cp_size=1, cp_rank=0, split=split)
+        assert plan.route(ZIGZAG, CONTIGUOUS).is_identity
+        nat = plan.natural_order()
+        assert nat.to_natural.tolist() == nat.own_rows.tolist() == list(range(10))
+        assert list(plan.chunkwise(4).local_cu) == [0, 3, 10]
+    with pytest.raises(ValueError, match=r"not divisible by 2\*cp=4"):
+        validate_cu_seqlens(cu, 2)

@@ -131,10 +131,9 @@ def test_sizes_take_integer_likes_and_errors_name_the_argument_used():
     np = pytest.importorskip("numpy")
     assert resolve_linear_cp_mode("headwise", num_key_heads=np.int64(16), num_value_heads=np.int32(32),
                                   tp=np.int64(1), cp=np.uint8(2)) == "headwise"
-    assert resolve_linear_cp_mode("auto", num_key_heads=np.int64(16), num_value_heads=32, tp=1, cp=2,
-                                  fla_usable=False) == "headwise"
+    assert resolve_linear_cp_mode("auto", num_key_heads=np.int64(16), num_value_heads=32, tp=1, cp=2) == "chunkwise"
     assert check_linear_cp_mode("chunkwise", num_key_heads=np.int64(4), num_value_heads=8, tp=2, cp=4) == "chunkwise"
-    assert explain_linear_cp_modes(num_key_heads=np.int64(4), num_value_heads=8, tp=1, cp=2, fla_usable=False)
+    assert explain_linear_cp_modes(num_key_heads=np.int64(4), num_value_heads=8, tp=1, cp=2)["auto"]["legal"]
     config = _config("auto", np.int64(16), np.int64(32), np.int64(1), np.int64(2))
     assert configure_linear_cp_mode(config) in MODE_NAMES
     for arg, bad in (("num_key_heads", np.float64(16.0)), ("num_value_heads", True), ("tp", 2.0), ("cp", np.bool_(True))):
@@ -151,23 +150,37 @@ def test_sizes_take_integer_likes_and_errors_name_the_argument_used():
         configure_linear_cp_mode(_config("headwise", 4, 6, 1, 1))
 
 
-def test_config_resolves_auto_once_and_logs(monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="gdn_cp.megatron.config")
-    monkeypatch.setattr(cfgmod, "detect_fla_cp", lambda device_type=None: (False, "test: no FLA"))
+def test_config_resolves_auto_once_and_logs(caplog):
+    caplog.set_level(logging.DEBUG, logger="gdn_cp.megatron.config")
+    cfgmod._LOGGED.clear()
     config = _config("auto", 2, 4, 1, 4)
-    assert configure_linear_cp_mode(config) == "all_gather"
-    assert config.linear_cp_mode == "all_gather"  # the field holds the concrete mode
+    assert configure_linear_cp_mode(config) == "chunkwise"  # headwise is illegal; never all_gather
+    assert config.linear_cp_mode == "chunkwise"  # the field holds the concrete mode
     (rec,) = [r for r in caplog.records if r.name == "gdn_cp.megatron.config"]
     line = rec.getMessage()
-    for piece in ("requested=auto", "resolved=all_gather", "tp=1", "cp=4", "linear_num_key_heads=2", "test: no FLA"):
+    assert rec.levelno == logging.INFO
+    for piece in ("requested=auto", "resolved=chunkwise", "tp=1", "cp=4", "linear_num_key_heads=2"):
         assert piece in line, (piece, line)
-    assert configure_linear_cp_mode(config) == "all_gather"  # a copy of the config: a concrete mode, no new log
+    assert configure_linear_cp_mode(config) == "chunkwise"  # a copy of the config: a concrete mode, no new log
     assert len([r for r in caplog.records if r.name == "gdn_cp.megatron.config"]) == 1
-
-    monkeypatch.setattr(cfgmod, "detect_fla_cp", lambda device_type=None: (True, "test: FLA usable"))
-    assert configure_linear_cp_mode(_config("auto", 2, 4, 1, 4)) == "chunkwise"
+    # Megatron-LM rebuilds the config every micro-batch: the same request is logged at DEBUG only
+    for _ in range(3):
+        assert configure_linear_cp_mode(_config("auto", 2, 4, 1, 4)) == "chunkwise"
+    levels = [r.levelno for r in caplog.records if r.name == "gdn_cp.megatron.config"]
+    assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG, logging.DEBUG]
     hybrid = _config("auto", 16, 32, 2, 4, variant=None, is_hybrid_model=True)
     assert configure_linear_cp_mode(hybrid) == "chunkwise"  # hybrid models too
+
+
+def test_auto_is_machine_independent(monkeypatch):
+    """auto never looks at the device or FLA: the same sizes give the same mode everywhere."""
+    import importlib.util
+
+    import gdn_cp.ops.fla.detect as detect
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: pytest.fail(f"looked for {name}"))
+    monkeypatch.setattr(detect, "detect_fla_cp", lambda *a, **k: pytest.fail("asked for FLA"))
+    assert resolve_linear_cp_mode("auto", num_key_heads=6, num_value_heads=12, tp=1, cp=4) == "chunkwise"
 
 
 def test_config_auto_with_nothing_legal_names_fields_and_fix():
@@ -215,44 +228,28 @@ def test_rejects_missing_or_bad_sizes(field, value):
 # resolve_linear_cp_mode
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("k,v,tp,cp", SHAPES)
-@pytest.mark.parametrize("fla_usable", [True, False])
-def test_resolve_auto_table(k, v, tp, cp, fla_usable, caplog):
+def test_resolve_auto_table(k, v, tp, cp, caplog):
     headwise_ok, tp_ok = _expected(k, v, tp, cp)
     caplog.set_level(logging.INFO, logger="gdn_cp.megatron.config")
+    cfgmod._LOGGED.clear()
     if not tp_ok:
         with pytest.raises(ValueError, match="no mode is legal"):
-            resolve_linear_cp_mode("auto", num_key_heads=k, num_value_heads=v, tp=tp, cp=cp, fla_usable=fla_usable)
+            resolve_linear_cp_mode("auto", num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
         return
-    got = resolve_linear_cp_mode(
-        "auto", num_key_heads=k, num_value_heads=v, tp=tp, cp=cp, fla_usable=fla_usable
-    )
-    want = "chunkwise" if fla_usable else ("headwise" if headwise_ok else "all_gather")
-    assert got == want
+    assert resolve_linear_cp_mode("auto", num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) == "chunkwise"
     records = [r for r in caplog.records if r.name == "gdn_cp.megatron.config"]
     assert len(records) == 1
     line = records[0].getMessage()
-    for piece in (
-        "requested=auto",
-        f"resolved={want}",
-        f"tp={tp}",
-        f"cp={cp}",
-        f"linear_num_key_heads={k}",
-        f"linear_num_value_heads={v}",
-    ):
+    for piece in ("requested=auto", "resolved=chunkwise", f"tp={tp}", f"cp={cp}", f"linear_num_key_heads={k}",
+                  f"linear_num_value_heads={v}", f"chunkwise: heads divisible by TP={tp}"):
         assert piece in line, (piece, line)
-    if want == "chunkwise":
-        assert "FLA's CP path is usable" in line and f"chunkwise: heads divisible by TP={tp}" in line
-    elif want == "headwise":
-        assert "chunkwise skipped: FLA's CP path is not usable" in line
-        assert f"headwise: heads divisible by TP*CP={tp}*{cp}" in line
-    else:
-        assert "headwise is illegal" in line and f"all_gather: heads divisible by TP={tp}" in line
 
 
 @pytest.mark.parametrize("mode", MODE_NAMES)
 def test_resolve_explicit_returned_and_logged(mode, caplog):
     caplog.set_level(logging.INFO, logger="gdn_cp.megatron.config")
-    assert resolve_linear_cp_mode(mode, num_key_heads=16, num_value_heads=32, tp=2, cp=2, fla_usable=True) == mode
+    cfgmod._LOGGED.clear()
+    assert resolve_linear_cp_mode(mode, num_key_heads=16, num_value_heads=32, tp=2, cp=2) == mode
     (rec,) = [r for r in caplog.records if r.name == "gdn_cp.megatron.config"]
     assert f"requested={mode} resolved={mode}" in rec.getMessage()
     assert "explicitly requested" in rec.getMessage()
@@ -260,7 +257,7 @@ def test_resolve_explicit_returned_and_logged(mode, caplog):
 
 def test_resolve_explicit_illegal_raises_never_falls_back():
     with pytest.raises(ValueError, match="linear_cp_mode='headwise'.*linear_num_key_heads=2"):
-        resolve_linear_cp_mode("headwise", num_key_heads=2, num_value_heads=4, tp=1, cp=4, fla_usable=True)
+        resolve_linear_cp_mode("headwise", num_key_heads=2, num_value_heads=4, tp=1, cp=4)
     with pytest.raises(ValueError, match="linear_cp_mode='chunkwise'.*linear_num_key_heads=3"):
         resolve_linear_cp_mode("chunkwise", num_key_heads=3, num_value_heads=6, tp=2, cp=1)
 
@@ -268,45 +265,23 @@ def test_resolve_explicit_illegal_raises_never_falls_back():
 def test_resolve_uses_given_logger(caplog):
     lg = logging.getLogger("my.trainer")
     caplog.set_level(logging.INFO, logger="my.trainer")
-    resolve_linear_cp_mode("auto", num_key_heads=16, num_value_heads=32, tp=1, cp=2, fla_usable=False, logger=lg)
+    cfgmod._LOGGED.clear()
+    resolve_linear_cp_mode("auto", num_key_heads=16, num_value_heads=32, tp=1, cp=2, logger=lg)
     assert [r.name for r in caplog.records] == ["my.trainer"]
 
 
-def test_resolve_detects_cpu_device_without_fla_import(monkeypatch, caplog):
-    """device_type='cpu' -> FLA path unusable, without looking for FLA at all."""
-    import importlib.util
-
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: pytest.fail("looked for FLA"))
-    caplog.set_level(logging.INFO, logger="gdn_cp.megatron.config")
-    got = resolve_linear_cp_mode("auto", num_key_heads=16, num_value_heads=32, tp=1, cp=2, device_type="cpu")
-    assert got == "headwise"
-    assert "device is 'cpu'" in caplog.records[-1].getMessage()
-
-
-def test_detect_fla_cp_is_the_ops_detector(monkeypatch):
-    """config.detect_fla_cp answers what gdn_cp.ops.fla.detect answers (variants: tests/ops/test_fla_detect.py)."""
-    from gdn_cp.ops.fla import detect
-
-    monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, "kernels take no cp_context"))
-    assert cfgmod.detect_fla_cp("cuda") == (False, "kernels take no cp_context")
-    monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, None, "conv1d_kernel_size"))
-    assert cfgmod.detect_fla_cp("cuda")[0] is True
-    assert cfgmod.detect_fla_cp("cpu") == (False, "device is 'cpu', FLA's CP kernels need CUDA")
-
-
 def test_explain_linear_cp_modes():
-    e = explain_linear_cp_modes(num_key_heads=2, num_value_heads=4, tp=1, cp=4, fla_usable=False)
+    e = explain_linear_cp_modes(num_key_heads=2, num_value_heads=4, tp=1, cp=4)
     assert list(e) == [*MODE_NAMES, "auto"]  # the registry's modes, in its order
     assert e["headwise"]["legal"] is False and "TP*CP=1*4=4" in e["headwise"]["reason"]
     assert e["chunkwise"]["legal"] is True and e["all_gather"]["legal"] is True
-    assert e["auto"] == {"legal": True, "resolved": "all_gather", "reason": e["auto"]["reason"]}
-    assert "headwise is illegal" in e["auto"]["reason"]
+    assert e["auto"] == {"legal": True, "resolved": "chunkwise", "reason": e["auto"]["reason"]}
 
-    e = explain_linear_cp_modes(num_key_heads=16, num_value_heads=32, tp=2, cp=2, fla_usable=True)
+    e = explain_linear_cp_modes(num_key_heads=16, num_value_heads=32, tp=2, cp=2)
     assert all(e[m]["legal"] for m in MODE_NAMES)
     assert e["auto"]["resolved"] == "chunkwise"
 
-    e = explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=2, cp=1, fla_usable=True)
+    e = explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=2, cp=1)
     assert not any(e[m]["legal"] for m in MODE_NAMES)
     assert e["auto"]["legal"] is False and e["auto"]["resolved"] is None
 
@@ -344,5 +319,5 @@ def test_names_come_from_the_registry(monkeypatch):
     monkeypatch.setattr(cfgmod, "MODE_CHOICES", (*MODE_NAMES, "ring", "auto"))
     assert check_linear_cp_mode("ring", num_key_heads=3, num_value_heads=6, tp=1, cp=2) == "ring"
     assert configure_linear_cp_mode(_config("ring", 3, 6, 1, 2)) == "ring"
-    assert resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=1, cp=2, fla_usable=False) == "ring"
-    assert "ring" in explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=1, cp=2, fla_usable=False)
+    assert resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=1, cp=2) == "ring"
+    assert "ring" in explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=1, cp=2)

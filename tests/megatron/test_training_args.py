@@ -1,5 +1,7 @@
 """Megatron-LM's training command line with the patch: ``--linear-cp-mode`` lists the modes, a typo
-fails at parse time, and ``--linear-cp-mode auto`` reaches the model config as a concrete mode.
+fails at parse time, and ``--linear-cp-mode auto`` reaches the model config as a concrete mode;
+``validate_args`` sets ``--linear-cp-thd-split`` from the data flags that choose the THD cut
+(``--dataloader-inter-document-masking``, ``--sft``) and refuses a contradicting value.
 
 megatron-core 0.19.2 builds these flags from the TransformerConfig fields
 (``megatron/training/argument_utils.py``: a ``Literal[...]`` type becomes argparse ``choices``,
@@ -23,8 +25,23 @@ from gdn_cp.modes.spec import MODE_CHOICES
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+def readme_training_command() -> dict:
+    """The ``torchrun ... pretrain_hybrid.py`` block of the README: its script arguments (with
+    ``$VARS`` replaced by placeholders) and ``--nproc-per-node``."""
+    import shlex
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    start = text.index("\ntorchrun ")
+    block = text[start + 1 : text.index("```", start)].replace("\\\n", " ")
+    words = shlex.split(block)
+    script = next(i for i, w in enumerate(words) if w.endswith(".py"))
+    assert words[script] == "pretrain_hybrid.py", words[: script + 1]
+    nproc = int(words[words.index("--nproc-per-node") + 1])
+    return {"args": [w.replace("$", "PLACEHOLDER_") for w in words[script + 1 :]], "nproc": nproc}
+
 _SCRIPT = r"""
-import argparse, contextlib, io, json, logging, sys, typing, warnings
+import argparse, contextlib, io, json, logging, os, sys, typing, warnings
 warnings.filterwarnings("ignore")
 if sys.version_info < (3, 12):
     import typing_extensions
@@ -59,6 +76,37 @@ out["auto_odd_heads"] = build("--linear-cp-mode auto --context-parallel-size 4 -
                               "--linear-num-value-heads 4".split())
 out["auto_nothing_legal"] = build("--linear-cp-mode auto --tensor-model-parallel-size 2 --linear-num-key-heads 3 "
                                   "--linear-num-value-heads 6".split())
+# validate_args, as Megatron-LM's initialize runs it (CPU stand-ins for its CUDA queries)
+import megatron.training.arguments as margs
+if not torch.cuda.is_available():
+    margs.get_device_arch_version = lambda: 9
+os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+data = "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --lr 1e-4 --train-iters 1".split()
+out["thd_split"] = {}
+with contextlib.redirect_stdout(io.StringIO()):
+    for name, extra in {"none": [], "inter_document_masking": ["--dataloader-inter-document-masking"],
+                        "sft": ["--sft"], "both": ["--sft", "--dataloader-inter-document-masking"],
+                        "contradiction": ["--dataloader-inter-document-masking", "--linear-cp-thd-split", "per_document"],
+                        }.items():
+        args = parser.parse_args(model + data + ["--context-parallel-size", "2"] + extra)
+        args.world_size, args.rank = 2, 0
+        try:
+            margs.validate_args(args, {})
+            out["thd_split"][name] = [args.linear_cp_thd_split,
+                                      core_transformer_config_from_args(args).linear_cp_thd_split]
+        except ValueError as e:
+            out["thd_split"][name] = str(e)
+# the README's "Train a model" command line, as Megatron-LM's parser and validate_args see it
+readme = json.loads(os.environ["GDN_CP_README_COMMAND"])
+with contextlib.redirect_stdout(io.StringIO()):
+    args = parser.parse_args(readme["args"])
+    args.world_size, args.rank = readme["nproc"], 0
+    margs.validate_args(args, {})
+    config = core_transformer_config_from_args(args)
+out["readme"] = {"thd_split": args.linear_cp_thd_split, "mode": config.linear_cp_mode,
+                 "cp": config.context_parallel_size, "pattern": args.hybrid_layer_pattern, "num_layers": args.num_layers}
+(split_flag,) = [a for a in parser._actions if "--linear-cp-thd-split" in a.option_strings]
+out["thd_split_choices"] = [list(split_flag.choices), split_flag.default]
 typo = io.StringIO()
 with contextlib.redirect_stderr(typo):
     try:
@@ -76,7 +124,8 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
         typing_extensions = pytest.importorskip("typing_extensions", reason="megatron.training needs typing.override")
         if not hasattr(typing_extensions, "override"):
             pytest.skip("Python < 3.12 and typing_extensions without override: megatron.training cannot import")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               GDN_CP_README_COMMAND=json.dumps(readme_training_command()))
     r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
@@ -87,12 +136,24 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     assert all(f'"{m}"' in out["help"] for m in MODE_CHOICES), out["help"]  # the field's docstring
     assert out["typo"][0] == 2 and "invalid choice: 'head_wise'" in out["typo"][1], out["typo"]
 
-    # explicit modes pass through; auto arrives at the config as the mode it resolves to (no GPU here
-    # unless on the device machine: chunkwise with FLA's CP path, else headwise when legal)
+    # explicit modes pass through; auto arrives at the config as the mode it resolves to, the same
+    # on every machine: chunkwise wherever it is legal
     for mode in ("headwise", "chunkwise", "all_gather"):
         assert out["modes"][mode] == {"parsed": mode, "config": mode}, out["modes"]
-    assert out["modes"]["auto"]["parsed"] == "auto" and out["modes"]["auto"]["config"] in ("chunkwise", "headwise")
+    assert out["modes"]["auto"] == {"parsed": "auto", "config": "chunkwise"}
     assert "gdn-cp linear_cp_mode: requested=auto" in r.stderr  # logged with the reason
-    assert out["auto_odd_heads"]["config"] in ("chunkwise", "all_gather"), out["auto_odd_heads"]
+    assert out["auto_odd_heads"]["config"] == "chunkwise", out["auto_odd_heads"]
     error = out["auto_nothing_legal"]["error"]
     assert "linear_cp_mode='auto': no mode is legal" in error and "linear_num_key_heads=3" in error and "Fix:" in error
+
+    # --linear-cp-thd-split: set from the data flags by validate_args, into the model config
+    assert out["thd_split_choices"] == [["per_document", "whole_row"], None]
+    split = out["thd_split"]
+    assert split["none"] == [None, None]  # no packed rows: nothing to say
+    assert split["inter_document_masking"] == ["whole_row", "whole_row"]
+    assert split["sft"] == ["per_document", "per_document"] and split["both"] == ["per_document", "per_document"]
+    assert "--linear-cp-thd-split per_document contradicts --dataloader-inter-document-masking" in split["contradiction"]
+
+    # the README's training command parses, validates and gives the config the README says
+    assert out["readme"] == {"thd_split": "whole_row", "mode": "chunkwise", "cp": 4, "pattern": "GGG*GGG*",
+                             "num_layers": 8}, out["readme"]

@@ -1,7 +1,9 @@
 """Every mode at cp=2 and 4 equals CP=1: outputs, input gradients, conv gradients.
 
 SBHD and packed THD (sequences straddling contiguous rank boundaries, empty padding
-slots), fp64 and fp32, on real gloo ranks with the reference backend.
+slots) cut per document, and packed THD cut as one whole row (documents of any length:
+Megatron's --dataloader-inter-document-masking), fp64 and fp32, on real gloo ranks with the
+reference backend.
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 import gdn_cp.modes.chunkwise as chunkwise_module
-from gdn_cp.layout import RouteCache, plan_for_sbhd
+from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW, RouteCache, plan_for_sbhd
 from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd
 from gdn_cp.ops import get_backend
 from gdn_cp.testing.inputs import core_inputs, cp1_core_answer
 from gdn_cp.testing.metrics import max_rel
-from gdn_cp.testing.packings import zigzag_rows
+from gdn_cp.testing.packings import document_packings, zigzag_rows
 from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL
 from gdn_cp.modes.spec import MODE_NAMES
 
@@ -50,12 +52,14 @@ def _run_modes(ctx, layout, dtype, modes=MODES, mutate=None, shape=SHAPE, scan_o
     group = dist.group.WORLD
     backend = ScanOnlyBackend() if scan_only else get_backend("reference")
     out = {}
-    if layout == "thd":
-        cu = thd_boundaries(world)
+    if layout in ("thd", "thd_whole_row"):
+        whole_row = layout == "thd_whole_row"
+        cu = document_packings(world)["odd_documents"] if whole_row else thd_boundaries(world)
         inputs = core_inputs(cu[-1], shape, WIDTH, dtype, seed=7)
         ref_o, ref_g = cp1_core_answer(inputs, shape, cu)
-        rows = zigzag_rows(cu, world, rank)
-        plan = RouteCache().plan(torch.tensor(cu, dtype=torch.int32), world, rank)
+        rows = zigzag_rows(cu, world, rank, whole_row=whole_row)
+        split = WHOLE_ROW if whole_row else PER_DOCUMENT
+        plan = RouteCache().plan(torch.tensor(cu, dtype=torch.int32), world, rank, split)
         to_local = lambda t: t[rows]  # noqa: E731
     else:
         seq, batch = 24 * world, 3
@@ -89,7 +93,7 @@ def _run_modes(ctx, layout, dtype, modes=MODES, mutate=None, shape=SHAPE, scan_o
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+@pytest.mark.parametrize("layout", ["thd", "thd_whole_row", "sbhd"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_modes_equal_cp1(rank_pool, world, layout, dtype):
     results = rank_pool(world).run(_run_modes, layout, dtype)
@@ -101,7 +105,7 @@ def test_modes_equal_cp1(rank_pool, world, layout, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
-@pytest.mark.parametrize("layout", ["thd", "sbhd"])
+@pytest.mark.parametrize("layout", ["thd", "thd_whole_row", "sbhd"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_chunkwise_with_summaries_from_scans_equals_cp1(rank_pool, world, layout, dtype):
     """The other summary flow (a backend without chunk_state_summary, like FLA)."""
@@ -229,3 +233,29 @@ def test_modes_without_qk_l2norm(rank_pool):
     for res in rank_pool(2).run(_no_l2norm):
         for mode, errs in res.items():
             assert max(errs.values()) <= 1e-8, (mode, errs)
+
+
+def _whole_row_rows_with_a_per_document_plan(ctx):
+    """Rows cut as a whole row but planned as cut per document (documents whose lengths happen to
+    divide by 2*cp, so no check can refuse it): every mode must then differ from CP=1, which is
+    what a wrong split looks like and why the split is never guessed."""
+    rank, world = ctx.rank, ctx.world_size
+    u = 2 * world
+    cu = [0, 4 * u, 10 * u]
+    inputs = core_inputs(cu[-1], SHAPE, WIDTH, torch.float64, seed=5)
+    ref_o, _ = cp1_core_answer(inputs, SHAPE, cu)
+    rows = zigzag_rows(cu, world, rank, whole_row=True)
+    out = {}
+    for split in (PER_DOCUMENT, WHOLE_ROW):
+        plan = RouteCache().plan(torch.tensor(cu), world, rank, split)
+        for mode in MODES:
+            o = gdn_core(*(inputs[k][rows] for k in ("qkv", "g", "beta")), inputs["conv_weight"], inputs["conv_bias"],
+                         shape=SHAPE, mode=mode, plan=plan, group=dist.group.WORLD, backend=get_backend("reference"))
+            out[(split, mode)] = max_rel(o, ref_o[rows])
+    return out
+
+
+def test_wrong_split_is_visible(rank_pool):
+    for res in rank_pool(2).run(_whole_row_rows_with_a_per_document_plan):
+        for mode in MODES:
+            assert res[(WHOLE_ROW, mode)] <= 1e-10 and res[(PER_DOCUMENT, mode)] > 1e-2, (mode, res)

@@ -18,10 +18,10 @@ TP-local ``q|k|v`` channels; ``A_log`` / ``dt_bias`` the TP-local value heads; `
 row-parallel over the value heads. Replicated over TP: ``out_norm`` (one weight shared by every
 value head) and ``out_proj``'s bias.
 
-``TransformerConfig`` fields used: ``linear_cp_mode`` (added by the patch),
-``linear_num_key_heads``, ``linear_num_value_heads``, ``tensor_model_parallel_size``,
+``TransformerConfig`` fields used: ``linear_cp_mode`` and ``linear_cp_thd_split`` (added by the
+patch), ``linear_num_key_heads``, ``linear_num_value_heads``, ``tensor_model_parallel_size``,
 ``context_parallel_size``, ``experimental_attention_variant``,
-``deterministic_mode``, ``sequence_parallel``.
+``deterministic_mode``, ``sequence_parallel``, ``hybrid_context_parallel``.
 
 Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
 ``cu_seqlens_q_padded`` / ``cu_seqlens_q``, ``cp_group``, ``local_cp_size``) are read in
@@ -50,6 +50,7 @@ class ConfigFields:
     """
 
     linear_cp_mode: Any
+    thd_split: Any
     num_key_heads: Any
     num_value_heads: Any
     tp: Any
@@ -63,6 +64,7 @@ def read_config(config) -> ConfigFields:
     (mode: ``headwise``, TP and CP: 1)."""
     return ConfigFields(
         linear_cp_mode=getattr(config, "linear_cp_mode", "headwise"),
+        thd_split=getattr(config, "linear_cp_thd_split", None),
         num_key_heads=getattr(config, "linear_num_key_heads", None),
         num_value_heads=getattr(config, "linear_num_value_heads", None),
         tp=getattr(config, "tensor_model_parallel_size", 1),  # checked (positive ints) where used
@@ -96,6 +98,15 @@ class LayerAdapter:
     @property
     def linear_cp_mode(self):
         return getattr(self.layer.config, "linear_cp_mode", "headwise")
+
+    @property
+    def thd_split_setting(self):
+        """``linear_cp_thd_split``: None (decided per micro-batch), ``per_document`` or ``whole_row``."""
+        return getattr(self.layer.config, "linear_cp_thd_split", None)
+
+    @property
+    def hybrid_context_parallel(self) -> bool:
+        return bool(getattr(self.layer.config, "hybrid_context_parallel", False))
 
     @property
     def deterministic(self) -> bool:

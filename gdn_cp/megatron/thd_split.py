@@ -1,0 +1,148 @@
+"""How Megatron cut a packed (THD) micro-batch over the CP ranks: per document or as one whole row.
+
+Megatron has two THD cuts, and ``PackedSeqParams`` carries the same document boundaries for both
+(see :data:`gdn_cp.layout.PER_DOCUMENT` and :data:`gdn_cp.layout.WHOLE_ROW`):
+
+* per document: ``megatron.core.utils.get_batch_on_this_cp_rank`` without per-sequence balancing
+  (Megatron-LM ``--sft``); every document is cut into 2*cp parts on its own;
+* whole row: ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)`` (Megatron-LM
+  ``--dataloader-inter-document-masking`` without ``--sft``) and hybrid CP (``--hybrid-context-parallel``,
+  a sub-sample over ``local_cp_size > 1`` ranks): the whole row is cut as if it were one sequence.
+
+A GDN layer that took one cut for the other would compute a wrong model without any error whenever
+the document lengths happen to divide by 2*cp, so the cut is never guessed. It is known from, in
+this order:
+
+1. a record made by Megatron's own splitter: the patched ``get_batch_on_this_cp_rank`` calls
+   :func:`record_split` in the branch that cut the rows; the record is kept on the storage of the
+   batch's ``cu_seqlens`` / ``cu_seqlens_padded`` tensors, so the views Megatron-LM's ``forward_step``
+   puts into ``PackedSeqParams`` (``cu_seqlens.squeeze(0)``) carry it, it costs no device sync to
+   read, and it dies with the tensors;
+2. ``TransformerConfig.linear_cp_thd_split`` (added by the patch; Megatron-LM ``--linear-cp-thd-split``):
+   for rows cut by the user's own code, and for pipeline stages that never see the splitter
+   (Megatron-LM's ``get_batch`` returns the boundaries of middle stages before it cuts anything).
+   Megatron-LM's patched ``validate_args`` sets it from the flags that choose the cut
+   (:func:`configure_megatron_lm_args`);
+3. otherwise ``per_document`` (``whole_row`` when ``config.hybrid_context_parallel``): the cut
+   TransformerEngine's attention assumes.
+
+A record and an explicit setting that disagree stop the layer call with a ValueError before any
+collective. Torch is imported lazily; Megatron is never imported here.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+from ..layout.boundaries import PER_DOCUMENT, THD_SPLITS, WHOLE_ROW
+
+__all__ = [
+    "THD_SPLIT_FIELD",
+    "check_thd_split_setting",
+    "configure_megatron_lm_args",
+    "megatron_lm_thd_split",
+    "record_split",
+    "recorded_split",
+    "resolve_thd_split",
+]
+
+THD_SPLIT_FIELD = "linear_cp_thd_split"
+"""The TransformerConfig field (and, as ``--linear-cp-thd-split``, the Megatron-LM flag)."""
+
+_RECORDS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()  # tensor storage -> split
+_BATCH_KEYS = ("cu_seqlens", "cu_seqlens_padded")
+
+
+def check_thd_split_setting(value: Any, name: str = THD_SPLIT_FIELD) -> Optional[str]:
+    """``value`` if it is None or one of the splits; ValueError naming ``name`` otherwise."""
+    if value is None or (isinstance(value, str) and value in THD_SPLITS):
+        return value
+    raise ValueError(
+        f"{name}={value!r} is not a THD split; set it to one of {', '.join(map(repr, THD_SPLITS))} or None "
+        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded, else {PER_DOCUMENT!r})"
+    )
+
+
+def record_split(batch: dict, split: str) -> None:
+    """Remember that ``batch``'s rows were cut by ``split`` (called by the patched
+    ``megatron.core.utils.get_batch_on_this_cp_rank``, in the branch that made the cut).
+
+    Every tensor under ``cu_seqlens`` / ``cu_seqlens_padded`` gets the record on its storage;
+    views of it (what ``PackedSeqParams`` receives) share it. Host metadata only: no device work.
+    """
+    import torch
+
+    check_thd_split_setting(split, "split")
+    for key in _BATCH_KEYS:
+        value = batch.get(key) if isinstance(batch, dict) else None
+        if isinstance(value, torch.Tensor):
+            _RECORDS[value.untyped_storage()] = split
+
+
+def recorded_split(cu_seqlens: Any) -> Optional[str]:
+    """The split recorded for the storage of ``cu_seqlens`` (a tensor), or None."""
+    import torch
+
+    if not isinstance(cu_seqlens, torch.Tensor):
+        return None
+    return _RECORDS.get(cu_seqlens.untyped_storage())
+
+
+def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens: Any) -> tuple[str, str]:
+    """``(split, where it comes from)`` for one THD layer call (see the module docstring for the
+    order). ``setting``: the config's ``linear_cp_thd_split``; ``cu_seqlens``: the boundaries tensor
+    the layer plans with. ValueError, before any collective, when a record contradicts ``setting``."""
+    setting = check_thd_split_setting(setting)
+    recorded = recorded_split(cu_seqlens)
+    if recorded is not None:
+        if setting is not None and setting != recorded:
+            raise ValueError(
+                f"TransformerConfig.{THD_SPLIT_FIELD}={setting!r}, but Megatron's get_batch_on_this_cp_rank cut "
+                f"these rows {recorded!r} (recorded on the micro-batch's cu_seqlens); set {THD_SPLIT_FIELD}="
+                f"{recorded!r} or leave it None (Megatron-LM: drop --linear-cp-thd-split)"
+            )
+        return recorded, "recorded by megatron.core.utils.get_batch_on_this_cp_rank"
+    if setting is not None:
+        return setting, f"TransformerConfig.{THD_SPLIT_FIELD}={setting!r}"
+    if hybrid_context_parallel:
+        return WHOLE_ROW, f"{THD_SPLIT_FIELD}=None with hybrid_context_parallel=True (hybrid CP cuts whole rows)"
+    return PER_DOCUMENT, f"{THD_SPLIT_FIELD}=None: the default, {PER_DOCUMENT!r}"
+
+
+def megatron_lm_thd_split(*, sft: bool, inter_document_masking: bool, hybrid_context_parallel: bool) -> Optional[str]:
+    """The THD cut Megatron-LM's ``get_batch`` (``pretrain_gpt.py`` / ``pretrain_hybrid.py``,
+    core_v0.19.x) makes for these flags, or None when it makes none (no packed rows):
+    ``use_per_sequence_balancing = --dataloader-inter-document-masking and not --sft`` cuts whole
+    rows, hybrid CP cuts each sub-sample's row whole, ``--sft`` cuts per document."""
+    if hybrid_context_parallel or (inter_document_masking and not sft):
+        return WHOLE_ROW
+    if sft or inter_document_masking:
+        return PER_DOCUMENT
+    return None
+
+
+def configure_megatron_lm_args(args: Any) -> Optional[str]:
+    """The patched ``megatron.training.arguments.validate_args`` hook: sets
+    ``args.linear_cp_thd_split`` from ``--sft``, ``--dataloader-inter-document-masking`` and
+    ``--hybrid-context-parallel`` (where they make a THD cut), so every pipeline stage's GDN layers
+    know the cut; ValueError when ``--linear-cp-thd-split`` contradicts them. Returns the value set."""
+    given = check_thd_split_setting(getattr(args, THD_SPLIT_FIELD, None), "--linear-cp-thd-split")
+    flags = {
+        "sft": bool(getattr(args, "sft", False)),
+        "inter_document_masking": bool(getattr(args, "dataloader_inter_document_masking", False)),
+        "hybrid_context_parallel": bool(getattr(args, "hybrid_context_parallel", False)),
+    }
+    made = megatron_lm_thd_split(**flags)
+    if made is None:
+        return given
+    if given is not None and given != made:
+        names = {"sft": "--sft", "inter_document_masking": "--dataloader-inter-document-masking",
+                 "hybrid_context_parallel": "--hybrid-context-parallel"}
+        on = " ".join(names[k] for k, v in flags.items() if v)
+        raise ValueError(
+            f"--linear-cp-thd-split {given} contradicts {on}: with these flags Megatron-LM's get_batch cuts packed "
+            f"rows {made!r}; drop --linear-cp-thd-split (it is set from them) or change the data flags"
+        )
+    setattr(args, THD_SPLIT_FIELD, made)
+    return made

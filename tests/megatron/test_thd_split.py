@@ -1,0 +1,201 @@
+"""How the patched GatedDeltaNet knows Megatron's THD cut (per document or whole row), and hybrid
+CP's "no CP for this sub-sample" (``local_cp_size=1`` without a group).
+
+The patched ``get_batch_on_this_cp_rank`` records its cut on the batch's ``cu_seqlens`` storage
+(:mod:`gdn_cp.megatron.thd_split`); ``TransformerConfig.linear_cp_thd_split`` says it where no
+record exists; the two never disagree silently. The end-to-end tests with Megatron's own splitter
+and models are in ``test_e2e_models.py``; these test the layer and the rules alone.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW
+from gdn_cp.megatron import thd_split
+from gdn_cp.megatron.thd_split import (
+    configure_megatron_lm_args,
+    megatron_lm_thd_split,
+    record_split,
+    recorded_split,
+    resolve_thd_split,
+)
+from gdn_cp.testing.megatron_parity import MODES, parity_case
+from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
+
+FP64 = TOL[torch.float64]
+
+
+# ----------------------------------------------------------------------------------------------
+# the rules, no ranks
+# ----------------------------------------------------------------------------------------------
+def test_record_follows_views_and_dies_with_the_tensor():
+    cu = torch.tensor([[0, 3, 8]], dtype=torch.int32)  # Megatron's batch keeps cu_seqlens as (1, N)
+    record_split({"cu_seqlens": cu, "cu_seqlens_padded": None, "tokens": torch.zeros(1, 4)}, WHOLE_ROW)
+    assert recorded_split(cu.squeeze(0)) == WHOLE_ROW  # what forward_step puts into PackedSeqParams
+    assert recorded_split(cu[0, 1:]) == WHOLE_ROW
+    assert recorded_split(cu.clone()) is None  # a copy is not what the splitter cut
+    assert recorded_split([0, 3, 8]) is None
+    n = len(thd_split._RECORDS)
+    del cu
+    assert len(thd_split._RECORDS) == n - 1  # no leak: the record dies with the boundaries
+
+
+def test_resolution_order_and_contradiction():
+    cu = torch.tensor([0, 8, 16])
+    assert resolve_thd_split(None, hybrid_context_parallel=False, cu_seqlens=cu)[0] == PER_DOCUMENT
+    assert resolve_thd_split(None, hybrid_context_parallel=True, cu_seqlens=cu)[0] == WHOLE_ROW
+    assert resolve_thd_split(WHOLE_ROW, hybrid_context_parallel=False, cu_seqlens=cu)[0] == WHOLE_ROW
+    record_split({"cu_seqlens": cu}, WHOLE_ROW)
+    split, why = resolve_thd_split(None, hybrid_context_parallel=False, cu_seqlens=cu)
+    assert split == WHOLE_ROW and "get_batch_on_this_cp_rank" in why
+    assert resolve_thd_split(WHOLE_ROW, hybrid_context_parallel=False, cu_seqlens=cu)[0] == WHOLE_ROW
+    with pytest.raises(ValueError, match=r"linear_cp_thd_split='per_document', but Megatron's get_batch_on_this_cp_rank "
+                                         r"cut these rows 'whole_row'"):
+        resolve_thd_split(PER_DOCUMENT, hybrid_context_parallel=False, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="linear_cp_thd_split='row' is not a THD split"):
+        resolve_thd_split("row", hybrid_context_parallel=False, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("sft,idm,hcp,want", [
+    (False, False, False, None), (True, False, False, PER_DOCUMENT), (False, True, False, WHOLE_ROW),
+    (True, True, False, PER_DOCUMENT), (False, False, True, WHOLE_ROW), (True, False, True, WHOLE_ROW),
+])
+def test_megatron_lm_flags_decide_the_split(sft, idm, hcp, want):
+    """pretrain_gpt.py (core_v0.19.x): use_per_sequence_balancing = inter-document masking and not
+    sft; hybrid CP cuts each sub-sample whole; --sft alone cuts per document."""
+    assert megatron_lm_thd_split(sft=sft, inter_document_masking=idm, hybrid_context_parallel=hcp) == want
+    args = types.SimpleNamespace(sft=sft, dataloader_inter_document_masking=idm, hybrid_context_parallel=hcp,
+                                 linear_cp_thd_split=None)
+    assert configure_megatron_lm_args(args) == want and args.linear_cp_thd_split == want
+    if want is not None:  # the same value given explicitly is fine; the other one is refused
+        args.linear_cp_thd_split = want
+        assert configure_megatron_lm_args(args) == want
+        args.linear_cp_thd_split = WHOLE_ROW if want == PER_DOCUMENT else PER_DOCUMENT
+        with pytest.raises(ValueError, match="--linear-cp-thd-split .* contradicts"):
+            configure_megatron_lm_args(args)
+    else:  # no packed rows from Megatron-LM's get_batch: an explicit value is the user's own
+        args.linear_cp_thd_split = WHOLE_ROW
+        assert configure_megatron_lm_args(args) == WHOLE_ROW
+
+
+def test_config_refuses_an_unknown_split(patched_megatron):
+    from gdn_cp.testing.megatron_layer import make_config
+
+    assert make_config(2, "chunkwise", linear_cp_thd_split=WHOLE_ROW).linear_cp_thd_split == WHOLE_ROW
+    assert make_config(2, "chunkwise").linear_cp_thd_split is None
+    with pytest.raises(ValueError, match="TransformerConfig.linear_cp_thd_split='rows' is not a THD split"):
+        make_config(2, "chunkwise", linear_cp_thd_split="rows")
+
+
+# ----------------------------------------------------------------------------------------------
+# the layer on gloo ranks
+# ----------------------------------------------------------------------------------------------
+def _whole_row_cases(ctx):
+    """The whole-row case told by the config field, by a record of the splitter (no field), and
+    not told at all (odd documents: a ValueError naming the field, on every rank, before any
+    collective); then documents that divide by 2*cp, not told: silently wrong without the split."""
+    from gdn_cp.megatron.thd_split import record_split as record
+
+    import gdn_cp.testing.megatron_parity as mp
+
+    out = {"config": parity_case(ctx.rank, ctx.world_size, "thd_whole_row", torch.float64, MODES,
+                                 cfg=dict(linear_cp_thd_split=WHOLE_ROW))}
+    saved = mp.thd_params
+
+    def recorded_params(cu_pad, cu_act, **kw):
+        psp = saved(cu_pad, cu_act, **kw)
+        record({"cu_seqlens_padded": psp.cu_seqlens_q_padded.unsqueeze(0)}, WHOLE_ROW)  # a view: same storage
+        return psp
+
+    mp.thd_params = recorded_params
+    try:
+        out["record"] = parity_case(ctx.rank, ctx.world_size, "thd_whole_row", torch.float64, MODES)
+    finally:
+        mp.thd_params = saved
+    try:
+        parity_case(ctx.rank, ctx.world_size, "thd_whole_row", torch.float64, ("chunkwise",))
+        out["untold"] = "no error"
+    except ValueError as e:
+        out["untold"] = str(e)
+    return out
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("world", [2, 4])
+def test_whole_row_thd_equals_cp1(patched_megatron, rank_pool, world):
+    for rank, res in enumerate(rank_pool(world).run(_whole_row_cases)):
+        for how in ("config", "record"):
+            for mode, errs in res[how].items():
+                over = {k: v for k, v in errs.items() if not v <= FP64}
+                assert not over, (rank, how, mode, over)
+        msg = res["untold"]
+        assert "linear_cp_thd_split='whole_row'" in msg and "not divisible by 2*cp" in msg, msg
+        assert "per_document split" in msg and "the default" in msg, msg
+
+
+def _hybrid_cp_no_group(ctx):
+    """Hybrid CP's sub-sample on one rank: PackedSeqParams(local_cp_size=1, cp_group=None) inside a
+    static CP group of the whole world: the no-CP path (each rank its own full sub-sample)."""
+    import torch.distributed as dist
+
+    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+    from gdn_cp.testing.metrics import max_rel
+    from gdn_cp.testing.inputs import hidden_inputs
+
+    groups = rank_groups()
+    cu = [0, 5, 5, 12]  # odd lengths: nothing is cut
+    x, dout = hidden_inputs(12, 1, torch.float64, 300 + ctx.rank, 32, "cpu")
+    base = build_gdn(make_config(1, "headwise", torch.float64), groups["self"])
+    want = run_layer(base, x, dout, thd_params(cu))
+    out = {}
+    for mode in MODES:
+        module = build_gdn(make_config(ctx.world_size, mode, torch.float64), groups["world"])
+        got = run_layer(module, x, dout, thd_params(cu, local_cp_size=1))
+        out[mode] = max([max_rel(got[0], want[0]), max_rel(got[1], want[1])]
+                        + [max_rel(got[2][n], want[2][n]) for n in want[2]])
+    dist.barrier()
+    return out
+
+
+@pytest.mark.megatron
+def test_hybrid_cp_local_cp_size_one_without_group_is_no_cp(patched_megatron, rank_pool):
+    for res in rank_pool(2).run(_hybrid_cp_no_group):
+        assert all(v <= FP64 for v in res.values()), res
+
+
+def _megatron_splitter_records(ctx):
+    """megatron.core.utils.get_batch_on_this_cp_rank (patched) records the cut of the branch it
+    took, on the tensors forward_step turns into PackedSeqParams (squeeze(0) views)."""
+    import torch.distributed as dist
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    import megatron.core.utils as mutils
+
+    out = {}
+    missing = object()
+    saved = getattr(mutils, "tex", missing)
+    # the per-document branch calls TransformerEngine's index split: any rows will do here
+    mutils.tex = types.SimpleNamespace(thd_get_partitioned_indices=lambda cu, t, ws, r: torch.arange(t // ws))
+    try:
+        for use_per_sequence, cu in ((True, [0, 3, 16]), (False, [0, 4, 16])):
+            batch = {"tokens": torch.arange(16).reshape(1, 16), "cu_seqlens": torch.tensor([cu], dtype=torch.int32),
+                     "cu_seqlens_padded": None, "max_seqlen": None, "local_cp_size": None}
+            batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=dist.group.WORLD,
+                                              use_per_sequence_balancing=use_per_sequence)
+            out[use_per_sequence] = (recorded_split(batch["cu_seqlens"].squeeze(0)), batch["tokens"].shape[1])
+    finally:
+        if saved is missing:
+            del mutils.tex
+        else:
+            mutils.tex = saved
+    return out
+
+
+@pytest.mark.megatron
+def test_megatron_splitter_records_its_split(patched_megatron, rank_pool):
+    for res in rank_pool(2).run(_megatron_splitter_records):
+        assert res[True] == (WHOLE_ROW, 8) and res[False] == (PER_DOCUMENT, 8), res
