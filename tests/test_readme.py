@@ -99,8 +99,9 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
                                    experimental_attention_variant="gated_delta_net")
     layer = types.SimpleNamespace(linear_cp_mode="auto", layer=types.SimpleNamespace(), tp_size=1, num_key_heads=16,
                                   num_value_heads=32, layer_number=3)
-    tp_layer = types.SimpleNamespace(tp_size=2, tp_group="tp", layer=types.SimpleNamespace())
-    monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group == "tp" else (0, 1, 2, 3))
+    tp_group, cp_group = types.SimpleNamespace(size=lambda: 2), types.SimpleNamespace(size=lambda: 4)
+    tp_layer = types.SimpleNamespace(tp_size=2, tp_group=tp_group, layer=types.SimpleNamespace())
+    monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
     def not_importable():
         monkeypatch.setattr(patching.importlib.util, "find_spec", lambda name: None)
@@ -130,7 +131,7 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         "the plan was built for cp=... but the process group has ...":
             lambda: check_inputs(None, None, None, None, None, shape, RouteCache().plan([0, 8], 2, 0), 4),
         "PackedSeqParams.cp_group has ranks ..., of which ... are also in this layer's tensor-parallel group":
-            lambda: gdn._check_cp_group_disjoint_from_tp(tp_layer, "cp", dynamic=True),
+            lambda: gdn._check_cp_group_disjoint_from_tp(tp_layer, cp_group, dynamic=True),
         "chunkwise swap at hidden_states (set_chunkwise_swap('hidden')) is not possible with sequence_parallel=True":
             lambda: choose_swap_point(shape=shape, hidden_size=64, tp=2, sequence_parallel=True, act_bytes=2,
                                       requested="hidden"),

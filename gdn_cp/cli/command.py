@@ -132,7 +132,9 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``gdn-cp`` with ``argv``; returns the exit status (see :data:`gdn_cp.cli.output.EXIT_STATUS`)."""
     try:
-        return _main(argv)
+        status = _main(argv)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit flush
+        return status
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from typing import Optional, TextIO
 
 from ..megatron import patching
-from ..megatron.pins import PINS
+from ..megatron.pins import PINS, get_pin
 from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
 
 _RELEASES = ", ".join(PINS)
@@ -19,13 +20,24 @@ _RELEASES = ", ".join(PINS)
 _DESCRIPTION = f"""\
 Install, check or revert the gdn-cp patch of Megatron-Core {_RELEASES}.
 
-The patch is thin: it adds TransformerConfig.linear_cp_mode (checked, and 'auto' resolved, by
-gdn_cp) and makes GatedDeltaNet.forward hand over to gdn_cp when context parallelism is on or the
-input is packed (THD). Every target file is checked against the sha256 of the release before
-anything is written (a Megatron-LM checkout may report another version string: its files decide);
-all files are replaced or none; the originals are kept as *{patching.BACKUP_SUFFIX} (listed in
-.git/info/exclude in a git checkout) and `revert` restores them byte for byte.
+The patch is thin: the logic lives in gdn_cp, where it is tested; the patched files hand over to it
+(TransformerConfig's linear_cp_mode is checked, and 'auto' resolved, by gdn_cp; GatedDeltaNet.forward
+hands over when context parallelism is on or the input is packed). Every target file is checked
+against the sha256 of the release before anything is written (a Megatron-LM checkout may report
+another version string: its files decide); all files are replaced or none; the originals are kept
+as *{patching.BACKUP_SUFFIX} (listed in .git/info/exclude in a git checkout) and `revert` restores
+them byte for byte.
 """
+
+
+def _targets() -> str:
+    """The target files, from the pinned patch's manifest (so that the help cannot drift from it)."""
+    try:
+        files = ", ".join(t.target for t in patching.load_manifest().files)
+        return textwrap.fill(f"Target files: {files}.", width=100) + "\n"
+    except patching.PatchError as err:  # a broken installation: the commands themselves say so
+        return f"Target files: unknown ({err}).\n"
+
 
 _PATH_HELP = """\
 PATH: a Megatron-LM checkout, a site-packages folder holding megatron-core, or the megatron
@@ -56,7 +68,7 @@ def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
         "patch",
         parents=list(parents),
         help=f"apply / check / revert the pinned Megatron-Core {patching.PINNED_VERSION} patch",
-        description=_DESCRIPTION,
+        description=_DESCRIPTION + "\n" + _targets(),
         epilog=_PATH_HELP + "\n" + exit_epilog("see `gdn-cp patch apply|check|revert --help`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -140,7 +152,7 @@ def _check(root, expect: Optional[str], out: TextIO) -> int:
         return 0
     hint = (
         "" if state == patching.PARTIAL
-        else f"; restore files that are a supported megatron-core release's ({_RELEASES}; reinstall it, or "
-        "check out a matching commit) before applying"
+        else f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
+        "commit, then apply"
     )
     raise CommandError(f"megatron-core at {root}: {patching.describe_state(state)}{hint}", EXIT_FOUND_PROBLEM)

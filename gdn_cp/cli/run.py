@@ -80,8 +80,9 @@ def add_run_command(sub, parents=()) -> None:
     p.add_argument("--cp", type=_cp_sizes, default=(2, 4), metavar="LIST",
                    help=f"comma-separated CP sizes in [1, {MAX_RANKS}], e.g. 2,4 (default 2,4)")
     p.add_argument("--modes", type=mode_names, default=None, metavar="LIST",
-                   help=f"comma-separated modes, from {','.join(MODE_NAMES)} (default: all; a mode named here "
-                   "that cannot run is a failure, in the default it is listed as skipped)")
+                   help=f"comma-separated modes, from {','.join(MODE_NAMES)} (default: all, each skipped and listed "
+                   "where it cannot run; a mode named here must run at every --cp size, else exit 2 before "
+                   "anything is spawned)")
     p.add_argument("--sequences", type=int_range(1, MAX_SEQUENCES), default=37,
                    help=f"packed sequences per micro-batch, in [1, {MAX_SEQUENCES}] (default 37)")
     p.add_argument("--tokens-per-rank", type=even_tokens, default=1024,

@@ -340,13 +340,13 @@ def _resolve_pin(root: Path, pin: Optional[str]) -> tuple[str, Manifest]:
 
 
 _STATE_TEXT = {
-    PRISTINE: "its target files are the megatron-core {pin} release's, not patched",
-    PATCHED: "its target files are the megatron-core {pin} release's with the gdn-cp patch",
-    PARTIAL: "its target files are the megatron-core {pin} release's, partially patched (some patched, the "
-    "others not: run `gdn-cp patch revert`, then `gdn-cp patch apply`)",
-    MODIFIED: "its target files are not the megatron-core {pin} release's, patched or not (local edits, or "
-    "another release; `gdn-cp patch check` lists them)",
-    MISSING: "some of its target files are missing (`gdn-cp patch check` lists them)",
+    PRISTINE: "its target files (by sha256) are the megatron-core {pin} release's, not patched",
+    PATCHED: "its target files (by sha256) are the megatron-core {pin} release's with the gdn-cp patch",
+    PARTIAL: "its target files (by sha256) are the megatron-core {pin} release's, partially patched (some "
+    "patched, the others not): run `gdn-cp patch revert`, then `gdn-cp patch apply`",
+    MODIFIED: "its target files (by sha256) are not the megatron-core {pin} release's, patched or not: local "
+    "edits, another release, or another gdn-cp version's patch",
+    MISSING: "some of its target files are missing",
 }
 
 
@@ -359,14 +359,14 @@ def describe_state(state: str, pin: Optional[str] = None) -> str:
 def describe_tree(root: PathLike, pin: Optional[str] = None) -> str:
     """One line: the version string the tree reports, and what its target files are.
 
-    E.g. ``megatron-core 0.19.1 according to megatron/core/package_info.py; its target files
-    are the megatron-core 0.19.2 release's with the gdn-cp patch (sha256)``.
+    E.g. ``megatron-core 0.19.1 according to megatron/core/package_info.py; its target files (by
+    sha256) are the megatron-core 0.19.2 release's with the gdn-cp patch``.
     """
     r = find_megatron_root(root)
     pin, manifest = _resolve_pin(r, pin)
     v = megatron_version(r)
     found = f"megatron-core {v} according to {manifest.version_file}" if v else f"no version readable from {manifest.version_file}"
-    return f"{found}; {describe_state(overall_state(_states(r, manifest)), pin)} (sha256)"
+    return f"{found}; {describe_state(overall_state(_states(r, manifest)), pin)}"
 
 
 def check_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> dict[str, str]:
@@ -411,20 +411,21 @@ def _foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, ve
         else f"Could not read megatron-core's version from {manifest.version_file}"
     )
     edited = " ".join(t for t, s in states.items() if s in (MODIFIED, MISSING))
-    install = f"reinstall megatron-core=={pin} ({get_pin(pin).install_command()})"
+    reinstall = f"reinstall megatron-core=={pin} ({get_pin(pin).install_command(reinstall=True)})"
     if any(s in (PRISTINE, PATCHED) for s in states.values()):
         why = (
             f"the other target files are the megatron-core {pin} release's, so these are local edits of "
-            f"that release; the patch applies only to files identical to the release's (sha256)"
+            f"that release (or another gdn-cp version's patch); the patch applies only to files identical to "
+            f"the release's (sha256)"
         )
         fixes = [f"restore them: `git checkout -- {edited}` in a git checkout"] if _is_checkout(root) else []
-        fixes.append(install)
+        fixes.append(reinstall)
     else:
         why = (
             f"the patch is pinned to megatron-core {pin} and applies only to files identical to that "
             f"release's (sha256); this gdn-cp supports megatron-core {', '.join(PINS)} only"
         )
-        fixes = [install.replace("reinstall", "install", 1)]
+        fixes = [f"install megatron-core=={pin} ({get_pin(pin).install_command()})"]
         if _is_checkout(root):
             refs = get_pin(pin).matching_refs
             seen = f" (e.g. {', '.join(refs)})" if refs else ""

@@ -46,7 +46,7 @@ def test_doctor_names_the_modified_files_not_the_patch(monkeypatch):
     monkeypatch.setattr(patching, "check_patch", lambda root=None, pin=None: {"a.py": "modified", "b.py": "pristine"})
     code, out = _run()
     assert code == 1
-    assert "its target files are not the megatron-core 0.19.2 release's, patched or not" in out
+    assert "its target files (by sha256) are not the megatron-core 0.19.2 release's, patched or not" in out
     assert "patch is modified" not in out
 
 

@@ -726,7 +726,7 @@ def test_megatron_lm_checkout_goes_by_files_and_keeps_git_status_clean(pristine_
     assert cli_main(["patch", "apply", str(root)]) == 0
     out = capsys.readouterr().out
     assert "megatron-core 0.19.1 according to megatron/core/package_info.py" in out, out
-    assert f"its target files are the megatron-core {VERSION} release's with the gdn-cp patch (sha256)" in out, out
+    assert f"its target files (by sha256) are the megatron-core {VERSION} release's with the gdn-cp patch" in out, out
     assert str(exclude) in out
     assert _status(root) == sorted(f" M {t}" for t in TARGETS)  # the backups are excluded, not listed
     assert (root / (GDN + BACKUP_SUFFIX)).is_file()
@@ -769,7 +769,8 @@ def test_checkout_messages_name_the_checkouts_own_version(pristine_megatron, tmp
 
     info = root / _INFO  # another release: other version string, other files (none is the pin's)
     info.write_text(info.read_text().replace("MINOR = 19\n", "MINOR = 20\n").replace("PATCH = 1\n", "PATCH = 0\n"))
-    (root / CFG).write_text((root / CFG).read_text() + "# another release\n")
+    for t in load_manifest().files:  # every target differs from the pin's
+        (root / t.target).write_text((root / t.target).read_text() + "# another release\n")
     with pytest.raises(PatchError) as ei:
         apply_patch(root)
     msg = str(ei.value)
@@ -784,7 +785,7 @@ def test_detect_pin_and_describe_tree(layout):
     assert patching.detect_pin(layout.root).version == VERSION
     layout.path(GDN).write_bytes(b"# another release\n")
     assert patching.detect_pin(layout.root) is None
-    assert f"its target files are not the megatron-core {VERSION} release's, patched or not" in patching.describe_tree(
+    assert f"its target files (by sha256) are not the megatron-core {VERSION} release's, patched or not" in patching.describe_tree(
         layout.root)
 
 
