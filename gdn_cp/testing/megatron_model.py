@@ -1,0 +1,248 @@
+"""Megatron-Core 0.19.2 language models whose sequence mixers are the real (patched)
+GatedDeltaNet, built from local modules (no TransformerEngine), run as Megatron-LM runs them.
+
+* ``gpt``: ``GPTModel`` with a hand-written TransformerLayer spec: local RMSNorm -> GatedDeltaNet
+  (ColumnParallelLinear in_proj, local RMSNorm out_norm, RowParallelLinear out_proj: the
+  submodules of :mod:`.megatron_layer`) -> residual -> local RMSNorm -> Megatron's local MLP spec
+  -> residual; a final RMSNorm and the output layer; ``position_embedding_type="none"`` (GDN
+  needs no positions). Megatron's own GDN block spec
+  (``get_transformer_block_with_experimental_attention_variant_spec``) needs TransformerEngine.
+* ``hybrid``: ``HybridModel`` with a local-module stack spec (``gdn_layer``: the same GDN
+  TransformerLayer without MLP; ``mlp_layer``: an ``MLPLayer`` with a local pre-MLP norm) and the
+  pattern :data:`HYBRID_PATTERN`. Megatron's stock hybrid stack spec is TransformerEngine-only.
+
+:func:`model_config` gives every model the same small shape; :func:`build_model` seeds every
+parameter from its name (:func:`set_model_params`), so every rank and every CP size starts from
+identical weights.
+
+Stand-ins, for test processes only (:func:`install_model_stand_ins`; never in a training job):
+
+* :func:`gdn_cp.testing.megatron_layer.install_cpu_shims` on the CPU (see there);
+* ``HybridStack`` builds its final norm as ``TENorm`` whatever the spec says (0.19.2,
+  ``hybrid_block.py``), which raises without TransformerEngine: ``hybrid_block.TENorm`` becomes
+  Megatron's local norm (``LocalSpecProvider().layer_norm``: torch's RMSNorm / LayerNorm as the
+  config says), the norm TENorm computes;
+* Megatron's cross entropy casts the logits to fp32 (``VocabParallelCrossEntropy.
+  calculate_logits_max`` calls ``.float()``): right for bf16, but it puts an fp32 floor (~1e-7)
+  under an fp64 comparison. fp64 logits stay fp64 under the stand-in; every other dtype is cast
+  as before. Nothing else of the loss changes.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+
+from .megatron_layer import _submodules, install_cpu_shims, install_gpu_shims, make_config, set_params
+
+__all__ = [
+    "FFN_HIDDEN",
+    "HYBRID_PATTERN",
+    "MODEL_KINDS",
+    "VOCAB_SIZE",
+    "build_model",
+    "gdn_layer_spec",
+    "hybrid_stack_spec",
+    "install_model_stand_ins",
+    "model_config",
+    "model_pg_collection",
+    "run_model",
+    "set_model_params",
+    "sum_grads",
+]
+
+MODEL_KINDS = ("gpt", "hybrid")
+VOCAB_SIZE = 64
+FFN_HIDDEN = 64
+GPT_LAYERS = 2  # each: GDN + MLP
+HYBRID_PATTERN = "G-G-"  # GDN, MLP, GDN, MLP
+MAX_SEQUENCE_LENGTH = 4096
+
+_STAND_INS_INSTALLED = False
+
+
+def _local_norm(has_residual: bool = False):
+    from megatron.core.models.backends import LocalSpecProvider
+
+    return LocalSpecProvider().layer_norm(rms_norm=True, for_qk=False, has_residual=has_residual)
+
+
+def _keep_fp64_logits_max(vocab_parallel_logits):
+    """``VocabParallelCrossEntropy.calculate_logits_max`` with fp64 logits kept fp64 (see the
+    module docstring): the upcast, then the max over the vocabulary, as 0.19.2 computes them."""
+    if vocab_parallel_logits.dtype != torch.float64:
+        vocab_parallel_logits = vocab_parallel_logits.float()
+    return vocab_parallel_logits, torch.max(vocab_parallel_logits, dim=-1)[0]
+
+
+def install_model_stand_ins(device="cpu") -> None:
+    """Idempotent; call in every process that builds or runs these models (see the module
+    docstring for what each stand-in replaces and why)."""
+    global _STAND_INS_INSTALLED
+    if torch.device(device).type == "cpu":
+        install_cpu_shims()
+    else:
+        install_gpu_shims()
+    if _STAND_INS_INSTALLED:
+        return
+    import megatron.core.models.hybrid.hybrid_block as hybrid_block
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    if not HAVE_TE:
+        hybrid_block.TENorm = _local_norm()
+    VocabParallelCrossEntropy.calculate_logits_max = staticmethod(_keep_fp64_logits_max)
+    _STAND_INS_INSTALLED = True
+
+
+def gdn_layer_spec(with_mlp: bool = True):
+    """A TransformerLayer ModuleSpec: local RMSNorm -> GatedDeltaNet -> residual, then (with_mlp)
+    local RMSNorm -> Megatron's local MLP -> residual."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    norm = _local_norm(has_residual=True)
+    mlp = dict(pre_mlp_layernorm=norm, mlp=get_mlp_module_spec_for_backend(LocalSpecProvider()),
+               mlp_bda=get_bias_dropout_add) if with_mlp else {}
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=_submodules()),
+        self_attn_bda=get_bias_dropout_add,
+        **mlp,
+    ))
+
+
+def hybrid_stack_spec():
+    """A HybridStack ModuleSpec from local modules: ``gdn_layer`` (:func:`gdn_layer_spec` without
+    MLP) and ``mlp_layer`` (an MLPLayer: local RMSNorm -> Megatron's local MLP -> residual)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    mlp_layer = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=_local_norm(has_residual=True),
+        mlp=get_mlp_module_spec_for_backend(LocalSpecProvider()),
+        mlp_bda=get_bias_dropout_add,
+    ))
+    return ModuleSpec(module=HybridStack,
+                      submodules=HybridStackSubmodules(gdn_layer=gdn_layer_spec(with_mlp=False), mlp_layer=mlp_layer))
+
+
+def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float64, **overrides):
+    """The TransformerConfig of a ``kind`` model (:data:`MODEL_KINDS`) at static CP size ``cp``:
+    the GDN shape of :data:`gdn_cp.testing.megatron_layer.DIMS`, MLP hidden :data:`FFN_HIDDEN`,
+    no dropout, deterministic mode (gdn-cp's reference backend). ``overrides`` go to the config."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
+    layers = GPT_LAYERS if kind == "gpt" else len(HYBRID_PATTERN)
+    kw = dict(num_layers=layers, ffn_hidden_size=FFN_HIDDEN, hidden_dropout=0.0, attention_dropout=0.0)
+    kw.update(overrides)
+    return make_config(cp, mode, dtype, **kw)
+
+
+def model_pg_collection(cp_group, dp_cp_group=None):
+    """Process groups of a model without TP or PP: this rank alone for TP, PP and the embedding
+    group; ``cp_group`` for CP; ``dp_cp_group`` (default ``cp_group``) for the checkpoint
+    metadata HybridModel asks for."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from .megatron_layer import rank_groups
+
+    alone = rank_groups()["self"]
+    pg = ProcessGroupCollection()
+    pg.tp, pg.pp, pg.embd = alone, alone, alone
+    pg.cp = cp_group
+    pg.dp_cp = cp_group if dp_cp_group is None else dp_cp_group
+    return pg
+
+
+def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: int = 0, device="cpu"):
+    """A ``kind`` model (:data:`MODEL_KINDS`) with seeded weights (:func:`set_model_params`),
+    cast to ``config.params_dtype`` as a whole. ``pg_collection`` defaults to
+    :func:`model_pg_collection` of ``cp_group``."""
+    install_model_stand_ins(device)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    pg = model_pg_collection(cp_group) if pg_collection is None else pg_collection
+    common = dict(vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH, position_embedding_type="none",
+                  pg_collection=pg)
+    if kind == "gpt":
+        model = GPTModel(config, gdn_layer_spec(), **common)
+    elif kind == "hybrid":
+        model = HybridModel(config, hybrid_stack_spec(), hybrid_layer_pattern=HYBRID_PATTERN, **common)
+    else:
+        raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
+    model.to(device=device, dtype=config.params_dtype)
+    set_model_params(model, seed)
+    return model
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return seed * 1_000_003 + zlib.crc32(name.encode())
+
+
+def set_model_params(model, seed: int) -> None:
+    """Every parameter from a generator seeded by ``seed`` and its name: each GatedDeltaNet by
+    :func:`gdn_cp.testing.megatron_layer.set_params` (seeded by ``seed`` and its layer number),
+    norms near 1, linear weights ``N(0, 1/fan_in)``, the embedding ``N(0, 0.25)``, anything else
+    (biases) ``N(0, 0.01)``."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    done = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, GatedDeltaNet):
+            set_params(module, seed * 1000 + module.layer_number)
+            done.update(f"{prefix}.{n}" for n, _ in module.named_parameters())
+    for name, p in model.named_parameters():
+        if name in done:
+            continue
+        gen = torch.Generator().manual_seed(_name_seed(seed, name))
+        n = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        if "norm" in name:
+            v = 1.0 + 0.1 * n
+        elif name.endswith("word_embeddings.weight"):
+            v = 0.5 * n
+        elif name.endswith(".weight") and p.dim() == 2:
+            v = n / math.sqrt(p.shape[1])
+        else:
+            v = 0.1 * n
+        with torch.no_grad():
+            p.copy_(v.to(p.dtype))
+
+
+def run_model(model, batch: dict, packed_seq_params=None, *, backward: bool = True):
+    """Forward (+ backward) of one micro-batch as ``pretrain_gpt.forward_step`` calls the model;
+    the loss is ``pretrain_gpt.loss_func``'s ``sum(losses * loss_mask)`` in the model's dtype (its
+    ``.float()`` would put an fp32 floor under an fp64 comparison). Returns ``(per-token losses
+    [b, s] detached, {parameter name: gradient or None})``."""
+    model.zero_grad(set_to_none=True)
+    losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                   loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params)
+    if backward:
+        (losses * batch["loss_mask"].to(losses.dtype)).sum().backward()
+    grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+    return losses.detach(), grads
+
+
+def sum_grads(grads: dict, group: Optional[object]) -> dict:
+    """``grads`` summed over ``group`` in place (what Megatron's DP-CP gradient all-reduce sums);
+    None or a group of one: unchanged."""
+    import torch.distributed as dist
+
+    if group is not None and group.size() > 1:
+        for g in grads.values():
+            if g is not None:
+                dist.all_reduce(g, group=group)
+    return grads
