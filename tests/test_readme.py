@@ -229,8 +229,13 @@ def test_every_gdn_cp_command_in_the_readme_parses(capsys):
 def test_every_path_the_readme_names_exists():
     """Code, tests, scripts and docs the README points to (benchmark result files are written by the
     runs it describes, some of which it says have not run yet: not checked here)."""
-    paths = set(re.findall(r"(?<![\w./-])((?:gdn_cp|tests|docker|patches|docs)/[\w./-]*\w)", README))
-    paths |= set(re.findall(r"(?<![\w./-])(benchmarks/[\w./-]*\.(?:py|sh))", README))
+    named = set(re.findall(r"(?<![\w./-])((?:gdn_cp|tests|docker|patches|docs)/[\w./{},-]*[\w}])", README))
+    named |= set(re.findall(r"(?<![\w./-])(benchmarks/[\w./-]*\.(?:py|sh))", README))
+    paths = set()
+    for path in named:  # a/b_{x,y}.py names a/b_x.py and a/b_y.py
+        brace = re.search(r"\{([^}]*)\}", path)
+        paths |= {path[:brace.start()] + alt + path[brace.end():] for alt in brace.group(1).split(",")} if brace \
+            else {path}
     missing = sorted(p for p in paths if not (ROOT / p).exists() and not (ROOT / (p + ".py")).exists())
     assert missing == [], missing
 
