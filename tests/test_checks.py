@@ -31,3 +31,16 @@ def test_numpy_integers_pass_every_layer():
         sbhd_cu_seqlens(np.int64(2**61), np.int64(4))  # the product is checked on Python ints: no wrap-around
     with pytest.raises(ValueError, match="cp_size must be a positive int, got np.float64"):
         validate_cu_seqlens([0, 8], np.float64(2.0))
+
+
+def test_no_module_spells_out_its_own_integer_check():
+    """The rule lives in gdn_cp/checks.py; a hand-written ``isinstance(x, int)`` check would refuse
+    NumPy integers again (the bug of issue #19)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "gdn_cp"
+    pattern = re.compile(r"not isinstance\(\w+, int\)|isinstance\(\w+, \(int, np\.integer\)\)")
+    found = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py"))
+             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], f"use gdn_cp.checks.as_int: {found}"
