@@ -86,7 +86,11 @@ def test_a_closed_pipe_ends_every_command_quietly(monkeypatch, capsys, name):
     """No BrokenPipeError traceback, whatever the command; exit 141 as a Unix tool killed by SIGPIPE."""
     from gdn_cp.cli import main_job
 
+    from gdn_cp.cli import selftest
+
     monkeypatch.setattr(main_job, "RankPool", lambda *a, **k: pytest.fail("spawned after its output was gone"))
+    # the selftest's report, without its seconds of kernels (its wording is tested below)
+    monkeypatch.setattr(selftest, "run_selftest", lambda gpu: selftest.SelftestReport(True, gpu, {}, []))
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
     if name == "--help":  # argparse itself ignores a failed write of its help, then exits 0
         with pytest.raises(SystemExit) as exit_:
