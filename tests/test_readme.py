@@ -178,9 +178,6 @@ def test_readme_installs_from_the_repository_not_a_package_index():
     assert "pip install -e <clone>" in gdn_cp.INSTALL_HINT
 
 
-@pytest.mark.xfail(strict=True, reason="the lead rewrites patches/ (issue #19): the patched files' ImportError "
-                   "still says `pip install gdn-cp`; once their text carries gdn_cp.INSTALL_HINT this passes "
-                   "and strict=True makes it fail until this marker is removed")
 def test_patched_files_give_the_one_install_advice():
     for target in load_manifest().files:
         text = (patch_dir() / target.patch).read_text()

@@ -661,7 +661,7 @@ try:
     forward(me, hs, mask)
     raise SystemExit("no ImportError")
 except ImportError as e:
-    assert "Install gdn-cp" in str(e) and "gdn-cp patch revert" in str(e), e
+    assert "pip install -e <clone>" in str(e) and "gdn-cp patch revert" in str(e), e
 print("FORWARD-OK")
 """
 
