@@ -20,11 +20,10 @@ when a check fails.
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 import torch
 
+from ..checks import as_int
 from .device import host_to_device
 
 __all__ = [
@@ -37,6 +36,7 @@ __all__ = [
     "host_boundaries",
     "sbhd_cu_seqlens",
     "validate_cu_seqlens",
+    "validate_sbhd",
     "zigzag_cut",
 ]
 
@@ -174,11 +174,8 @@ def _host_int64(values, name: str, *, allow_tensor: bool) -> np.ndarray:
         raise TypeError(f"{name} must be a list of ints (or a 1-D integer tensor), got {type(values).__name__}")
     ints = []
     for i, v in enumerate(values):
-        try:
-            if isinstance(v, bool):
-                raise TypeError
-            value = operator.index(v)
-        except TypeError:
+        value = as_int(v)
+        if value is None:
             raise TypeError(f"{name}[{i}] must be an int, got {type(v).__name__} {v!r}; pass Python ints") from None
         if not -MAX_ROWS <= value <= MAX_ROWS:
             _raise_out_of_range(name, i, value)
@@ -216,11 +213,11 @@ _NO_RANK = object()
 def check_cp(cp_size, cp_rank=_NO_RANK) -> None:
     """The one check of a CP size (an int in ``[1, MAX_CP_SIZE]``) and, when given (None is not a
     rank), a rank in ``[0, cp_size)``."""
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+    if as_int(cp_size) is None or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
     if cp_size > MAX_CP_SIZE:
         raise ValueError(f"cp_size={cp_size} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
-    if cp_rank is not _NO_RANK and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
+    if cp_rank is not _NO_RANK and (as_int(cp_rank) is None or not 0 <= cp_rank < cp_size):
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 
 
@@ -230,7 +227,7 @@ def host_boundaries(cu_seqlens, total: int | None = None, *, name: str = "cu_seq
     What the per-rank ops call on their ``cu_seqlens``: a Boundaries costs one int compare.
     """
     cu = Boundaries(cu_seqlens, name=name)
-    if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+    if total is not None and as_int(total) is None:
         raise TypeError(f"total (the number of rows) must be an int or None, got {type(total).__name__} {total!r}")
     if total is not None and cu[-1] != total:
         raise ValueError(
@@ -293,6 +290,21 @@ def validate_cu_seqlens(
     return cu
 
 
+def validate_sbhd(seq_len: int, batch: int, cp_size: int) -> Boundaries:
+    """SBHD input (global length ``seq_len``, ``batch`` sequences) as zigzag-checked boundaries.
+
+    The SBHD form of :func:`validate_cu_seqlens`: its one length rule (``seq_len`` divisible by
+    ``2 * cp_size``) is said in SBHD's own terms (there are no packed boundaries to pad)."""
+    check_cp(cp_size)
+    cu = sbhd_cu_seqlens(seq_len, batch)
+    if cp_size > 1 and seq_len % (2 * cp_size):  # one rank cuts nothing, as for validate_cu_seqlens
+        raise ValueError(
+            f"SBHD sequence length seq_len={seq_len} is not divisible by 2*cp={2 * cp_size}: the zigzag split cuts "
+            f"the sequence into 2*cp equal parts; pad the sequence dimension S to a multiple of {2 * cp_size}"
+        )
+    return validate_cu_seqlens(cu, cp_size, name="sbhd boundaries")
+
+
 def zigzag_cut(cu: Boundaries, split: str) -> Boundaries:
     """The boundaries the zigzag parts were cut from: ``cu`` itself (:data:`PER_DOCUMENT`) or the
     whole row as one sequence, ``(0, T)`` (:data:`WHOLE_ROW`). Routes and natural-order maps are
@@ -307,8 +319,9 @@ def sbhd_cu_seqlens(seq_len: int, batch: int) -> Boundaries:
     ``(0, S, 2S, ..., B*S)``.
     """
     for name, value, low, high in (("seq_len", seq_len, 0, MAX_ROWS), ("batch", batch, 1, MAX_BATCH)):
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        if as_int(value) is None or not low <= value <= high:
             raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
+    seq_len, batch = as_int(seq_len), as_int(batch)  # Python ints: the product below must not wrap
     if seq_len * batch > MAX_ROWS:
         raise ValueError(f"seq_len * batch = {seq_len} * {batch} rows is out of range (at most 2**62)")
     return Boundaries(range(0, seq_len * batch + 1, seq_len) if seq_len else [0] * (batch + 1))

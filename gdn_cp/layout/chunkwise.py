@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+from ..checks import as_int
 from .boundaries import PER_DOCUMENT, Boundaries, check_cp, validate_cu_seqlens
 
 __all__ = ["ChunkwisePlan", "build_chunkwise_plan"]
@@ -65,7 +66,7 @@ def build_chunkwise_plan(
     the contiguous slices do not depend on how the zigzag rows were cut, but the boundaries must
     be those of a legal cut). ``conv_width``: the conv kernel W."""
     check_cp(cp_size, cp_rank)
-    if isinstance(conv_width, bool) or not isinstance(conv_width, int) or not 1 <= conv_width <= MAX_CONV_WIDTH:
+    if as_int(conv_width) is None or not 1 <= conv_width <= MAX_CONV_WIDTH:
         raise ValueError(f"conv_width must be an int in [1, {MAX_CONV_WIDTH}] (the conv kernel W), got {conv_width!r}")
     cu = validate_cu_seqlens(cu_seqlens, cp_size, split=split)
     t_local = cu.total // cp_size

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .boundaries import PER_DOCUMENT, Boundaries, check_cp, check_thd_split, sbhd_cu_seqlens, validate_cu_seqlens, zigzag_cut
+from .boundaries import PER_DOCUMENT, Boundaries, check_cp, check_thd_split, validate_cu_seqlens, validate_sbhd, zigzag_cut
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
 from .device import host_to_device
 from .route import NaturalOrder, Route, build_natural_order, build_thd_route
@@ -173,5 +173,5 @@ class RouteCache:
 def plan_for_sbhd(seq_len: int, batch: int, cp_size: int, cp_rank: int) -> CPPlan:
     """Plan for SBHD input of global length ``seq_len``: batch element b is sequence b."""
     check_cp(cp_size, cp_rank)
-    cu = validate_cu_seqlens(sbhd_cu_seqlens(seq_len, batch), cp_size, name="sbhd sequence length")
+    cu = validate_sbhd(seq_len, batch, cp_size)
     return CPPlan(cu=cu, cp_size=cp_size, cp_rank=cp_rank)

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .boundaries import check_cp, sbhd_cu_seqlens, validate_cu_seqlens
+from .boundaries import check_cp, validate_cu_seqlens, validate_sbhd
 from .device import host_to_device
 from .spans import (
     LAYOUTS,
@@ -254,7 +254,7 @@ def build_sbhd_route(seq_len: int, batch: int, cp_size: int, cp_rank: int, sourc
     """Route for SBHD rows after ``[S_local, B, ...] -> [B*S_local, ...]`` (b-major):
     each batch element is one packed sequence of length ``seq_len``."""
     check_cp(cp_size, cp_rank)
-    cu = validate_cu_seqlens(sbhd_cu_seqlens(seq_len, batch), cp_size, name="sbhd boundaries")
+    cu = validate_sbhd(seq_len, batch, cp_size)
     return build_thd_route(cu, cp_size, cp_rank, source, target)
 
 

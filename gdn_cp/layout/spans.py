@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..checks import as_int
 from .boundaries import MAX_ROWS
 
 __all__ = [
@@ -120,7 +121,7 @@ def _span_array(name: str, x) -> np.ndarray:
             raise ValueError(f"{name} must be on the CPU (index math runs on the host), got a tensor on {x.device}")
         x = x.numpy()
     elif isinstance(x, (list, tuple)):
-        if any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in x):
+        if any(as_int(v) is None for v in x):
             raise TypeError(f"{name} must hold ints, got {x!r:.80}")
         if any(not 0 <= v <= MAX_ROWS for v in x):
             raise ValueError(f"{name} must hold rows in [0, 2**62], got {x!r:.80}")

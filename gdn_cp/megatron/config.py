@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from gdn_cp.checks import as_int
 from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODE_NAMES, MODES, get_mode, head_problem
 
 __all__ = [
@@ -54,19 +55,30 @@ def _legal_list(names=None) -> str:
     return ", ".join(repr(m) for m in (MODE_NAMES if names is None else names))
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer; set it in the TransformerConfig.")
-    return value
+# What the sizes are called in a message: the keyword arguments of the public functions, or the
+# TransformerConfig fields when the config hook checks them (never the one for the other).
+_ARGUMENTS = ("num_key_heads", "num_value_heads", "tp", "cp")
+_CONFIG_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "tensor_model_parallel_size", "context_parallel_size")
 
 
-def _checked_sizes(num_key_heads, num_value_heads, tp, cp) -> tuple[int, int, int, int]:
-    """Positive ints, and value heads a multiple of key heads (the GDN grouping every mode needs)."""
-    k, v = _positive_int("linear_num_key_heads", num_key_heads), _positive_int("linear_num_value_heads", num_value_heads)
-    tp, cp = _positive_int("tensor_model_parallel_size", tp), _positive_int("context_parallel_size", cp)
+def _positive_int(name: str, value: Any, fix: str) -> int:
+    """``value`` as an int (integer-likes such as NumPy integers accepted, see :mod:`gdn_cp.checks`)."""
+    n = as_int(value)
+    if n is None or n < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer; {fix}.")
+    return n
+
+
+def _checked_sizes(num_key_heads, num_value_heads, tp, cp, *, config: bool = False) -> tuple[int, int, int, int]:
+    """Positive ints, and value heads a multiple of key heads (the GDN grouping every mode needs).
+
+    Messages name the keyword arguments, or with ``config`` the TransformerConfig fields."""
+    names = _CONFIG_FIELDS if config else _ARGUMENTS
+    fix = "set it in the TransformerConfig" if config else "pass an int"
+    k, v, tp, cp = (_positive_int(n, x, fix) for n, x in zip(names, (num_key_heads, num_value_heads, tp, cp)))
     if v % k:
         raise ValueError(
-            f"linear_num_value_heads={v} must be a multiple of linear_num_key_heads={k} (value head h reads key "
+            f"{names[1]}={v} must be a multiple of {names[0]}={k} (value head h reads key "
             f"head h // (value heads / key heads)); choose head counts where it is, e.g. {k},{2 * k}."
         )
     return k, v, tp, cp
@@ -100,6 +112,18 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
     integers, and heads the mode cannot split (see :func:`gdn_cp.modes.spec.head_problem`).
     """
     if isinstance(mode, str) and mode == AUTO:
+        try:
+            k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
+            unresolvable = not _any_mode_legal(k, v, tp, cp)
+        except ValueError:  # the sizes are not the problem named here
+            unresolvable = False
+        if unresolvable:  # why a hybrid model's config left it unresolved
+            problems = [f"{m} is illegal ({head_problem(m, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)})"
+                        for m in MODE_NAMES]
+            raise ValueError(
+                "linear_cp_mode='auto': no mode is legal: " + "; ".join(problems)
+                + ". Fix: choose a tensor_model_parallel_size that divides both head counts."
+            )
         raise ValueError(
             "linear_cp_mode='auto' must be resolved before the model is built: the patched "
             "TransformerConfig resolves it when the config is built (a field set to 'auto' later is "
@@ -161,7 +185,8 @@ def resolve_linear_cp_mode(
     elif not isinstance(requested, str) or requested not in MODES:
         raise _unknown_mode_error(requested)
     else:
-        mode = check_linear_cp_mode(requested, num_key_heads=num_key_heads, num_value_heads=num_value_heads, tp=tp, cp=cp)
+        k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
+        mode = check_linear_cp_mode(requested, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
         reason = "explicitly requested and legal for these heads"
     key = (requested, mode, num_key_heads, num_value_heads, tp, cp)
     first = key not in _LOGGED
@@ -170,19 +195,31 @@ def resolve_linear_cp_mode(
         logging.INFO if first else logging.DEBUG,
         "gdn-cp linear_cp_mode: requested=%s resolved=%s (tp=%d, cp=%d, linear_num_key_heads=%d, "
         "linear_num_value_heads=%d): %s",
-        requested, mode, tp, cp, num_key_heads, num_value_heads, reason,
+        requested, mode, tp, cp, k, v, reason,
     )  # fmt: skip
     return mode
 
 
-def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = None) -> str:
-    """The patched ``TransformerConfig.__post_init__`` hook; returns the concrete mode.
+def _any_mode_legal(k: int, v: int, tp: int, cp: int) -> bool:
+    return any(head_problem(m, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) is None for m in MODE_NAMES)
 
-    * ``"auto"`` is resolved here, once, with the config's own heads, TP and CP (logged; see
-      :func:`resolve_linear_cp_mode`), and the field is set to the result;
-    * a config that builds GDN layers (``experimental_attention_variant='gated_delta_net'``) has
-      its heads checked against the mode (ValueError with the fix otherwise). Hybrid models are
-      checked by each GDN layer's forward instead, as their config cannot see the layers.
+
+def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = None) -> str:
+    """The patched ``TransformerConfig.__post_init__`` hook; returns the mode the field holds.
+
+    Which configs have their GDN heads looked at (the rule; README "Using it with Megatron-Core"):
+
+    * the config builds GDN layers (``experimental_attention_variant='gated_delta_net'``, where
+      stock 0.19.2 checks the heads against TP*CP): ``"auto"`` is resolved here, once, with the
+      config's own heads, TP and CP (logged; see :func:`resolve_linear_cp_mode`), the field is
+      set to the result, and the heads are checked against the mode (ValueError with the fix);
+    * a hybrid model (``is_hybrid_model``): its layer pattern, which the config does not see,
+      decides whether there are GDN layers. ``"auto"`` is resolved (logged) when some mode is
+      legal for the config's heads; when none is, the field keeps ``"auto"`` and the first GDN
+      layer's forward, if there is one, raises with the reason. Each GDN layer's forward checks
+      the heads against the mode (:func:`check_linear_cp_mode`);
+    * any other config builds no GDN layer: only the mode's name is checked (a typo still
+      fails); nothing is resolved, checked against the heads or logged.
 
     Raises ValueError for unknown values of ``linear_cp_mode`` and ``linear_cp_thd_split`` (a typo
     fails when the config is built).
@@ -194,22 +231,24 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
     f = adapter.read_config(config)
     check_thd_split_setting(f.thd_split, f"TransformerConfig.{THD_SPLIT_FIELD}")
     mode = f.linear_cp_mode
-    if isinstance(mode, str) and mode == AUTO:
+    if not isinstance(mode, str) or (mode not in MODES and mode != AUTO):
+        raise _unknown_mode_error(mode)
+    if not (f.builds_gdn or f.hybrid):
+        return mode
+    k, v, tp, cp = _checked_sizes(f.num_key_heads, f.num_value_heads, f.tp, f.cp, config=True)
+    if mode == AUTO:
+        if not f.builds_gdn and not _any_mode_legal(k, v, tp, cp):
+            return mode  # a hybrid model that may have no GDN layer: its GDN layers raise, if any
         try:
-            mode = resolve_linear_cp_mode(
-                AUTO, num_key_heads=f.num_key_heads, num_value_heads=f.num_value_heads, tp=f.tp, cp=f.cp,
-                logger=logger,
-            )  # fmt: skip
+            mode = resolve_linear_cp_mode(AUTO, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp, logger=logger)
         except ValueError as e:
             raise ValueError(
                 f"{e} (TransformerConfig with linear_cp_mode='auto' resolves it from these fields; "
                 f"or set a concrete linear_cp_mode, one of {_legal_list()})"
             ) from None
         adapter.set_linear_cp_mode(config, mode)
-    elif not isinstance(mode, str) or mode not in MODES:
-        raise _unknown_mode_error(mode)
     if f.builds_gdn:
-        check_linear_cp_mode(mode, num_key_heads=f.num_key_heads, num_value_heads=f.num_value_heads, tp=f.tp, cp=f.cp)
+        check_linear_cp_mode(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
     return mode
 
 

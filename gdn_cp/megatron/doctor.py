@@ -1,20 +1,23 @@
 """`gdn-cp doctor`: what is installed, whether Megatron-Core is patched, and which mode fits.
 
-Reads versions without importing megatron.core (its import is slow and noisy), finds the
-patch state and the release the files match (by sha256) through :mod:`gdn_cp.megatron.patching`,
-and for a head shape lists the ``linear_cp_mode`` values of the registry (:mod:`gdn_cp.modes.
-spec`), whether each is legal and what ``auto`` picks, with reasons.
+Reads versions from package metadata without importing megatron.core (its import is slow and
+noisy) or torch (the doctor must also run, and say so, where torch is missing), finds the patch
+state and the release the files match (by sha256) through :mod:`gdn_cp.megatron.patching`, and
+for a head shape lists the ``linear_cp_mode`` values of the registry (:mod:`gdn_cp.modes.spec`),
+whether each is legal and what ``auto`` picks, with reasons.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from typing import Callable, Optional
 
+from .. import env
 from .config import AUTO, explain_linear_cp_modes
 from .pins import PINS
 
-__all__ = ["collect_report", "run_doctor"]
+__all__ = ["check_doctor_args", "collect_report", "run_doctor"]
 
 
 def _version(dist: str) -> str:
@@ -24,25 +27,62 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
-    import torch
+def _gpus() -> tuple[list[str], Optional[str]]:
+    """(GPU names, why they are unknown or None)."""
+    try:
+        import torch
+    except ImportError as err:
+        return [], f"unknown: torch does not import ({err}); install torch (pip install torch)"
+    if not torch.cuda.is_available():
+        return [], None
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], None
 
+
+def check_doctor_args(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, path=None):
+    """ValueError naming the flag, the value and the fix, before anything is printed: ``--tp`` /
+    ``--cp`` without ``--heads`` (they only matter for the mode table), heads that do not group,
+    a ``--path`` with no megatron-core. Returns the megatron root of ``path`` (None without)."""
+    from . import patching
+
+    if heads is None and (tp is not None or cp is not None):
+        given = " ".join(f"{flag} {v}" for flag, v in (("--tp", tp), ("--cp", cp)) if v is not None)
+        raise ValueError(f"{given}: the TP / CP sizes only choose the linear_cp_mode table, which needs the heads "
+                         f"too; add --heads K,V (e.g. --heads 16,32 {given})")
+    if heads is not None:
+        if len(heads) != 2:
+            raise ValueError(f"--heads takes two numbers K,V (key heads, value heads), got {heads}")
+        k, v = heads
+        if v % k:
+            raise ValueError(f"--heads {k},{v}: the value heads ({v}) must be a multiple of the key heads ({k}) "
+                             f"(value head h reads key head h // (V/K)), e.g. --heads {k},{2 * k}")
+    if path is None:
+        return None
+    try:
+        return patching.find_megatron_root(path)
+    except patching.MegatronNotFound as err:
+        raise ValueError(f"--path {path}: {err}") from None
+
+
+def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, path=None) -> dict:
+    """The doctor's findings as a dict (see :func:`run_doctor`); ValueError for bad arguments."""
     from .. import __version__
     from . import patching
 
+    root = check_doctor_args(heads, tp, cp, path)
+    gpus, gpu_note = _gpus()
     report: dict = {
         "versions": {
             "gdn-cp": __version__,
-            "torch": torch.__version__,
+            "torch": _version("torch"),
             "megatron-core": _version("megatron-core"),
             "megatron-core pins": ", ".join(PINS),
             "flash-linear-attention": _version("flash-linear-attention"),
             "fla-core": _version("fla-core"),
             "triton": _version("triton"),
         },
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        if torch.cuda.is_available()
-        else [],
+        "gpus": gpus,
+        "gpu_note": gpu_note,
+        "environment": {n: os.environ[n] for n in sorted(os.environ) if n.startswith(env.PREFIX)},
     }
     if report["gpus"]:  # FLA's kernels import only with CUDA: probing them on a CPU machine says nothing
         from ..ops.fla import fla_collective_backends, stack_report
@@ -50,36 +90,34 @@ def collect_report(heads=None, tp: int = 1, cp: int = 1, path=None) -> dict:
         report["fla_stack"] = stack_report()
         report["fla_stack"]["cp context groups"] = fla_collective_backends()
     try:
-        root = patching.find_megatron_root(path)
+        root = root or patching.find_megatron_root(None)
         states = patching.check_patch(root)
+        state = patching.overall_state(states)
         report["patch"] = {
-            "root": str(root), "state": patching.overall_state(states), "files": states,
-            "tree": patching.describe_tree(root),
+            "root": str(root), "state": state, "files": states, "tree": patching.describe_tree(root),
+            "meaning": patching.describe_state(state),
         }
     except Exception as err:  # report, do not crash the doctor
         report["patch"] = {"root": None, "state": "unavailable", "error": str(err)}
     if heads is not None:
-        if len(heads) != 2:
-            raise ValueError(f"--heads takes two numbers K,V (key heads, value heads), got {heads}")
+        tp, cp = tp or 1, cp or 1
         report["modes"] = explain_linear_cp_modes(num_key_heads=heads[0], num_value_heads=heads[1], tp=tp, cp=cp)
         report["shape"] = {"num_key_heads": heads[0], "num_value_heads": heads[1], "tp": tp, "cp": cp}
     return report
 
 
-def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[str], None] = print,
-               error_echo: Optional[Callable[[str], None]] = None) -> int:
-    """Print the report. Exit code 0: all is well; 1: the patch is in a foreign or partial state,
-    the ``path`` asked for holds no megatron-core, or no mode is legal for ``heads``; 2: bad
-    arguments (an error through ``error_echo``, default ``echo``, and no report)."""
-    try:
-        report = collect_report(heads, tp, cp, path)
-    except ValueError as err:
-        (error_echo or echo)(f"gdn-cp doctor: error: {err}")
-        return 2
+def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, path=None,
+               echo: Callable[[str], None] = print) -> int:
+    """Print the report; return 0 when all is well, 1 when the patch is in a foreign or partial state
+    or no mode is legal for ``heads``. Bad arguments: ValueError before anything is printed."""
+    report = collect_report(heads, tp, cp, path)
     echo("versions:")
     for name, version in report["versions"].items():
         echo(f"  {name:<24} {version}")
-    echo(f"GPUs: {', '.join(report['gpus']) if report['gpus'] else 'none (CPU: reference backend, gloo)'}")
+    gpus = ", ".join(report["gpus"]) or report["gpu_note"] or "none (CPU: reference backend, gloo)"
+    echo(f"GPUs: {gpus}")
+    settings = report["environment"]
+    echo("environment: " + (", ".join(f"{k}={v}" for k, v in settings.items()) or f"no {env.PREFIX}* variable set"))
     if "fla_stack" in report:
         stack = report["fla_stack"]
         echo(f"FLA stack: {stack['stack']} (what the FLA backend uses of it, chosen once per process and logged):")
@@ -112,9 +150,7 @@ def run_doctor(heads=None, tp: int = 1, cp: int = 1, path=None, echo: Callable[[
         echo(f"  {AUTO:<10} -> {auto['resolved'] or 'nothing legal'}: {auto['reason']}")
     problems = []
     if patch["state"] not in ("pristine", "patched", "unavailable"):
-        problems.append(f"the megatron-core patch is {patch['state']} (see `gdn-cp patch check`)")
-    if patch["root"] is None and path is not None:
-        problems.append(f"{path} holds no megatron-core the patch tool can use")
+        problems.append(f"megatron-core at {patch['root']}: {patch['meaning']}")
     if "modes" in report and not report["modes"][AUTO]["legal"]:
         problems.append("no linear_cp_mode is legal for these heads")
     for problem in problems:

@@ -28,6 +28,7 @@ from functools import lru_cache, partial
 import torch
 import torch.nn.functional as F
 
+from ..checks import as_int
 from ..comm import group_ranks, route_all_to_all
 from ..layout import CONTIGUOUS, PER_DOCUMENT, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
@@ -105,7 +106,7 @@ def resolve_cp_group(module, packed_seq_params):
             f"cp_group={'set' if group is not None else None}, local_cp_size={local}; set both, or neither, "
             f"or local_cp_size=1 alone (no CP for this micro-batch)"
         )
-    if isinstance(local, bool) or not isinstance(local, int) or local < 1:
+    if as_int(local) is None or local < 1:
         raise ValueError(
             f"PackedSeqParams.local_cp_size={local!r} must be a positive integer: the number of ranks "
             "of cp_group this micro-batch is split over"

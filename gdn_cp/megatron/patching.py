@@ -50,8 +50,10 @@ __all__ = [
     "MODIFIED",
     "MISSING",
     "PARTIAL",
+    "describe_state",
     "BACKUP_SUFFIX",
     "PatchError",
+    "MegatronNotFound",
     "PatchTarget",
     "PatchResult",
     "patch_dir",
@@ -89,6 +91,10 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 class PatchError(RuntimeError):
     """The patch cannot be applied / reverted / checked; nothing was changed."""
+
+
+class MegatronNotFound(PatchError):
+    """No megatron-core where the caller pointed (or none importable): nothing was looked at."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +207,7 @@ def find_megatron_root(path: Optional[PathLike] = None) -> Path:
     if path is not None:
         p = Path(path).expanduser()
         if not p.exists():
-            raise PatchError(f"{p} does not exist.")
+            raise MegatronNotFound(f"{p} does not exist.")
         p = p.resolve()
         if _has_megatron_core(p):
             return p
@@ -209,7 +215,7 @@ def find_megatron_root(path: Optional[PathLike] = None) -> Path:
             return p.parent
         if p.name == "core" and p.parent.name == "megatron":
             return p.parent.parent
-        raise PatchError(
+        raise MegatronNotFound(
             f"{p} is neither a Megatron-LM checkout, a site-packages folder with megatron-core, "
             "nor the megatron package folder (no megatron/core inside)."
         )
@@ -222,7 +228,7 @@ def find_megatron_root(path: Optional[PathLike] = None) -> Path:
     for loc in locations:
         if (Path(loc) / "core").is_dir():
             return Path(loc).resolve().parent
-    raise PatchError(
+    raise MegatronNotFound(
         "megatron-core is not importable from this Python "
         f"(install it: {get_pin().install_command()}), or pass PATH: a Megatron-LM "
         "checkout, a site-packages folder or the megatron package folder."
@@ -333,19 +339,34 @@ def _resolve_pin(root: Path, pin: Optional[str]) -> tuple[str, Manifest]:
         raise PatchError(str(e)) from None
 
 
-def describe_tree(root: PathLike, pin: Optional[str] = None) -> str:
-    """One line: the version string the tree reports, and whether its files match a pin.
+_STATE_TEXT = {
+    PRISTINE: "its target files (by sha256) are the megatron-core {pin} release's, not patched",
+    PATCHED: "its target files (by sha256) are the megatron-core {pin} release's with the gdn-cp patch",
+    PARTIAL: "its target files (by sha256) are the megatron-core {pin} release's, partially patched (some "
+    "patched, the others not): run `gdn-cp patch revert`, then `gdn-cp patch apply`",
+    MODIFIED: "its target files (by sha256) are not the megatron-core {pin} release's, patched or not: local "
+    "edits, another release, or another gdn-cp version's patch",
+    MISSING: "some of its target files are missing",
+}
 
-    E.g. ``megatron-core 0.19.1 according to megatron/core/package_info.py; its target files
-    match the megatron-core 0.19.2 release (sha256)``.
+
+def describe_state(state: str, pin: Optional[str] = None) -> str:
+    """What an :func:`overall_state` word means for the tree, in words (``patch check``, ``doctor``
+    and the patch tool's messages all say it this way)."""
+    return _STATE_TEXT[state].format(pin=get_pin(pin).version)
+
+
+def describe_tree(root: PathLike, pin: Optional[str] = None) -> str:
+    """One line: the version string the tree reports, and what its target files are.
+
+    E.g. ``megatron-core 0.19.1 according to megatron/core/package_info.py; its target files (by
+    sha256) are the megatron-core 0.19.2 release's with the gdn-cp patch``.
     """
     r = find_megatron_root(root)
     pin, manifest = _resolve_pin(r, pin)
     v = megatron_version(r)
     found = f"megatron-core {v} according to {manifest.version_file}" if v else f"no version readable from {manifest.version_file}"
-    ok = set(_states(r, manifest).values()) <= {PRISTINE, PATCHED}
-    match = "match" if ok else "do not match"
-    return f"{found}; its target files {match} the megatron-core {pin} release (sha256)"
+    return f"{found}; {describe_state(overall_state(_states(r, manifest)), pin)}"
 
 
 def check_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> dict[str, str]:
@@ -377,6 +398,10 @@ def _is_checkout(root: Path) -> bool:
 
 
 def _foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, verb: str) -> PatchError:
+    """Target files that are neither the release's nor the patched ones. When the other targets are
+    the release's, these are local edits of the pinned release (a Megatron-LM checkout reporting
+    another version string included): the fix is to restore them. When none is, the tree is
+    another release, which this gdn-cp has no patch for."""
     bad = [f"{t} is {s}" for t, s in states.items() if s in (MODIFIED, MISSING)]
     pin = manifest.megatron_core_version
     v = megatron_version(root)
@@ -385,22 +410,26 @@ def _foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, ve
         if v
         else f"Could not read megatron-core's version from {manifest.version_file}"
     )
-    why = (
-        f"the patch is pinned to megatron-core {pin} and applies only to files identical to that "
-        "release's (sha256)"
-    )
-    if v == pin:
-        why += "; these files differ from both the pristine and the patched ones (someone else changed them)"
-    fixes = [f"install megatron-core=={pin} ({get_pin(pin).install_command()})"]
-    if v and v != pin:
-        fixes.append(f"use a gdn-cp release made for megatron-core {v}")
-    if _is_checkout(root):
-        refs = get_pin(pin).matching_refs
-        seen = f" (e.g. {', '.join(refs)})" if refs else ""
-        targets = " ".join(t for t, s in states.items() if s == MODIFIED)
-        fixes.append(f"in a Megatron-LM checkout, check out a commit whose files match the {pin} release{seen}")
-        if targets:
-            fixes.append(f"if you changed them locally, `git checkout -- {targets}`")
+    edited = " ".join(t for t, s in states.items() if s in (MODIFIED, MISSING))
+    reinstall = f"reinstall megatron-core=={pin} ({get_pin(pin).install_command(reinstall=True)})"
+    if any(s in (PRISTINE, PATCHED) for s in states.values()):
+        why = (
+            f"the other target files are the megatron-core {pin} release's, so these are local edits of "
+            f"that release (or another gdn-cp version's patch); the patch applies only to files identical to "
+            f"the release's (sha256)"
+        )
+        fixes = [f"restore them: `git checkout -- {edited}` in a git checkout"] if _is_checkout(root) else []
+        fixes.append(reinstall)
+    else:
+        why = (
+            f"the patch is pinned to megatron-core {pin} and applies only to files identical to that "
+            f"release's (sha256); this gdn-cp supports megatron-core {', '.join(PINS)} only"
+        )
+        fixes = [f"install megatron-core=={pin} ({get_pin(pin).install_command()})"]
+        if _is_checkout(root):
+            refs = get_pin(pin).matching_refs
+            seen = f" (e.g. {', '.join(refs)})" if refs else ""
+            fixes.append(f"in a Megatron-LM checkout, check out a commit whose files match the {pin} release{seen}")
     return PatchError(
         f"cannot {verb} the patch in {root}: " + "; ".join(bad) + f". {found}; {why}. Fix: "
         + ", or ".join(fixes) + ". Nothing was changed."
@@ -600,8 +629,8 @@ def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> P
     if overall == PARTIAL:
         patched = [t for t, s in states.items() if s == PATCHED]
         raise PatchError(
-            f"megatron-core at {r} is partially patched ({', '.join(patched)} patched, the rest "
-            "pristine). Run `gdn-cp patch revert` to restore the originals, then "
+            f"megatron-core at {r} is partially patched ({', '.join(patched)} patched, the other "
+            "target files not). Run `gdn-cp patch revert` to restore the originals, then "
             "`gdn-cp patch apply`. Nothing was changed."
         )
 

@@ -28,11 +28,11 @@ own, and logged once per (setting, path).
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 
 import torch
 
+from .. import env
 from ..comm import (
     all_gather_rows,
     route_all_to_all,
@@ -42,6 +42,7 @@ from ..comm import (
 )
 from ..layout import CONTIGUOUS, WHOLE_ROW, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
+from ..env import CHUNKWISE_PATHS
 from ..layout.plan import CPPlan
 from ..ops.shape import GDNShape
 from .common import split_qkv
@@ -62,7 +63,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CHUNKWISE_PATHS = ("auto", "native", "generic")
 CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
 _PATH_SETTING: list = [None]  # set_chunkwise_path's value; None: the environment decides
 _LOGGED: set = set()
@@ -85,7 +85,7 @@ def chunkwise_path() -> str:
     """The setting: :func:`set_chunkwise_path`'s, else ``GDN_CP_CHUNKWISE_PATH``'s, else ``auto``."""
     if _PATH_SETTING[0] is not None:
         return _PATH_SETTING[0]
-    return _check_path(os.environ.get(CHUNKWISE_PATH_ENV, "auto") or "auto", CHUNKWISE_PATH_ENV)
+    return env.read(CHUNKWISE_PATH_ENV)
 
 
 def _log_once(setting: str, path: str, why: str) -> None:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from ..checks import as_int
 from ..layout.plan import CPPlan
 from ..ops.contract import check_backend
 from ..ops.gates import check_log_decay
@@ -105,7 +106,7 @@ def _check_local_inputs(qkv, g, beta, conv_weight, conv_bias, shape, backend, k_
     messages use its own argument names."""
     check_backend(backend)
     for name, heads, total in (("k_heads", k_heads, shape.num_k_heads), ("v_heads", v_heads, shape.num_v_heads)):
-        if isinstance(heads, bool) or not isinstance(heads, int) or not 1 <= heads <= total:
+        if as_int(heads) is None or not 1 <= heads <= total:
             raise ValueError(f"{name} must be an int in [1, {total}] (this rank's share of the heads), got {heads!r}")
     value_heads_per_key_head(k_heads, v_heads)
     conv_dim = 2 * k_heads * shape.head_k_dim + v_heads * shape.head_v_dim

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import as_int
 from ..layout.boundaries import MAX_BATCH
 
 __all__ = ["sbhd_to_thd", "thd_to_sbhd"]
@@ -24,7 +25,7 @@ def thd_to_sbhd(x: torch.Tensor, batch: int) -> torch.Tensor:
     """``[B*S, *F]`` (b-major) -> ``[S, B, *F]``; ``batch`` must divide the rows."""
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"x must be a tensor [B*S, ...], got {_describe(x)}")
-    if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= MAX_BATCH or x.shape[0] % batch:
+    if as_int(batch) is None or not 1 <= batch <= MAX_BATCH or x.shape[0] % batch:
         raise ValueError(f"batch must be an int in [1, {MAX_BATCH}] dividing the {x.shape[0]} rows of x, got {batch!r}")
     return x.reshape(batch, x.shape[0] // batch, *x.shape[1:]).transpose(0, 1)
 

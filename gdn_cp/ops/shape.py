@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import as_int
+
 __all__ = ["GDNShape", "value_heads_per_key_head"]
 
 
 def value_heads_per_key_head(num_k_heads: int, num_v_heads: int) -> int:
     """``Hv // Hk``; ValueError unless Hv is a positive multiple of Hk (grouped value heads)."""
     for name, value in (("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if as_int(value) is None:
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    num_k_heads, num_v_heads = as_int(num_k_heads), as_int(num_v_heads)
     if num_k_heads < 1 or num_v_heads < 1 or num_v_heads % num_k_heads:
         raise ValueError(
             f"num_v_heads={num_v_heads} must be a positive multiple of num_k_heads={num_k_heads} "
@@ -38,8 +41,9 @@ class GDNShape:
     def __post_init__(self) -> None:
         for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if as_int(value) is None or value < 1:
                 raise ValueError(f"GDNShape.{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, as_int(value))  # a NumPy integer is stored as an int
         if not isinstance(self.qk_l2norm, bool):
             raise TypeError(f"GDNShape.qk_l2norm must be True or False, got {self.qk_l2norm!r}")
         value_heads_per_key_head(self.num_k_heads, self.num_v_heads)

@@ -41,6 +41,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..checks import as_int
 from .packings import cumsum0
 
 __all__ = [
@@ -76,7 +77,7 @@ def thd_get_partitioned_indices(cu_seqlens: torch.Tensor, total_tokens: int, wor
     TE's kernel asserts each length divisible by 2*world_size and assumes ``cu_seqlens[-1] ==
     total_tokens`` (it gives out-of-range indices otherwise); here both raise ValueError.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if as_int(world_size) is None or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be a positive int")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")

@@ -60,6 +60,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..checks import as_int
+from ..env import read as env_setting
+
 __all__ = [
     "RankContext",
     "RankError",
@@ -94,7 +97,7 @@ def choose_backend(world_size: int, device: Optional[str] = None,
     gpus = _gpu_count()
     device = device or ("cuda" if gpus else "cpu")
     if backend is None:
-        forced = os.environ.get("GDN_CP_TEST_DIST_BACKEND")
+        forced = env_setting("GDN_CP_TEST_DIST_BACKEND")
         if forced:
             backend = forced
         elif device == "cuda" and gpus >= world_size and torch.distributed.is_nccl_available():
@@ -108,7 +111,7 @@ def choose_backend(world_size: int, device: Optional[str] = None,
 def check_pool_request(world_size: int, device: str, backend: str) -> None:
     """ValueError naming the argument, the value and the fix when such a pool cannot start; raised
     before any process is spawned (a rank that cannot start would otherwise die in the child)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if as_int(world_size) is None or world_size < 1:
         raise ValueError(f"world_size={world_size!r}: a rank pool needs an int >= 1")
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: use one of {DEVICES}")
@@ -169,7 +172,7 @@ def maybe_fast_autotune() -> bool:
     process). Every config is a valid kernel, so numerical checks stay meaningful; timings do not.
     Autotune results are neither read from nor written to the on-disk cache in this mode (no
     untuned choice can leak into a saved cache); compiled kernels still come from the cache."""
-    if os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") != "1":
+    if env_setting("GDN_CP_TEST_FAST_AUTOTUNE") != "1":
         return False
     try:
         from triton.runtime import autotuner
@@ -293,7 +296,7 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
-        timeout = datetime.timedelta(seconds=float(os.environ.get("GDN_CP_TEST_PG_TIMEOUT", 180)))
+        timeout = datetime.timedelta(seconds=env_setting("GDN_CP_TEST_PG_TIMEOUT"))
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timeout)
         ctx = RankContext(rank=rank, world_size=world, backend=backend, device=device)

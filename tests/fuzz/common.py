@@ -98,8 +98,9 @@ MAX_CP = 2**16
 
 
 def is_int(value) -> bool:
-    """A Python int that is not a bool (what sizes must be)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """What sizes, ranks and counts must be: an int or a NumPy integer (what Python itself takes as
+    an index), not a bool (README "Errors you may see")."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def is_index_int(value) -> bool:

@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gdn_cp.cli import main
-from gdn_cp.main_job import check_job
+from gdn_cp.cli.main_job import check_job
 from gdn_cp.modes.spec import MODE_NAMES
 from gdn_cp.testing.packings import cumsum0, zigzag_rows
 
@@ -86,7 +86,7 @@ def packing_lists(cp_min: int = 1, cp_max: int = 6):
 def maybe_option(value: str) -> bool:
     """argparse may take a value starting with '-' for an option (not a plain negative integer);
     then it fails on its own (status 2) whatever the command would have said."""
-    return value.startswith("-") and not re.fullmatch(r"-[0-9]+", value)
+    return isinstance(value, str) and value.startswith("-") and not re.fullmatch(r"-[0-9]+", value)
 
 
 def argv_of(flags: dict) -> list[str]:
@@ -134,31 +134,59 @@ def route_expectation(flags: dict):
     return "ok", cu, cp, rank, directions, width
 
 
-def check_route_output(out: str, cu, cp, rank, directions) -> None:
-    """The header, one block per rank, and (for small packings) each route's split sizes counted
-    per token from Megatron's zigzag split."""
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def check_route_output(out: str, cu, cp, rank, directions, full: bool) -> None:
+    """The header; then either one block per rank (``full``: --rank or --all) whose split sizes are
+    counted per token from Megatron's zigzag split, or one summary line per rank whose rows sent and
+    peers are counted the same way (for small packings)."""
     lines = out.splitlines()
     t = cu[-1]
-    assert lines[0] == f"{len(cu) - 1} sequences, T_global={t}, cp={cp}, T_local={t // cp}"
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    assert lines[0] == (f"{_count(len(cu) - 1, 'sequence')} (lengths {min(lengths)}..{max(lengths)}, "
+                        f"{_count(lengths.count(0), 'empty slot')}), T_global={t}, cp={cp}, T_local={t // cp}")
     ranks = list(range(cp)) if rank is None else [rank]
-    assert [int(m) for m in re.findall(r"^# rank (\d+)$", out, re.M)] == ranks
-    routes = re.findall(r"^route (\w+) -> (\w+)  cp=\d+ rank=(\d+).*\n.*\n  send splits \[(.*)\]\n  recv splits \[(.*)\]",
-                        out, re.M)
-    assert len(routes) == len(ranks) * len(directions)
-    if t > 4096:
-        return
     t_local = t // cp
-    zig = [zigzag_rows(cu, cp, r).tolist() for r in range(cp)]
+    zig = [zigzag_rows(cu, cp, r).tolist() for r in range(cp)] if t <= 4096 else None
 
     def in_slice(rows, p):
         return sum(p * t_local <= g < (p + 1) * t_local for g in rows)
 
+    def counts(r):  # per direction: rows this rank sends to each rank
+        to_contiguous = [in_slice(zig[r], p) for p in range(cp)]  # my zigzag rows, per contiguous slice
+        from_zigzag = [in_slice(zig[p], r) for p in range(cp)]  # rank p's zigzag rows in my slice
+        return to_contiguous, from_zigzag
+
+    if not full:
+        assert len(lines) == 2 + cp, out
+        assert lines[-1].startswith("(--rank r: one rank's transfers")
+        for r in ranks:
+            line = lines[1 + r]
+            assert line.startswith(f"rank {r}: "), line
+            if zig is None:
+                continue
+            to_contiguous, from_zigzag = counts(r)
+            for direction, per_peer in (("zigzag->contiguous", to_contiguous), ("contiguous->zigzag", from_zigzag)):
+                if direction not in directions:
+                    assert direction not in line
+                    continue
+                rows = sum(n for p, n in enumerate(per_peer) if p != r)
+                peers = sum(1 for p, n in enumerate(per_peer) if p != r and n)
+                assert f"{direction} sends {rows} of {t_local} rows to {_count(peers, 'rank')} (" in line, (line, rows)
+        return
+    assert [int(m) for m in re.findall(r"^# rank (\d+)$", out, re.M)] == ranks
+    routes = re.findall(r"^route (\w+) -> (\w+)  cp=\d+ rank=(\d+).*\n.*\n  send splits \[(.*)\]\n  recv splits \[(.*)\]",
+                        out, re.M)
+    assert len(routes) == len(ranks) * len(directions)
+    if zig is None:
+        return
     for source, target, r, send, recv in routes:
         r = int(r)
         send = [int(v) for v in send.split(", ")] if send else []
         recv = [int(v) for v in recv.split(", ")] if recv else []
-        to_contiguous = [in_slice(zig[r], p) for p in range(cp)]  # my zigzag rows, per contiguous slice
-        from_zigzag = [in_slice(zig[p], r) for p in range(cp)]  # rank p's zigzag rows in my slice
+        to_contiguous, from_zigzag = counts(r)
         if (source, target) == ("zigzag", "contiguous"):
             assert (send, recv) == (to_contiguous, from_zigzag), (r, send, recv)
         else:
@@ -177,6 +205,8 @@ def test_route(data):
         flags["--cp"] = str(cp) if fair else data.draw(int_texts)
     if data.draw(st.booleans()):
         flags["--rank"] = data.draw(st.integers(0, cp - 1).map(str) if fair else int_texts)
+    elif data.draw(st.booleans()):
+        flags["--all"] = True
     if data.draw(st.integers(0, 3)) == 0:
         flags["--direction"] = data.draw(st.sampled_from(["both", "zigzag->contiguous", "contiguous->zigzag"]
                                                          + ([] if fair else ["zigzag", "ZIGZAG->contiguous", ""])))
@@ -196,7 +226,7 @@ def test_route(data):
         return
     _, cu, cp, rank, directions, width = expected
     assert rc == 0 and err == "", (argv, rc, err)
-    check_route_output(out, cu, cp, rank, directions)
+    check_route_output(out, cu, cp, rank, directions, full="--all" in flags or rank is not None)
 
 
 def test_route_examples_from_the_issue():
@@ -253,11 +283,13 @@ def test_doctor(folders, data):
     if path_kind == "missing":
         return assert_flag_error(rc, out, err, "--path")
     k, v = heads
+    if "--heads" not in flags and ("--tp" in flags or "--cp" in flags):  # they only matter with --heads
+        return assert_flag_error(rc, out, err, "--heads")
     if "--heads" in flags and v % k:
-        return assert_flag_error(rc, out, err, "linear_num_value_heads")
+        return assert_flag_error(rc, out, err, "--heads")
+    if path_kind in ("empty", "file"):  # nothing to look at: a bad argument, as for `gdn-cp patch`
+        return assert_flag_error(rc, out, err, "--path")
     problems = []
-    if path_kind in ("empty", "file"):
-        problems.append("holds no megatron-core")
     if "--heads" in flags:
         for mode in MODE_NAMES:
             assert re.search(rf"^  {mode:<10} {'legal  ' if _mode_legal(mode, k, v, tp, cp) else 'ILLEGAL'}", out, re.M), \
@@ -266,7 +298,7 @@ def test_doctor(folders, data):
             problems.append("no linear_cp_mode is legal")
     foreign = re.search(r"^megatron-core patch at .*: (\w+)$", out, re.M)
     if foreign and foreign.group(1) not in ("pristine", "patched"):
-        problems.append("the megatron-core patch is")
+        problems.append("megatron-core at ")
     assert rc == (1 if problems else 0), (flags, rc, out)
     for problem in problems:
         assert re.search(rf"^problem: .*{re.escape(problem)}", out, re.M), (problem, out)
@@ -289,10 +321,10 @@ def test_patch(folders, data):
     assert sorted(Path(folders["empty"]).iterdir()) == before["empty"]  # nothing was written
     if action not in ("check", "apply", "revert") or (expect and (action != "check" or expect == "broken")):
         return assert_flag_error(rc, out, err, "patch", "--expect", "argument", "unrecognized")
-    if path_kind == "missing":
-        assert rc == 1 and "does not exist" in err and out == "", (rc, out, err)
+    if path_kind == "missing":  # nothing to look at: a bad argument (2), as for doctor --path
+        assert rc == 2 and "does not exist" in err and out == "", (rc, out, err)
     elif path_kind in ("empty", "file"):
-        assert rc == 1 and "neither a Megatron-LM checkout" in err and out == "", (rc, out, err)
+        assert rc == 2 and "neither a Megatron-LM checkout" in err and out == "", (rc, out, err)
     else:  # check on the importable megatron-core (CI installs and patches it)
         state = re.search(r"^state: (\w+)$", out, re.M)
         if state is None:
@@ -348,6 +380,9 @@ def run_expectation(flags: dict):
     tokens = cli_int(flags.get("--tokens-per-rank", "1024"))
     if tokens is None or not 2 <= tokens <= 2**20 or tokens % 2:
         return "flag", ("--tokens-per-rank",)
+    heads = cli_int_list(flags.get("--heads", "4,8"))
+    if heads is None or len(heads) != 2 or min(heads) < 1 or max(heads) > 256 or heads[1] % heads[0]:
+        return "flag", ("--heads",)
     for flag, choices in (("--dtype", ("float32", "float64", "bfloat16")), ("--device", ("cpu", "cuda")),
                           ("--backend", ("reference", "fla")), ("--dist-backend", ("gloo", "nccl"))):
         if flag in flags and flags[flag] not in choices:
@@ -357,6 +392,9 @@ def run_expectation(flags: dict):
                       ("--dist-backend", flags.get("--dist-backend") == "nccl")):
         if bad:  # no CUDA here: refused before anything is spawned
             return "flag", (flag,)
+    for mode in modes or ():  # a mode asked for by name must run at every CP size (TP=1)
+        if mode == "headwise" and any(h % cp for h in heads for cp in cps):
+            return "flag", ("--modes headwise cannot run",)
     return "ok", dict(cp_sizes=tuple(cps), modes=None if modes is None else tuple(modes), num_sequences=seqs,
                       tokens_per_rank=tokens, dtype=flags.get("--dtype", "float32"), device="cpu",
                       backend="reference", dist_backend="gloo")
@@ -372,6 +410,9 @@ def test_run_flags(data):
     if data.draw(st.integers(0, 2)) == 0:
         flags["--modes"] = data.draw(list_texts(item=st.sampled_from(list(MODE_NAMES) + ["ring", "", " chunkwise",
                                                                                           "auto"])))
+    if data.draw(st.integers(0, 2)) == 0:
+        flags["--heads"] = data.draw(list_texts(valid=st.lists(st.sampled_from([1, 2, 3, 4, 8, 16]), min_size=2,
+                                                               max_size=2)))
     for flag, valid in (("--sequences", st.integers(1, 40)), ("--tokens-per-rank", st.integers(1, 64))):
         if data.draw(st.integers(0, 2)) == 0:
             flags[flag] = data.draw(st.one_of(valid.map(str), int_texts))
@@ -386,7 +427,7 @@ def test_run_flags(data):
         seen.append(cfg)
         return types.SimpleNamespace(exit_code=0)
 
-    with mock.patch("gdn_cp.main_job.run_job", fake_run_job):
+    with mock.patch("gdn_cp.cli.main_job.run_job", fake_run_job):
         rc, out, err = run_cli(["run", *argv_of(flags)])
     if any(maybe_option(v) for v in flags.values()) and rc == 2:
         assert out == "" and not seen
@@ -408,9 +449,12 @@ def test_selftest_flags(flags):
     rc, out, err = run_cli(["selftest", *flags])
     if set(flags) - {"--gpu", "--json"}:
         return assert_flag_error(rc, out, err, "unrecognized")
-    assert rc == (1 if "--gpu" in flags else 0), (flags, rc, out)  # --gpu on a CPU machine fails loudly
+    if "--gpu" in flags:  # on a CPU machine: the FLA check cannot run, said before anything runs
+        return assert_flag_error(rc, out, err, "--gpu")
+    assert rc == 0, (flags, rc, out)
     if "--json" in flags:
-        assert json.loads(out)["ok"] is (rc == 0)
+        report = json.loads(out)
+        assert report["ok"] is True and "the FLA backend" in report["not_checked"][0]
 
 
 @fuzz_settings(40)
@@ -426,7 +470,7 @@ def test_top_level(argv):
     elif "-h" in argv or "--version" in argv:
         assert rc in (0, 2)  # argparse acts on them where it meets them, before unknown arguments
     elif not argv or argv in (["-v"], ["--verbose"]):
-        assert rc == 2 and "usage" in out  # no command: the overview, status 2
+        assert rc == 2 and out == "" and "usage" in err  # no command: the overview on stderr, status 2
     elif argv[0] not in ("route", "doctor", "selftest", "-v", "--verbose", "-h", "--version"):
         assert rc == 2 and out == "" and "error" in err
 

@@ -47,14 +47,15 @@ def expected_auto(k, v, tp, cp):
     return next((m for m in ("chunkwise", "headwise", "all_gather") if legal(m, k, v, tp, cp)), None)
 
 
-def bad_size(values: dict):
-    """The first argument the rules refuse, by the field its message names (None: all fine)."""
+def bad_size(values: dict, *, config: bool = False):
+    """The first argument the rules refuse, by the name its message uses (None: all fine): the
+    keyword argument, or with ``config`` (the TransformerConfig hook) the config field."""
     for arg, field in FIELDS.items():
         value = values[arg]
         if not (is_int(value) and value >= 1):
-            return field
+            return field if config else arg
     if values["num_value_heads"] % values["num_key_heads"]:
-        return "linear_num_value_heads"
+        return "linear_num_value_heads" if config else "num_value_heads"
     return None
 
 
@@ -112,33 +113,41 @@ def test_explain(k, v, tp, cp):
 
 @fuzz_settings(150)
 @given(mode=st.one_of(modes, st.just(None)), k=heads, v=heads, tp=sizes, cp=sizes,
-       variant=st.sampled_from(["gated_delta_net", None, "dsa"]))
-def test_configure_hook(mode, k, v, tp, cp, variant):
-    """The patched TransformerConfig's hook: a config with GDN layers is checked; auto is resolved
-    (to a legal mode, stored on the config); others only refuse unknown modes."""
+       variant=st.sampled_from(["gated_delta_net", None, "dsa"]), hybrid=st.booleans())
+def test_configure_hook(mode, k, v, tp, cp, variant, hybrid):
+    """The patched TransformerConfig's hook (README "Using it with Megatron-Core"): a config that
+    builds GDN layers is checked and auto resolved (to a legal mode, stored on the config); a hybrid
+    model has auto resolved where some mode is legal and kept otherwise (its GDN layers check);
+    any other config only refuses unknown modes."""
     config = types.SimpleNamespace(
         linear_cp_mode=mode, linear_num_key_heads=k, linear_num_value_heads=v, tensor_model_parallel_size=tp,
-        context_parallel_size=cp, experimental_attention_variant=variant,
+        context_parallel_size=cp, experimental_attention_variant=variant, is_hybrid_model=hybrid,
     )
     values = dict(num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
     result = outcome(lambda: configure_linear_cp_mode(config))
     is_auto = isinstance(mode, str) and mode == "auto"
     is_mode = isinstance(mode, str) and mode in MODES
+    builds_gdn = variant == "gated_delta_net"
     if not (is_mode or is_auto):
         assert_refused_naming(result, "linear_cp_mode")
         return
-    problem = bad_size(values) if (is_auto or variant == "gated_delta_net") else None
+    if not (builds_gdn or hybrid):  # no GDN layer: nothing about heads is looked at
+        assert assert_accepted(result) == mode and config.linear_cp_mode == mode
+        return
+    problem = bad_size(values, config=True)
     if problem:
         assert_refused_naming(result, problem)
         return
     if is_auto:
         want = expected_auto(k, v, tp, cp)
-        if want is None:
+        if want is None and builds_gdn:
             assert_refused_naming(result, "no mode is legal")
+        elif want is None:  # hybrid: left to its GDN layers, if any
+            assert assert_accepted(result) == "auto" and config.linear_cp_mode == "auto"
         else:
             assert assert_accepted(result) == want and config.linear_cp_mode == want
         return
-    if variant == "gated_delta_net" and not legal(mode, k, v, tp, cp):
+    if builds_gdn and not legal(mode, k, v, tp, cp):
         assert_refused_naming(result, "linear_cp_mode")
     else:
         assert assert_accepted(result) == mode and config.linear_cp_mode == mode

@@ -26,7 +26,7 @@ from gdn_cp.layout import Boundaries
 from gdn_cp.ops import GDNShape
 from gdn_cp.ops import fla as fla_backend
 from gdn_cp.ops.fla import fla_available, native_cp
-from gdn_cp.selftest import compare, conv_case, gdn_case
+from gdn_cp.cli.selftest import compare, conv_case, gdn_case
 from gdn_cp.testing.inputs import fla_core_inputs
 from gdn_cp.testing.metrics import max_rel, rel_l2
 from gdn_cp.testing.ranks import maybe_fast_autotune
@@ -320,7 +320,7 @@ def test_fla_vs_reference_cp1(op, dtype):
 @pytest.mark.gpu
 @needs_gpu
 def test_selftest_passes_on_this_gpu():
-    from gdn_cp.selftest import run_selftest
+    from gdn_cp.cli.selftest import run_selftest
 
     t0 = time.perf_counter()
     rep = run_selftest(gpu=True)

@@ -99,3 +99,17 @@ def test_check_cp(cp, rank, match):
     with pytest.raises(ValueError, match=match):
         check_cp(cp, rank)
     check_cp(4, 3)
+
+
+def test_sbhd_length_error_speaks_of_the_sequence_not_packed_boundaries():
+    """SBHD has no cu_seqlens_q_padded to pad: its error names seq_len and the SBHD fix, whichever
+    entry point (plan or route) found it."""
+    from gdn_cp.layout.plan import plan_for_sbhd
+    from gdn_cp.layout.route import build_sbhd_route
+
+    for call in (lambda: plan_for_sbhd(6, 2, 2, 0), lambda: build_sbhd_route(6, 2, 2, 0, "zigzag", "contiguous")):
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = str(err.value)
+        assert msg.startswith("SBHD sequence length seq_len=6 is not divisible by 2*cp=4"), msg
+        assert "cu_seqlens" not in msg and "sequence 0 of" not in msg, msg

@@ -99,6 +99,57 @@ def test_config_without_gdn_layers_checks_no_heads_but_rejects_typos():
         configure_linear_cp_mode(_config("head_wise", variant=None))
 
 
+def test_config_without_gdn_layers_resolves_checks_and_logs_nothing(caplog):
+    """No GDN layer (neither the gated_delta_net variant nor a hybrid model): TP=3 with Megatron's
+    default GDN heads (16, 32) is fine, 'auto' stays as given, nothing about GDN heads is logged."""
+    caplog.set_level(logging.DEBUG, logger="gdn_cp")
+    for mode in ("auto", "headwise", "chunkwise"):
+        config = _config(mode, 16, 32, 3, 2, variant=None)
+        assert configure_linear_cp_mode(config) == mode and config.linear_cp_mode == mode
+    other = _config("auto", None, None, 3, 2, variant="dsa")  # heads never read
+    assert configure_linear_cp_mode(other) == "auto"
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("gdn_cp")] == []
+
+
+def test_hybrid_config_leaves_auto_to_its_gdn_layers_when_no_mode_is_legal(caplog):
+    """A hybrid model's pattern (which the config does not see) may hold no GDN layer: with no legal
+    mode for its heads, the config keeps 'auto' and does not raise; a GDN layer, if there is one,
+    raises with the reason when its forward checks the mode."""
+    caplog.set_level(logging.DEBUG, logger="gdn_cp")
+    config = _config("auto", 16, 32, 3, 2, variant=None, is_hybrid_model=True)
+    assert configure_linear_cp_mode(config) == "auto" and config.linear_cp_mode == "auto"
+    assert [r for r in caplog.records if r.name.startswith("gdn_cp")] == []
+    with pytest.raises(ValueError, match=r"linear_cp_mode='auto': no mode is legal: .*linear_num_key_heads=16"):
+        check_linear_cp_mode("auto", num_key_heads=16, num_value_heads=32, tp=3, cp=2)  # the layer's check
+    # an explicit mode: checked by the GDN layers (as before), not by the config
+    assert configure_linear_cp_mode(_config("headwise", 16, 32, 3, 2, variant=None, is_hybrid_model=True)) == "headwise"
+
+
+def test_sizes_take_integer_likes_and_errors_name_the_argument_used():
+    """NumPy integers are integers (operator.index); refusals name the caller's keyword argument, and
+    the config hook names the TransformerConfig field."""
+    np = pytest.importorskip("numpy")
+    assert resolve_linear_cp_mode("headwise", num_key_heads=np.int64(16), num_value_heads=np.int32(32),
+                                  tp=np.int64(1), cp=np.uint8(2)) == "headwise"
+    assert resolve_linear_cp_mode("auto", num_key_heads=np.int64(16), num_value_heads=32, tp=1, cp=2) == "chunkwise"
+    assert check_linear_cp_mode("chunkwise", num_key_heads=np.int64(4), num_value_heads=8, tp=2, cp=4) == "chunkwise"
+    assert explain_linear_cp_modes(num_key_heads=np.int64(4), num_value_heads=8, tp=1, cp=2)["auto"]["legal"]
+    config = _config("auto", np.int64(16), np.int64(32), np.int64(1), np.int64(2))
+    assert configure_linear_cp_mode(config) in MODE_NAMES
+    for arg, bad in (("num_key_heads", np.float64(16.0)), ("num_value_heads", True), ("tp", 2.0), ("cp", np.bool_(True))):
+        sizes = {**dict(num_key_heads=16, num_value_heads=32, tp=1, cp=2), arg: bad}
+        for call in (resolve_linear_cp_mode, check_linear_cp_mode):
+            with pytest.raises(ValueError) as ei:
+                call("headwise", **sizes)
+            msg = str(ei.value)
+            assert msg.startswith(f"{arg}={bad!r} must be a positive integer"), msg
+            assert "TransformerConfig" not in msg and "linear_num" not in msg, msg
+    with pytest.raises(ValueError, match=r"^num_value_heads=6 must be a multiple of num_key_heads=4"):
+        resolve_linear_cp_mode("headwise", num_key_heads=4, num_value_heads=6, tp=1, cp=1)
+    with pytest.raises(ValueError, match=r"^linear_num_value_heads=6 must be a multiple of linear_num_key_heads=4"):
+        configure_linear_cp_mode(_config("headwise", 4, 6, 1, 1))
+
+
 def test_config_resolves_auto_once_and_logs(caplog):
     caplog.set_level(logging.DEBUG, logger="gdn_cp.megatron.config")
     cfgmod._LOGGED.clear()
@@ -117,7 +168,8 @@ def test_config_resolves_auto_once_and_logs(caplog):
         assert configure_linear_cp_mode(_config("auto", 2, 4, 1, 4)) == "chunkwise"
     levels = [r.levelno for r in caplog.records if r.name == "gdn_cp.megatron.config"]
     assert levels == [logging.INFO, logging.DEBUG, logging.DEBUG, logging.DEBUG]
-    assert configure_linear_cp_mode(_config("auto", 16, 32, 2, 4, variant=None)) == "chunkwise"  # hybrid models too
+    hybrid = _config("auto", 16, 32, 2, 4, variant=None, is_hybrid_model=True)
+    assert configure_linear_cp_mode(hybrid) == "chunkwise"  # hybrid models too
 
 
 def test_auto_is_machine_independent(monkeypatch):
@@ -251,7 +303,7 @@ def _imported_heavy(code: str) -> list:
 def test_imports_are_light():
     """The patch tool imports no Megatron, torch, FLA or Triton; the config hook (imported by the
     patched TransformerConfig) adds nothing to what the mode registry itself costs."""
-    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.megatron.patching, gdn_cp.megatron.pins, gdn_cp.cli_patch") == []
+    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.megatron.patching, gdn_cp.megatron.pins, gdn_cp.cli.patch") == []
     registry = _imported_heavy("import gdn_cp.modes.spec")
     assert "megatron" not in registry
     assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.megatron.pins.core_0_19_2") == registry

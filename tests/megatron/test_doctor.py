@@ -23,11 +23,45 @@ def test_doctor_lists_every_mode_and_what_auto_picks():
     assert "megatron-core pins" in out
 
 
-def test_doctor_reports_a_missing_path_and_bad_heads(tmp_path):
-    code, out = _run(path=tmp_path / "nowhere")
-    assert "megatron-core patch: unavailable" in out and "does not exist" in out and code == 1
-    code, out = _run(heads=[16])
-    assert code == 2 and "--heads takes two numbers" in out
+def test_doctor_refuses_bad_arguments_before_printing(tmp_path, capsys):
+    """A --path without megatron-core, heads that do not group, --tp / --cp without --heads: exit 2,
+    one line naming the flag, nothing on stdout (the rule of every command)."""
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["--path", str(tmp_path / "empty")], "--path"),
+        (["--heads", "4,6"], "--heads 4,6"),
+        (["--tp", "2", "--cp", "4"], "--tp 2 --cp 4: the TP / CP sizes only choose the linear_cp_mode table"),
+        (["--cp", "4"], "add --heads K,V"),
+    ]
+    for argv, expected in cases:
+        assert cli.main(["doctor", *argv]) == 2, argv
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.startswith("gdn-cp doctor: error: ") and expected in cap.err, (argv, cap)
+        assert len(cap.err.strip().splitlines()) == 1
+
+
+def test_doctor_names_the_modified_files_not_the_patch(monkeypatch):
+    from gdn_cp.megatron import patching
+
+    monkeypatch.setattr(patching, "check_patch", lambda root=None, pin=None: {"a.py": "modified", "b.py": "pristine"})
+    code, out = _run()
+    assert code == 1
+    assert "its target files (by sha256) are not the megatron-core 0.19.2 release's, patched or not" in out
+    assert "patch is modified" not in out
+
+
+def test_doctor_runs_without_torch():
+    """No torch: the report says so instead of a ModuleNotFoundError traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from gdn_cp.cli import main\n"
+            "sys.exit(main(['doctor', '--heads', '16,32', '--tp', '2']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode in (0, 1), r.stdout + r.stderr  # 1 only when the installed megatron-core is foreign
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "GPUs: unknown: torch does not import" in r.stdout and "chunkwise  legal" in r.stdout, r.stdout
 
 
 def test_cli_refuses_non_positive_sizes(capsys):

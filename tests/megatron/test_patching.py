@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp import cli_patch
+from gdn_cp.cli import main as cli_main
 from gdn_cp.megatron import patching
 from gdn_cp.megatron.patching import (
     BACKUP_SUFFIX,
@@ -471,36 +471,40 @@ def test_gnu_patch_agrees(pristine_megatron, tmp_path):
 @pytest.mark.megatron
 def test_cli(layout, capsys):
     p = str(layout.root)
-    assert cli_patch.main(["patch", "check", p]) == 0
+    assert cli_main(["patch", "check", p]) == 0
     out = capsys.readouterr().out
     assert f"megatron-core {VERSION}" in out and "state: pristine" in out and GDN in out
-    assert cli_patch.main(["patch", "check", "--expect", "patched", p]) == 1
+    assert cli_main(["patch", "check", "--expect", "patched", p]) == 1
     assert "expected patched, found pristine" in capsys.readouterr().err
 
-    assert cli_patch.main(["patch", "apply", str(layout.root / "megatron")]) == 0
+    assert cli_main(["patch", "apply", str(layout.root / "megatron")]) == 0
     assert "patched megatron-core" in capsys.readouterr().out
-    assert cli_patch.main(["patch", "apply", p]) == 0
+    assert cli_main(["patch", "apply", p]) == 0
     assert "already patched" in capsys.readouterr().out
-    assert cli_patch.main(["patch", "check", "--expect", "patched", p]) == 0
+    assert cli_main(["patch", "check", "--expect", "patched", p]) == 0
     capsys.readouterr()
 
     layout.path(GDN).write_bytes(layout.path(GDN).read_bytes() + b"#\n")
-    assert cli_patch.main(["patch", "check", p]) == 1
+    assert cli_main(["patch", "check", p]) == 1
     cap = capsys.readouterr()
     assert "state: modified" in cap.out and "error:" in cap.err
-    assert cli_patch.main(["patch", "revert", p]) == 1
+    assert cli_main(["patch", "revert", p]) == 1
     assert "error: cannot revert" in capsys.readouterr().err
 
     layout.path(GDN).write_bytes(layout.path(GDN + BACKUP_SUFFIX).read_bytes())
-    assert cli_patch.main(["patch", "check", p]) == 1  # partial
+    assert cli_main(["patch", "check", p]) == 1  # partial
     assert "gdn-cp patch revert" in capsys.readouterr().err
-    assert cli_patch.main(["patch", "revert", p]) == 0
+    assert cli_main(["patch", "revert", p]) == 0
     assert "restored the pristine" in capsys.readouterr().out
     assert layout.digest() == layout.pristine
-    assert cli_patch.main(["patch", "revert", p]) == 0
+    assert cli_main(["patch", "revert", p]) == 0
     assert "not patched; nothing to do" in capsys.readouterr().out
-    assert cli_patch.main(["patch", "check", str(layout.root / "nowhere")]) == 1
-    assert "does not exist" in capsys.readouterr().err
+    for action in ("check", "apply", "revert"):  # nothing to look at: a bad argument (2), as in doctor --path
+        assert cli_main(["patch", action, str(layout.root / "nowhere")]) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.startswith(f"gdn-cp patch {action}: error: ") and "does not exist" in cap.err
+    assert cli_main(["patch", "apply", str(layout.root.parent)]) == 2  # exists, holds no megatron-core
+    assert "neither a Megatron-LM checkout" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,7 +661,7 @@ try:
     forward(me, hs, mask)
     raise SystemExit("no ImportError")
 except ImportError as e:
-    assert "Install gdn-cp" in str(e) and "gdn-cp patch revert" in str(e), e
+    assert "pip install -e <clone>" in str(e) and "gdn-cp patch revert" in str(e), e
 print("FORWARD-OK")
 """
 
@@ -719,19 +723,19 @@ def test_megatron_lm_checkout_goes_by_files_and_keeps_git_status_clean(pristine_
     exclude_before = exclude.read_text()
     assert _status(root) == []
 
-    assert cli_patch.main(["patch", "apply", str(root)]) == 0
+    assert cli_main(["patch", "apply", str(root)]) == 0
     out = capsys.readouterr().out
     assert "megatron-core 0.19.1 according to megatron/core/package_info.py" in out, out
-    assert f"its target files match the megatron-core {VERSION} release (sha256)" in out, out
+    assert f"its target files (by sha256) are the megatron-core {VERSION} release's with the gdn-cp patch" in out, out
     assert str(exclude) in out
     assert _status(root) == sorted(f" M {t}" for t in TARGETS)  # the backups are excluded, not listed
     assert (root / (GDN + BACKUP_SUFFIX)).is_file()
     assert ".gitignore" not in _git(root, "status", "--porcelain")  # the user's tracked ignore file untouched
 
-    assert cli_patch.main(["patch", "check", "--expect", "patched", str(root)]) == 0
+    assert cli_main(["patch", "check", "--expect", "patched", str(root)]) == 0
     assert "0.19.1" in capsys.readouterr().out
 
-    assert cli_patch.main(["patch", "revert", str(root)]) == 0
+    assert cli_main(["patch", "revert", str(root)]) == 0
     assert "0.19.1" in capsys.readouterr().out
     assert _status(root) == [] and exclude.read_text() == exclude_before
     assert not list(root.rglob("*" + BACKUP_SUFFIX))
@@ -757,18 +761,21 @@ def test_checkout_messages_name_the_checkouts_own_version(pristine_megatron, tmp
     with pytest.raises(PatchError) as ei:
         apply_patch(root)
     msg = str(ei.value)
-    assert "This tree reports megatron-core 0.19.1" in msg and f"pinned to megatron-core {VERSION}" in msg
-    assert f"if you changed them locally, `git checkout -- {GDN}`" in msg and "Nothing was changed" in msg
+    assert "This tree reports megatron-core 0.19.1" in msg and f"the megatron-core {VERSION} release's, so these are local edits" in msg
+    assert f"restore them: `git checkout -- {GDN}`" in msg and "Nothing was changed" in msg
     assert f"megatron-core {VERSION} according" not in msg
+    assert "gdn-cp release" not in msg and "0.19.1 release" not in msg  # no release to point to but the pin
     assert _status(root) == [f" M {GDN}"]  # nothing written, not even the exclude lines
 
-    info = root / _INFO  # another release: other version string, other files
+    info = root / _INFO  # another release: other version string, other files (none is the pin's)
     info.write_text(info.read_text().replace("MINOR = 19\n", "MINOR = 20\n").replace("PATCH = 1\n", "PATCH = 0\n"))
+    for t in load_manifest().files:  # every target differs from the pin's
+        (root / t.target).write_text((root / t.target).read_text() + "# another release\n")
     with pytest.raises(PatchError) as ei:
         apply_patch(root)
     msg = str(ei.value)
-    assert "This tree reports megatron-core 0.20.0" in msg and "gdn-cp release made for megatron-core 0.20.0" in msg
-    assert "check out a commit whose files match" in msg
+    assert "This tree reports megatron-core 0.20.0" in msg and f"supports megatron-core {VERSION} only" in msg
+    assert "check out a commit whose files match" in msg and "local edits" not in msg and "gdn-cp release" not in msg
 
 
 @pytest.mark.megatron
@@ -778,7 +785,8 @@ def test_detect_pin_and_describe_tree(layout):
     assert patching.detect_pin(layout.root).version == VERSION
     layout.path(GDN).write_bytes(b"# another release\n")
     assert patching.detect_pin(layout.root) is None
-    assert "do not match the megatron-core" in patching.describe_tree(layout.root)
+    assert f"its target files (by sha256) are not the megatron-core {VERSION} release's, patched or not" in patching.describe_tree(
+        layout.root)
 
 
 @pytest.mark.megatron

@@ -94,9 +94,9 @@ def test_results_by_rank_and_ordinary_failures_keep_the_pool(rank_pool, hang_gua
 @pytest.mark.slow
 def test_rank_failing_at_start_is_reported(hang_guard):
     with pytest.raises(RankError) as err:
-        RankPool(1, device="cpu", env={"GDN_CP_TEST_PG_TIMEOUT": "soon"})  # float("soon") fails in the rank
+        RankPool(1, device="cpu", env={"GDN_CP_TEST_PG_TIMEOUT": "soon"})  # read (and refused) in the rank
     assert sorted(err.value.failures) == [0] and err.value.pool_broken
-    assert "could not convert string to float: 'soon'" in err.value.failures[0]
+    assert "GDN_CP_TEST_PG_TIMEOUT='soon': use a number of seconds > 0" in err.value.failures[0]
 
 
 @pytest.mark.slow

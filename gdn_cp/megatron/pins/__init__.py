@@ -44,19 +44,23 @@ class Pin:
         """The pip requirement that installs this release, e.g. ``megatron-core==0.19.2``."""
         return f"megatron-core=={self.version}"
 
-    def install_command(self, python_version: tuple[int, int] | None = None) -> str:
+    def install_command(self, python_version: tuple[int, int] | None = None, *, reinstall: bool = False) -> str:
         """The pip command that installs this release on ``python_version`` (default: this Python).
 
         megatron-core 0.19.x declares Python >= 3.12, although its sources run on 3.11; there
         the plain ``pip install`` fails, so the command builds the sdist past that declaration
         (and adds triton, which megatron.core imports), as ``tests/install_deps.sh`` does.
+        ``reinstall``: replace an installed copy whose files were changed (pip leaves an installed
+        release of the same version alone otherwise); its dependencies are left as they are.
         """
         major_minor = tuple(sys.version_info[:2]) if python_version is None else tuple(python_version)[:2]
+        again = "--force-reinstall --no-deps " if reinstall else ""
         if major_minor >= (3, 12):
-            return f"python -m pip install {self.requirement}"
+            return f"python -m pip install {again}{self.requirement}"
+        again = "--force-reinstall " if reinstall else ""
         return (
-            f"python -m pip install --no-binary megatron-core --ignore-requires-python --no-deps {self.requirement} "
-            f"&& python -m pip install --no-deps triton"
+            f"python -m pip install {again}--no-binary megatron-core --ignore-requires-python --no-deps "
+            f"{self.requirement} && python -m pip install --no-deps triton"
         )
 
 
@@ -74,7 +78,7 @@ PINS: dict[str, Pin] = {
 }
 
 PINNED_VERSION = "0.19.2"
-"""The default pin: what ``pip install gdn-cp[megatron]`` installs and the patch tool applies."""
+"""The default pin: what gdn-cp's ``megatron`` extra installs and the patch tool applies."""
 
 
 def get_pin(version: str | None = None) -> Pin:
@@ -85,7 +89,7 @@ def get_pin(version: str | None = None) -> Pin:
         supported = ", ".join(sorted(PINS))
         raise ValueError(
             f"megatron-core {key!r} is not supported by this gdn-cp (supported: {supported}); "
-            f"install one of those ({get_pin().requirement}) or a gdn-cp release made for {key}"
+            f"install one of those ({get_pin().requirement})"
         )
     return pin
 

@@ -43,9 +43,10 @@ class ConfigFields:
     """The ``TransformerConfig`` fields that decide ``linear_cp_mode``.
 
     ``builds_gdn``: the config itself asks for GDN layers (``experimental_attention_variant=
-    'gated_delta_net'``), which is when stock 0.19.2 checks the heads against TP*CP. Hybrid
-    models (``is_hybrid_model``) place GDN layers through their layer pattern, which the config
-    does not see; their layers are checked by the forward.
+    'gated_delta_net'``), which is when stock 0.19.2 checks the heads against TP*CP. ``hybrid``:
+    a hybrid model (``is_hybrid_model``), which places GDN layers through its layer pattern
+    (``G`` in Megatron-LM's ``--hybrid-layer-pattern``); the config does not see the pattern, so
+    its layers are checked by the forward.
     """
 
     linear_cp_mode: Any
@@ -55,6 +56,7 @@ class ConfigFields:
     tp: Any
     cp: Any
     builds_gdn: bool
+    hybrid: bool = False
 
 
 def read_config(config) -> ConfigFields:
@@ -68,6 +70,7 @@ def read_config(config) -> ConfigFields:
         tp=getattr(config, "tensor_model_parallel_size", 1),  # checked (positive ints) where used
         cp=getattr(config, "context_parallel_size", 1),
         builds_gdn=getattr(config, "experimental_attention_variant", None) == "gated_delta_net",
+        hybrid=bool(getattr(config, "is_hybrid_model", False)),
     )
 
 

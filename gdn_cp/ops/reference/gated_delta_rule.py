@@ -35,6 +35,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ...checks import as_int
 from ...layout.boundaries import host_boundaries
 from ...layout.device import host_to_device
 from ..gates import check_log_decay
@@ -78,7 +79,7 @@ def _check(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
 
 
 def _check_chunk_size(chunk_size) -> None:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
+    if as_int(chunk_size) is None or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(
             f"chunk_size must be an int in [1, {MAX_CHUNK_SIZE}] (the in-chunk matrices are chunk_size^2), got "
             f"{chunk_size!r}; 64 is the usual choice"

@@ -1,7 +1,7 @@
-"""``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.main_job`).
+"""``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.cli.main_job`).
 
 Every flag is checked by argparse (the error names the flag); what depends on the machine (CUDA,
-NCCL, FLA) is checked by :func:`gdn_cp.main_job.check_job` before any rank is spawned. Lists are
+NCCL, FLA) is checked by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
 comma-separated for every flag that takes one (``--cp 2,4 --modes headwise,chunkwise``).
 """
 
@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli_args import comma_items, int_list, int_range
-from .modes.spec import MODE_NAMES
+from .args import comma_items, int_list, int_range
+from .output import CommandError, exit_epilog
+from ..modes.spec import MODE_NAMES
 
 __all__ = ["add_run_command"]
 
@@ -20,6 +21,8 @@ MAX_RANKS = 64
 """Most ranks ``gdn-cp run`` spawns on one machine (each is a process)."""
 MAX_SEQUENCES = 1 << 16
 MAX_TOKENS_PER_RANK = 1 << 20
+MAX_HEADS = 256
+MAX_HEAD_DIM = 512
 
 cp_sizes = int_list(1, unique=True)
 cp_sizes.__doc__ = "``--cp``: comma-separated CP sizes, each an integer >= 1."
@@ -44,6 +47,17 @@ def mode_names(text: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def head_counts(text: str) -> tuple[int, int]:
+    """``--heads K,V``: key and value heads, V a multiple of K (value head h reads key head h // (V/K))."""
+    k, v = int_list(1, count=2)(text)
+    if max(k, v) > MAX_HEADS:
+        raise argparse.ArgumentTypeError(f"at most {MAX_HEADS} heads, got {text!r}")
+    if v % k:
+        raise argparse.ArgumentTypeError(f"the value heads ({v}) must be a multiple of the key heads ({k}): value "
+                                         f"head h reads key head h // (V/K); e.g. {k},{2 * k}")
+    return k, v
+
+
 def even_tokens(text: str) -> int:
     value = int_range(1, MAX_TOKENS_PER_RANK)(text)
     if value % 2:
@@ -52,24 +66,31 @@ def even_tokens(text: str) -> int:
     return value
 
 
-def add_run_command(sub) -> None:
-    """Add ``run`` to the ``gdn-cp`` subcommands."""
+def add_run_command(sub, parents=()) -> None:
+    """Add ``run`` to the ``gdn-cp`` subcommands (``parents``: the flags every command takes)."""
     p = sub.add_parser(
-        "run", help="the main job: CP run of the GDN core checked against CP=1",
+        "run", parents=list(parents), help="the main job: a real CP run of the GDN core, checked against CP=1",
         description="Spawn cp ranks (CPU gloo by default; NCCL + FLA when there are enough GPUs), round-trip the "
         "routes of a packed micro-batch, then run each mode forward+backward and print, per mode, the relative "
-        "errors of the output and of every gradient against CP=1 on the same inputs. Modes that cannot run at a "
-        "CP size are skipped and listed. Exit 0 when everything that ran passed (and every mode named in "
-        "--modes ran), 1 otherwise, 2 on bad flags.")
+        "errors of the output and of every gradient against CP=1 on the same inputs. Without --modes, a mode "
+        "that cannot run at a CP size (headwise when the heads do not divide it) is skipped and listed; a mode "
+        "named in --modes must run at every --cp size (checked before anything is spawned).",
+        epilog=exit_epilog("a check failed (a relative error over the tolerance, a round trip that is not "
+                           "bit-exact, a rank that failed)"))
     p.add_argument("--cp", type=_cp_sizes, default=(2, 4), metavar="LIST",
                    help=f"comma-separated CP sizes in [1, {MAX_RANKS}], e.g. 2,4 (default 2,4)")
     p.add_argument("--modes", type=mode_names, default=None, metavar="LIST",
-                   help=f"comma-separated modes, from {','.join(MODE_NAMES)} (default: all; a mode named here "
-                   "that cannot run is a failure, in the default it is listed as skipped)")
+                   help=f"comma-separated modes, from {','.join(MODE_NAMES)} (default: all, each skipped and listed "
+                   "where it cannot run; a mode named here must run at every --cp size, else exit 2 before "
+                   "anything is spawned)")
     p.add_argument("--sequences", type=int_range(1, MAX_SEQUENCES), default=37,
                    help=f"packed sequences per micro-batch, in [1, {MAX_SEQUENCES}] (default 37)")
     p.add_argument("--tokens-per-rank", type=even_tokens, default=1024,
                    help=f"T_global / cp, an even number in [2, {MAX_TOKENS_PER_RANK}] (default 1024)")
+    p.add_argument("--heads", type=head_counts, default=(4, 8), metavar="K,V",
+                   help=f"key and value heads of the GDN core, V a multiple of K, at most {MAX_HEADS} (default 4,8)")
+    p.add_argument("--head-dim", type=int_range(1, MAX_HEAD_DIM), default=32,
+                   help=f"key and value head dim, in [1, {MAX_HEAD_DIM}] (default 32)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
                    help="dtype of the activations (the log decay g stays fp32, fp64 with float64; default float32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when torch sees a GPU")
@@ -81,13 +102,16 @@ def add_run_command(sub) -> None:
 
 
 def run_command(args) -> int:
+    from ..modes import GDNShape
     from .main_job import auto_config, run_job
 
+    k, v = args.heads
     overrides = {
         "cp_sizes": tuple(args.cp),
         "modes": args.modes,
         "num_sequences": args.sequences,
         "tokens_per_rank": args.tokens_per_rank,
+        "shape": GDNShape(num_k_heads=k, num_v_heads=v, head_k_dim=args.head_dim, head_v_dim=args.head_dim),
         "dtype": args.dtype,
     }
     for name in ("device", "backend", "dist_backend"):
@@ -96,8 +120,7 @@ def run_command(args) -> int:
     try:
         result = run_job(auto_config(**overrides), echo=lambda line: print(line, flush=True))
     except ValueError as err:  # the job cannot run on this machine: said before anything was spawned
-        print(f"gdn-cp run: error: {err}", file=sys.stderr)
-        return 2
+        raise CommandError(str(err)) from None
     except KeyboardInterrupt:
         print("\ngdn-cp run: interrupted; the ranks were stopped", file=sys.stderr)
         return 130

@@ -6,8 +6,10 @@ backward on Hopper with Triton < 3.7.1 (FLA issue #640): FLA either refuses (an 
 reported) or the gradients disagree with the reference (a failed tolerance is reported).
 
 ``run_selftest(gpu=False)`` checks the reference backend in fp32 against itself in fp64 (the
-CPU path); ``run_selftest(gpu=True)`` checks FLA's kernels (fp32 and bf16) against the reference
-in fp64, and needs CUDA and flash-linear-attention.
+CPU path; FLA is not checked, and the report says so and why); ``run_selftest(gpu=True)`` checks
+FLA's kernels (fp32 and bf16) against the reference in fp64, and needs CUDA and
+flash-linear-attention. ``gdn-cp selftest`` runs the GPU check where both are there, else the
+CPU one; ``--gpu`` insists on the GPU check (exit 2, before anything runs, where it cannot).
 
 The case builders here are shared with ``tests/gpu``; the error metrics, tolerances and version
 report come from :mod:`gdn_cp.testing`.
@@ -23,9 +25,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .testing.metrics import max_rel, rel_l2, worst
-from .testing.results import stack_versions
-from .testing.tolerances import FLA_VS_FP64_REL_L2
+from ..testing.metrics import max_rel, rel_l2, worst
+from ..testing.results import stack_versions
+from ..testing.tolerances import FLA_VS_FP64_REL_L2
 
 __all__ = [
     "CaseResult",
@@ -82,6 +84,24 @@ class CaseResult:
                 f"{self.tolerance:.0e} ({self.seconds:.1f}s)")
 
 
+CHECKED = {
+    True: "the FLA backend (float32, bfloat16) against the reference backend in float64 on the GPU: causal "
+    "conv and gated delta rule with packed sequences, a halo and initial states; outputs and gradients",
+    False: "the reference backend (plain torch) in float32 against itself in float64 on the CPU: causal conv "
+    "and gated delta rule with packed sequences, a halo and initial states; outputs and gradients",
+}
+NOT_CHECKED_ANYWHERE = "context parallelism (CP > 1 against CP=1: `gdn-cp run`)"
+
+
+def fla_unavailable_reason() -> str | None:
+    """Why the FLA check cannot run here (no CUDA GPU, FLA does not import), or None when it can."""
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} sees no CUDA GPU"
+    from ..ops.fla import fla_available, fla_import_error
+
+    return None if fla_available() else str(fla_import_error())
+
+
 @dataclass
 class SelftestReport:
     ok: bool
@@ -89,15 +109,20 @@ class SelftestReport:
     versions: dict[str, Any]
     cases: list[CaseResult]
     notes: list[str] = field(default_factory=list)
+    not_checked: list[str] = field(default_factory=list)  # what this run did not check, each with why
     stack: dict[str, Any] = field(default_factory=dict)  # GPU: gdn_cp.ops.fla.stack_report()
 
+    @property
+    def checked(self) -> str:
+        return CHECKED[self.gpu]
+
     def __str__(self) -> str:
-        lines = [f"gdn-cp selftest ({'gpu: FLA vs reference' if self.gpu else 'cpu: reference fp32 vs fp64'}): "
-                 f"{'OK' if self.ok else 'FAILED'}"]
+        lines = [f"gdn-cp selftest: {'OK' if self.ok else 'FAILED'}", f"  checked: {self.checked}"]
         if self.stack:
             lines.append(f"  stack checked: {self.stack['stack']}")
             for name, text in self.stack.get("choices", {}).items():
                 lines.append(f"    {name}: {text}")
+        lines += [f"  not checked: {n}" for n in self.not_checked + [NOT_CHECKED_ANYWHERE]]
         lines.append("  versions: " + ", ".join(f"{k}={v}" for k, v in self.versions.items()))
         for c in self.cases:
             lines.append("  " + c.line())
@@ -111,8 +136,9 @@ class SelftestReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "ok": self.ok, "gpu": self.gpu, "versions": self.versions, "notes": self.notes, "stack": self.stack,
-            "cases": [c.__dict__ for c in self.cases],
+            "ok": self.ok, "gpu": self.gpu, "checked": self.checked,
+            "not_checked": self.not_checked + [NOT_CHECKED_ANYWHERE], "versions": self.versions,
+            "notes": self.notes, "stack": self.stack, "cases": [c.__dict__ for c in self.cases],
         }
 
     def raise_if_failed(self) -> "SelftestReport":
@@ -266,8 +292,10 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                 f"reference/{name}/float32/cpu",
                 lambda fn=fn: fn(reference, reference, dtype=torch.float32, device="cpu", seed=seed),
                 FLA_VS_FP64_REL_L2["float32"]))
+        why = fla_unavailable_reason() or "asked for the CPU check"
         return SelftestReport(ok=all(c.ok for c in cases), gpu=False, versions=versions, cases=cases,
-                              notes=notes)
+                              notes=notes, not_checked=[f"the FLA backend ({why}): `gdn-cp selftest --gpu` checks "
+                                                        "it where torch sees a CUDA GPU and FLA imports"])
 
     from gdn_cp.ops import fla as fla_backend
 
@@ -297,18 +325,15 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                           stack=stack)
 
 
-def main(argv: list[str] | None = None) -> int:  # pragma: no cover - thin wrapper for the CLI
-    import argparse
+def run_selftest_command(args) -> int:
     import json
 
-    p = argparse.ArgumentParser(prog="gdn-cp selftest")
-    p.add_argument("--gpu", action="store_true", help="check the FLA backend on CUDA")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    rep = run_selftest(gpu=a.gpu)
-    print(json.dumps(rep.to_dict(), indent=2, default=str) if a.json else rep)
+    from .output import CommandError
+
+    why = fla_unavailable_reason()
+    if args.gpu and why is not None:
+        raise CommandError(f"--gpu: the FLA check cannot run here: {why}; run `gdn-cp selftest` (without --gpu) "
+                           "for the CPU check")
+    rep = run_selftest(gpu=why is None)
+    print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else rep)
     return 0 if rep.ok else 1
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -9,28 +9,32 @@ default; NCCL with one rank per GPU when there are enough GPUs), and on every ra
    input gradients and the conv gradients (summed over ranks) with CP=1 on the same inputs.
 
 Each cp block is printed as soon as it finishes. Modes that cannot run at a CP size (headwise when
-the heads do not divide cp) are not started: they are listed as skipped, with the reason. The job
-passes when every check of everything that ran passed, and, when modes were asked for by name,
-every asked-for mode ran at every CP size.
+the heads do not divide cp) are not started: they are listed as skipped, with the reason; a mode
+asked for by name (``--modes``) that cannot run at one of the CP sizes is refused by
+:func:`check_job`, before anything is spawned. The job passes when every check of everything that
+ran passed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
-from .modes import GDNShape
-from .modes.spec import MODE_NAMES, head_problem
-from .ops import BACKENDS
-from .testing.inputs import core_inputs, core_leaves
-from .testing.metrics import max_rel
-from .testing.packings import packed_boundaries
-from .testing.ranks import RankError, RankPool
-from .testing.tolerances import cp_vs_cp1_tolerance
+from ..checks import as_int
+from ..modes import GDNShape
+from ..modes.spec import MODE_NAMES, get_mode, head_problem
+from ..ops import BACKENDS
+from ..testing.inputs import core_inputs, core_leaves
+from ..testing.metrics import max_rel
+from ..testing.packings import packed_boundaries
+from ..testing.ranks import RankError, RankPool
+from ..testing.tolerances import cp_vs_cp1_tolerance
+from .output import count
 
 __all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "run_job"]
 
@@ -68,7 +72,7 @@ def auto_config(**overrides) -> JobConfig:
     cfg = JobConfig(**overrides)
     if "device" in overrides or not torch.cuda.is_available():
         return cfg
-    from .ops.fla import fla_available
+    from ..ops.fla import fla_available
 
     choice = {"device": "cuda"}
     if "backend" not in overrides:
@@ -83,7 +87,7 @@ def auto_config(**overrides) -> JobConfig:
 def check_job(cfg: JobConfig) -> None:
     """ValueError naming the flag, the value and the fix when the job cannot run here; raised
     before any rank is spawned."""
-    if not cfg.cp_sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cfg.cp_sizes):
+    if not cfg.cp_sizes or any(as_int(c) is None or c < 1 for c in cfg.cp_sizes):
         raise ValueError(f"--cp {cfg.cp_sizes}: every CP size must be an integer >= 1, e.g. --cp 2,4")
     if cfg.modes is not None:
         unknown = [m for m in cfg.modes if m not in MODE_NAMES]
@@ -92,6 +96,7 @@ def check_job(cfg: JobConfig) -> None:
                              f"of {', '.join(MODE_NAMES)}")
     if cfg.num_sequences < 1:
         raise ValueError(f"--sequences {cfg.num_sequences}: a micro-batch needs at least 1 sequence")
+    _check_named_modes(cfg)
     if cfg.tokens_per_rank < 2 or cfg.tokens_per_rank % 2:
         raise ValueError(f"--tokens-per-rank {cfg.tokens_per_rank}: must be even and >= 2 (every sequence "
                          "length is a multiple of 2*cp, so T_global = tokens_per_rank * cp must be too)")
@@ -108,7 +113,7 @@ def check_job(cfg: JobConfig) -> None:
         if cfg.device != "cuda":
             raise ValueError("--backend fla needs --device cuda (FLA's kernels are CUDA-only); use --backend "
                              "reference on the CPU")
-        from .ops.fla import fla_available, fla_import_error
+        from ..ops.fla import fla_available, fla_import_error
 
         if not fla_available():
             raise ValueError(f"--backend fla: {fla_import_error()}; use --backend reference")
@@ -126,6 +131,27 @@ def check_job(cfg: JobConfig) -> None:
                              f"{gpus} visible; use --dist-backend gloo (ranks share a GPU) or a smaller --cp")
 
 
+def _check_named_modes(cfg: JobConfig) -> None:
+    """A mode named in ``--modes`` must run at every CP size with these heads (TP=1): said here,
+    before anything is spawned, instead of after the ranks of the sizes that can run it."""
+    if cfg.modes is None:
+        return
+    k, v = cfg.shape.num_k_heads, cfg.shape.num_v_heads
+    bad = [(mode, cp) for mode in cfg.modes for cp in cfg.cp_sizes
+           if head_problem(mode, num_key_heads=k, num_value_heads=v, tp=1, cp=cp) is not None]
+    if not bad:
+        return
+    mode, _ = bad[0]
+    sizes = [cp for m, cp in bad if m == mode]
+    need = math.lcm(*cfg.cp_sizes)
+    raise ValueError(
+        f"--modes {mode} cannot run at --cp {','.join(map(str, sizes))} with --heads {k},{v}: {mode} needs both "
+        f"head counts divisible by {get_mode(mode).divisor_text(1, sizes[0])}; pass --heads {need},{2 * need} "
+        f"(divisible by every --cp size), leave {mode} out of --modes (without --modes it is listed as skipped "
+        "where it cannot run), or use other --cp sizes"
+    )
+
+
 # ------------------------------------------------------------------------------------------
 # inside each rank
 # ------------------------------------------------------------------------------------------
@@ -138,11 +164,11 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     """One rank of a cp-sized run: round trip, CP=1 answer, then each mode. A JSON-able report."""
     import torch.distributed as dist
 
-    from .comm import all_gather_rows, route_all_to_all
-    from .layout import CONTIGUOUS, ZIGZAG, RouteCache
-    from .modes import gdn_core, local_core
-    from .ops import get_backend
-    from .testing.packings import zigzag_rows
+    from ..comm import all_gather_rows, route_all_to_all
+    from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
+    from ..modes import gdn_core, local_core
+    from ..ops import get_backend
+    from ..testing.packings import zigzag_rows
 
     rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
     report: dict = {"rank": rank}
@@ -192,7 +218,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     report["modes"] = per_mode
     report["plan_hits_after_first"] = cache.plan(cu_t, cp, rank) is plan
     if "chunkwise" in modes:
-        from .modes.chunkwise import chunkwise_swaps_layout, resolve_chunkwise_path
+        from ..modes.chunkwise import chunkwise_swaps_layout, resolve_chunkwise_path
 
         path, _ = resolve_chunkwise_path(backend, group)
         if path == "native" and not chunkwise_swaps_layout(backend, group, plan):
@@ -223,11 +249,12 @@ def _print_block(cp: int, reports: list[dict], modes: tuple[str, ...], skipped: 
                  result: JobResult, echo: Callable[[str], None]) -> None:
     r0 = reports[0]
     lengths = [b - a for a, b in zip(r0["cu"][:-1], r0["cu"][1:])]
-    echo(f"packed micro-batch: {len(lengths)} sequences (lengths {min(lengths)}..{max(lengths)}, "
-         f"{lengths.count(0)} empty slots), T_global={r0['cu'][-1]}")
+    echo(f"packed micro-batch: {count(len(lengths), 'sequence')} (lengths {min(lengths)}..{max(lengths)}, "
+         f"{count(lengths.count(0), 'empty slot')}), T_global={r0['cu'][-1]}")
     summary = r0["route_summary"].splitlines()
     echo("\n".join(summary[:4]))
-    echo(f"  ... {max(0, len(summary) - 4)} more send/recv transfers; route build {r0['route_build_ms']:.2f} ms")
+    echo(f"  ... {count(max(0, len(summary) - 4), 'more send/recv transfer')}; route build "
+         f"{r0['route_build_ms']:.2f} ms")
     exact = all(r["round_trip_exact"] for r in reports)
     hits = all(r["plan_hits_after_first"] for r in reports)
     echo(f"zigzag -> contiguous -> zigzag round trip bit-exact on all ranks: {exact}; cached plan reused: {hits}")
@@ -276,8 +303,10 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
     check_job(cfg)
     tol = cp_vs_cp1_tolerance(cfg.dtype, cfg.backend) if tolerance is None else tolerance
     result = JobResult()
+    shape = cfg.shape
     echo(f"gdn-cp run: CP sizes {','.join(map(str, cfg.cp_sizes))}; modes {', '.join(cfg.modes_to_run)}; "
-         f"{cfg.num_sequences} packed sequences, {cfg.tokens_per_rank} tokens per rank; {cfg.dtype} on "
+         f"{count(cfg.num_sequences, 'packed sequence')}, {count(cfg.tokens_per_rank, 'token')} per rank; "
+         f"{shape.num_k_heads} key / {shape.num_v_heads} value heads of dim {shape.head_k_dim}; {cfg.dtype} on "
          f"{cfg.device}, {cfg.backend} backend, {cfg.dist_backend} ranks")
     echo(f"Each mode's columns are relative errors against CP=1 on the same inputs, max over ranks: "
          f"max|CP - CP=1| / max|CP=1| of the output and of each gradient; allowed: <= {tol:g}.")
@@ -285,7 +314,7 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
         skipped = _skips(cfg, cp)
         result.skipped += [(cp, mode, why) for mode, why in skipped.items()]
         modes = tuple(m for m in cfg.modes_to_run if m not in skipped)
-        echo(f"\n== cp={cp}: spawning {cp} rank(s) ({cfg.dist_backend}, {cfg.device})")
+        echo(f"\n== cp={cp}: spawning {count(cp, 'rank')} ({cfg.dist_backend}, {cfg.device})")
         try:
             # fla_on_gloo: on one GPU (gloo ranks) FLA's cp context runs too, its collectives adapted
             # by gdn_cp.testing (a run on NCCL needs no adapter)
@@ -294,7 +323,7 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
                 reports = pool.run(_rank_job, cp, cfg, modes)
         except RankError as err:
             echo(f"cp={cp} failed:\n{err}")
-            result.failures.append(f"cp={cp}: {len(err.failures)} rank(s) failed (above)")
+            result.failures.append(f"cp={cp}: {count(len(err.failures), 'rank')} failed (above)")
             continue
         _print_block(cp, reports, modes, skipped, tol, result, echo)
     _finish(cfg, result, echo)
@@ -303,7 +332,7 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
 
 def _finish(cfg: JobConfig, result: JobResult, echo: Callable[[str], None]) -> None:
     asked = cfg.modes is not None
-    for cp, mode, why in result.skipped:
+    for cp, mode, why in result.skipped:  # check_job refuses these before spawning; kept as a guard
         if asked:
             result.failures.append(f"{mode} at cp={cp} was asked for with --modes but cannot run: {why}")
     if result.ran == 0 and not result.failures:
@@ -316,9 +345,9 @@ def _finish(cfg: JobConfig, result: JobResult, echo: Callable[[str], None]) -> N
     for line in result.failures:
         echo(f"failed: {line}")
     if not result.ok:
-        echo(f"result: FAIL ({len(result.failures)} problem(s) listed above)")
+        echo(f"result: FAIL ({count(len(result.failures), 'problem')} listed above)")
     elif result.skipped:
-        echo(f"result: PASS: all {result.ran} (cp, mode) runs that could run passed; "
+        echo(f"result: PASS: {count(result.ran, '(cp, mode) run')} that could run passed; "
              f"{len(result.skipped)} skipped (listed above)")
     else:
-        echo(f"result: PASS: all {result.ran} (cp, mode) runs passed")
+        echo(f"result: PASS: {count(result.ran, '(cp, mode) run')} passed")

@@ -1,0 +1,171 @@
+"""The ``gdn-cp`` command: the top-level parser, ``doctor`` and ``selftest``'s flags, and :func:`main`.
+
+Every command goes through :func:`main`, which keeps the rules of :mod:`gdn_cp.cli.output` for
+all of them: every ``GDN_CP_*`` environment variable is checked before the command runs; a
+:class:`~gdn_cp.cli.output.CommandError` becomes one ``gdn-cp <command>: error: ...`` line and its
+exit status; a reader that closes the output early (``| head``) ends the command quietly.
+Importing this module imports no torch (``--help`` and ``patch`` run without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import textwrap
+
+from .. import __version__, env
+from ..megatron.pins import PINS
+from ..modes.spec import MODE_NAMES
+from .args import int_list, int_range
+from .output import EXIT_STATUS, EXIT_USAGE, CommandError, exit_epilog, print_error
+from .patch import add_patch_commands
+from .route import add_route_command
+from .run import add_run_command
+
+__all__ = ["build_parser", "main"]
+
+EXIT_BROKEN_PIPE = 141
+"""128 + SIGPIPE: what a Unix tool killed by a closed pipe exits with (``gdn-cp ... | head``)."""
+
+_DESCRIPTION = (f"gdn-cp: context parallelism ({', '.join(MODE_NAMES)}) for Gated DeltaNet layers on "
+                f"Megatron-Core {', '.join(PINS)}.")
+
+_EPILOG = f"""\
+`gdn-cp COMMAND --help` describes each command. -v (log at DEBUG level) goes before or after COMMAND.
+
+{textwrap.fill(EXIT_STATUS, width=100)}
+"""
+
+
+def _existing_path(text: str) -> str:
+    if not os.path.exists(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text} does not exist; pass a Megatron-LM checkout, a site-packages "
+                                         "folder or the megatron package folder")
+    return text
+
+
+def _cmd_doctor(args) -> int:
+    from ..megatron.doctor import run_doctor
+
+    heads = None if args.heads is None else tuple(args.heads)
+    try:
+        return run_doctor(heads=heads, tp=args.tp, cp=args.cp, path=args.path)
+    except ValueError as err:
+        raise CommandError(str(err)) from None
+
+
+def _cmd_selftest(args) -> int:
+    from .selftest import run_selftest_command  # imports torch
+
+    return run_selftest_command(args)
+
+
+def _add_doctor_command(sub, parents) -> None:
+    p = sub.add_parser(
+        "doctor", parents=parents, help="versions, patch state, GPUs, and which linear_cp_mode fits a head shape",
+        description="Report gdn-cp / torch / megatron-core / FLA / Triton versions, GPUs, the GDN_CP_* environment "
+        "variables, the patch state of the importable megatron-core (or of --path), and, for --heads K,V "
+        "(with --tp and --cp), which linear_cp_mode values are legal and what auto resolves to, with reasons. "
+        "Runs without torch (and says so).",
+        epilog=exit_epilog("the megatron-core files are partially patched, modified or missing, or no mode is "
+                           "legal for --heads"))
+    p.add_argument("--heads", type=int_list(1, count=2), default=None, metavar="K,V",
+                   help="linear key,value heads (linear_num_key_heads, linear_num_value_heads), e.g. 16,32")
+    p.add_argument("--tp", type=int_range(1), default=None, help="tensor-parallel size for --heads (default 1)")
+    p.add_argument("--cp", type=int_range(1), default=None, help="context-parallel size for --heads (default 1)")
+    p.add_argument("--path", type=_existing_path, default=None,
+                   help="Megatron-LM checkout or site-packages (default: the importable megatron)")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _add_selftest_command(sub, parents) -> None:
+    p = sub.add_parser(
+        "selftest", parents=parents, help="check the math backends on this machine (FLA against the reference)",
+        description="With a CUDA GPU and flash-linear-attention: FLA's kernels (float32, bfloat16) against the "
+        "plain-torch reference in float64, outputs and gradients (catches broken FLA/Triton stacks). Without "
+        "them: the reference backend in float32 against float64 on the CPU, and the report says that FLA was "
+        "not checked and why. Context parallelism is checked by `gdn-cp run`, not here.",
+        epilog=exit_epilog("a backend disagrees with the reference beyond the tolerance, or fails"))
+    p.add_argument("--gpu", action="store_true",
+                   help="insist on the FLA check (exit 2 where there is no CUDA GPU or FLA does not import)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_selftest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``gdn-cp`` parser; each command sets ``func`` (returns the exit status) and ``prog``."""
+    parser = argparse.ArgumentParser(
+        prog="gdn-cp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"gdn-cp {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    # the same -v on every command; SUPPRESS keeps a command's parser from resetting one given before it
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at DEBUG level")
+    parents = [common]
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+
+    add_run_command(sub, parents)
+    add_route_command(sub, parents)
+    add_patch_commands(sub, parents)
+    _add_doctor_command(sub, parents)
+    _add_selftest_command(sub, parents)
+    for name, command in sub.choices.items():
+        command.set_defaults(prog=f"gdn-cp {name}")  # patch's actions set their own
+    return parser
+
+
+def _quiet_stdout() -> None:
+    """After a reader closed our stdout: point it at /dev/null, so that flushing at exit cannot
+    raise a second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured)
+        pass
+    finally:
+        os.close(devnull)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``gdn-cp`` with ``argv``; returns the exit status (see :data:`gdn_cp.cli.output.EXIT_STATUS`)."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a reader that went away shows here, not in the interpreter's exit flush
+        return status
+    except BrokenPipeError:
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        print_error("gdn-cp", "name a COMMAND")
+        return EXIT_USAGE
+    try:
+        env.check_environment()
+    except ValueError as err:
+        print_error(args.prog, str(err))
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except CommandError as err:
+        print_error(args.prog, str(err))
+        return err.status
+    except ModuleNotFoundError as err:
+        if err.name not in ("torch", "numpy"):
+            raise
+        print_error(args.prog, f"this command needs {err.name}, which does not import here ({err}); install it "
+                    f"(pip install {err.name}; CPU torch: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cpu)")
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

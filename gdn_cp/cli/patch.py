@@ -1,0 +1,158 @@
+"""`gdn-cp patch apply|check|revert [PATH]`: the pinned Megatron-Core patch from the command line.
+
+``gdn_cp.cli.command`` calls :func:`add_patch_commands` on its subparsers; the parsed
+``args.func(args)`` returns the exit code or raises :class:`~gdn_cp.cli.output.CommandError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from typing import Optional, TextIO
+
+from ..megatron import patching
+from ..megatron.pins import PINS, get_pin
+from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
+
+_RELEASES = ", ".join(PINS)
+
+_DESCRIPTION = f"""\
+Install, check or revert the gdn-cp patch of Megatron-Core {_RELEASES}.
+
+The patch is thin: the logic lives in gdn_cp, where it is tested; the patched files hand over to it
+(TransformerConfig's linear_cp_mode is checked, and 'auto' resolved, by gdn_cp; GatedDeltaNet.forward
+hands over when context parallelism is on or the input is packed). Every target file is checked
+against the sha256 of the release before anything is written (a Megatron-LM checkout may report
+another version string: its files decide); all files are replaced or none; the originals are kept
+as *{patching.BACKUP_SUFFIX} (listed in .git/info/exclude in a git checkout) and `revert` restores
+them byte for byte.
+"""
+
+
+def _targets() -> str:
+    """The target files, from the pinned patch's manifest (so that the help cannot drift from it)."""
+    try:
+        files = ", ".join(t.target for t in patching.load_manifest().files)
+        return textwrap.fill(f"Target files: {files}.", width=100) + "\n"
+    except patching.PatchError as err:  # a broken installation: the commands themselves say so
+        return f"Target files: unknown ({err}).\n"
+
+
+_PATH_HELP = """\
+PATH: a Megatron-LM checkout, a site-packages folder holding megatron-core, or the megatron
+package folder. Default: the megatron package importable by this Python.
+"""
+
+_FOUND_PROBLEM = {
+    "apply": "the target files are not the release's (local edits, another release) or are partially "
+    "patched, or writing failed; nothing was changed",
+    "check": "the files are partially patched, modified or missing, or not in the --expect-ed state",
+    "revert": "the target files are not the release's, patched or not; nothing was changed",
+}
+
+_REVERT_NOTE = f"""
+Revert before `pip uninstall megatron-core`: pip does not know the *{patching.BACKUP_SUFFIX}
+backups and leaves them (and their folders) behind; delete them by hand if it already ran.
+"""
+
+
+def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
+    """Register ``patch {apply,check,revert} [PATH]`` on an ``argparse`` subparsers object
+    (``parents``: the flags every command takes, e.g. ``-v``).
+
+    Sets ``func`` on the parsed namespace: ``args.func(args)`` runs it and returns the exit code.
+    Returns the new ``patch`` parser.
+    """
+    p = subparsers.add_parser(
+        "patch",
+        parents=list(parents),
+        help=f"apply / check / revert the pinned Megatron-Core {patching.PINNED_VERSION} patch",
+        description=_DESCRIPTION + "\n" + _targets(),
+        epilog=_PATH_HELP + "\n" + exit_epilog("see `gdn-cp patch apply|check|revert --help`"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = p.add_subparsers(dest="patch_action", metavar="{apply,check,revert}", required=True)
+    helps = {
+        "apply": "patch the files (a no-op if already patched)",
+        "check": "report each file as pristine / patched / modified / missing",
+        "revert": "restore the byte-identical pristine files (a no-op if not patched)",
+    }
+    for action, text in helps.items():
+        a = actions.add_parser(
+            action,
+            parents=list(parents),
+            help=text,
+            description=text + (_REVERT_NOTE if action == "revert" else ""),
+            epilog=_PATH_HELP + "\n" + exit_epilog(_FOUND_PROBLEM[action]),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        a.add_argument(
+            "path",
+            nargs="?",
+            default=None,
+            metavar="PATH",
+            help="Megatron-LM checkout, site-packages folder or megatron package folder "
+            "(default: the importable megatron)",
+        )
+        if action == "check":
+            a.add_argument(
+                "--expect",
+                choices=(patching.PRISTINE, patching.PATCHED),
+                default=None,
+                help="exit 1 unless every file is in this state (e.g. in CI)",
+            )
+        else:
+            a.set_defaults(expect=None)
+        a.set_defaults(func=run_patch_command, prog=f"gdn-cp patch {action}")
+    return p
+
+
+def _print_states(files: dict, out: TextIO) -> None:
+    width = max(len(t) for t in files)
+    for target, state in files.items():
+        print(f"  {target:<{width}}  {state}", file=out)
+
+
+def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
+    """Run ``gdn-cp patch``; returns the exit status, raises :class:`CommandError` with the reason
+    (2: no megatron-core where PATH points, nothing looked at; 1: the files are not in a state the
+    action can take, nothing changed)."""
+    out = out or sys.stdout
+    try:
+        root = patching.find_megatron_root(args.path)
+    except patching.MegatronNotFound as e:
+        raise CommandError(str(e)) from None
+    try:
+        if args.patch_action == "check":
+            return _check(root, args.expect, out)
+        if args.patch_action == "apply":
+            result = patching.apply_patch(root)
+        else:
+            result = patching.revert_patch(root)
+    except patching.PatchError as e:
+        raise CommandError(str(e), EXIT_FOUND_PROBLEM) from None
+    print(result.message, file=out)
+    _print_states(result.files, out)
+    return 0
+
+
+def _check(root, expect: Optional[str], out: TextIO) -> int:
+    files = patching.check_patch(root)
+    state = patching.overall_state(files)
+    print(f"{root}: {patching.describe_tree(root)}", file=out)
+    _print_states(files, out)
+    print(f"state: {state}", file=out)
+    if expect is not None:
+        if state != expect:
+            raise CommandError(f"expected {expect}, found {state}: {patching.describe_state(state)}",
+                               EXIT_FOUND_PROBLEM)
+        return 0
+    if state in (patching.PRISTINE, patching.PATCHED):
+        return 0
+    hint = (
+        "" if state == patching.PARTIAL
+        else f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
+        "commit, then apply"
+    )
+    raise CommandError(f"megatron-core at {root}: {patching.describe_state(state)}{hint}", EXIT_FOUND_PROBLEM)

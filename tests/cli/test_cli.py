@@ -1,0 +1,159 @@
+"""The rules every ``gdn-cp`` command keeps (gdn_cp/cli/command.py, output.py): help lists each command
+once, ``-v`` anywhere, one exit-status rule, quiet on a closed pipe, counted nouns; route's summary;
+selftest says what it checked; the package layout the README describes."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from gdn_cp.cli import build_parser, main
+from gdn_cp.cli.output import EXIT_STATUS
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMANDS = ("run", "route", "patch", "doctor", "selftest")
+# argv that get as far as printing, on a CPU machine, quickly (run is stopped before spawning below)
+PRINTING = {
+    "route": ["route", "--cu", "0,8,16", "--cp", "2", "--all"],
+    "doctor": ["doctor", "--heads", "16,32"],
+    "patch": ["patch", "check"],
+    "selftest": ["selftest"],
+    "run": ["run", "--cp", "2"],
+    "--help": ["--help"],
+}
+
+
+def test_top_level_help_lists_each_command_once(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        listed = [line for line in out.splitlines() if re.match(rf"\s+{command}\s", line)]
+        assert len(listed) == 1, (command, listed)
+    assert " ".join(EXIT_STATUS.split()) in " ".join(out.split())
+
+
+@pytest.mark.parametrize("argv", [
+    ["route", "--cu", "0,8", "--cp", "2"],
+    ["doctor"],
+    ["patch", "check"],
+    ["selftest"],
+    ["run"],
+])
+def test_verbose_goes_before_or_after_the_command(argv):
+    parser = build_parser()
+    assert parser.parse_args(argv).verbose is False
+    assert parser.parse_args(["-v", *argv]).verbose is True
+    assert parser.parse_args([*argv, "-v"]).verbose is True
+    assert parser.parse_args([*argv, "--verbose"]).verbose is True
+
+
+def test_every_command_help_states_the_one_rule(capsys):
+    parser = build_parser()
+    for argv in ([c] for c in COMMANDS + ("patch apply", "patch check", "patch revert")):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args([*argv[0].split(), "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert exit_.value.code == 0
+        assert "Exit status: 0 / 1 / 2 as for every gdn-cp command (gdn-cp --help); 1 here:" in out, argv
+        assert "1 otherwise" not in out and "2 on bad flags" not in out, argv
+
+
+def test_no_command_is_a_usage_error(capsys):
+    assert main([]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "usage: gdn-cp" in cap.err and "gdn-cp: error: name a COMMAND" in cap.err
+
+
+class _ClosedPipe(io.TextIOBase):
+    """A stdout whose reader went away, as ``| head`` leaves it."""
+
+    def write(self, text):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self):
+        raise io.UnsupportedOperation("no file descriptor")
+
+
+@pytest.mark.parametrize("name", sorted(PRINTING))
+def test_a_closed_pipe_ends_every_command_quietly(monkeypatch, capsys, name):
+    """No BrokenPipeError traceback, whatever the command; exit 141 as a Unix tool killed by SIGPIPE."""
+    from gdn_cp.cli import main_job
+
+    from gdn_cp.cli import selftest
+
+    monkeypatch.setattr(main_job, "RankPool", lambda *a, **k: pytest.fail("spawned after its output was gone"))
+    # the selftest's report, without its seconds of kernels (its wording is tested below)
+    monkeypatch.setattr(selftest, "run_selftest", lambda gpu: selftest.SelftestReport(True, gpu, {}, []))
+    monkeypatch.setattr(sys, "stdout", _ClosedPipe())
+    if name == "--help":  # argparse itself ignores a failed write of its help, then exits 0
+        with pytest.raises(SystemExit) as exit_:
+            main(PRINTING[name])
+        assert exit_.value.code == 0
+    else:
+        assert main(PRINTING[name]) == 141
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_closed_pipe_through_a_real_pipe():
+    """A reader gone before the command writes (as after ``| head`` has its lines): quiet, 141, also
+    for output small enough to sit in Python's buffer until exit."""
+    import os
+
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout as a user has it
+    proc = subprocess.Popen([sys.executable, "-m", "gdn_cp.cli", "route", "--cu", "0,8", "--cp", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=buffered)
+    proc.stdout.close()  # the reader goes away before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == "", err
+
+
+def test_route_prints_a_summary_by_default(capsys):
+    """cp=64 is 64 lines plus a header and a hint, not every transfer; --rank / --all give those."""
+    cu = ",".join(str(128 * i) for i in range(65))
+    assert main(["route", "--cu", cu, "--cp", "64"]) == 0
+    summary = capsys.readouterr().out.splitlines()
+    assert len(summary) == 66 and summary[0].startswith("64 sequences (lengths 128..128, 0 empty slots)")
+    assert main(["route", "--cu", cu, "--cp", "64", "--rank", "5"]) == 0
+    one = capsys.readouterr().out
+    assert "# rank 5" in one and "send -> rank" in one and "# rank 6" not in one
+    assert main(["route", "--cu", "0,8", "--cp", "2"]) == 0
+    assert capsys.readouterr().out.startswith("1 sequence (lengths 8..8, 0 empty slots)")  # not "1 sequences"
+
+
+def test_selftest_on_a_cpu_says_what_it_did_not_check(capsys):
+    """Without a GPU the report says which backend was compared with what, and that FLA was not."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU report")
+    assert main(["selftest"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("gdn-cp selftest: OK\n  checked: the reference backend (plain torch) in float32 against "
+                          "itself in float64 on the CPU"), out
+    assert "not checked: the FLA backend (torch" in out and "sees no CUDA GPU)" in out
+    assert "not checked: context parallelism" in out
+    assert "FLA vs reference" not in out
+
+
+def test_the_package_root_shows_the_layers():
+    """gdn_cp/ holds the five layer folders, cli/ and testing/, and the two layer-0 modules; the six
+    command-line modules live in gdn_cp/cli/ (issue #19)."""
+    root = ROOT / "gdn_cp"
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
+    files = sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix == ".py")
+    assert folders == ["cli", "comm", "layout", "megatron", "modes", "ops", "testing"]
+    assert files == ["__init__.py", "checks.py", "env.py"]
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"gdn-cp": "gdn_cp.cli:main"}
+
+
+def test_python_dash_m_runs_the_command():
+    r = subprocess.run([sys.executable, "-m", "gdn_cp.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("gdn-cp "), r

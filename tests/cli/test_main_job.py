@@ -1,0 +1,148 @@
+"""``gdn-cp run`` (gdn_cp.cli.main_job + gdn_cp.cli.run): flags, machine checks before spawning, the
+report a newcomer reads, and an exit code that says whether what was asked for passed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn_cp.cli import build_parser, main
+from gdn_cp.cli.main_job import JobConfig, check_job, run_job
+from gdn_cp.modes import GDNShape
+
+# 3 key heads: headwise cannot split them over cp=2 (the others can); small and quick.
+SMALL = dict(num_sequences=5, tokens_per_rank=16, shape=GDNShape(num_k_heads=3, num_v_heads=6, head_k_dim=8,
+                                                                 head_v_dim=8))
+
+
+@pytest.mark.parametrize("argv,flag,needle", [
+    (["--cp", "0"], "--cp", "must be >= 1"),
+    (["--cp", "-1"], "--cp", "must be >= 1"),
+    (["--cp", "2,x"], "--cp", "not an integer"),
+    (["--cp", "2,,4"], "--cp", "without empty items"),
+    (["--cp", "2,2"], "--cp", "listed twice"),
+    (["--sequences", "0"], "--sequences", "must be >= 1"),
+    (["--sequences", "-3"], "--sequences", "must be >= 1"),
+    (["--tokens-per-rank", "0"], "--tokens-per-rank", "must be >= 1"),
+    (["--tokens-per-rank", "7"], "--tokens-per-rank", "must be even"),
+    (["--modes", "headwise,blockwise"], "--modes", "unknown mode(s) blockwise"),
+])
+def test_bad_flags_are_argparse_errors_naming_the_flag(capsys, argv, flag, needle):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["run", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and f"argument {flag}:" in err and needle in err, err
+
+
+def test_lists_are_comma_separated_for_cp_and_modes():
+    args = build_parser().parse_args(["run", "--cp", "2, 4", "--modes", "chunkwise,all_gather"])
+    assert args.cp == (2, 4) and args.modes == ("chunkwise", "all_gather")
+    assert build_parser().parse_args(["run"]).modes is None  # default: every mode
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("argv,needle", [
+    (["--device", "cuda"], "--device cuda: torch"),
+    (["--dist-backend", "nccl"], "--dist-backend nccl needs --device cuda"),
+    (["--backend", "fla", "--device", "cpu"], "--backend fla needs --device cuda"),
+])
+def test_machine_checks_fail_before_spawning(capsys, argv, needle):
+    assert main(["run", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_check_job_names_fields_for_programmatic_use():
+    with pytest.raises(ValueError, match="--cp"):
+        check_job(JobConfig(cp_sizes=(2, 0)))
+    with pytest.raises(ValueError, match="--tokens-per-rank 5"):
+        check_job(JobConfig(tokens_per_rank=5))
+    with pytest.raises(ValueError, match="--modes"):
+        check_job(JobConfig(modes=("blockwise",)))
+
+
+@pytest.mark.slow
+def test_default_modes_skip_what_cannot_run_and_pass():
+    lines = []
+    result = run_job(JobConfig(cp_sizes=(2,), **SMALL), echo=lines.append)
+    text = "\n".join(lines)
+    assert result.exit_code == 0, text
+    assert "relative errors against CP=1" in text
+    assert "headwise    skipped: linear_num_key_heads=3 is not divisible by TP*CP=1*2=2" in text
+    assert "skipped: headwise at cp=2" in text and "result: PASS" in text and "1 skipped" in text
+    for mode in ("chunkwise", "all_gather"):
+        row = next(line for line in lines if line.startswith(mode))
+        assert row.endswith("yes"), row
+    assert result.ran == 2 and result.skipped[0][:2] == (2, "headwise")
+
+
+def test_named_mode_that_cannot_run_is_refused_before_spawning(monkeypatch, capsys):
+    """`gdn-cp run --modes headwise --cp 8` at 4/8 heads: one line, exit 2, no rank spawned; the
+    default modes list it as skipped instead (above)."""
+    from gdn_cp.cli import main_job
+
+    def no_spawn(*a, **k):
+        raise AssertionError("spawned ranks for a job that cannot run")
+
+    monkeypatch.setattr(main_job, "RankPool", no_spawn)
+    assert main(["run", "--modes", "headwise", "--cp", "2,8"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap
+    assert cap.err.startswith("gdn-cp run: error: --modes headwise cannot run at --cp 8 with --heads 4,8") and \
+        "--heads 8,16" in cap.err, cap.err
+    with pytest.raises(ValueError, match="--modes headwise cannot run at --cp 2 with --heads 3,6"):
+        check_job(JobConfig(cp_sizes=(2,), modes=("headwise", "chunkwise"), **SMALL))
+
+
+def test_heads_are_flags_and_in_the_header(monkeypatch):
+    """--heads K,V and --head-dim set the core's shape; the header says it before anything runs."""
+    from gdn_cp.cli import main_job
+
+    seen = {}
+
+    def fake_run_job(cfg, echo=print, **kw):
+        seen["cfg"] = cfg
+        return main_job.JobResult()
+
+    monkeypatch.setattr(main_job, "run_job", fake_run_job)
+    assert main(["run", "--heads", "2,6", "--head-dim", "16", "--modes", "headwise", "--cp", "2"]) == 0
+    assert seen["cfg"].shape == GDNShape(num_k_heads=2, num_v_heads=6, head_k_dim=16, head_v_dim=16)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--heads", "4,6"])  # V not a multiple of K: a flag error
+
+    lines = []
+    with pytest.raises(ValueError):  # stops in check_job, after nothing was printed
+        run_job(JobConfig(cp_sizes=(8,), modes=("headwise",)), echo=lines.append)
+    assert lines == []
+    header = []
+    monkeypatch.setattr(main_job, "RankPool", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        run_job(JobConfig(cp_sizes=(2,), num_sequences=1), echo=header.append)
+    assert "4 key / 8 value heads of dim 32" in header[0] and "1 packed sequence," in header[0], header[0]
+
+
+def test_counts_say_one_thing_not_one_things():
+    """The report's counted nouns (one case each: "1 sequence", "1 rank", "1 problem")."""
+    from gdn_cp.cli import main_job
+
+    lines = []
+    report = {"cu": [0, 8], "route_summary": "", "route_build_ms": 0.1, "round_trip_exact": True,
+              "plan_hits_after_first": True, "cp1_s": 0.1, "modes": {}}
+    result = main_job.JobResult()
+    main_job._print_block(1, [report], (), {}, 1e-5, result, lines.append)
+    main_job._finish(JobConfig(cp_sizes=(1,)), result, lines.append)
+    text = "\n".join(lines)
+    assert "packed micro-batch: 1 sequence (lengths 8..8, 0 empty slots)" in text, text
+    assert "result: FAIL (1 problem listed above)" in text, text
+    assert "1 sequences" not in text and "problem(s)" not in text
+
+
+@pytest.mark.slow
+def test_wrong_answers_fail():
+    """Errors over the tolerance make the exit code 1, with a line saying which (a tolerance no run
+    meets: the comparison is not vacuous)."""
+    lines = []
+    result = run_job(JobConfig(cp_sizes=(2,), modes=("chunkwise",), **SMALL), tolerance=-1.0, echo=lines.append)
+    text = "\n".join(lines)
+    assert result.exit_code == 1, text
+    assert "failed: cp=2 chunkwise: relative error over -1" in text
+    assert "result: FAIL (1 problem listed above)" in text

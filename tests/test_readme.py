@@ -1,0 +1,251 @@
+"""The README's checkable claims, checked: the patch size, the error messages, the exit-status rule, the
+install advice, the commands and paths it names (issue #19: "every README claim true")."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import types
+from pathlib import Path
+
+import pytest
+
+import gdn_cp
+from gdn_cp.cli import build_parser
+from gdn_cp.cli.output import EXIT_STATUS
+from gdn_cp.megatron.patching import PINNED_VERSION, load_manifest, patch_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ------------------------------------------------------------------------------------------
+# "The patch is thin (N added and M removed lines in F files)"
+# ------------------------------------------------------------------------------------------
+def _patch_size() -> tuple[int, int, int]:
+    """Lines added / removed by the pinned patch's hunks, and the files it changes, from patches/."""
+    added = removed = 0
+    files = load_manifest().files
+    for target in files:
+        text = (patch_dir() / target.patch).read_text()
+        body = text[text.index("\n--- a/"):]  # after the header comment
+        for line in body.splitlines():
+            if line.startswith("+") and not line.startswith("+++ "):
+                added += 1
+            elif line.startswith("-") and not line.startswith("--- "):
+                removed += 1
+    return added, removed, len(files)
+
+
+def test_patch_size_in_the_readme_is_the_patch_files():
+    found = re.search(r"The patch is thin \((\d+) added and (\d+) removed lines in (\d+) files\)", _one_line(README))
+    assert found, "README: 'The patch is thin (N added and M removed lines in F files)' is gone"
+    assert tuple(map(int, found.groups())) == _patch_size(), (
+        f"README says {found.group(0)}; the patch files of {PINNED_VERSION} add / remove / touch {_patch_size()}")
+
+
+# ------------------------------------------------------------------------------------------
+# "message starts with": each row is the start of a message the code produces
+# ------------------------------------------------------------------------------------------
+def _message_rows() -> list[str]:
+    table = README[README.index("| message starts with | what to do |"):]
+    rows = []
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(re.match(r"\| `(.*?)`", line).group(1))
+    return rows
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError) as err:
+        return str(err)
+    raise AssertionError("no error")
+
+
+def _fake_tree(tmp_path: Path) -> Path:
+    """A folder with megatron/core whose target files are not 0.19.2's (another release)."""
+    for t in load_manifest().files:
+        path = tmp_path.joinpath(*t.target.split("/"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("# not megatron-core 0.19.2\n")
+    return tmp_path
+
+
+def _producers(tmp_path: Path, monkeypatch) -> dict:
+    """Row -> a call that produces a message starting with it, through a public path."""
+    import torch
+
+    from gdn_cp.cli.main_job import JobConfig, check_job
+    from gdn_cp.layout import validate_cu_seqlens
+    from gdn_cp.layout.plan import RouteCache, plan_for_sbhd
+    from gdn_cp.megatron import gdn, patching
+    from gdn_cp.megatron.config import check_linear_cp_mode, configure_linear_cp_mode, resolve_linear_cp_mode
+    from gdn_cp.megatron.swap import choose_swap_point
+    from gdn_cp.modes import GDNShape
+    from gdn_cp.modes.chunkwise import chunkwise_path
+    from gdn_cp.modes.common import check_inputs
+    from gdn_cp.ops import check_log_decay
+
+    shape = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    config = types.SimpleNamespace(linear_cp_mode="headwise", linear_num_key_heads=4, linear_num_value_heads=6,
+                                   tensor_model_parallel_size=1, context_parallel_size=1,
+                                   experimental_attention_variant="gated_delta_net")
+    layer = types.SimpleNamespace(linear_cp_mode="auto", layer=types.SimpleNamespace(), tp_size=1, num_key_heads=16,
+                                  num_value_heads=32, layer_number=3)
+    tp_group, cp_group = types.SimpleNamespace(size=lambda: 2), types.SimpleNamespace(size=lambda: 4)
+    tp_layer = types.SimpleNamespace(tp_size=2, tp_group=tp_group, layer=types.SimpleNamespace())
+    monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
+
+    def not_importable():
+        monkeypatch.setattr(patching.importlib.util, "find_spec", lambda name: None)
+        patching.find_megatron_root()
+
+    def bad_env():
+        monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "ring")
+        chunkwise_path()
+
+    return {
+        "sequence ... of cu_seqlens has length ..., not divisible by 2*cp=...":
+            lambda: validate_cu_seqlens([0, 6, 8], 2),
+        "SBHD sequence length seq_len=... is not divisible by 2*cp=...": lambda: plan_for_sbhd(6, 1, 2, 0),
+        "cu_seqlens[...]=... is out of range": lambda: validate_cu_seqlens([0, 2**63], 1),
+        "linear_cp_mode='headwise' with tensor_model_parallel_size=..., context_parallel_size=...: ... is not "
+        "divisible by TP*CP=...": lambda: resolve_linear_cp_mode("headwise", num_key_heads=4, num_value_heads=8,
+                                                                 tp=1, cp=8),
+        "linear_num_value_heads=... must be a multiple of linear_num_key_heads=...":
+            lambda: configure_linear_cp_mode(config),
+        "linear_cp_mode='auto': no mode is legal":
+            lambda: resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=2, cp=1),
+        "GatedDeltaNet (layer ...), CP group of this call has ... ranks: linear_cp_mode='auto' must be resolved":
+            lambda: gdn._checked_mode(layer, 2),
+        "g (log decay) must be finite and <= 0": lambda: check_log_decay(torch.tensor([[0.5]])),
+        "PackedSeqParams.cp_group and local_cp_size must be set together":
+            lambda: gdn.resolve_cp_group(None, types.SimpleNamespace(cp_group=object(), local_cp_size=None)),
+        "the plan was built for cp=... but the process group has ...":
+            lambda: check_inputs(None, None, None, None, None, shape, RouteCache().plan([0, 8], 2, 0), 4),
+        "PackedSeqParams.cp_group has ranks ..., of which ... are also in this layer's tensor-parallel group":
+            lambda: gdn._check_cp_group_disjoint_from_tp(tp_layer, cp_group, dynamic=True),
+        "chunkwise swap at hidden_states (set_chunkwise_swap('hidden')) is not possible with sequence_parallel=True":
+            lambda: choose_swap_point(shape=shape, hidden_size=64, tp=2, sequence_parallel=True, act_bytes=2,
+                                      requested="hidden"),
+        "cannot apply the patch in ...: ... is modified": lambda: patching.apply_patch(_fake_tree(tmp_path)),
+        "megatron-core is not importable from this Python (install it: ...)": not_importable,
+        "environment variable GDN_CP_...": bad_env,
+        "--modes ... cannot run at --cp ... with --heads ...": lambda: check_job(JobConfig(modes=("headwise",),
+                                                                                           cp_sizes=(8,))),
+        # the first column of check_linear_cp_mode's table row (kept to show the config and the forward agree)
+        "_check": lambda: check_linear_cp_mode("headwise", num_key_heads=4, num_value_heads=8, tp=1, cp=8),
+    }
+
+
+def test_every_message_row_is_a_message_the_code_produces(tmp_path, monkeypatch):
+    """Each row of the README's "message starts with" table (``...`` stands for any text) is the start
+    of the message of a real call; a row without a producer here, or a producer without a row, fails."""
+    producers = _producers(tmp_path, monkeypatch)
+    producers.pop("_check")
+    rows = _message_rows()
+    assert sorted(rows) == sorted(producers), (set(rows) ^ set(producers))
+    for row in rows:
+        message = _error(producers[row])
+        pattern = ".+?".join(re.escape(part) for part in row.split("..."))
+        assert re.match(pattern, message), f"README row {row!r} does not start the real message {message!r}"
+
+
+# ------------------------------------------------------------------------------------------
+# the exit-status rule: written once (gdn_cp.cli.output), quoted by the README and by --help
+# ------------------------------------------------------------------------------------------
+def test_exit_status_rule_is_the_one_the_commands_print(capsys):
+    assert _one_line(EXIT_STATUS) in _one_line(README)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert _one_line(EXIT_STATUS) in _one_line(capsys.readouterr().out)
+    assert "Exit status of the commands:" not in README  # the per-command list this replaced
+
+
+# ------------------------------------------------------------------------------------------
+# install advice: one text, the README's commands, and the patched files' copy of it
+# ------------------------------------------------------------------------------------------
+def test_readme_installs_from_the_repository_not_a_package_index():
+    assert not re.search(r"pip install\s+(?:-\S+\s+)*['\"]?gdn-cp\b", README), "gdn-cp is not on a package index yet"
+    assert "pip install -e '.[megatron,fla]'" in README and "not on a package index yet" in README
+    assert "pip install -e <clone>" in gdn_cp.INSTALL_HINT
+
+
+def test_patched_files_give_the_one_install_advice():
+    for target in load_manifest().files:
+        text = (patch_dir() / target.patch).read_text()
+        if "ImportError" in text:
+            assert "`pip install gdn-cp`" not in text, target.patch
+            joined = re.sub(r'"\s*\n\+\s*f?"', "", text)  # adjacent string literals of the hunk, joined
+            assert _one_line(gdn_cp.INSTALL_HINT).lower() in _one_line(joined).lower(), target.patch
+
+
+# ------------------------------------------------------------------------------------------
+# every gdn-cp command line and every path the README names
+# ------------------------------------------------------------------------------------------
+def _readme_commands() -> list[list[str]]:
+    """``gdn-cp ...`` invocations in the README's code blocks and inline code."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#")[0]
+            for part in re.split(r"&&|\|", line):
+                words = shlex.split(part)
+                if words[:1] == ["gdn-cp"]:
+                    found.append(words[1:])
+    for inline in re.findall(r"`(gdn-cp [^`]*)`", README):
+        words = shlex.split(inline.replace("[--rank r]", ""))
+        if "..." not in inline and "COMMAND" not in inline and "|" not in inline:
+            found.append(words[1:])
+    return found
+
+
+def test_every_gdn_cp_command_in_the_readme_parses(capsys):
+    commands = _readme_commands()
+    assert len(commands) > 10 and ["run"] in commands
+    parser = build_parser()
+    for argv in commands:
+        if "/nope" in argv:  # the exit-status examples: said to exit 2, checked below
+            continue
+        if "--help" in argv:
+            with pytest.raises(SystemExit) as exit_:
+                parser.parse_args(argv)
+            assert exit_.value.code == 0 and capsys.readouterr().out.startswith(f"usage: gdn-cp {argv[0]}"), argv
+            continue
+        args = parser.parse_args(argv)
+        assert args.command == argv[0], argv
+
+
+def test_every_path_the_readme_names_exists():
+    """Code, tests, scripts and docs the README points to (benchmark result files are written by the
+    runs it describes, some of which it says have not run yet: not checked here)."""
+    named = set(re.findall(r"(?<![\w./-])((?:gdn_cp|tests|docker|patches|docs)/[\w./{},-]*[\w}])", README))
+    named |= set(re.findall(r"(?<![\w./-])(benchmarks/[\w./-]*\.(?:py|sh))", README))
+    paths = set()
+    for path in named:  # a/b_{x,y}.py names a/b_x.py and a/b_y.py
+        brace = re.search(r"\{([^}]*)\}", path)
+        paths |= {path[:brace.start()] + alt + path[brace.end():] for alt in brace.group(1).split(",")} if brace \
+            else {path}
+    missing = sorted(p for p in paths if not (ROOT / p).exists() and not (ROOT / (p + ".py")).exists())
+    assert missing == [], missing
+
+
+def test_exit_status_examples_exit_as_the_readme_says(capsys):
+    from gdn_cp.cli import main
+
+    text = _one_line(README)
+    assert "`gdn-cp patch apply /nope` and `gdn-cp doctor --path /nope` both exit 2" in text
+    for argv in (["patch", "apply", "/nope"], ["doctor", "--path", "/nope"]):
+        try:
+            rc = main(argv)
+        except SystemExit as exit_:  # argparse's own refusal of a path that does not exist
+            rc = exit_.code
+        cap = capsys.readouterr()
+        assert rc == 2 and cap.out == "" and "/nope does not exist" in cap.err, (argv, rc, cap)
