@@ -91,6 +91,19 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_LAYER_FULL_ARGS", "benchmarks", "", "arguments of benchmarks/layer_full.py in the suite"),
         EnvSetting("GDN_CP_LAYER_FULL_TIMEOUT", "benchmarks", "", "benchmarks/gpu_suite.sh: time limit of layer_full"),
         EnvSetting("GDN_CP_CACHE_MAX_MB", "benchmarks", "", "benchmarks/gpu_suite.sh: largest Triton cache to keep"),
+        EnvSetting("GDN_CP_STACK", "benchmarks", "fla042",
+                   "benchmarks/gpu_suite.sh: the FLA stack, fla042 (the carried wheels) or fla060 (the slim-triton pack)"),
+        EnvSetting("GDN_CP_SLIM", "benchmarks", ".slim", "benchmarks/gpu_suite.sh: folder of the slim-triton pack (fla060)"),
+        EnvSetting("GDN_CP_SAVE_CACHE", "benchmarks", "1", "benchmarks/gpu_suite.sh: 0 keeps no Triton cache tarball"),
+        EnvSetting("GDN_CP_TESTS_FAST_AUTOTUNE", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: GDN_CP_TEST_FAST_AUTOTUNE for the tests stage only"),
+        EnvSetting("GDN_CP_SELFTEST_TIMEOUT", "benchmarks", "", "benchmarks/gpu_suite.sh: time limit of the selftest stage"),
+        EnvSetting("GDN_CP_LEVERS_ARGS", "benchmarks", "", "benchmarks/gpu_suite.sh: arguments of fla_levers.py"),
+        EnvSetting("GDN_CP_LEVERS_TIMEOUT", "benchmarks", "", "benchmarks/gpu_suite.sh: time limit of the levers stage"),
+        EnvSetting("GDN_CP_LAYER_FULL_B_ARGS", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: arguments of the second layer_full run (stage layer_full_b)"),
+        EnvSetting("GDN_CP_LAYER_FULL_B_TIMEOUT", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: time limit of the second layer_full run"),
     )
 }
 
