@@ -103,6 +103,21 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     tp_layer = types.SimpleNamespace(tp_size=2, tp_group=tp_group, layer=types.SimpleNamespace())
     monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
+    from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split
+
+    cp2_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+
+    def split_layer(setting):
+        return types.SimpleNamespace(thd_split_setting=setting, hybrid_context_parallel=False)
+
+    def packed(cu):
+        return types.SimpleNamespace(cu_seqlens_q_padded=torch.tensor(cu, dtype=torch.int32), cu_seqlens_q=None)
+
+    def recorded_contradiction():
+        params = packed([0, 4, 8])
+        record_split({"cu_seqlens_padded": params.cu_seqlens_q_padded}, "whole_row")
+        gdn._thd_plan(split_layer("per_document"), params, cp2_group, 8)
+
     def not_importable():
         monkeypatch.setattr(patching.importlib.util, "find_spec", lambda name: None)
         patching.find_megatron_root()
@@ -138,6 +153,13 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         "cannot apply the patch in ...: ... is modified": lambda: patching.apply_patch(_fake_tree(tmp_path)),
         "megatron-core is not importable from this Python (install it: ...)": not_importable,
         "environment variable GDN_CP_...": bad_env,
+        "PackedSeqParams.cu_seqlens_q_padded (per_document split: ...): sequence ... has length ..., not "
+        "divisible by 2*cp=...": lambda: gdn._thd_plan(split_layer(None), packed([0, 3, 8]), cp2_group, 8),
+        "TransformerConfig.linear_cp_thd_split=..., but Megatron's get_batch_on_this_cp_rank cut these rows ...":
+            recorded_contradiction,
+        "--linear-cp-thd-split ... contradicts ...": lambda: configure_megatron_lm_args(types.SimpleNamespace(
+            sft=False, dataloader_inter_document_masking=True, hybrid_context_parallel=False,
+            linear_cp_thd_split="per_document")),
         "--modes ... cannot run at --cp ... with --heads ...": lambda: check_job(JobConfig(modes=("headwise",),
                                                                                            cp_sizes=(8,))),
         # the first column of check_linear_cp_mode's table row (kept to show the config and the forward agree)
