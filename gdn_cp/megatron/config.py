@@ -146,12 +146,14 @@ def _auto_choice(k: int, v: int, tp: int, cp: int) -> tuple[str, str]:
     """``auto``: the first legal mode in the registry's ``auto_rank`` order. Returns ``(mode,
     reason)``; a pure function of the sizes (a few integer checks)."""
     skipped: list[str] = []
-    for spec in sorted(MODES.values(), key=lambda s: s.auto_rank):
+    ordered = sorted(MODES.values(), key=lambda s: s.auto_rank)
+    order = ", ".join(s.name for s in ordered)
+    for spec in ordered:
         problem = head_problem(spec.name, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
         if problem is not None:
             skipped.append(f"{spec.name} is illegal ({problem})")
             continue
-        chosen = f"{spec.name}: heads divisible by {spec.divisor_text(tp, cp)}; {spec.cost}"
+        chosen = f"the first legal mode of {order}: heads divisible by {spec.divisor_text(tp, cp)}; {spec.cost}"
         return spec.name, "; ".join(skipped + [chosen])
     raise ValueError(
         "linear_cp_mode='auto': no mode is legal: "
