@@ -393,7 +393,17 @@ def overall_state(states: Mapping[str, str]) -> str:
     return PARTIAL
 
 
+def _is_installed(root: Path) -> bool:
+    """``root`` is where pip installed megatron-core (site-packages: its ``*.dist-info`` is there)."""
+    return any(root.glob("megatron_core-*.dist-info")) or any(root.glob("megatron_core-*.egg-info"))
+
+
 def _is_checkout(root: Path) -> bool:
+    """A Megatron-LM source tree, possibly inside a git work tree: not an installed package, even
+    one whose site-packages lies inside a repository (a virtual environment in a checkout: git does
+    not track its files, so neither `git checkout` advice nor exclude lines belong to it)."""
+    if _is_installed(root):
+        return False
     return _find_git(root) is not None or (root / "pretrain_gpt.py").is_file()
 
 
@@ -470,8 +480,9 @@ def git_exclude_file(root: PathLike) -> Optional[Path]:
 
 
 def _add_git_exclude(root: Path) -> Optional[Path]:
-    """Add the backup pattern to the repository's ``info/exclude`` (once). Returns the file."""
-    exclude = git_exclude_file(root)
+    """Add the backup pattern to the repository's ``info/exclude`` (once), for a checkout only.
+    Returns the file."""
+    exclude = git_exclude_file(root) if _is_checkout(root) else None
     if exclude is None:
         return None
     try:

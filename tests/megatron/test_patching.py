@@ -800,3 +800,23 @@ def test_shipped_patch_folder_is_what_build_patch_files_makes(pristine_megatron,
     assert names == sorted(p.name for p in Path(str(shipped)).iterdir() if p.is_file())
     for name in names:
         assert (out / name).read_bytes() == (shipped / name).read_bytes(), name
+
+
+@pytest.mark.megatron
+def test_site_packages_inside_a_git_work_tree_is_not_a_checkout(pristine_megatron, tmp_path):
+    """A virtual environment inside a repository (CI's .venv in a clone): its site-packages is an
+    installed megatron-core, not a checkout: no exclude lines in that repository, no `git checkout`
+    advice for files git does not track."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    _git(tmp_path, "init", "-q")
+    site = Layout("site-packages", tmp_path, pristine_megatron)
+    exclude = tmp_path / ".git" / "info" / "exclude"
+    before = exclude.read_text() if exclude.exists() else ""
+    res = apply_patch(site.root)
+    assert res.action == "applied" and (exclude.read_text() if exclude.exists() else "") == before
+    revert_patch(site.root)
+    site.path(GDN).write_bytes(site.path(GDN).read_bytes() + b"# a local change\n")
+    with pytest.raises(PatchError) as ei:
+        apply_patch(site.root)
+    assert "git checkout" not in str(ei.value) and "reinstall" in str(ei.value), str(ei.value)
