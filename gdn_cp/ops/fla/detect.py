@@ -6,7 +6,7 @@ kernels take (grouped value heads, the gates in the kernel, the fused gated RMSN
 whether FLA's context-parallel path is usable: ``fla.ops.cp.build_cp_context`` with a conv
 kernel-size argument, and kernels that take ``cp_context`` (plus ``layout="zigzag"`` in FLA >=
 0.6). :func:`detect_fla_cp` is the one answer to "is FLA's chunkwise CP path usable here?" for
-``auto``, ``doctor`` and the chunkwise mode alike; :func:`stack_report` says, for logs,
+``doctor`` and the chunkwise mode alike (``auto`` does not ask it: it depends on the sizes alone); :func:`stack_report` says, for logs,
 ``doctor`` and ``selftest``, which stack this is and what gdn-cp uses of it. Nothing here
 raises, and FLA is imported only when asked (importing it touches CUDA), so importing this
 module is safe on a CPU-only machine.
