@@ -11,22 +11,13 @@ cd "$(dirname "$0")/.."
 
 "$PY" -m pip install -q torch==2.13.0
 "$PY" -m pip install -q -e ".[test]"
-install_megatron() {  # extra pip flags, e.g. --force-reinstall
-  if "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
-    "$PY" -m pip install -q --no-deps "$@" megatron-core==0.19.2
-  else
-    "$PY" -m pip install -q --no-binary megatron-core --ignore-requires-python --no-deps "$@" megatron-core==0.19.2
-  fi
-}
-install_megatron
+if "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
+  "$PY" -m pip install -q --no-deps megatron-core==0.19.2
+else
+  "$PY" -m pip install -q --no-binary megatron-core --ignore-requires-python --no-deps megatron-core==0.19.2
+fi
 # megatron.core imports triton at import time; --no-deps keeps pip from touching torch.
 "$PY" -m pip install -q --no-deps triton
 "$PY" -m pip install -q "packaging>=24.2" numpy
-if ! "$PY" -m gdn_cp.cli patch apply; then
-  # an environment patched by another gdn-cp version: pip keeps a same-version megatron-core, so
-  # reinstall it pristine and patch that
-  echo "install_deps: reinstalling megatron-core 0.19.2 pristine, then patching it" >&2
-  install_megatron --force-reinstall
-  "$PY" -m gdn_cp.cli patch apply
-fi
+"$PY" -m gdn_cp.cli patch apply
 "$PY" -m gdn_cp.cli patch check --expect patched
