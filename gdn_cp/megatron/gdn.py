@@ -98,7 +98,7 @@ def resolve_cp_group(module, packed_seq_params):
     local = getattr(packed_seq_params, "local_cp_size", None) if packed_seq_params is not None else None
     if group is None and local is None:
         return layer_adapter(module).static_cp_group
-    if group is None and local == 1 and not isinstance(local, bool):
+    if group is None and as_int(local) == 1:
         return NO_CP
     if group is None or local is None:
         raise ValueError(
@@ -220,13 +220,12 @@ def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
     try:
         plan = cache.plan(cu, group.size(), group.rank(), split)
     except ValueError as e:
-        if split != PER_DOCUMENT:
-            raise ValueError(f"PackedSeqParams.{name} ({split} split: {why}): {e}") from None
-        raise ValueError(
-            f"PackedSeqParams.{name} ({split} split: {why}): {e}. If these rows were cut as one whole row "
-            f"(Megatron-LM --dataloader-inter-document-masking, hybrid CP, or get_batch_on_this_cp_rank(..., "
-            f"use_per_sequence_balancing=True)), set TransformerConfig.{THD_SPLIT_FIELD}='whole_row'"
-        ) from None
+        hint = "" if split != PER_DOCUMENT else (
+            ". If these rows were cut as one whole row (Megatron-LM --dataloader-inter-document-masking, hybrid "
+            "CP, or get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)), set "
+            f"TransformerConfig.{THD_SPLIT_FIELD}='whole_row'"
+        )
+        raise ValueError(f"PackedSeqParams.{name} ({split} split: {why}): {e}{hint}") from None
     if plan.t_global != t_global:
         raise ValueError(
             f"PackedSeqParams.{name}[-1]={plan.t_global} does not match the packed length "

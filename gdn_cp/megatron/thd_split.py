@@ -35,7 +35,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
-from ..layout.boundaries import PER_DOCUMENT, THD_SPLITS, WHOLE_ROW
+from ..layout.boundaries import PER_DOCUMENT, THD_SPLITS, WHOLE_ROW, check_thd_split
 
 __all__ = [
     "THD_SPLIT_FIELD",
@@ -73,7 +73,7 @@ def record_split(batch: dict, split: str) -> None:
     """
     import torch
 
-    check_thd_split_setting(split, "split")
+    check_thd_split(split)  # a record is a split, never None
     for key in _BATCH_KEYS:
         value = batch.get(key) if isinstance(batch, dict) else None
         if isinstance(value, torch.Tensor):
