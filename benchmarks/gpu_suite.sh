@@ -35,7 +35,8 @@
 #      GDN_CP_TEST_FAST_AUTOTUNE=1 (test-only: first working Triton config per kernel instead of a
 #      full autotune; a cold FLA 0.4.2 autotune costs ~1 min per conv dtype and ~3 min per GDN
 #      dtype on an H200, see docs/gpu-results.md).
-# On the device machine: carry [".whl", ".triton_cache"] (+ ".slim" for fla060) and run
+# On the device machine: carry [".whl", ".triton_cache", ".te", ".mlm"] (+ ".slim" for fla060; .te and .mlm
+# optional: TransformerEngine and the Megatron-LM checkout of the TE tests and stage train_mlm) and run
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -73,6 +74,27 @@ else
 fi
 export GDN_CP_STACK=$STACK
 
+# TransformerEngine (Megatron's own GDN / hybrid specs and THD attention need it): the slim-te pack in
+# $GDN_CP_TE (default .te, made by ../shared/tools/slim-te/make.sh) is unpacked once into .site-te/ (an
+# ignored folder of the checkout, so a later call on the same warm machine finds it without carrying
+# the pack) and put on PYTHONPATH; without either, the TE tests skip with their reason.
+TE_PACK=${GDN_CP_TE:-.te}
+TE_SITE=$ROOT/.site-te
+if [ -f "$TE_PACK/unpack.py" ] && [ ! -f "$TE_SITE/.unpacked" ]; then
+  python3 "$TE_PACK/unpack.py" "$TE_SITE" && touch "$TE_SITE/.unpacked" || { echo "TE unpack failed"; exit 1; }
+fi
+if [ -f "$TE_SITE/.unpacked" ]; then
+  export PYTHONPATH=$TE_SITE:$PYTHONPATH
+fi
+# A Megatron-LM checkout ($GDN_CP_MLM/*.tar.gz, default .mlm/: e.g. the core_v0.19.0 fixture), patched by
+# gdn-cp, for the train_mlm stage (its scripts import the checkout's own megatron/).
+MLM_TAR=$(ls "${GDN_CP_MLM:-.mlm}"/*.tar.gz 2>/dev/null | head -n 1)
+MLM_DIR=/tmp/megatron-lm
+if [ -n "$MLM_TAR" ] && [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
+  mkdir -p "$MLM_DIR" && tar -xzf "$MLM_TAR" -C "$MLM_DIR" && python3 -m gdn_cp.cli patch apply "$MLM_DIR" \
+    || { echo "Megatron-LM checkout: unpack or patch failed"; exit 1; }
+fi
+
 export TRITON_CACHE_DIR=$ROOT/.triton_cache/live-$STACK
 export FLA_CACHE_RESULTS=1 PYTHONUNBUFFERED=1
 export GDN_CP_GPU_RESULTS=$OUT/gpu_results.jsonl
@@ -95,12 +117,13 @@ def v(d):
 import triton
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| triton", triton.__version__, "from", triton.__file__.rsplit("/triton/", 1)[0],
-      "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"),
+      "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"), "| transformer-engine", v("transformer-engine"),
       "| gpus", torch.cuda.device_count(),
       "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
 EOF
 
-# Stages (GDN_CP_STAGES, default "tests"): tests = pytest tests/gpu + the Megatron GPU parity;
+# Stages (GDN_CP_STAGES, default "tests"): tests = pytest tests/gpu + the Megatron GPU parity (local and,
+# with TE, Megatron's TE spec); train_mlm = benchmarks/train_megatron_lm.py (Megatron-LM's scripts);
 # warm = benchmarks/warm_kernels.py (FLA kernels compiled side by side, one process per shape);
 # syncs = benchmarks/syncs.py; layer_full = benchmarks/layer_full.py;
 # args = the megatron.training argument test (Python >= 3.12). Each under its own time limit.
@@ -141,6 +164,16 @@ run_stage() {
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_B_TIMEOUT:-240} + 60 ))" python3 benchmarks/layer_full.py \
         --out "$OUT/layer_full_${STACK}_b.json" --time-limit "${GDN_CP_LAYER_FULL_B_TIMEOUT:-240}" \
         ${GDN_CP_LAYER_FULL_B_ARGS:-} ;;
+    train_mlm)
+      # Megatron-LM's own pretrain_hybrid.py / pretrain_gpt.py, CP > 1 against CP=1 (needs TE and the checkout)
+      [ -f "$MLM_DIR/pretrain_hybrid.py" ] || { echo "train_mlm needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false; } &&
+      # shellcheck disable=SC2086
+      timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" python3 benchmarks/train_megatron_lm.py \
+        --checkout "$MLM_DIR" --out "$OUT/train_megatron_lm.json" --work /tmp/mlm_work \
+        --budget-s "${GDN_CP_TRAIN_MLM_TIMEOUT:-420}" ${GDN_CP_TRAIN_MLM_ARGS:-}
+      local trc=$?
+      tar -czf "$OUT/train_mlm_logs.tar.gz" -C /tmp/mlm_work logs 2>/dev/null
+      (exit $trc) ;;
     *) echo "unknown stage $stage"; false ;;
   esac
   local rc=$?

@@ -104,6 +104,17 @@ SETTINGS: dict[str, EnvSetting] = {
                    "benchmarks/gpu_suite.sh: arguments of the second layer_full run (stage layer_full_b)"),
         EnvSetting("GDN_CP_LAYER_FULL_B_TIMEOUT", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: time limit of the second layer_full run"),
+        EnvSetting("GDN_CP_TE", "benchmarks", ".te",
+                   "benchmarks/gpu_suite.sh: folder of the slim-te pack (TransformerEngine 2.20.2), unpacked into .site-te/"),
+        EnvSetting("GDN_CP_MLM", "benchmarks", ".mlm",
+                   "benchmarks/gpu_suite.sh: folder holding a Megatron-LM checkout as *.tar.gz (patched for stage train_mlm)"),
+        EnvSetting("GDN_CP_TRAIN_MLM_ARGS", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: arguments of benchmarks/train_megatron_lm.py (stage train_mlm)"),
+        EnvSetting("GDN_CP_TRAIN_MLM_TIMEOUT", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: time budget of the train_mlm stage"),
+        EnvSetting("GDN_CP_MLM_ONE_GPU", "gdn_cp", "0",
+                   "set by gdn_cp.testing.megatron_lm for its rank processes: 1 when the ranks share one GPU (gloo)",
+                   _one_of("0", "1")),
     )
 }
 

@@ -46,6 +46,7 @@ __all__ = [
     "DIMS",
     "SequenceParallelRMSNorm",
     "assert_patched",
+    "SPECS",
     "build_gdn",
     "gdn_cp_forward",
     "install_cpu_shims",
@@ -57,6 +58,7 @@ __all__ = [
     "set_params",
     "stock_forward",
     "stock_vs_patched",
+    "te_submodules",
     "thd_params",
 ]
 
@@ -203,14 +205,32 @@ def _submodules(sequence_parallel: bool = False):
     return GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear)
 
 
+SPECS = ("local", "te")
+"""Where a test layer's submodules come from: ``local`` (Megatron's local modules, by hand: the
+0.19.2 local spec has no GDN in_proj) or ``te`` (``get_gated_delta_net_module_spec``: Megatron's own
+GDN spec, TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, row-parallel out_proj)."""
+
+
+def te_submodules(config):
+    """The GatedDeltaNet submodules Megatron's own spec function builds for ``config`` (needs
+    TransformerEngine; ``config.transformer_impl='transformer_engine'``, the default)."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec,
+    )
+
+    return get_gated_delta_net_module_spec(config).submodules
+
+
 def build_gdn(config, cp_group, *, tp_group=None, seed: int = 0, layer_number: int = 1, bias: bool = False,
-              conv_bias: bool = False, device="cpu"):
+              conv_bias: bool = False, device="cpu", spec: str = "local"):
     """A GatedDeltaNet with the given CP (and TP) group and seeded weights: the same full weights on
     every rank and for every CP and TP size; under TP each rank holds its part of them.
 
-    The module is cast to ``config.params_dtype`` as a whole (the local RMSNorm makes an fp32
-    weight whatever params_dtype says).
+    ``spec``: one of :data:`SPECS`. The module is cast to ``config.params_dtype`` as a whole (the
+    local RMSNorm makes an fp32 weight whatever params_dtype says).
     """
+    if spec not in SPECS:
+        raise ValueError(f"spec={spec!r}: use one of {SPECS}")
     if torch.device(device).type == "cpu":
         install_cpu_shims()
     else:
@@ -223,14 +243,15 @@ def build_gdn(config, cp_group, *, tp_group=None, seed: int = 0, layer_number: i
     if tp != config.tensor_model_parallel_size:
         raise ValueError(f"tp_group has {tp} ranks but config.tensor_model_parallel_size="
                          f"{config.tensor_model_parallel_size}; pass the TP group of that size")
-    module = GatedDeltaNet(config, _submodules(config.sequence_parallel), layer_number=layer_number, bias=bias,
+    submodules = _submodules(config.sequence_parallel) if spec == "local" else te_submodules(config)
+    module = GatedDeltaNet(config, submodules, layer_number=layer_number, bias=bias,
                            conv_bias=conv_bias, pg_collection=pg_collection(cp_group, tp_group))
     module.to(device=device, dtype=config.params_dtype)
     if tp == 1:
         set_params(module, seed)
     else:
         _load_tp_part(module, config, tp_group.rank(), seed=seed, layer_number=layer_number, bias=bias,
-                      conv_bias=conv_bias, device=device)
+                      conv_bias=conv_bias, device=device, spec=spec)
     return module
 
 
@@ -275,7 +296,7 @@ def set_params(module, seed: int) -> None:
             v = torch.log(0.3 + 0.5 * torch.rand(p.shape, generator=gen, dtype=torch.float64))
         elif name == "dt_bias":
             v = -2.0 + 0.5 * n
-        elif name == "out_norm.weight":
+        elif name in ("out_norm.weight", "in_proj.layer_norm_weight"):  # TE's in_proj fuses the input norm
             v = 1.0 + 0.2 * n
         elif name == "in_proj.weight":
             v = n / math.sqrt(hidden)

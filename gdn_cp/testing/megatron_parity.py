@@ -91,7 +91,8 @@ def cp1_answer(base, layout, dtype, x, dout, psp):
 
 
 def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, dynamic=False, seed=1,
-                data_seed=0, bias=True, conv_bias=True, device="cpu", metric=max_rel, sbhd_batch: int = SBHD_BATCH):
+                data_seed=0, bias=True, conv_bias=True, device="cpu", metric=max_rel, sbhd_batch: int = SBHD_BATCH,
+                spec: str = "local"):
     """One layout (``"sbhd"`` or ``"thd"``) and dtype on this rank: the CP=1 answer, then each mode
     under CP. Returns ``{mode: {quantity: error}}`` (a missing gradient is inf).
 
@@ -102,6 +103,8 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     ``cp_group`` and ``local_cp_size`` (dynamic CP). ``cfg`` overrides TransformerConfig fields.
     ``device`` / ``metric``: the GPU tests pass "cuda" and :func:`gdn_cp.testing.metrics.rel_l2`.
     ``sbhd_batch``: B of the SBHD case (default 2; 1 makes every rank's rows one zigzag-cut stream).
+    ``spec``: the layer's submodules (:data:`gdn_cp.testing.megatron_layer.SPECS`; ``te``: Megatron's
+    own TransformerEngine spec).
     """
     import torch.distributed as dist
 
@@ -110,7 +113,7 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     cp, cp_rank = cp_group.size(), cp_group.rank()
     static_group = groups["world"] if dynamic else cp_group
     cfg = cfg or {}
-    build = partial(build_gdn, seed=seed, bias=bias, conv_bias=conv_bias, device=device)
+    build = partial(build_gdn, seed=seed, bias=bias, conv_bias=conv_bias, device=device, spec=spec)
     hidden = cfg.get("hidden_size", DIMS["hidden_size"])
     extra = dict(cp_group=cp_group, local_cp_size=cp) if dynamic else {}
 

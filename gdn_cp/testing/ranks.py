@@ -64,6 +64,7 @@ from ..checks import as_int
 from ..env import read as env_setting
 
 __all__ = [
+    "adapt_fla_collectives_for_gloo",
     "RankContext",
     "RankError",
     "RankPool",
@@ -232,6 +233,17 @@ def _install_fla_gloo_adapter() -> None:
 
     functools.update_wrapper(wrapped, orig)
     dist.all_gather_into_tensor = wrapped
+
+
+def adapt_fla_collectives_for_gloo() -> None:
+    """Test-only, for processes whose gloo ranks share one GPU outside a :class:`RankPool` (e.g. the
+    Megatron-LM launcher, :mod:`gdn_cp.testing.megatron_lm`): FLA's ``[world, n, ...]``
+    ``all_gather_into_tensor`` outputs viewed flat, and the FLA backend told so (logged), so the
+    native chunkwise path runs there as in a pool."""
+    from gdn_cp.ops.fla.native_cp import allow_fla_collectives
+
+    _install_fla_gloo_adapter()
+    allow_fla_collectives("gloo", by=_FLA_GLOO_SHIM)
 
 
 def _install_collective_shims(ctx: RankContext, gloo: bool) -> None:

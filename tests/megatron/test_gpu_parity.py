@@ -1,7 +1,10 @@
 """GPU version of the GatedDeltaNet parity suite: the patched megatron-core 0.19.2 GatedDeltaNet with
 the FLA backend (deterministic_mode=False), bf16, CP=2 and CP=4 as gloo ranks on one GPU (NCCL
 with one rank per GPU when there are enough GPUs), against the same module at CP=1 (SBHD: stock
-0.19.2's FLA path; THD: gdn-cp's path at CP=1), every ``linear_cp_mode``, SBHD and THD; chunkwise
+0.19.2's FLA path; THD: gdn-cp's path at CP=1), every ``linear_cp_mode``, SBHD (batch 2 and 1) and THD
+(cut per document and as a whole row), with the layer's submodules from Megatron's local modules and
+from Megatron's own TransformerEngine spec (``get_gated_delta_net_module_spec``; skipped with the
+reason where TransformerEngine is not installed); chunkwise
 through both exchange paths (FLA's cp context, ``native``, and gdn-cp's own, ``generic``) at both
 swap points, SBHD at batch 2 and 1 and THD cut per document and as a whole row (SBHD at batch 1 and
 whole-row THD are one zigzag-cut stream: FLA >= 0.6's zigzag cp context, no all-to-all); plus stock vs
@@ -40,6 +43,20 @@ def _require_gpu():
         pytest.skip("needs flash-linear-attention (fla) installed")
 
 
+def _require_spec(spec: str) -> None:
+    """``te``: Megatron's own GDN spec needs TransformerEngine (never installed on CPU machines; the GPU
+    suite unpacks the slim-te pack: ``.te/`` beside the wheels)."""
+    if spec == "te" and importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("needs TransformerEngine (spec='te': Megatron's get_gated_delta_net_module_spec); "
+                    "the GPU suite installs it from the slim-te pack in .te/")
+
+
+SPECS = ("local", "te")
+# (layout, SBHD batch) of the every-mode parity: SBHD at batch 2 and 1, THD cut per document and as a
+# whole row (documents of odd lengths, linear_cp_thd_split='whole_row')
+MODE_CASES = (("sbhd", 2), ("sbhd", 1), ("thd", 1), ("thd_whole_row", 1))
+
+
 _record = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS").record
 
 
@@ -50,29 +67,35 @@ def gpu_pools(rank_pool):
     return lambda world: rank_pool(world, device="cuda")
 
 
-def _gpu_cases(ctx):
+def _gpu_cases(ctx, spec: str):
     from types import SimpleNamespace
 
     from gdn_cp.megatron.gdn import choose_backend
 
-    out = {}
-    for layout in ("sbhd", "thd"):
-        out[layout] = parity_case(ctx.rank, ctx.world_size, layout, torch.bfloat16, MODES, cfg=GPU_CFG,
-                                  device=ctx.device, metric=rel_l2, bias=False, conv_bias=False)
+    out = {"cases": {}}
+    for layout, batch in MODE_CASES:
+        cfg = dict(GPU_CFG, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else GPU_CFG
+        name = f"{layout}{batch if layout == 'sbhd' else ''}"
+        out["cases"][name] = parity_case(ctx.rank, ctx.world_size, layout, torch.bfloat16, MODES, cfg=cfg,
+                                         device=ctx.device, metric=rel_l2, bias=False, conv_bias=False,
+                                         sbhd_batch=batch, spec=spec)
     probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
     out["backend"] = choose_backend(probe, ctx.device).__name__
     return out
 
 
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_gpu_parity_bf16(gpu_pools, patched_megatron, world):
-    results = gpu_pools(world).run(_gpu_cases)
+def test_gpu_parity_bf16(gpu_pools, patched_megatron, world, spec):
+    _require_spec(spec)
+    results = gpu_pools(world).run(_gpu_cases, spec)
     assert results[0]["backend"].endswith("fla"), results[0]["backend"]
     bad = []
     for rank, res in enumerate(results):
-        for layout in ("sbhd", "thd"):
-            for mode, errs in res[layout].items():
-                _record("megatron_gdn_parity", world=world, rank=rank, layout=layout, mode=mode, errors=errs)
+        for layout, per_mode in res["cases"].items():
+            for mode, errs in per_mode.items():
+                _record("megatron_gdn_parity", world=world, rank=rank, layout=layout, mode=mode, spec=spec,
+                        errors=errs)
                 for k, v in errs.items():
                     tol = BF16_TOL["out"] if k == "out" else BF16_TOL["grad"]
                     if not v <= tol:
@@ -115,7 +138,7 @@ PATH_CASES = (("sbhd", 2), ("sbhd", 1), ("thd", 1), ("thd_whole_row", 1))
 ONE_STREAM = ("sbhd1", "thd_whole_row")
 
 
-def _gpu_path_cases(ctx, path: str):
+def _gpu_path_cases(ctx, path: str, spec: str = "local"):
     """chunkwise with the exchange path forced (``native``: FLA's cp context, which on gloo ranks of
     one GPU runs through gdn_cp.testing's collective adapter; ``generic``: gdn-cp's own exchange,
     asynchronous and overlapped with the scans on NCCL), at both swap points, SBHD and THD."""
@@ -148,7 +171,8 @@ def _gpu_path_cases(ctx, path: str):
                 cfg = dict(GPU_CFG, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else GPU_CFG
                 errs = parity_case(
                     ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=cfg,
-                    device=ctx.device, metric=rel_l2, bias=False, conv_bias=False, sbhd_batch=batch)["chunkwise"]
+                    device=ctx.device, metric=rel_l2, bias=False, conv_bias=False, sbhd_batch=batch,
+                    spec=spec)["chunkwise"]
                 out[f"{layout}{batch if layout == 'sbhd' else ''}/{swap}"] = {
                     "errors": errs, "all_to_alls": ctx.collectives.get("all_to_all_single", 0) - a2a}
     finally:
@@ -157,12 +181,14 @@ def _gpu_path_cases(ctx, path: str):
     return out
 
 
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("path", ["native", "generic"])
-def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world):
+def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world, spec):
     from gdn_cp.ops.fla import has_zigzag_layout
 
-    results = gpu_pools(world).run(_gpu_path_cases, path)
+    _require_spec(spec)
+    results = gpu_pools(world).run(_gpu_path_cases, path, spec)
     bad = []
     for rank, res in enumerate(results):
         assert res["path"] == path, res["path"]
@@ -172,7 +198,7 @@ def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world):
             if not isinstance(got, dict):
                 continue
             errs = got["errors"]
-            _record("megatron_gdn_parity_path", world=world, rank=rank, path=path, case=case,
+            _record("megatron_gdn_parity_path", world=world, rank=rank, path=path, case=case, spec=spec,
                     zigzag=zigzag and case.startswith(ONE_STREAM), dist=res["dist_backend"], errors=errs,
                     all_to_alls=got["all_to_alls"])
             for k, v in errs.items():

@@ -1,0 +1,439 @@
+"""Run Megatron-LM's own training scripts (``pretrain_hybrid.py``, ``pretrain_gpt.py``) from a patched
+checkout, on ranks that share one GPU or one rank per GPU: the test-only launcher behind
+``benchmarks/train_megatron_lm.py`` and the GPU tests of Megatron-LM end to end.
+
+What is Megatron-LM's own: the script, its argument parser and ``validate_args``, its ``get_batch``
+and ``forward_step`` (Megatron's CP batch splits: per-sequence, per-document with ``--sft``, whole row
+with ``--dataloader-inter-document-masking``), TransformerEngine specs and attention, DDP, the
+optimizer and the training loop. What this module adds, in the rank process only
+(:func:`install_rank_shims`), and only where the run needs it:
+
+* **ranks sharing one GPU** (CP > number of GPUs): NCCL refuses two ranks on one GPU, so the ranks
+  use gloo (``--distributed-backend gloo``) and every rank gets ``LOCAL_RANK=0``. Megatron's DDP
+  issues its bucket collectives inside ``torch.distributed._coalescing_manager``, which gloo cannot
+  coalesce for CUDA tensors: here they are issued one by one (the same reductions, in the same
+  order). FLA's cp context gathers into ``[world, n, ...]`` outputs, which gloo rejects: they are
+  viewed flat (:func:`gdn_cp.testing.ranks.adapt_fla_collectives_for_gloo`). TE attention under CP
+  then needs ``--cp-comm-type a2a`` (p2p sends CUDA tensors point to point, which gloo cannot);
+* **``--sft``**: Megatron-LM's SFT dataset reads JSONL through HuggingFace ``datasets`` and tokenizes
+  conversations with a HuggingFace chat tokenizer, neither of which the test machines have. The
+  stand-ins read the JSONL this module writes (:func:`write_sft_set`: every message's content is a
+  space-separated list of token ids) and tokenize a conversation as Megatron's SFT tokenizer
+  would for such ids: the ids of every message in order, the targets of non-assistant messages
+  masked (``-100``). ``SFTDataset`` itself packs, pads every conversation to a multiple of 2*cp and
+  builds ``cu_seqlens``, as in a real SFT run;
+* ``GDN_CP_TEST_FAST_AUTOTUNE=1``: FLA's autotuners take their first working config
+  (:func:`gdn_cp.testing.ranks.maybe_fast_autotune`); numerics stay valid, timings do not.
+
+Per-iteration ``lm loss`` and ``grad norm`` are read from the log Megatron prints (``--log-interval
+1``); a rank that fails ends the run within seconds (its peers are killed) with its last lines kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = [
+    "DATA_FLAGS",
+    "RECOMPUTE",
+    "RunSpec",
+    "RunResult",
+    "megatron_lm_args",
+    "parse_training_log",
+    "launch",
+    "write_sft_set",
+    "install_rank_shims",
+    "main",
+]
+
+logger = logging.getLogger(__name__)
+
+DATA_FLAGS = {
+    "none": [],
+    "inter_document_masking": ["--dataloader-inter-document-masking"],
+    "sft": ["--sft"],
+}
+"""Megatron-LM's data flags that decide how a packed row is cut over the CP ranks (README "which cut")."""
+
+RECOMPUTE = {
+    "none": [],
+    "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "gdn_norm_out": ["--recompute-granularity", "selective", "--recompute-modules", "gdn_norm_out"],
+}
+
+SCRIPTS = ("pretrain_hybrid.py", "pretrain_gpt.py")
+VOCAB = 1024  # NullTokenizer: eod = VOCAB - 1; SFT pads with VOCAB - 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One training run. ``mode`` None: no ``--linear-cp-mode`` flag (CP=1, or stock's default).
+
+    ``model``: ``"hybrid"`` (pretrain_hybrid.py, ``pattern`` of G (GDN), * (attention), - (MLP)) or
+    ``"gpt"`` (pretrain_gpt.py, ``--experimental-attention-variant gated_delta_net``: ``gpt_layers``
+    layers, every ``gpt_attention_freq``-th a softmax-attention layer; 0: GDN only)."""
+
+    name: str
+    model: str = "hybrid"
+    cp: int = 1
+    mode: Optional[str] = None
+    data: str = "none"
+    recompute: str = "none"
+    pattern: str = "G-G-*-"
+    gpt_layers: int = 4
+    gpt_attention_freq: int = 4
+    iterations: int = 20
+    seq_length: int = 2048
+    hidden: int = 256
+    seed: int = 1234
+    env: tuple = ()  # extra environment, as (name, value) pairs (e.g. a kernel choice)
+    extra_args: tuple = ()
+
+    def __post_init__(self):
+        if self.model not in ("hybrid", "gpt"):
+            raise ValueError(f"RunSpec.model={self.model!r}: use 'hybrid' or 'gpt'")
+        if self.data not in DATA_FLAGS:
+            raise ValueError(f"RunSpec.data={self.data!r}: use one of {sorted(DATA_FLAGS)}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"RunSpec.recompute={self.recompute!r}: use one of {sorted(RECOMPUTE)}")
+        if not isinstance(self.cp, int) or self.cp < 1:
+            raise ValueError(f"RunSpec.cp={self.cp!r} must be a positive int")
+
+    @property
+    def script(self) -> str:
+        return "pretrain_hybrid.py" if self.model == "hybrid" else "pretrain_gpt.py"
+
+    @property
+    def world(self) -> int:
+        return self.cp
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self) | {"script": self.script}
+
+
+def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: bool = False) -> list[str]:
+    """The script's command line for ``spec`` (a small model: hidden 256, 4 / 8 GDN heads of dim 64,
+    SwiGLU + RMSNorm as GDN needs, bf16, mock data or the SFT set in ``data_dir``).
+
+    ``one_gpu``: ranks share one GPU (gloo; TE attention's CP exchange through all-to-all)."""
+    heads = ["--num-attention-heads", "4", "--num-query-groups", "2", "--group-query-attention"]
+    gdn = ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "64",
+           "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4"]
+    if spec.model == "hybrid":
+        model = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
+                 "--hybrid-layer-pattern", spec.pattern]
+    else:
+        freq = (f"([1]*{spec.gpt_layers})" if spec.gpt_attention_freq == 0 else str(spec.gpt_attention_freq))
+        model = ["--num-layers", str(spec.gpt_layers), "--experimental-attention-variant", "gated_delta_net",
+                 "--linear-attention-freq", freq]
+    args = model + heads + gdn + [
+        "--hidden-size", str(spec.hidden), "--ffn-hidden-size", str(2 * spec.hidden),
+        "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "none",
+        "--untie-embeddings-and-output-weights",
+        "--seq-length", str(spec.seq_length), "--max-position-embeddings", str(spec.seq_length),
+        "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--context-parallel-size", str(spec.cp),
+        "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        "--weight-decay", "0.01", "--clip-grad", "1.0",
+        "--train-iters", str(spec.iterations), "--seed", str(spec.seed),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+        "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10 * spec.iterations),
+        "--transformer-impl", "transformer_engine", "--no-create-attention-mask-in-dataloader",
+    ]
+    if spec.mode is not None:
+        args += ["--linear-cp-mode", spec.mode]
+    if one_gpu and spec.world > 1:
+        args += ["--distributed-backend", "gloo", "--cp-comm-type", "a2a"]
+    if spec.data == "sft":
+        if data_dir is None:
+            raise ValueError("RunSpec.data='sft' needs data_dir (where write_sft_set wrote sft.jsonl)")
+        args += ["--sft", "--data-path", str(Path(data_dir) / "sft.jsonl"), "--split", "100,0,0",
+                 "--null-tokenizer-pad-id", str(VOCAB - 2)]
+    else:
+        args += ["--mock-data"] + DATA_FLAGS[spec.data]
+    return args + RECOMPUTE[spec.recompute] + list(spec.extra_args)
+
+
+def write_sft_set(path, *, rows: int = 64, seq_length: int = 2048, seed: int = 0) -> Path:
+    """A JSONL SFT set for the stand-ins: ``rows`` lines, each a packed list of conversations
+    (system, user, assistant; 2-5 of them, of 60-700 tokens) whose contents are space-separated token
+    ids in [0, VOCAB - 2). Lengths vary so that documents straddle CP ranks and need padding to
+    2*cp; every row leaves 64 tokens free, so no conversation is truncated at any CP size up to 8
+    (the same tokens train at CP=1 and CP > 1). Returns the file."""
+    rng = random.Random(seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def ids(n):
+        return " ".join(str(rng.randrange(VOCAB - 2)) for _ in range(n))
+
+    with path.open("w", encoding="utf-8") as f:
+        for _ in range(rows):
+            messages, budget = [], seq_length - 64  # slack: SFTDataset pads each conversation to 2*cp
+            for _conv in range(rng.randint(2, 5)):
+                n = min(budget, rng.randint(60, 700))
+                if n < 12:
+                    break
+                a, b = rng.randint(1, n // 4), rng.randint(1, n // 3)
+                messages += [{"role": "system", "content": ids(a)}, {"role": "user", "content": ids(b)},
+                             {"role": "assistant", "content": ids(n - a - b)}]
+                budget -= n
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+_ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)")
+_FIELD = re.compile(r"(lm loss|grad norm|number of skipped iterations|number of nan iterations):\s*([-+0-9.eEnaif]+)")
+
+
+def parse_training_log(text: str) -> dict:
+    """``{"losses": [...], "grad_norms": [...], "skipped": int, "nan": int}`` from Megatron's
+    training log lines (``iteration   3/  20 | ... | lm loss: 7.9E+00 | ... | grad norm: 1.234 |``),
+    one entry per iteration in order (a repeated iteration keeps its last line)."""
+    per_iter: dict[int, dict] = {}
+    for line in text.splitlines():
+        m = _ITERATION.search(line)
+        if not m:
+            continue
+        fields = {k: v for k, v in _FIELD.findall(m.group(3))}
+        per_iter[int(m.group(1))] = fields
+    out = {"losses": [], "grad_norms": [], "skipped": 0, "nan": 0}
+    for it in sorted(per_iter):
+        f = per_iter[it]
+        out["losses"].append(float(f["lm loss"]) if "lm loss" in f else None)
+        out["grad_norms"].append(float(f["grad norm"]) if "grad norm" in f else None)
+        out["skipped"] += int(float(f.get("number of skipped iterations", 0)))
+        out["nan"] += int(float(f.get("number of nan iterations", 0)))
+    return out
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one run gave. ``status``: ``ok`` (every iteration logged a loss), ``refused`` (a rank
+    stopped with an error before the first iteration), ``failed`` (after it), ``timeout``."""
+
+    spec: RunSpec
+    status: str
+    losses: list
+    grad_norms: list
+    wall_s: float
+    error: str = ""
+    dist_backend: str = ""
+    skipped: int = 0
+
+    def to_json(self) -> dict:
+        return {**self.spec.describe(), "status": self.status, "losses": self.losses,
+                "grad_norms": self.grad_norms, "wall_s": round(self.wall_s, 1), "error": self.error,
+                "dist_backend": self.dist_backend, "skipped_iterations": self.skipped}
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch / no CUDA: no GPUs
+        return 0
+
+
+def _error_tail(text: str, lines: int = 12) -> str:
+    """The last traceback's final lines (the message), else the last lines."""
+    keep = [ln for ln in text.splitlines() if ln.strip()]
+    for i in range(len(keep) - 1, -1, -1):
+        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", keep[i]):
+            return "\n".join(keep[max(0, i - 2) : i + 1])[-2000:]
+    return "\n".join(keep[-lines:])[-2000:]
+
+
+def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float = 600.0,
+           gpus: Optional[int] = None, python: str = sys.executable, extra_env: Optional[dict] = None) -> RunResult:
+    """Run ``spec`` to the end (or its first failure) and return what it logged.
+
+    One rank per GPU over NCCL when there are enough GPUs (``gpus``, default: what torch sees),
+    else every rank on GPU 0 over gloo (see the module docstring). Each rank's output goes to
+    ``log_dir/<name>.rank<r>.log``. A rank that exits non-zero ends the run: the others are killed
+    after 5 s."""
+    checkout, log_dir = Path(checkout), Path(log_dir)
+    script = checkout / spec.script
+    if not script.is_file():
+        raise ValueError(f"checkout={str(checkout)!r} has no {spec.script}: pass a Megatron-LM checkout "
+                         "(patched: `gdn-cp patch apply CHECKOUT`)")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    gpus = _gpu_count() if gpus is None else gpus
+    one_gpu = spec.world > max(gpus, 1)
+    args = megatron_lm_args(spec, data_dir=data_dir, one_gpu=one_gpu)
+    port = _free_port()
+    procs, logs = [], []
+    t0 = time.monotonic()
+    for rank in range(spec.world):
+        env = dict(os.environ)
+        env.update(extra_env or {})
+        env.update(dict(spec.env))
+        env.update(RANK=str(rank), WORLD_SIZE=str(spec.world), LOCAL_RANK="0" if one_gpu else str(rank),
+                   LOCAL_WORLD_SIZE="1" if one_gpu else str(spec.world), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
+                   GDN_CP_MLM_ONE_GPU="1" if one_gpu else "0")
+        log = open(log_dir / f"{spec.name}.rank{rank}.log", "w", encoding="utf-8")
+        logs.append(log)
+        cmd = [python, "-m", "gdn_cp.testing.megatron_lm", "--checkout", str(checkout), "--script", spec.script,
+               "--", *args]
+        procs.append(subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    status, failed_rank = None, None
+    deadline = t0 + timeout_s
+    while status is None:
+        codes = [p.poll() for p in procs]
+        bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if bad:
+            failed_rank = bad[0]
+            grace = time.monotonic() + 5.0
+            while time.monotonic() < grace and any(p.poll() is None for p in procs):
+                time.sleep(0.2)
+            status = "failed"
+        elif all(c == 0 for c in codes):
+            status = "ok"
+        elif time.monotonic() > deadline:
+            status = "timeout"
+        else:
+            time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for log in logs:
+        log.close()
+    wall = time.monotonic() - t0
+    texts = [(log_dir / f"{spec.name}.rank{r}.log").read_text(encoding="utf-8", errors="replace")
+             for r in range(spec.world)]
+    # Megatron prints the iteration lines on the last rank (print_rank_last)
+    parsed = parse_training_log(texts[-1])
+    if status == "ok" and (len(parsed["losses"]) != spec.iterations or None in parsed["losses"]):
+        status, failed_rank = "failed", spec.world - 1
+    error = ""
+    if status != "ok":
+        rank = failed_rank if failed_rank is not None else spec.world - 1
+        error = f"rank {rank}: " + _error_tail(texts[rank])
+        if status == "failed" and not parsed["losses"]:
+            status = "refused"
+    return RunResult(spec=spec, status=status, losses=parsed["losses"], grad_norms=parsed["grad_norms"],
+                     wall_s=wall, error=error, dist_backend="gloo" if one_gpu and spec.world > 1 else "nccl",
+                     skipped=parsed["skipped"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Inside a rank process
+# ------------------------------------------------------------------------------------------------
+
+class _Issued:
+    """What ``_coalescing_manager`` yields: the collectives inside were issued one by one and have
+    completed (synchronous gloo), so waiting is a no-op."""
+
+    def wait(self):
+        return None
+
+
+@contextlib.contextmanager
+def _one_by_one(group=None, device=None, async_ops=False):
+    if async_ops:
+        raise RuntimeError("gdn_cp.testing.megatron_lm: overlapped grad reduction (async collectives inside "
+                           "_coalescing_manager) is not supported on gloo ranks sharing one GPU; leave "
+                           "--overlap-grad-reduce off")
+    yield _Issued()
+
+
+def _install_sft_stand_ins() -> None:
+    """JSONL without HuggingFace ``datasets``; NullTokenizer conversations as token-id lists."""
+    import numpy as np
+    from megatron.core.tokenizers.text import text_tokenizer
+    from megatron.training.datasets import sft_dataset
+
+    def low_level_init(self, dataset_path: str) -> None:
+        with open(dataset_path, encoding="utf-8") as f:
+            self.dataset = [json.loads(line) for line in f if line.strip()]
+
+    sft_dataset.SFTLowLevelDataset.__init__ = low_level_init
+    original = text_tokenizer.MegatronTokenizerText.tokenize_conversation
+
+    def tokenize_conversation(self, conversation, return_target, add_generation_prompt):
+        if self.library != "null-text":
+            return original(self, conversation, return_target, add_generation_prompt)
+        tokens, targets = [], []
+        for msg in conversation:
+            ids = [int(x) for x in msg["content"].split()]
+            tokens += ids
+            targets += ids if msg["role"] == "assistant" else [sft_dataset.IGNORE_INDEX] * len(ids)
+        tokens, targets = np.array(tokens, dtype=np.int64), np.array(targets, dtype=np.int64)
+        return (tokens, targets) if return_target else tokens
+
+    text_tokenizer.MegatronTokenizerText.tokenize_conversation = tokenize_conversation
+
+
+def install_rank_shims(argv: Sequence[str]) -> list[str]:
+    """Install what this rank needs (module docstring); returns what was installed, for the log."""
+    done = []
+    from .ranks import maybe_fast_autotune
+
+    if maybe_fast_autotune():
+        done.append("FLA autotune: first working config (GDN_CP_TEST_FAST_AUTOTUNE=1)")
+    from ..env import read as env_setting
+
+    if env_setting("GDN_CP_MLM_ONE_GPU") == "1":
+        import megatron.core.distributed.param_and_grad_buffer as buffers
+
+        from .ranks import adapt_fla_collectives_for_gloo
+
+        buffers._coalescing_manager = _one_by_one
+        adapt_fla_collectives_for_gloo()
+        done.append("ranks share one GPU: gloo, DDP bucket collectives one by one, FLA gathers viewed flat")
+    if "--sft" in argv:
+        _install_sft_stand_ins()
+        done.append("--sft: JSONL reader and token-id conversations (no HF datasets / chat tokenizer here)")
+    return done
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """``python -m gdn_cp.testing.megatron_lm --checkout DIR --script pretrain_hybrid.py -- ARGS``:
+    one rank of a run (``launch`` starts these)."""
+    import argparse
+    import runpy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        raise SystemExit("usage: python -m gdn_cp.testing.megatron_lm --checkout DIR --script NAME -- ARGS")
+    cut = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m gdn_cp.testing.megatron_lm",
+                                     description="One rank of a Megatron-LM training run (test-only launcher).")
+    parser.add_argument("--checkout", required=True, help="a patched Megatron-LM checkout")
+    parser.add_argument("--script", required=True, choices=SCRIPTS)
+    ns = parser.parse_args(argv[:cut])
+    script_args = argv[cut + 1 :]
+    checkout = str(Path(ns.checkout).resolve())
+    sys.path.insert(0, checkout)  # as `python pretrain_*.py` would: the checkout's megatron/ first
+    for line in install_rank_shims(script_args):
+        print(f"[gdn-cp launcher] {line}", flush=True)
+    sys.argv = [str(Path(checkout) / ns.script), *script_args]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

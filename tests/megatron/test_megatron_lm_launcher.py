@@ -1,0 +1,220 @@
+"""The Megatron-LM launcher (gdn_cp.testing.megatron_lm) on the CPU: its command lines pass
+Megatron-LM's own parser and ``validate_args`` and give the model config each run means; the SFT
+stand-ins feed Megatron-LM's real ``SFTDataset``; the log parser reads Megatron's iteration lines;
+``launch`` runs ranks, reads the last rank's log and ends a run whose rank fails; the benchmark's
+verdicts (benchmarks/train_megatron_lm.py) follow its tolerance rule.
+
+The training runs themselves need CUDA and TransformerEngine (the GPU machine:
+``GDN_CP_STAGES=train_mlm bash benchmarks/gpu_suite.sh``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gdn_cp.testing.megatron_lm import RunSpec, launch, megatron_lm_args, parse_training_log
+
+REPO = Path(__file__).resolve().parents[2]
+
+LOG = """\
+[2026-12-01 10:00:01] iteration        1/       3 | consumed samples:            2 | elapsed time per iteration (ms): 900.1 | learning rate: 1.500000E-04 | global batch size:     2 | lm loss: 8.375120E+00 | loss scale: 1.0 | grad norm: 3.141 | number of skipped iterations:   0 | number of nan iterations:   0 |
+ [2026-12-01 10:00:02] iteration        2/       3 | consumed samples:            4 | lm loss: 8.101000E+00 | grad norm: 2.500 | number of skipped iterations:   0 | number of nan iterations:   0 |
+something else
+ [2026-12-01 10:00:03] iteration        3/       3 | consumed samples:            6 | lm loss: 7.900000E+00 | grad norm: 2.000 | number of skipped iterations:   1 | number of nan iterations:   0 |
+"""
+
+
+def test_parse_training_log():
+    got = parse_training_log(LOG)
+    assert got["losses"] == [8.37512, 8.101, 7.9]
+    assert got["grad_norms"] == [3.141, 2.5, 2.0]
+    assert got["skipped"] == 1 and got["nan"] == 0
+
+
+def test_run_spec_refuses_bad_fields():
+    with pytest.raises(ValueError, match="RunSpec.data='packed'"):
+        RunSpec("x", data="packed")
+    with pytest.raises(ValueError, match="RunSpec.model"):
+        RunSpec("x", model="mamba")
+    with pytest.raises(ValueError, match="data_dir"):
+        megatron_lm_args(RunSpec("x", data="sft"))
+
+
+_PARSE = r"""
+import argparse, contextlib, io, json, os, sys, typing, warnings
+warnings.filterwarnings("ignore")
+if sys.version_info < (3, 12):
+    import typing_extensions
+    typing.override = typing_extensions.override
+import numpy as np, torch
+import megatron.training.arguments as margs
+from megatron.training.arguments import add_megatron_arguments
+from megatron.training.argument_utils import core_transformer_config_from_args
+if not torch.cuda.is_available():
+    margs.get_device_arch_version = lambda: 9
+os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+from gdn_cp.testing.megatron_lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
+sys.path.insert(0, os.environ["GDN_CP_BENCHMARKS"])
+from train_megatron_lm import matrix
+
+out = {"runs": {}}
+parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_hybrid.py"))  # the scripts add no flags
+for spec, ref in matrix():
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            args = parser.parse_args(megatron_lm_args(spec, data_dir="/nonexistent", one_gpu=True))
+            args.world_size, args.rank = spec.world, 0
+            margs.validate_args(args, {})
+            c = core_transformer_config_from_args(args)
+            out["runs"][spec.name] = {"mode": c.linear_cp_mode, "cp": c.context_parallel_size, "split": c.linear_cp_thd_split,
+                "act": c.activation_func.__name__, "glu": c.gated_linear_unit, "norm": c.normalization,
+                "layers": args.num_layers, "backend": args.distributed_backend, "cp_comm": args.cp_comm_type,
+                "recompute": [args.recompute_granularity, args.recompute_modules], "pad": args.null_tokenizer_pad_id,
+                "ref": ref}
+        except (ValueError, AssertionError) as e:
+            out["runs"][spec.name] = {"error": f"{type(e).__name__}: {e}", "ref": ref}
+
+# the SFT stand-ins against Megatron-LM's own SFTDataset
+_install_sft_stand_ins()
+from megatron.training.datasets.sft_dataset import SFTDataset
+from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+from megatron.core.datasets.utils import Split
+from megatron.core.tokenizers import MegatronTokenizer
+tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=VOCAB, pad_id=VOCAB - 2)
+path = write_sft_set(os.path.join(os.environ["GDN_CP_TMP"], "sft.jsonl"), rows=6, seq_length=2048)
+out["sft"] = {}
+for cp in (1, 2, 4):
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=2048, blend=None, split="100,0,0", tokenizer=tok,
+                           reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                           create_attention_mask=False, context_parallel_size=cp)
+    low = SFTDataset.build_low_level_dataset(str(path), cfg)
+    ds = SFTDataset(low, str(path), np.arange(len(low)), 6, Split.train, cfg)
+    rows = []
+    for i in range(6):
+        item = ds[i]
+        cu = item["cu_seqlens"]
+        cu = cu[: int((cu < 2048).sum()) + 1].tolist()
+        rows.append({"cu": cu, "loss_tokens": int(item["loss_mask"].sum()),
+                     "targets": item["labels"][item["loss_mask"] > 0].tolist()})
+    out["sft"][cp] = rows
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def parsed(patched_megatron, tmp_path_factory):
+    if sys.version_info < (3, 12):
+        typing_extensions = pytest.importorskip("typing_extensions", reason="megatron.training needs typing.override")
+        if not hasattr(typing_extensions, "override"):
+            pytest.skip("Python < 3.12 and typing_extensions without override: megatron.training cannot import")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               GDN_CP_BENCHMARKS=str(REPO / "benchmarks"), GDN_CP_TMP=str(tmp_path_factory.mktemp("sft")))
+    r = subprocess.run([sys.executable, "-c", _PARSE], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT"):])
+
+
+@pytest.mark.megatron
+def test_every_run_of_the_matrix_parses_and_validates(parsed):
+    runs = parsed["runs"]
+    for name, run in runs.items():
+        if run["ref"] == "refused":
+            continue
+        assert "error" not in run, (name, run)
+        # GDN needs SiLU (--swiglu) and the RMSNorm its specs assume
+        assert run["act"] == "silu" and run["glu"] and run["norm"] == "RMSNorm", (name, run)
+        if run["cp"] > 1:
+            assert run["mode"] in ("headwise", "chunkwise", "all_gather"), (name, run)  # auto resolved
+            assert run["backend"] == "gloo" and run["cp_comm"] == ["a2a"], (name, run)
+    assert runs["hybrid_cp2_headwise"]["mode"] == "headwise" and runs["hybrid_cp2_all_gather"]["mode"] == "all_gather"
+    assert runs["gdnonly_idm_cp4"]["split"] == "whole_row" and runs["hybrid_sft_cp4"]["split"] == "per_document"
+    assert runs["hybrid_sft_cp2"]["pad"] == 1022
+    assert runs["hybrid_cp1"]["layers"] == 6 and runs["gpt_cp1"]["layers"] == 4
+    assert runs["hybrid_full_recompute_cp2"]["recompute"][0] == "full"
+    assert runs["gpt_norm_out_recompute_cp2"]["recompute"] == ["selective", ["gdn_norm_out"]]
+
+
+@pytest.mark.megatron
+def test_sft_stand_ins_feed_megatrons_sft_dataset(parsed):
+    """SFTDataset packs the written conversations, pads each to 2*cp at CP > 1 and masks every
+    non-assistant target; the same tokens are trained at every CP size (no truncation)."""
+    sft = parsed["sft"]
+    for cp, rows in sft.items():
+        for row in rows:
+            cu = row["cu"]
+            assert cu[0] == 0 and cu[-1] == 2048 and len(cu) >= 3, cu
+            if int(cp) > 1:
+                assert all((b - a) % (2 * int(cp)) == 0 for a, b in zip(cu[:-1], cu[1:])), (cp, cu)
+            assert 0 < row["loss_tokens"] < 2048 and -100 not in row["targets"]
+    for i in range(len(sft["1"])):
+        assert sft["1"][i]["targets"] == sft["2"][i]["targets"] == sft["4"][i]["targets"]
+
+
+def _fake_checkout(root: Path, body: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pretrain_hybrid.py").write_text(textwrap.dedent(body))
+    return root
+
+
+def test_launch_reads_the_last_ranks_log(tmp_path):
+    body = """\
+        import os, sys
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        assert os.environ["LOCAL_RANK"] == "0" and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+        assert "--distributed-backend" in sys.argv and "--cp-comm-type" in sys.argv
+        if rank == world - 1:
+            for it in range(1, 21):
+                print(f" iteration {it:8d}/      20 | lm loss: {9 - it / 10:.6E} | grad norm: {1 + it / 100:.3f} |")
+        """
+    spec = RunSpec("fake", cp=2, mode="chunkwise")
+    res = launch(spec, checkout=_fake_checkout(tmp_path / "mlm", body), log_dir=tmp_path / "logs", gpus=0,
+                 timeout_s=120)
+    assert res.status == "ok", res.error
+    assert res.losses == [round(9 - it / 10, 6) for it in range(1, 21)] and res.grad_norms[-1] == 1.2
+    assert res.dist_backend == "gloo"
+
+
+def test_launch_ends_a_run_when_a_rank_fails(tmp_path):
+    body = """\
+        import os, time
+        if os.environ["RANK"] == "1":
+            raise ValueError("--dataloader-inter-document-masking with attention layers at context_parallel_size=2")
+        time.sleep(600)  # rank 0 would wait for its peer forever
+        """
+    t0 = time.monotonic()
+    res = launch(RunSpec("fail", cp=2, mode="auto"), checkout=_fake_checkout(tmp_path / "mlm", body),
+                 log_dir=tmp_path / "logs", gpus=0, timeout_s=300)
+    assert time.monotonic() - t0 < 60
+    assert res.status == "refused" and "rank 1" in res.error and "ValueError: --dataloader-inter" in res.error
+
+
+def test_benchmark_verdicts_follow_the_noise_rule():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import train_megatron_lm as bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    base = dict(cp=1, mode=None, data="none", recompute="none", status="ok")
+    rows = [
+        dict(base, name="m_cp1", reference="", losses=[8.0, 7.0], grad_norms=[2.0, 1.0]),
+        dict(base, name="m_cp1_noise", reference="m_cp1", losses=[8.008, 7.0], grad_norms=[2.0, 1.0]),  # 1e-3
+        dict(base, name="m_cp2_ok", reference="m_cp1", cp=2, losses=[8.02, 7.0], grad_norms=[2.0, 1.0]),  # 2.5e-3
+        dict(base, name="m_cp2_bad", reference="m_cp1", cp=2, losses=[8.0, 7.3], grad_norms=[2.0, 1.0]),
+        dict(base, name="m_cp2_refused", reference="refused", cp=2, status="refused", losses=[], grad_norms=[]),
+        dict(base, name="m_cp2_ran", reference="refused", cp=2),
+    ]
+    tol = bench.judge(rows)
+    assert tol["loss"] == pytest.approx(3e-3) and tol["grad_norm"] == 1e-2
+    verdicts = {r["name"]: r["verdict"] for r in rows}
+    assert verdicts == {"m_cp1": "reference", "m_cp1_noise": "noise pair", "m_cp2_ok": "matches CP=1",
+                        "m_cp2_bad": "differs from CP=1", "m_cp2_refused": "refused before step 1 (as required)",
+                        "m_cp2_ran": "should have been refused"}
