@@ -113,6 +113,8 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     cp, cp_rank = cp_group.size(), cp_group.rank()
     static_group = groups["world"] if dynamic else cp_group
     cfg = cfg or {}
+    if spec == "te":  # TransformerEngine's modules are built on the GPU, as in training
+        cfg = dict(cfg, use_cpu_initialization=False)
     build = partial(build_gdn, seed=seed, bias=bias, conv_bias=conv_bias, device=device, spec=spec)
     hidden = cfg.get("hidden_size", DIMS["hidden_size"])
     extra = dict(cp_group=cp_group, local_cp_size=cp) if dynamic else {}
