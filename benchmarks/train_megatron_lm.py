@@ -42,6 +42,9 @@ from gdn_cp.testing.megatron_lm import RunSpec, launch, write_sft_set
 logger = logging.getLogger("benchmarks.train_megatron_lm")
 
 NOISE = ("--no-bias-swiglu-fusion",)
+REFUSED = "refused:"
+REFUSED_IDM = REFUSED + "--dataloader-inter-document-masking"
+"""A run expected to stop before its first step, with an error naming this flag."""
 
 
 def matrix() -> list[tuple[RunSpec, str]]:
@@ -56,7 +59,7 @@ def matrix() -> list[tuple[RunSpec, str]]:
     runs += [
         (RunSpec("gdnonly_idm_cp1", **G, data="inter_document_masking"), ""),
         (RunSpec("gdnonly_idm_cp2", **G, cp=2, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
-        (RunSpec("hybrid_idm_cp2", **H, cp=2, mode="auto", data="inter_document_masking"), "refused"),
+        (RunSpec("hybrid_idm_cp2", **H, cp=2, mode="auto", data="inter_document_masking"), REFUSED_IDM),
         (RunSpec("hybrid_sft_cp1", **H, data="sft"), ""),
         (RunSpec("hybrid_sft_cp2", **H, cp=2, mode="auto", data="sft"), "hybrid_sft_cp1"),
         (RunSpec("gdnonly_idm_cp4", **G, cp=4, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
@@ -68,8 +71,8 @@ def matrix() -> list[tuple[RunSpec, str]]:
     runs += [(RunSpec(f"gpt_cp2_{m}", **P, cp=2, mode=m), "gpt_cp1") for m in ("chunkwise", "headwise", "all_gather")]
     runs += [
         (RunSpec("gpt_norm_out_recompute_cp2", **P, cp=2, mode="auto", recompute="gdn_norm_out"), "gpt_cp1"),
-        (RunSpec("hybrid_idm_cp4", **H, cp=4, mode="auto", data="inter_document_masking"), "refused"),
-        (RunSpec("gpt_idm_cp2", **P, cp=2, mode="auto", data="inter_document_masking"), "refused"),
+        (RunSpec("hybrid_idm_cp4", **H, cp=4, mode="auto", data="inter_document_masking"), REFUSED_IDM),
+        (RunSpec("gpt_idm_cp2", **P, cp=2, mode="auto", data="inter_document_masking"), REFUSED_IDM),
         (RunSpec("gdnonly_idm_cp1_noise", **G, data="inter_document_masking", extra_args=NOISE), "gdnonly_idm_cp1"),
         (RunSpec("hybrid_sft_cp1_noise", **H, data="sft", extra_args=NOISE), "hybrid_sft_cp1"),
     ]
@@ -105,9 +108,14 @@ def judge(rows: list[dict]) -> dict:
     by = {r["name"]: r for r in rows}
     for r in rows:
         ref = r["reference"]
-        if ref == "refused":
-            r["verdict"] = ("refused before step 1 (as required)" if r["status"] == "refused"
-                            else "should have been refused")
+        if ref.startswith(REFUSED):
+            named = ref[len(REFUSED):]
+            if r["status"] == "refused" and named in r.get("error", ""):
+                r["verdict"] = "refused before step 1 (as required)"
+            elif r["status"] == "refused":
+                r["verdict"] = f"stopped before step 1, but not by the refusal naming {named}"
+            else:
+                r["verdict"] = "should have been refused"
             continue
         if r["status"] != "ok":
             r["verdict"] = f"did not run ({r['status']})"
@@ -208,7 +216,7 @@ def plot(doc: dict, png: Path) -> None:
     for r in doc["rows"]:
         if r["status"] == "ok":
             ref = r["reference"] or r["name"]
-            groups.setdefault(ref if ref != "refused" else r["name"], []).append(r)
+            groups.setdefault(r["name"] if ref.startswith(REFUSED) else ref, []).append(r)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
     for ax, (ref, rows) in zip(axes[0], groups.items()):
         for r in rows:
@@ -249,7 +257,10 @@ def main(argv=None) -> int:
         p.error("--checkout is required (or --plot)")
     doc = run_matrix(args)
     print(table(doc))
-    bad = [r for r in doc["rows"] if r.get("verdict") in ("differs from CP=1", "should have been refused")]
+    good = ("reference", "noise pair", "matches CP=1", "refused before step 1 (as required)")
+    bad = [r["name"] for r in doc["rows"] if r.get("verdict") not in good]
+    if bad:
+        logger.error("not as required: %s", ", ".join(bad))
     return 1 if bad else 0
 
 

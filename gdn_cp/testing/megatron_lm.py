@@ -152,6 +152,8 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", str(10 * spec.iterations),
         "--transformer-impl", "transformer_engine", "--no-create-attention-mask-in-dataloader",
+        # the output layer's fused weight-gradient accumulation needs APEX's CUDA extension (not installed)
+        "--no-gradient-accumulation-fusion",
     ]
     if spec.mode is not None:
         args += ["--linear-cp-mode", spec.mode]
@@ -255,12 +257,20 @@ def _gpu_count() -> int:
         return 0
 
 
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(:|$)")
+
+
 def _error_tail(text: str, lines: int = 12) -> str:
-    """The last traceback's final lines (the message), else the last lines."""
-    keep = [ln for ln in text.splitlines() if ln.strip()]
+    """The message of the last exception a rank printed (``ValueError: ...`` and the lines it
+    continues on), without torchrun's ``[rankN]:`` prefixes; else the last ``lines`` lines."""
+    keep = [_RANK_PREFIX.sub("", ln) for ln in text.splitlines() if ln.strip()]
     for i in range(len(keep) - 1, -1, -1):
-        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", keep[i]):
-            return "\n".join(keep[max(0, i - 2) : i + 1])[-2000:]
+        if _EXCEPTION_LINE.match(keep[i]):
+            end = i + 1
+            while end < len(keep) and not keep[end].startswith(("[", " ", "Warning", "W1", "I1")) and end - i < 6:
+                end += 1  # a message that goes on over a few lines
+            return "\n".join(keep[i:end])[-2000:]
     return "\n".join(keep[-lines:])[-2000:]
 
 

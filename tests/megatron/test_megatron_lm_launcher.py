@@ -127,7 +127,7 @@ def parsed(patched_megatron, tmp_path_factory):
 def test_every_run_of_the_matrix_parses_and_validates(parsed):
     runs = parsed["runs"]
     for name, run in runs.items():
-        if run["ref"] == "refused":
+        if run["ref"].startswith("refused:"):
             continue
         assert "error" not in run, (name, run)
         # GDN needs SiLU (--swiglu) and the RMSNorm its specs assume
@@ -194,7 +194,7 @@ def test_launch_ends_a_run_when_a_rank_fails(tmp_path):
     res = launch(RunSpec("fail", cp=2, mode="auto"), checkout=_fake_checkout(tmp_path / "mlm", body),
                  log_dir=tmp_path / "logs", gpus=0, timeout_s=300)
     assert time.monotonic() - t0 < 60
-    assert res.status == "refused" and "rank 1" in res.error and "ValueError: --dataloader-inter" in res.error
+    assert res.status == "refused" and res.error.startswith("rank 1: ValueError: --dataloader-inter"), res.error
 
 
 def test_benchmark_verdicts_follow_the_noise_rule():
@@ -209,12 +209,32 @@ def test_benchmark_verdicts_follow_the_noise_rule():
         dict(base, name="m_cp1_noise", reference="m_cp1", losses=[8.008, 7.0], grad_norms=[2.0, 1.0]),  # 1e-3
         dict(base, name="m_cp2_ok", reference="m_cp1", cp=2, losses=[8.02, 7.0], grad_norms=[2.0, 1.0]),  # 2.5e-3
         dict(base, name="m_cp2_bad", reference="m_cp1", cp=2, losses=[8.0, 7.3], grad_norms=[2.0, 1.0]),
-        dict(base, name="m_cp2_refused", reference="refused", cp=2, status="refused", losses=[], grad_norms=[]),
-        dict(base, name="m_cp2_ran", reference="refused", cp=2),
+        dict(base, name="m_cp2_refused", reference="refused:--flag", cp=2, status="refused", losses=[], grad_norms=[],
+             error="rank 0: ValueError: --flag is not supported at CP > 1 with attention layers"),
+        dict(base, name="m_cp2_crashed", reference="refused:--flag", cp=2, status="refused", losses=[], grad_norms=[],
+             error="rank 0: RuntimeError: something else"),
+        dict(base, name="m_cp2_ran", reference="refused:--flag", cp=2),
+        dict(base, name="m_cp2_lost", reference="m_cp1", cp=2, status="refused", losses=[], grad_norms=[]),
     ]
     tol = bench.judge(rows)
     assert tol["loss"] == pytest.approx(3e-3) and tol["grad_norm"] == 1e-2
     verdicts = {r["name"]: r["verdict"] for r in rows}
     assert verdicts == {"m_cp1": "reference", "m_cp1_noise": "noise pair", "m_cp2_ok": "matches CP=1",
                         "m_cp2_bad": "differs from CP=1", "m_cp2_refused": "refused before step 1 (as required)",
-                        "m_cp2_ran": "should have been refused"}
+                        "m_cp2_crashed": "stopped before step 1, but not by the refusal naming --flag",
+                        "m_cp2_ran": "should have been refused", "m_cp2_lost": "did not run (refused)"}
+
+
+def test_error_tail_reads_the_exception_under_torchruns_prefixes():
+    from gdn_cp.testing.megatron_lm import _error_tail
+
+    log = textwrap.dedent("""\
+        INFO:megatron.core.timers:(min, max) time across ranks (ms):
+        [rank1]: Traceback (most recent call last):
+        [rank1]:   File "/tmp/megatron-lm/megatron/core/tensor_parallel/layers.py", line 1071, in __init__
+        [rank1]:     raise RuntimeError(
+        [rank1]:            ^^^^^^^^^^^^
+        [rank1]: RuntimeError: ColumnParallelLinear was called with gradient_accumulation_fusion set to True
+        [rank0]:[W1201 22:42:17.230521204 ProcessGroupNCCL.cpp:1575] Warning: destroy_process_group() was not called
+        """)
+    assert _error_tail(log) == "RuntimeError: ColumnParallelLinear was called with gradient_accumulation_fusion set to True"
