@@ -235,6 +235,7 @@ class RunResult:
     error: str = ""
     dist_backend: str = ""
     skipped: int = 0
+    ended_after_failure_s: Optional[float] = None  # first rank failure seen -> every rank gone
 
     def to_json(self) -> dict:
         return {**self.spec.describe(), "status": self.status, "losses": self.losses,
@@ -308,14 +309,14 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
                "--", *args]
         procs.append(subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
-    status, failed_rank = None, None
+    status, failed_rank, failed_at = None, None, None
     deadline = t0 + timeout_s
     while status is None:
         codes = [p.poll() for p in procs]
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
-            failed_rank = bad[0]
-            grace = time.monotonic() + 5.0
+            failed_rank, failed_at = bad[0], time.monotonic()
+            grace = failed_at + 5.0
             while time.monotonic() < grace and any(p.poll() is None for p in procs):
                 time.sleep(0.2)
             status = "failed"
@@ -330,6 +331,7 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    ended_after_failure = None if failed_at is None else time.monotonic() - failed_at
     for log in logs:
         log.close()
     wall = time.monotonic() - t0
@@ -347,7 +349,7 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
             status = "refused"
     return RunResult(spec=spec, status=status, losses=parsed["losses"], grad_norms=parsed["grad_norms"],
                      wall_s=wall, error=error, dist_backend="gloo" if one_gpu and spec.world > 1 else "nccl",
-                     skipped=parsed["skipped"])
+                     skipped=parsed["skipped"], ended_after_failure_s=ended_after_failure)
 
 
 # ------------------------------------------------------------------------------------------------
