@@ -209,7 +209,8 @@ def choose_backend(module, device: torch.device):
 
 def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
     """The micro-batch's plan (cached on its PackedSeqParams), for the THD split Megatron made
-    (:mod:`gdn_cp.megatron.thd_split`: recorded by its splitter, else the config's setting)."""
+    (:mod:`gdn_cp.megatron.thd_split`: recorded by its splitter, else the config's setting, else
+    hybrid CP's whole row, else a ValueError at CP > 1)."""
     cu = packed_seq_params.cu_seqlens_q_padded
     name = "cu_seqlens_q_padded"
     if cu is None:
@@ -217,7 +218,8 @@ def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
     if cu is None:
         raise ValueError("PackedSeqParams with qkv_format='thd' needs cu_seqlens_q_padded or cu_seqlens_q")
     split, why = resolve_thd_split(
-        layer.thd_split_setting, hybrid_context_parallel=layer.hybrid_context_parallel, cu_seqlens=cu
+        layer.thd_split_setting, hybrid_context_parallel=layer.hybrid_context_parallel, cu_seqlens=cu,
+        cp=group.size(),
     )
     cache = getattr(packed_seq_params, ROUTE_CACHE_ATTR, None)
     if cache is None:

@@ -23,11 +23,20 @@ this order:
    (Megatron-LM's ``get_batch`` returns the boundaries of middle stages before it cuts anything).
    Megatron-LM's patched ``validate_args`` sets it from the flags that choose the cut
    (:func:`configure_megatron_lm_args`);
-3. otherwise ``per_document`` (``whole_row`` when ``config.hybrid_context_parallel``): the cut
-   TransformerEngine's attention assumes.
+3. otherwise, with ``config.hybrid_context_parallel``, ``whole_row``: Megatron's hybrid-CP splitter
+   always cuts each sub-sample over its ``local_cp_size`` ranks as one whole row (per-sequence
+   balancing; ``local_cp_size=1`` cuts nothing);
+4. otherwise a ValueError naming ``linear_cp_thd_split`` and its values, before any collective:
+   the cut is never guessed. At CP=1 nothing is cut, so no cut is needed.
 
 A record and an explicit setting that disagree stop the layer call with a ValueError before any
-collective. Torch is imported lazily; Megatron is never imported here.
+collective.
+
+Megatron-LM's patched ``validate_args`` calls :func:`configure_megatron_lm_args`, which also stops
+flag combinations that would train another model than CP=1 without an error: a GDN model without
+``--swiglu`` (GDN computes SiLU), and ``--dataloader-inter-document-masking`` without ``--sft`` at
+CP > 1 when the model has layers that expect every document cut in 2*cp parts (attention; see
+:func:`per_document_layers`). Torch is imported lazily; Megatron is never imported here.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ def check_thd_split_setting(value: Any, name: str = THD_SPLIT_FIELD) -> Optional
         return value
     raise ValueError(
         f"{name}={value!r} is not a THD split; set it to one of {', '.join(map(repr, THD_SPLITS))} or None "
-        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded, else {PER_DOCUMENT!r})"
+        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded; without a record, an error at CP > 1)"
     )
 
 
@@ -89,10 +98,12 @@ def recorded_split(cu_seqlens: Any) -> Optional[str]:
     return _RECORDS.get(cu_seqlens.untyped_storage())
 
 
-def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens: Any) -> tuple[str, str]:
+def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens: Any, cp: int) -> tuple[str, str]:
     """``(split, where it comes from)`` for one THD layer call (see the module docstring for the
     order). ``setting``: the config's ``linear_cp_thd_split``; ``cu_seqlens``: the boundaries tensor
-    the layer plans with. ValueError, before any collective, when a record contradicts ``setting``."""
+    the layer plans with; ``cp``: the size of the CP group the rows were cut over. ValueError,
+    before any collective, when a record contradicts ``setting``, and at ``cp > 1`` when neither a
+    record nor ``setting`` nor hybrid CP says how the rows were cut."""
     setting = check_thd_split_setting(setting)
     recorded = recorded_split(cu_seqlens)
     if recorded is not None:
@@ -106,8 +117,20 @@ def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens
     if setting is not None:
         return setting, f"TransformerConfig.{THD_SPLIT_FIELD}={setting!r}"
     if hybrid_context_parallel:
-        return WHOLE_ROW, f"{THD_SPLIT_FIELD}=None with hybrid_context_parallel=True (hybrid CP cuts whole rows)"
-    return PER_DOCUMENT, f"{THD_SPLIT_FIELD}=None: the default, {PER_DOCUMENT!r}"
+        return WHOLE_ROW, (f"{THD_SPLIT_FIELD}=None with hybrid_context_parallel=True (Megatron's hybrid-CP "
+                           "splitter cuts every sub-sample as one whole row)")
+    if cp == 1:
+        return PER_DOCUMENT, f"{THD_SPLIT_FIELD}=None at CP=1: nothing is cut"
+    raise ValueError(
+        f"TransformerConfig.{THD_SPLIT_FIELD} is None and these packed (THD) rows carry no record of "
+        f"Megatron's get_batch_on_this_cp_rank, so how they were cut over the {cp} CP ranks is unknown (gdn-cp "
+        f"does not guess: the wrong cut computes a wrong model without an error). Set {THD_SPLIT_FIELD} to "
+        f"{PER_DOCUMENT!r} if every document was cut into 2*cp parts on its own (Megatron-LM --sft; "
+        f"TransformerEngine's thd_get_partitioned_indices), or {WHOLE_ROW!r} if each packed row was cut into "
+        f"2*cp parts as one sequence (Megatron-LM --dataloader-inter-document-masking without --sft; "
+        f"get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)); or cut the rows with "
+        f"megatron.core.utils.get_batch_on_this_cp_rank, which records its cut"
+    )
 
 
 def megatron_lm_thd_split(*, sft: bool, inter_document_masking: bool, hybrid_context_parallel: bool) -> Optional[str]:
