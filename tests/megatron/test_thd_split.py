@@ -100,6 +100,86 @@ def test_megatron_lm_flags_decide_the_split(sft, idm, hcp, want):
         assert configure_megatron_lm_args(args) == WHOLE_ROW
 
 
+def _lm_args(**kw):
+    """Megatron-LM's args as the patched validate_args hands them over (the fields the hook reads)."""
+    base = dict(sft=False, dataloader_inter_document_masking=False, hybrid_context_parallel=False,
+                linear_cp_thd_split=None, context_parallel_size=1, swiglu=True, squared_relu=False, quick_geglu=False,
+                hybrid_layer_pattern=None, experimental_attention_variant=None, linear_attention_freq=None,
+                num_layers=4, spec=None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw,act", [
+    (dict(hybrid_layer_pattern="G-G-*-"), "gelu"),
+    (dict(hybrid_layer_pattern="*-|G-/G-", squared_relu=True), "squared_relu"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4), "gelu"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4, quick_geglu=True), "quick_gelu"),
+])
+def test_megatron_lm_refuses_gdn_without_swiglu(kw, act):
+    """GDN computes SiLU; without --swiglu Megatron-LM gives the model another activation_func."""
+    with pytest.raises(ValueError) as ei:
+        configure_megatron_lm_args(_lm_args(swiglu=False, **kw))
+    msg = str(ei.value)
+    gdn = (f"--hybrid-layer-pattern {kw['hybrid_layer_pattern']!r} has gated delta net layers ('G')"
+           if "hybrid_layer_pattern" in kw else "--experimental-attention-variant gated_delta_net builds gated delta net layers")
+    assert msg.startswith(gdn + ", which compute SiLU"), msg
+    assert f"without --swiglu Megatron-LM gives the model activation_func={act}; add --swiglu" in msg, msg
+    assert configure_megatron_lm_args(_lm_args(swiglu=True, **{k: v for k, v in kw.items() if k == "hybrid_layer_pattern"
+                                                                or "linear" in k or "variant" in k})) is None
+    # no GDN layer: gdn-cp has nothing to say about the activation
+    assert configure_megatron_lm_args(_lm_args(swiglu=False, hybrid_layer_pattern="*-M-")) is None
+    assert configure_megatron_lm_args(_lm_args(swiglu=False)) is None
+
+
+@pytest.mark.parametrize("kw,layers", [
+    (dict(hybrid_layer_pattern="G-G-*-"), "--hybrid-layer-pattern 'G-G-*-': '*' attention"),
+    (dict(hybrid_layer_pattern="*-*-"), "'*' attention"),
+    (dict(hybrid_layer_pattern="G-G-/*-"), "'*' attention"),  # an MTP layer of attention
+    (dict(hybrid_layer_pattern="GDG+"), "'D' DSA attention, '+' MLA attention"),
+    (dict(hybrid_layer_pattern="G-M-"), "'M' Mamba"),
+    (dict(), "pretrain_gpt.py without --experimental-attention-variant gated_delta_net: every layer is attention"),
+    (dict(experimental_attention_variant="dsa"), "every layer is DSA attention"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4),
+     "--experimental-attention-variant gated_delta_net with --linear-attention-freq 4: standard attention at layer 4"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2, num_layers=6),
+     "standard attention at layers 2, 4, 6"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 0, 1, 1]),
+     "standard attention at layer 2"),
+    (dict(experimental_attention_variant="gated_delta_net"), "--linear-attention-freq None: which layers are attention"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=8, spec=["my.module", "my_spec"]),
+     "--spec my.module my_spec (a custom layer spec: its layers are not known here)"),
+])
+def test_megatron_lm_refuses_whole_row_cuts_at_cp_for_attention_layers(kw, layers):
+    """--dataloader-inter-document-masking without --sft cuts whole rows; attention (and Mamba) expect
+    every document cut in 2*cp parts: refused at CP > 1 with the flags that work."""
+    args = _lm_args(dataloader_inter_document_masking=True, context_parallel_size=2, **kw)
+    with pytest.raises(ValueError) as ei:
+        configure_megatron_lm_args(args)
+    msg = str(ei.value)
+    assert msg.startswith("--dataloader-inter-document-masking without --sft at --context-parallel-size 2: "), msg
+    assert "this model has layers that expect every document cut into 2*cp parts on its own (" in msg, msg
+    assert layers in msg.split("on its own (", 1)[1].split("; TransformerEngine")[0], msg
+    assert "Megatron-LM issue #6156" in msg, msg
+    assert msg.endswith("Use --sft (cuts every document into 2*cp parts), a model of gated delta net and MLP layers "
+                        "only (e.g. --hybrid-layer-pattern 'G-G-'), or --context-parallel-size 1"), msg
+    # the flags that work: --sft (per document), CP=1
+    assert configure_megatron_lm_args(_lm_args(dataloader_inter_document_masking=True, sft=True,
+                                               context_parallel_size=2, **kw)) == PER_DOCUMENT
+    assert configure_megatron_lm_args(_lm_args(dataloader_inter_document_masking=True, **kw)) == WHOLE_ROW
+
+
+@pytest.mark.parametrize("kw", [
+    dict(hybrid_layer_pattern="G-G-"), dict(hybrid_layer_pattern="GEG-|G-/G-"),
+    dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=8),  # 8 > --num-layers 4
+    dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 1, 1, 1]),
+])
+def test_gdn_only_models_keep_the_whole_row_cut(kw):
+    for cp in (2, 4):
+        args = _lm_args(dataloader_inter_document_masking=True, context_parallel_size=cp, **kw)
+        assert configure_megatron_lm_args(args) == WHOLE_ROW and args.linear_cp_thd_split == WHOLE_ROW
+
+
 def test_config_refuses_an_unknown_split(patched_megatron):
     from gdn_cp.testing.megatron_layer import make_config
 
