@@ -44,6 +44,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
+from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, THD_SPLITS, WHOLE_ROW, check_thd_split
 
 __all__ = [
@@ -161,10 +162,11 @@ def _gpt_layer_pattern(args: Any) -> Optional[list]:
     (1: GDN, 0: standard attention), as megatron-core 0.19's ``get_linear_attention_pattern`` builds
     it from ``--linear-attention-freq`` (int N: attention at every N-th layer; a list: as given), or
     None when it cannot be known here."""
-    freq, n = getattr(args, "linear_attention_freq", None), getattr(args, "num_layers", None)
+    freq = getattr(args, "linear_attention_freq", None)
     if isinstance(freq, list):
         return list(freq)
-    if isinstance(freq, bool) or not isinstance(freq, int) or freq < 1 or not isinstance(n, int):
+    freq, n = as_int(freq), as_int(getattr(args, "num_layers", None))
+    if freq is None or freq < 1 or n is None:
         return None
     return [0 if (i + 1) % freq == 0 else 1 for i in range(n)]
 
@@ -235,9 +237,9 @@ def check_megatron_lm_model(args: Any) -> None:
             f"model activation_func={act}; add --swiglu (it sets activation_func=F.silu for the whole model: the "
             "MLPs become SwiGLU, as in Qwen3-Next)"
         )
-    cp = getattr(args, "context_parallel_size", 1)
+    cp = as_int(getattr(args, "context_parallel_size", 1))
     whole_row = bool(getattr(args, "dataloader_inter_document_masking", False)) and not getattr(args, "sft", False)
-    layers = per_document_layers(args) if whole_row and isinstance(cp, int) and cp > 1 else None
+    layers = per_document_layers(args) if whole_row and cp is not None and cp > 1 else None
     if layers is not None:
         raise ValueError(
             f"--dataloader-inter-document-masking without --sft at --context-parallel-size {cp}: Megatron-LM's "
