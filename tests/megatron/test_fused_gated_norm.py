@@ -307,7 +307,6 @@ def _te_layer_cases(ctx, zero_centered_gamma):
     out_norm: the fused path (logged) against the layer's own TE norm * silu(z) (a backend without
     the fused norm), outputs and every gradient."""
     import logging
-    import types
 
     import transformer_engine.pytorch as te
 
@@ -335,9 +334,17 @@ def _te_layer_cases(ctx, zero_centered_gamma):
     cu = [0, 1000, 1000, 2500, 4096]
     x, dout = hidden_inputs(cu[-1], 1, torch.bfloat16, 7, cfg.hidden_size, ctx.device)
     fla = get_backend("fla")
-    unfused = types.SimpleNamespace(**{n: getattr(fla, n) for n in dir(fla) if not n.startswith("_")})
-    unfused.fused_gated_rms_norm = lambda: None
-    unfused.__name__ = "fla_without_fused_norm"
+
+    class Unfused:  # the FLA backend without its fused gated norm: the layer's own TE norm * silu(z)
+        __name__ = "fla_without_fused_norm"
+
+        def __getattr__(self, name):
+            return getattr(fla, name)
+
+        def fused_gated_rms_norm(self):
+            return None
+
+    unfused = Unfused()
     original = glue.choose_backend
     try:
         glue.choose_backend = lambda module, device: unfused
