@@ -72,7 +72,8 @@ def check_thd_split_setting(value: Any, name: str = THD_SPLIT_FIELD) -> Optional
         return value
     raise ValueError(
         f"{name}={value!r} is not a THD split; set it to one of {', '.join(map(repr, THD_SPLITS))} or None "
-        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded; without a record, an error at CP > 1)"
+        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded, else {WHOLE_ROW!r} with hybrid CP, "
+        f"else an error at CP > 1)"
     )
 
 
