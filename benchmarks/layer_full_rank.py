@@ -133,6 +133,7 @@ def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool):
     )
     if patched:
         kw["linear_cp_mode"] = "chunkwise"
+        kw["linear_cp_thd_split"] = "per_document"  # THD rows are cut per document here (zigzag_rows)
     return TransformerConfig(**kw)
 
 

@@ -70,7 +70,8 @@ def _rank_syncs(ctx, cp_sizes):
             mode = {"stock headwise": "headwise", "chunkwise generic": "chunkwise"}.get(path, path)
             # gdn-cp's own chunkwise exchange (async summary gather on NCCL), else the auto path
             set_chunkwise_path("generic" if path == "chunkwise generic" else None)
-            cfg = make_config(cp, mode, torch.bfloat16, **CFG)
+            # the rows are cut per document (zigzag_rows): the layer is told so
+            cfg = make_config(cp, mode, torch.bfloat16, linear_cp_thd_split="per_document", **CFG)
             first = build_gdn(cfg, group, seed=1, layer_number=1, device=ctx.device)
             second = build_gdn(cfg, group, seed=2, layer_number=2, device=ctx.device)
             params = thd_params(padded, actual, device=ctx.device)

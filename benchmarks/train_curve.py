@@ -251,7 +251,8 @@ def train_run(ctx, run_name, cfg):
     set_chunkwise_swap(swap)
     seed, steps = cfg["seed"], cfg["steps"]
 
-    config = make_config(cp, mode, torch.float32, hidden_size=cfg["hidden"], num_layers=cfg["layers"], **cfg["gdn"])
+    config = make_config(cp, mode, torch.float32, hidden_size=cfg["hidden"], num_layers=cfg["layers"],
+                         linear_cp_thd_split="per_document", **cfg["gdn"])  # the rows are cut per document
     gdns = [build_gdn(config, group, seed=seed + 1 + i, layer_number=i + 1) for i in range(cfg["layers"])]
     model = TinyGDNLM(gdns, cfg["vocab"], cfg["hidden"], cfg["mlp_hidden"], seed)
     params = [p for p in model.parameters()]

@@ -78,6 +78,12 @@ def _fake_tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _adapter(module):
+    from gdn_cp.megatron.pins.core_0_19_2 import LayerAdapter
+
+    return LayerAdapter(module)
+
+
 def _producers(tmp_path: Path, monkeypatch) -> dict:
     """Row -> a call that produces a message starting with it, through a public path."""
     import torch
@@ -112,6 +118,10 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
 
     def packed(cu):
         return types.SimpleNamespace(cu_seqlens_q_padded=torch.tensor(cu, dtype=torch.int32), cu_seqlens_q=None)
+
+    # a GatedDeltaNet of a hybrid model built with TransformerConfig's default activation (gelu)
+    hybrid_gdn = types.SimpleNamespace(act_fn=torch.nn.functional.gelu, layer_number=2)
+    monkeypatch.setattr(gdn, "layer_adapter", lambda module: _adapter(module))
 
     def recorded_contradiction():
         params = packed([0, 4, 8])
@@ -154,12 +164,25 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         "megatron-core is not importable from this Python (install it: ...)": not_importable,
         "environment variable GDN_CP_...": bad_env,
         "PackedSeqParams.cu_seqlens_q_padded (per_document split: ...): sequence ... has length ..., not "
-        "divisible by 2*cp=...": lambda: gdn._thd_plan(split_layer(None), packed([0, 3, 8]), cp2_group, 8),
+        "divisible by 2*cp=...": lambda: gdn._thd_plan(split_layer("per_document"), packed([0, 3, 8]), cp2_group, 8),
         "TransformerConfig.linear_cp_thd_split=..., but Megatron's get_batch_on_this_cp_rank cut these rows ...":
             recorded_contradiction,
         "--linear-cp-thd-split ... contradicts ...": lambda: configure_megatron_lm_args(types.SimpleNamespace(
             sft=False, dataloader_inter_document_masking=True, hybrid_context_parallel=False,
             linear_cp_thd_split="per_document")),
+        "TransformerConfig.linear_cp_thd_split is None and these packed (THD) rows carry no record of Megatron's "
+        "get_batch_on_this_cp_rank": lambda: gdn._thd_plan(split_layer(None), packed([0, 4, 8]), cp2_group, 8),
+        "TransformerConfig.activation_func=..., but gated delta net layers need SiLU":
+            lambda: configure_linear_cp_mode(types.SimpleNamespace(**dict(vars(config), linear_num_value_heads=8,
+                                                                        activation_func=torch.nn.functional.gelu))),
+        "GatedDeltaNet (layer ...): config.activation_func=..., but gated delta net layers need SiLU":
+            lambda: gdn.should_dispatch(hybrid_gdn, None),
+        "--... gated delta net layers ..., which compute SiLU (their conv and output gate), but without --swiglu ...":
+            lambda: configure_megatron_lm_args(types.SimpleNamespace(hybrid_layer_pattern="G-G-*-", swiglu=False)),
+        "--dataloader-inter-document-masking without --sft at --context-parallel-size ...: ...":
+            lambda: configure_megatron_lm_args(types.SimpleNamespace(
+                hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
+                context_parallel_size=2)),
         "--modes ... cannot run at --cp ... with --heads ...": lambda: check_job(JobConfig(modes=("headwise",),
                                                                                            cp_sizes=(8,))),
         # the first column of check_linear_cp_mode's table row (kept to show the config and the forward agree)

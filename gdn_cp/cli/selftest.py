@@ -8,7 +8,9 @@ reported) or the gradients disagree with the reference (a failed tolerance is re
 ``run_selftest(gpu=False)`` checks the reference backend in fp32 against itself in fp64 (the
 CPU path; FLA is not checked, and the report says so and why); ``run_selftest(gpu=True)`` checks
 FLA's kernels (fp32 and bf16) against the reference in fp64, and needs CUDA and
-flash-linear-attention. ``gdn-cp selftest`` runs the GPU check where both are there, else the
+flash-linear-attention; where TransformerEngine imports, it also checks the fused gated norm, with
+the weight and eps gdn-cp reads from TE's RMSNorm, against TE's own norm * silu(z) (else the report
+lists it as not checked, and why). ``gdn-cp selftest`` runs the GPU check where both are there, else the
 CPU one; ``--gpu`` insists on the GPU check (exit 2, before anything runs, where it cannot).
 
 The case builders here are shared with ``tests/gpu``; the error metrics, tolerances and version
@@ -86,7 +88,8 @@ class CaseResult:
 
 CHECKED = {
     True: "the FLA backend (float32, bfloat16) against the reference backend in float64 on the GPU: causal "
-    "conv and gated delta rule with packed sequences, a halo and initial states; outputs and gradients",
+    "conv and gated delta rule with packed sequences, a halo and initial states; outputs and gradients; the fused "
+    "gated norm, also against TransformerEngine's RMSNorm (with and without zero_centered_gamma) where TE imports",
     False: "the reference backend (plain torch) in float32 against itself in float64 on the CPU: causal conv "
     "and gated delta rule with packed sequences, a halo and initial states; outputs and gradients",
 }
@@ -250,6 +253,49 @@ def gated_norm_case(backend, *, dtype: torch.dtype, device, seed: int = 0) -> di
             **{f"d{k}": (a.grad, b.grad) for k, a, b in zip("xzw", got, ref)}}
 
 
+def transformer_engine():
+    """``(transformer_engine.pytorch, None)``, or ``(None, why not)`` (not installed, does not import)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None, "TransformerEngine is not installed"
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as exc:  # noqa: BLE001 - any import failure: not checked, with the reason
+        return None, f"transformer_engine.pytorch does not import ({type(exc).__name__}: {exc})"
+    return te, None
+
+
+def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: int = 0) -> dict:
+    """The backend's fused gated norm, with the weight and eps gdn-cp reads from TransformerEngine's
+    RMSNorm (``gdn_cp.megatron.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
+    norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it; bf16: y, dx, dz, dweight."""
+    from ..megatron.pins.core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
+
+    n, d = 300, 64
+    norm = te.RMSNorm(d, eps=1e-5, zero_centered_gamma=zero_centered_gamma, params_dtype=torch.bfloat16,
+                      device=device)
+    problem = fused_rms_norm_problem(norm, d)
+    if problem is not None:
+        raise RuntimeError(f"gdn-cp does not take this TransformerEngine RMSNorm for the fused norm: {problem}")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * torch.randn(d, generator=gen) + (0.0 if zero_centered_gamma else 1.0))
+    x0, z0, dy = (torch.randn(n, d, generator=gen).to(device=device, dtype=torch.bfloat16) for _ in range(3))
+
+    def run(fn):
+        norm.weight.grad = None
+        x, z = x0.clone().requires_grad_(True), z0.clone().requires_grad_(True)
+        y = fn(x, z)
+        y.backward(dy)
+        return {"y": y.detach(), "dx": x.grad, "dz": z.grad, "dweight": norm.weight.grad.clone()}
+
+    fused = backend.fused_gated_rms_norm()
+    got = run(lambda x, z: fused(x, z, fused_rms_norm_weight(norm), fused_rms_norm_eps(norm)))
+    want = run(lambda x, z: (norm(x) * F.silu(z.float())).to(x.dtype))
+    return {k: (got[k], want[k]) for k in got}
+
+
 def compare(name: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], tolerance: float,
             seconds: float = 0.0) -> CaseResult:
     errors, max_errors = {}, {}
@@ -299,6 +345,7 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
 
     from gdn_cp.ops import fla as fla_backend
 
+    not_checked: list[str] = []
     if not torch.cuda.is_available():
         cases.append(CaseResult(name="fla/cuda", ok=False, error="CUDA is not available to torch "
                                 f"{torch.__version__}; the FLA backend needs a CUDA GPU"))
@@ -317,12 +364,20 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
             cases.append(_run_case("fla/gated_norm/bfloat16",
                                    lambda: gated_norm_case(fla_backend, dtype=torch.bfloat16, device=dev, seed=seed),
                                    FLA_VS_FP64_REL_L2["bfloat16"]))
+            te, why_not = transformer_engine()
+            if te is None:
+                not_checked.append(f"the fused gated norm against TransformerEngine's RMSNorm ({why_not})")
+            for zcg in (False, True) if te is not None else ():
+                cases.append(_run_case(
+                    f"te/gated_norm/bfloat16{'/zero_centered_gamma' if zcg else ''}",
+                    lambda zcg=zcg: te_gated_norm_case(te, fla_backend, zero_centered_gamma=zcg, device=dev, seed=seed),
+                    FLA_VS_FP64_REL_L2["bfloat16"]))
         if not fla_backend.has_cp_context():
             notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
                          "the FLA backend")
     stack = fla_backend.stack_report() if torch.cuda.is_available() else {}
     return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes,
-                          stack=stack)
+                          not_checked=not_checked, stack=stack)
 
 
 def run_selftest_command(args) -> int:

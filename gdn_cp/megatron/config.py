@@ -10,7 +10,7 @@ Who calls what:
   TP / CP (replacing stock 0.19.2's "heads divisible by TP*CP" assertion);
 * the patched ``GatedDeltaNet.forward`` calls :func:`check_linear_cp_mode` with the layer's heads,
   TP and the CP size of the call (dynamic CP groups; hybrid models, whose config never ran the
-  GDN checks);
+  GDN checks), and :func:`check_gdn_activation` on every layer's first call;
 * users may call :func:`resolve_linear_cp_mode` themselves; ``gdn-cp doctor`` calls
   :func:`explain_linear_cp_modes`.
 
@@ -39,6 +39,7 @@ from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODE_NAMES, MODES, get_mode, h
 __all__ = [
     "AUTO",
     "MODE_CHOICES",
+    "check_gdn_activation",
     "check_linear_cp_mode",
     "configure_linear_cp_mode",
     "resolve_linear_cp_mode",
@@ -142,6 +143,50 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
     return mode
 
 
+_SILU_NAMES = ("silu", "swish")  # the names FLA's conv takes for SiLU (stock passes act_fn.__name__)
+
+
+def _activation_not_silu(act: Any) -> Optional[str]:
+    """None when ``act`` computes SiLU: ``torch.nn.functional.silu`` itself, or a function named
+    ``silu`` / ``swish`` that gives SiLU's values on a probe (fp64, [-10, 10]); else the detail the
+    message adds ("" for a function that does not even claim to be SiLU)."""
+    import torch
+    import torch.nn.functional as F
+
+    if act is F.silu:
+        return None
+    name = getattr(act, "__name__", None)
+    if name not in _SILU_NAMES:
+        return ""
+    probe = torch.linspace(-10.0, 10.0, 41, dtype=torch.float64)
+    try:
+        got = act(probe)
+    except Exception as e:  # noqa: BLE001 - any failure means it is not usable as SiLU
+        return f" (named {name!r}, but it raised {type(e).__name__}: {e} on a float64 CPU tensor)"
+    if not isinstance(got, torch.Tensor) or got.shape != probe.shape or not torch.allclose(
+            got.double(), F.silu(probe), rtol=1e-6, atol=1e-9):
+        return f" (named {name!r}, but it does not compute SiLU)"
+    return None
+
+
+def check_gdn_activation(act: Any, *, owner: str = "TransformerConfig.") -> None:
+    """ValueError unless ``act`` (``TransformerConfig.activation_func``, a GDN layer's ``act_fn``)
+    computes SiLU. A GDN layer applies it after its conv and to its output gate; the kernels
+    (FLA's conv and fused gated norm, gdn-cp's modes) compute SiLU whatever the config says, and
+    stock megatron-core 0.19.2 asserts ``activation in ['silu', 'swish']`` at run time, so any
+    other activation would make some path compute something else than the configured model.
+    ``owner`` starts the message (the field's owner, e.g. ``"TransformerConfig."``)."""
+    why = _activation_not_silu(act)
+    if why is None:
+        return
+    name = getattr(act, "__name__", None) or repr(act)
+    raise ValueError(
+        f"{owner}activation_func={name}{why}, but gated delta net layers need SiLU: their conv and output gate "
+        "compute SiLU (FLA's kernels, gdn-cp's modes), so another activation would not be the configured one. "
+        "Fix: Megatron-LM: add --swiglu; Python: TransformerConfig(..., activation_func=torch.nn.functional.silu)."
+    )
+
+
 def _auto_choice(k: int, v: int, tp: int, cp: int) -> tuple[str, str]:
     """``auto``: the first legal mode in the registry's ``auto_rank`` order. Returns ``(mode,
     reason)``; a pure function of the sizes (a few integer checks)."""
@@ -214,12 +259,15 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
     * the config builds GDN layers (``experimental_attention_variant='gated_delta_net'``, where
       stock 0.19.2 checks the heads against TP*CP): ``"auto"`` is resolved here, once, with the
       config's own heads, TP and CP (logged; see :func:`resolve_linear_cp_mode`), the field is
-      set to the result, and the heads are checked against the mode (ValueError with the fix);
+      set to the result, the heads are checked against the mode, and ``activation_func`` must be
+      SiLU (:func:`check_gdn_activation`) (ValueError with the fix);
     * a hybrid model (``is_hybrid_model``): its layer pattern, which the config does not see,
       decides whether there are GDN layers. ``"auto"`` is resolved (logged) when some mode is
       legal for the config's heads; when none is, the field keeps ``"auto"`` and the first GDN
       layer's forward, if there is one, raises with the reason. Each GDN layer's forward checks
-      the heads against the mode (:func:`check_linear_cp_mode`);
+      the heads against the mode (:func:`check_linear_cp_mode`) and the activation
+      (:func:`check_gdn_activation`; Megatron-LM's patched ``validate_args`` checks it earlier from
+      ``--hybrid-layer-pattern``);
     * any other config builds no GDN layer: only the mode's name is checked (a typo still
       fails); nothing is resolved, checked against the heads or logged.
 
@@ -251,6 +299,7 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
         adapter.set_linear_cp_mode(config, mode)
     if f.builds_gdn:
         check_linear_cp_mode(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
+        check_gdn_activation(f.activation)
     return mode
 
 

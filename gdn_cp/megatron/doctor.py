@@ -1,7 +1,9 @@
 """`gdn-cp doctor`: what is installed, whether Megatron-Core is patched, and which mode fits.
 
 Reads versions from package metadata without importing megatron.core (its import is slow and
-noisy) or torch (the doctor must also run, and say so, where torch is missing), finds the patch
+noisy), TransformerEngine or torch (the doctor must also run, and say so, where torch is missing);
+on a GPU machine the FLA stack lines say which gated norm a layer takes (FLA's fused kernel for
+torch's and TransformerEngine's RMSNorm, the layer's own norm otherwise). Finds the patch
 state and the release the files match (by sha256) through :mod:`gdn_cp.megatron.patching`, and
 for a head shape lists the ``linear_cp_mode`` values of the registry (:mod:`gdn_cp.modes.spec`),
 whether each is legal and what ``auto`` picks, with reasons.
@@ -25,6 +27,20 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
+
+
+# TransformerEngine's distributions: the meta package, its CUDA builds, its torch extension
+_TE_DISTS = ("transformer-engine", "transformer-engine-cu13", "transformer-engine-cu12", "transformer-engine-torch")
+
+
+def _te_version() -> str:
+    """TransformerEngine's version from package metadata (never imported: on a CPU machine its
+    import is slow or fails), naming the distribution when it is not the meta package."""
+    for dist in _TE_DISTS:
+        version = _version(dist)
+        if version != "not installed":
+            return version if dist == _TE_DISTS[0] else f"{version} ({dist})"
+    return "not installed"
 
 
 def _gpus() -> tuple[list[str], Optional[str]]:
@@ -79,6 +95,7 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
             "flash-linear-attention": _version("flash-linear-attention"),
             "fla-core": _version("fla-core"),
             "triton": _version("triton"),
+            "transformer-engine": _te_version(),
         },
         "gpus": gpus,
         "gpu_note": gpu_note,

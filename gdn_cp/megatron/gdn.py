@@ -53,7 +53,8 @@ _SWAP_ATTR = "_gdn_cp_swap_points"  # chunkwise swap point per (setting, hidden 
 _SBHD_PLANS_ATTR = "_gdn_cp_sbhd_plans"
 _VALIDATED_ATTR = "_gdn_cp_validated_modes"  # (mode, tp, cp) already checked on this layer
 _DISJOINT_ATTR = "_gdn_cp_cp_groups_disjoint_from_tp"  # id(CP group) -> the group, checked against TP
-_NORM_ATTR = "_gdn_cp_gated_norm"  # backend name -> the fused gated norm (weight, eps, fn) or None
+_NORM_ATTR = "_gdn_cp_gated_norm"  # (backend name, out_norm hooked) -> the fused gated norm (fn, eps) or None
+_ACTIVATION_ATTR = "_gdn_cp_checked_activation"  # the act_fn found to be SiLU on this layer
 
 
 @lru_cache(maxsize=None)
@@ -131,11 +132,16 @@ def should_dispatch(module, packed_seq_params) -> bool:
     dynamic group has a single rank: the stock code below the hand-over would use the static
     group (``self.cp_size``, ``pg_collection.cp``); gdn-cp runs such a micro-batch without CP.
 
-    It also installs, on the first call, the TP gradient sum of ``out_norm``
-    (:mod:`gdn_cp.megatron.tp_grads`): this is the one gdn-cp function every forward of the
-    patched layer runs, so the stock path (CP=1 SBHD) gets the fix too.
+    This is the one gdn-cp function every forward of the patched layer runs (the stock CP=1 SBHD
+    path too), so it also refuses, before any collective, an activation other than SiLU (GDN's
+    conv and gate compute SiLU: :func:`gdn_cp.megatron.config.check_gdn_activation`; a hybrid
+    model's config never sees its pattern, so its GDN layers are checked here), and installs, on
+    the first call, the TP gradient sum of ``out_norm`` (:mod:`gdn_cp.megatron.tp_grads`).
     """
     layer = layer_adapter(module)
+    if layer.layer.__dict__.get(_ACTIVATION_ATTR) is not layer.activation:
+        _config.check_gdn_activation(layer.activation, owner=f"GatedDeltaNet (layer {layer.layer_number}): config.")
+        layer.layer.__dict__[_ACTIVATION_ATTR] = layer.activation
     install_tp_grad_sum(layer)
     if _is_thd(packed_seq_params):
         return True
@@ -203,7 +209,8 @@ def choose_backend(module, device: torch.device):
 
 def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
     """The micro-batch's plan (cached on its PackedSeqParams), for the THD split Megatron made
-    (:mod:`gdn_cp.megatron.thd_split`: recorded by its splitter, else the config's setting)."""
+    (:mod:`gdn_cp.megatron.thd_split`: recorded by its splitter, else the config's setting, else
+    hybrid CP's whole row, else a ValueError at CP > 1)."""
     cu = packed_seq_params.cu_seqlens_q_padded
     name = "cu_seqlens_q_padded"
     if cu is None:
@@ -211,7 +218,8 @@ def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
     if cu is None:
         raise ValueError("PackedSeqParams with qkv_format='thd' needs cu_seqlens_q_padded or cu_seqlens_q")
     split, why = resolve_thd_split(
-        layer.thd_split_setting, hybrid_context_parallel=layer.hybrid_context_parallel, cu_seqlens=cu
+        layer.thd_split_setting, hybrid_context_parallel=layer.hybrid_context_parallel, cu_seqlens=cu,
+        cp=group.size(),
     )
     cache = getattr(packed_seq_params, ROUTE_CACHE_ATTR, None)
     if cache is None:
@@ -250,21 +258,22 @@ def _core_shape(layer) -> GDNShape:
 def _fused_gated_norm(layer, backend):
     """``(fn, weight, eps)``: the backend's fused gated RMSNorm for this layer, or None when the
     backend has none or the layer's gated norm is not plain RMSNorm * silu. Decided once per
-    (layer, backend) and logged."""
+    (layer, backend, whether out_norm has forward hooks now) and logged."""
     choices = layer.layer.__dict__.setdefault(_NORM_ATTR, {})
-    name = getattr(backend, "__name__", type(backend).__name__)
+    # out_norm's forward hooks come and go (Megatron DDP's param-gather pre-hooks): decided per state
+    name = (getattr(backend, "__name__", type(backend).__name__), layer.out_norm_hooked)
     if name not in choices:
         make = getattr(backend, "fused_gated_rms_norm", None)
         fn = make() if make is not None else None
         weight, eps, why = layer.plain_rms_gated_norm() if fn is not None else (None, None, None)
         if fn is None:
-            why = f"the {name} backend has no fused gated RMSNorm"
+            why = f"the {name[0]} backend has no fused gated RMSNorm"
         choices[name] = None if weight is None else (fn, eps)
         logger.info("GatedDeltaNet layer %s gated norm: %s", layer.layer_number,
                     "the backend's fused RMSNorm * silu(z) kernel" if weight is not None
                     else f"the layer's own out_norm * act(z) ({why})")
     entry = choices[name]
-    return None if entry is None else (entry[0], layer.layer.out_norm.weight, entry[1])
+    return None if entry is None else (entry[0], layer.gated_norm_weight(), entry[1])
 
 
 def _gated_norm_to_rows(layer, core_out, gate, batch: int, thd: bool, fused=None):

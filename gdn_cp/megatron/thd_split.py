@@ -23,11 +23,20 @@ this order:
    (Megatron-LM's ``get_batch`` returns the boundaries of middle stages before it cuts anything).
    Megatron-LM's patched ``validate_args`` sets it from the flags that choose the cut
    (:func:`configure_megatron_lm_args`);
-3. otherwise ``per_document`` (``whole_row`` when ``config.hybrid_context_parallel``): the cut
-   TransformerEngine's attention assumes.
+3. otherwise, with ``config.hybrid_context_parallel``, ``whole_row``: Megatron's hybrid-CP splitter
+   always cuts each sub-sample over its ``local_cp_size`` ranks as one whole row (per-sequence
+   balancing; ``local_cp_size=1`` cuts nothing);
+4. otherwise a ValueError naming ``linear_cp_thd_split`` and its values, before any collective:
+   the cut is never guessed. At CP=1 nothing is cut, so no cut is needed.
 
 A record and an explicit setting that disagree stop the layer call with a ValueError before any
-collective. Torch is imported lazily; Megatron is never imported here.
+collective.
+
+Megatron-LM's patched ``validate_args`` calls :func:`configure_megatron_lm_args`, which also stops
+flag combinations that would train another model than CP=1 without an error: a GDN model without
+``--swiglu`` (GDN computes SiLU), and ``--dataloader-inter-document-masking`` without ``--sft`` at
+CP > 1 when the model has layers that expect every document cut in 2*cp parts (attention; see
+:func:`per_document_layers`). Torch is imported lazily; Megatron is never imported here.
 """
 
 from __future__ import annotations
@@ -35,13 +44,16 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
+from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, THD_SPLITS, WHOLE_ROW, check_thd_split
 
 __all__ = [
     "THD_SPLIT_FIELD",
     "check_thd_split_setting",
+    "check_megatron_lm_model",
     "configure_megatron_lm_args",
     "megatron_lm_thd_split",
+    "per_document_layers",
     "record_split",
     "recorded_split",
     "resolve_thd_split",
@@ -60,7 +72,8 @@ def check_thd_split_setting(value: Any, name: str = THD_SPLIT_FIELD) -> Optional
         return value
     raise ValueError(
         f"{name}={value!r} is not a THD split; set it to one of {', '.join(map(repr, THD_SPLITS))} or None "
-        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded, else {PER_DOCUMENT!r})"
+        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded, else {WHOLE_ROW!r} with hybrid CP, "
+        f"else an error at CP > 1)"
     )
 
 
@@ -89,10 +102,12 @@ def recorded_split(cu_seqlens: Any) -> Optional[str]:
     return _RECORDS.get(cu_seqlens.untyped_storage())
 
 
-def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens: Any) -> tuple[str, str]:
+def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens: Any, cp: int) -> tuple[str, str]:
     """``(split, where it comes from)`` for one THD layer call (see the module docstring for the
     order). ``setting``: the config's ``linear_cp_thd_split``; ``cu_seqlens``: the boundaries tensor
-    the layer plans with. ValueError, before any collective, when a record contradicts ``setting``."""
+    the layer plans with; ``cp``: the size of the CP group the rows were cut over. ValueError,
+    before any collective, when a record contradicts ``setting``, and at ``cp > 1`` when neither a
+    record nor ``setting`` nor hybrid CP says how the rows were cut."""
     setting = check_thd_split_setting(setting)
     recorded = recorded_split(cu_seqlens)
     if recorded is not None:
@@ -106,8 +121,20 @@ def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens
     if setting is not None:
         return setting, f"TransformerConfig.{THD_SPLIT_FIELD}={setting!r}"
     if hybrid_context_parallel:
-        return WHOLE_ROW, f"{THD_SPLIT_FIELD}=None with hybrid_context_parallel=True (hybrid CP cuts whole rows)"
-    return PER_DOCUMENT, f"{THD_SPLIT_FIELD}=None: the default, {PER_DOCUMENT!r}"
+        return WHOLE_ROW, (f"{THD_SPLIT_FIELD}=None with hybrid_context_parallel=True (Megatron's hybrid-CP "
+                           "splitter cuts every sub-sample as one whole row)")
+    if cp == 1:
+        return PER_DOCUMENT, f"{THD_SPLIT_FIELD}=None at CP=1: nothing is cut"
+    raise ValueError(
+        f"TransformerConfig.{THD_SPLIT_FIELD} is None and these packed (THD) rows carry no record of "
+        f"Megatron's get_batch_on_this_cp_rank, so how they were cut over the {cp} CP ranks is unknown (gdn-cp "
+        f"does not guess: the wrong cut computes a wrong model without an error). Set {THD_SPLIT_FIELD} to "
+        f"{PER_DOCUMENT!r} if every document was cut into 2*cp parts on its own (Megatron-LM --sft; "
+        f"TransformerEngine's thd_get_partitioned_indices), or {WHOLE_ROW!r} if each packed row was cut into "
+        f"2*cp parts as one sequence (Megatron-LM --dataloader-inter-document-masking without --sft; "
+        f"get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)); or cut the rows with "
+        f"megatron.core.utils.get_batch_on_this_cp_rank, which records its cut"
+    )
 
 
 def megatron_lm_thd_split(*, sft: bool, inter_document_masking: bool, hybrid_context_parallel: bool) -> Optional[str]:
@@ -122,11 +149,117 @@ def megatron_lm_thd_split(*, sft: bool, inter_document_masking: bool, hybrid_con
     return None
 
 
+# Megatron's hybrid layer symbols (megatron/core/models/hybrid/hybrid_layer_allocation.py, Symbols,
+# core_v0.19.x): "G" gated delta net, "-" MLP and "E" MoE act per token or know the whole-row cut;
+# these expect every document of a packed row cut in 2*cp parts on its own (TransformerEngine's THD
+# attention under CP; Mamba's CP reorders THD rows with thd_get_partitioned_indices). "|" and "/"
+# separate pipeline stages and MTP patterns.
+_HYBRID_GDN = "G"
+_HYBRID_PER_DOCUMENT = {"*": "attention", "D": "DSA attention", "+": "MLA attention", "M": "Mamba"}
+
+
+def _gpt_layer_pattern(args: Any) -> Optional[list]:
+    """pretrain_gpt.py's per-layer pattern for ``--experimental-attention-variant gated_delta_net``
+    (1: GDN, 0: standard attention), as megatron-core 0.19's ``get_linear_attention_pattern`` builds
+    it from ``--linear-attention-freq`` (int N: attention at every N-th layer; a list: as given), or
+    None when it cannot be known here."""
+    freq = getattr(args, "linear_attention_freq", None)
+    if isinstance(freq, list):
+        return list(freq)
+    freq, n = as_int(freq), as_int(getattr(args, "num_layers", None))
+    if freq is None or freq < 1 or n is None:
+        return None
+    return [0 if (i + 1) % freq == 0 else 1 for i in range(n)]
+
+
+def per_document_layers(args: Any) -> Optional[str]:
+    """What in the Megatron-LM model of ``args`` expects every packed document cut into 2*cp parts
+    on its own (attention layers, Mamba), as a phrase naming the flags that say so; None for a
+    model of gated delta net, MLP and MoE layers alone.
+
+    ``pretrain_hybrid.py`` (``--hybrid-layer-pattern``): the pattern's symbols (``*`` attention,
+    ``D`` DSA, ``+`` MLA, ``M`` Mamba). ``pretrain_gpt.py``: every layer is attention, unless
+    ``--experimental-attention-variant gated_delta_net`` with a ``--linear-attention-freq`` that
+    leaves no standard-attention layer (e.g. an int above ``--num-layers``, or a list of 1s;
+    MTP layers take the last layer's spec); a custom ``--spec`` is not looked into (taken as
+    attention)."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        found = [f"{sym!r} {name}" for sym, name in _HYBRID_PER_DOCUMENT.items() if sym in pattern]
+        return f"--hybrid-layer-pattern {pattern!r}: {', '.join(found)}" if found else None
+    if getattr(args, "spec", None):
+        return "--spec " + " ".join(map(str, args.spec)) + " (a custom layer spec: its layers are not known here)"
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant != "gated_delta_net":
+        kind = "DSA attention" if variant == "dsa" else "attention"
+        return f"pretrain_gpt.py without --experimental-attention-variant gated_delta_net: every layer is {kind}"
+    layers = _gpt_layer_pattern(args)
+    freq = getattr(args, "linear_attention_freq", None)
+    if layers is None:
+        return f"--linear-attention-freq {freq!r}: which layers are attention is not known here"
+    attention = [i + 1 for i, kind in enumerate(layers) if kind == 0]
+    if not attention:
+        return None
+    return (f"--experimental-attention-variant gated_delta_net with --linear-attention-freq {freq!r}: standard "
+            f"attention at layer{'s' if len(attention) > 1 else ''} {', '.join(map(str, attention))}")
+
+
+def _has_gdn_layers(args: Any) -> Optional[str]:
+    """The flags that put gated delta net layers into the Megatron-LM model of ``args``, or None."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None:
+        return f"--hybrid-layer-pattern {pattern!r} has gated delta net layers ({_HYBRID_GDN!r})" \
+            if _HYBRID_GDN in pattern else None
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        return "--experimental-attention-variant gated_delta_net builds gated delta net layers"
+    return None
+
+
+def check_megatron_lm_model(args: Any) -> None:
+    """ValueError for Megatron-LM flags that would train another model than the one asked for,
+    without an error (called by :func:`configure_megatron_lm_args`, before anything is built):
+
+    * gated delta net layers without ``--swiglu``: Megatron-LM then gives the model
+      ``activation_func=gelu`` (or squared ReLU / quick GELU), while GDN computes SiLU;
+    * ``--dataloader-inter-document-masking`` without ``--sft`` at ``--context-parallel-size`` > 1
+      in a model with layers that expect the per-document cut (:func:`per_document_layers`):
+      Megatron-LM's ``get_batch`` then cuts each packed row whole (``use_per_sequence_balancing=
+      True``), while TransformerEngine's THD attention under CP expects every document cut in
+      2*cp parts (upstream Megatron-LM issue #6156: the flag is not supported with CP > 1).
+      Measured on one H200 (TE 2.20.2, 6 iterations): loss 3.2-3.5% off CP=1 for ``G-G-*-`` and
+      ``*-*-``, while the GDN-only ``G-G-`` stays on CP=1's; GDN-only models keep the whole-row path.
+    """
+    gdn = _has_gdn_layers(args)
+    if gdn is not None and not getattr(args, "swiglu", False):
+        act = ("squared_relu" if getattr(args, "squared_relu", False)
+               else "quick_gelu" if getattr(args, "quick_geglu", False) else "gelu")
+        raise ValueError(
+            f"{gdn}, which compute SiLU (their conv and output gate), but without --swiglu Megatron-LM gives the "
+            f"model activation_func={act}; add --swiglu (it sets activation_func=F.silu for the whole model: the "
+            "MLPs become SwiGLU, as in Qwen3-Next)"
+        )
+    cp = as_int(getattr(args, "context_parallel_size", 1))
+    whole_row = bool(getattr(args, "dataloader_inter_document_masking", False)) and not getattr(args, "sft", False)
+    layers = per_document_layers(args) if whole_row and cp is not None and cp > 1 else None
+    if layers is not None:
+        raise ValueError(
+            f"--dataloader-inter-document-masking without --sft at --context-parallel-size {cp}: Megatron-LM's "
+            "get_batch then cuts each packed row into 2*cp parts as one sequence (use_per_sequence_balancing=True), "
+            f"but this model has layers that expect every document cut into 2*cp parts on its own ({layers}; "
+            "TransformerEngine's THD attention and Mamba cut per document under CP; upstream Megatron-LM issue #6156: "
+            "the flag is not supported with CP > 1), so CP > 1 would train another model than CP=1 without an error. Use --sft (cuts every "
+            "document into 2*cp parts), a model of gated delta net and MLP layers only (e.g. --hybrid-layer-pattern "
+            "'G-G-'), or --context-parallel-size 1"
+        )
+
+
 def configure_megatron_lm_args(args: Any) -> Optional[str]:
-    """The patched ``megatron.training.arguments.validate_args`` hook: sets
-    ``args.linear_cp_thd_split`` from ``--sft``, ``--dataloader-inter-document-masking`` and
-    ``--hybrid-context-parallel`` (where they make a THD cut), so every pipeline stage's GDN layers
-    know the cut; ValueError when ``--linear-cp-thd-split`` contradicts them. Returns the value set."""
+    """The patched ``megatron.training.arguments.validate_args`` hook: refuses the flag combinations
+    of :func:`check_megatron_lm_model`, then sets ``args.linear_cp_thd_split`` from ``--sft``,
+    ``--dataloader-inter-document-masking`` and ``--hybrid-context-parallel`` (where they make a THD
+    cut), so every pipeline stage's GDN layers know the cut; ValueError when
+    ``--linear-cp-thd-split`` contradicts them. Returns the value set."""
+    check_megatron_lm_model(args)
     given = check_thd_split_setting(getattr(args, THD_SPLIT_FIELD, None), "--linear-cp-thd-split")
     flags = {
         "sft": bool(getattr(args, "sft", False)),

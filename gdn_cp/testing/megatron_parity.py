@@ -21,7 +21,7 @@ from .packings import document_packings, thd_case, zigzag_rows
 
 __all__ = [
     "GPU_CFG", "HIDDEN", "MODES", "SBHD_BATCH", "case_inputs", "compare", "cp1_answer", "parity_case", "sbhd_len",
-    "tp_grid_case", "tp_parity_case",
+    "thd_split_cfg", "tp_grid_case", "tp_parity_case",
 ]
 
 MODES = MODE_NAMES
@@ -57,7 +57,8 @@ def case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device, sbhd_batc
     rank's global rows (zigzag) and ``psp(**dynamic_cp_fields)`` -> its PackedSeqParams (SBHD: None
     unless fields are given).
 
-    ``layout``: ``"sbhd"``; ``"thd"`` (cut per document: :func:`thd_case`); ``"thd_whole_row"``
+    ``layout``: ``"sbhd"``; ``"thd"`` (cut per document: :func:`thd_case`; the parity cases tell the
+    layer with ``linear_cp_thd_split='per_document'``, see :func:`thd_split_cfg`); ``"thd_whole_row"``
     (documents of odd lengths, the row cut whole: Megatron's inter-document masking; the layer must
     be told, by ``linear_cp_thd_split='whole_row'`` or a record of Megatron's splitter).
     ``sbhd_batch``: B of the SBHD case (1: the rows of every rank are one zigzag-cut stream)."""
@@ -77,6 +78,16 @@ def case_inputs(layout, cp, cp_rank, dtype, data_seed, hidden, device, sbhd_batc
     else:
         raise ValueError(f"layout must be 'sbhd', 'thd' or 'thd_whole_row', got {layout!r}")
     return x, dout, rows, psp
+
+
+def thd_split_cfg(layout: str, cfg=None) -> dict:
+    """``cfg`` with ``linear_cp_thd_split='per_document'`` added for the ``"thd"`` layout, whose rows
+    this toolkit cuts per document itself (no record of Megatron's splitter: the layer must be told,
+    it never guesses); other layouts, and a ``cfg`` that sets the field, are left as they are."""
+    cfg = dict(cfg or {})
+    if layout == "thd":
+        cfg.setdefault("linear_cp_thd_split", "per_document")
+    return cfg
 
 
 def cp1_answer(base, layout, dtype, x, dout, psp):
@@ -112,7 +123,7 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     cp_group = groups["world"] if cp_group is None else cp_group
     cp, cp_rank = cp_group.size(), cp_group.rank()
     static_group = groups["world"] if dynamic else cp_group
-    cfg = cfg or {}
+    cfg = thd_split_cfg(layout, cfg)
     if spec == "te":  # TransformerEngine's modules are built on the GPU, as in training
         cfg = dict(cfg, use_cpu_initialization=False)
     build = partial(build_gdn, seed=seed, bias=bias, conv_bias=conv_bias, device=device, spec=spec)
@@ -159,7 +170,7 @@ def tp_parity_case(layout, dtype, modes, *, tp_group, cp_group, static_cp_group=
     groups = rank_groups()
     static_cp_group = cp_group if static_cp_group is None else static_cp_group
     tp, cp, cp_rank = tp_group.size(), cp_group.size(), cp_group.rank()
-    cfg = dict(cfg or {})
+    cfg = thd_split_cfg(layout, cfg)
     hidden = cfg.get("hidden_size", DIMS["hidden_size"])
     build = partial(build_gdn, seed=seed, bias=bias, conv_bias=conv_bias, device=device)
 

@@ -118,10 +118,13 @@ def test_configure_hook(mode, k, v, tp, cp, variant, hybrid):
     """The patched TransformerConfig's hook (README "Using it with Megatron-Core"): a config that
     builds GDN layers is checked and auto resolved (to a legal mode, stored on the config); a hybrid
     model has auto resolved where some mode is legal and kept otherwise (its GDN layers check);
-    any other config only refuses unknown modes."""
+    any other config only refuses unknown modes. (The activation must be SiLU: test_activation.py.)"""
+    import torch.nn.functional as F
+
     config = types.SimpleNamespace(
         linear_cp_mode=mode, linear_num_key_heads=k, linear_num_value_heads=v, tensor_model_parallel_size=tp,
         context_parallel_size=cp, experimental_attention_variant=variant, is_hybrid_model=hybrid,
+        activation_func=F.silu,
     )
     values = dict(num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
     result = outcome(lambda: configure_linear_cp_mode(config))

@@ -44,7 +44,11 @@ _ABSENT = object()  # a config without the linear_cp_mode field
 
 
 def _config(mode="headwise", k=16, v=32, tp=1, cp=2, variant="gated_delta_net", **extra):
-    """A stand-in TransformerConfig carrying the fields the hook reads."""
+    """A stand-in TransformerConfig carrying the fields the hook reads (activation_func: SiLU, unless
+    ``extra`` says otherwise)."""
+    import torch.nn.functional as F
+
+    extra.setdefault("activation_func", F.silu)
     fields = dict(
         linear_num_key_heads=k, linear_num_value_heads=v, tensor_model_parallel_size=tp,
         context_parallel_size=cp, experimental_attention_variant=variant, **extra,

@@ -70,3 +70,29 @@ def test_cli_refuses_non_positive_sizes(capsys):
     except SystemExit as e:
         assert e.code == 2
     assert "argument --cp: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_doctor_says_whether_transformer_engine_is_there(monkeypatch):
+    """TransformerEngine's version from package metadata, never imported ("not installed" without)."""
+    import importlib.metadata
+    import sys
+
+    from gdn_cp.megatron import doctor
+
+    real = importlib.metadata.version
+    installed = {}
+
+    def version(dist):
+        if dist in installed:
+            return installed[dist]
+        if dist.startswith("transformer-engine"):
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(doctor.importlib.metadata, "version", version)
+    assert "  transformer-engine       not installed" in _run()[1]
+    installed["transformer-engine-cu13"] = "2.20.2"
+    assert "  transformer-engine       2.20.2 (transformer-engine-cu13)" in _run()[1]
+    installed["transformer-engine"] = "2.20.2"
+    assert "  transformer-engine       2.20.2\n" in _run()[1]
+    assert "transformer_engine" not in sys.modules

@@ -18,8 +18,8 @@ no packing flag -> SBHD). Modes: headwise, chunkwise with its swap at hidden_sta
 6 value heads: headwise is illegal at CP=4 there and must be refused with a ValueError.
 
 The mutation check: whole-row rows whose documents all divide by 2*cp, read as per-document rows
-(PackedSeqParams from copies of the boundaries, no ``linear_cp_thd_split``), pass every check
-of the layer and give a wrong model; the comparison must see it.
+(PackedSeqParams from copies of the boundaries, ``linear_cp_thd_split='per_document'``: the wrong
+setting), pass every check of the layer and give a wrong model; the comparison must see it.
 """
 
 from __future__ import annotations
@@ -387,8 +387,11 @@ def _unrecorded(psp):
 # name -> (document lengths, Megatron strategy, copy the boundaries, linear_cp_thd_split, modes)
 SPLIT_CASES = {
     # the mutation: whole-row rows read as per-document rows (every document divides by 2*cp)
-    "whole_row_read_per_document": ([12, 4, 20, 12], "whole_row", True, None, MODES),
-    "whole_row_unrecorded_odd": ([17, 9, 22], "whole_row", True, None, ("chunkwise",)),
+    "whole_row_read_per_document": ([12, 4, 20, 12], "whole_row", True, "per_document", MODES),
+    # no record, no setting: refused, never guessed (documents that could be cut either way)
+    "whole_row_unrecorded_unset": ([12, 4, 20, 12], "whole_row", True, None, ("chunkwise",)),
+    "per_document_unrecorded_unset": ([12, 4, 20, 12], "per_document", True, None, ("headwise",)),
+    "whole_row_unrecorded_odd": ([17, 9, 22], "whole_row", True, "per_document", ("chunkwise",)),
     "whole_row_unrecorded_set": ([17, 9, 22], "whole_row", True, "whole_row", MODES),
     "per_document_unrecorded_set": ([12, 4, 20, 12], "per_document", True, "per_document", ("chunkwise",)),
     "whole_row_recorded_contradicted": ([12, 4, 20, 12], "whole_row", False, "per_document", ("chunkwise",)),
@@ -430,9 +433,9 @@ def _split_cases(ctx) -> dict:
 
 def test_thd_split_without_a_record(patched_megatron, rank_pool):
     """PackedSeqParams built from copies of the boundaries carry no record of Megatron's cut: the
-    layer takes ``linear_cp_thd_split`` (None: per document). Whole-row rows whose documents all
-    divide by 2*cp then give a wrong model without an error: the comparison must see it (the
-    mutation check: per-token loss off by 29-39% here, gradients by
+    layer takes ``linear_cp_thd_split``, and refuses naming it when it is None. Whole-row rows whose
+    documents all divide by 2*cp, set per_document, give a wrong model without an error: the
+    comparison must see it (the mutation check: per-token loss off by 29-39% here, gradients by
     more). A document that cannot be cut per document is
     refused naming the field; the field set to whole_row gives the CP=1 answer; a field that
     contradicts Megatron's recorded cut is refused naming it."""
@@ -450,6 +453,9 @@ def test_thd_split_without_a_record(patched_megatron, rank_pool):
                     bad.append(f"{where}: {over}")
             elif not (isinstance(got, str) and got.startswith("ValueError") and "linear_cp_thd_split" in got):
                 bad.append(f"{where}: expected a ValueError naming linear_cp_thd_split, got {got}")
+            elif case.endswith("_unset") and "linear_cp_thd_split is None and these packed (THD) rows carry no " \
+                    "record" not in got:
+                bad.append(f"{where}: expected the unset-split error, got {got}")
     assert not bad, "\n".join(bad)
     mutation = [r[("whole_row_read_per_document", m)]["loss"] for r in results for m in MODES]
     print(f"whole-row rows read per document: loss max_rel {min(mutation):.3g} .. {max(mutation):.3g}")

@@ -39,6 +39,8 @@ from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
 pytestmark = pytest.mark.megatron
 
 ODD_HEADS = dict(linear_num_key_heads=3, linear_num_value_heads=6)
+# _local_thd cuts every document into 2*cp parts itself (no record of Megatron's splitter): say so
+PER_DOC = dict(linear_cp_thd_split="per_document")
 
 
 def _worst(results, key=None):
@@ -86,7 +88,7 @@ def _odd_heads(ctx):
 
     # The forward checks too (hybrid models never run the config's gated_delta_net checks).
     # Only rank 0 calls: a collective before the check would hang this case.
-    module = build_gdn(make_config(world, "chunkwise", torch.float64, **ODD_HEADS), rank_groups()["world"])
+    module = build_gdn(make_config(world, "chunkwise", torch.float64, **ODD_HEADS, **PER_DOC), rank_groups()["world"])
     cu_pad, cu_act, x, _ = _local_thd(world, rank, torch.float64)
     errors = {}
     if rank == 0:
@@ -203,7 +205,7 @@ def _route_cache(ctx):
     cu_pad, cu_act, x, dout = _local_thd(world, rank, torch.float64)
     out = {}
     for mode in MODES:
-        cfg = make_config(world, mode, torch.float64)
+        cfg = make_config(world, mode, torch.float64, **PER_DOC)
         layer1 = build_gdn(cfg, group, seed=1, layer_number=1)
         layer2 = build_gdn(cfg, group, seed=2, layer_number=2)
         psp = thd_params(cu_pad, cu_act)
@@ -270,17 +272,17 @@ def _recompute(ctx):
             psp = lambda: None  # noqa: E731
         for mode in MODES:
             rec = {}
-            plain = build_gdn(make_config(world, mode, torch.float64), group)
+            plain = build_gdn(make_config(world, mode, torch.float64, **PER_DOC), group)
             want = run_layer(plain, x, dout, psp())
 
-            sel = build_gdn(make_config(world, mode, torch.float64, **selective), group)
+            sel = build_gdn(make_config(world, mode, torch.float64, **selective, **PER_DOC), group)
             assert sel.recompute_norm_out
             got = run_layer(sel, x, dout, psp())
             rec["selective_bitwise"] = _bitwise(got, want)
             rec["selective_replayed"] = sel.norm_out_checkpoint is not None and sel.norm_out_checkpoint.ctx is None
 
             # full-layer recompute, as Megatron's full recompute wraps a layer
-            full = build_gdn(make_config(world, mode, torch.float64), group)
+            full = build_gdn(make_config(world, mode, torch.float64, **PER_DOC), group)
             p = psp()
             x_leaf = x.clone().requires_grad_(True)
             y = tensor_parallel.checkpoint(lambda h: full(h, None, packed_seq_params=p)[0], False, x_leaf)
@@ -333,7 +335,8 @@ def _state_dicts(ctx):
     group = rank_groups()["world"]
     cu_pad, cu_act, x, _ = _local_thd(world, rank, torch.float64)
     res = {"sd": {}, "sharded": {}, "sharded_error": None}
-    modules = {m: build_gdn(make_config(world, m, torch.float64), group, seed=3, conv_bias=True) for m in MODES}
+    modules = {m: build_gdn(make_config(world, m, torch.float64, **PER_DOC), group, seed=3, conv_bias=True)
+               for m in MODES}
     for mode, module in modules.items():
         sd = module.state_dict()
         res["sd"][mode] = {k: (tuple(v.shape), v.dtype, v.clone()) for k, v in sd.items() if torch.is_tensor(v)}
@@ -354,7 +357,7 @@ def _state_dicts(ctx):
         for dst in MODES:
             if dst == src:
                 continue
-            target = build_gdn(make_config(world, dst, torch.float64), group, seed=77, conv_bias=True)
+            target = build_gdn(make_config(world, dst, torch.float64, **PER_DOC), group, seed=77, conv_bias=True)
             buf.seek(0)
             missing = target.load_state_dict(torch.load(buf), strict=True)
             got, _ = target(x, None, packed_seq_params=thd_params(cu_pad, cu_act))

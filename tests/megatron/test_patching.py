@@ -513,6 +513,7 @@ def test_cli(layout, capsys):
 _TABLE_SCRIPT = r"""
 import json, sys, typing, warnings
 warnings.filterwarnings("ignore")
+import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
 import megatron.core
 assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__
@@ -529,7 +530,7 @@ for k, v, tp, cp in shapes:
     for mode in modes:
         kw = dict(num_layers=4, hidden_size=96, num_attention_heads=24,
                   experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
-                  linear_num_key_heads=k, linear_num_value_heads=v,
+                  linear_num_key_heads=k, linear_num_value_heads=v, activation_func=F.silu,
                   tensor_model_parallel_size=tp, context_parallel_size=cp)
         if mode is not None:
             kw["linear_cp_mode"] = mode
@@ -538,6 +539,13 @@ for k, v, tp, cp in shapes:
             out.append([k, v, tp, cp, mode, "ok", getattr(c, "linear_cp_mode", None)])
         except Exception as e:
             out.append([k, v, tp, cp, mode, type(e).__name__, str(e)])
+try:  # TransformerConfig's default activation_func (gelu), with GDN layers
+    TransformerConfig(num_layers=4, hidden_size=96, num_attention_heads=24, experimental_attention_variant="gated_delta_net",
+                      linear_attention_freq=4, linear_num_key_heads=16, linear_num_value_heads=32)
+    gelu = "accepted"
+except Exception as e:
+    gelu = [type(e).__name__, str(e)]
+print("GELU" + json.dumps(gelu))
 print("RESULT" + json.dumps(out))
 """
 
@@ -565,7 +573,8 @@ def _run_table(root: Path, modes) -> list:
     (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     literal, sp_error, *rows = json.loads(line[len("RESULT"):])
     assert sp_error == "Cannot use sequence parallelism without tensor parallelism", sp_error
-    return literal, rows
+    (gelu,) = [json.loads(ln[len("GELU"):]) for ln in r.stdout.splitlines() if ln.startswith("GELU")]
+    return literal, rows, gelu
 
 
 @pytest.mark.megatron
@@ -573,16 +582,19 @@ def test_patched_transformer_config_validation_table(site):
     from gdn_cp.megatron.config import resolve_linear_cp_mode
     from gdn_cp.modes.spec import MODE_CHOICES
 
-    literal, stock = _run_table(site.root, [None])
+    literal, stock, gelu = _run_table(site.root, [None])
     assert literal is None  # no linear_cp_mode field before patching
+    assert gelu == "accepted"  # stock refuses a non-SiLU GDN activation only when the layer runs
     for k, v, tp, cp, _, outcome, detail in stock:  # stock 0.19.2: heads % (TP*CP), AssertionError
         ok = k % (tp * cp) == 0 and v % (tp * cp) == 0
         assert outcome == ("ok" if ok else "AssertionError"), (k, v, tp, cp, outcome, detail)
 
     apply_patch(site.root)
     modes = [None, "headwise", "chunkwise", "all_gather", "auto", "ring", "HEADWISE"]
-    literal, rows = _run_table(site.root, modes)
+    literal, rows, gelu = _run_table(site.root, modes)
     assert tuple(literal) == MODE_CHOICES  # the field's Literal[...] lists the registry's choices
+    assert gelu[0] == "ValueError" and gelu[1].startswith("TransformerConfig.activation_func=gelu, but gated delta "
+                                                          "net layers need SiLU"), gelu
     assert len(rows) == len(_SHAPES) * len(modes)
     for k, v, tp, cp, mode, outcome, detail in rows:
         case = (k, v, tp, cp, mode, outcome, detail)

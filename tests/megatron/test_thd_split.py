@@ -10,6 +10,7 @@ and models are in ``test_e2e_models.py``; these test the layer and the rules alo
 from __future__ import annotations
 
 import types
+from functools import partial
 
 import pytest
 import torch
@@ -44,20 +45,37 @@ def test_record_follows_views_and_dies_with_the_tensor():
     assert len(thd_split._RECORDS) == n - 1  # no leak: the record dies with the boundaries
 
 
+UNSET = ("TransformerConfig.linear_cp_thd_split is None and these packed (THD) rows carry no record of Megatron's "
+         "get_batch_on_this_cp_rank")
+
+
 def test_resolution_order_and_contradiction():
     cu = torch.tensor([0, 8, 16])
-    assert resolve_thd_split(None, hybrid_context_parallel=False, cu_seqlens=cu)[0] == PER_DOCUMENT
-    assert resolve_thd_split(None, hybrid_context_parallel=True, cu_seqlens=cu)[0] == WHOLE_ROW
-    assert resolve_thd_split(WHOLE_ROW, hybrid_context_parallel=False, cu_seqlens=cu)[0] == WHOLE_ROW
+    resolve = partial(resolve_thd_split, cu_seqlens=cu, cp=2)
+    with pytest.raises(ValueError) as ei:  # no record, no setting, no hybrid CP: never guessed
+        resolve(None, hybrid_context_parallel=False)
+    msg = str(ei.value)
+    assert msg.startswith(UNSET) and "over the 2 CP ranks is unknown" in msg, msg
+    for part in ("Set linear_cp_thd_split to 'per_document' if every document was cut into 2*cp parts on its own "
+                 "(Megatron-LM --sft", "'whole_row' if each packed row was cut into 2*cp parts as one sequence "
+                 "(Megatron-LM --dataloader-inter-document-masking without --sft",
+                 "or cut the rows with megatron.core.utils.get_batch_on_this_cp_rank, which records its cut"):
+        assert part in msg, (part, msg)
+    assert resolve_thd_split(None, hybrid_context_parallel=False, cu_seqlens=cu, cp=1) == (
+        PER_DOCUMENT, "linear_cp_thd_split=None at CP=1: nothing is cut")  # CP=1 cuts nothing: no cut needed
+    split, why = resolve(None, hybrid_context_parallel=True)  # Megatron's hybrid-CP splitter cuts rows whole
+    assert split == WHOLE_ROW and "hybrid_context_parallel=True" in why, why
+    assert resolve(WHOLE_ROW, hybrid_context_parallel=False)[0] == WHOLE_ROW
+    assert resolve(PER_DOCUMENT, hybrid_context_parallel=True)[0] == PER_DOCUMENT  # the setting comes first
     record_split({"cu_seqlens": cu}, WHOLE_ROW)
-    split, why = resolve_thd_split(None, hybrid_context_parallel=False, cu_seqlens=cu)
+    split, why = resolve(None, hybrid_context_parallel=False)
     assert split == WHOLE_ROW and "get_batch_on_this_cp_rank" in why
-    assert resolve_thd_split(WHOLE_ROW, hybrid_context_parallel=False, cu_seqlens=cu)[0] == WHOLE_ROW
+    assert resolve(WHOLE_ROW, hybrid_context_parallel=False)[0] == WHOLE_ROW
     with pytest.raises(ValueError, match=r"linear_cp_thd_split='per_document', but Megatron's get_batch_on_this_cp_rank "
                                          r"cut these rows 'whole_row'"):
-        resolve_thd_split(PER_DOCUMENT, hybrid_context_parallel=False, cu_seqlens=cu)
+        resolve(PER_DOCUMENT, hybrid_context_parallel=False)
     with pytest.raises(ValueError, match="linear_cp_thd_split='row' is not a THD split"):
-        resolve_thd_split("row", hybrid_context_parallel=False, cu_seqlens=cu)
+        resolve("row", hybrid_context_parallel=False)
 
 
 @pytest.mark.parametrize("sft,idm,hcp,want", [
@@ -82,6 +100,86 @@ def test_megatron_lm_flags_decide_the_split(sft, idm, hcp, want):
         assert configure_megatron_lm_args(args) == WHOLE_ROW
 
 
+def _lm_args(**kw):
+    """Megatron-LM's args as the patched validate_args hands them over (the fields the hook reads)."""
+    base = dict(sft=False, dataloader_inter_document_masking=False, hybrid_context_parallel=False,
+                linear_cp_thd_split=None, context_parallel_size=1, swiglu=True, squared_relu=False, quick_geglu=False,
+                hybrid_layer_pattern=None, experimental_attention_variant=None, linear_attention_freq=None,
+                num_layers=4, spec=None)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw,act", [
+    (dict(hybrid_layer_pattern="G-G-*-"), "gelu"),
+    (dict(hybrid_layer_pattern="*-|G-/G-", squared_relu=True), "squared_relu"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4), "gelu"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4, quick_geglu=True), "quick_gelu"),
+])
+def test_megatron_lm_refuses_gdn_without_swiglu(kw, act):
+    """GDN computes SiLU; without --swiglu Megatron-LM gives the model another activation_func."""
+    with pytest.raises(ValueError) as ei:
+        configure_megatron_lm_args(_lm_args(swiglu=False, **kw))
+    msg = str(ei.value)
+    gdn = (f"--hybrid-layer-pattern {kw['hybrid_layer_pattern']!r} has gated delta net layers ('G')"
+           if "hybrid_layer_pattern" in kw else "--experimental-attention-variant gated_delta_net builds gated delta net layers")
+    assert msg.startswith(gdn + ", which compute SiLU"), msg
+    assert f"without --swiglu Megatron-LM gives the model activation_func={act}; add --swiglu" in msg, msg
+    assert configure_megatron_lm_args(_lm_args(swiglu=True, **{k: v for k, v in kw.items() if k == "hybrid_layer_pattern"
+                                                                or "linear" in k or "variant" in k})) is None
+    # no GDN layer: gdn-cp has nothing to say about the activation
+    assert configure_megatron_lm_args(_lm_args(swiglu=False, hybrid_layer_pattern="*-M-")) is None
+    assert configure_megatron_lm_args(_lm_args(swiglu=False)) is None
+
+
+@pytest.mark.parametrize("kw,layers", [
+    (dict(hybrid_layer_pattern="G-G-*-"), "--hybrid-layer-pattern 'G-G-*-': '*' attention"),
+    (dict(hybrid_layer_pattern="*-*-"), "'*' attention"),
+    (dict(hybrid_layer_pattern="G-G-/*-"), "'*' attention"),  # an MTP layer of attention
+    (dict(hybrid_layer_pattern="GDG+"), "'D' DSA attention, '+' MLA attention"),
+    (dict(hybrid_layer_pattern="G-M-"), "'M' Mamba"),
+    (dict(), "pretrain_gpt.py without --experimental-attention-variant gated_delta_net: every layer is attention"),
+    (dict(experimental_attention_variant="dsa"), "every layer is DSA attention"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4),
+     "--experimental-attention-variant gated_delta_net with --linear-attention-freq 4: standard attention at layer 4"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=2, num_layers=6),
+     "standard attention at layers 2, 4, 6"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 0, 1, 1]),
+     "standard attention at layer 2"),
+    (dict(experimental_attention_variant="gated_delta_net"), "--linear-attention-freq None: which layers are attention"),
+    (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=8, spec=["my.module", "my_spec"]),
+     "--spec my.module my_spec (a custom layer spec: its layers are not known here)"),
+])
+def test_megatron_lm_refuses_whole_row_cuts_at_cp_for_attention_layers(kw, layers):
+    """--dataloader-inter-document-masking without --sft cuts whole rows; attention (and Mamba) expect
+    every document cut in 2*cp parts: refused at CP > 1 with the flags that work."""
+    args = _lm_args(dataloader_inter_document_masking=True, context_parallel_size=2, **kw)
+    with pytest.raises(ValueError) as ei:
+        configure_megatron_lm_args(args)
+    msg = str(ei.value)
+    assert msg.startswith("--dataloader-inter-document-masking without --sft at --context-parallel-size 2: "), msg
+    assert "this model has layers that expect every document cut into 2*cp parts on its own (" in msg, msg
+    assert layers in msg.split("on its own (", 1)[1].split("; TransformerEngine")[0], msg
+    assert "Megatron-LM issue #6156" in msg, msg
+    assert msg.endswith("Use --sft (cuts every document into 2*cp parts), a model of gated delta net and MLP layers "
+                        "only (e.g. --hybrid-layer-pattern 'G-G-'), or --context-parallel-size 1"), msg
+    # the flags that work: --sft (per document), CP=1
+    assert configure_megatron_lm_args(_lm_args(dataloader_inter_document_masking=True, sft=True,
+                                               context_parallel_size=2, **kw)) == PER_DOCUMENT
+    assert configure_megatron_lm_args(_lm_args(dataloader_inter_document_masking=True, **kw)) == WHOLE_ROW
+
+
+@pytest.mark.parametrize("kw", [
+    dict(hybrid_layer_pattern="G-G-"), dict(hybrid_layer_pattern="GEG-|G-/G-"),
+    dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=8),  # 8 > --num-layers 4
+    dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 1, 1, 1]),
+])
+def test_gdn_only_models_keep_the_whole_row_cut(kw):
+    for cp in (2, 4):
+        args = _lm_args(dataloader_inter_document_masking=True, context_parallel_size=cp, **kw)
+        assert configure_megatron_lm_args(args) == WHOLE_ROW and args.linear_cp_thd_split == WHOLE_ROW
+
+
 def test_config_refuses_an_unknown_split(patched_megatron):
     from gdn_cp.testing.megatron_layer import make_config
 
@@ -95,9 +193,9 @@ def test_config_refuses_an_unknown_split(patched_megatron):
 # the layer on gloo ranks
 # ----------------------------------------------------------------------------------------------
 def _whole_row_cases(ctx):
-    """The whole-row case told by the config field, by a record of the splitter (no field), and
-    not told at all (odd documents: a ValueError naming the field, on every rank, before any
-    collective); then documents that divide by 2*cp, not told: silently wrong without the split."""
+    """The whole-row case told by the config field, by a record of the splitter (no field), not
+    told at all (a ValueError naming the field), and told per document (odd documents: a ValueError
+    naming the field and the whole-row fix)."""
     from gdn_cp.megatron.thd_split import record_split as record
 
     import gdn_cp.testing.megatron_parity as mp
@@ -116,11 +214,12 @@ def _whole_row_cases(ctx):
         out["record"] = parity_case(ctx.rank, ctx.world_size, "thd_whole_row", torch.float64, MODES)
     finally:
         mp.thd_params = saved
-    try:
-        parity_case(ctx.rank, ctx.world_size, "thd_whole_row", torch.float64, ("chunkwise",))
-        out["untold"] = "no error"
-    except ValueError as e:
-        out["untold"] = str(e)
+    for name, cfg in (("untold", None), ("per_document", dict(linear_cp_thd_split=PER_DOCUMENT))):
+        try:
+            parity_case(ctx.rank, ctx.world_size, "thd_whole_row", torch.float64, ("chunkwise",), cfg=cfg)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
     return out
 
 
@@ -132,9 +231,40 @@ def test_whole_row_thd_equals_cp1(patched_megatron, rank_pool):
             for mode, errs in res[how].items():
                 over = {k: v for k, v in errs.items() if not v <= FP64}
                 assert not over, (rank, how, mode, over)
-        msg = res["untold"]
+        assert UNSET in res["untold"], res["untold"]
+        msg = res["per_document"]
         assert "linear_cp_thd_split='whole_row'" in msg and "not divisible by 2*cp" in msg, msg
-        assert "per_document split" in msg and "the default" in msg, msg
+        assert "per_document split: TransformerConfig.linear_cp_thd_split='per_document'" in msg, msg
+
+
+def _unset_split_cases(ctx):
+    """THD rows cut per document at CP=world, every mode, ``linear_cp_thd_split`` unset and no
+    record: each rank's error and the collectives run before it."""
+    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, thd_params
+    from gdn_cp.testing.packings import thd_case
+
+    cu_pad, cu_act = thd_case(ctx.world_size)
+    out = {}
+    for mode in MODES:
+        module = build_gdn(make_config(ctx.world_size, mode, torch.float64), rank_groups()["world"])
+        x = torch.zeros(cu_pad[-1] // ctx.world_size, 1, module.config.hidden_size, dtype=torch.float64)
+        before = ctx.collective_count()
+        try:
+            module(x, None, packed_seq_params=thd_params(cu_pad, cu_act))
+            out[mode] = ("no error", ctx.collective_count() - before)
+        except ValueError as e:
+            out[mode] = (str(e), ctx.collective_count() - before)
+    return out
+
+
+@pytest.mark.megatron
+def test_unset_split_is_refused_on_every_rank_before_any_collective(patched_megatron, rank_pool):
+    for world in (2, 4):
+        for rank, res in enumerate(rank_pool(world).run(_unset_split_cases, timeout_s=120)):
+            assert set(res) == set(MODES)
+            for mode, (msg, collectives) in res.items():
+                assert msg.startswith(UNSET) and f"over the {world} CP ranks is unknown" in msg, (world, rank, mode, msg)
+                assert collectives == 0, (world, rank, mode, collectives)
 
 
 def _hybrid_cp_no_group(ctx):

@@ -244,7 +244,8 @@ def _swap_points_tp(ctx):
     error = None
     set_chunkwise_swap("hidden")
     try:
-        config = make_config(2, "chunkwise", torch.float64, tensor_model_parallel_size=2, sequence_parallel=True)
+        config = make_config(2, "chunkwise", torch.float64, tensor_model_parallel_size=2, sequence_parallel=True,
+                             linear_cp_thd_split="per_document")  # the rows are cut per document (zigzag_rows)
         module = build_gdn(config, cp_group, tp_group=tp_group)
         cu_pad, cu_act = thd_case(2)
         rows = zigzag_rows(cu_pad, 2, cp_group.rank())
@@ -306,13 +307,14 @@ def _finalize_case(ctx, *, stock: bool, sp: bool, layout: str, cp: int, normaliz
     )
 
     from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, stock_forward
-    from gdn_cp.testing.megatron_parity import cp1_answer, case_inputs
+    from gdn_cp.testing.megatron_parity import case_inputs, cp1_answer, thd_split_cfg
     from gdn_cp.testing.megatron_tp import gather_tp_grads, sp_slice
     from gdn_cp.testing.metrics import max_rel
 
     # stock 0.19.2's deterministic core is fp32 (SBHD at CP=1 runs it); gdn-cp's path runs fp64
     dtype = torch.float32 if layout == "sbhd" and cp == 1 else torch.float64
     fields = dict(calculate_per_token_loss=True, normalization=normalization)  # DDP sums, no 1/dp scaling
+    fields = thd_split_cfg(layout, fields)  # case_inputs cuts THD rows per document
     parallel_state.destroy_model_parallel()  # a clean slate (other cases may have left a memory buffer)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=cp)
     try:

@@ -1,7 +1,9 @@
 """Megatron-LM's training command line with the patch: ``--linear-cp-mode`` lists the modes, a typo
 fails at parse time, and ``--linear-cp-mode auto`` reaches the model config as a concrete mode;
 ``validate_args`` sets ``--linear-cp-thd-split`` from the data flags that choose the THD cut
-(``--dataloader-inter-document-masking``, ``--sft``) and refuses a contradicting value.
+(``--dataloader-inter-document-masking``, ``--sft``) and refuses a contradicting value, a GDN
+model without ``--swiglu`` (GDN computes SiLU) and ``--dataloader-inter-document-masking`` at CP > 1
+in a model with attention layers; the model config refuses a non-SiLU activation too.
 
 megatron-core 0.19.2 builds these flags from the TransformerConfig fields
 (``megatron/training/argument_utils.py``: a ``Literal[...]`` type becomes argparse ``choices``,
@@ -60,8 +62,9 @@ formatter = parser._get_formatter()
 formatter.add_argument(flag)
 out["help_entry"] = formatter.format_help()
 
-model = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --experimental-attention-variant "
-         "gated_delta_net --linear-attention-freq 4 --no-rope-fusion").split()
+model_without_swiglu = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --experimental-attention-variant "
+                        "gated_delta_net --linear-attention-freq 4 --no-rope-fusion --normalization RMSNorm").split()
+model = model_without_swiglu + ["--swiglu"]
 
 def build(extra):
     args = parser.parse_args(model + extra)
@@ -76,6 +79,13 @@ out["auto_odd_heads"] = build("--linear-cp-mode auto --context-parallel-size 4 -
                               "--linear-num-value-heads 4".split())
 out["auto_nothing_legal"] = build("--linear-cp-mode auto --tensor-model-parallel-size 2 --linear-num-key-heads 3 "
                                   "--linear-num-value-heads 6".split())
+args = parser.parse_args(model_without_swiglu)  # the config alone (no validate_args): activation_func=gelu
+args.params_dtype = torch.float32
+try:
+    core_transformer_config_from_args(args)
+    out["config_without_swiglu"] = "accepted"
+except ValueError as e:
+    out["config_without_swiglu"] = str(e)
 # validate_args, as Megatron-LM's initialize runs it (CPU stand-ins for its CUDA queries)
 import megatron.training.arguments as margs
 if not torch.cuda.is_available():
@@ -84,11 +94,15 @@ os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 data = "--seq-length 64 --max-position-embeddings 64 --micro-batch-size 1 --lr 1e-4 --train-iters 1".split()
 out["thd_split"] = {}
 with contextlib.redirect_stdout(io.StringIO()):
-    for name, extra in {"none": [], "inter_document_masking": ["--dataloader-inter-document-masking"],
+    gdn_only = ["--linear-attention-freq", "8"]  # no standard-attention layer among the 4
+    for name, extra in {"none": [], "inter_document_masking": ["--dataloader-inter-document-masking"] + gdn_only,
+                        "inter_document_masking_attention": ["--dataloader-inter-document-masking"],
                         "sft": ["--sft"], "both": ["--sft", "--dataloader-inter-document-masking"],
-                        "contradiction": ["--dataloader-inter-document-masking", "--linear-cp-thd-split", "per_document"],
+                        "contradiction": ["--dataloader-inter-document-masking", "--linear-cp-thd-split", "per_document"]
+                        + gdn_only, "no_swiglu": None,
                         }.items():
-        args = parser.parse_args(model + data + ["--context-parallel-size", "2"] + extra)
+        words = model_without_swiglu if extra is None else model + extra
+        args = parser.parse_args(words + data + ["--context-parallel-size", "2"])
         args.world_size, args.rank = 2, 0
         try:
             margs.validate_args(args, {})
@@ -104,7 +118,8 @@ with contextlib.redirect_stdout(io.StringIO()):
     margs.validate_args(args, {})
     config = core_transformer_config_from_args(args)
 out["readme"] = {"thd_split": args.linear_cp_thd_split, "mode": config.linear_cp_mode,
-                 "cp": config.context_parallel_size, "pattern": args.hybrid_layer_pattern, "num_layers": args.num_layers}
+                 "cp": config.context_parallel_size, "pattern": args.hybrid_layer_pattern, "num_layers": args.num_layers,
+                 "activation": config.activation_func.__name__, "normalization": config.normalization}
 (split_flag,) = [a for a in parser._actions if "--linear-cp-thd-split" in a.option_strings]
 out["thd_split_choices"] = [list(split_flag.choices), split_flag.default]
 typo = io.StringIO()
@@ -150,10 +165,20 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     assert out["thd_split_choices"] == [["per_document", "whole_row"], None]
     split = out["thd_split"]
     assert split["none"] == [None, None]  # no packed rows: nothing to say
-    assert split["inter_document_masking"] == ["whole_row", "whole_row"]
+    assert split["inter_document_masking"] == ["whole_row", "whole_row"]  # a GDN-only model: the whole-row cut
     assert split["sft"] == ["per_document", "per_document"] and split["both"] == ["per_document", "per_document"]
     assert "--linear-cp-thd-split per_document contradicts --dataloader-inter-document-masking" in split["contradiction"]
+    # attention layers at CP > 1 expect every document cut in 2*cp parts: the whole-row cut is refused
+    msg = split["inter_document_masking_attention"]
+    assert msg.startswith("--dataloader-inter-document-masking without --sft at --context-parallel-size 2: "), msg
+    assert "--linear-attention-freq 4: standard attention at layer 4" in msg and "Use --sft" in msg, msg
+    # GDN computes SiLU: without --swiglu, validate_args and the model config both refuse
+    assert split["no_swiglu"].startswith("--experimental-attention-variant gated_delta_net builds gated delta net "
+                                         "layers, which compute SiLU"), split["no_swiglu"]
+    assert "activation_func=gelu; add --swiglu" in split["no_swiglu"], split["no_swiglu"]
+    assert out["config_without_swiglu"].startswith("TransformerConfig.activation_func=gelu, but gated delta net "
+                                                   "layers need SiLU"), out["config_without_swiglu"]
 
     # the README's training command parses, validates and gives the config the README says
-    assert out["readme"] == {"thd_split": "whole_row", "mode": "chunkwise", "cp": 4, "pattern": "GGG*GGG*",
-                             "num_layers": 8}, out["readme"]
+    assert out["readme"] == {"thd_split": None, "mode": "chunkwise", "cp": 4, "pattern": "GGG*GGG*",
+                             "num_layers": 8, "activation": "silu", "normalization": "RMSNorm"}, out["readme"]

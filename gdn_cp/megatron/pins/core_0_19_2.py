@@ -20,8 +20,16 @@ value head) and ``out_proj``'s bias.
 
 ``TransformerConfig`` fields used: ``linear_cp_mode`` and ``linear_cp_thd_split`` (added by the
 patch), ``linear_num_key_heads``, ``linear_num_value_heads``, ``tensor_model_parallel_size``,
-``context_parallel_size``, ``experimental_attention_variant``,
-``deterministic_mode``, ``sequence_parallel``, ``hybrid_context_parallel``.
+``context_parallel_size``, ``experimental_attention_variant``, ``activation_func`` (the layer keeps
+it as ``act_fn``), ``deterministic_mode``, ``sequence_parallel``, ``hybrid_context_parallel``.
+
+``out_norm`` modules the fused gated norm takes (:func:`fused_rms_norm_problem`): torch's
+``RMSNorm`` and TransformerEngine's ``transformer_engine.pytorch.module.rmsnorm.RMSNorm`` (what
+Megatron's ``TENorm`` builds for ``normalization="RMSNorm"``), recognised by its class's module and
+qualname, so TransformerEngine is never imported here. TE 2.x's RMSNorm (module/rmsnorm.py over
+ops/basic/rmsnorm.py; read at 2.19 and 2.20.0.dev0, same files) computes ``x * rsqrt(mean(x^2) +
+eps) * (weight + 1 if zero_centered_gamma else weight)`` over the last dims ``weight.shape``, has
+no bias, and keeps ``sequence_parallel`` as a tag on its weight for Megatron.
 
 Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
 ``cu_seqlens_q_padded`` / ``cu_seqlens_q``, ``cp_group``, ``local_cp_size``) are read in
@@ -33,9 +41,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["VERSION", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter"]
+__all__ = [
+    "VERSION", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
+    "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
+]
 
 VERSION = "0.19.2"
+
+TE_RMSNORM = ("transformer_engine.pytorch.module.rmsnorm", "RMSNorm")
+"""``(module, qualname)`` of TransformerEngine's RMSNorm module (``te.pytorch.RMSNorm``)."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +60,8 @@ class ConfigFields:
     'gated_delta_net'``), which is when stock 0.19.2 checks the heads against TP*CP. ``hybrid``:
     a hybrid model (``is_hybrid_model``), which places GDN layers through its layer pattern
     (``G`` in Megatron-LM's ``--hybrid-layer-pattern``); the config does not see the pattern, so
-    its layers are checked by the forward.
+    its layers are checked by the forward. ``activation``: ``activation_func``, which a GDN layer
+    applies after its conv and to its output gate (it must be SiLU).
     """
 
     linear_cp_mode: Any
@@ -57,11 +72,17 @@ class ConfigFields:
     cp: Any
     builds_gdn: bool
     hybrid: bool = False
+    activation: Any = None
 
 
 def read_config(config) -> ConfigFields:
     """Read the fields as they are (unchecked); absent ones take megatron-core 0.19.2's defaults
-    (mode: ``headwise``, TP and CP: 1)."""
+    (mode: ``headwise``, TP and CP: 1, ``activation_func``: ``F.gelu``)."""
+    activation = getattr(config, "activation_func", _ABSENT)
+    if activation is _ABSENT:
+        import torch.nn.functional as F
+
+        activation = F.gelu
     return ConfigFields(
         linear_cp_mode=getattr(config, "linear_cp_mode", "headwise"),
         thd_split=getattr(config, "linear_cp_thd_split", None),
@@ -71,12 +92,99 @@ def read_config(config) -> ConfigFields:
         cp=getattr(config, "context_parallel_size", 1),
         builds_gdn=getattr(config, "experimental_attention_variant", None) == "gated_delta_net",
         hybrid=bool(getattr(config, "is_hybrid_model", False)),
+        activation=activation,
     )
+
+
+_ABSENT = object()
 
 
 def set_linear_cp_mode(config, mode: str) -> None:
     """Store the resolved mode on the config (``TransformerConfig`` is a mutable dataclass)."""
     config.linear_cp_mode = mode
+
+
+def _class_name(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _is_te_rms_norm(norm) -> bool:
+    return (type(norm).__module__, type(norm).__qualname__) == TE_RMSNORM
+
+
+def out_norm_hooked(norm) -> bool:
+    """True when calling ``norm`` runs forward hooks (its own or torch's global ones), which a fused
+    kernel reading ``norm.weight`` would skip: e.g. Megatron DDP's ``--overlap-param-gather``
+    pre-hook on every module, which waits for the parameter's all-gather before the module runs."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(norm._forward_pre_hooks or norm._forward_hooks
+                or getattr(torch_module, "_global_forward_pre_hooks", None)
+                or getattr(torch_module, "_global_forward_hooks", None))
+
+
+def fused_rms_norm_problem(norm, dim: int) -> Optional[str]:
+    """None when ``norm(x)`` over ``[N, dim]`` rows is exactly ``x * rsqrt(mean(x^2) + eps) * w``
+    with ``w = fused_rms_norm_weight(norm)`` and ``eps = float(norm.eps)``, so that a fused
+    ``RMSNorm * silu(z)`` kernel may replace ``norm(x) * silu(z)``; else the reason it may not.
+
+    Taken: torch's ``RMSNorm`` (or a subclass keeping its forward) with a weight over the last dim;
+    TransformerEngine's RMSNorm (:data:`TE_RMSNORM`, that class exactly: a subclass may change its
+    forward) with a 1-D weight of ``dim`` values, a positive ``eps``, ``zero_centered_gamma`` a bool
+    (True: the weight is ``weight + 1``), no bias, and its ``sequence_parallel`` flag (if set) the one
+    its weight is tagged with. Refused: anything else (LayerNorm, TE's LayerNorm, fused-residual
+    norms, ...), and a norm with forward hooks (:func:`out_norm_hooked`)."""
+    import torch
+
+    if _is_te_rms_norm(norm):
+        weight = getattr(norm, "weight", None)
+        if type(weight) is not torch.nn.Parameter or weight.dim() != 1 or weight.shape[0] != dim:
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+            return (f"out_norm ({_class_name(norm)}) has weight {type(weight).__name__} of shape {shape}, not a "
+                    f"parameter of shape ({dim},): it normalizes over other dims than the value head dim")
+        if getattr(norm, "bias", None) is not None:
+            return f"out_norm ({_class_name(norm)}) has a bias"
+        eps = getattr(norm, "eps", None)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < float("inf"):
+            return f"out_norm ({_class_name(norm)}) has eps={eps!r}, not a positive number"
+        zero_centered = getattr(norm, "zero_centered_gamma", None)
+        if not isinstance(zero_centered, bool):
+            return f"out_norm ({_class_name(norm)}) has zero_centered_gamma={zero_centered!r}, not a bool"
+        sp = getattr(norm, "sequence_parallel", None)
+        if sp is not None and bool(getattr(weight, "sequence_parallel", False)) != bool(sp):
+            return (f"out_norm ({_class_name(norm)}) has sequence_parallel={sp!r} but its weight is tagged "
+                    f"sequence_parallel={getattr(weight, 'sequence_parallel', None)!r}: the weight is not the one "
+                    "TransformerEngine set up")
+    elif isinstance(norm, torch.nn.RMSNorm) and type(norm).forward is torch.nn.RMSNorm.forward:
+        if norm.weight is None or len(norm.normalized_shape) != 1:
+            return "out_norm has no weight or normalizes over more than the last dim"
+    else:
+        return (f"out_norm is {_class_name(norm)}, neither torch's RMSNorm nor TransformerEngine's RMSNorm "
+                f"({'.'.join(TE_RMSNORM)})")
+    if out_norm_hooked(norm):
+        return "out_norm has forward hooks (e.g. Megatron DDP's --overlap-param-gather), which a fused kernel would skip"
+    return None
+
+
+def fused_rms_norm_eps(norm) -> float:
+    """``eps`` of a norm :func:`fused_rms_norm_problem` takes (torch's ``None``: its dtype's eps)."""
+    import torch
+
+    eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+    return float(eps)
+
+
+def fused_rms_norm_weight(norm):
+    """The weight a norm :func:`fused_rms_norm_problem` takes multiplies by: ``norm.weight``, or for
+    TransformerEngine's ``zero_centered_gamma`` ``weight + 1``, computed here in the autograd graph
+    (so ``norm.weight`` gets its gradient) in at least fp32, as TE adds the 1 in its fp32 compute
+    (a bf16 ``weight + 1`` would round the weight to steps of 2**-7). Call it on every forward."""
+    import torch
+
+    weight = norm.weight
+    if _is_te_rms_norm(norm) and norm.zero_centered_gamma:
+        return weight.to(torch.promote_types(weight.dtype, torch.float32)) + 1
+    return weight
 
 
 class LayerAdapter:
@@ -107,6 +215,11 @@ class LayerAdapter:
     @property
     def hybrid_context_parallel(self) -> bool:
         return bool(getattr(self.layer.config, "hybrid_context_parallel", False))
+
+    @property
+    def activation(self):
+        """The activation the layer computes with (``act_fn``, from ``config.activation_func``)."""
+        return self.layer.act_fn
 
     @property
     def deterministic(self) -> bool:
@@ -214,20 +327,29 @@ class LayerAdapter:
 
     def plain_rms_gated_norm(self):
         """``(weight [Dv], eps, None)`` when ``_apply_gated_norm`` is exactly ``x / rms(x) * weight *
-        silu(z)``: out_norm is torch's RMSNorm (or a subclass keeping its forward) with a weight, and
-        the activation is SiLU; else ``(None, None, reason)``. A fused kernel may then replace it."""
-        import torch
+        silu(z)``: out_norm is torch's or TransformerEngine's RMSNorm (see
+        :func:`fused_rms_norm_problem`; ``weight`` is :meth:`gated_norm_weight`) and the activation
+        is SiLU; else ``(None, None, reason)``. A fused kernel may then replace it."""
         import torch.nn.functional as F
 
         norm, act = self.layer.out_norm, self.layer.act_fn
-        if not isinstance(norm, torch.nn.RMSNorm) or type(norm).forward is not torch.nn.RMSNorm.forward:
-            return None, None, f"out_norm is {type(norm).__module__}.{type(norm).__qualname__}, not torch's RMSNorm"
-        if norm.weight is None or len(norm.normalized_shape) != 1:
-            return None, None, "out_norm has no weight or normalizes over more than the last dim"
+        why = fused_rms_norm_problem(norm, self.head_dims[1])
+        if why is not None:
+            return None, None, why
         if act is not F.silu and getattr(act, "__name__", None) not in ("silu", "swish"):
             return None, None, f"the gate activation is {getattr(act, '__name__', act)!r}, not silu"
-        eps = norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-        return norm.weight, float(eps), None
+        return self.gated_norm_weight(), fused_rms_norm_eps(norm), None
+
+    @property
+    def out_norm_hooked(self) -> bool:
+        """Whether calling ``out_norm`` now runs forward hooks (:func:`out_norm_hooked`); hooks come
+        and go (Megatron DDP enables and disables its param-gather pre-hooks)."""
+        return out_norm_hooked(self.layer.out_norm)
+
+    def gated_norm_weight(self):
+        """The weight the fused gated norm multiplies by, read on every call
+        (:func:`fused_rms_norm_weight`: ``weight + 1`` for TE's ``zero_centered_gamma``)."""
+        return fused_rms_norm_weight(self.layer.out_norm)
 
     def out_proj(self, x):
         """``[S', B, Hv*Dv]`` -> ``(out [S, B, H], bias)``."""

@@ -217,7 +217,9 @@ def stack_report() -> dict:
     c["grouped value heads"] = ("q/k at the key heads (FLA's GVA)" if found.grouped_value_heads else
                                 "q/k repeated to the value heads (repeat_interleave; this FLA has no GVA)")
     c["gates"] = "computed by gdn-cp before the kernel (fp32 g, sigmoid beta)"
-    c["gated norm"] = ("FLA's fused RMSNorm * silu(z) (rms_norm_gated) where out_norm is a plain RMSNorm"
+    c["gated norm"] = ("FLA's fused RMSNorm * silu(z) (rms_norm_gated) where out_norm is torch's RMSNorm or "
+                       "TransformerEngine's (Megatron's TENorm with normalization='RMSNorm'; zero_centered_gamma "
+                       "as weight + 1); the layer's own out_norm, then * act(z), for any other norm"
                        if found.fused_gated_norm else "the layer's own out_norm, then * act(z) (no fused kernel)")
     if found.cp_context_error is not None:
         c["cp context"] = f"not usable: {found.cp_context_error}"
