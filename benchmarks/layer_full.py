@@ -97,8 +97,10 @@ from gdn_cp.testing.ranks import RankPool  # noqa: E402
 from layer_full_math import (  # noqa: E402
     CASES,
     CP1_CASES,
+    LEVERS,
     PACKINGS,
     SLICE_CASES,
+    SPECS,
     STOCK_CASES,
     GDNDims,
     bytes_per_token,
@@ -107,6 +109,7 @@ from layer_full_math import (  # noqa: E402
     fmt_tokens,
     iteration_stats,
     packing,
+    parse_plan,
     parse_tokens,
     run_key,
 )
@@ -171,6 +174,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--align", type=int, default=None,
                    help="every sequence length is a multiple of this (a multiple of 2*cp; default 64)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--spec", type=_csv(SPECS), default=None,
+                   help="comma list, in run order: local (Megatron's local modules, default) and/or te (Megatron's own GDN "
+                        "spec, get_gated_delta_net_module_spec: TransformerEngine's LayerNorm-fused in_proj, TENorm "
+                        "out_norm, TERowParallelLinear out_proj; needs TransformerEngine)")
+    g.add_argument("--levers", type=_csv(LEVERS), default=[],
+                   help=f"comma list of gdn-cp levers ({','.join(LEVERS)}) to time switched off too: extra patched rows "
+                        "beside the ones with every lever on, same run, rows and weights (benchmark-side switch in the "
+                        "rank process)")
+    g.add_argument("--plan", type=str, default=None,
+                   help="explicit run order of SPEC[-LEVER]:T units instead of --spec/--levers/--tokens, e.g. "
+                        "te:32K,te:128K,te-fused_norm:32K,local:128K (a time limit then cuts the last units)")
+    g.add_argument("--zero-centered-gamma", action="store_true",
+                   help="te spec: TransformerConfig.layernorm_zero_centered_gamma (TE's norms scale by 1 + weight)")
     s = p.add_argument_group("shape (default Qwen3.5-9B GDN)")
     d = GDNDims()
     s.add_argument("--hidden", type=int, default=d.hidden)
@@ -216,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_args(args):
     """Fill the defaults (``--quick``'s where it is given), then check the combination."""
     defaults = QUICK if args.quick else DEFAULTS
+    args.tokens_given = args.tokens is not None
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -251,6 +268,23 @@ def resolve_args(args):
     zigzag_cp = args.slice_of_cp or args.cp  # the packing must be one a CP run of this size takes
     if args.align % (2 * zigzag_cp):
         raise SystemExit(f"--align {args.align} must be a multiple of 2*cp={2 * zigzag_cp} (Megatron's zigzag cut)")
+    if args.plan is not None:
+        if args.spec is not None or args.levers or args.tokens_given:
+            raise SystemExit("--plan names every unit (spec, lever, T): leave out --spec, --levers and --tokens")
+        try:
+            args.units = parse_plan(args.plan)
+        except ValueError as err:
+            raise SystemExit(f"--plan: {err}") from None
+        args.tokens = list(dict.fromkeys(t for _, _, t in args.units))
+        args.specs = list(dict.fromkeys(s for s, _, _ in args.units))
+        args.levers = list(dict.fromkeys(lv for _, lv, _ in args.units if lv))
+    else:
+        args.specs = args.spec or ["local"]
+        args.units = [(s, lv, t) for s in args.specs for lv in [None, *args.levers] for t in args.tokens]
+    if args.zero_centered_gamma and "local" in args.specs:
+        raise SystemExit("--zero-centered-gamma goes with the te spec only (Megatron's local torch norm refuses it)")
+    if args.levers and all(c in STOCK_CASES for c in args.cases):
+        raise SystemExit(f"--levers {','.join(args.levers)} switch off gdn-cp levers: add a patched case to --cases")
     for t in args.tokens:
         for name in args.packings:
             try:
@@ -268,6 +302,8 @@ def knobs(args) -> dict:
             "compile_only": args.compile_only, "slice_of_cp": args.slice_of_cp,
             "stock_from": args.stock_from, "time_limit_s": args.time_limit, "grace_s": args.grace,
             "case_timeout_s": args.case_timeout, "packings": args.packings, "cases": args.cases,
+            "specs": args.specs, "levers": args.levers, "plan": args.plan,
+            "zero_centered_gamma": args.zero_centered_gamma,
             "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
             "route_build": "once per micro-batch (PackedSeqParams reused across iterations, as the layers of one "
                            "micro-batch share it); stock rebuilds its per-token permutation every call"}
@@ -310,14 +346,16 @@ def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path
 # ---------------------------------------------------------------------------------------------
 
 class Runner:
-    """One rank pool at a time; every call into the ranks is bounded by the time guard."""
+    """The rank pools of this run (stock and patched: both stay up, so that one (T, spec) unit
+    times stock and gdn-cp side by side before the next starts; only one runs a case at a time);
+    every call into the ranks is bounded by the time guard."""
 
     def __init__(self, args):
         self.args = args
         self.t0 = time.monotonic()
-        self.pool = None
-        self.kind = None
+        self.pools: dict = {}
         self.infos: dict[str, list] = {}
+        self.failed: dict[str, str] = {}  # kind -> why its pool did not start
         self.kills = 0
 
     def elapsed(self) -> float:
@@ -336,7 +374,7 @@ class Runner:
         return max(5.0, min(max(self.args.case_timeout, at_least), hard))
 
     def open(self, kind: str, setup_spec: dict) -> list:
-        self.close()
+        self.close(kind)
         env = {"GDN_CP_TEST_FAST_AUTOTUNE": "1" if self.args.fast_autotune else "0",
                "GDN_CP_TEST_PG_TIMEOUT": str(int(self.args.case_timeout + 60))}
         backend = "gloo" if self.args.device == "cpu" else None
@@ -344,33 +382,37 @@ class Runner:
         # A pool that fails to start kills its own ranks before raising.
         pool = RankPool(self.args.cp, device=self.args.device, backend=backend,
                         timeout_s=self._wait_s(SPAWN_S), env=env)
-        self.pool, self.kind = pool, kind
-        infos = self.call(rank_side.rank_setup, setup_spec, at_least=SPAWN_S)
+        self.pools[kind] = pool
+        infos = self.call(kind, rank_side.rank_setup, setup_spec, at_least=SPAWN_S)
         self.infos[kind] = infos
         logger.info("[%4.0fs] %s pool up (%s, megatron %s: %s)", self.elapsed(), kind, pool.backend,
                     infos[0]["megatron"]["state"], infos[0]["megatron"]["root"])
         return infos
 
-    def call(self, fn, spec: dict, at_least: float = 0.0) -> list:
-        """``fn(ctx, spec)`` on every rank; a rank that fails raises, a silent one gets the pool killed."""
-        self.pool.timeout_s = self._wait_s(at_least)
+    def call(self, kind: str, fn, spec: dict, at_least: float = 0.0) -> list:
+        """``fn(ctx, spec)`` on every rank of ``kind``'s pool; a rank that fails raises, a silent one
+        gets the pool killed."""
+        pool = self.pools[kind]
+        pool.timeout_s = self._wait_s(at_least)
         try:
-            return self.pool.run(fn, spec)
+            return pool.run(fn, spec)
         except Exception:
-            if self.pool is not None and self.pool.broken:
-                logger.warning("rank pool broken (%s): killing it", self.pool.broken)
-                self.close(kill=True)
+            if pool.broken:
+                logger.warning("%s rank pool broken (%s): killing it", kind, pool.broken)
+                self.close(kind, kill=True)
             raise
 
-    def close(self, kill: bool = False) -> None:
-        pool, self.pool, self.kind = self.pool, None, None
-        if pool is None:
-            return
-        if kill or pool.broken:
-            self.kills += 1
-            pool.kill()
-            return
-        pool.close()
+    def close(self, kind: str | None = None, kill: bool = False) -> None:
+        """Close ``kind``'s pool (every pool when None)."""
+        for k in [kind] if kind is not None else list(self.pools):
+            pool = self.pools.pop(k, None)
+            if pool is None:
+                continue
+            if kill or pool.broken:
+                self.kills += 1
+                pool.kill()
+            else:
+                pool.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,14 +446,20 @@ class Rows:
 
 
 def plan_rows(args, run: dict) -> list[dict]:
-    """Every (T, packing, case) of this run as a row skeleton, in run order."""
+    """Every (unit, packing, case) of this run as a row skeleton, in run order: a unit is one
+    (spec, lever switched off or None, T) of ``args.units``; a lever unit has the patched cases only."""
     rows = []
-    for t in args.tokens:
+    versions = run["versions"]
+    stack = f"fla {versions.get('fla')} + triton {versions.get('triton')}"
+    for unit, (spec, lever_off, t) in enumerate(args.units):
         for name in args.packings:
             layout, cu = packing(name, t, args.align)
             for case in args.cases:
+                if lever_off is not None and case in STOCK_CASES:
+                    continue
                 for slice_rank in range(args.slice_of_cp) if case in SLICE_CASES else [None]:
                     row = {
+                        "unit": unit, "spec": spec, "lever_off": lever_off, "stack": stack,
                         "benchmark": "layer_full", "schema": SCHEMA, "date": run["date"], "run_id": run["run_id"],
                         "gpus": args.gpus, "device": args.device, "backend": None, "cp": args.cp, "tp": 1, "T": t,
                         "layout": layout, "packing": name, "case": case, "status": "skipped", "error": None,
@@ -435,6 +483,7 @@ def plan_rows(args, run: dict) -> list[dict]:
 
 def _spec(row: dict, args, phase: str) -> dict:
     return {"phase": phase, "case": row["case"], "layout": row["layout"], "cu": row["cu"], "seed": args.seed,
+            "spec": row["spec"], "lever_off": row["lever_off"],
             "check": not args.no_check, "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
             "profile_iters": args.profile_iters, "slice_of_cp": row.get("slice_of_cp"),
             "slice_rank": row.get("slice_rank")}
@@ -466,6 +515,11 @@ def fill_compile(row: dict, outs: list[dict]) -> None:
             logger.warning("T=%s %s %s differs from CP=1 by %.2e (> %.0e): its time is not of a correct computation",
                            fmt_tokens(row["T"]), row["packing"], row["case"], worst, limit)
     row["chunkwise_path"] = outs[0]["chunkwise_path"]
+    # what ran, seen in the rank (not assumed from the flags): the layer's submodules, the gated norm
+    # path of this very step, the FLA backend of chunk_gated_delta_rule
+    for k in ("modules", "norm_path", "fla_gdn_backend"):
+        if k in outs[0]:
+            row[k] = outs[0][k]
 
 
 def fill_time(row: dict, outs: list[dict], args) -> None:
@@ -482,7 +536,9 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         p = per_rank[crit]
         row.update(compute_ms=p["compute_ms"], comm_wait_ms=p["nccl_ms"], memcpy_ms=p["memcpy_ms"],
                    idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit,
-                   kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"))
+                   kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"),
+                   copy_kernels_ms=p.get("copy_ms"), copy_kernels_per_iter=p.get("copy_kernels"),
+                   copy_kernels_top_ms=p.get("copy_top_ms"))
         row["profile"] = {"note": "per rank, ms per iteration over the same profiled iterations: compute + nccl + "
                                   "memcpy + idle = wall (exclusive; *_total = overlapping sums); the flat fields "
                                   "are the rank with the most compute", "per_rank": per_rank}
@@ -495,6 +551,12 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         row["core"] = {k: core[k] for k in ("median_ms", "p10_ms", "p90_ms", "iters", "per_rank_median_ms")}
         if outs[0]["core"].get("peak_gib") is not None:
             row["core"]["peak_gib"] = max(o["core"]["peak_gib"] for o in outs)
+    if all(o.get("memory") for o in outs):
+        crit = max(range(len(outs)), key=lambda r: outs[r]["memory"]["peak_gib"])
+        row["memory"] = {**outs[crit]["memory"], "rank": crit,
+                         "note": "one more fwd+bwd after the timed ones: GiB above what was allocated before it "
+                                 "(inputs, weights): saved_after_forward = what the forward keeps for backward, "
+                                 "peak_in_forward / peak (whole step) = the allocator's high-water marks"}
     if row["case"] == "cp1_slice":
         meds = stats["per_rank_median_ms"]
         row["critical_rank"] = max(range(len(meds)), key=lambda r: meds[r])
@@ -514,54 +576,80 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
 
 
-def run_pool(runner: Runner, rows: Rows, pool_rows: list[dict], kind: str, setup_spec: dict, args) -> None:
-    """Open the pool, then per (T, packing): the compile pass over its cases, then the timed pass."""
-    why = runner.may_start()
+def _describe_pool(runner: Runner, row: dict, kind: str) -> None:
+    infos = runner.infos[kind]
+    row["backend"] = runner.pools[kind].backend
+    row["megatron"] = {**infos[0]["megatron"], "pool": kind,
+                       "stock_source": None if row["case"] not in STOCK_CASES else
+                       ("pristine copy, own processes" if kind == "stock" else
+                        "installed patched megatron, gdn-cp dispatch off (stock_forward)")}
+    row["rank_info"] = {k: infos[0].get(k) for k in ("gpu", "gpu_memory_gib", "capability", "fla", "triton",
+                                                       "torch", "torch_cuda", "fast_autotune", "dist_backend",
+                                                       "transformer_engine")}
+    why = (infos[0].get("spec_errors") or {}).get(row["spec"])
     if why:
-        for row in pool_rows:
-            row["error"] = why
-        return
+        row.update(status="error", error=f"spec {row['spec']}: {why}")
+
+
+def _ensure_pool(runner: Runner, kind: str, setup_spec: dict) -> str | None:
+    """Open ``kind``'s pool unless it is up; None, or why it is not (recorded once per kind; a pool
+    killed after a hang is respawned once)."""
+    if kind in runner.pools:
+        return None
+    if kind in runner.failed:
+        return runner.failed[kind]
+    if kind in runner.infos and runner.kills > 1:
+        return "rank pools were killed twice (hang or crash); not starting another"
     try:
-        infos = runner.open(kind, setup_spec)
+        runner.open(kind, setup_spec)
+        return None
     except Exception as err:  # noqa: BLE001 - recorded in every row of this pool
-        text = _error_text(err)
-        logger.error("%s pool failed to start: %s", kind, text)
-        for row in pool_rows:
-            row.update(status="error", error=f"{kind} pool failed to start: {text}")
-        return
-    for row in pool_rows:
-        row["backend"] = runner.pool.backend
-        row["megatron"] = {**infos[0]["megatron"], "pool": kind,
-                           "stock_source": None if row["case"] not in STOCK_CASES else
-                           ("pristine copy, own processes" if kind == "stock" else
-                            "installed patched megatron, gdn-cp dispatch off (stock_forward)")}
-        row["rank_info"] = {k: infos[0].get(k) for k in ("gpu", "gpu_memory_gib", "capability", "fla", "triton",
-                                                           "torch", "torch_cuda", "fast_autotune", "dist_backend")}
+        text = f"{kind} pool failed to start: {_error_text(err)}"
+        logger.error("%s", text)
+        runner.close(kind, kill=True)
+        if kind not in runner.infos:
+            runner.failed[kind] = text
+        return text
+
+
+def _time_order(group: list[dict]) -> list[dict]:
+    """Stock and gdn-cp alternate per slice rank (stock r0, gdn-cp r0, stock r1, ...), levers last."""
+    return sorted(group, key=lambda r: (r.get("slice_rank") if r.get("slice_rank") is not None else -1,
+                                        r["case"] not in STOCK_CASES))
+
+
+def run_units(runner: Runner, rows: Rows, planned: list[dict], pool_of, setups: dict, args) -> None:
+    """Per unit (spec, lever, T) and packing, in plan order: the compile pass over its cases, then
+    the timed pass, stock's and gdn-cp's rows side by side; pools open when first needed."""
     groups: dict[tuple, list[dict]] = {}
-    for row in pool_rows:
-        groups.setdefault((row["T"], row["packing"]), []).append(row)
-    for (t, name), group in groups.items():
+    for row in planned:
+        if row["status"] == "skipped":  # rows already settled (e.g. no TransformerEngine) are not run
+            groups.setdefault((row["unit"], row["packing"]), []).append(row)
+    for (_, name), group in groups.items():
         for phase in ("compile",) if args.compile_only else ("compile", "time"):
-            for row in group:
+            for row in group if phase == "compile" else _time_order(group):
                 if phase == "time" and row.get("status") != "compiled":
                     continue
                 why = runner.may_start()
                 if why:
                     row.update(status="skipped", error=why)
                     continue
-                if runner.pool is None and runner.kills > 1:
-                    row.update(status="error", error="rank pools were killed twice (hang or crash); not starting another")
+                kind = pool_of(row)
+                why = _ensure_pool(runner, kind, setups[kind])
+                if why:
+                    row.update(status="error", error=why)
+                    rows.add(row)
                     continue
-                label = f"T={fmt_tokens(t)} {name} {case_key(row)} ({phase})"
+                if phase == "compile":
+                    _describe_pool(runner, row, kind)
+                    if row["status"] == "error":
+                        rows.add(row)
+                        continue
+                label = f"T={fmt_tokens(row['T'])} {name} {case_key(row)} ({phase})"
                 logger.info("[%4.0fs] %s ...", runner.elapsed(), label)
                 t0 = time.perf_counter()
                 try:
-                    if runner.pool is None:  # killed after a hang: one respawn
-                        try:
-                            runner.open(kind, setup_spec)
-                        except Exception as err:  # noqa: BLE001
-                            raise RuntimeError(f"respawning the {kind} pool failed: {err}") from err
-                    outs = runner.call(rank_side.rank_case, _spec(row, args, phase))
+                    outs = runner.call(kind, rank_side.rank_case, _spec(row, args, phase))
                     if phase == "compile":
                         fill_compile(row, outs)
                         if row["status"] != "refused":
@@ -577,9 +665,26 @@ def run_pool(runner: Runner, rows: Rows, pool_rows: list[dict], kind: str, setup
                 logger.info("[%4.0fs] %s: %s", runner.elapsed(), label, _summary(row, phase))
                 if phase == "time" or row["status"] in ("error", "refused") or args.compile_only:
                     rows.add(row)
-    for row in pool_rows:
-        if row.get("status") == "compiled" and not args.compile_only:  # compiled, then the time guard stopped it
-            row.update(status="skipped", error=row.get("error") or "time limit after the compile pass")
+        for row in group:
+            if row.get("status") == "compiled" and not args.compile_only:  # compiled, then the time guard stopped it
+                row.update(status="skipped", error=row.get("error") or "time limit after the compile pass")
+
+
+def te_missing() -> str | None:
+    """Why the te spec cannot be built in this Python (None when TransformerEngine is importable).
+    Looked up without importing TE (importing it here would initialise CUDA in the main process)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return ("TransformerEngine is not importable here (transformer_engine not on sys.path); the te spec is "
+            "Megatron's TE modules (get_gated_delta_net_module_spec). On the GPU machine benchmarks/gpu_suite.sh "
+            "puts .site-te on PYTHONPATH (carry .te once: its unpack leaves .site-te for later calls); "
+            "or run --spec local")
 
 
 def _summary(row: dict, phase: str) -> str:
@@ -618,27 +723,32 @@ def main(argv=None) -> int:
             print(f"T={fmt_tokens(r['T'])} {r['packing']:>8} ({r['layout']}, {r['num_sequences']} seqs) {case_key(r)}")
         return 0
     rows = Rows(args.out, planned)
+    no_te = te_missing() if "te" in args.specs else None
+    if no_te:
+        logger.error("%s", no_te)
+        for r in planned:
+            if r["spec"] == "te":
+                r.update(status="error", error=f"spec te: {no_te}")
+                rows.add(r)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _on_signal)
     runner = Runner(args)
     tmp = None
     stopped = None
-    setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed}
+    specs = [s for s in args.specs if not (s == "te" and no_te)]
+    setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed, "specs": specs,
+             "zero_centered_gamma": args.zero_centered_gamma}
     try:
         if args.stock_from == "copy":
             workdir = args.workdir or Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_"))
             trees = prepare_megatron_trees(args.megatron, workdir)
-            # patched first: with a cold Triton cache its headwise case autotunes the kernels stock's
-            # THD path uses too (same head count), so the stock pool has less left to tune.
-            pools = [("patched", str(trees["patched"]), "patched", [c for c in args.cases if c not in STOCK_CASES]),
-                     ("stock", str(trees["stock"]), "pristine", [c for c in args.cases if c in STOCK_CASES])]
+            setups = {"patched": {**setup, "megatron_root": str(trees["patched"]), "expect_state": "patched"},
+                      "stock": {**setup, "megatron_root": str(trees["stock"]), "expect_state": "pristine"}}
+            pool_of = lambda row: "stock" if row["case"] in STOCK_CASES else "patched"  # noqa: E731
         else:
-            pools = [("installed", None, "patched", list(args.cases))]
-        for kind, root, state, cases in pools:
-            mine = [r for r in planned if r["case"] in cases]
-            if mine:
-                run_pool(runner, rows, mine, kind, {**setup, "megatron_root": root, "expect_state": state}, args)
-                runner.close()
+            setups = {"installed": {**setup, "megatron_root": None, "expect_state": "patched"}}
+            pool_of = lambda row: "installed"  # noqa: E731
+        run_units(runner, rows, planned, pool_of, setups, args)
     except _Stop as err:
         stopped = str(err)
         logger.warning("stopped by %s: writing what was collected", stopped)
