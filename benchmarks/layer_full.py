@@ -2,10 +2,24 @@
 """Full GatedDeltaNet layer benchmark: stock megatron-core 0.19.2 headwise against every gdn-cp
 mode, forward + backward, on the same weights and the same packed input, plus the ideal.
 
-What is timed: the real megatron-core 0.19.2 ``GatedDeltaNet`` (local modules: ColumnParallelLinear
-in_proj, RMSNorm, RowParallelLinear out_proj; TransformerEngine is not installable here) from
-``in_proj`` to ``out_proj``, forward and backward, as a training step runs it; and, to explain it,
-the core alone (``gdn_cp.modes.gdn_core``: conv + gated delta rule with the mode's layout changes).
+What is timed: the real megatron-core 0.19.2 ``GatedDeltaNet`` from ``in_proj`` to ``out_proj``,
+forward and backward, as a training step runs it; and, to explain it, the core alone
+(``gdn_cp.modes.gdn_core``: conv + gated delta rule with the mode's layout changes). ``--spec``
+says whose submodules: ``local`` (ColumnParallelLinear in_proj, torch RMSNorm, RowParallelLinear
+out_proj) and/or ``te`` (Megatron's own GDN spec, ``get_gated_delta_net_module_spec``:
+TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, TERowParallelLinear out_proj). Without
+TransformerEngine every te row is an error that says so (no rank is spawned for it); the local rows
+still run. Every row names its spec, its FLA stack, the submodules it ran, the gated-norm path its
+step really took (counted in the rank) and the backend FLA dispatched its GDN kernel to.
+
+Levers (``--levers``): each gdn-cp lever named there is also timed switched off, in extra patched
+rows beside the rows with every lever on (same run, rows and weights). The switch is benchmark-side,
+in the rank process, never a library flag: ``fused_norm`` makes the release adapter report the
+gated norm as not plain (``plain_rms_gated_norm``), so the glue takes the layer's own ``out_norm *
+act(z)``; the layers' cached choice is dropped before and after. ``--plan te:32K,te:128K,
+te-fused_norm:32K,local:128K`` gives the units (spec, lever off, T) in priority order, so that a time
+limit cuts the least important ones; both rank pools (stock, patched) stay up, and each unit compiles
+and times stock and gdn-cp side by side before the next one starts.
 
 Cases, per (T, packing), all on the same weights and input rows:
 
@@ -55,14 +69,20 @@ Method (see DESIGN.md, "Measuring performance"):
 4. the core alone, timed like 2;
 5. bytes per token from the plan: only rows that leave the rank (``layer_full_math.bytes_per_token``).
 
+6. per row, when profiled: the copy kernels' time (torch's copy / cat kernels: what "fewer copies
+   around in_proj and the gate split" could save at most), and after the timed iterations one more
+   fwd+bwd split into what the forward keeps for the backward and the peaks of forward and step.
+
 Robustness: no new case starts after ``--time-limit`` seconds; a case that does not answer by
 ``--time-limit + --grace`` (or within ``--case-timeout``) has its ranks killed and is recorded as
 an error. Rows are written after every case (atomic replace), merged into ``--out``: rows of the
-same machine size, CP, T, dtype and shape are replaced by this run's. SIGINT/SIGTERM write what
-was collected.
+same machine size, CP, T, dtype, shape, spec and FLA version are replaced by this run's.
+SIGINT/SIGTERM write what was collected.
 
     python benchmarks/layer_full.py --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
     python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
+    python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --cases stock_slice,patched_slice --packings mixed8 \
+        --plan te:32K,te:128K,te-fused_norm:32K,local:128K                   # 1x H200, TE spec first
     python benchmarks/layer_full.py --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
     python benchmarks/plot_layer_full.py $OUT/layer_full.json                 # PNG + markdown table
 

@@ -5,8 +5,9 @@
     python benchmarks/plot_layer_full.py benchmarks/results/layer_full.json --md table.md --png plot.png
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
-run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed), so
-re-running a T replaces its rows.
+run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
+FLA version), so re-running a T replaces its rows. ``--cp 1`` rows also get the per-rank summary
+(stock and gdn-cp side by side per stack, spec and rank slice, each lever's off / on ratio).
 
 The markdown table (for the README) gives, per (T, packing), each case's median fwd+bwd time of
 the whole layer, its ratio to stock headwise (< 1 is faster) and the fraction of the ideal it
