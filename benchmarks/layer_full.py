@@ -98,6 +98,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -224,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profiled iterations per case, CUDA only (default 3; 0: none)")
     m.add_argument("--no-core", action="store_true", help="do not time the core alone")
     m.add_argument("--no-check", action="store_true", help="do not compare each case with CP=1")
+    m.add_argument("--serial-compile", action="store_true",
+                   help="compile pass one pool after the other (default: the stock and patched pools compile and "
+                        "autotune side by side, as warm_kernels.py does; timing is always one case at a time)")
     m.add_argument("--compile-only", action="store_true",
                    help="only the compile pass (compile/autotune every case, check it against CP=1), no timing: "
                         "a first call with a cold Triton cache; its rows have status 'compiled'")
@@ -319,7 +323,7 @@ def knobs(args) -> dict:
     return {"dims": asdict(args.dims), "dtype": args.dtype, "align": args.align, "seed": args.seed,
             "warmup": args.warmup, "iters": args.iters, "profile_iters": args.profile_iters,
             "core": not args.no_core, "check": not args.no_check, "fast_autotune": args.fast_autotune,
-            "compile_only": args.compile_only, "slice_of_cp": args.slice_of_cp,
+            "compile_only": args.compile_only, "serial_compile": args.serial_compile, "slice_of_cp": args.slice_of_cp,
             "stock_from": args.stock_from, "time_limit_s": args.time_limit, "grace_s": args.grace,
             "case_timeout_s": args.case_timeout, "packings": args.packings, "cases": args.cases,
             "specs": args.specs, "levers": args.levers, "plan": args.plan,
@@ -377,12 +381,15 @@ class Runner:
         self.infos: dict[str, list] = {}
         self.failed: dict[str, str] = {}  # kind -> why its pool did not start
         self.kills = 0
+        self.stopped: str | None = None  # set by a signal: nothing new starts, in any thread
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
     def may_start(self) -> str | None:
         """None, or why nothing new may start."""
+        if self.stopped:
+            return f"stopped ({self.stopped}): not started"
         if self.elapsed() >= self.args.time_limit:
             return f"time limit: not started ({self.elapsed():.0f} s elapsed, --time-limit {self.args.time_limit:g} s)"
         return None
@@ -454,15 +461,18 @@ class Rows:
         keys = {run_key(r) for r in replaces}
         self.kept = [r for r in old if run_key(r) not in keys]
         self.new: list[dict] = []
+        self._lock = threading.Lock()
         if len(self.kept) != len(old):
             logger.info("replacing %d earlier row(s) of the same runs in %s", len(old) - len(self.kept), path)
 
     def add(self, row: dict) -> None:
-        self.new.append(row)
-        self.write()
+        with self._lock:  # the compile pass of two pools runs in two threads
+            self.new.append(row)
+            write_json(self.path, self.kept + self.new)
 
     def write(self) -> None:
-        write_json(self.path, self.kept + self.new)
+        with self._lock:
+            write_json(self.path, self.kept + self.new)
 
 
 def plan_rows(args, run: dict) -> list[dict]:
@@ -638,6 +648,80 @@ def _time_order(group: list[dict]) -> list[dict]:
                                         r["case"] not in STOCK_CASES))
 
 
+def _run_row(runner: Runner, rows: Rows, row: dict, kind: str, phase: str, setups: dict, args) -> None:
+    """One row, one phase, in ``kind``'s pool (opened here when it is not up)."""
+    if phase == "time" and row.get("status") != "compiled":
+        return
+    why = runner.may_start()
+    if why:
+        row.update(status="skipped", error=why)
+        return
+    why = _ensure_pool(runner, kind, setups[kind])
+    if why:
+        row.update(status="error", error=why)
+        rows.add(row)
+        return
+    if phase == "compile":
+        _describe_pool(runner, row, kind)
+        if row["status"] == "error":
+            rows.add(row)
+            return
+    label = f"T={fmt_tokens(row['T'])} {row['packing']} {case_key(row)} ({phase})"
+    logger.info("[%4.0fs] %s ...", runner.elapsed(), label)
+    t0 = time.perf_counter()
+    try:
+        outs = runner.call(kind, rank_side.rank_case, _spec(row, args, phase))
+        if phase == "compile":
+            fill_compile(row, outs)
+            if row["status"] != "refused":
+                row["status"] = "compiled"
+        else:
+            fill_time(row, outs, args)
+    except _Stop:
+        row.update(status="error", error="stopped by a signal while running")
+        raise
+    except Exception as err:  # noqa: BLE001 - record, go on
+        row.update(status="error", error=f"{phase}: {_error_text(err)}")
+    row[f"{phase}_elapsed_s"] = round(time.perf_counter() - t0, 2)
+    logger.info("[%4.0fs] %s: %s", runner.elapsed(), label, _summary(row, phase))
+    if phase == "time" or row["status"] in ("error", "refused") or args.compile_only:
+        rows.add(row)
+
+
+def _compile_pass(runner: Runner, rows: Rows, group: list[dict], pool_of, setups: dict, args) -> None:
+    """The compile pass of one unit: each pool's rows in order; the pools side by side (one thread
+    each: a cold FLA compile is minutes per pool, and opening a pool ~20 s) unless
+    ``--serial-compile``. Nothing is timed here; the timed pass runs one case at a time."""
+    by_kind: dict[str, list[dict]] = {}
+    for row in group:
+        by_kind.setdefault(pool_of(row), []).append(row)
+
+    def work(kind: str) -> None:
+        for row in by_kind[kind]:
+            _run_row(runner, rows, row, kind, "compile", setups, args)
+
+    if args.serial_compile or len(by_kind) == 1:
+        for kind in by_kind:
+            work(kind)
+        return
+    failures: dict[str, BaseException] = {}
+
+    def guarded(kind: str) -> None:
+        try:
+            work(kind)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
+            failures[kind] = err
+
+    threads = [threading.Thread(target=guarded, args=(k,), name=f"layer_full-compile-{k}", daemon=True)
+               for k in by_kind]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for err in failures.values():
+        raise err
+
+
 def run_units(runner: Runner, rows: Rows, planned: list[dict], pool_of, setups: dict, args) -> None:
     """Per unit (spec, lever, T) and packing, in plan order: the compile pass over its cases, then
     the timed pass, stock's and gdn-cp's rows side by side; pools open when first needed."""
@@ -645,46 +729,11 @@ def run_units(runner: Runner, rows: Rows, planned: list[dict], pool_of, setups: 
     for row in planned:
         if row["status"] == "skipped":  # rows already settled (e.g. no TransformerEngine) are not run
             groups.setdefault((row["unit"], row["packing"]), []).append(row)
-    for (_, name), group in groups.items():
-        for phase in ("compile",) if args.compile_only else ("compile", "time"):
-            for row in group if phase == "compile" else _time_order(group):
-                if phase == "time" and row.get("status") != "compiled":
-                    continue
-                why = runner.may_start()
-                if why:
-                    row.update(status="skipped", error=why)
-                    continue
-                kind = pool_of(row)
-                why = _ensure_pool(runner, kind, setups[kind])
-                if why:
-                    row.update(status="error", error=why)
-                    rows.add(row)
-                    continue
-                if phase == "compile":
-                    _describe_pool(runner, row, kind)
-                    if row["status"] == "error":
-                        rows.add(row)
-                        continue
-                label = f"T={fmt_tokens(row['T'])} {name} {case_key(row)} ({phase})"
-                logger.info("[%4.0fs] %s ...", runner.elapsed(), label)
-                t0 = time.perf_counter()
-                try:
-                    outs = runner.call(kind, rank_side.rank_case, _spec(row, args, phase))
-                    if phase == "compile":
-                        fill_compile(row, outs)
-                        if row["status"] != "refused":
-                            row["status"] = "compiled"
-                    else:
-                        fill_time(row, outs, args)
-                except _Stop:
-                    row.update(status="error", error="stopped by a signal while running")
-                    raise
-                except Exception as err:  # noqa: BLE001 - record, go on
-                    row.update(status="error", error=f"{phase}: {_error_text(err)}")
-                row[f"{phase}_elapsed_s"] = round(time.perf_counter() - t0, 2)
-                logger.info("[%4.0fs] %s: %s", runner.elapsed(), label, _summary(row, phase))
-                if phase == "time" or row["status"] in ("error", "refused") or args.compile_only:
-                    rows.add(row)
+    for group in groups.values():
+        _compile_pass(runner, rows, group, pool_of, setups, args)
+        if not args.compile_only:
+            for row in _time_order(group):
+                _run_row(runner, rows, row, pool_of(row), "time", setups, args)
         for row in group:
             if row.get("status") == "compiled" and not args.compile_only:  # compiled, then the time guard stopped it
                 row.update(status="skipped", error=row.get("error") or "time limit after the compile pass")
@@ -770,7 +819,7 @@ def main(argv=None) -> int:
             pool_of = lambda row: "installed"  # noqa: E731
         run_units(runner, rows, planned, pool_of, setups, args)
     except _Stop as err:
-        stopped = str(err)
+        stopped = runner.stopped = str(err)
         logger.warning("stopped by %s: writing what was collected", stopped)
     finally:
         for s in (signal.SIGTERM, signal.SIGINT):

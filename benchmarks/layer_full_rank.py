@@ -243,7 +243,7 @@ def fused_norm_off(modules):
     from gdn_cp.megatron.gdn import layer_adapter
 
     classes = {type(layer_adapter(m)) for m in modules}
-    saved = {cls: cls.__dict__["plain_rms_gated_norm"] for cls in classes}
+    own = {cls: cls.__dict__.get("plain_rms_gated_norm") for cls in classes}  # None: inherited
     for m in modules:
         _clear_norm_choice(m)
     try:
@@ -251,8 +251,11 @@ def fused_norm_off(modules):
             cls.plain_rms_gated_norm = lambda self: (None, None, "switched off by layer_full.py --levers fused_norm")
         yield
     finally:
-        for cls, fn in saved.items():
-            cls.plain_rms_gated_norm = fn
+        for cls, fn in own.items():
+            if fn is None:
+                del cls.plain_rms_gated_norm
+            else:
+                cls.plain_rms_gated_norm = fn
         for m in modules:
             _clear_norm_choice(m)
 
