@@ -117,11 +117,13 @@ def _cpu_stock_kernels() -> None:
     gdn_module.chunk_gated_delta_rule = chunk_gated_delta_rule
 
 
-def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_centered_gamma: bool = False):
+def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_centered_gamma: bool = False,
+               spec: str = "local"):
     """TransformerConfig of one GDN layer. Stock megatron has no ``linear_cp_mode`` field; the
     patched one is built with chunkwise (legal for any head count) and set per case.
     ``zero_centered_gamma``: ``layernorm_zero_centered_gamma`` (the te spec's norms then scale by
-    1 + weight)."""
+    1 + weight). The te spec's modules are built on the GPU, as in training (and as the GPU parity
+    tests build them); the weights are set afterwards either way."""
     from megatron.core.transformer import TransformerConfig
 
     kw = dict(
@@ -137,6 +139,8 @@ def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_c
         kw["linear_cp_mode"] = "chunkwise"
     if zero_centered_gamma:
         kw["layernorm_zero_centered_gamma"] = True
+    if spec == "te":
+        kw["use_cpu_initialization"] = False
     return TransformerConfig(**kw)
 
 
@@ -174,8 +178,8 @@ def rank_setup(ctx, spec: dict) -> dict:
         # a spec that cannot be built here (te without TransformerEngine) fails its own rows, not the pool
         zc = bool(spec.get("zero_centered_gamma")) and name == "te"
         try:
-            layer1 = build_gdn(gdn_config(1, dims, dtype, patched, zc), ctx.group(1), spec=name, **build)
-            layer = layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched, zc), ctx.group(cp),
+            layer1 = build_gdn(gdn_config(1, dims, dtype, patched, zc, name), ctx.group(1), spec=name, **build)
+            layer = layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched, zc, name), ctx.group(cp),
                                                      spec=name, **build)
             layers[name] = {"layer": layer, "layer1": layer1}
         except Exception as err:  # noqa: BLE001 - reported per spec
