@@ -13,13 +13,23 @@ v, the gate input ``alpha`` and the beta logits, A_log, dt_bias):
   and stock megatron-core's;
 - ``grouped``: the same with q/k at the key heads (FLA >= 0.5's grouped value heads);
 - ``grouped_gates_in_kernel``: also ``use_gate_in_kernel`` (A_log, dt_bias) and
-  ``use_beta_sigmoid_in_kernel`` (FLA >= 0.5).
+  ``use_beta_sigmoid_in_kernel`` (FLA >= 0.5): against ``grouped``, the worth of the lever "gates in
+  the kernel" (gdn-cp computes them outside: the layer-level lever would live in the core's contract);
+- ``grouped_flash_qla``: ``grouped`` dispatched by FLA (>= 0.6) to its FlashQLA backend (``flash_qla``
+  on TileLang; FLA turns it on by default whenever it imports). Every other way runs with
+  ``FLA_FLASH_QLA=0`` (FLA's Triton kernels), this one with ``FLA_FLASH_QLA=1``, and the row counts
+  the calls that reached ``flash_qla`` (0 means FLA refused it and ran Triton).
 
 Gated norm (``[T*Hv, Dv]``, z a strided view of a wider in_proj output as in the layer):
 
 - ``torch``: megatron-core's ``_apply_gated_norm`` without torch.compile: torch's RMSNorm, then
-  ``* silu(z.float())``, cast back;
-- ``fla_fused``: FLA's ``rms_norm_gated`` (one kernel each way).
+  ``* silu(z.float())``, cast back (the local spec's out_norm);
+- ``fla_fused``: FLA's ``rms_norm_gated`` (one kernel each way);
+- ``te`` / ``te_zero_centered``: the same as ``torch`` with TransformerEngine's RMSNorm (the te
+  spec's ``TENorm``; ``zero_centered_gamma=True`` scales by 1 + weight, its weight here is w - 1 so
+  that every way computes the same function);
+- ``fla_fused_zero_centered``: ``fla_fused`` with the weight ``w0 + 1`` formed in the step (what the
+  glue does for a zero-centered TE norm), gradients into ``w0``.
 
 A way the installed FLA does not offer is recorded as skipped. Run on the device machine through
 ``benchmarks/gpu_suite.sh`` (stage ``levers``), e.g. ``GDN_CP_STAGES=levers GDN_CP_STACK=fla060``.
@@ -28,6 +38,9 @@ A way the installed FLA does not offer is recorded as skipped. Run on the device
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,7 +113,7 @@ def gdn_way(name: str, inp: dict, fn, ratio: int):
         kw = {}
         if name == "expanded":
             q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-        if name == "grouped_gates_in_kernel":
+        if name == "grouped_gates_in_kernel":  # grouped and grouped_flash_qla: the gates outside
             g, beta = leaves["alpha"], leaves["beta"]
             kw = dict(use_gate_in_kernel=True, A_log=leaves["A_log"], dt_bias=leaves["dt_bias"],
                       use_beta_sigmoid_in_kernel=True)
@@ -128,15 +141,62 @@ def gdn_fp64(inp: dict, ratio: int):
     return o.detach(), {k: v.grad.detach() for k, v in leaves.items()}
 
 
+GDN_WAYS = ("expanded", "grouped", "grouped_gates_in_kernel", "grouped_flash_qla")
+
+
+def gdn_ways_offered(found, backends: list[dict]) -> dict[str, str | None]:
+    """Per GDN way: None when this FLA offers it, else why not (``found``: ``detect.features()``;
+    ``backends``: ``detect.gdn_kernel_backends()``)."""
+    no_gva = None if found.grouped_value_heads else "this FLA has no grouped value heads (FLA >= 0.5)"
+    gates = None if found.gate_in_kernel and found.beta_sigmoid_in_kernel else \
+        "this FLA has no use_gate_in_kernel / use_beta_sigmoid_in_kernel (FLA >= 0.5)"
+    qla = next((b for b in backends if b["name"] == "flash_qla"), None)
+    if qla is None:
+        flash_qla = "this FLA registers no FlashQLA backend (FLA >= 0.6)"
+    elif not qla["available"]:
+        flash_qla = ("flash_qla is not importable here (pip package flash-qla 0.1.3 + tilelang >= 0.1.12, "
+                     "JIT-compiled with nvcc; not carried to the GPU machine)")
+    else:
+        flash_qla = None
+    return {"expanded": None, "grouped": no_gva, "grouped_gates_in_kernel": no_gva or gates,
+            "grouped_flash_qla": no_gva or flash_qla}
+
+
+class _FlashQLACalls:
+    """Counts calls that reach ``flash_qla.chunk_gated_delta_rule`` (FLA's FlashQLA backend imports
+    the module and calls that attribute), and sets ``FLA_FLASH_QLA`` for the way being timed."""
+
+    def __init__(self):
+        self.calls = 0
+        self.module = None
+        if importlib.util.find_spec("flash_qla") is not None:
+            try:
+                self.module = importlib.import_module("flash_qla")
+                inner = self.module.chunk_gated_delta_rule
+
+                def counted(*a, **kw):
+                    self.calls += 1
+                    return inner(*a, **kw)
+
+                self.module.chunk_gated_delta_rule = counted
+            except Exception:  # noqa: BLE001 - the way then reports 0 calls
+                self.module = None
+
+    @staticmethod
+    def switch(on: bool) -> None:
+        os.environ["FLA_FLASH_QLA"] = "1" if on else "0"
+
+
 def run_gdn(args, found) -> list[dict]:
     import fla.ops.gated_delta_rule as fla_gdr
 
+    from gdn_cp.ops.fla.detect import gdn_kernel_backends
+
     fn = fla_gdr.chunk_gated_delta_rule
     hk, hv, d = 16, 32, 128
-    ways = ["expanded", "grouped", "grouped_gates_in_kernel"]
-    offered = {"expanded": True, "grouped": found.grouped_value_heads,
-               "grouped_gates_in_kernel": found.grouped_value_heads and found.gate_in_kernel
-               and found.beta_sigmoid_in_kernel}
+    ways = list(GDN_WAYS)
+    why_not = gdn_ways_offered(found, gdn_kernel_backends())
+    qla = _FlashQLACalls()
     rows = []
     big = gdn_inputs(args.tokens, hk, hv, d, torch.bfloat16)
     small = gdn_inputs(args.check_tokens, hk, hv, d, torch.bfloat16, seed=1)
@@ -144,13 +204,17 @@ def run_gdn(args, found) -> list[dict]:
     first = None
     for way in ways:
         row = {"lever": "gdn_core", "way": way, "T": args.tokens, "heads": [hk, hv], "dim": d, "dtype": "bfloat16"}
-        if not offered[way]:
-            rows.append({**row, "status": "skipped", "why": "this FLA does not offer it"})
+        if why_not[way]:
+            rows.append({**row, "status": "skipped", "why": why_not[way]})
+            print(_line(rows[-1]), flush=True)
             continue
+        qla.switch(way == "grouped_flash_qla")
+        qla.calls = 0
         try:
             step = gdn_way(way, big, fn, hv // hk)
             o, grads = step()
             row.update(_timed(step, args.warmup, args.iters))
+            row["flash_qla_calls"] = qla.calls
             if first is None:
                 first = (o, grads)
             row["rel_l2_vs_first_way"] = {"o": rel_l2(o, first[0]),
@@ -163,8 +227,9 @@ def run_gdn(args, found) -> list[dict]:
             row.update(status="error", error=f"{type(err).__name__}: {err}"[:600])
         rows.append(row)
         print(_line(row), flush=True)
-        del step
+        step = None
         torch.cuda.empty_cache()
+    qla.switch(False)
     return rows
 
 
@@ -172,55 +237,85 @@ def run_gdn(args, found) -> list[dict]:
 # the gated norm
 # ---------------------------------------------------------------------------------------------
 
+NORM_WAYS = ("torch", "fla_fused", "te", "te_zero_centered", "fla_fused_zero_centered")
+
+
+def norm_ways_offered(found, te_error: str | None) -> dict[str, str | None]:
+    """Per gated-norm way: None when it can run here, else why not."""
+    fused = None if found.fused_gated_norm else "this FLA has no rms_norm_gated"
+    return {"torch": None, "fla_fused": fused, "te": te_error, "te_zero_centered": te_error,
+            "fla_fused_zero_centered": fused}
+
+
+def _te_rmsnorm():
+    """TransformerEngine's RMSNorm class, or the reason it is not importable."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None, "TransformerEngine is not importable (gpu_suite.sh puts .site-te on PYTHONPATH)"
+    try:
+        return importlib.import_module("transformer_engine.pytorch").RMSNorm, None
+    except Exception as err:  # noqa: BLE001
+        return None, f"importing transformer_engine.pytorch failed: {type(err).__name__}: {err}"
+
+
+def norm_fp64(x, z, w, eps: float, do):
+    """``x / rms(x) * w * silu(z)`` in fp64 and its gradients (x, z, w): the reference of every way."""
+    x, z, w = (t.detach().double().requires_grad_(True) for t in (x, z, w))
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w * F.silu(z)
+    y.backward(do.double())
+    return y.detach(), {"dx": x.grad, "dz": z.grad, "dw": w.grad}
+
+
 def run_norm(args, found) -> list[dict]:
     from gdn_cp.ops.fla.norm import gated_rms_norm
 
-    hv, d = 32, 128
+    hv, d, eps = 32, 128, 1e-5
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(2)
+    te_norm_cls, te_error = _te_rmsnorm()
+    why_not = norm_ways_offered(found, te_error)
 
     def inputs(t):
         wide = torch.randn(t, hv * d * 2, device="cuda", generator=gen).to(torch.bfloat16)  # z inside in_proj's out
         return {"x": torch.randn(t * hv, d, device="cuda", generator=gen).to(torch.bfloat16),
-                "z_wide": wide, "w": (1 + 0.1 * torch.randn(d, device="cuda", generator=gen)).to(torch.bfloat16),
+                # w = 1 + k/64: exact in bf16, and so is w - 1 (a zero-centered norm's weight): one function
+                "z_wide": wide, "w": (1 + (6.4 * torch.randn(d, device="cuda", generator=gen)).round() / 64
+                                      ).clamp(0.5, 1.5).to(torch.bfloat16),
                 "do": torch.randn(t * hv, d, device="cuda", generator=gen).to(torch.bfloat16), "t": t}
 
     def way(name, inp):
-        norm = torch.nn.RMSNorm(d, eps=1e-5, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            norm.weight.copy_(inp["w"])
+        zero_centered = name.endswith("zero_centered")
+        if name.startswith("te"):
+            norm = te_norm_cls(d, eps=eps, zero_centered_gamma=zero_centered, params_dtype=torch.bfloat16)
+        else:
+            norm = torch.nn.RMSNorm(d, eps=eps, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():  # every way computes x / rms(x) * w * silu(z): a zero-centered weight holds w - 1
+            norm.weight.copy_(inp["w"].float() - 1 if zero_centered else inp["w"])
         x = inp["x"].detach().clone().requires_grad_(True)
         zw = inp["z_wide"].detach().clone().requires_grad_(True)
 
         def step():
             x.grad = zw.grad = norm.weight.grad = None
             z = zw[:, : hv * d].reshape(-1, d)
-            if name == "torch":
+            if name.startswith("fla_fused"):
+                w = norm.weight + 1 if zero_centered else norm.weight
+                y = gated_rms_norm(x, z, w, eps)
+            else:  # megatron-core's _apply_gated_norm: the norm, then * act(z) in fp32, cast back
                 y = (norm(x) * F.silu(z.float())).to(x.dtype)
-            else:
-                y = gated_rms_norm(x, z, norm.weight, 1e-5)
             y.backward(inp["do"])
-            return y.detach(), {"dx": x.grad.clone(), "dz": zw.grad.clone(), "dw": norm.weight.grad.clone()}
+            return y.detach(), {"dx": x.grad.clone(), "dz": zw.grad[:, : hv * d].reshape(-1, d).clone(),
+                                "dw": norm.weight.grad.clone()}
 
         return step
 
-    def fp64(inp):
-        x = inp["x"].double().requires_grad_(True)
-        zw = inp["z_wide"].double().requires_grad_(True)
-        w = inp["w"].double().requires_grad_(True)
-        z = zw[:, : hv * d].reshape(-1, d)
-        y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * w * F.silu(z)
-        y.backward(inp["do"].double())
-        return y.detach(), {"dx": x.grad, "dz": zw.grad, "dw": w.grad}
-
     big, small = inputs(args.tokens), inputs(args.check_tokens)
-    ref = fp64(small)
+    ref = norm_fp64(small["x"], small["z_wide"][:, : hv * d].reshape(-1, d), small["w"], eps, small["do"])
     first = None
-    for name in ("torch", "fla_fused"):
+    for name in NORM_WAYS:
         row = {"lever": "gated_norm", "way": name, "T": args.tokens, "rows": args.tokens * hv, "dim": d,
-               "dtype": "bfloat16"}
-        if name == "fla_fused" and not found.fused_gated_norm:
-            rows.append({**row, "status": "skipped", "why": "this FLA has no rms_norm_gated"})
+               "dtype": "bfloat16", "eps": eps}
+        if why_not[name]:
+            rows.append({**row, "status": "skipped", "why": why_not[name]})
+            print(_line(rows[-1]), flush=True)
             continue
         try:
             step = way(name, big)

@@ -2,10 +2,24 @@
 """Full GatedDeltaNet layer benchmark: stock megatron-core 0.19.2 headwise against every gdn-cp
 mode, forward + backward, on the same weights and the same packed input, plus the ideal.
 
-What is timed: the real megatron-core 0.19.2 ``GatedDeltaNet`` (local modules: ColumnParallelLinear
-in_proj, RMSNorm, RowParallelLinear out_proj; TransformerEngine is not installable here) from
-``in_proj`` to ``out_proj``, forward and backward, as a training step runs it; and, to explain it,
-the core alone (``gdn_cp.modes.gdn_core``: conv + gated delta rule with the mode's layout changes).
+What is timed: the real megatron-core 0.19.2 ``GatedDeltaNet`` from ``in_proj`` to ``out_proj``,
+forward and backward, as a training step runs it; and, to explain it, the core alone
+(``gdn_cp.modes.gdn_core``: conv + gated delta rule with the mode's layout changes). ``--spec``
+says whose submodules: ``local`` (ColumnParallelLinear in_proj, torch RMSNorm, RowParallelLinear
+out_proj) and/or ``te`` (Megatron's own GDN spec, ``get_gated_delta_net_module_spec``:
+TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, TERowParallelLinear out_proj). Without
+TransformerEngine every te row is an error that says so (no rank is spawned for it); the local rows
+still run. Every row names its spec, its FLA stack, the submodules it ran, the gated-norm path its
+step really took (counted in the rank) and the backend FLA dispatched its GDN kernel to.
+
+Levers (``--levers``): each gdn-cp lever named there is also timed switched off, in extra patched
+rows beside the rows with every lever on (same run, rows and weights). The switch is benchmark-side,
+in the rank process, never a library flag: ``fused_norm`` makes the release adapter report the
+gated norm as not plain (``plain_rms_gated_norm``), so the glue takes the layer's own ``out_norm *
+act(z)``; the layers' cached choice is dropped before and after. ``--plan te:32K,te:128K,
+te-fused_norm:32K,local:128K`` gives the units (spec, lever off, T) in priority order, so that a time
+limit cuts the least important ones; both rank pools (stock, patched) stay up, and each unit compiles
+and times stock and gdn-cp side by side before the next one starts.
 
 Cases, per (T, packing), all on the same weights and input rows:
 
@@ -55,14 +69,20 @@ Method (see DESIGN.md, "Measuring performance"):
 4. the core alone, timed like 2;
 5. bytes per token from the plan: only rows that leave the rank (``layer_full_math.bytes_per_token``).
 
+6. per row, when profiled: the copy kernels' time (torch's copy / cat kernels: what "fewer copies
+   around in_proj and the gate split" could save at most), and after the timed iterations one more
+   fwd+bwd split into what the forward keeps for the backward and the peaks of forward and step.
+
 Robustness: no new case starts after ``--time-limit`` seconds; a case that does not answer by
 ``--time-limit + --grace`` (or within ``--case-timeout``) has its ranks killed and is recorded as
 an error. Rows are written after every case (atomic replace), merged into ``--out``: rows of the
-same machine size, CP, T, dtype and shape are replaced by this run's. SIGINT/SIGTERM write what
-was collected.
+same machine size, CP, T, dtype, shape, spec and FLA version are replaced by this run's.
+SIGINT/SIGTERM write what was collected.
 
     python benchmarks/layer_full.py --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
     python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
+    python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --cases stock_slice,patched_slice --packings mixed8 \
+        --plan te:32K,te:128K,te-fused_norm:32K,local:128K                   # 1x H200, TE spec first
     python benchmarks/layer_full.py --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
     python benchmarks/plot_layer_full.py $OUT/layer_full.json                 # PNG + markdown table
 
@@ -78,6 +98,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import asdict
@@ -97,8 +118,10 @@ from gdn_cp.testing.ranks import RankPool  # noqa: E402
 from layer_full_math import (  # noqa: E402
     CASES,
     CP1_CASES,
+    LEVERS,
     PACKINGS,
     SLICE_CASES,
+    SPECS,
     STOCK_CASES,
     GDNDims,
     bytes_per_token,
@@ -107,6 +130,7 @@ from layer_full_math import (  # noqa: E402
     fmt_tokens,
     iteration_stats,
     packing,
+    parse_plan,
     parse_tokens,
     run_key,
 )
@@ -171,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--align", type=int, default=None,
                    help="every sequence length is a multiple of this (a multiple of 2*cp; default 64)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--spec", type=_csv(SPECS), default=None,
+                   help="comma list, in run order: local (Megatron's local modules, default) and/or te (Megatron's own GDN "
+                        "spec, get_gated_delta_net_module_spec: TransformerEngine's LayerNorm-fused in_proj, TENorm "
+                        "out_norm, TERowParallelLinear out_proj; needs TransformerEngine)")
+    g.add_argument("--levers", type=_csv(LEVERS), default=[],
+                   help=f"comma list of gdn-cp levers ({','.join(LEVERS)}) to time switched off too: extra patched rows "
+                        "beside the ones with every lever on, same run, rows and weights (benchmark-side switch in the "
+                        "rank process)")
+    g.add_argument("--plan", type=str, default=None,
+                   help="explicit run order of SPEC[-LEVER]:T units instead of --spec/--levers/--tokens, e.g. "
+                        "te:32K,te:128K,te-fused_norm:32K,local:128K (a time limit then cuts the last units)")
+    g.add_argument("--zero-centered-gamma", action="store_true",
+                   help="te spec: TransformerConfig.layernorm_zero_centered_gamma (TE's norms scale by 1 + weight)")
     s = p.add_argument_group("shape (default Qwen3.5-9B GDN)")
     d = GDNDims()
     s.add_argument("--hidden", type=int, default=d.hidden)
@@ -188,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profiled iterations per case, CUDA only (default 3; 0: none)")
     m.add_argument("--no-core", action="store_true", help="do not time the core alone")
     m.add_argument("--no-check", action="store_true", help="do not compare each case with CP=1")
+    m.add_argument("--serial-compile", action="store_true",
+                   help="compile pass one pool after the other (default: the stock and patched pools compile and "
+                        "autotune side by side, as warm_kernels.py does; timing is always one case at a time)")
     m.add_argument("--compile-only", action="store_true",
                    help="only the compile pass (compile/autotune every case, check it against CP=1), no timing: "
                         "a first call with a cold Triton cache; its rows have status 'compiled'")
@@ -216,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_args(args):
     """Fill the defaults (``--quick``'s where it is given), then check the combination."""
     defaults = QUICK if args.quick else DEFAULTS
+    args.tokens_given = args.tokens is not None
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -251,6 +292,23 @@ def resolve_args(args):
     zigzag_cp = args.slice_of_cp or args.cp  # the packing must be one a CP run of this size takes
     if args.align % (2 * zigzag_cp):
         raise SystemExit(f"--align {args.align} must be a multiple of 2*cp={2 * zigzag_cp} (Megatron's zigzag cut)")
+    if args.plan is not None:
+        if args.spec is not None or args.levers or args.tokens_given:
+            raise SystemExit("--plan names every unit (spec, lever, T): leave out --spec, --levers and --tokens")
+        try:
+            args.units = parse_plan(args.plan)
+        except ValueError as err:
+            raise SystemExit(f"--plan: {err}") from None
+        args.tokens = list(dict.fromkeys(t for _, _, t in args.units))
+        args.specs = list(dict.fromkeys(s for s, _, _ in args.units))
+        args.levers = list(dict.fromkeys(lv for _, lv, _ in args.units if lv))
+    else:
+        args.specs = args.spec or ["local"]
+        args.units = [(s, lv, t) for s in args.specs for lv in [None, *args.levers] for t in args.tokens]
+    if args.zero_centered_gamma and "local" in args.specs:
+        raise SystemExit("--zero-centered-gamma goes with the te spec only (Megatron's local torch norm refuses it)")
+    if args.levers and all(c in STOCK_CASES for c in args.cases):
+        raise SystemExit(f"--levers {','.join(args.levers)} switch off gdn-cp levers: add a patched case to --cases")
     for t in args.tokens:
         for name in args.packings:
             try:
@@ -265,9 +323,11 @@ def knobs(args) -> dict:
     return {"dims": asdict(args.dims), "dtype": args.dtype, "align": args.align, "seed": args.seed,
             "warmup": args.warmup, "iters": args.iters, "profile_iters": args.profile_iters,
             "core": not args.no_core, "check": not args.no_check, "fast_autotune": args.fast_autotune,
-            "compile_only": args.compile_only, "slice_of_cp": args.slice_of_cp,
+            "compile_only": args.compile_only, "serial_compile": args.serial_compile, "slice_of_cp": args.slice_of_cp,
             "stock_from": args.stock_from, "time_limit_s": args.time_limit, "grace_s": args.grace,
             "case_timeout_s": args.case_timeout, "packings": args.packings, "cases": args.cases,
+            "specs": args.specs, "levers": args.levers, "plan": args.plan,
+            "zero_centered_gamma": args.zero_centered_gamma,
             "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
             "route_build": "once per micro-batch (PackedSeqParams reused across iterations, as the layers of one "
                            "micro-batch share it); stock rebuilds its per-token permutation every call"}
@@ -310,21 +370,26 @@ def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path
 # ---------------------------------------------------------------------------------------------
 
 class Runner:
-    """One rank pool at a time; every call into the ranks is bounded by the time guard."""
+    """The rank pools of this run (stock and patched: both stay up, so that one (T, spec) unit
+    times stock and gdn-cp side by side before the next starts; only one runs a case at a time);
+    every call into the ranks is bounded by the time guard."""
 
     def __init__(self, args):
         self.args = args
         self.t0 = time.monotonic()
-        self.pool = None
-        self.kind = None
+        self.pools: dict = {}
         self.infos: dict[str, list] = {}
+        self.failed: dict[str, str] = {}  # kind -> why its pool did not start
         self.kills = 0
+        self.stopped: str | None = None  # set by a signal: nothing new starts, in any thread
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
     def may_start(self) -> str | None:
         """None, or why nothing new may start."""
+        if self.stopped:
+            return f"stopped ({self.stopped}): not started"
         if self.elapsed() >= self.args.time_limit:
             return f"time limit: not started ({self.elapsed():.0f} s elapsed, --time-limit {self.args.time_limit:g} s)"
         return None
@@ -336,7 +401,7 @@ class Runner:
         return max(5.0, min(max(self.args.case_timeout, at_least), hard))
 
     def open(self, kind: str, setup_spec: dict) -> list:
-        self.close()
+        self.close(kind)
         env = {"GDN_CP_TEST_FAST_AUTOTUNE": "1" if self.args.fast_autotune else "0",
                "GDN_CP_TEST_PG_TIMEOUT": str(int(self.args.case_timeout + 60))}
         backend = "gloo" if self.args.device == "cpu" else None
@@ -344,33 +409,37 @@ class Runner:
         # A pool that fails to start kills its own ranks before raising.
         pool = RankPool(self.args.cp, device=self.args.device, backend=backend,
                         timeout_s=self._wait_s(SPAWN_S), env=env)
-        self.pool, self.kind = pool, kind
-        infos = self.call(rank_side.rank_setup, setup_spec, at_least=SPAWN_S)
+        self.pools[kind] = pool
+        infos = self.call(kind, rank_side.rank_setup, setup_spec, at_least=SPAWN_S)
         self.infos[kind] = infos
         logger.info("[%4.0fs] %s pool up (%s, megatron %s: %s)", self.elapsed(), kind, pool.backend,
                     infos[0]["megatron"]["state"], infos[0]["megatron"]["root"])
         return infos
 
-    def call(self, fn, spec: dict, at_least: float = 0.0) -> list:
-        """``fn(ctx, spec)`` on every rank; a rank that fails raises, a silent one gets the pool killed."""
-        self.pool.timeout_s = self._wait_s(at_least)
+    def call(self, kind: str, fn, spec: dict, at_least: float = 0.0) -> list:
+        """``fn(ctx, spec)`` on every rank of ``kind``'s pool; a rank that fails raises, a silent one
+        gets the pool killed."""
+        pool = self.pools[kind]
+        pool.timeout_s = self._wait_s(at_least)
         try:
-            return self.pool.run(fn, spec)
+            return pool.run(fn, spec)
         except Exception:
-            if self.pool is not None and self.pool.broken:
-                logger.warning("rank pool broken (%s): killing it", self.pool.broken)
-                self.close(kill=True)
+            if pool.broken:
+                logger.warning("%s rank pool broken (%s): killing it", kind, pool.broken)
+                self.close(kind, kill=True)
             raise
 
-    def close(self, kill: bool = False) -> None:
-        pool, self.pool, self.kind = self.pool, None, None
-        if pool is None:
-            return
-        if kill or pool.broken:
-            self.kills += 1
-            pool.kill()
-            return
-        pool.close()
+    def close(self, kind: str | None = None, kill: bool = False) -> None:
+        """Close ``kind``'s pool (every pool when None)."""
+        for k in [kind] if kind is not None else list(self.pools):
+            pool = self.pools.pop(k, None)
+            if pool is None:
+                continue
+            if kill or pool.broken:
+                self.kills += 1
+                pool.kill()
+            else:
+                pool.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,26 +461,35 @@ class Rows:
         keys = {run_key(r) for r in replaces}
         self.kept = [r for r in old if run_key(r) not in keys]
         self.new: list[dict] = []
+        self._lock = threading.Lock()
         if len(self.kept) != len(old):
             logger.info("replacing %d earlier row(s) of the same runs in %s", len(old) - len(self.kept), path)
 
     def add(self, row: dict) -> None:
-        self.new.append(row)
-        self.write()
+        with self._lock:  # the compile pass of two pools runs in two threads
+            self.new.append(row)
+            write_json(self.path, self.kept + self.new)
 
     def write(self) -> None:
-        write_json(self.path, self.kept + self.new)
+        with self._lock:
+            write_json(self.path, self.kept + self.new)
 
 
 def plan_rows(args, run: dict) -> list[dict]:
-    """Every (T, packing, case) of this run as a row skeleton, in run order."""
+    """Every (unit, packing, case) of this run as a row skeleton, in run order: a unit is one
+    (spec, lever switched off or None, T) of ``args.units``; a lever unit has the patched cases only."""
     rows = []
-    for t in args.tokens:
+    versions = run["versions"]
+    stack = f"fla {versions.get('fla')} + triton {versions.get('triton')}"
+    for unit, (spec, lever_off, t) in enumerate(args.units):
         for name in args.packings:
             layout, cu = packing(name, t, args.align)
             for case in args.cases:
+                if lever_off is not None and case in STOCK_CASES:
+                    continue
                 for slice_rank in range(args.slice_of_cp) if case in SLICE_CASES else [None]:
                     row = {
+                        "unit": unit, "spec": spec, "lever_off": lever_off, "stack": stack,
                         "benchmark": "layer_full", "schema": SCHEMA, "date": run["date"], "run_id": run["run_id"],
                         "gpus": args.gpus, "device": args.device, "backend": None, "cp": args.cp, "tp": 1, "T": t,
                         "layout": layout, "packing": name, "case": case, "status": "skipped", "error": None,
@@ -435,6 +513,7 @@ def plan_rows(args, run: dict) -> list[dict]:
 
 def _spec(row: dict, args, phase: str) -> dict:
     return {"phase": phase, "case": row["case"], "layout": row["layout"], "cu": row["cu"], "seed": args.seed,
+            "spec": row["spec"], "lever_off": row["lever_off"],
             "check": not args.no_check, "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
             "profile_iters": args.profile_iters, "slice_of_cp": row.get("slice_of_cp"),
             "slice_rank": row.get("slice_rank")}
@@ -466,6 +545,11 @@ def fill_compile(row: dict, outs: list[dict]) -> None:
             logger.warning("T=%s %s %s differs from CP=1 by %.2e (> %.0e): its time is not of a correct computation",
                            fmt_tokens(row["T"]), row["packing"], row["case"], worst, limit)
     row["chunkwise_path"] = outs[0]["chunkwise_path"]
+    # what ran, seen in the rank (not assumed from the flags): the layer's submodules, the gated norm
+    # path of this very step, the FLA backend of chunk_gated_delta_rule
+    for k in ("modules", "norm_path", "fla_gdn_backend"):
+        if k in outs[0]:
+            row[k] = outs[0][k]
 
 
 def fill_time(row: dict, outs: list[dict], args) -> None:
@@ -482,7 +566,9 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         p = per_rank[crit]
         row.update(compute_ms=p["compute_ms"], comm_wait_ms=p["nccl_ms"], memcpy_ms=p["memcpy_ms"],
                    idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit,
-                   kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"))
+                   kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"),
+                   copy_kernels_ms=p.get("copy_ms"), copy_kernels_per_iter=p.get("copy_kernels"),
+                   copy_kernels_top_ms=p.get("copy_top_ms"))
         row["profile"] = {"note": "per rank, ms per iteration over the same profiled iterations: compute + nccl + "
                                   "memcpy + idle = wall (exclusive; *_total = overlapping sums); the flat fields "
                                   "are the rank with the most compute", "per_rank": per_rank}
@@ -495,6 +581,12 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         row["core"] = {k: core[k] for k in ("median_ms", "p10_ms", "p90_ms", "iters", "per_rank_median_ms")}
         if outs[0]["core"].get("peak_gib") is not None:
             row["core"]["peak_gib"] = max(o["core"]["peak_gib"] for o in outs)
+    if all(o.get("memory") for o in outs):
+        crit = max(range(len(outs)), key=lambda r: outs[r]["memory"]["peak_gib"])
+        row["memory"] = {**outs[crit]["memory"], "rank": crit,
+                         "note": "one more fwd+bwd after the timed ones: GiB above what was allocated before it "
+                                 "(inputs, weights): saved_after_forward = what the forward keeps for backward, "
+                                 "peak_in_forward / peak (whole step) = the allocator's high-water marks"}
     if row["case"] == "cp1_slice":
         meds = stats["per_rank_median_ms"]
         row["critical_rank"] = max(range(len(meds)), key=lambda r: meds[r])
@@ -514,72 +606,154 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=6)}"
 
 
-def run_pool(runner: Runner, rows: Rows, pool_rows: list[dict], kind: str, setup_spec: dict, args) -> None:
-    """Open the pool, then per (T, packing): the compile pass over its cases, then the timed pass."""
+def _describe_pool(runner: Runner, row: dict, kind: str) -> None:
+    infos = runner.infos[kind]
+    row["backend"] = runner.pools[kind].backend
+    row["megatron"] = {**infos[0]["megatron"], "pool": kind,
+                       "stock_source": None if row["case"] not in STOCK_CASES else
+                       ("pristine copy, own processes" if kind == "stock" else
+                        "installed patched megatron, gdn-cp dispatch off (stock_forward)")}
+    row["rank_info"] = {k: infos[0].get(k) for k in ("gpu", "gpu_memory_gib", "capability", "fla", "triton",
+                                                       "torch", "torch_cuda", "fast_autotune", "dist_backend",
+                                                       "transformer_engine")}
+    why = (infos[0].get("spec_errors") or {}).get(row["spec"])
+    if why:
+        row.update(status="error", error=f"spec {row['spec']}: {why}")
+
+
+def _ensure_pool(runner: Runner, kind: str, setup_spec: dict) -> str | None:
+    """Open ``kind``'s pool unless it is up; None, or why it is not (recorded once per kind; a pool
+    killed after a hang is respawned once)."""
+    if kind in runner.pools:
+        return None
+    if kind in runner.failed:
+        return runner.failed[kind]
+    if kind in runner.infos and runner.kills > 1:
+        return "rank pools were killed twice (hang or crash); not starting another"
+    try:
+        runner.open(kind, setup_spec)
+        return None
+    except Exception as err:  # noqa: BLE001 - recorded in every row of this pool
+        text = f"{kind} pool failed to start: {_error_text(err)}"
+        logger.error("%s", text)
+        runner.close(kind, kill=True)
+        if kind not in runner.infos:
+            runner.failed[kind] = text
+        return text
+
+
+def _time_order(group: list[dict]) -> list[dict]:
+    """Stock and gdn-cp alternate per slice rank (stock r0, gdn-cp r0, stock r1, ...), levers last."""
+    return sorted(group, key=lambda r: (r.get("slice_rank") if r.get("slice_rank") is not None else -1,
+                                        r["case"] not in STOCK_CASES))
+
+
+def _run_row(runner: Runner, rows: Rows, row: dict, kind: str, phase: str, setups: dict, args) -> None:
+    """One row, one phase, in ``kind``'s pool (opened here when it is not up)."""
+    if phase == "time" and row.get("status") != "compiled":
+        return
     why = runner.may_start()
     if why:
-        for row in pool_rows:
-            row["error"] = why
+        row.update(status="skipped", error=why)
         return
+    why = _ensure_pool(runner, kind, setups[kind])
+    if why:
+        row.update(status="error", error=why)
+        rows.add(row)
+        return
+    if phase == "compile":
+        _describe_pool(runner, row, kind)
+        if row["status"] == "error":
+            rows.add(row)
+            return
+    label = f"T={fmt_tokens(row['T'])} {row['packing']} {case_key(row)} ({phase})"
+    logger.info("[%4.0fs] %s ...", runner.elapsed(), label)
+    t0 = time.perf_counter()
     try:
-        infos = runner.open(kind, setup_spec)
-    except Exception as err:  # noqa: BLE001 - recorded in every row of this pool
-        text = _error_text(err)
-        logger.error("%s pool failed to start: %s", kind, text)
-        for row in pool_rows:
-            row.update(status="error", error=f"{kind} pool failed to start: {text}")
+        outs = runner.call(kind, rank_side.rank_case, _spec(row, args, phase))
+        if phase == "compile":
+            fill_compile(row, outs)
+            if row["status"] != "refused":
+                row["status"] = "compiled"
+        else:
+            fill_time(row, outs, args)
+    except _Stop:
+        row.update(status="error", error="stopped by a signal while running")
+        raise
+    except Exception as err:  # noqa: BLE001 - record, go on
+        row.update(status="error", error=f"{phase}: {_error_text(err)}")
+    row[f"{phase}_elapsed_s"] = round(time.perf_counter() - t0, 2)
+    logger.info("[%4.0fs] %s: %s", runner.elapsed(), label, _summary(row, phase))
+    if phase == "time" or row["status"] in ("error", "refused") or args.compile_only:
+        rows.add(row)
+
+
+def _compile_pass(runner: Runner, rows: Rows, group: list[dict], pool_of, setups: dict, args) -> None:
+    """The compile pass of one unit: each pool's rows in order; the pools side by side (one thread
+    each: a cold FLA compile is minutes per pool, and opening a pool ~20 s) unless
+    ``--serial-compile``. Nothing is timed here; the timed pass runs one case at a time."""
+    by_kind: dict[str, list[dict]] = {}
+    for row in group:
+        by_kind.setdefault(pool_of(row), []).append(row)
+
+    def work(kind: str) -> None:
+        for row in by_kind[kind]:
+            _run_row(runner, rows, row, kind, "compile", setups, args)
+
+    if args.serial_compile or len(by_kind) == 1:
+        for kind in by_kind:
+            work(kind)
         return
-    for row in pool_rows:
-        row["backend"] = runner.pool.backend
-        row["megatron"] = {**infos[0]["megatron"], "pool": kind,
-                           "stock_source": None if row["case"] not in STOCK_CASES else
-                           ("pristine copy, own processes" if kind == "stock" else
-                            "installed patched megatron, gdn-cp dispatch off (stock_forward)")}
-        row["rank_info"] = {k: infos[0].get(k) for k in ("gpu", "gpu_memory_gib", "capability", "fla", "triton",
-                                                           "torch", "torch_cuda", "fast_autotune", "dist_backend")}
+    failures: dict[str, BaseException] = {}
+
+    def guarded(kind: str) -> None:
+        try:
+            work(kind)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
+            failures[kind] = err
+
+    threads = [threading.Thread(target=guarded, args=(k,), name=f"layer_full-compile-{k}", daemon=True)
+               for k in by_kind]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for err in failures.values():
+        raise err
+
+
+def run_units(runner: Runner, rows: Rows, planned: list[dict], pool_of, setups: dict, args) -> None:
+    """Per unit (spec, lever, T) and packing, in plan order: the compile pass over its cases, then
+    the timed pass, stock's and gdn-cp's rows side by side; pools open when first needed."""
     groups: dict[tuple, list[dict]] = {}
-    for row in pool_rows:
-        groups.setdefault((row["T"], row["packing"]), []).append(row)
-    for (t, name), group in groups.items():
-        for phase in ("compile",) if args.compile_only else ("compile", "time"):
-            for row in group:
-                if phase == "time" and row.get("status") != "compiled":
-                    continue
-                why = runner.may_start()
-                if why:
-                    row.update(status="skipped", error=why)
-                    continue
-                if runner.pool is None and runner.kills > 1:
-                    row.update(status="error", error="rank pools were killed twice (hang or crash); not starting another")
-                    continue
-                label = f"T={fmt_tokens(t)} {name} {case_key(row)} ({phase})"
-                logger.info("[%4.0fs] %s ...", runner.elapsed(), label)
-                t0 = time.perf_counter()
-                try:
-                    if runner.pool is None:  # killed after a hang: one respawn
-                        try:
-                            runner.open(kind, setup_spec)
-                        except Exception as err:  # noqa: BLE001
-                            raise RuntimeError(f"respawning the {kind} pool failed: {err}") from err
-                    outs = runner.call(rank_side.rank_case, _spec(row, args, phase))
-                    if phase == "compile":
-                        fill_compile(row, outs)
-                        if row["status"] != "refused":
-                            row["status"] = "compiled"
-                    else:
-                        fill_time(row, outs, args)
-                except _Stop:
-                    row.update(status="error", error="stopped by a signal while running")
-                    raise
-                except Exception as err:  # noqa: BLE001 - record, go on
-                    row.update(status="error", error=f"{phase}: {_error_text(err)}")
-                row[f"{phase}_elapsed_s"] = round(time.perf_counter() - t0, 2)
-                logger.info("[%4.0fs] %s: %s", runner.elapsed(), label, _summary(row, phase))
-                if phase == "time" or row["status"] in ("error", "refused") or args.compile_only:
-                    rows.add(row)
-    for row in pool_rows:
-        if row.get("status") == "compiled" and not args.compile_only:  # compiled, then the time guard stopped it
-            row.update(status="skipped", error=row.get("error") or "time limit after the compile pass")
+    for row in planned:
+        if row["status"] == "skipped":  # rows already settled (e.g. no TransformerEngine) are not run
+            groups.setdefault((row["unit"], row["packing"]), []).append(row)
+    for group in groups.values():
+        _compile_pass(runner, rows, group, pool_of, setups, args)
+        if not args.compile_only:
+            for row in _time_order(group):
+                _run_row(runner, rows, row, pool_of(row), "time", setups, args)
+        for row in group:
+            if row.get("status") == "compiled" and not args.compile_only:  # compiled, then the time guard stopped it
+                row.update(status="skipped", error=row.get("error") or "time limit after the compile pass")
+
+
+def te_missing() -> str | None:
+    """Why the te spec cannot be built in this Python (None when TransformerEngine is importable).
+    Looked up without importing TE (importing it here would initialise CUDA in the main process)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return ("TransformerEngine is not importable here (transformer_engine not on sys.path); the te spec is "
+            "Megatron's TE modules (get_gated_delta_net_module_spec). On the GPU machine benchmarks/gpu_suite.sh "
+            "puts .site-te on PYTHONPATH (carry .te once: its unpack leaves .site-te for later calls); "
+            "or run --spec local")
 
 
 def _summary(row: dict, phase: str) -> str:
@@ -618,29 +792,34 @@ def main(argv=None) -> int:
             print(f"T={fmt_tokens(r['T'])} {r['packing']:>8} ({r['layout']}, {r['num_sequences']} seqs) {case_key(r)}")
         return 0
     rows = Rows(args.out, planned)
+    no_te = te_missing() if "te" in args.specs else None
+    if no_te:
+        logger.error("%s", no_te)
+        for r in planned:
+            if r["spec"] == "te":
+                r.update(status="error", error=f"spec te: {no_te}")
+                rows.add(r)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _on_signal)
     runner = Runner(args)
     tmp = None
     stopped = None
-    setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed}
+    specs = [s for s in args.specs if not (s == "te" and no_te)]
+    setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed, "specs": specs,
+             "zero_centered_gamma": args.zero_centered_gamma}
     try:
         if args.stock_from == "copy":
             workdir = args.workdir or Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_"))
             trees = prepare_megatron_trees(args.megatron, workdir)
-            # patched first: with a cold Triton cache its headwise case autotunes the kernels stock's
-            # THD path uses too (same head count), so the stock pool has less left to tune.
-            pools = [("patched", str(trees["patched"]), "patched", [c for c in args.cases if c not in STOCK_CASES]),
-                     ("stock", str(trees["stock"]), "pristine", [c for c in args.cases if c in STOCK_CASES])]
+            setups = {"patched": {**setup, "megatron_root": str(trees["patched"]), "expect_state": "patched"},
+                      "stock": {**setup, "megatron_root": str(trees["stock"]), "expect_state": "pristine"}}
+            pool_of = lambda row: "stock" if row["case"] in STOCK_CASES else "patched"  # noqa: E731
         else:
-            pools = [("installed", None, "patched", list(args.cases))]
-        for kind, root, state, cases in pools:
-            mine = [r for r in planned if r["case"] in cases]
-            if mine:
-                run_pool(runner, rows, mine, kind, {**setup, "megatron_root": root, "expect_state": state}, args)
-                runner.close()
+            setups = {"installed": {**setup, "megatron_root": None, "expect_state": "patched"}}
+            pool_of = lambda row: "installed"  # noqa: E731
+        run_units(runner, rows, planned, pool_of, setups, args)
     except _Stop as err:
-        stopped = str(err)
+        stopped = runner.stopped = str(err)
         logger.warning("stopped by %s: writing what was collected", stopped)
     finally:
         for s in (signal.SIGTERM, signal.SIGINT):

@@ -21,7 +21,10 @@ __all__ = [
     "SLICE_CASES",
     "STOCK_CASES",
     "case_key",
+    "LEVERS",
     "PACKINGS",
+    "SPECS",
+    "parse_plan",
     "GDNDims",
     "packing",
     "contiguous_slice",
@@ -47,6 +50,14 @@ CP1_CASES = ("stock_cp1", "patched_cp1", "stock_slice", "patched_slice")
 SLICE_CASES = ("stock_slice", "patched_slice")
 STOCK_CASES = ("stock_headwise", "stock_cp1", "stock_slice")
 PACKINGS = ("mixed8", "long1", "short64", "sbhd")
+# Where the layer's submodules come from (``gdn_cp.testing.megatron_layer.SPECS``): ``local``
+# (ColumnParallelLinear / torch RMSNorm / RowParallelLinear) or ``te`` (Megatron's own GDN spec:
+# TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, TERowParallelLinear out_proj).
+SPECS = ("local", "te")
+# gdn-cp levers a patched row can run with switched off (benchmark-side, in the rank process; never
+# a library flag), each beside the row with every lever on, in the same run, rows and weights:
+# ``fused_norm``: the layer's own out_norm * act(z) instead of FLA's fused gated RMSNorm.
+LEVERS = ("fused_norm",)
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
 _MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)
@@ -74,16 +85,49 @@ class GDNDims:
 
 def run_key(row: dict) -> tuple:
     """Rows with the same run key describe the same measurement (machine size, CP, T, dtype,
-    shape, compile-only or timed, the CP size a ``--cp 1`` run slices for); a newer run replaces them."""
+    shape, compile-only or timed, the CP size a ``--cp 1`` run slices for, the layer spec and the
+    FLA version); a newer run replaces them. Rows from before ``spec`` existed are ``local``."""
     k = row.get("knobs", {})
     return (row.get("device"), row.get("gpus"), row.get("cp"), row.get("tp"), row.get("T"), k.get("dtype"),
-            tuple(sorted(k.get("dims", {}).items())), bool(k.get("compile_only")), k.get("slice_of_cp"))
+            tuple(sorted(k.get("dims", {}).items())), bool(k.get("compile_only")), k.get("slice_of_cp"),
+            row.get("spec") or "local", (row.get("versions") or {}).get("fla"))
 
 
 def case_key(row: dict) -> str:
-    """The case name, with the slice's rank for ``*_slice`` rows (one row per rank): ``patched_slice[r1]``."""
+    """The case name, with the slice's rank for ``*_slice`` rows (one row per rank), the spec when it
+    is not ``local`` and the lever switched off, if any: ``patched_slice[r1]``,
+    ``patched_slice[r1]|te``, ``patched_slice[r1]|te|-fused_norm``."""
     rank = row.get("slice_rank")
-    return row["case"] if rank is None else f"{row['case']}[r{rank}]"
+    key = row["case"] if rank is None else f"{row['case']}[r{rank}]"
+    if (row.get("spec") or "local") != "local":
+        key += f"|{row['spec']}"
+    if row.get("lever_off"):
+        key += f"|-{row['lever_off']}"
+    return key
+
+
+def parse_plan(text: str) -> list[tuple[str, str | None, int]]:
+    """``--plan``: comma list of ``SPEC[-LEVER]:T`` units in run order -> ``[(spec, lever_off, T)]``.
+
+    ``te:32K,te:128K,te-fused_norm:32K,local:128K``: Megatron's TE spec at 32K (stock and gdn-cp),
+    then at 128K, then gdn-cp with the fused norm off at 32K, then the local spec at 128K. A unit
+    with a lever runs only the patched cases (the lever is gdn-cp's)."""
+    units = []
+    for item in (t.strip() for t in str(text).split(",")):
+        if not item:
+            continue
+        head, sep, tokens = item.partition(":")
+        spec, _, lever = head.partition("-")
+        if not sep or spec not in SPECS or (lever and lever not in LEVERS):
+            raise ValueError(f"plan unit {item!r} must be SPEC[-LEVER]:T with SPEC in {SPECS} and LEVER in {LEVERS}, "
+                             f"e.g. te:32K or te-fused_norm:128K")
+        unit = (spec, lever or None, parse_tokens(tokens))
+        if unit in units:
+            raise ValueError(f"plan unit {item!r} is given twice")
+        units.append(unit)
+    if not units:
+        raise ValueError(f"plan {text!r} names no unit")
+    return units
 
 
 def parse_tokens(text: str) -> int:

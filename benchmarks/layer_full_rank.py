@@ -117,9 +117,13 @@ def _cpu_stock_kernels() -> None:
     gdn_module.chunk_gated_delta_rule = chunk_gated_delta_rule
 
 
-def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool):
+def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_centered_gamma: bool = False,
+               spec: str = "local"):
     """TransformerConfig of one GDN layer. Stock megatron has no ``linear_cp_mode`` field; the
-    patched one is built with chunkwise (legal for any head count) and set per case."""
+    patched one is built with chunkwise (legal for any head count) and set per case.
+    ``zero_centered_gamma``: ``layernorm_zero_centered_gamma`` (the te spec's norms then scale by
+    1 + weight). The te spec's modules are built on the GPU, as in training (and as the GPU parity
+    tests build them); the weights are set afterwards either way."""
     from megatron.core.transformer import TransformerConfig
 
     kw = dict(
@@ -134,6 +138,10 @@ def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool):
     if patched:
         kw["linear_cp_mode"] = "chunkwise"
         kw["linear_cp_thd_split"] = "per_document"  # THD rows are cut per document here (zigzag_rows)
+    if zero_centered_gamma:
+        kw["layernorm_zero_centered_gamma"] = True
+    if spec == "te":
+        kw["use_cpu_initialization"] = False
     return TransformerConfig(**kw)
 
 
@@ -166,14 +174,26 @@ def rank_setup(ctx, spec: dict) -> dict:
     cp = ctx.world_size
     build = dict(seed=spec["seed"], bias=False, conv_bias=False, device=device)
     _STATE.clear()
-    layer1 = build_gdn(gdn_config(1, dims, dtype, patched), ctx.group(1), **build)
+    layers, spec_errors = {}, {}
+    for name in spec.get("specs", ["local"]):
+        # a spec that cannot be built here (te without TransformerEngine) fails its own rows, not the pool
+        zc = bool(spec.get("zero_centered_gamma")) and name == "te"
+        try:
+            layer1 = build_gdn(gdn_config(1, dims, dtype, patched, zc, name), ctx.group(1), spec=name, **build)
+            layer = layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched, zc, name), ctx.group(cp),
+                                                     spec=name, **build)
+            layers[name] = {"layer": layer, "layer1": layer1}
+        except Exception as err:  # noqa: BLE001 - reported per spec
+            spec_errors[name] = f"building the layer failed: {type(err).__name__}: {err}"
     _STATE.update(
         ctx=ctx, device=device, dims=dims, dtype=dtype, cp=cp, patched=patched, barrier_group=_timing_group(ctx),
-        layer=layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched), ctx.group(cp), **build),
-        layer1=layer1, reference=None,
+        layers=layers, reference=None,
     )
+    if patched:
+        _count_fused_norm_calls()
     info = {"rank": ctx.rank, "dist_backend": ctx.backend, "device": str(device), "megatron": mega,
-            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "pid": os.getpid()}
+            "torch": torch.__version__, "torch_cuda": torch.version.cuda, "pid": os.getpid(),
+            "spec_errors": spec_errors, "transformer_engine": _version("transformer-engine")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
@@ -183,6 +203,85 @@ def rank_setup(ctx, spec: dict) -> dict:
     info.update(fla=fla_version(), fla_available=fla_available(), triton=_version("triton"),
                 fast_autotune=os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1")
     return info
+
+
+# ---------------------------------------------------------------------------------------------
+# levers: what ran, and the benchmark-side switch
+# ---------------------------------------------------------------------------------------------
+
+_FUSED_NORM_CALLS = [0]
+
+
+def _count_fused_norm_calls() -> None:
+    """Count calls of gdn-cp's fused gated norm (``gdn_cp.ops.fla.norm.gated_rms_norm``, what the FLA
+    backend's ``fused_gated_rms_norm()`` hands the glue), so each row says which norm path its step
+    really took. Installed before any layer runs (the glue keeps the function it was given)."""
+    try:
+        import gdn_cp.ops.fla.norm as norm
+    except Exception:  # noqa: BLE001 - without it every row says "unknown"
+        return
+    inner = norm.gated_rms_norm
+    if getattr(inner, "_layer_full_counted", False):
+        return
+
+    def counted(*args, **kwargs):
+        _FUSED_NORM_CALLS[0] += 1
+        return inner(*args, **kwargs)
+
+    counted._layer_full_counted = True
+    norm.gated_rms_norm = counted
+
+
+def _clear_norm_choice(module) -> None:
+    """Forget the glue's per-layer gated-norm choice (``_gdn_cp_*norm*`` entries of the layer's
+    ``__dict__``), so the next forward decides again."""
+    for key in [k for k in vars(module) if k.startswith("_gdn_cp_") and "norm" in k]:
+        del module.__dict__[key]
+
+
+@contextlib.contextmanager
+def fused_norm_off(modules):
+    """Benchmark-only switch (never a library flag): the Megatron glue takes the layer's own
+    ``out_norm * act(z)`` instead of the fused gated RMSNorm, because its release adapter's
+    ``plain_rms_gated_norm`` reports the norm as not plain. The layers' cached choice is dropped on
+    entry and exit, so the rows before and after decide afresh."""
+    from gdn_cp.megatron.gdn import layer_adapter
+
+    classes = {type(layer_adapter(m)) for m in modules}
+    own = {cls: cls.__dict__.get("plain_rms_gated_norm") for cls in classes}  # None: inherited
+    for m in modules:
+        _clear_norm_choice(m)
+    try:
+        for cls in classes:
+            cls.plain_rms_gated_norm = lambda self: (None, None, "switched off by layer_full.py --levers fused_norm")
+        yield
+    finally:
+        for cls, fn in own.items():
+            if fn is None:
+                del cls.plain_rms_gated_norm
+            else:
+                cls.plain_rms_gated_norm = fn
+        for m in modules:
+            _clear_norm_choice(m)
+
+
+LEVER_SWITCHES = {"fused_norm": fused_norm_off}
+
+
+def _modules_of(module) -> dict:
+    """The classes of the layer's submodules, ``module.qualname``."""
+    return {name: f"{type(getattr(module, name)).__module__}.{type(getattr(module, name)).__qualname__}"
+            for name in ("in_proj", "out_norm", "out_proj") if getattr(module, name, None) is not None}
+
+
+def fla_gdn_backend() -> str:
+    """Which implementation FLA dispatches ``chunk_gated_delta_rule`` to for a call without a cp
+    context: FLA >= 0.6 registers backends (FlashQLA on TileLang, enabled by default when
+    ``flash_qla`` imports; ``FLA_FLASH_QLA=0`` turns it off); otherwise FLA's Triton kernels."""
+    from gdn_cp.ops.fla.detect import gdn_kernel_backends
+
+    active = [b["name"] for b in gdn_kernel_backends() if b["available"] and b["enabled"]]
+    return active[0] if active else "triton"
 
 
 def _version(dist_name: str) -> str | None:
@@ -225,15 +324,15 @@ def _rows(case: str, layout: str, cu, cp: int, rank: int, device) -> torch.Tenso
     return zigzag_rows(cu if layout == "thd" else [0, cu[-1]], cp, rank).to(device)
 
 
-def _set_mode(case: str) -> None:
+def _set_mode(case: str, layers: dict) -> None:
     """The patched layer's mode for ``case`` (config field read at every forward), swap point and
     chunkwise path (``chunkwise_generic``: gdn-cp's own exchange; every other case: ``auto``)."""
     from gdn_cp.megatron.swap import set_chunkwise_swap
     from gdn_cp.modes import set_chunkwise_path
 
     mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(case, "chunkwise")
-    _STATE["layer"].config.linear_cp_mode = mode
-    _STATE["layer1"].config.linear_cp_mode = mode
+    layers["layer"].config.linear_cp_mode = mode
+    layers["layer1"].config.linear_cp_mode = mode
     set_chunkwise_swap({"chunkwise_hidden": "hidden", "chunkwise_core": "core", "chunkwise_generic": "hidden"}
                        .get(case, "auto"))
     set_chunkwise_path("generic" if case == "chunkwise_generic" else "auto")
@@ -251,14 +350,22 @@ class _Case:
         if self.case in SLICE_CASES:  # --cp 1: one rank plays rank slice_rank of a CP=slice_of_cp run
             cp, rank = spec["slice_of_cp"], spec["slice_rank"]
         t = self.cu[-1]
+        self.spec = spec.get("spec") or "local"
+        if self.spec not in st["layers"]:
+            raise RuntimeError(f"spec {self.spec} was not built in this pool (built: {sorted(st['layers'])})")
+        layers = st["layers"][self.spec]
+        self.lever_off = spec.get("lever_off")
         if self.case in STOCK_CASES:
+            if self.lever_off:
+                raise RuntimeError(f"lever {self.lever_off} is gdn-cp's: stock case {self.case} has none to switch off")
             self.stock = contextlib.nullcontext if not st["patched"] else stock_forward
         else:
             if not st["patched"]:
                 raise RuntimeError(f"case {self.case} needs the patched megatron, this pool has the pristine one")
             self.stock = contextlib.nullcontext
-            _set_mode(self.case)
-        self.module = st["layer1"] if self.sliced else st["layer"]
+            _set_mode(self.case, layers)
+        self.layer1 = layers["layer1"]
+        self.module = layers["layer1"] if self.sliced else layers["layer"]
         self.rows = _rows(self.case, self.layout, self.cu, cp, rank, device)
         x_full = _randn((t, 1, dims.hidden), spec["seed"] + 1, dtype, device)
         self.x = x_full.index_select(0, self.rows).requires_grad_(True)
@@ -357,11 +464,22 @@ def rank_case(ctx, spec: dict) -> dict:
         st["reference"] = None  # free the CP=1 reference: it must not count in peak memory
     _free()
     case = _Case(spec)
+    switch = LEVER_SWITCHES[case.lever_off]([case.module, case.layer1]) if case.lever_off else contextlib.nullcontext()
+    with switch:
+        try:
+            return _run_case(ctx, case, spec)
+        finally:
+            _free()
+
+
+def _run_case(ctx, case: "_Case", spec: dict) -> dict:
+    st = _STATE
     device = st["device"]
     out = {"rank": ctx.rank, "t_local": int(case.rows.numel()), "chunkwise_path": case.chunkwise_path()}
     if spec["phase"] == "compile":
         _sync(device)
         _barrier()
+        _FUSED_NORM_CALLS[0] = 0
         t0 = time.perf_counter()
         try:
             y = case.step()
@@ -369,6 +487,17 @@ def rank_case(ctx, spec: dict) -> dict:
             return {**out, "refused": f"{type(err).__name__}: {err}"}
         _sync(device)
         out["compile_s"] = time.perf_counter() - t0
+        out["modules"] = _modules_of(case.module)
+        if case.case in STOCK_CASES:
+            out["norm_path"] = "stock: out_norm(o) * act(z) (_apply_gated_norm)"
+        else:
+            out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
+                                "unfused: the layer's out_norm(o) * act(z)")
+        if device.type == "cuda":
+            try:
+                out["fla_gdn_backend"] = fla_gdn_backend()
+            except Exception as err:  # noqa: BLE001
+                out["fla_gdn_backend"] = f"unknown ({type(err).__name__}: {err})"
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
             out["check"] = _check_vs_stock(case, y)
         elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:
@@ -383,6 +512,8 @@ def rank_case(ctx, spec: dict) -> dict:
         return out
 
     out.update(_timed(case.step, spec["warmup"], spec["iters"], device, memory=True))
+    if device.type == "cuda":
+        out["memory"] = _memory_split(case, device)
     # The profile and the core explain the timing above; a failure there (the same on every rank:
     # both start from a barrier) is recorded and must not lose it.
     if spec["profile_iters"] > 0 and device.type == "cuda":
@@ -398,6 +529,29 @@ def rank_case(ctx, spec: dict) -> dict:
         except Exception as err:  # noqa: BLE001
             out["core_error"] = f"{type(err).__name__}: {err}"
     return out
+
+
+def _memory_split(case: "_Case", device) -> dict:
+    """One more fwd+bwd, GiB above what was allocated before it: what the forward keeps for the
+    backward (allocated after the forward, the output included) and the high-water marks of the
+    forward alone and of the whole step. Says where the peak is and what holds it."""
+    case.module.zero_grad(set_to_none=True)
+    case.x.grad = None
+    _sync(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with case.stock():
+        out, bias = case.module(case.x, None, packed_seq_params=case.psp)
+    y = out if bias is None else out + bias
+    _sync(device)
+    saved = torch.cuda.memory_allocated(device) - base
+    peak_fwd = torch.cuda.max_memory_allocated(device) - base
+    y.backward(case.dout)
+    del out, bias, y
+    _sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    return {"base_gib": base / GIB, "saved_after_forward_gib": saved / GIB, "peak_in_forward_gib": peak_fwd / GIB,
+            "peak_gib": peak / GIB, "peak_in": "forward" if peak_fwd >= peak else "backward"}
 
 
 def _timed(step, warmup: int, iters: int, device, memory: bool) -> dict:
@@ -504,9 +658,34 @@ def _profiled(step, n: int, device) -> dict:
     split = split_busy_time(spans, sum(walls) * 1e3)  # us over the n iterations
     per_iter = {k: v / 1e3 / n for k, v in split.items()}  # ms per iteration
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    copies = copy_kernels(trace["data"])
     return {"iters": n, "wall_ms_iters": walls, **{f"{k}_ms": v for k, v in per_iter.items()},
             "kernels": {c: len(s) // n for c, s in spans.items()},
-            "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top]}
+            "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top],
+            "copy_ms": copies["us"] / 1e3 / n, "copy_kernels": copies["count"] // n,
+            "copy_top_ms": [[name, us / 1e3 / n] for name, us in copies["top"]]}
+
+
+# What a copy kernel looks like in a CUDA trace: torch's copy / cat / contiguous kernels (the lever
+# "fewer copies around in_proj and the gate split" can save at most their time).
+_COPY_MARKERS = ("copy", "catarraybatched", "cat_kernel")
+
+
+def copy_kernels(trace, top: int = 6) -> dict:
+    """Total time (us) and count of the copy kernels (compute kernels whose name says copy or cat:
+    ``direct_copy_kernel_cuda``, ``CatArrayBatchedCopy``, ...) in a chrome trace, and the largest."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    by_name: dict[str, float] = {}
+    count = 0
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or _category(e) != "compute":
+            continue
+        name = str(e.get("name", ""))
+        if any(m in name.lower() for m in _COPY_MARKERS):
+            by_name[name[:90]] = by_name.get(name[:90], 0.0) + float(e.get("dur", 0.0))
+            count += 1
+    return {"us": sum(by_name.values()), "count": count,
+            "top": sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -538,7 +717,7 @@ def _grads(module) -> dict:
 def _reference(spec: dict) -> dict:
     """CP=1 on the whole micro-batch (``layer1``: this pool's megatron at CP=1), kept until the
     time phase: out, x.grad, grads."""
-    key = (spec["layout"], tuple(spec["cu"]), spec["seed"])
+    key = (spec["layout"], tuple(spec["cu"]), spec["seed"], spec.get("spec") or "local")
     ref = _STATE.get("reference")
     if ref is not None and ref["key"] == key:
         return ref
@@ -546,7 +725,7 @@ def _reference(spec: dict) -> dict:
     _free()
     st = _STATE
     device, dims, dtype, t = st["device"], st["dims"], st["dtype"], spec["cu"][-1]
-    module = st["layer1"]
+    module = st["layers"][spec.get("spec") or "local"]["layer1"]
     x = _randn((t, 1, dims.hidden), spec["seed"] + 1, dtype, device).requires_grad_(True)
     dout = _randn((t, 1, dims.hidden), spec["seed"] + 2, dtype, device)
     psp = thd_params(spec["cu"], device=device) if spec["layout"] == "thd" else None

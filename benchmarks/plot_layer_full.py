@@ -5,8 +5,9 @@
     python benchmarks/plot_layer_full.py benchmarks/results/layer_full.json --md table.md --png plot.png
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
-run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed), so
-re-running a T replaces its rows.
+run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
+FLA version), so re-running a T replaces its rows. ``--cp 1`` rows also get the per-rank summary
+(stock and gdn-cp side by side per stack, spec and rank slice, each lever's off / on ratio).
 
 The markdown table (for the README) gives, per (T, packing), each case's median fwd+bwd time of
 the whole layer, its ratio to stock headwise (< 1 is faster) and the fraction of the ideal it
@@ -46,8 +47,19 @@ COLORS = {"stock_headwise": "tab:gray", "headwise": "tab:orange", "chunkwise_hid
 
 
 def _base(key: str) -> str:
-    """``patched_slice[r1]`` -> ``patched_slice``."""
-    return key.split("[", 1)[0]
+    """``patched_slice[r1]|te|-fused_norm`` -> ``patched_slice``."""
+    return key.split("[", 1)[0].split("|", 1)[0]
+
+
+def _stock_key(key: str) -> str:
+    """The stock row a patched row is compared with: same rank slice and spec, no lever off:
+    ``patched_slice[r1]|te|-fused_norm`` -> ``stock_slice[r1]|te``."""
+    parts = [p for p in key.replace("patched", "stock", 1).split("|") if not p.startswith("-")]
+    return "|".join(parts)
+
+
+def _stack(row: dict) -> str:
+    return row.get("stack") or f"fla {(row.get('versions') or {}).get('fla')}"
 
 
 def _label(key: str) -> str:
@@ -80,12 +92,12 @@ def _fmt_t(t: int) -> str:
 
 
 def _groups(rows):
-    """{(device, gpus, backend, cp, dtype): {(T, packing): {case: row}}} of the measured rows."""
+    """{(device, gpus, backend, cp, dtype, stack): {(T, packing): {case: row}}} of the measured rows."""
     out: dict = {}
     for r in rows:
         if r.get("status") != "ok":
             continue
-        g = (r.get("device"), r.get("gpus"), r.get("backend"), r.get("cp"), r.get("knobs", {}).get("dtype"))
+        g = (r.get("device"), r.get("gpus"), r.get("backend"), r.get("cp"), r.get("knobs", {}).get("dtype"), _stack(r))
         out.setdefault(g, {}).setdefault((r["T"], r["packing"]), {})[case_key(r)] = r
     return out
 
@@ -105,7 +117,10 @@ def _cell(row, stock, ideal) -> str:
 def markdown_tables(rows) -> str:
     """README tables: medians with (x stock, % of ideal), then where the time goes."""
     parts = []
-    for (device, gpus, backend, cp, dtype), by_tp in sorted(_groups(rows).items(), key=str):
+    summary = per_rank_summary(rows)
+    if summary:
+        parts.append(summary)
+    for (device, gpus, backend, cp, dtype, stack), by_tp in sorted(_groups(rows).items(), key=str):
         any_row = next(iter(next(iter(by_tp.values())).values()))
         gpu = any_row.get("rank_info", {}).get("gpu") or any_row.get("machine", {}).get("cpu_model")
         cases = _ordered(k for v in by_tp.values() for k in v)
@@ -165,7 +180,8 @@ def _cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row) -> str:
     """``--cp 1`` rows: per-rank work on one GPU; each patched row against stock on the same rows,
     and the three largest kernels."""
     num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
-    lines = [f"**GatedDeltaNet fwd+bwd at CP=1, one process** ({gpu}, {dtype}; median ms over {any_row['iters']} "
+    lines = [f"**GatedDeltaNet fwd+bwd at CP=1, one process** ({gpu}, {_stack(any_row)}, {dtype}; median ms over "
+             f"{any_row['iters']} "
              "iterations; gdn-cp / stock on the same rows; ms per iteration of the profiled iterations)\n",
              "| T | packing | case | rows | median | p10-p90 | vs stock | core | compute | memcpy | idle | kernels "
              "| peak GiB | top kernels (ms) |",
@@ -175,7 +191,7 @@ def _cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row) -> str:
             r = by_case.get(c)
             if r is None:
                 continue
-            stock = by_case.get(c.replace("patched", "stock")) if c.startswith("patched") else None
+            stock = by_case.get(_stock_key(c)) if c.startswith("patched") else None
             ratio = None if stock is None else r["median_ms"] / stock["median_ms"]
             top = "; ".join(f"{k.split(': ', 1)[-1][:40]} {v:.2f}" for k, v in (r.get("top_kernels_ms") or [])[:3])
             kernels = sum((r.get("kernels_per_iter") or {}).values()) or None
@@ -184,6 +200,50 @@ def _cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row) -> str:
                 f"| {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | {num(ratio, '{:.3f}x')} | {num((r.get('core') or {}).get('median_ms'))} "
                 f"| {num(r.get('compute_ms'))} | {num(r.get('memcpy_ms'))} | {num(r.get('idle_ms'))} "
                 f"| {num(kernels, '{:d}')} | {num(r.get('peak_gib'))} | {top or '-'} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def per_rank_summary(rows) -> str:
+    """The README table of ``--cp 1`` rows: per stack, spec, T and rows (the whole packing or one rank's
+    slice), stock and gdn-cp on the same rows and weights, gdn-cp / stock in time and peak memory, the
+    core alone, and gdn-cp with each lever off (its time / the time with every lever on: > 1 means the
+    lever pays). Empty without such rows."""
+    num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("cp") == 1]
+    patched = [r for r in ok if r["case"].startswith("patched") and not r.get("lever_off")]
+    if not patched:
+        return ""
+    index = {(_stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
+              r.get("slice_rank"), r.get("lever_off"), r["case"].startswith("stock")): r for r in ok}
+    levers = sorted({r["lever_off"] for r in ok if r.get("lever_off")})
+    head = ("| stack | spec | T | rows | stock ms | gdn-cp ms | / stock | "
+            + "".join(f"{lv} off ms (off / on) | " for lv in levers)
+            + "core ms | peak GiB stock / gdn-cp | / stock | gdn-cp norm |")
+    lines = ["**Per rank, stock megatron-core 0.19.2 and gdn-cp on the same rows and weights** (median ms of the "
+             "fwd+bwd, p10-p90 in the per-case table below)\n", head, "|---|---|---:|---|" + "---:|" * (6 + len(levers))
+             + "---|"]
+    order = lambda r: (_stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"],  # noqa: E731
+                       -1 if r.get("slice_rank") is None else r["slice_rank"])
+    for r in sorted(patched, key=order):
+        key = (_stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
+               r.get("slice_rank"))
+        stock = index.get((*key, None, True))
+        rows_text = ("all" if r.get("slice_rank") is None else f"rank {r['slice_rank']} of CP={r.get('slice_of_cp')}")
+        ratio = None if stock is None else r["median_ms"] / stock["median_ms"]
+        mem = None if stock is None or not stock.get("peak_gib") or r.get("peak_gib") is None else \
+            r["peak_gib"] / stock["peak_gib"]
+        cells = []
+        for lv in levers:
+            off = index.get((*key, lv, False))
+            cells.append("-" if off is None else f"{off['median_ms']:.2f} ({off['median_ms'] / r['median_ms']:.3f})")
+        norm = str(r.get("norm_path") or "-").split(":", 1)[0]
+        lines.append(f"| {_stack(r)} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {rows_text} "
+                     f"| {num(None if stock is None else stock['median_ms'])} | {r['median_ms']:.2f} "
+                     f"| {num(ratio, '{:.3f}')} | " + "".join(c + " | " for c in cells)
+                     + f"{num((r.get('core') or {}).get('median_ms'))} "
+                     f"| {num(None if stock is None else stock.get('peak_gib'))} / {num(r.get('peak_gib'))} "
+                     f"| {num(mem, '{:.3f}')} | {norm} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -200,9 +260,10 @@ def plot_rows(rows, path) -> bool:
         logger.warning("matplotlib not installed: no plot written (pip install matplotlib)")
         return False
     panels = []
-    for (device, gpus, backend, cp, dtype), by_tp in sorted(_groups(rows).items(), key=str):
+    for (device, gpus, backend, cp, dtype, stack), by_tp in sorted(_groups(rows).items(), key=str):
         for t in sorted({t for t, _ in by_tp}):
-            panels.append((cp, t, {name: v for (tt, name), v in by_tp.items() if tt == t}, backend, dtype))
+            panels.append((cp, t, {name: v for (tt, name), v in by_tp.items() if tt == t}, backend,
+                           f"{dtype}, {stack}"))
     if not panels:
         logger.warning("no measured rows: no plot written")
         return False

@@ -7,6 +7,7 @@ assertions: CI machines are shared and noisy."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -24,7 +25,11 @@ import layer_full_math as lfm  # noqa: E402
 import plot_layer_full  # noqa: E402
 from layer_full_rank import spans_from_trace  # noqa: E402
 
+import torch  # noqa: E402
+
+from gdn_cp.testing.metrics import rel_l2  # noqa: E402
 from gdn_cp.testing.packings import zigzag_rows  # noqa: E402
+from tests.megatron.conftest import patched_megatron  # noqa: E402,F401 - the fixture, for the switch test
 
 ROW_KEYS = {"gpus", "backend", "cp", "tp", "T", "layout", "packing", "case", "median_ms", "p10_ms", "p90_ms",
             "iters", "peak_gib", "machine", "versions", "date", "knobs", "bytes_per_token", "status", "check",
@@ -86,15 +91,21 @@ def smoke_cp1(tmp_path_factory):
     out = tmp_path_factory.mktemp("layer_full_cp1") / "layer_full.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--cp", "1", "--slice-of-cp", "2", "--tokens", "256",
-         "--packings", "mixed8", "--iters", "2", "--out", str(out)],
+         "--packings", "mixed8", "--iters", "2", "--spec", "te,local", "--levers", "fused_norm", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"layer_full.py --cp 1 failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text()), proc.stdout
 
 
+def _base_rows(rows):
+    """The local-spec rows with every lever on (the te rows cannot run without TransformerEngine)."""
+    return [r for r in rows if r["spec"] == "local" and r["lever_off"] is None]
+
+
 def test_cp1_rows_time_the_whole_packing_and_each_slice(smoke_cp1):
     rows, stdout = smoke_cp1
+    rows = _base_rows(rows)
     keys = sorted(lfm.case_key(r) for r in rows)
     assert keys == sorted(["stock_cp1", "patched_cp1", "stock_slice[r0]", "stock_slice[r1]",
                            "patched_slice[r0]", "patched_slice[r1]"])
@@ -115,15 +126,150 @@ def test_cp1_rows_time_the_whole_packing_and_each_slice(smoke_cp1):
 
 
 def test_cp1_patched_equals_stock_on_the_same_rows(smoke_cp1):
-    """gdn-cp's THD path at CP=1 against stock megatron-core's code on the same module and rows."""
+    """gdn-cp's THD path at CP=1 against stock megatron-core's code on the same module and rows, with
+    every lever on and with each lever off."""
     rows, _ = smoke_cp1
     for r in rows:
+        if r["spec"] == "te":
+            continue
         if r["case"].startswith("stock"):
             assert r["check"] is None
             continue
         c = r["check"]
         assert max(c["out"], c["grad_x"], c["grad_params"]) <= FP32_TOL, (lfm.case_key(r), c)
         assert c["against"].startswith("stock")
+
+
+def test_te_spec_without_transformer_engine_fails_clearly(smoke_cp1):
+    """Here TransformerEngine is missing: every te row is an error that names it and the way out,
+    the local rows still run, and each row says its spec, lever and FLA stack."""
+    rows, _ = smoke_cp1
+    te = [r for r in rows if r["spec"] == "te"]
+    assert len(te) == 6 + 3  # stock and patched at CP=1 and per slice; patched with the fused norm off
+    for r in te:
+        assert r["status"] == "error" and "TransformerEngine is not importable" in r["error"], r["error"]
+        assert "--spec local" in r["error"] and r["median_ms"] is None
+    assert {r["status"] for r in rows if r["spec"] == "local"} == {"ok"}
+    assert all(r["stack"].startswith("fla ") and " + triton " in r["stack"] for r in rows)
+    assert [r["unit"] for r in rows] == sorted(r["unit"] for r in rows)  # plan order: te, te-lever, local, ...
+
+
+def test_lever_rows_beside_the_rows_with_every_lever_on(smoke_cp1):
+    """--levers fused_norm: the patched cases once more with the fused norm switched off, same rows and
+    weights; stock has no such lever. On the CPU the reference backend has no fused norm, so both
+    take the layer's own norm (the switch itself is tested below on a backend that has one)."""
+    rows, stdout = smoke_cp1
+    off = [r for r in rows if r["spec"] == "local" and r["lever_off"] == "fused_norm"]
+    assert sorted(lfm.case_key(r) for r in off) == sorted(
+        f"{c}|-fused_norm" for c in ("patched_cp1", "patched_slice[r0]", "patched_slice[r1]"))
+    for r in _base_rows(rows) + off:
+        assert r["status"] == "ok"
+        want = "stock" if r["case"].startswith("stock") else "unfused"
+        assert r["norm_path"].startswith(want), r["norm_path"]
+        assert r["modules"]["out_norm"] == "torch.nn.modules.normalization.RMSNorm"
+    assert "fused_norm off ms" in stdout and "Per rank, stock megatron-core" in stdout
+
+
+def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
+    """In a rank: the patched layer's forward on a backend that has a fused gated norm (the reference
+    backend plus a counting torch stand-in for FLA's kernel): it is used with every lever on, not
+    under ``layer_full_rank.fused_norm_off``, and used again after it; outputs agree."""
+    import types
+
+    import torch.nn.functional as F
+
+    import gdn_cp.megatron.gdn as glue
+    import layer_full_rank as lfr
+    from gdn_cp.ops import get_backend
+    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+
+    calls = [0]
+
+    def fused(x, z, weight, eps):
+        calls[0] += 1
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float() * F.silu(z.float())).to(x.dtype)
+
+    backend = types.ModuleType("fused_norm_backend")
+    backend.__dict__.update({k: v for k, v in vars(get_backend("reference")).items() if not k.startswith("__")})
+    backend.fused_gated_rms_norm = lambda: fused
+    saved = glue.choose_backend
+    glue.choose_backend = lambda module, device: backend
+    try:
+        torch.manual_seed(0)
+        m = build_gdn(make_config(1, "chunkwise", torch.float32), rank_groups()["self"], seed=2)
+        x, dout = torch.randn(64, 1, m.config.hidden_size), torch.randn(64, 1, m.config.hidden_size)
+        psp = thd_params([0, 24, 64])
+        got = []
+        for switch in (None, lfr.fused_norm_off, None):
+            calls[0] = 0
+            with switch([m]) if switch else contextlib.nullcontext():
+                y, gx, _ = run_layer(m, x, dout, packed_seq_params=psp)
+            got.append((calls[0], y, gx))
+    finally:
+        glue.choose_backend = saved
+    return {"calls": [c for c, _, _ in got],
+            "out": max(rel_l2(got[1][1], got[0][1]), rel_l2(got[2][1], got[0][1])),
+            "grad_x": max(rel_l2(got[1][2], got[0][2]), rel_l2(got[2][2], got[0][2]))}
+
+
+def test_fused_norm_switch_turns_the_lever_off_and_back_on(patched_megatron, rank_pool):
+    [res] = rank_pool(1).run(_fused_norm_switch_case, {})
+    assert res["calls"][0] > 0 and res["calls"][1] == 0 and res["calls"][2] > 0, res
+    assert res["out"] < 1e-5 and res["grad_x"] < 1e-5, res  # the same math either way (fp32)
+
+
+def test_plan_units_and_keys():
+    assert lfm.parse_plan("te:32K, te:128K,te-fused_norm:32K,local:128K") == [
+        ("te", None, 32768), ("te", None, 131072), ("te", "fused_norm", 32768), ("local", None, 131072)]
+    for bad in ("te", "tee:32K", "te-nope:32K", "te:32K,te:32K", ""):
+        with pytest.raises(ValueError):
+            lfm.parse_plan(bad)
+    row = {"case": "patched_slice", "slice_rank": 1, "spec": "te", "lever_off": "fused_norm"}
+    assert lfm.case_key(row) == "patched_slice[r1]|te|-fused_norm"
+    assert lfm.case_key({"case": "stock_cp1", "spec": "local", "lever_off": None}) == "stock_cp1"
+    assert plot_layer_full._stock_key("patched_slice[r1]|te|-fused_norm") == "stock_slice[r1]|te"
+    assert plot_layer_full._base("patched_slice[r1]|te") == "patched_slice"
+    base = {"device": "cuda", "gpus": 1, "cp": 1, "T": 32768, "knobs": {}, "versions": {"fla": "0.6.0"}}
+    keys = {lfm.run_key(dict(base, spec=s, versions={"fla": f})) for s in ("te", "local") for f in ("0.4.2", "0.6.0")}
+    assert len(keys) == 4  # a te run never replaces local rows, nor one FLA stack another's
+    assert lfm.run_key(base) == lfm.run_key(dict(base, spec="local"))  # rows from before spec are local
+
+
+def test_plan_arguments(tmp_path):
+    parse = lambda *a: layer_full.resolve_args(layer_full.build_parser().parse_args(["--device", "cpu", *a]))  # noqa: E731
+    args = parse("--cp", "1", "--slice-of-cp", "2", "--plan", "te:32K,te-fused_norm:32K,local:128K")
+    assert args.units == [("te", None, 32768), ("te", "fused_norm", 32768), ("local", None, 131072)]
+    assert args.tokens == [32768, 131072] and args.specs == ["te", "local"] and args.levers == ["fused_norm"]
+    args = parse("--cp", "1", "--spec", "te,local", "--levers", "fused_norm", "--tokens", "32K", "128K")
+    assert args.units[:3] == [("te", None, 32768), ("te", None, 131072), ("te", "fused_norm", 32768)]
+    with pytest.raises(SystemExit, match="leave out"):
+        parse("--cp", "1", "--plan", "te:32K", "--tokens", "32K")
+    with pytest.raises(SystemExit, match="te spec only"):
+        parse("--cp", "1", "--spec", "local", "--zero-centered-gamma")
+    with pytest.raises(SystemExit, match="add a patched case"):
+        parse("--cp", "1", "--levers", "fused_norm", "--cases", "stock_cp1")
+    rows = layer_full.plan_rows(parse("--cp", "1", "--plan", "te:32K,te-fused_norm:32K", "--packings", "mixed8"),
+                                {"date": "d", "run_id": "r", "knobs": {}, "machine": {}, "command": "c",
+                                 "versions": {"fla": "0.6.0", "triton": "3.7.1"}})
+    assert [(r["unit"], lfm.case_key(r)) for r in rows] == [
+        (0, "stock_cp1|te"), (0, "patched_cp1|te"), (1, "patched_cp1|te|-fused_norm")]
+    assert {r["stack"] for r in rows} == {"fla 0.6.0 + triton 3.7.1"}
+
+
+def test_copy_kernels_from_a_trace():
+    from layer_full_rank import copy_kernels
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)",
+         "ts": 0.0, "dur": 4.0},
+        {"ph": "X", "cat": "kernel", "name": "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>",
+         "ts": 5.0, "dur": 6.0},
+        {"ph": "X", "cat": "kernel", "name": "chunk_fwd_kernel_o", "ts": 12.0, "dur": 9.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 30.0, "dur": 5.0},
+    ]}
+    c = copy_kernels(trace)
+    assert c["us"] == 10.0 and c["count"] == 2 and c["top"][0][1] == 6.0
 
 
 def test_cp1_arguments_are_checked():

@@ -137,3 +137,45 @@ def test_stack_report_names_the_stack_and_each_choice(monkeypatch):
     monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, "no cp_context"))
     r = detect.stack_report()
     assert "repeat_interleave" in r["choices"]["grouped value heads"] and "not usable" in r["choices"]["cp context"]
+
+
+def test_gdn_kernel_backends_reads_flas_registry():
+    """FLA >= 0.6 may hand chunk_gated_delta_rule to a registered backend (FlashQLA when flash_qla
+    imports, on by default): the detector lists them best first and the stack report names the one
+    in use, or FLA's Triton kernels; an FLA without the registry (0.4.x) or none at all gives []."""
+
+    class Backend:
+        def __init__(self, name, available, enabled, priority):
+            self.backend_type, self.package_name, self.env_var = name, name, f"FLA_{name.upper()}"
+            self._a, self._e, self.priority = available, enabled, priority
+
+        def is_available(self):
+            return self._a
+
+        def is_enabled(self):
+            return self._e
+
+    class Registry:
+        def __init__(self, backends):
+            self.backends = backends
+
+        def _get_sorted_backends(self):
+            return sorted(self.backends, key=lambda b: b.priority)
+
+    def fake(backends):
+        mods = {"fla.ops.gated_delta_rule": types.SimpleNamespace(),
+                "fla.backends": types.SimpleNamespace(_operation_registries={"gated_delta_rule": Registry(backends)})}
+        return lambda name: mods[name]
+
+    found = detect.gdn_kernel_backends(fake([Backend("flash_qla", True, True, 3), Backend("tilelang", False, True, 1)]))
+    assert [b["name"] for b in found] == ["tilelang", "flash_qla"]
+    text = detect._kernel_backend_text(found)
+    assert "flash_qla" in text and "FLA_FLASH_QLA=0" in text and "cp context" in text
+    off = detect.gdn_kernel_backends(fake([Backend("flash_qla", True, False, 3)]))
+    assert detect._kernel_backend_text(off).startswith("FLA's Triton kernels") and "off" in detect._kernel_backend_text(off)
+
+    def no_registry(name):
+        raise ImportError(name)
+
+    assert detect.gdn_kernel_backends(no_registry) == []
+    assert detect._kernel_backend_text([]) == "FLA's Triton kernels"

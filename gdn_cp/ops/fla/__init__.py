@@ -18,6 +18,7 @@ from .detect import (
     fla_available,
     fla_import_error,
     fla_version,
+    gdn_kernel_backends,
     has_cp_context,
     has_zigzag_layout,
     log_stack_once,

@@ -30,6 +30,7 @@ __all__ = [
     "fla_available",
     "fla_import_error",
     "fla_version",
+    "gdn_kernel_backends",
     "has_cp_context",
     "has_zigzag_layout",
     "log_stack_once",
@@ -195,6 +196,41 @@ def detect_fla_cp(device_type: Optional[str] = None) -> tuple[bool, str]:
     return True, "CUDA device, fla.ops.cp.build_cp_context importable and kernels taking cp_context"
 
 
+def gdn_kernel_backends(import_module: Callable = importlib.import_module) -> list[dict]:
+    """The backends FLA (>= 0.6) may dispatch ``chunk_gated_delta_rule`` to instead of its own Triton
+    kernels, best first: ``[{"name", "package", "available", "enabled", "env_var"}]`` (e.g. FlashQLA,
+    ``flash_qla`` on TileLang: enabled by default whenever it imports, ``FLA_FLASH_QLA=0`` turns it
+    off; FLA still uses Triton for a call its verifier refuses, e.g. under a cp context). Empty for
+    an FLA without the registry (0.4.x) or when FLA does not import. Read afresh on every call (the
+    switches are environment variables); never raises."""
+    try:
+        import_module("fla.ops.gated_delta_rule")  # registers its backends
+        registry = getattr(import_module("fla.backends"), "_operation_registries", {}).get("gated_delta_rule")
+        backends = registry._get_sorted_backends() if registry is not None else []
+    except Exception:  # noqa: BLE001 - detection must never raise
+        return []
+    out = []
+    for b in backends:
+        try:
+            out.append({"name": str(b.backend_type), "package": getattr(b, "package_name", None),
+                        "available": bool(b.is_available()), "enabled": bool(b.is_enabled()),
+                        "env_var": getattr(b, "env_var", None)})
+        except Exception:  # noqa: BLE001
+            continue
+    return out
+
+
+def _kernel_backend_text(backends: list[dict]) -> str:
+    active = [b for b in backends if b["available"] and b["enabled"]]
+    if active:
+        b = active[0]
+        return (f"FLA dispatches chunk_gated_delta_rule to {b['name']} ({b['package']}) where its verifier accepts "
+                f"the call (no cp context; FLA's Triton kernels otherwise); {b['env_var']}=0 turns it off")
+    off = [f"{b['name']} ({'installed, off: ' + str(b['env_var']) + '=0' if b['available'] else 'not installed'})"
+           for b in backends]
+    return "FLA's Triton kernels" + (f" (registered: {', '.join(off)})" if off else "")
+
+
 def _dist_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
@@ -216,6 +252,7 @@ def stack_report() -> dict:
     c = report["choices"]
     c["grouped value heads"] = ("q/k at the key heads (FLA's GVA)" if found.grouped_value_heads else
                                 "q/k repeated to the value heads (repeat_interleave; this FLA has no GVA)")
+    c["kernel backend"] = _kernel_backend_text(gdn_kernel_backends())
     c["gates"] = "computed by gdn-cp before the kernel (fp32 g, sigmoid beta)"
     c["gated norm"] = ("FLA's fused RMSNorm * silu(z) (rms_norm_gated) where out_norm is torch's RMSNorm or "
                        "TransformerEngine's (Megatron's TENorm with normalization='RMSNorm'; zero_centered_gamma "
