@@ -95,6 +95,7 @@ def hostile_scalars() -> st.SearchStrategy:
 # ------------------------------------------------------------------------------------------
 MAX_ROWS = 2**62
 MAX_CP = 2**16
+MAX_TP = 2**16  # README: a CP or TP size above 65536 is refused
 
 
 def is_int(value) -> bool:

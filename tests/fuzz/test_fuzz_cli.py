@@ -31,7 +31,7 @@ from gdn_cp.cli.main_job import check_job
 from gdn_cp.modes.spec import MODE_NAMES
 from gdn_cp.testing.packings import cumsum0, zigzag_rows
 
-from .common import HUGE_INTS, cli_int, cli_int_list, fuzz_settings
+from .common import HUGE_INTS, MAX_CP, MAX_TP, cli_int, cli_int_list, fuzz_settings
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the expected answers assume a machine without CUDA")
 
@@ -276,9 +276,9 @@ def test_doctor(folders, data):
     tp, cp = (cli_int(flags.get(f, "1")) for f in ("--tp", "--cp"))
     if heads is None or len(heads) != 2 or min(heads) < 1:
         return assert_flag_error(rc, out, err, "--heads")
-    if tp is None or tp < 1:
+    if tp is None or not 1 <= tp <= MAX_TP:  # the one size limit (gdn_cp.checks), said by argparse
         return assert_flag_error(rc, out, err, "--tp")
-    if cp is None or cp < 1:
+    if cp is None or not 1 <= cp <= MAX_CP:
         return assert_flag_error(rc, out, err, "--cp")
     if path_kind == "missing":
         return assert_flag_error(rc, out, err, "--path")
