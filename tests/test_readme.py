@@ -271,3 +271,20 @@ def test_exit_status_examples_exit_as_the_readme_says(capsys):
             rc = exit_.code
         cap = capsys.readouterr()
         assert rc == 2 and cap.out == "" and "/nope does not exist" in cap.err, (argv, rc, cap)
+
+
+def test_a_bad_flag_prints_the_one_line_the_readme_shows(capsys):
+    """Issue #25: argparse printed its usage block (2-6 lines) before the error the README promised
+    as one line; the usage is now behind --help (tests/cli/test_cli.py covers every command)."""
+    from gdn_cp.cli import main
+
+    row = "`gdn-cp COMMAND: error: argument --flag: ...; usage: gdn-cp COMMAND --help`"
+    assert row in _one_line(README)
+    for argv in (["run", "--cp", "1_0"], ["route", "--cu", "0,,8", "--cp", "2"], ["doctor", "--heads", "128 256"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        cap = capsys.readouterr()
+        expected = row.strip("`").replace("COMMAND", argv[0]).replace("--flag", argv[1])
+        pattern = ".+?".join(re.escape(part) for part in expected.split("...")) + "\n"
+        assert cap.out == "" and re.fullmatch(pattern, cap.err), (pattern, cap.err)

@@ -25,7 +25,7 @@ from .patch import add_patch_commands
 from .route import add_route_command
 from .run import add_run_command
 
-__all__ = ["build_parser", "main"]
+__all__ = ["OneLineErrorParser", "build_parser", "main"]
 
 EXIT_BROKEN_PIPE = 141
 """128 + SIGPIPE: what a Unix tool killed by a closed pipe exits with (``gdn-cp ... | head``)."""
@@ -97,9 +97,19 @@ def _add_selftest_command(sub, parents) -> None:
     p.set_defaults(func=_cmd_selftest)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors keep the exit-status rule: one line on stderr (``PROG: error:
+    MESSAGE; usage: PROG --help``), exit status 2, nothing on stdout. argparse's usage block is
+    what ``--help`` prints; the subparsers of every command are of this class too."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        print_error(self.prog, f"{message}; usage: {self.prog} --help")
+        self.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gdn-cp`` parser; each command sets ``func`` (returns the exit status) and ``prog``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="gdn-cp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"gdn-cp {__version__}")
@@ -145,11 +155,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command they were given to, not by the top level
+        print_error(getattr(args, "prog", "gdn-cp"), f"unrecognized arguments: {' '.join(unknown)}; usage: "
+                    f"{getattr(args, 'prog', 'gdn-cp')} --help")
+        return EXIT_USAGE
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
-        parser.print_help(sys.stderr)
-        print_error("gdn-cp", "name a COMMAND")
+        commands = ", ".join(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
+        print_error("gdn-cp", f"name a COMMAND ({commands}); usage: gdn-cp --help")
         return EXIT_USAGE
     try:
         env.check_environment()

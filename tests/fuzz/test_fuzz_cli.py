@@ -51,6 +51,7 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 def assert_flag_error(rc: int, out: str, err: str, *names: str) -> None:
     assert rc == 2, (rc, out, err)
     assert out == "", f"printed before failing: {out!r}"
+    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line on stderr: {err!r}"
     assert "error" in err and any(n in err for n in names), (names, err)
 
 
@@ -99,12 +100,25 @@ def argv_of(flags: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # gdn-cp route
 # ------------------------------------------------------------------------------------------
+def _route_syntax_errors(flags: dict) -> list[str]:
+    """The given flags whose values argparse itself refuses (syntax, sign, choices)."""
+    bad = []
+    if "--cu" in flags and cli_int_list(flags["--cu"]) is None:
+        bad.append("--cu")
+    for flag, low in (("--cp", 1), ("--rank", 0), ("--conv-width", 1)):
+        if flag in flags and (cli_int(flags[flag]) is None or cli_int(flags[flag]) < low):
+            bad.append(flag)
+    if flags.get("--direction", "both") not in ("both", "zigzag->contiguous", "contiguous->zigzag"):
+        bad.append("--direction")
+    return bad
+
+
 def route_expectation(flags: dict):
     """``("flag", names)`` for a status-2 error naming one of ``names``, else ``("ok", cu, cp, rank,
     directions, width)``, from the documented rules alone."""
-    for flag in ("--cu", "--cp"):
-        if flag not in flags:
-            return "flag", ("required", flag)
+    missing = [flag for flag in ("--cu", "--cp") if flag not in flags]
+    if missing:  # argparse names a bad value it met before it names a missing flag
+        return "flag", ("required", *missing, *_route_syntax_errors(flags))
     cu, cp = cli_int_list(flags["--cu"]), cli_int(flags["--cp"])
     rank = cli_int(flags["--rank"]) if "--rank" in flags else None
     width = cli_int(flags.get("--conv-width", "4"))
@@ -374,15 +388,16 @@ def run_expectation(flags: dict):
         modes = [m.strip() for m in flags["--modes"].split(",")]
         if any(m not in MODE_NAMES for m in modes) or len(set(modes)) != len(modes):
             return "flag", ("--modes",)
+    # argparse refuses the first bad value in the order the flags were given (test_run_flags: this order)
+    heads = cli_int_list(flags.get("--heads", "4,8"))
+    if heads is None or len(heads) != 2 or min(heads) < 1 or max(heads) > 256 or heads[1] % heads[0]:
+        return "flag", ("--heads",)
     seqs = cli_int(flags.get("--sequences", "37"))
     if seqs is None or not 1 <= seqs <= 2**16:
         return "flag", ("--sequences",)
     tokens = cli_int(flags.get("--tokens-per-rank", "1024"))
     if tokens is None or not 2 <= tokens <= 2**20 or tokens % 2:
         return "flag", ("--tokens-per-rank",)
-    heads = cli_int_list(flags.get("--heads", "4,8"))
-    if heads is None or len(heads) != 2 or min(heads) < 1 or max(heads) > 256 or heads[1] % heads[0]:
-        return "flag", ("--heads",)
     for flag, choices in (("--dtype", ("float32", "float64", "bfloat16")), ("--device", ("cpu", "cuda")),
                           ("--backend", ("reference", "fla")), ("--dist-backend", ("gloo", "nccl"))):
         if flag in flags and flags[flag] not in choices:
@@ -470,9 +485,9 @@ def test_top_level(argv):
     elif "-h" in argv or "--version" in argv:
         assert rc in (0, 2)  # argparse acts on them where it meets them, before unknown arguments
     elif not argv or argv in (["-v"], ["--verbose"]):
-        assert rc == 2 and out == "" and "usage" in err  # no command: the overview on stderr, status 2
+        assert rc == 2 and out == "" and err.count("\n") == 1 and "usage: gdn-cp --help" in err  # no command
     elif argv[0] not in ("route", "doctor", "selftest", "-v", "--verbose", "-h", "--version"):
-        assert rc == 2 and out == "" and "error" in err
+        assert rc == 2 and out == "" and "error" in err and err.count("\n") == 1, err
 
 
 def test_every_flag_has_help():
