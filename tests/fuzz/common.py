@@ -13,14 +13,15 @@ prints the failing example and how to reproduce it).
 from __future__ import annotations
 
 import math
-import os
 import re
 
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-_FUZZ_EXAMPLES = int(os.environ.get("GDN_CP_FUZZ_EXAMPLES", "0") or 0)
+from gdn_cp import env
+
+_FUZZ_EXAMPLES = env.read("GDN_CP_FUZZ_EXAMPLES") or 0  # a bad value: a ValueError naming the variable
 
 
 def fuzz_settings(ci_examples: int):
