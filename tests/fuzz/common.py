@@ -126,6 +126,7 @@ def boundaries_rule(cu) -> bool:
 
 def zigzag_rule(cu, cp) -> bool:
     """Boundaries a zigzag split over cp ranks takes: any at cp=1 (nothing is cut)."""
+    cp = int(cp)  # a NumPy cp: this rule's own math on Python ints (np.int32 % 2**31 overflows)
     return boundaries_rule(cu) and (cp == 1 or all((b - a) % (2 * cp) == 0 for a, b in zip(cu, cu[1:])))
 
 
