@@ -288,3 +288,10 @@ def test_a_bad_flag_prints_the_one_line_the_readme_shows(capsys):
         expected = row.strip("`").replace("COMMAND", argv[0]).replace("--flag", argv[1])
         pattern = ".+?".join(re.escape(part) for part in expected.split("...")) + "\n"
         assert cap.out == "" and re.fullmatch(pattern, cap.err), (pattern, cap.err)
+
+
+def test_the_readme_names_no_path_outside_the_repository():
+    """Issue #25: `bash ../shared/tools/slim-triton/make.sh .slim` pointed at a folder a user does not
+    have; what the README tells a user to run lives in this repository (or is a package to install)."""
+    outside = re.findall(r"`[^`]*\.\./[^`]*`", README)
+    assert outside == [], outside
