@@ -295,3 +295,27 @@ def test_the_readme_names_no_path_outside_the_repository():
     have; what the README tells a user to run lives in this repository (or is a package to install)."""
     outside = re.findall(r"`[^`]*\.\./[^`]*`", README)
     assert outside == [], outside
+
+
+@pytest.mark.parametrize("where,expected", [("base", 2), ("venv", 97)])
+def test_install_deps_refuses_outside_a_virtual_environment(tmp_path, where, expected):
+    """Issue #25: tests/install_deps.sh patches the megatron-core of whatever environment is active;
+    the README says "in a fresh virtual environment" and the script refuses elsewhere (exit 2, one
+    line) before installing anything. A stand-in Python answers the script's `-c` checks as the base
+    interpreter or this venv would, and fails (97) at the first install, so nothing is installed here."""
+    import os
+    import subprocess
+    import sys
+
+    assert "in a fresh virtual environment" in _one_line(README)
+    real = getattr(sys, "_base_executable", sys.executable) if where == "base" else sys.executable
+    if where == "base" and real == sys.executable:
+        pytest.skip("this Python is not in a virtual environment")
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec "{real}" "$@"; fi\nexit 97\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(ROOT / "tests" / "install_deps.sh")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHON": str(fake)})
+    assert r.returncode == expected, (r.returncode, r.stderr)
+    if where == "base":
+        assert r.stderr.count("\n") == 1 and "is not a virtual environment" in r.stderr and "--any-env" in r.stderr
