@@ -89,3 +89,23 @@ def test_benchmark_copy_matches_megatron(benchmark_module):
         ours = route_build.per_token_perm(cu, cp, t_global)
         theirs = common._build_thd_cp_a2a_perm(cu, cp, t_global)
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_sizes_are_taken_as_the_help_prints_them(benchmark_module, capsys):
+    """Issue #25: `route_build.py --t 1M` was refused ("invalid int value") while its help said
+    "default 32K 128K 1M". Every default list the help prints parses back to the default."""
+    import re
+
+    route_build = benchmark_module("route_build")
+    with pytest.raises(SystemExit):
+        route_build.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, dest, full in (("--t", "t", route_build.FULL_T), ("--seqs", "seqs", route_build.FULL_SEQS),
+                             ("--cp", "cp", route_build.FULL_CP)):
+        shown = re.search(rf"{flag} [A-Z]+ \[[A-Z]+ \.\.\.\] .*?\(default ([0-9KM ]+)[;)]", help_text).group(1).split()
+        assert getattr(route_build.parse_args([flag, *shown]), dest) == list(full), (flag, shown)
+    assert route_build.parse_args(["--t", "4096", "4k", "2M"]).t == [4096, 4096, 2 * 1024 * 1024]
+    for bad in ("1.5M", "0", "1G", "1_000", "-4K"):
+        with pytest.raises(SystemExit):
+            route_build.parse_args(["--t", bad])
+        assert "is not a token count" in capsys.readouterr().err or bad == "-4K"
