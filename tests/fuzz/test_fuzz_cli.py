@@ -402,14 +402,17 @@ def run_expectation(flags: dict):
                           ("--backend", ("reference", "fla")), ("--dist-backend", ("gloo", "nccl"))):
         if flag in flags and flags[flag] not in choices:
             return "flag", (flag,)
+    # after parsing, check_job refuses the job before spawning; when several of these apply, which
+    # one it names first is not a documented rule: any of them
     device = flags.get("--device", "cpu")
-    for flag, bad in (("--device", device == "cuda"), ("--backend", flags.get("--backend") == "fla"),
-                      ("--dist-backend", flags.get("--dist-backend") == "nccl")):
-        if bad:  # no CUDA here: refused before anything is spawned
-            return "flag", (flag,)
+    refusals = [flag for flag, bad in (("--device", device == "cuda"), ("--backend", flags.get("--backend") == "fla"),
+                                       ("--dist-backend", flags.get("--dist-backend") == "nccl"))
+                if bad]  # no CUDA here
     for mode in modes or ():  # a mode asked for by name must run at every CP size (TP=1)
         if mode == "headwise" and any(h % cp for h in heads for cp in cps):
-            return "flag", ("--modes headwise cannot run",)
+            refusals.append("--modes headwise cannot run")
+    if refusals:
+        return "flag", tuple(refusals)
     return "ok", dict(cp_sizes=tuple(cps), modes=None if modes is None else tuple(modes), num_sequences=seqs,
                       tokens_per_rank=tokens, dtype=flags.get("--dtype", "float32"), device="cpu",
                       backend="reference", dist_backend="gloo")
