@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import re
 import sys
 import tempfile
 import time
@@ -220,8 +221,24 @@ def verify(cu: list[int], cp: int, idx: torch.Tensor, inv: torch.Tensor, ranks) 
     return checks
 
 
+_UNITS = {"": 1, "K": 1024, "M": 1024 * 1024}
+
+
 def _fmt_t(t: int) -> str:
-    return f"{t // (1024 * 1024)}M" if t % (1024 * 1024) == 0 else f"{t // 1024}K"
+    """32768 -> '32K', 1048576 -> '1M', 1000 -> '1000': how the table, the plot and --help write T."""
+    for unit in ("M", "K"):
+        if t % _UNITS[unit] == 0:
+            return f"{t // _UNITS[unit]}{unit}"
+    return str(t)
+
+
+def token_count(text: str) -> int:
+    """``--t``: a T as the help and the table write it: digits, optionally K (1024) or M (1024*1024)."""
+    found = re.fullmatch(r"([0-9]+)([KkMm]?)", text.strip())
+    if not found or int(found.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count: use digits with an optional K (x1024) or "
+                                         "M (x1024*1024), e.g. 32K 128K 1M or 4096")
+    return int(found.group(1)) * _UNITS[found.group(2).upper()]
 
 
 def run(args) -> dict:
@@ -401,9 +418,12 @@ def parse_args(argv=None):
                     "with --quick: $TMPDIR/route_build_quick.json, so a smoke run never overwrites the results)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out, .png)")
     ap.add_argument("--no-plot", action="store_true", help="do not write the PNG")
-    ap.add_argument("--t", type=int, nargs="+", default=None, help="T_global values (default 32K 128K 1M)")
-    ap.add_argument("--seqs", type=int, nargs="+", default=None, help="numbers of sequences (default 1 64 4096)")
-    ap.add_argument("--cp", type=int, nargs="+", default=None, help="cp sizes (default 2 8)")
+    ap.add_argument("--t", type=token_count, nargs="+", default=None,
+                    help=f"T_global values, digits with an optional K (x1024) or M (x1024*1024) (default "
+                    f"{' '.join(map(_fmt_t, FULL_T))}; --quick: {' '.join(map(_fmt_t, QUICK_T))})")
+    ap.add_argument("--seqs", type=int, nargs="+", default=None,
+                    help=f"numbers of sequences (default {' '.join(map(str, FULL_SEQS))})")
+    ap.add_argument("--cp", type=int, nargs="+", default=None, help=f"cp sizes (default {' '.join(map(str, FULL_CP))})")
     ap.add_argument("--rank", type=int, default=1, help="the rank whose plan is timed")
     ap.add_argument("--passes", type=int, default=None, help="sweeps; lowest median kept (default 2; 1 with --quick)")
     ap.add_argument("--budget", type=float, default=None, help="seconds of timed calls per figure (default 0.5; 0.02 quick)")

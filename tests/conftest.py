@@ -175,6 +175,18 @@ def _megatron_may_change() -> bool:
         return True
 
 
+def pytest_configure(config):  # noqa: ARG001
+    """A bad or unknown GDN_CP_* variable stops the session before anything is collected, with the
+    one line every gdn-cp command prints (README "Errors you may see"), not as collection errors of
+    the modules that read it."""
+    from gdn_cp import env
+
+    try:
+        env.check_environment()
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+
+
 def pytest_collection_finish(session):
     """Queue every smoke run that a selected test will wait for (see :class:`SmokeRun`)."""
     wanted = []

@@ -133,3 +133,23 @@ def test_fla_levers_fp64_norm_reference(benchmark_module):
     assert torch.allclose(grads["dx"], xx.grad, atol=1e-12) and torch.allclose(grads["dz"], zz.grad, atol=1e-12)
     assert torch.allclose(grads["dw"], norm.weight.grad, atol=1e-12)
     assert torch.equal(w.to(torch.bfloat16).double() - 1, (w - 1).to(torch.bfloat16).double())  # exact either way
+
+
+def test_sizes_are_taken_as_the_help_prints_them(benchmark_module, capsys):
+    """Issue #25: `route_build.py --t 1M` was refused ("invalid int value") while its help said
+    "default 32K 128K 1M". Every default list the help prints parses back to the default."""
+    import re
+
+    route_build = benchmark_module("route_build")
+    with pytest.raises(SystemExit):
+        route_build.parse_args(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, dest, full in (("--t", "t", route_build.FULL_T), ("--seqs", "seqs", route_build.FULL_SEQS),
+                             ("--cp", "cp", route_build.FULL_CP)):
+        shown = re.search(rf"{flag} [A-Z]+ \[[A-Z]+ \.\.\.\] .*?\(default ([0-9KM ]+)[;)]", help_text).group(1).split()
+        assert getattr(route_build.parse_args([flag, *shown]), dest) == list(full), (flag, shown)
+    assert route_build.parse_args(["--t", "4096", "4k", "2M"]).t == [4096, 4096, 2 * 1024 * 1024]
+    for bad in ("1.5M", "0", "1G", "1_000", "-4K"):
+        with pytest.raises(SystemExit):
+            route_build.parse_args(["--t", bad])
+        assert "is not a token count" in capsys.readouterr().err or bad == "-4K"

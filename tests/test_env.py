@@ -34,7 +34,8 @@ def test_every_variable_used_anywhere_is_in_the_table():
     """A GDN_CP_* variable added to a script or test without a row in gdn_cp/env.py SETTINGS would be
     refused by every gdn-cp command as "not a gdn-cp setting": add the row (who reads it, what it sets)."""
     used = _names_used_in_the_repository()
-    used.pop("GDN_CP_CHUNKWISE_PAHT", None)  # this file's example typo
+    for typo in ("GDN_CP_CHUNKWISE_PAHT", "GDN_CP_STAGE"):  # this file's example typos
+        used.pop(typo, None)
     missing = {name: where for name, where in used.items() if name not in env.SETTINGS}
     assert missing == {}, f"add these to gdn_cp.env.SETTINGS: {missing}"
     unused = sorted(set(env.SETTINGS) - set(used))
@@ -47,7 +48,16 @@ def test_every_variable_used_anywhere_is_in_the_table():
     ("GDN_CP_TEST_PG_TIMEOUT", "soon", "use a number of seconds > 0"),
     ("GDN_CP_TEST_PG_TIMEOUT", "-5", "use a number of seconds > 0"),
     ("GDN_CP_TEST_FAST_AUTOTUNE", "yes", "use one of 0, 1"),
-    ("GDN_CP_CHUNKWISE_PAHT", "generic", "is not a gdn-cp setting (a typo?)"),
+    ("GDN_CP_CHUNKWISE_PAHT", "generic", "is not a gdn-cp setting (a typo?); did you mean GDN_CP_CHUNKWISE_PATH?"),
+    # read by the tests and the benchmarks only, checked by every command all the same (issue #25)
+    ("GDN_CP_FUZZ_EXAMPLES", "abc", "use a whole number >= 1"),
+    ("GDN_CP_FUZZ_EXAMPLES", "1_000", "use a whole number >= 1"),
+    ("GDN_CP_STACK", "bogus", "use one of fla042, fla060"),
+    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, args, warm"),
+    ("GDN_CP_SUITE_TIMEOUT", "7m", "use a whole number >= 1"),
+    ("GDN_CP_GPU_TP_DTYPES", "float16", "use a comma-separated list of bfloat16, float32"),
+    ("GDN_CP_ALLOW_SKIP_MEGATRON", "yes", "use one of 0, 1"),
+    ("GDN_CP_README_COMMAND", "torchrun x", "use a JSON list of strings"),
 ])
 def test_bad_settings_stop_every_command_before_it_starts(monkeypatch, capsys, name, bad, accepts):
     """One line on stderr naming the variable, its value and what it accepts; exit 2; nothing on
@@ -89,3 +99,57 @@ def _clean_env() -> dict:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith(env.PREFIX)}
+
+
+def test_every_setting_has_a_rule_or_says_it_is_free_form():
+    """A value is checked by its rule; only paths and a script's arguments are free-form."""
+    free = sorted(n for n, s in env.SETTINGS.items() if s.parse is env._any_text)  # noqa: SLF001
+    assert free == ["GDN_CP_GPU_RESULTS", "GDN_CP_LAYER_FULL_ARGS", "GDN_CP_LAYER_FULL_B_ARGS", "GDN_CP_LEVERS_ARGS",
+                    "GDN_CP_MEGATRON_SDIST", "GDN_CP_SLIM", "GDN_CP_WARM_ARGS"], free
+    for name, setting in env.SETTINGS.items():  # every default passes its own rule
+        if setting.default:
+            setting.parse(setting.default)
+
+
+@pytest.mark.parametrize("value", ["tests", "warm+tests layer_full", "warm+tests+args syncs", "levers"])
+def test_the_stage_lists_the_readme_and_the_suite_use_are_accepted(value):
+    assert env.read("GDN_CP_STAGES", {"GDN_CP_STAGES": value})
+
+
+def test_the_suite_stages_are_the_stages_of_gpu_suite_sh():
+    text = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+    body = text[text.index("run_stage() {"):text.index("RC=0")]
+    assert tuple(re.findall(r"^    (\w+)\)$", body, re.M)) == env.SUITE_STAGES
+
+
+def test_an_unknown_name_gets_a_short_line_with_the_closest_names(monkeypatch, capsys):
+    monkeypatch.setenv("GDN_CP_STAGE", "tests")
+    assert main(["doctor"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean GDN_CP_STAGES?" in err and "GDN_CP_CHUNKWISE_PATH" not in err and len(err) < 300, err
+
+
+def test_python_dash_m_gdn_cp_env_lists_and_checks():
+    r = subprocess.run([sys.executable, "-m", "gdn_cp.env"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                       env=_clean_env())
+    assert r.returncode == 0 and len(r.stdout.splitlines()) == len(env.SETTINGS), r
+    r = subprocess.run([sys.executable, "-m", "gdn_cp.env", "--check"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env={**_clean_env(), "GDN_CP_STACK": "bogus"})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "GDN_CP_STACK='bogus'" in r.stderr
+
+
+def test_gpu_suite_checks_the_environment_before_anything_else():
+    lines = [line for line in (ROOT / "benchmarks" / "gpu_suite.sh").read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[:3] == ['set -uo pipefail', 'cd "$(dirname "$0")/.." || exit 1',
+                         'python3 -m gdn_cp.env --check || exit 2'], lines[:3]
+
+
+def test_a_bad_setting_stops_the_test_session_naming_it():
+    """Issue #25: GDN_CP_FUZZ_EXAMPLES=abc gave four collection errors ("invalid literal for int()")
+    that did not name the variable."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                        "tests/fuzz"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**_clean_env(), "GDN_CP_FUZZ_EXAMPLES": "abc"})
+    assert r.returncode == 4, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "GDN_CP_FUZZ_EXAMPLES='abc': use a whole number >= 1" in r.stderr and "invalid literal" not in r.stdout + r.stderr

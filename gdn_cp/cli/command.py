@@ -16,6 +16,7 @@ import sys
 import textwrap
 
 from .. import __version__, env
+from ..checks import MAX_CP_SIZE, MAX_TP_SIZE
 from ..megatron.pins import PINS
 from ..modes.spec import MODE_NAMES
 from .args import int_list, int_range
@@ -24,7 +25,7 @@ from .patch import add_patch_commands
 from .route import add_route_command
 from .run import add_run_command
 
-__all__ = ["build_parser", "main"]
+__all__ = ["OneLineErrorParser", "build_parser", "main"]
 
 EXIT_BROKEN_PIPE = 141
 """128 + SIGPIPE: what a Unix tool killed by a closed pipe exits with (``gdn-cp ... | head``)."""
@@ -73,8 +74,10 @@ def _add_doctor_command(sub, parents) -> None:
                            "legal for --heads"))
     p.add_argument("--heads", type=int_list(1, count=2), default=None, metavar="K,V",
                    help="linear key,value heads (linear_num_key_heads, linear_num_value_heads), e.g. 16,32")
-    p.add_argument("--tp", type=int_range(1), default=None, help="tensor-parallel size for --heads (default 1)")
-    p.add_argument("--cp", type=int_range(1), default=None, help="context-parallel size for --heads (default 1)")
+    p.add_argument("--tp", type=int_range(1, MAX_TP_SIZE, example=" (the largest TP group gdn-cp plans for)"),
+                   default=None, help=f"tensor-parallel size for --heads, in [1, {MAX_TP_SIZE}] (default 1)")
+    p.add_argument("--cp", type=int_range(1, MAX_CP_SIZE, example=" (the largest CP group gdn-cp plans for)"),
+                   default=None, help=f"context-parallel size for --heads, in [1, {MAX_CP_SIZE}] (default 1)")
     p.add_argument("--path", type=_existing_path, default=None,
                    help="Megatron-LM checkout or site-packages (default: the importable megatron)")
     p.set_defaults(func=_cmd_doctor)
@@ -94,9 +97,19 @@ def _add_selftest_command(sub, parents) -> None:
     p.set_defaults(func=_cmd_selftest)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors keep the exit-status rule: one line on stderr (``PROG: error:
+    MESSAGE; usage: PROG --help``), exit status 2, nothing on stdout. argparse's usage block is
+    what ``--help`` prints; the subparsers of every command are of this class too."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        print_error(self.prog, f"{message}; usage: {self.prog} --help")
+        self.exit(EXIT_USAGE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``gdn-cp`` parser; each command sets ``func`` (returns the exit status) and ``prog``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="gdn-cp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"gdn-cp {__version__}")
@@ -142,11 +155,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the command they were given to, not by the top level
+        print_error(getattr(args, "prog", "gdn-cp"), f"unrecognized arguments: {' '.join(unknown)}; usage: "
+                    f"{getattr(args, 'prog', 'gdn-cp')} --help")
+        return EXIT_USAGE
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
-        parser.print_help(sys.stderr)
-        print_error("gdn-cp", "name a COMMAND")
+        commands = ", ".join(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
+        print_error("gdn-cp", f"name a COMMAND ({commands}); usage: gdn-cp --help")
         return EXIT_USAGE
     try:
         env.check_environment()

@@ -129,6 +129,71 @@ def check_job(cfg: JobConfig) -> None:
         if gpus < need:
             raise ValueError(f"--dist-backend nccl needs one GPU per rank: --cp {need} needs {need} GPUs, "
                              f"{gpus} visible; use --dist-backend gloo (ranks share a GPU) or a smaller --cp")
+    _check_what_every_rank_checks(cfg)
+
+
+def _check_what_every_rank_checks(cfg: JobConfig) -> None:
+    """What every rank would refuse on its own, said here once, before anything is spawned (a
+    refusal inside the ranks is one traceback per rank and exit status 1): the FLA kernels' head
+    dims, and the chunkwise halo/state path the setting asks for (``native``: FLA's cp context,
+    which the reference backend does not have; on FLA, the rows per rank its context needs)."""
+    shape = cfg.shape
+    if cfg.backend == "fla":
+        from ..ops.fla.kernels import check_head_dims
+
+        try:
+            check_head_dims(shape.head_k_dim, shape.head_v_dim)
+        except ValueError as err:
+            raise ValueError(f"--backend fla --head-dim {shape.head_k_dim}: {err}") from None
+    sizes = [cp for cp in cfg.cp_sizes
+             if cp > 1 and "chunkwise" in cfg.modes_to_run and "chunkwise" not in _skips(cfg, cp)]
+    if not sizes:
+        return
+    from ..modes.chunkwise import CHUNKWISE_PATH_ENV, chunkwise_path
+
+    setting = chunkwise_path()
+    if setting == "generic":
+        return
+    native, why = _native_cp_context(cfg)
+    if setting == "native" and not native:
+        raise ValueError(
+            f"chunkwise path 'native' ({CHUNKWISE_PATH_ENV} or set_chunkwise_path): chunkwise at --cp "
+            f"{','.join(map(str, sizes))} would run FLA's cp context, but {why}; unset {CHUNKWISE_PATH_ENV} (auto: "
+            "FLA's where it can run, else gdn-cp's own exchange), set it to generic, or leave chunkwise out of --modes"
+        )
+    if native:
+        for cp in sizes:
+            _check_native_rows(cfg, cp)
+
+
+def _native_cp_context(cfg: JobConfig) -> tuple[bool, str]:
+    """Whether the ranks' chunkwise would run the backend's native cp context (their groups are NCCL,
+    or gloo on CUDA with FLA's collectives adapted by the rank pool), and why not."""
+    if cfg.backend != "fla":
+        return False, (f"the {cfg.backend} backend has none (FLA's needs --backend fla on a CUDA GPU with "
+                       "flash-linear-attention >= 0.4.2)")
+    from ..ops.fla import detect
+
+    if not detect.has_cp_context():
+        return False, f"FLA {detect.fla_version()}: {detect.features().cp_context_error}"
+    return True, ""
+
+
+def _check_native_rows(cfg: JobConfig, cp: int) -> None:
+    """FLA's cp context takes the job's packing at this CP size (the checks its core makes first)."""
+    from ..layout import Boundaries
+    from ..ops.fla import detect
+    from ..ops.fla.native_cp import check_chunkwise_layout, check_zigzag_stream
+
+    cu = Boundaries(packed_boundaries(cfg.num_sequences, cfg.tokens_per_rank * cp, cp, cfg.seed))
+    try:
+        if len(cu.nonempty()[1]) == 1 and detect.has_zigzag_layout():  # one zigzag-cut stream: FLA's zigzag context
+            check_zigzag_stream(cu, cp, cfg.conv_width)
+        else:
+            check_chunkwise_layout(cu, cp, cfg.conv_width, allow_short_tails=detect.features().clamps_halo)
+    except ValueError as err:
+        raise ValueError(f"--tokens-per-rank {cfg.tokens_per_rank} --sequences {cfg.num_sequences} at --cp {cp} "
+                         f"(chunkwise through FLA's cp context): {err}") from None
 
 
 def _check_named_modes(cfg: JobConfig) -> None:

@@ -57,12 +57,13 @@ def _chunkwise_line(cw) -> str:
 def route_text(args) -> str:
     """Everything ``gdn-cp route`` prints, built (and so checked) before any of it is printed.
     ValueError / TypeError naming the flag when the input cannot be split."""
+    from ..checks import MAX_CP_SIZE, size_limit_problem
     from ..layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
-    from ..layout.boundaries import MAX_CP_SIZE
     from ..layout.chunkwise import MAX_CONV_WIDTH
 
-    if args.cp > MAX_CP_SIZE:
-        raise ValueError(f"--cp {args.cp} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
+    too_large = size_limit_problem(args.cp, MAX_CP_SIZE, "CP group")
+    if too_large:
+        raise ValueError(f"--cp {args.cp} is {too_large}")
     if args.conv_width > MAX_CONV_WIDTH:
         raise ValueError(f"--conv-width {args.conv_width} is larger than gdn-cp plans for (at most {MAX_CONV_WIDTH})")
     cu = validate_cu_seqlens(args.cu, args.cp, name="--cu")

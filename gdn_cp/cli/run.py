@@ -1,7 +1,8 @@
 """``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.cli.main_job`).
 
 Every flag is checked by argparse (the error names the flag); what depends on the machine (CUDA,
-NCCL, FLA) is checked by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
+NCCL, FLA) and what every rank would refuse (the chunkwise path setting, FLA's head dims) is checked
+by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
 comma-separated for every flag that takes one (``--cp 2,4 --modes headwise,chunkwise``).
 """
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..checks import as_int
+from ..checks import MAX_CP_SIZE, as_int, size_limit_problem
 from .device import host_to_device
 
 __all__ = [
@@ -62,9 +62,7 @@ MAX_ROWS = 1 << 62
 MAX_BATCH = 1 << 20
 """Largest SBHD batch accepted (its boundaries hold B+1 entries)."""
 
-MAX_CP_SIZE = 1 << 16
-"""Largest CP size accepted: plans hold per-peer lists of ``cp`` entries (a larger group is a
-mistake, not a cluster), and ranks are radix-sorted as int16 below this size."""
+# MAX_CP_SIZE (the largest CP size accepted) lives in gdn_cp.checks, the one place of size limits.
 
 
 class Boundaries(tuple):
@@ -215,8 +213,9 @@ def check_cp(cp_size, cp_rank=_NO_RANK) -> None:
     rank), a rank in ``[0, cp_size)``."""
     if as_int(cp_size) is None or cp_size < 1:
         raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
-    if cp_size > MAX_CP_SIZE:
-        raise ValueError(f"cp_size={cp_size} is larger than any CP group gdn-cp plans for (at most {MAX_CP_SIZE})")
+    too_large = size_limit_problem(cp_size, MAX_CP_SIZE, "CP group")
+    if too_large:
+        raise ValueError(f"cp_size={cp_size} is {too_large}")
     if cp_rank is not _NO_RANK and (as_int(cp_rank) is None or not 0 <= cp_rank < cp_size):
         raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
 

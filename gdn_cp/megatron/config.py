@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from gdn_cp.checks import as_int
+from gdn_cp.checks import MAX_CP_SIZE, MAX_TP_SIZE, as_int, size_limit_problem
 from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODE_NAMES, MODES, get_mode, head_problem
 
 __all__ = [
@@ -77,6 +77,10 @@ def _checked_sizes(num_key_heads, num_value_heads, tp, cp, *, config: bool = Fal
     names = _CONFIG_FIELDS if config else _ARGUMENTS
     fix = "set it in the TransformerConfig" if config else "pass an int"
     k, v, tp, cp = (_positive_int(n, x, fix) for n, x in zip(names, (num_key_heads, num_value_heads, tp, cp)))
+    for name, value, limit, what in ((names[2], tp, MAX_TP_SIZE, "TP group"), (names[3], cp, MAX_CP_SIZE, "CP group")):
+        too_large = size_limit_problem(value, limit, what)
+        if too_large:
+            raise ValueError(f"{name}={value} is {too_large}.")
     if v % k:
         raise ValueError(
             f"{names[1]}={v} must be a multiple of {names[0]}={k} (value head h reads key "

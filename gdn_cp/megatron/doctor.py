@@ -19,7 +19,50 @@ from .. import env
 from .config import AUTO, explain_linear_cp_modes
 from .pins import PINS
 
-__all__ = ["check_doctor_args", "collect_report", "run_doctor"]
+__all__ = ["TESTED_FLA_STACKS", "check_doctor_args", "collect_report", "fla_stack_verdict", "run_doctor"]
+
+TESTED_FLA_STACKS = {
+    "fla": ("0.6.0", "3.7.1"),
+    "fla042": ("0.4.2", "3.6.0"),
+}
+"""The FLA stacks the GPU suite ran on (README "Tested versions"): pyproject extra -> (fla-core, Triton).
+Each extra pins its fla-core exactly; Triton comes with torch and is not pinned (pip would replace a
+CUDA torch to satisfy a Triton pin), so ``gdn-cp doctor`` says whether the installed pair is one of
+these (``tests/megatron/test_doctor.py`` keeps this table, pyproject.toml and the README equal)."""
+
+
+def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:
+    """One line: the installed FLA + Triton, and whether the GPU suite ran on that pair."""
+    tested = ", ".join(f"fla {f} + triton {t} ([{extra}])" for extra, (f, t) in TESTED_FLA_STACKS.items())
+    if fla is None:
+        return (f"not installed (CUDA only: pip install -e '.[fla]'; tested stacks: {tested})")
+    if (fla, triton) in TESTED_FLA_STACKS.values():
+        return f"fla {fla} + triton {triton}: a tested stack"
+    hazard = ""
+    if _at_least(fla, (0, 5)) and triton is not None and not _at_least(triton, (3, 7, 1)):
+        hazard = "; FLA >= 0.5 with Triton < 3.7.1 refuses or miscomputes the GDN backward on Hopper (FLA issue #640)"
+    return (f"fla {fla} + triton {triton}: untested (tested: {tested}){hazard}; "
+            "check it with `gdn-cp selftest --gpu` on the GPU machine")
+
+
+def _at_least(version: str, floor: tuple) -> bool:
+    """``version`` (e.g. ``3.7.1+git``) >= ``floor``, read on its leading numbers; unreadable: True."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return not parts or tuple(parts) >= floor
+
+
+def _dist_version(*dists: str) -> Optional[str]:
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _version(dist: str) -> str:
@@ -99,6 +142,8 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
         },
         "gpus": gpus,
         "gpu_note": gpu_note,
+        "fla_stack_verdict": fla_stack_verdict(_dist_version("fla-core", "flash-linear-attention"),
+                                               _dist_version("triton")),
         "environment": {n: os.environ[n] for n in sorted(os.environ) if n.startswith(env.PREFIX)},
     }
     if report["gpus"]:  # FLA's kernels import only with CUDA: probing them on a CPU machine says nothing
@@ -150,10 +195,7 @@ def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, p
         echo(f"  {patch['tree']}")
         for file, state in patch["files"].items():
             echo(f"  {state:<9} {file}")
-    echo(
-        "FLA/Triton hazard check: run `gdn-cp selftest --gpu` on the GPU machine "
-        "(FLA >= 0.5 with Triton < 3.7.1 on Hopper miscomputes or refuses the GDN backward)"
-    )
+    echo(f"FLA + Triton: {report['fla_stack_verdict']}")
     if "modes" in report:
         s = report["shape"]
         echo(

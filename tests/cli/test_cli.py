@@ -68,7 +68,44 @@ def test_every_command_help_states_the_one_rule(capsys):
 def test_no_command_is_a_usage_error(capsys):
     assert main([]) == 2
     cap = capsys.readouterr()
-    assert cap.out == "" and "usage: gdn-cp" in cap.err and "gdn-cp: error: name a COMMAND" in cap.err
+    assert cap.out == "" and cap.err == "gdn-cp: error: name a COMMAND (run, route, patch, doctor, selftest); " \
+        "usage: gdn-cp --help\n", cap.err
+
+
+@pytest.mark.parametrize("argv,prog,says", [
+    (["run", "--cp", "1_0"], "gdn-cp run", "argument --cp: '1_0' is not an integer"),
+    (["run", "--cp", "0,,8"], "gdn-cp run", "argument --cp: expected a comma-separated list without empty items"),
+    (["run", "--heads", "128 256"], "gdn-cp run", "argument --heads:"),
+    (["run", "--bogus"], "gdn-cp run", "unrecognized arguments: --bogus"),
+    (["run", "--dtype", "half"], "gdn-cp run", "argument --dtype: invalid choice: 'half'"),
+    (["route", "--cu", "0,8"], "gdn-cp route", "the following arguments are required: --cp"),
+    (["route", "--cu", "0,8", "--cp", "2", "--rank", "0", "--all"], "gdn-cp route", "not allowed with argument"),
+    (["doctor", "--cp", "x"], "gdn-cp doctor", "argument --cp: 'x' is not an integer"),
+    (["doctor", "--heads", "4,8", "--cp", "99999999999999999999999"], "gdn-cp doctor", "must be <= 65536"),
+    (["patch"], "gdn-cp patch", "the following arguments are required"),
+    (["patch", "apply", "--bogus"], "gdn-cp patch apply", "unrecognized arguments: --bogus"),
+    (["patch", "check", "--expect", "x"], "gdn-cp patch check", "argument --expect: invalid choice"),
+    (["selftest", "--gpuu"], "gdn-cp selftest", "unrecognized arguments: --gpuu"),
+    (["rout"], "gdn-cp", "invalid choice: 'rout'"),
+    (["--bogus"], "gdn-cp", "unrecognized arguments: --bogus"),
+])
+def test_a_bad_flag_is_one_line_on_stderr(capsys, argv, prog, says):
+    """README "Exit status": 2, one line on stderr naming the command and the flag, nothing on stdout;
+    argparse's usage block is behind --help (the line says so)."""
+    try:
+        rc = main(argv)
+    except SystemExit as exit_:
+        rc = exit_.code
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == "", (rc, cap)
+    assert cap.err.count("\n") == 1 and cap.err.startswith(f"{prog}: error: "), cap.err
+    assert says in cap.err and cap.err.rstrip().endswith(f"; usage: {prog} --help"), cap.err
+
+
+def test_a_bad_flag_is_one_line_from_the_console_script():
+    r = subprocess.run([sys.executable, "-m", "gdn_cp.cli", "run", "--cp", "1_0"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r
 
 
 class _ClosedPipe(io.TextIOBase):

@@ -13,14 +13,15 @@ prints the failing example and how to reproduce it).
 from __future__ import annotations
 
 import math
-import os
 import re
 
 import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-_FUZZ_EXAMPLES = int(os.environ.get("GDN_CP_FUZZ_EXAMPLES", "0") or 0)
+from gdn_cp import env
+
+_FUZZ_EXAMPLES = env.read("GDN_CP_FUZZ_EXAMPLES") or 0  # a bad value: a ValueError naming the variable
 
 
 def fuzz_settings(ci_examples: int):
@@ -95,6 +96,7 @@ def hostile_scalars() -> st.SearchStrategy:
 # ------------------------------------------------------------------------------------------
 MAX_ROWS = 2**62
 MAX_CP = 2**16
+MAX_TP = 2**16  # README: a CP or TP size above 65536 is refused
 
 
 def is_int(value) -> bool:
@@ -124,6 +126,7 @@ def boundaries_rule(cu) -> bool:
 
 def zigzag_rule(cu, cp) -> bool:
     """Boundaries a zigzag split over cp ranks takes: any at cp=1 (nothing is cut)."""
+    cp = int(cp)  # a NumPy cp: this rule's own math on Python ints (np.int32 % 2**31 overflows)
     return boundaries_rule(cu) and (cp == 1 or all((b - a) % (2 * cp) == 0 for a, b in zip(cu, cu[1:])))
 
 

@@ -31,7 +31,7 @@ from gdn_cp.cli.main_job import check_job
 from gdn_cp.modes.spec import MODE_NAMES
 from gdn_cp.testing.packings import cumsum0, zigzag_rows
 
-from .common import HUGE_INTS, cli_int, cli_int_list, fuzz_settings
+from .common import HUGE_INTS, MAX_CP, MAX_TP, cli_int, cli_int_list, fuzz_settings
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the expected answers assume a machine without CUDA")
 
@@ -51,6 +51,7 @@ def run_cli(argv: list[str]) -> tuple[int, str, str]:
 def assert_flag_error(rc: int, out: str, err: str, *names: str) -> None:
     assert rc == 2, (rc, out, err)
     assert out == "", f"printed before failing: {out!r}"
+    assert err.count("\n") == 1 and err.endswith("\n"), f"not one line on stderr: {err!r}"
     assert "error" in err and any(n in err for n in names), (names, err)
 
 
@@ -99,12 +100,25 @@ def argv_of(flags: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------
 # gdn-cp route
 # ------------------------------------------------------------------------------------------
+def _route_syntax_errors(flags: dict) -> list[str]:
+    """The given flags whose values argparse itself refuses (syntax, sign, choices)."""
+    bad = []
+    if "--cu" in flags and cli_int_list(flags["--cu"]) is None:
+        bad.append("--cu")
+    for flag, low in (("--cp", 1), ("--rank", 0), ("--conv-width", 1)):
+        if flag in flags and (cli_int(flags[flag]) is None or cli_int(flags[flag]) < low):
+            bad.append(flag)
+    if flags.get("--direction", "both") not in ("both", "zigzag->contiguous", "contiguous->zigzag"):
+        bad.append("--direction")
+    return bad
+
+
 def route_expectation(flags: dict):
     """``("flag", names)`` for a status-2 error naming one of ``names``, else ``("ok", cu, cp, rank,
     directions, width)``, from the documented rules alone."""
-    for flag in ("--cu", "--cp"):
-        if flag not in flags:
-            return "flag", ("required", flag)
+    missing = [flag for flag in ("--cu", "--cp") if flag not in flags]
+    if missing:  # argparse names a bad value it met before it names a missing flag
+        return "flag", ("required", *missing, *_route_syntax_errors(flags))
     cu, cp = cli_int_list(flags["--cu"]), cli_int(flags["--cp"])
     rank = cli_int(flags["--rank"]) if "--rank" in flags else None
     width = cli_int(flags.get("--conv-width", "4"))
@@ -276,9 +290,9 @@ def test_doctor(folders, data):
     tp, cp = (cli_int(flags.get(f, "1")) for f in ("--tp", "--cp"))
     if heads is None or len(heads) != 2 or min(heads) < 1:
         return assert_flag_error(rc, out, err, "--heads")
-    if tp is None or tp < 1:
+    if tp is None or not 1 <= tp <= MAX_TP:  # the one size limit (gdn_cp.checks), said by argparse
         return assert_flag_error(rc, out, err, "--tp")
-    if cp is None or cp < 1:
+    if cp is None or not 1 <= cp <= MAX_CP:
         return assert_flag_error(rc, out, err, "--cp")
     if path_kind == "missing":
         return assert_flag_error(rc, out, err, "--path")
@@ -374,27 +388,31 @@ def run_expectation(flags: dict):
         modes = [m.strip() for m in flags["--modes"].split(",")]
         if any(m not in MODE_NAMES for m in modes) or len(set(modes)) != len(modes):
             return "flag", ("--modes",)
+    # argparse refuses the first bad value in the order the flags were given (test_run_flags: this order)
+    heads = cli_int_list(flags.get("--heads", "4,8"))
+    if heads is None or len(heads) != 2 or min(heads) < 1 or max(heads) > 256 or heads[1] % heads[0]:
+        return "flag", ("--heads",)
     seqs = cli_int(flags.get("--sequences", "37"))
     if seqs is None or not 1 <= seqs <= 2**16:
         return "flag", ("--sequences",)
     tokens = cli_int(flags.get("--tokens-per-rank", "1024"))
     if tokens is None or not 2 <= tokens <= 2**20 or tokens % 2:
         return "flag", ("--tokens-per-rank",)
-    heads = cli_int_list(flags.get("--heads", "4,8"))
-    if heads is None or len(heads) != 2 or min(heads) < 1 or max(heads) > 256 or heads[1] % heads[0]:
-        return "flag", ("--heads",)
     for flag, choices in (("--dtype", ("float32", "float64", "bfloat16")), ("--device", ("cpu", "cuda")),
                           ("--backend", ("reference", "fla")), ("--dist-backend", ("gloo", "nccl"))):
         if flag in flags and flags[flag] not in choices:
             return "flag", (flag,)
+    # after parsing, check_job refuses the job before spawning; when several of these apply, which
+    # one it names first is not a documented rule: any of them
     device = flags.get("--device", "cpu")
-    for flag, bad in (("--device", device == "cuda"), ("--backend", flags.get("--backend") == "fla"),
-                      ("--dist-backend", flags.get("--dist-backend") == "nccl")):
-        if bad:  # no CUDA here: refused before anything is spawned
-            return "flag", (flag,)
+    refusals = [flag for flag, bad in (("--device", device == "cuda"), ("--backend", flags.get("--backend") == "fla"),
+                                       ("--dist-backend", flags.get("--dist-backend") == "nccl"))
+                if bad]  # no CUDA here
     for mode in modes or ():  # a mode asked for by name must run at every CP size (TP=1)
         if mode == "headwise" and any(h % cp for h in heads for cp in cps):
-            return "flag", ("--modes headwise cannot run",)
+            refusals.append("--modes headwise cannot run")
+    if refusals:
+        return "flag", tuple(refusals)
     return "ok", dict(cp_sizes=tuple(cps), modes=None if modes is None else tuple(modes), num_sequences=seqs,
                       tokens_per_rank=tokens, dtype=flags.get("--dtype", "float32"), device="cpu",
                       backend="reference", dist_backend="gloo")
@@ -470,9 +488,9 @@ def test_top_level(argv):
     elif "-h" in argv or "--version" in argv:
         assert rc in (0, 2)  # argparse acts on them where it meets them, before unknown arguments
     elif not argv or argv in (["-v"], ["--verbose"]):
-        assert rc == 2 and out == "" and "usage" in err  # no command: the overview on stderr, status 2
+        assert rc == 2 and out == "" and err.count("\n") == 1 and "usage: gdn-cp --help" in err  # no command
     elif argv[0] not in ("route", "doctor", "selftest", "-v", "--verbose", "-h", "--version"):
-        assert rc == 2 and out == "" and "error" in err
+        assert rc == 2 and out == "" and "error" in err and err.count("\n") == 1, err
 
 
 def test_every_flag_has_help():

@@ -259,7 +259,8 @@ def test_huge_cp_sizes_are_refused_not_planned():
 @fuzz_settings(80)
 @given(seq_len=size_arg(st.integers(0, 40)), batch=size_arg(st.integers(1, 6)))
 def test_sbhd_cu_seqlens(seq_len, batch):
-    valid = is_int(seq_len) and is_int(batch) and 0 <= seq_len and 1 <= batch <= 2**20 and seq_len * batch <= MAX_ROWS
+    valid = is_int(seq_len) and is_int(batch) and 0 <= seq_len and 1 <= batch <= 2**20 and \
+        int(seq_len) * int(batch) <= MAX_ROWS  # on Python ints: NumPy's would wrap
     result = outcome(lambda: sbhd_cu_seqlens(seq_len, batch))
     if valid:
         assert tuple(assert_accepted(result)) == tuple(b * seq_len for b in range(batch + 1))
@@ -367,10 +368,13 @@ def _sbhd_blame(seq_len, batch, cp, rank):
         return "cp_size"
     if not rank_rule(cp, rank):
         return "cp_rank"
-    if not (is_int(seq_len) and is_int(batch) and seq_len >= 0 and 1 <= batch <= 2**20 and seq_len * batch <= MAX_ROWS):
-        return "seq_len" if not (is_int(seq_len) and 0 <= seq_len <= MAX_ROWS) else "batch"
-    if seq_len % (2 * cp):
-        return "sbhd"  # "sequence 0 of sbhd ... has length ..."
+    if not (is_int(seq_len) and is_int(batch)):
+        return "seq_len" if not is_int(seq_len) else "batch"
+    seq_len, batch, cp = int(seq_len), int(batch), int(cp)  # this check's math on Python ints (no int32 overflow)
+    if not (seq_len >= 0 and 1 <= batch <= 2**20 and seq_len * batch <= MAX_ROWS):
+        return "seq_len" if not 0 <= seq_len <= MAX_ROWS else "batch"
+    if cp > 1 and seq_len % (2 * cp):  # at cp=1 nothing is cut: any length
+        return "seq_len"  # "SBHD sequence length seq_len=... is not divisible by 2*cp=..."
     return None
 
 

@@ -21,7 +21,16 @@ from gdn_cp.megatron import (
     resolve_linear_cp_mode,
 )
 
-from .common import assert_accepted, assert_refused_naming, fuzz_settings, hostile_scalars, is_int, outcome
+from .common import (
+    MAX_CP,
+    MAX_TP,
+    assert_accepted,
+    assert_refused_naming,
+    fuzz_settings,
+    hostile_scalars,
+    is_int,
+    outcome,
+)
 
 MODES = ("headwise", "chunkwise", "all_gather")
 FIELDS = {  # argument -> the TransformerConfig field its messages name
@@ -38,6 +47,7 @@ sizes = st.one_of(st.sampled_from([1, 2, 3, 4, 8]), hostile_scalars())
 
 
 def legal(mode, k, v, tp, cp) -> bool:
+    k, v, tp, cp = int(k), int(v), int(tp), int(cp)  # NumPy integers: no int32 overflow in this check's own math
     div = tp * cp if mode == "headwise" else tp
     return k % div == 0 and v % div == 0
 
@@ -54,7 +64,10 @@ def bad_size(values: dict, *, config: bool = False):
         value = values[arg]
         if not (is_int(value) and value >= 1):
             return field if config else arg
-    if values["num_value_heads"] % values["num_key_heads"]:
+    for arg, limit in (("tp", MAX_TP), ("cp", MAX_CP)):  # README: a CP or TP size above 65536 is refused
+        if values[arg] > limit:
+            return FIELDS[arg] if config else arg
+    if int(values["num_value_heads"]) % int(values["num_key_heads"]):
         return "linear_num_value_heads" if config else "num_value_heads"
     return None
 

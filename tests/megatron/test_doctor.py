@@ -96,3 +96,37 @@ def test_doctor_says_whether_transformer_engine_is_there(monkeypatch):
     installed["transformer-engine"] = "2.20.2"
     assert "  transformer-engine       2.20.2\n" in _run()[1]
     assert "transformer_engine" not in sys.modules
+
+
+def test_the_extras_install_exactly_the_tested_fla_stacks():
+    """Issue #25: `pip install -e '.[fla]'` resolved whatever FLA was newest (and transformers with it).
+    Each extra pins the fla-core of one tested stack; the README's "Tested versions" names the pair."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from gdn_cp.megatron.doctor import TESTED_FLA_STACKS
+
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, (fla, triton) in TESTED_FLA_STACKS.items():
+        assert extras[extra] == [f"fla-core=={fla}"], (extra, extras[extra])
+        rows = [line for line in (root / "README.md").read_text().splitlines()
+                if line.startswith("| 1x H200 |") and f"Triton {triton}" in line and re.search(rf"\b{re.escape(fla)}\b", line)]
+        assert rows, f"README 'Tested versions' has no row with FLA {fla} and Triton {triton}"
+
+
+def test_doctor_says_whether_the_installed_fla_stack_was_tested(monkeypatch):
+    from gdn_cp.megatron import doctor
+
+    assert doctor.fla_stack_verdict("0.6.0", "3.7.1") == "fla 0.6.0 + triton 3.7.1: a tested stack"
+    assert doctor.fla_stack_verdict("0.4.2", "3.6.0").endswith("a tested stack")
+    untested = doctor.fla_stack_verdict("0.6.0", "3.9.0")
+    assert untested.startswith("fla 0.6.0 + triton 3.9.0: untested (tested: fla 0.6.0 + triton 3.7.1 ([fla]), "
+                               "fla 0.4.2 + triton 3.6.0 ([fla042]))") and "#640" not in untested, untested
+    assert "refuses or miscomputes the GDN backward on Hopper" in doctor.fla_stack_verdict("0.5.2", "3.6.0")
+    assert doctor.fla_stack_verdict(None, "3.9.0").startswith("not installed")
+    versions = {"fla-core": "0.6.0", "triton": "3.5.0"}
+    monkeypatch.setattr(doctor, "_dist_version", lambda *names: next((versions[n] for n in names if n in versions), None))
+    code, out = _run()
+    assert "FLA + Triton: fla 0.6.0 + triton 3.5.0: untested" in out, out
