@@ -77,7 +77,7 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "args", "warm", "syncs", "selftest", "levers", "layer_full", "layer_full_b")
+SUITE_STAGES = ("tests", "args", "warm", "syncs", "selftest", "levers", "layer_full", "layer_full_b", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
