@@ -91,9 +91,12 @@ fi
 # A Megatron-LM checkout ($GDN_CP_MLM/*.tar.gz, default .mlm/: e.g. the core_v0.19.0 fixture), patched by
 # gdn-cp, for the train_mlm stage (its scripts import the checkout's own megatron/).
 MLM_TAR=$(ls "${GDN_CP_MLM:-.mlm}"/*.tar.gz 2>/dev/null | head -n 1)
+# A second, unpatched copy is stock megatron-core 0.19.2's GDN, for train_mlm's stock rows.
 MLM_DIR=/tmp/megatron-lm
+MLM_STOCK=/tmp/megatron-lm-stock
 if [ -n "$MLM_TAR" ] && [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
-  mkdir -p "$MLM_DIR" && tar -xzf "$MLM_TAR" -C "$MLM_DIR" && python3 -m gdn_cp.cli patch apply "$MLM_DIR" \
+  mkdir -p "$MLM_DIR" "$MLM_STOCK" && tar -xzf "$MLM_TAR" -C "$MLM_DIR" && tar -xzf "$MLM_TAR" -C "$MLM_STOCK" \
+    && python3 -m gdn_cp.cli patch apply "$MLM_DIR" \
     || { echo "Megatron-LM checkout: unpack or patch failed"; exit 1; }
 fi
 
@@ -171,7 +174,7 @@ run_stage() {
       [ -f "$MLM_DIR/pretrain_hybrid.py" ] || { echo "train_mlm needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false; } &&
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" python3 benchmarks/train_megatron_lm.py \
-        --checkout "$MLM_DIR" --out "$OUT/train_megatron_lm.json" --work /tmp/mlm_work \
+        --checkout "$MLM_DIR" --stock-checkout "$MLM_STOCK" --out "$OUT/train_megatron_lm.json" --work /tmp/mlm_work \
         --budget-s "${GDN_CP_TRAIN_MLM_TIMEOUT:-420}" ${GDN_CP_TRAIN_MLM_ARGS:-}
       local trc=$?
       tar -czf "$OUT/train_mlm_logs.tar.gz" -C /tmp/mlm_work logs 2>/dev/null

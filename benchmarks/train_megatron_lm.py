@@ -3,18 +3,22 @@
 Runs ``pretrain_hybrid.py`` (pattern ``G-G-*-``: GDN, MLP, TE attention; and GDN-only ``G-G-``) and
 ``pretrain_gpt.py`` (``--experimental-attention-variant gated_delta_net``, 3 GDN layers + 1 attention
 layer) from a patched Megatron-LM checkout through :mod:`gdn_cp.testing.megatron_lm`: mock data, bf16,
-TransformerEngine specs, 20 iterations; CP=1 over NCCL, CP=2 / 4 as gloo ranks sharing one GPU (or
-one rank per GPU over NCCL where there are enough GPUs). The matrix (:func:`matrix`):
+TransformerEngine specs, no dropout, 20 iterations; CP=1 over NCCL, CP=2 / 4 as gloo ranks sharing one
+GPU (or one rank per GPU over NCCL where there are enough GPUs). The matrix (:func:`matrix`), group
+``main``:
 
 * noise: each model's CP=1 run twice, the second with one kernel choice changed
-  (``--no-bias-swiglu-fusion``: the MLP's SwiGLU unfused); the largest relative difference of these
-  pairs gives the tolerance (:func:`tolerance_from_noise`);
+  (``--no-bias-swiglu-fusion``: the MLP's SwiGLU unfused); 3x the largest relative difference of these
+  pairs, per precision, is the tolerance (:func:`tolerance_from_noise`);
 * no data flag (SBHD rows): CP=2 in every mode (headwise, chunkwise, all_gather) against CP=1;
 * ``--dataloader-inter-document-masking``: CP=2 and 4 (``--linear-cp-mode auto``), GDN-only model
   (exact whole-row path) and models with attention layers (refused before the first step);
-* ``--sft`` (a packed SFT set written here): CP=2 and 4, auto;
+* ``--sft`` (a packed SFT set written here, with ``--calculate-per-token-loss``): CP=2 and 4, auto;
 * recompute: CP=2 with full recompute (hybrid), with ``gdn_norm_out`` selective recompute (GPT:
   megatron-core allows it only for ``experimental_attention_variant='gated_delta_net'``).
+
+Group ``diagnose`` tells rounding from a wrong result: stock megatron-core 0.19.2 at CP=2 from an
+unpatched copy of the checkout (``--stock-checkout``), GDN-only models in fp32 at CP=2 and 4.
 
 Runs go side by side under a rank budget (``--max-ranks``) in the order of the matrix, within
 ``--budget-s``; the JSON (``--out``) is rewritten after every run, so a time-out keeps what finished.
@@ -42,40 +46,69 @@ from gdn_cp.testing.megatron_lm import RunSpec, launch, write_sft_set
 logger = logging.getLogger("benchmarks.train_megatron_lm")
 
 NOISE = ("--no-bias-swiglu-fusion",)
+
 REFUSED = "refused:"
 REFUSED_IDM = REFUSED + "--dataloader-inter-document-masking"
 """A run expected to stop before its first step, with an error naming this flag."""
 
 
-def matrix() -> list[tuple[RunSpec, str]]:
+GROUPS = ("main", "diagnose")
+
+
+def matrix(groups=("main",)) -> list[tuple[RunSpec, str]]:
     """``[(spec, reference name)]`` in priority order; the reference of a CP=1 run is its noise
-    partner (or itself)."""
+    partner (or itself).
+
+    ``main``: what the README's claims rest on (above). ``diagnose``: what tells bf16 rounding from a
+    wrong result: stock megatron-core 0.19.2 at CP=2 (an unpatched checkout, ``--stock-checkout``:
+    how far Megatron's own CP run is from CP=1), GDN-only models in fp32 (CP=2 in every mode, CP=4;
+    SBHD, whole-row and per-document THD), and the ``--sft`` runs split into GDN-only and
+    attention-only models."""
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        raise ValueError(f"groups={unknown!r}: use {', '.join(GROUPS)}")
     H, G, P = dict(model="hybrid"), dict(model="hybrid", pattern="G-G-"), dict(model="gpt")
-    runs = [
-        (RunSpec("hybrid_cp1", **H), ""),
-        (RunSpec("hybrid_cp1_noise", **H, extra_args=NOISE), "hybrid_cp1"),
-    ]
-    runs += [(RunSpec(f"hybrid_cp2_{m}", **H, cp=2, mode=m), "hybrid_cp1") for m in ("chunkwise", "headwise", "all_gather")]
-    runs += [
-        (RunSpec("gdnonly_idm_cp1", **G, data="inter_document_masking"), ""),
-        (RunSpec("gdnonly_idm_cp2", **G, cp=2, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
-        (RunSpec("hybrid_idm_cp2", **H, cp=2, mode="auto", data="inter_document_masking"), REFUSED_IDM),
-        (RunSpec("hybrid_sft_cp1", **H, data="sft"), ""),
-        (RunSpec("hybrid_sft_cp2", **H, cp=2, mode="auto", data="sft"), "hybrid_sft_cp1"),
-        (RunSpec("gdnonly_idm_cp4", **G, cp=4, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
-        (RunSpec("hybrid_sft_cp4", **H, cp=4, mode="auto", data="sft"), "hybrid_sft_cp1"),
-        (RunSpec("hybrid_full_recompute_cp2", **H, cp=2, mode="auto", recompute="full"), "hybrid_cp1"),
-        (RunSpec("gpt_cp1", **P), ""),
-        (RunSpec("gpt_cp1_noise", **P, extra_args=NOISE), "gpt_cp1"),
-    ]
-    runs += [(RunSpec(f"gpt_cp2_{m}", **P, cp=2, mode=m), "gpt_cp1") for m in ("chunkwise", "headwise", "all_gather")]
-    runs += [
-        (RunSpec("gpt_norm_out_recompute_cp2", **P, cp=2, mode="auto", recompute="gdn_norm_out"), "gpt_cp1"),
-        (RunSpec("hybrid_idm_cp4", **H, cp=4, mode="auto", data="inter_document_masking"), REFUSED_IDM),
-        (RunSpec("gpt_idm_cp2", **P, cp=2, mode="auto", data="inter_document_masking"), REFUSED_IDM),
-        (RunSpec("gdnonly_idm_cp1_noise", **G, data="inter_document_masking", extra_args=NOISE), "gdnonly_idm_cp1"),
-        (RunSpec("hybrid_sft_cp1_noise", **H, data="sft", extra_args=NOISE), "hybrid_sft_cp1"),
-    ]
+    F, A = dict(model="hybrid", pattern="G-G-", precision="fp32"), dict(model="hybrid", pattern="*-*-")
+    modes = ("chunkwise", "headwise", "all_gather")
+    runs: list[tuple[RunSpec, str]] = []
+    if "main" in groups:
+        runs += [
+            (RunSpec("hybrid_cp1", **H), ""),
+            (RunSpec("hybrid_cp1_noise", **H, extra_args=NOISE), "hybrid_cp1"),
+        ]
+        runs += [(RunSpec(f"hybrid_cp2_{m}", **H, cp=2, mode=m), "hybrid_cp1") for m in modes]
+        runs += [
+            (RunSpec("gdnonly_idm_cp1", **G, data="inter_document_masking"), ""),
+            (RunSpec("gdnonly_idm_cp2", **G, cp=2, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
+            (RunSpec("hybrid_idm_cp2", **H, cp=2, mode="auto", data="inter_document_masking"), REFUSED_IDM),
+            (RunSpec("hybrid_sft_cp1", **H, data="sft"), ""),
+            (RunSpec("hybrid_sft_cp2", **H, cp=2, mode="auto", data="sft"), "hybrid_sft_cp1"),
+            (RunSpec("gdnonly_idm_cp4", **G, cp=4, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
+            (RunSpec("hybrid_sft_cp4", **H, cp=4, mode="auto", data="sft"), "hybrid_sft_cp1"),
+            (RunSpec("hybrid_full_recompute_cp2", **H, cp=2, mode="auto", recompute="full"), "hybrid_cp1"),
+            (RunSpec("gpt_cp1", **P), ""),
+            (RunSpec("gpt_cp1_noise", **P, extra_args=NOISE), "gpt_cp1"),
+        ]
+        runs += [(RunSpec(f"gpt_cp2_{m}", **P, cp=2, mode=m), "gpt_cp1") for m in modes]
+        runs += [
+            (RunSpec("gpt_norm_out_recompute_cp2", **P, cp=2, mode="auto", recompute="gdn_norm_out"), "gpt_cp1"),
+            (RunSpec("hybrid_idm_cp4", **H, cp=4, mode="auto", data="inter_document_masking"), REFUSED_IDM),
+            (RunSpec("gpt_idm_cp2", **P, cp=2, mode="auto", data="inter_document_masking"), REFUSED_IDM),
+            (RunSpec("gdnonly_idm_cp1_noise", **G, data="inter_document_masking", extra_args=NOISE), "gdnonly_idm_cp1"),
+            (RunSpec("hybrid_sft_cp1_noise", **H, data="sft", extra_args=NOISE), "hybrid_sft_cp1"),
+        ]
+    if "diagnose" in groups:
+        runs += [
+            (RunSpec("hybrid_cp2_stock", **H, cp=2, stock=True), "hybrid_cp1"),
+            (RunSpec("gpt_cp2_stock", **P, cp=2, stock=True), "gpt_cp1"),
+            (RunSpec("gdnonly_fp32_cp1", **F), ""),
+            (RunSpec("gdnonly_fp32_cp1_noise", **F, extra_args=NOISE), "gdnonly_fp32_cp1"),
+            (RunSpec("gdnonly_fp32_cp2_chunkwise", **F, cp=2, mode="chunkwise"), "gdnonly_fp32_cp1"),
+            (RunSpec("gdnonly_fp32_cp4", **F, cp=4, mode="auto"), "gdnonly_fp32_cp1"),
+            (RunSpec("hybrid_sft_cp2_stock", **H, cp=2, stock=True, data="sft"), "hybrid_sft_cp1"),
+            (RunSpec("gdnonly_sft_fp32_cp1", **F, data="sft"), ""),
+            (RunSpec("gdnonly_sft_fp32_cp4", **F, cp=4, mode="auto", data="sft"), "gdnonly_sft_fp32_cp1"),
+        ]
     return runs
 
 
@@ -86,25 +119,34 @@ def rel_diff(a, b) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def tolerance_from_noise(rows: list[dict]) -> dict:
-    """The tolerance CP > 1 is held to: 3x the largest relative difference between two CP=1 runs that
-    differ only in a kernel choice (per quantity), at least 1e-3 for the loss (Megatron prints 6
-    digits; bf16 noise of such short runs is ~1e-3) and 1e-2 for the grad norm (3 decimals)."""
+PRINT_FLOOR = {"loss": 1e-5, "grad_norm": 2e-3}
+"""Differences below these cannot be read from Megatron's log: it prints the loss with 7 significant
+digits and the grad norm with 3 decimals (about 1 at these sizes)."""
+
+
+def tolerance_from_noise(rows: list[dict], precision: str = "bf16") -> dict:
+    """The tolerance CP > 1 runs of ``precision`` are held to: 3x the largest relative difference
+    between two CP=1 runs of that precision that differ only in a kernel choice (per quantity,
+    over every iteration), and never below what the log can show (:data:`PRINT_FLOOR`)."""
     by = {r["name"]: r for r in rows}
     noise = {"loss": 0.0, "grad_norm": 0.0, "pairs": []}
     for r in rows:
-        if r["name"].endswith("_noise") and r["status"] == "ok" and by.get(r["reference"], {}).get("status") == "ok":
-            ref = by[r["reference"]]
+        if r.get("precision", "bf16") != precision or not r["name"].endswith("_noise") or r["status"] != "ok":
+            continue
+        ref = by.get(r["reference"], {})
+        if ref.get("status") == "ok":
             dl, dg = rel_diff(r["losses"], ref["losses"]), rel_diff(r["grad_norms"], ref["grad_norms"])
             noise["pairs"].append({"run": r["name"], "reference": ref["name"], "loss": dl, "grad_norm": dg})
             noise["loss"], noise["grad_norm"] = max(noise["loss"], dl), max(noise["grad_norm"], dg)
-    return {"loss": max(3 * noise["loss"], 1e-3), "grad_norm": max(3 * noise["grad_norm"], 1e-2), "noise": noise}
+    return {"loss": max(3 * noise["loss"], PRINT_FLOOR["loss"]),
+            "grad_norm": max(3 * noise["grad_norm"], PRINT_FLOOR["grad_norm"]), "noise": noise}
 
 
 def judge(rows: list[dict]) -> dict:
     """Fill each row's ``verdict``: ``matches CP=1`` / ``differs from CP=1`` / ``refused before step 1
-    (as required)`` / ``should have been refused`` / ``did not run``; returns the tolerance used."""
-    tol = tolerance_from_noise(rows)
+    (as required)`` / ``should have been refused`` / ``did not run``; returns the tolerance used per
+    precision (``{"bf16": {...}, "fp32": {...}}``)."""
+    tols = {p: tolerance_from_noise(rows, p) for p in sorted({r.get("precision", "bf16") for r in rows})}
     by = {r["name"]: r for r in rows}
     for r in rows:
         ref = r["reference"]
@@ -130,11 +172,12 @@ def judge(rows: list[dict]) -> dict:
         if base is None or base["status"] != "ok":
             r["verdict"] = "no CP=1 reference"
             continue
+        tol = tols[r.get("precision", "bf16")]
         r["loss_rel_diff"] = rel_diff(r["losses"], base["losses"])
         r["grad_norm_rel_diff"] = rel_diff(r["grad_norms"], base["grad_norms"])
         ok = r["loss_rel_diff"] <= tol["loss"] and r["grad_norm_rel_diff"] <= tol["grad_norm"]
         r["verdict"] = "matches CP=1" if ok else "differs from CP=1"
-    return tol
+    return tols
 
 
 def run_matrix(args) -> dict:
@@ -142,7 +185,7 @@ def run_matrix(args) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="gdn_cp_mlm_"))
     sft_dir = work / "data"
     write_sft_set(sft_dir / "sft.jsonl", seq_length=2048)
-    todo = [(s, ref) for s, ref in matrix() if not args.only or any(k in s.name for k in args.only)]
+    todo = [(s, ref) for s, ref in matrix(args.groups) if not args.only or any(k in s.name for k in args.only)]
     doc = {"benchmark": "train_megatron_lm", "date": now_iso(), "machine": machine_info(),
            "versions": versions(), "checkout": str(checkout), "rows": []}
     running, t0 = [], time.monotonic()
@@ -161,9 +204,13 @@ def run_matrix(args) -> dict:
         left = args.budget_s - (time.monotonic() - t0)
         while pending and left > 60 and used + pending[0][0].world <= args.max_ranks:
             spec, ref = pending.pop(0)
+            if spec.stock and not args.stock_checkout:
+                doc["rows"].append({**spec.describe(), "status": "not run (no --stock-checkout)", "losses": [],
+                                    "grad_norms": [], "reference": ref, "error": ""})
+                continue
             used += spec.world
             logger.info("start %s (cp=%d, %s ranks in use)", spec.name, spec.cp, used)
-            fut = pool.submit(launch, spec, checkout=checkout, log_dir=work / "logs", data_dir=sft_dir,
+            fut = pool.submit(launch, spec, checkout=Path(args.stock_checkout) if spec.stock else checkout, log_dir=work / "logs", data_dir=sft_dir,
                               timeout_s=min(args.run_timeout_s, max(left - 10, 30)))
             running.append((fut, spec, ref))
         if not running:
@@ -189,47 +236,65 @@ def run_matrix(args) -> dict:
 
 
 def table(doc: dict) -> str:
-    tol = doc.get("tolerance") or judge(doc["rows"])
-    lines = [f"tolerance: loss {tol['loss']:.1e}, grad norm {tol['grad_norm']:.1e} (3x the CP=1 noise pairs: "
-             f"loss {tol['noise']['loss']:.1e}, grad norm {tol['noise']['grad_norm']:.1e})",
-             f"{'run':30s} {'cp':>2s} {'mode':10s} {'data':24s} {'loss 1 -> last':>17s} {'loss diff':>9s} "
-             f"{'gnorm diff':>10s}  verdict"]
+    tols = judge(doc["rows"])
+    lines = [f"tolerance {p}: loss {t['loss']:.1e}, grad norm {t['grad_norm']:.1e} (3x the CP=1 noise pairs: "
+             f"loss {t['noise']['loss']:.1e}, grad norm {t['noise']['grad_norm']:.1e}; log floor loss "
+             f"{PRINT_FLOOR['loss']:.0e}, grad norm {PRINT_FLOOR['grad_norm']:.0e})" for p, t in tols.items()]
+    lines.append(f"{'run':30s} {'cp':>2s} {'mode':10s} {'data':24s} {'prec':4s} {'loss 1 -> last':>17s} "
+                 f"{'loss diff':>9s} {'gnorm diff':>10s}  verdict")
     for r in doc["rows"]:
         losses = r.get("losses") or []
         span = f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses and None not in losses else "-"
         dl = r.get("loss_rel_diff")
         dg = r.get("grad_norm_rel_diff")
         lines.append(f"{r['name']:30s} {r['cp']:>2d} {str(r['mode'] or '-'):10s} "
-                     f"{r['data'] + ('+' + r['recompute'] if r['recompute'] != 'none' else ''):24s} {span:>17s} "
+                     f"{r['data'] + ('+' + r['recompute'] if r['recompute'] != 'none' else ''):24s} "
+                     f"{r.get('precision', 'bf16'):4s} {span:>17s} "
                      f"{(f'{dl:.1e}' if dl is not None else '-'):>9s} {(f'{dg:.1e}' if dg is not None else '-'):>10s}  "
                      f"{r.get('verdict', r['status'])}")
+    lines += [f"note: {n}" for n in doc.get("notes", [])]
     return "\n".join(lines)
 
 
 def plot(doc: dict, png: Path) -> None:
+    """Per model family (a CP=1 reference and its runs): the loss per iteration (top) and, per run,
+    ``|loss - CP=1 loss| / CP=1 loss`` per iteration on a log scale with the tolerance (bottom):
+    the curves overlap too closely to compare by eye."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tols = judge(doc["rows"])
+    by = {r["name"]: r for r in doc["rows"]}
     groups: dict[str, list] = {}
     for r in doc["rows"]:
-        if r["status"] == "ok":
-            ref = r["reference"] or r["name"]
-            groups.setdefault(r["name"] if ref.startswith(REFUSED) else ref, []).append(r)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
-    for ax, (ref, rows) in zip(axes[0], groups.items()):
+        ref = r["reference"]
+        if r["status"] == "ok" and ref and not ref.startswith(REFUSED) and by.get(ref, {}).get("status") == "ok":
+            groups.setdefault(ref, []).append(r)
+    fig, axes = plt.subplots(2, max(len(groups), 1), figsize=(4.2 * max(len(groups), 1), 6.4), squeeze=False)
+    for col, (ref, rows) in enumerate(groups.items()):
+        base = by[ref]
+        top, bottom = axes[0][col], axes[1][col]
+        its = range(1, len(base["losses"]) + 1)
+        top.plot(its, base["losses"], "k-", linewidth=1.6, label="CP=1")
         for r in rows:
-            style = "-" if r["cp"] == 1 else "--"
-            label = f"{r['name'].replace(ref, '').strip('_') or 'CP=1'} (cp={r['cp']})"
-            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], style, label=label, linewidth=1.2)
-        ax.set_title(ref, fontsize=9)
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("lm loss")
-        ax.legend(fontsize=6)
-    fig.suptitle(f"Megatron-LM scripts, CP > 1 vs CP=1 ({doc['machine'].get('gpu', '')}, {doc['date'][:10]})", fontsize=9)
+            label = f"{r['name'].replace(ref.replace('_cp1', ''), '').strip('_')} (cp={r['cp']})"
+            top.plot(its, r["losses"], "--", linewidth=1.0, label=label)
+            diff = [max(abs(x - y) / abs(y), 1e-8) for x, y in zip(r["losses"], base["losses"])]
+            bottom.semilogy(its, diff, "-", marker=".", linewidth=0.8, label=label)
+        bottom.axhline(tols[base.get("precision", "bf16")]["loss"], color="red", linewidth=0.8, label="tolerance")
+        top.set_title(ref, fontsize=9)
+        top.set_ylabel("lm loss")
+        top.legend(fontsize=6)
+        bottom.set_xlabel("iteration")
+        bottom.set_ylabel("|loss - CP=1| / CP=1")
+        bottom.legend(fontsize=5)
+    v = doc.get("versions", {})
+    fig.suptitle(f"Megatron-LM's scripts, CP > 1 against CP=1 ({v.get('gpu', '')}, megatron-core "
+                 f"{v.get('megatron_core', '')}, FLA {v.get('fla', '')}, {doc['date'][:10]})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=100)
 
 
 def main(argv=None) -> int:
@@ -242,6 +307,9 @@ def main(argv=None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=300, help="kill a run after this many seconds")
     p.add_argument("--max-ranks", type=int, default=12, help="rank processes side by side")
     p.add_argument("--only", nargs="*", help="run only the matrix entries whose name contains one of these")
+    p.add_argument("--groups", type=lambda t: tuple(t.split(",")), default=("main",),
+                   help=f"comma-separated matrix groups of {', '.join(GROUPS)} (default main; see matrix())")
+    p.add_argument("--stock-checkout", help="an unpatched copy of the checkout, for the stock rows (diagnose)")
     p.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it and print its table; run nothing")
     args = p.parse_args(argv)
     setup_logging()

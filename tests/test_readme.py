@@ -183,6 +183,9 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
             lambda: configure_megatron_lm_args(types.SimpleNamespace(
                 hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
                 context_parallel_size=2)),
+        "--sft at --context-parallel-size ... without --calculate-per-token-loss: ...":
+            lambda: configure_megatron_lm_args(types.SimpleNamespace(
+                hybrid_layer_pattern="G-G-*-", swiglu=True, sft=True, context_parallel_size=2)),
         "--modes ... cannot run at --cp ... with --heads ...": lambda: check_job(JobConfig(modes=("headwise",),
                                                                                            cp_sizes=(8,))),
         # the first column of check_linear_cp_mode's table row (kept to show the config and the forward agree)

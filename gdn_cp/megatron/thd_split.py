@@ -228,6 +228,12 @@ def check_megatron_lm_model(args: Any) -> None:
       2*cp parts (upstream Megatron-LM issue #6156: the flag is not supported with CP > 1).
       Measured on one H200 (TE 2.20.2, 6 iterations): loss 3.2-3.5% off CP=1 for ``G-G-*-`` and
       ``*-*-``, while the GDN-only ``G-G-`` stays on CP=1's; GDN-only models keep the whole-row path.
+    * ``--sft`` or ``--eod-mask-loss`` at ``--context-parallel-size`` > 1 without
+      ``--calculate-per-token-loss``, in a model with GDN layers: Megatron-LM's schedule then divides
+      each CP rank's loss by that rank's own count of loss tokens, which differ between ranks when the
+      loss mask does, so the gradient weights the ranks unequally (stock megatron-core alike).
+      Measured on one H200 (``G-G-*-``, ``--sft``, 20 iterations): loss within 1.5e-4 of CP=1, grad
+      norm 10% (CP=2) and 14% (CP=4) off, stock at CP=2 off by the same.
     """
     gdn = _has_gdn_layers(args)
     if gdn is not None and not getattr(args, "swiglu", False):
@@ -239,6 +245,16 @@ def check_megatron_lm_model(args: Any) -> None:
             "MLPs become SwiGLU, as in Qwen3-Next)"
         )
     cp = as_int(getattr(args, "context_parallel_size", 1))
+    masks = [f for f, on in (("--sft", getattr(args, "sft", False)), ("--eod-mask-loss", getattr(args, "eod_mask_loss", False)))
+             if on]
+    if gdn is not None and masks and cp is not None and cp > 1 and not getattr(args, "calculate_per_token_loss", False):
+        raise ValueError(
+            f"{' '.join(masks)} at --context-parallel-size {cp} without --calculate-per-token-loss: Megatron-LM then "
+            "divides each CP rank's loss by that rank's own count of loss tokens, and with this loss mask the counts "
+            "differ between ranks, so the gradient weights the ranks unequally and CP > 1 would train another model "
+            "than CP=1 without an error (the loss it prints still matches). Add --calculate-per-token-loss (to the "
+            "CP=1 run too: it averages over every token of the step), or --context-parallel-size 1"
+        )
     whole_row = bool(getattr(args, "dataloader_inter_document_masking", False)) and not getattr(args, "sft", False)
     layers = per_document_layers(args) if whole_row and cp is not None and cp > 1 else None
     if layers is not None:
@@ -247,8 +263,8 @@ def check_megatron_lm_model(args: Any) -> None:
             "get_batch then cuts each packed row into 2*cp parts as one sequence (use_per_sequence_balancing=True), "
             f"but this model has layers that expect every document cut into 2*cp parts on its own ({layers}; "
             "TransformerEngine's THD attention and Mamba cut per document under CP; upstream Megatron-LM issue #6156: "
-            "the flag is not supported with CP > 1), so CP > 1 would train another model than CP=1 without an error. Use --sft (cuts every "
-            "document into 2*cp parts), a model of gated delta net and MLP layers only (e.g. --hybrid-layer-pattern "
+            "the flag is not supported with CP > 1), so CP > 1 would train another model than CP=1 without an error. Use --sft "
+            "--calculate-per-token-loss (cuts every document into 2*cp parts), a model of gated delta net and MLP layers only (e.g. --hybrid-layer-pattern "
             "'G-G-'), or --context-parallel-size 1"
         )
 

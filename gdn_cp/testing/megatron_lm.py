@@ -74,6 +74,10 @@ RECOMPUTE = {
     "gdn_norm_out": ["--recompute-granularity", "selective", "--recompute-modules", "gdn_norm_out"],
 }
 
+PRECISIONS = {"bf16": ["--bf16"], "fp32": []}
+"""The run's precision flags: fp32 runs (GDN-only models: TE's fused attention under CP takes bf16 / fp16
+only) show the CP=1 match with bf16 rounding out of the way."""
+
 SCRIPTS = ("pretrain_hybrid.py", "pretrain_gpt.py")
 VOCAB = 1024  # NullTokenizer: eod = VOCAB - 1; SFT pads with VOCAB - 2
 
@@ -101,6 +105,8 @@ class RunSpec:
     seed: int = 1234
     env: tuple = ()  # extra environment, as (name, value) pairs (e.g. a kernel choice)
     extra_args: tuple = ()
+    precision: str = "bf16"  # "bf16" (--bf16) or "fp32" (no precision flag: fp32 params and compute)
+    stock: bool = False  # run from an unpatched checkout: stock megatron-core 0.19.2's GDN (headwise)
 
     def __post_init__(self):
         if self.model not in ("hybrid", "gpt"):
@@ -111,6 +117,11 @@ class RunSpec:
             raise ValueError(f"RunSpec.recompute={self.recompute!r}: use one of {sorted(RECOMPUTE)}")
         if not isinstance(self.cp, int) or self.cp < 1:
             raise ValueError(f"RunSpec.cp={self.cp!r} must be a positive int")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"RunSpec.precision={self.precision!r}: use one of {sorted(PRECISIONS)}")
+        if self.stock and self.mode is not None:
+            raise ValueError(f"RunSpec.mode={self.mode!r} with stock=True: stock Megatron-LM has no --linear-cp-mode; "
+                             "leave mode None")
 
     @property
     def script(self) -> str:
@@ -126,10 +137,13 @@ class RunSpec:
 
 def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: bool = False) -> list[str]:
     """The script's command line for ``spec`` (a small model: hidden 256, 4 / 8 GDN heads of dim 64,
-    SwiGLU + RMSNorm as GDN needs, bf16, mock data or the SFT set in ``data_dir``).
+    8 attention heads in 4 groups, SwiGLU + RMSNorm as GDN needs, no dropout, bf16 or fp32, mock data or
+    the SFT set in ``data_dir``).
 
     ``one_gpu``: ranks share one GPU (gloo; TE attention's CP exchange through all-to-all)."""
-    heads = ["--num-attention-heads", "4", "--num-query-groups", "2", "--group-query-attention"]
+    # 8 query heads in 4 groups: TE's all-to-all CP exchange (ranks sharing one GPU) splits the KV heads over
+    # the CP ranks, so the groups must divide by CP (2 groups at CP=4 crash in TE's backend query, SIGFPE)
+    heads = ["--num-attention-heads", "8", "--num-query-groups", "4", "--group-query-attention"]
     gdn = ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "64",
            "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4"]
     if spec.model == "hybrid":
@@ -142,11 +156,14 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
     args = model + heads + gdn + [
         "--hidden-size", str(spec.hidden), "--ffn-hidden-size", str(2 * spec.hidden),
         "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "none",
+        # no dropout: CP ranks draw their masks on other token sets than CP=1 does, which moves the loss
+        # by ~1e-3 in stock Megatron-LM too (seen: CP=2 vs CP=1, stock and gdn-cp alike) and hides the match
+        "--hidden-dropout", "0", "--attention-dropout", "0",
         "--untie-embeddings-and-output-weights",
         "--seq-length", str(spec.seq_length), "--max-position-embeddings", str(spec.seq_length),
         "--micro-batch-size", "1", "--global-batch-size", "2",
         "--context-parallel-size", str(spec.cp),
-        "--bf16", "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        *PRECISIONS[spec.precision], "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
         "--weight-decay", "0.01", "--clip-grad", "1.0",
         "--train-iters", str(spec.iterations), "--seed", str(spec.seed),
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
@@ -162,8 +179,10 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
     if spec.data == "sft":
         if data_dir is None:
             raise ValueError("RunSpec.data='sft' needs data_dir (where write_sft_set wrote sft.jsonl)")
+        # --calculate-per-token-loss: SFT loss masks differ between CP ranks; without it each rank averages
+        # over its own tokens and the gradient is not CP=1's (validate_args refuses that, see thd_split)
         args += ["--sft", "--data-path", str(Path(data_dir) / "sft.jsonl"), "--split", "100,0,0",
-                 "--null-tokenizer-pad-id", str(VOCAB - 2)]
+                 "--null-tokenizer-pad-id", str(VOCAB - 2), "--calculate-per-token-loss"]
     else:
         args += ["--mock-data"] + DATA_FLAGS[spec.data]
     return args + RECOMPUTE[spec.recompute] + list(spec.extra_args)
@@ -236,9 +255,10 @@ class RunResult:
     dist_backend: str = ""
     skipped: int = 0
     ended_after_failure_s: Optional[float] = None  # first rank failure seen -> every rank gone
+    args: list = dataclasses.field(default_factory=list)  # the script's command line
 
     def to_json(self) -> dict:
-        return {**self.spec.describe(), "status": self.status, "losses": self.losses,
+        return {**self.spec.describe(), "args": self.args, "status": self.status, "losses": self.losses,
                 "grad_norms": self.grad_norms, "wall_s": round(self.wall_s, 1), "error": self.error,
                 "dist_backend": self.dist_backend, "skipped_iterations": self.skipped}
 
@@ -256,6 +276,18 @@ def _gpu_count() -> int:
         return torch.cuda.device_count()
     except Exception:  # noqa: BLE001 - no torch / no CUDA: no GPUs
         return 0
+
+
+def _exit_words(code: Optional[int]) -> str:
+    """`` (exit code 1)``, `` (killed by SIGSEGV)``: how a failed rank ended, for the run's error (a rank
+    killed by a signal prints no Python exception; faulthandler, on in every rank, prints its stack)."""
+    if code is None:
+        return ""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f" (killed by {signal.Signals(-code).name})"
+        return f" (killed by signal {-code})"
+    return f" (exit code {code})"
 
 
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
@@ -302,7 +334,7 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
         env.update(RANK=str(rank), WORLD_SIZE=str(spec.world), LOCAL_RANK="0" if one_gpu else str(rank),
                    LOCAL_WORLD_SIZE="1" if one_gpu else str(spec.world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
-                   GDN_CP_MLM_ONE_GPU="1" if one_gpu else "0")
+                   GDN_CP_MLM_ONE_GPU="1" if one_gpu else "0", PYTHONFAULTHANDLER="1")
         log = open(log_dir / f"{spec.name}.rank{rank}.log", "w", encoding="utf-8")
         logs.append(log)
         cmd = [python, "-m", "gdn_cp.testing.megatron_lm", "--checkout", str(checkout), "--script", spec.script,
@@ -344,10 +376,10 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
     error = ""
     if status != "ok":
         rank = failed_rank if failed_rank is not None else spec.world - 1
-        error = f"rank {rank}: " + _error_tail(texts[rank])
+        error = f"rank {rank}{_exit_words(procs[rank].returncode if failed_rank is not None else None)}: " + _error_tail(texts[rank])
         if status == "failed" and not parsed["losses"]:
             status = "refused"
-    return RunResult(spec=spec, status=status, losses=parsed["losses"], grad_norms=parsed["grad_norms"],
+    return RunResult(spec=spec, status=status, losses=parsed["losses"], grad_norms=parsed["grad_norms"], args=args,
                      wall_s=wall, error=error, dist_backend="gloo" if one_gpu and spec.world > 1 else "nccl",
                      skipped=parsed["skipped"], ended_after_failure_s=ended_after_failure)
 

@@ -198,7 +198,7 @@ def test_launch_ends_a_run_when_a_rank_fails(tmp_path):
     # the failure, so a loaded machine's slow interpreter start does not count
     assert res.ended_after_failure_s is not None and res.ended_after_failure_s < 20, res.ended_after_failure_s
     assert res.wall_s < 600
-    assert res.status == "refused" and res.error.startswith("rank 1: ValueError: --dataloader-inter"), res.error
+    assert res.status == "refused" and res.error.startswith("rank 1 (exit code 1): ValueError: --dataloader-inter"), res.error
 
 
 def test_benchmark_verdicts_follow_the_noise_rule():

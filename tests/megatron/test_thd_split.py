@@ -102,7 +102,8 @@ def test_megatron_lm_flags_decide_the_split(sft, idm, hcp, want):
 
 def _lm_args(**kw):
     """Megatron-LM's args as the patched validate_args hands them over (the fields the hook reads)."""
-    base = dict(sft=False, dataloader_inter_document_masking=False, hybrid_context_parallel=False,
+    base = dict(sft=False, eod_mask_loss=False, calculate_per_token_loss=False,
+                dataloader_inter_document_masking=False, hybrid_context_parallel=False,
                 linear_cp_thd_split=None, context_parallel_size=1, swiglu=True, squared_relu=False, quick_geglu=False,
                 hybrid_layer_pattern=None, experimental_attention_variant=None, linear_attention_freq=None,
                 num_layers=4, spec=None)
@@ -161,11 +162,13 @@ def test_megatron_lm_refuses_whole_row_cuts_at_cp_for_attention_layers(kw, layer
     assert "this model has layers that expect every document cut into 2*cp parts on its own (" in msg, msg
     assert layers in msg.split("on its own (", 1)[1].split("; TransformerEngine")[0], msg
     assert "Megatron-LM issue #6156" in msg, msg
-    assert msg.endswith("Use --sft (cuts every document into 2*cp parts), a model of gated delta net and MLP layers "
+    assert msg.endswith("Use --sft --calculate-per-token-loss (cuts every document into 2*cp parts), a model of gated "
+                        "delta net and MLP layers "
                         "only (e.g. --hybrid-layer-pattern 'G-G-'), or --context-parallel-size 1"), msg
     # the flags that work: --sft (per document), CP=1
     assert configure_megatron_lm_args(_lm_args(dataloader_inter_document_masking=True, sft=True,
-                                               context_parallel_size=2, **kw)) == PER_DOCUMENT
+                                               calculate_per_token_loss=True, context_parallel_size=2,
+                                               **kw)) == PER_DOCUMENT
     assert configure_megatron_lm_args(_lm_args(dataloader_inter_document_masking=True, **kw)) == WHOLE_ROW
 
 
@@ -329,3 +332,22 @@ def _megatron_splitter_records(ctx):
 def test_megatron_splitter_records_its_split(patched_megatron, rank_pool):
     for res in rank_pool(2).run(_megatron_splitter_records):
         assert res[True] == (WHOLE_ROW, 8) and res[False] == (PER_DOCUMENT, 8), res
+
+
+@pytest.mark.parametrize("flags", [dict(sft=True), dict(eod_mask_loss=True), dict(sft=True, eod_mask_loss=True)])
+def test_megatron_lm_refuses_per_rank_loss_averaging_with_uneven_masks(flags):
+    """Seen on one H200 (Megatron-LM core_v0.19.0, TE 2.20.2): ``--sft`` at CP=2/4 without
+    --calculate-per-token-loss printed CP=1's loss (within 1.5e-4) with a grad norm 10-14% off, and stock
+    megatron-core the same: each CP rank divides its loss by its own token count."""
+    named = " ".join(f for f, k in (("--sft", "sft"), ("--eod-mask-loss", "eod_mask_loss")) if flags.get(k))
+    for model in (dict(hybrid_layer_pattern="G-G-*-"), dict(experimental_attention_variant="gated_delta_net",
+                                                            linear_attention_freq=4)):
+        with pytest.raises(ValueError) as ei:
+            configure_megatron_lm_args(_lm_args(context_parallel_size=2, **model, **flags))
+        msg = str(ei.value)
+        assert msg.startswith(f"{named} at --context-parallel-size 2 without --calculate-per-token-loss:"), msg
+        assert "Add --calculate-per-token-loss (to the CP=1 run too" in msg, msg
+        configure_megatron_lm_args(_lm_args(context_parallel_size=2, calculate_per_token_loss=True, **model, **flags))
+        configure_megatron_lm_args(_lm_args(context_parallel_size=1, **model, **flags))  # CP=1: one rank, one count
+    # a model without GDN layers: not gdn-cp's to refuse
+    configure_megatron_lm_args(_lm_args(context_parallel_size=2, hybrid_layer_pattern="*-*-", **flags))

@@ -97,7 +97,9 @@ with contextlib.redirect_stdout(io.StringIO()):
     gdn_only = ["--linear-attention-freq", "8"]  # no standard-attention layer among the 4
     for name, extra in {"none": [], "inter_document_masking": ["--dataloader-inter-document-masking"] + gdn_only,
                         "inter_document_masking_attention": ["--dataloader-inter-document-masking"],
-                        "sft": ["--sft"], "both": ["--sft", "--dataloader-inter-document-masking"],
+                        "sft": ["--sft", "--calculate-per-token-loss"],
+                        "both": ["--sft", "--dataloader-inter-document-masking", "--calculate-per-token-loss"],
+                        "sft_per_rank_average": ["--sft"],
                         "contradiction": ["--dataloader-inter-document-masking", "--linear-cp-thd-split", "per_document"]
                         + gdn_only, "no_swiglu": None,
                         }.items():
@@ -168,6 +170,10 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     assert split["inter_document_masking"] == ["whole_row", "whole_row"]  # a GDN-only model: the whole-row cut
     assert split["sft"] == ["per_document", "per_document"] and split["both"] == ["per_document", "per_document"]
     assert "--linear-cp-thd-split per_document contradicts --dataloader-inter-document-masking" in split["contradiction"]
+    # SFT loss masks differ between CP ranks: refused without --calculate-per-token-loss (Megatron-LM would
+    # average each rank's loss over its own tokens)
+    assert split["sft_per_rank_average"].startswith("--sft at --context-parallel-size 2 without "
+                                                    "--calculate-per-token-loss: "), split["sft_per_rank_average"]
     # attention layers at CP > 1 expect every document cut in 2*cp parts: the whole-row cut is refused
     msg = split["inter_document_masking_attention"]
     assert msg.startswith("--dataloader-inter-document-masking without --sft at --context-parallel-size 2: "), msg
