@@ -230,6 +230,24 @@ def test_benchmark_verdicts_follow_the_noise_rule():
                         "m_cp2_ran": "should have been refused", "m_cp2_lost": "did not run (refused)"}
 
 
+def test_each_precision_has_its_own_tolerance():
+    """An fp32 CP run is held to fp32's noise, not to bf16's (which is 40x wider in the GPU runs)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import train_megatron_lm as bench
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    base = dict(cp=1, mode=None, data="none", recompute="none", status="ok", grad_norms=[1.0, 1.0])
+    rows = [dict(base, name="b_cp1", reference="", losses=[8.0, 7.0]),
+            dict(base, name="b_cp1_noise", reference="b_cp1", losses=[8.0, 7.0007]),  # 1e-4
+            dict(base, name="f_cp1", reference="", precision="fp32", losses=[8.0, 7.0]),
+            dict(base, name="f_cp1_noise", reference="f_cp1", precision="fp32", losses=[8.0, 7.000014]),  # 2e-6
+            dict(base, name="f_cp2", reference="f_cp1", precision="fp32", cp=2, losses=[8.0, 7.0007])]
+    tols = bench.judge(rows)
+    assert tols["bf16"]["loss"] == pytest.approx(3e-4) and tols["fp32"]["loss"] == pytest.approx(1e-5)  # the floor
+    assert rows[-1]["verdict"] == "differs from CP=1"  # within bf16's tolerance, not fp32's
+
+
 def test_error_tail_reads_the_exception_under_torchruns_prefixes():
     from gdn_cp.testing.megatron_lm import _error_tail
 
