@@ -49,7 +49,7 @@ W=4, bf16, TP=1. CP = the number of GPUs (NCCL, one rank per GPU); on the CPU, g
 
 How stock and patched coexist: the megatron-core package found by this Python (or ``--megatron
 PATH``) is copied twice into a work folder; one copy is made pristine and the other patched with
-gdn-cp's patch tool (``gdn_cp.megatron.patching``: hash-checked, whatever state the source is in);
+gdn-cp's patch tool (``gdn_cp.patch``: hash-checked, whatever state the source is in);
 each rank pool puts its copy first on ``sys.path`` and checks what it imported. With
 ``--stock-from dispatch-off`` there is one pool on the installed (patched) megatron and the stock
 case runs its untouched stock code with gdn-cp's hand-over disabled (``stock_forward``).
@@ -340,29 +340,27 @@ def knobs(args) -> dict:
 def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path]:
     """Two copies of megatron-core 0.19.2's ``megatron/`` package: ``stock`` (pristine) and
     ``patched`` (gdn-cp's patch), whatever state ``source`` is in. Returns their roots."""
-    from gdn_cp.megatron import patching
+    from gdn_cp.patch import BACKUP_SUFFIX, PRISTINE, PatchError, check_patch, ensure_patched, overall_state
+    from gdn_cp.patch import find_megatron_root, megatron_version, revert_patch
 
-    root = patching.find_megatron_root(source)
-    version = patching.megatron_version(root)
-    if version != patching.PINNED_VERSION:
-        raise ValueError(f"--megatron {root} holds megatron-core {version}; the benchmark needs "
-                         f"{patching.PINNED_VERSION} (pip install megatron-core=={patching.PINNED_VERSION})")
-    out = {}
-    for kind, action, want in (("stock", patching.revert_patch, patching.PRISTINE),
-                               ("patched", patching.apply_patch, patching.PATCHED)):
-        dest = workdir / kind
+    root = find_megatron_root(source)
+    stock, patched = workdir / "stock", workdir / "patched"
+    for dest in (stock, patched):
         if dest.exists():
             shutil.rmtree(dest)
-        shutil.copytree(root / "megatron", dest / "megatron", symlinks=True,
-                        ignore=shutil.ignore_patterns("*" + patching.BACKUP_SUFFIX))
-        action(dest)
-        state = patching.overall_state(patching.check_patch(dest))
-        if state != want:
-            raise RuntimeError(f"the {kind} copy of megatron-core at {dest} is {state}, expected {want}")
-        out[kind] = dest
-    logger.info("megatron-core %s from %s: pristine copy %s, patched copy %s", version, root, out["stock"],
-                out["patched"])
-    return out
+    shutil.copytree(root / "megatron", stock / "megatron", symlinks=True,
+                    ignore=shutil.ignore_patterns("*" + BACKUP_SUFFIX))
+    try:
+        revert_patch(stock)  # the release's files, whatever state the source is in (else PatchError)
+        ensure_patched(stock, copy_to=patched)
+    except PatchError as err:
+        raise ValueError(f"--megatron {root}: {err}") from None
+    state = overall_state(check_patch(stock))
+    if state != PRISTINE:
+        raise RuntimeError(f"the stock copy of megatron-core at {stock} is {state}, expected {PRISTINE}")
+    logger.info("megatron-core %s from %s: pristine copy %s, patched copy %s", megatron_version(root), root, stock,
+                patched)
+    return {"stock": stock, "patched": patched}
 
 
 # ---------------------------------------------------------------------------------------------

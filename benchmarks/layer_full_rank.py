@@ -74,13 +74,13 @@ def _select_megatron(root: str | None) -> dict:
         import megatron.core
         import megatron.core.ssm.gated_delta_net.gdn  # noqa: F401
 
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch
 
     where = Path(megatron.core.__file__).resolve().parent.parent.parent
     if root is not None and where != Path(root).resolve():
         raise RuntimeError(f"megatron.core was imported from {where}, not from the chosen tree {root}")
-    return {"root": str(where), "state": patching.overall_state(patching.check_patch(where)),
-            "version": patching.megatron_version(where)}
+    return {"root": str(where), "state": patch.overall_state(patch.check_patch(where)),
+            "version": patch.megatron_version(where)}
 
 
 def _cpu_stock_kernels() -> None:

@@ -109,12 +109,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("syncs.py needs CUDA (it counts CUDA device->host synchronizations); nothing to do here")
         return 0
-    from gdn_cp.megatron import patching
+    from gdn_cp.patch import ensure_patched
     from gdn_cp.testing.ranks import RankPool
 
-    root = patching.find_megatron_root()
-    if patching.overall_state(patching.check_patch(root)) != "patched":
-        patching.apply_patch(root)
+    ensure_patched()  # the installed megatron-core: patched in place if pristine, refused if modified
     world = max(args.cp)
     pool = RankPool(world, device="cuda")
     try:

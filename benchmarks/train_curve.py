@@ -58,7 +58,6 @@ import importlib
 import importlib.util
 import logging
 import math
-import shutil
 import sys
 import tempfile
 import time
@@ -319,24 +318,18 @@ def prepare_megatron(tmpdir: Path) -> dict:
     """Make the ranks import a patched megatron-core 0.19.2 without writing the installed one."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise SystemExit("megatron-core is not importable: pip install megatron-core==0.19.2")
-    from gdn_cp.megatron import patching
+    from gdn_cp.patch import PatchError, ensure_patched
 
-    root = patching.find_megatron_root()
-    version = patching.megatron_version(root)
-    if version != patching.PINNED_VERSION:
-        raise SystemExit(f"installed megatron-core is {version}; the patch is pinned to {patching.PINNED_VERSION}")
-    state = patching.overall_state(patching.check_patch(root))
-    if state == patching.PATCHED:
-        return {"source": "installed (already patched)", "root": str(root), "version": version}
-    if state != patching.PRISTINE:
-        raise SystemExit(f"installed megatron-core at {root} is {state!r}; run `python3 -m gdn_cp.cli patch check`")
-    shutil.copytree(root / "megatron", tmpdir / "megatron",
-                    ignore=shutil.ignore_patterns("*" + patching.BACKUP_SUFFIX))
-    patching.apply_patch(tmpdir)
-    sys.path.insert(0, str(tmpdir))  # the spawned ranks inherit this sys.path
+    try:
+        tree = ensure_patched(copy_to=tmpdir)
+    except PatchError as err:
+        raise SystemExit(f"installed megatron-core: {err}") from None
+    if not tree.copied:
+        return {"source": "installed (already patched)", "root": str(tree.root), "version": tree.version}
+    sys.path.insert(0, str(tree.root))  # the spawned ranks inherit this sys.path
     importlib.invalidate_caches()
-    return {"source": "temporary patched copy of the installed pristine package", "root": str(root),
-            "version": version}
+    return {"source": "temporary patched copy of the installed pristine package", "root": str(tree.source),
+            "version": tree.version}
 
 
 # ------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def rank_pool():
 
 def megatron_unavailable(reason: str):
     """Fail (the default: CI installs megatron-core) or skip (``GDN_CP_ALLOW_SKIP_MEGATRON=1``)."""
-    from gdn_cp.megatron.patching import PINNED_VERSION
+    from gdn_cp.megatron.pins import PINNED_VERSION
 
     if os.environ.get(SKIP_MEGATRON_ENV) == "1":
         pytest.skip(reason)
@@ -168,9 +168,9 @@ def _megatron_may_change() -> bool:
     fixture may then rewrite it during the session, so runs that import it start only when their
     test asks (after that), never in the background."""
     try:
-        from gdn_cp.megatron import patching
+        from gdn_cp.patch import PATCHED, check_patch, overall_state
 
-        return patching.overall_state(patching.check_patch(patching.find_megatron_root())) != patching.PATCHED
+        return overall_state(check_patch()) != PATCHED
     except Exception:  # noqa: BLE001 - not installed or not readable: the tests say so themselves
         return True
 

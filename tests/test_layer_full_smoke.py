@@ -445,13 +445,13 @@ def test_spans_from_a_kineto_trace():
 
 def test_megatron_trees_pristine_and_patched(tmp_path):
     """The copies the two pools import: one pristine, one patched, from the installed megatron-core."""
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch
 
     try:
-        root = patching.find_megatron_root()
-    except patching.PatchError as err:
+        root = patch.find_megatron_root()
+    except patch.PatchError as err:
         pytest.skip(f"megatron-core not installed: {err}")
     trees = layer_full.prepare_megatron_trees(None, tmp_path)
-    assert patching.overall_state(patching.check_patch(trees["stock"])) == patching.PRISTINE
-    assert patching.overall_state(patching.check_patch(trees["patched"])) == patching.PATCHED
-    assert patching.overall_state(patching.check_patch(root)) in (patching.PRISTINE, patching.PATCHED)  # untouched
+    assert patch.overall_state(patch.check_patch(trees["stock"])) == patch.PRISTINE
+    assert patch.overall_state(patch.check_patch(trees["patched"])) == patch.PATCHED
+    assert patch.overall_state(patch.check_patch(root)) in (patch.PRISTINE, patch.PATCHED)  # untouched

@@ -13,7 +13,7 @@ import pytest
 import gdn_cp
 from gdn_cp.cli import build_parser
 from gdn_cp.cli.output import EXIT_STATUS
-from gdn_cp.megatron.patching import PINNED_VERSION, load_manifest, patch_dir
+from gdn_cp.patch import PINNED_VERSION, load_manifest, patch_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -91,7 +91,8 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     from gdn_cp.cli.main_job import JobConfig, check_job
     from gdn_cp.layout import validate_cu_seqlens
     from gdn_cp.layout.plan import RouteCache, plan_for_sbhd
-    from gdn_cp.megatron import gdn, patching
+    from gdn_cp import patch
+    from gdn_cp.megatron import gdn
     from gdn_cp.megatron.config import check_linear_cp_mode, configure_linear_cp_mode, resolve_linear_cp_mode
     from gdn_cp.megatron.swap import choose_swap_point
     from gdn_cp.modes import GDNShape
@@ -129,8 +130,8 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         gdn._thd_plan(split_layer("per_document"), params, cp2_group, 8)
 
     def not_importable():
-        monkeypatch.setattr(patching.importlib.util, "find_spec", lambda name: None)
-        patching.find_megatron_root()
+        monkeypatch.setattr(patch.tree.importlib.util, "find_spec", lambda name: None)
+        patch.find_megatron_root()
 
     def bad_env():
         monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "ring")
@@ -160,7 +161,7 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         "chunkwise swap at hidden_states (set_chunkwise_swap('hidden')) is not possible with sequence_parallel=True":
             lambda: choose_swap_point(shape=shape, hidden_size=64, tp=2, sequence_parallel=True, act_bytes=2,
                                       requested="hidden"),
-        "cannot apply the patch in ...: ... is modified": lambda: patching.apply_patch(_fake_tree(tmp_path)),
+        "cannot apply the patch in ...: ... is modified": lambda: patch.apply_patch(_fake_tree(tmp_path)),
         "megatron-core is not importable from this Python (install it: ...)": not_importable,
         "environment variable GDN_CP_...": bad_env,
         "PackedSeqParams.cu_seqlens_q_padded (per_document split: ...): sequence ... has length ..., not "

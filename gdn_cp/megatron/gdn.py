@@ -23,7 +23,7 @@ TransformerEngine specs both work. The layer is read only through its release's 
 from __future__ import annotations
 
 import logging
-from functools import lru_cache, partial
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,7 @@ from ..modes import GDNShape, chunkwise_swaps_layout, gdn_core, resolve_chunkwis
 from ..ops import get_backend
 from ..ops.fla.detect import fla_available  # torch- and FLA-free: FLA is probed on first call
 from . import config as _config
-from .patching import pin_of_layer_class
-from .pins import load_adapter
+from .pins.lookup import adapter_class
 from .swap import choose_swap_point, chunkwise_swap
 from .thd_split import THD_SPLIT_FIELD, resolve_thd_split
 from .tp_grads import install_tp_grad_sum
@@ -57,14 +56,9 @@ _NORM_ATTR = "_gdn_cp_gated_norm"  # (backend name, out_norm hooked) -> the fuse
 _ACTIVATION_ATTR = "_gdn_cp_checked_activation"  # the act_fn found to be SiLU on this layer
 
 
-@lru_cache(maxsize=None)
-def _adapter_class(layer_cls: type):
-    return load_adapter(pin_of_layer_class(layer_cls).version).LayerAdapter
-
-
 def layer_adapter(module):
     """The adapter (``pins.core_<version>.LayerAdapter``) of ``module``'s megatron-core release."""
-    return _adapter_class(type(module))(module)
+    return adapter_class(type(module))(module)
 
 
 def _is_thd(packed_seq_params) -> bool:
