@@ -395,10 +395,10 @@ class _Case:
     def chunkwise_path(self) -> str | None:
         if not self.case.startswith("chunkwise"):
             return None
-        from gdn_cp.megatron.gdn import choose_backend
+        from gdn_cp.megatron.gdn import choose_backend, layer_adapter
         from gdn_cp.modes import resolve_chunkwise_path
 
-        path, _ = resolve_chunkwise_path(choose_backend(self.module, _STATE["device"]), self.group)
+        path, _ = resolve_chunkwise_path(choose_backend(layer_adapter(self.module), _STATE["device"]), self.group)
         return "fla" if path == "native" else "generic"
 
     # -- the core alone ------------------------------------------------------------------------
@@ -409,7 +409,7 @@ class _Case:
         if self.case in STOCK_CASES:
             return None
         from gdn_cp.layout import RouteCache, plan_for_sbhd
-        from gdn_cp.megatron.gdn import choose_backend
+        from gdn_cp.megatron.gdn import choose_backend, layer_adapter
         from gdn_cp.modes import GDNShape, gdn_core
 
         st = _STATE
@@ -435,7 +435,7 @@ class _Case:
         do = _randn((n, shape.num_v_heads, shape.head_v_dim), seed + 14, dtype, device)
         weight = m.conv1d.weight
         bias = m.conv1d.bias if m.conv_bias else None
-        backend = choose_backend(m, device)
+        backend = choose_backend(layer_adapter(m), device)
 
         def step():
             m.zero_grad(set_to_none=True)

@@ -104,10 +104,10 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     config = types.SimpleNamespace(linear_cp_mode="headwise", linear_num_key_heads=4, linear_num_value_heads=6,
                                    tensor_model_parallel_size=1, context_parallel_size=1,
                                    experimental_attention_variant="gated_delta_net")
-    layer = types.SimpleNamespace(linear_cp_mode="auto", layer=types.SimpleNamespace(), tp_size=1, num_key_heads=16,
-                                  num_value_heads=32, layer_number=3)
+    layer = _adapter(types.SimpleNamespace(config=types.SimpleNamespace(linear_cp_mode="auto"), tp_size=1,
+                                           num_key_heads=16, num_value_heads=32, layer_number=3))
     tp_group, cp_group = types.SimpleNamespace(size=lambda: 2), types.SimpleNamespace(size=lambda: 4)
-    tp_layer = types.SimpleNamespace(tp_size=2, tp_group=tp_group, layer=types.SimpleNamespace())
+    tp_layer = _adapter(types.SimpleNamespace(tp_size=2, pg_collection=types.SimpleNamespace(tp=tp_group)))
     monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
     from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split

@@ -70,7 +70,7 @@ def gpu_pools(rank_pool):
 def _gpu_cases(ctx, spec: str):
     from types import SimpleNamespace
 
-    from gdn_cp.megatron.gdn import choose_backend
+    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
 
     out = {"cases": {}}
     for layout, batch in MODE_CASES:
@@ -80,7 +80,7 @@ def _gpu_cases(ctx, spec: str):
                                          device=ctx.device, metric=rel_l2, bias=False, conv_bias=False,
                                          sbhd_batch=batch, spec=spec)
     probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
-    out["backend"] = choose_backend(probe, ctx.device).__name__
+    out["backend"] = choose_backend(layer_adapter(probe), ctx.device).__name__
     return out
 
 
@@ -145,7 +145,7 @@ def _gpu_path_cases(ctx, path: str, spec: str = "local"):
     import torch.distributed as dist
 
     from gdn_cp.layout import plan_for_sbhd
-    from gdn_cp.megatron.gdn import choose_backend
+    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
     from gdn_cp.megatron.swap import set_chunkwise_swap
     from gdn_cp.modes import resolve_chunkwise_path, set_chunkwise_path
     from gdn_cp.modes.chunkwise import chunkwise_swaps_layout
@@ -158,7 +158,7 @@ def _gpu_path_cases(ctx, path: str, spec: str = "local"):
         from types import SimpleNamespace
 
         probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
-        backend = choose_backend(probe, ctx.device)
+        backend = choose_backend(layer_adapter(probe), ctx.device)
         world = rank_groups()["world"]
         out["path"] = resolve_chunkwise_path(backend, world)[0]
         out["zigzag_for_sbhd1"] = not chunkwise_swaps_layout(

@@ -57,10 +57,10 @@ def _cases(ctx, grid, dtypes, cfg, metric):
     """The grid on this rank (``ctx.device``), plus the backend the gdn-cp path chose."""
     from types import SimpleNamespace
 
-    from gdn_cp.megatron.gdn import choose_backend
+    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
 
     probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=cfg.get("deterministic_mode", False)))
-    return {"backend": choose_backend(probe, ctx.device).__name__,
+    return {"backend": choose_backend(layer_adapter(probe), ctx.device).__name__,
             "cases": tp_grid_case(grid, dtypes, MODES, cfg=cfg, device=ctx.device, metric=metric, bias=False,
                                   conv_bias=False)}
 

@@ -39,7 +39,7 @@ Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = [
     "VERSION", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
@@ -197,6 +197,15 @@ class LayerAdapter:
 
     def __init__(self, layer):
         self.layer = layer
+
+    def own(self, attr: str, make: Callable[[], Any]):
+        """gdn-cp's own per-layer state ``attr`` (a ``_gdn_cp_*`` entry of the layer's ``__dict__``:
+        no parameter, buffer or submodule, so ``state_dict`` and module hooks never see it), made
+        by ``make()`` on first use and kept as long as the layer."""
+        state = self.layer.__dict__.get(attr)
+        if state is None:
+            state = self.layer.__dict__[attr] = make()
+        return state
 
     # -- identity, config ---------------------------------------------------------------------
     @property
