@@ -11,7 +11,7 @@ megatron, checks which file was imported, and builds the layers once per rank:
 - ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
   CP=1 reference of the correctness check. In a one-rank pool (``--cp 1``) ``layer`` is ``layer1``.
 
-Weights come from a seeded generator by parameter name (``gdn_cp.testing.megatron_layer.set_params``), inputs from a
+Weights come from a seeded generator by parameter name (``gdn_cp.testing.megatron.layer.set_params``), inputs from a
 seeded generator on the device: identical on every rank, in both pools, for every case.
 
 :func:`rank_case` runs one case in one of two phases:
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from layer_full_math import CATEGORIES, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice, split_busy_time
 
-from gdn_cp.testing.megatron_layer import (  # noqa: E402
+from gdn_cp.testing.megatron.layer import (  # noqa: E402
     build_gdn,
     install_cpu_shims,
     install_gpu_shims,

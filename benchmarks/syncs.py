@@ -52,7 +52,7 @@ def _rank_syncs(ctx, cp_sizes):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
     from gdn_cp.modes import set_chunkwise_path
     from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
+    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
     from gdn_cp.testing.packings import thd_case, zigzag_rows
 
     rank_groups()  # every rank creates every group, in the same order, before any rank goes on

@@ -7,7 +7,7 @@ Model (fp32, CPU): token embedding -> N blocks of [RMSNorm -> the REAL patched m
 ``GatedDeltaNet`` (``deterministic_mode=True``: gdn-cp's ``reference`` backend) -> residual ->
 RMSNorm -> MLP (Linear, SiLU, Linear) -> residual] -> RMSNorm -> output head -> cross-entropy on
 next-token targets. The GDN layers are built exactly as the CPU test suite builds them, with
-``gdn_cp.testing.megatron_layer`` (CPU stand-ins for CUDA calls, FLA's l2norm and
+``gdn_cp.testing.megatron.layer`` (CPU stand-ins for CUDA calls, FLA's l2norm and
 TransformerEngine; the local in_proj / RMSNorm / out_proj submodules; seeded weights) to run
 CPU-only Megatron. Every other parameter is drawn from a generator seeded by the run seed and
 the parameter's name, so every run starts from the same weights.
@@ -231,7 +231,7 @@ def train_run(ctx, run_name, cfg):
     # megatron-core's import-time notices (no TE / Apex / absl on this machine): noise here
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from gdn_cp.megatron.swap import set_chunkwise_swap
-    from gdn_cp.testing.megatron_layer import (
+    from gdn_cp.testing.megatron.layer import (
         assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params,
     )
     from gdn_cp.testing.packings import zigzag_rows

@@ -181,7 +181,7 @@ def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
     import gdn_cp.megatron.gdn as glue
     import layer_full_rank as lfr
     from gdn_cp.ops import get_backend
-    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
 
     calls = [0]
 

@@ -1,4 +1,4 @@
-"""The Megatron-LM launcher (gdn_cp.testing.megatron_lm) on the CPU: its command lines pass
+"""The Megatron-LM launcher (gdn_cp.testing.megatron.lm) on the CPU: its command lines pass
 Megatron-LM's own parser and ``validate_args`` and give the model config each run means; the SFT
 stand-ins feed Megatron-LM's real ``SFTDataset``; the log parser reads Megatron's iteration lines;
 ``launch`` runs ranks, reads the last rank's log and ends a run whose rank fails; the benchmark's
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp.testing.megatron_lm import RunSpec, launch, megatron_lm_args, parse_training_log
+from gdn_cp.testing.megatron.lm import RunSpec, launch, megatron_lm_args, parse_training_log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ from megatron.training.argument_utils import core_transformer_config_from_args
 if not torch.cuda.is_available():
     margs.get_device_arch_version = lambda: 9
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-from gdn_cp.testing.megatron_lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
+from gdn_cp.testing.megatron.lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
 sys.path.insert(0, os.environ["GDN_CP_BENCHMARKS"])
 from train_megatron_lm import matrix
 
@@ -230,7 +230,7 @@ def test_benchmark_verdicts_follow_the_noise_rule():
 
 
 def test_error_tail_reads_the_exception_under_torchruns_prefixes():
-    from gdn_cp.testing.megatron_lm import _error_tail
+    from gdn_cp.testing.megatron.lm import _error_tail
 
     log = textwrap.dedent("""\
         INFO:megatron.core.timers:(min, max) time across ranks (ms):
