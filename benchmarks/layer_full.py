@@ -79,12 +79,12 @@ an error. Rows are written after every case (atomic replace), merged into ``--ou
 same machine size, CP, T, dtype, shape, spec and FLA version are replaced by this run's.
 SIGINT/SIGTERM write what was collected.
 
-    python benchmarks/layer_full.py --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
-    python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
-    python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --cases stock_slice,patched_slice --packings mixed8 \
+    python3 -m benchmarks.layer_full --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
+    python3 -m benchmarks.layer_full --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
+    python3 -m benchmarks.layer_full --cp 1 --slice-of-cp 2 --cases stock_slice,patched_slice --packings mixed8 \
         --plan te:32K,te:128K,te-fused_norm:32K,local:128K                   # 1x H200, TE spec first
-    python benchmarks/layer_full.py --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
-    python benchmarks/plot_layer_full.py $OUT/layer_full.json                 # PNG + markdown table
+    python3 -m benchmarks.layer_full --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
+    python3 -m benchmarks.plot_layer_full $OUT/layer_full.json                 # PNG + markdown table
 
 On the device machine, ``benchmarks/gpu_suite.sh`` does the wheel install and the Triton cache:
 ``GDN_CP_STAGES=layer_full GDN_CP_LAYER_FULL_ARGS="--tokens 32K" bash benchmarks/gpu_suite.sh``.
@@ -104,18 +104,14 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from common import RESULTS_DIR, import_gdn_cp, machine_info, now_iso, setup_logging, write_json  # noqa: E402
+from gdn_cp.layout import build_chunkwise_plan
+from gdn_cp.testing.ranks import RankPool
 
-import_gdn_cp()
-
-import torch  # noqa: E402
-
-import layer_full_rank as rank_side  # noqa: E402
-from gdn_cp.layout import build_chunkwise_plan  # noqa: E402
-from gdn_cp.testing.ranks import RankPool  # noqa: E402
-from layer_full_math import (  # noqa: E402
+from . import layer_full_rank as rank_side
+from .common import RESULTS_DIR, machine_info, now_iso, setup_logging, write_json
+from .layer_full_math import (
     CASES,
     CP1_CASES,
     LEVERS,
@@ -769,7 +765,7 @@ def _summary(row: dict, phase: str) -> str:
 
 
 def _versions(args) -> dict:
-    from common import versions
+    from .common import versions
 
     from gdn_cp.ops.fla import fla_version
 
@@ -833,7 +829,7 @@ def main(argv=None) -> int:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     try:
-        from plot_layer_full import markdown_tables
+        from .plot_layer_full import markdown_tables
 
         print(markdown_tables(rows.kept + rows.new), flush=True)
     except Exception as err:  # noqa: BLE001 - the table must never lose the results

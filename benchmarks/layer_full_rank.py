@@ -42,17 +42,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from layer_full_math import CATEGORIES, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice, split_busy_time
-
-from gdn_cp.testing.megatron.layer import (  # noqa: E402
+from gdn_cp.testing.megatron.layer import (
     build_gdn,
     install_cpu_shims,
     install_gpu_shims,
     stock_forward,
     thd_params,
 )
-from gdn_cp.testing.metrics import rel_l2  # noqa: E402
-from gdn_cp.testing.packings import zigzag_rows  # noqa: E402
+from gdn_cp.testing.metrics import rel_l2
+from gdn_cp.testing.packings import zigzag_rows
+
+from .layer_full_math import CATEGORIES, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice, split_busy_time
 
 GIB = float(2**30)
 TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank

@@ -47,8 +47,8 @@ all of them). Writes JSON (machine, versions,
 config, curves, differences, wall times) and a PNG (loss vs step, one line per run; |rel diff| vs
 step on a log scale), and prints a table.
 
-    python benchmarks/train_curve.py                       # 100 steps -> benchmarks/results/
-    python benchmarks/train_curve.py --quick --out /tmp/tc.json   # smoke run (5 tiny steps)
+    python3 -m benchmarks.train_curve                       # 100 steps -> benchmarks/results/
+    python3 -m benchmarks.train_curve --quick --out /tmp/tc.json   # smoke run (5 tiny steps)
 """
 
 from __future__ import annotations
@@ -64,13 +64,12 @@ import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from common import (  # noqa: E402
+from .common import (
     REPO_ROOT,
     RESULTS_DIR,
     format_table,
-    import_gdn_cp,
     load_average,
     machine_info,
     now_iso,
@@ -79,10 +78,6 @@ from common import (  # noqa: E402
     versions,
     write_json,
 )
-
-import_gdn_cp()
-
-import torch  # noqa: E402
 
 logger = logging.getLogger("benchmarks.train_curve")
 
@@ -505,7 +500,7 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "versions": versions({"megatron_core": mcore["version"]}),
         "megatron_core": mcore,
-        "command": "python benchmarks/train_curve.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python3 -m benchmarks.train_curve " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {
             **{k: v for k, v in cfg.items() if k != "log_every"},
             "quick": args.quick, "cp": CP, "dtype": "float32", "backend": "reference (deterministic_mode=True)",

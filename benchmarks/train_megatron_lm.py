@@ -21,8 +21,8 @@ Runs go side by side under a rank budget (``--max-ranks``) in the order of the m
 ``--plot FILE.json`` draws ``FILE.png`` (losses per iteration, CP=1 against CP > 1) and prints the
 table, on any machine.
 
-    python3 benchmarks/train_megatron_lm.py --checkout /tmp/mlm --out $OUT/train_megatron_lm.json
-    python3 benchmarks/train_megatron_lm.py --plot benchmarks/results/train_megatron_lm.json
+    python3 -m benchmarks.train_megatron_lm --checkout /tmp/mlm --out $OUT/train_megatron_lm.json
+    python3 -m benchmarks.train_megatron_lm --plot benchmarks/results/train_megatron_lm.json
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine_info, now_iso, setup_logging, versions, write_json  # noqa: F401 (sys.path)
-
 from gdn_cp.testing.megatron.lm import RunSpec, launch, write_sft_set
+
+from .common import machine_info, now_iso, setup_logging, versions, write_json  # noqa: F401
 
 logger = logging.getLogger("benchmarks.train_megatron_lm")
 

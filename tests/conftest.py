@@ -18,7 +18,6 @@ from gdn_cp.testing.ranks import RankPool
 
 SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ROOT / "benchmarks"
 
 _POOLS: dict[tuple[int, str], RankPool] = {}
 
@@ -66,27 +65,16 @@ def megatron_installed():
 
 @pytest.fixture(scope="session")
 def benchmark_module():
-    """``benchmark_module("route_build")`` -> that benchmark script imported in this process (its
+    """``benchmark_module("route_build")`` -> ``benchmarks.route_build`` imported in this process (its
     ``main(["--help"])`` costs milliseconds here, a torch import in a subprocess)."""
-    loaded = {}
-
-    def load(name: str):
-        if name not in loaded:
-            spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-            loaded[name] = module
-        return loaded[name]
-
-    return load
+    return lambda name: importlib.import_module(f"benchmarks.{name}")
 
 
 # ------------------------------------------------------------------------------------------
 # benchmark smoke runs, overlapped with the rest of the session
 # ------------------------------------------------------------------------------------------
 class SmokeRun:
-    """``python3 benchmarks/<script>.py <args> --out <json>`` in a subprocess. A smoke run is mostly
+    """``python3 -m benchmarks.<script> <args> --out <json>`` in a subprocess (from the repository root). A smoke run is mostly
     process start-up and imports, so the session runs them one after the other in a background
     thread while the in-process tests run (2 cores: one for each); a test that needs a run that
     has not started yet starts it at once."""
@@ -96,7 +84,7 @@ class SmokeRun:
         name = key.replace(":", ".")
         self.out = workdir / f"{name}.json"
         self._log_path = workdir / f"{name}.log"
-        self.argv = [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(self.out)]
+        self.argv = [sys.executable, "-m", f"benchmarks.{script}", *args, "--out", str(self.out)]
         self.proc: subprocess.Popen | None = None
         self._stopped = False
         self._lock = threading.Lock()
