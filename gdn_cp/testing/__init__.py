@@ -19,7 +19,8 @@ share, so each of them checks the same thing the same way.
   chunkwise swap point a layer used), for reports.
 
 Nothing under ``gdn_cp.layout``, ``comm``, ``ops``, ``modes`` or ``megatron`` imports this package
-(a test checks it): it sits on top of the library, next to the command line. Submodules are
+(a test checks it): it is the layer between the library and the command line (``gdn-cp run`` and
+``selftest`` run on it). Submodules are
 imported explicitly (``from gdn_cp.testing.ranks import RankPool``); importing the package alone
 imports nothing heavy.
 """
