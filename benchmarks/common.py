@@ -6,10 +6,11 @@
   CPU time and page faults per call; :func:`retain_freed_memory` pins glibc's allocator regime;
 - :func:`format_table`: human-readable output;
 - :func:`plot_lines`: an optional matplotlib plot (skipped, not failed, without matplotlib);
-- :func:`setup_logging`, :func:`import_gdn_cp`: script plumbing.
+- :func:`setup_logging`: script plumbing.
 
-Importing this module puts this checkout first on ``sys.path``, so a benchmark runs the ``gdn_cp`` it
-ships with; the benchmarks use only ``gdn_cp`` (its testing toolkit included), never ``tests``.
+The benchmarks are a package run from the repository root (``python3 -m benchmarks.<name>``), so
+a benchmark runs the ``gdn_cp`` of its own checkout; they use only ``gdn_cp`` (its testing
+toolkit included), never ``tests``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
+from gdn_cp.testing.results import load_average, machine_info, now_iso, stack_versions, write_json
+
 __all__ = [
     "REPO_ROOT",
     "RESULTS_DIR",
-    "import_gdn_cp",
     "setup_logging",
     "machine_info",
     "versions",
@@ -42,19 +44,7 @@ __all__ = [
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
-if str(REPO_ROOT) not in sys.path:  # the benchmarks run the gdn_cp of their own checkout
-    sys.path.insert(0, str(REPO_ROOT))
-
-from gdn_cp.testing.results import load_average, machine_info, now_iso, stack_versions, write_json  # noqa: E402
-
 logger = logging.getLogger("benchmarks")
-
-
-def import_gdn_cp():
-    """The ``gdn_cp`` package (this checkout's)."""
-    import gdn_cp
-
-    return gdn_cp
 
 
 def versions(extra: dict | None = None) -> dict:

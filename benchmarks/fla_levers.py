@@ -45,16 +45,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
+import torch.nn.functional as F
 
-from common import import_gdn_cp, machine_info, now_iso, write_json  # noqa: E402
+from gdn_cp.testing.metrics import rel_l2
 
-import_gdn_cp()
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from gdn_cp.testing.metrics import rel_l2  # noqa: E402
+from .common import machine_info, now_iso, write_json
 
 GIB = float(2**30)
 

@@ -150,30 +150,30 @@ run_stage() {
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
     warm)
       # shellcheck disable=SC2086
-      python3 benchmarks/warm_kernels.py --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
+      python3 -m benchmarks.warm_kernels --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
-      timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 benchmarks/syncs.py --out "$OUT/syncs.json" ;;
+      timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 -m benchmarks.syncs --out "$OUT/syncs.json" ;;
     selftest)
       timeout --signal=INT "${GDN_CP_SELFTEST_TIMEOUT:-300}" python3 -m gdn_cp.cli selftest --gpu ;;
     levers)
       # shellcheck disable=SC2086
-      timeout --signal=INT "${GDN_CP_LEVERS_TIMEOUT:-360}" python3 benchmarks/fla_levers.py \
+      timeout --signal=INT "${GDN_CP_LEVERS_TIMEOUT:-360}" python3 -m benchmarks.fla_levers \
         --out "$OUT/fla_levers_$STACK.json" ${GDN_CP_LEVERS_ARGS:-} ;;
     layer_full)
       # shellcheck disable=SC2086
-      timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 benchmarks/layer_full.py \
+      timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 -m benchmarks.layer_full \
         --out "$OUT/layer_full_$STACK.json" --time-limit "${GDN_CP_LAYER_FULL_TIMEOUT:-480}" ${GDN_CP_LAYER_FULL_ARGS:-} ;;
     layer_full_b)
       # a second layer_full run in the same call (e.g. another T after the first finished), own limit and file
       # shellcheck disable=SC2086
-      timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_B_TIMEOUT:-240} + 60 ))" python3 benchmarks/layer_full.py \
+      timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_B_TIMEOUT:-240} + 60 ))" python3 -m benchmarks.layer_full \
         --out "$OUT/layer_full_${STACK}_b.json" --time-limit "${GDN_CP_LAYER_FULL_B_TIMEOUT:-240}" \
         ${GDN_CP_LAYER_FULL_B_ARGS:-} ;;
     train_mlm)
       # Megatron-LM's own pretrain_hybrid.py / pretrain_gpt.py, CP > 1 against CP=1 (needs TE and the checkout)
       [ -f "$MLM_DIR/pretrain_hybrid.py" ] || { echo "train_mlm needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false; } &&
       # shellcheck disable=SC2086
-      timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" python3 benchmarks/train_megatron_lm.py \
+      timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" python3 -m benchmarks.train_megatron_lm \
         --checkout "$MLM_DIR" --stock-checkout "$MLM_STOCK" --out "$OUT/train_megatron_lm.json" --work /tmp/mlm_work \
         --budget-s "${GDN_CP_TRAIN_MLM_TIMEOUT:-420}" ${GDN_CP_TRAIN_MLM_ARGS:-}
       local trc=$?

@@ -49,7 +49,7 @@ W=4, bf16, TP=1. CP = the number of GPUs (NCCL, one rank per GPU); on the CPU, g
 
 How stock and patched coexist: the megatron-core package found by this Python (or ``--megatron
 PATH``) is copied twice into a work folder; one copy is made pristine and the other patched with
-gdn-cp's patch tool (``gdn_cp.megatron.patching``: hash-checked, whatever state the source is in);
+gdn-cp's patch tool (``gdn_cp.patch``: hash-checked, whatever state the source is in);
 each rank pool puts its copy first on ``sys.path`` and checks what it imported. With
 ``--stock-from dispatch-off`` there is one pool on the installed (patched) megatron and the stock
 case runs its untouched stock code with gdn-cp's hand-over disabled (``stock_forward``).
@@ -79,12 +79,12 @@ an error. Rows are written after every case (atomic replace), merged into ``--ou
 same machine size, CP, T, dtype, shape, spec and FLA version are replaced by this run's.
 SIGINT/SIGTERM write what was collected.
 
-    python benchmarks/layer_full.py --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
-    python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
-    python benchmarks/layer_full.py --cp 1 --slice-of-cp 2 --cases stock_slice,patched_slice --packings mixed8 \
+    python3 -m benchmarks.layer_full --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
+    python3 -m benchmarks.layer_full --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
+    python3 -m benchmarks.layer_full --cp 1 --slice-of-cp 2 --cases stock_slice,patched_slice --packings mixed8 \
         --plan te:32K,te:128K,te-fused_norm:32K,local:128K                   # 1x H200, TE spec first
-    python benchmarks/layer_full.py --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
-    python benchmarks/plot_layer_full.py $OUT/layer_full.json                 # PNG + markdown table
+    python3 -m benchmarks.layer_full --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
+    python3 -m benchmarks.plot_layer_full $OUT/layer_full.json                 # PNG + markdown table
 
 On the device machine, ``benchmarks/gpu_suite.sh`` does the wheel install and the Triton cache:
 ``GDN_CP_STAGES=layer_full GDN_CP_LAYER_FULL_ARGS="--tokens 32K" bash benchmarks/gpu_suite.sh``.
@@ -104,18 +104,14 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from common import RESULTS_DIR, import_gdn_cp, machine_info, now_iso, setup_logging, write_json  # noqa: E402
+from gdn_cp.layout import build_chunkwise_plan
+from gdn_cp.testing.ranks import RankPool
 
-import_gdn_cp()
-
-import torch  # noqa: E402
-
-import layer_full_rank as rank_side  # noqa: E402
-from gdn_cp.layout import build_chunkwise_plan  # noqa: E402
-from gdn_cp.testing.ranks import RankPool  # noqa: E402
-from layer_full_math import (  # noqa: E402
+from . import layer_full_rank as rank_side
+from .common import RESULTS_DIR, machine_info, now_iso, setup_logging, write_json
+from .layer_full_math import (
     CASES,
     CP1_CASES,
     LEVERS,
@@ -340,29 +336,27 @@ def knobs(args) -> dict:
 def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path]:
     """Two copies of megatron-core 0.19.2's ``megatron/`` package: ``stock`` (pristine) and
     ``patched`` (gdn-cp's patch), whatever state ``source`` is in. Returns their roots."""
-    from gdn_cp.megatron import patching
+    from gdn_cp.patch import BACKUP_SUFFIX, PRISTINE, PatchError, check_patch, ensure_patched, overall_state
+    from gdn_cp.patch import find_megatron_root, megatron_version, revert_patch
 
-    root = patching.find_megatron_root(source)
-    version = patching.megatron_version(root)
-    if version != patching.PINNED_VERSION:
-        raise ValueError(f"--megatron {root} holds megatron-core {version}; the benchmark needs "
-                         f"{patching.PINNED_VERSION} (pip install megatron-core=={patching.PINNED_VERSION})")
-    out = {}
-    for kind, action, want in (("stock", patching.revert_patch, patching.PRISTINE),
-                               ("patched", patching.apply_patch, patching.PATCHED)):
-        dest = workdir / kind
+    root = find_megatron_root(source)
+    stock, patched = workdir / "stock", workdir / "patched"
+    for dest in (stock, patched):
         if dest.exists():
             shutil.rmtree(dest)
-        shutil.copytree(root / "megatron", dest / "megatron", symlinks=True,
-                        ignore=shutil.ignore_patterns("*" + patching.BACKUP_SUFFIX))
-        action(dest)
-        state = patching.overall_state(patching.check_patch(dest))
-        if state != want:
-            raise RuntimeError(f"the {kind} copy of megatron-core at {dest} is {state}, expected {want}")
-        out[kind] = dest
-    logger.info("megatron-core %s from %s: pristine copy %s, patched copy %s", version, root, out["stock"],
-                out["patched"])
-    return out
+    shutil.copytree(root / "megatron", stock / "megatron", symlinks=True,
+                    ignore=shutil.ignore_patterns("*" + BACKUP_SUFFIX))
+    try:
+        revert_patch(stock)  # the release's files, whatever state the source is in (else PatchError)
+        ensure_patched(stock, copy_to=patched)
+    except PatchError as err:
+        raise ValueError(f"--megatron {root}: {err}") from None
+    state = overall_state(check_patch(stock))
+    if state != PRISTINE:
+        raise RuntimeError(f"the stock copy of megatron-core at {stock} is {state}, expected {PRISTINE}")
+    logger.info("megatron-core %s from %s: pristine copy %s, patched copy %s", megatron_version(root), root, stock,
+                patched)
+    return {"stock": stock, "patched": patched}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -771,7 +765,7 @@ def _summary(row: dict, phase: str) -> str:
 
 
 def _versions(args) -> dict:
-    from common import versions
+    from .common import versions
 
     from gdn_cp.ops.fla import fla_version
 
@@ -835,7 +829,7 @@ def main(argv=None) -> int:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     try:
-        from plot_layer_full import markdown_tables
+        from .plot_layer_full import markdown_tables
 
         print(markdown_tables(rows.kept + rows.new), flush=True)
     except Exception as err:  # noqa: BLE001 - the table must never lose the results

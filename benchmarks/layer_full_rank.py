@@ -11,7 +11,7 @@ megatron, checks which file was imported, and builds the layers once per rank:
 - ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
   CP=1 reference of the correctness check. In a one-rank pool (``--cp 1``) ``layer`` is ``layer1``.
 
-Weights come from a seeded generator by parameter name (``gdn_cp.testing.megatron_layer.set_params``), inputs from a
+Weights come from a seeded generator by parameter name (``gdn_cp.testing.megatron.layer.set_params``), inputs from a
 seeded generator on the device: identical on every rank, in both pools, for every case.
 
 :func:`rank_case` runs one case in one of two phases:
@@ -42,17 +42,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from layer_full_math import CATEGORIES, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice, split_busy_time
-
-from gdn_cp.testing.megatron_layer import (  # noqa: E402
+from gdn_cp.testing.megatron.layer import (
     build_gdn,
     install_cpu_shims,
     install_gpu_shims,
     stock_forward,
     thd_params,
 )
-from gdn_cp.testing.metrics import rel_l2  # noqa: E402
-from gdn_cp.testing.packings import zigzag_rows  # noqa: E402
+from gdn_cp.testing.metrics import rel_l2
+from gdn_cp.testing.packings import zigzag_rows
+
+from .layer_full_math import CATEGORIES, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice, split_busy_time
 
 GIB = float(2**30)
 TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank
@@ -74,13 +74,13 @@ def _select_megatron(root: str | None) -> dict:
         import megatron.core
         import megatron.core.ssm.gated_delta_net.gdn  # noqa: F401
 
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch
 
     where = Path(megatron.core.__file__).resolve().parent.parent.parent
     if root is not None and where != Path(root).resolve():
         raise RuntimeError(f"megatron.core was imported from {where}, not from the chosen tree {root}")
-    return {"root": str(where), "state": patching.overall_state(patching.check_patch(where)),
-            "version": patching.megatron_version(where)}
+    return {"root": str(where), "state": patch.overall_state(patch.check_patch(where)),
+            "version": patch.megatron_version(where)}
 
 
 def _cpu_stock_kernels() -> None:
@@ -395,10 +395,10 @@ class _Case:
     def chunkwise_path(self) -> str | None:
         if not self.case.startswith("chunkwise"):
             return None
-        from gdn_cp.megatron.gdn import choose_backend
+        from gdn_cp.megatron.gdn import choose_backend, layer_adapter
         from gdn_cp.modes import resolve_chunkwise_path
 
-        path, _ = resolve_chunkwise_path(choose_backend(self.module, _STATE["device"]), self.group)
+        path, _ = resolve_chunkwise_path(choose_backend(layer_adapter(self.module), _STATE["device"]), self.group)
         return "fla" if path == "native" else "generic"
 
     # -- the core alone ------------------------------------------------------------------------
@@ -409,7 +409,7 @@ class _Case:
         if self.case in STOCK_CASES:
             return None
         from gdn_cp.layout import RouteCache, plan_for_sbhd
-        from gdn_cp.megatron.gdn import choose_backend
+        from gdn_cp.megatron.gdn import choose_backend, layer_adapter
         from gdn_cp.modes import GDNShape, gdn_core
 
         st = _STATE
@@ -435,7 +435,7 @@ class _Case:
         do = _randn((n, shape.num_v_heads, shape.head_v_dim), seed + 14, dtype, device)
         weight = m.conv1d.weight
         bias = m.conv1d.bias if m.conv_bias else None
-        backend = choose_backend(m, device)
+        backend = choose_backend(layer_adapter(m), device)
 
         def step():
             m.zero_grad(set_to_none=True)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Tables and a plot from ``layer_full.py`` rows; merges row files from several device calls.
 
-    python benchmarks/plot_layer_full.py a.json b.json --merge-out benchmarks/results/layer_full.json
-    python benchmarks/plot_layer_full.py benchmarks/results/layer_full.json --md table.md --png plot.png
+    python3 -m benchmarks.plot_layer_full a.json b.json --merge-out benchmarks/results/layer_full.json
+    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full.json --md table.md --png plot.png
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
 run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
@@ -23,13 +23,8 @@ import logging
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from common import import_gdn_cp, save_figure, write_json  # noqa: E402
-
-import_gdn_cp()
-
-from layer_full_math import case_key, run_key  # noqa: E402
+from .common import save_figure, write_json
+from .layer_full_math import case_key, run_key
 
 logger = logging.getLogger("benchmarks.plot_layer_full")
 

@@ -28,8 +28,8 @@ glibc malloc is told to keep freed memory (``--malloc retain``): otherwise the p
 call ~25 ms or ~70 ms depending only on the process's allocation history; retaining pins the
 cheaper regime (the conservative one for the speed-up). JSON keeps page faults per call.
 
-    python benchmarks/route_build.py                 # full sweep -> benchmarks/results/
-    python benchmarks/route_build.py --quick --out /tmp/rb.json   # smoke run (seconds)
+    python3 -m benchmarks.route_build                 # full sweep -> benchmarks/results/
+    python3 -m benchmarks.route_build --quick --out /tmp/rb.json   # smoke run (seconds)
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ import time
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from common import (  # noqa: E402
+from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_natural_order, build_thd_route
+from gdn_cp.testing.packings import packed_boundaries
+
+from .common import (
     REPO_ROOT,
     RESULTS_DIR,
     format_table,
-    import_gdn_cp,
     load_average,
     machine_info,
     now_iso,
@@ -61,13 +63,6 @@ from common import (  # noqa: E402
     versions,
     write_json,
 )
-
-import_gdn_cp()
-
-import torch  # noqa: E402
-
-from gdn_cp.testing.packings import packed_boundaries  # noqa: E402
-from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_natural_order, build_thd_route  # noqa: E402
 
 logger = logging.getLogger("benchmarks.route_build")
 
@@ -464,7 +459,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging(args.verbose)
     report = run(args)
-    report["settings"]["command"] = "python benchmarks/route_build.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["settings"]["command"] = "python3 -m benchmarks.route_build " + " ".join(sys.argv[1:] if argv is None else argv)
     plotted = False
     if not args.no_plot:
         plotted = make_plot(report, args.plot)

@@ -7,7 +7,7 @@ with ``torch.cuda.set_sync_debug_mode("warn")``. Collectives are excluded: with 
 one GPU, gloo stages CUDA tensors through the host, which NCCL does not (the rank pool of
 ``gdn_cp.testing.ranks`` suspends the sync check while a collective runs and counts the collectives).
 
-    python3 benchmarks/syncs.py --out benchmarks/results/syncs.json      # needs CUDA + FLA + megatron
+    python3 -m benchmarks.syncs --out benchmarks/results/syncs.json      # needs CUDA + FLA + megatron
 
 Writes JSON (machine, versions, per cp and path: syncs in forward and backward, collectives)
 and prints a table.
@@ -21,12 +21,9 @@ import os
 import sys
 import warnings
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import torch
 
-from common import machine_info  # noqa: E402  (also makes gdn_cp importable)
-
-import torch  # noqa: E402
+from .common import REPO_ROOT, machine_info
 
 SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
 # Shape small enough to compile fast; sync counts do not depend on it.
@@ -52,7 +49,7 @@ def _rank_syncs(ctx, cp_sizes):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
     from gdn_cp.modes import set_chunkwise_path
     from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
+    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
     from gdn_cp.testing.packings import thd_case, zigzag_rows
 
     rank_groups()  # every rank creates every group, in the same order, before any rank goes on
@@ -104,17 +101,15 @@ def _rank_syncs(ctx, cp_sizes):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes (default 1 2)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "syncs.json"))
+    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "syncs.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("syncs.py needs CUDA (it counts CUDA device->host synchronizations); nothing to do here")
         return 0
-    from gdn_cp.megatron import patching
+    from gdn_cp.patch import ensure_patched
     from gdn_cp.testing.ranks import RankPool
 
-    root = patching.find_megatron_root()
-    if patching.overall_state(patching.check_patch(root)) != "patched":
-        patching.apply_patch(root)
+    ensure_patched()  # the installed megatron-core: patched in place if pristine, refused if modified
     world = max(args.cp)
     pool = RankPool(world, device="cuda")
     try:

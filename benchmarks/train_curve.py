@@ -7,7 +7,7 @@ Model (fp32, CPU): token embedding -> N blocks of [RMSNorm -> the REAL patched m
 ``GatedDeltaNet`` (``deterministic_mode=True``: gdn-cp's ``reference`` backend) -> residual ->
 RMSNorm -> MLP (Linear, SiLU, Linear) -> residual] -> RMSNorm -> output head -> cross-entropy on
 next-token targets. The GDN layers are built exactly as the CPU test suite builds them, with
-``gdn_cp.testing.megatron_layer`` (CPU stand-ins for CUDA calls, FLA's l2norm and
+``gdn_cp.testing.megatron.layer`` (CPU stand-ins for CUDA calls, FLA's l2norm and
 TransformerEngine; the local in_proj / RMSNorm / out_proj submodules; seeded weights) to run
 CPU-only Megatron. Every other parameter is drawn from a generator seeded by the run seed and
 the parameter's name, so every run starts from the same weights.
@@ -47,8 +47,8 @@ all of them). Writes JSON (machine, versions,
 config, curves, differences, wall times) and a PNG (loss vs step, one line per run; |rel diff| vs
 step on a log scale), and prints a table.
 
-    python benchmarks/train_curve.py                       # 100 steps -> benchmarks/results/
-    python benchmarks/train_curve.py --quick --out /tmp/tc.json   # smoke run (5 tiny steps)
+    python3 -m benchmarks.train_curve                       # 100 steps -> benchmarks/results/
+    python3 -m benchmarks.train_curve --quick --out /tmp/tc.json   # smoke run (5 tiny steps)
 """
 
 from __future__ import annotations
@@ -58,20 +58,18 @@ import importlib
 import importlib.util
 import logging
 import math
-import shutil
 import sys
 import tempfile
 import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-from common import (  # noqa: E402
+from .common import (
     REPO_ROOT,
     RESULTS_DIR,
     format_table,
-    import_gdn_cp,
     load_average,
     machine_info,
     now_iso,
@@ -80,10 +78,6 @@ from common import (  # noqa: E402
     versions,
     write_json,
 )
-
-import_gdn_cp()
-
-import torch  # noqa: E402
 
 logger = logging.getLogger("benchmarks.train_curve")
 
@@ -232,7 +226,7 @@ def train_run(ctx, run_name, cfg):
     # megatron-core's import-time notices (no TE / Apex / absl on this machine): noise here
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     from gdn_cp.megatron.swap import set_chunkwise_swap
-    from gdn_cp.testing.megatron_layer import (
+    from gdn_cp.testing.megatron.layer import (
         assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params,
     )
     from gdn_cp.testing.packings import zigzag_rows
@@ -319,24 +313,18 @@ def prepare_megatron(tmpdir: Path) -> dict:
     """Make the ranks import a patched megatron-core 0.19.2 without writing the installed one."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise SystemExit("megatron-core is not importable: pip install megatron-core==0.19.2")
-    from gdn_cp.megatron import patching
+    from gdn_cp.patch import PatchError, ensure_patched
 
-    root = patching.find_megatron_root()
-    version = patching.megatron_version(root)
-    if version != patching.PINNED_VERSION:
-        raise SystemExit(f"installed megatron-core is {version}; the patch is pinned to {patching.PINNED_VERSION}")
-    state = patching.overall_state(patching.check_patch(root))
-    if state == patching.PATCHED:
-        return {"source": "installed (already patched)", "root": str(root), "version": version}
-    if state != patching.PRISTINE:
-        raise SystemExit(f"installed megatron-core at {root} is {state!r}; run `python3 -m gdn_cp.cli patch check`")
-    shutil.copytree(root / "megatron", tmpdir / "megatron",
-                    ignore=shutil.ignore_patterns("*" + patching.BACKUP_SUFFIX))
-    patching.apply_patch(tmpdir)
-    sys.path.insert(0, str(tmpdir))  # the spawned ranks inherit this sys.path
+    try:
+        tree = ensure_patched(copy_to=tmpdir)
+    except PatchError as err:
+        raise SystemExit(f"installed megatron-core: {err}") from None
+    if not tree.copied:
+        return {"source": "installed (already patched)", "root": str(tree.root), "version": tree.version}
+    sys.path.insert(0, str(tree.root))  # the spawned ranks inherit this sys.path
     importlib.invalidate_caches()
-    return {"source": "temporary patched copy of the installed pristine package", "root": str(root),
-            "version": version}
+    return {"source": "temporary patched copy of the installed pristine package", "root": str(tree.source),
+            "version": tree.version}
 
 
 # ------------------------------------------------------------------------------------------
@@ -512,7 +500,7 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "versions": versions({"megatron_core": mcore["version"]}),
         "megatron_core": mcore,
-        "command": "python benchmarks/train_curve.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python3 -m benchmarks.train_curve " + " ".join(sys.argv[1:] if argv is None else argv),
         "config": {
             **{k: v for k, v in cfg.items() if k != "log_every"},
             "quick": args.quick, "cp": CP, "dtype": "float32", "backend": "reference (deterministic_mode=True)",

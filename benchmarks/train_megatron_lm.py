@@ -2,7 +2,7 @@
 
 Runs ``pretrain_hybrid.py`` (pattern ``G-G-*-``: GDN, MLP, TE attention; and GDN-only ``G-G-``) and
 ``pretrain_gpt.py`` (``--experimental-attention-variant gated_delta_net``, 3 GDN layers + 1 attention
-layer) from a patched Megatron-LM checkout through :mod:`gdn_cp.testing.megatron_lm`: mock data, bf16,
+layer) from a patched Megatron-LM checkout through :mod:`gdn_cp.testing.megatron.lm`: mock data, bf16,
 TransformerEngine specs, no dropout, 20 iterations; CP=1 over NCCL, CP=2 / 4 as gloo ranks sharing one
 GPU (or one rank per GPU over NCCL where there are enough GPUs). The matrix (:func:`matrix`), group
 ``main``:
@@ -25,8 +25,8 @@ Runs go side by side under a rank budget (``--max-ranks``) in the order of the m
 ``--plot FILE.json`` draws ``FILE.png`` (losses per iteration, CP=1 against CP > 1) and prints the
 table, on any machine.
 
-    python3 benchmarks/train_megatron_lm.py --checkout /tmp/mlm --out $OUT/train_megatron_lm.json
-    python3 benchmarks/train_megatron_lm.py --plot benchmarks/results/train_megatron_lm.json
+    python3 -m benchmarks.train_megatron_lm --checkout /tmp/mlm --out $OUT/train_megatron_lm.json
+    python3 -m benchmarks.train_megatron_lm --plot benchmarks/results/train_megatron_lm.json
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import machine_info, now_iso, setup_logging, versions, write_json  # noqa: F401 (sys.path)
+from gdn_cp.testing.megatron.lm import RunSpec, launch, write_sft_set
 
-from gdn_cp.testing.megatron_lm import RunSpec, launch, write_sft_set
+from .common import machine_info, now_iso, setup_logging, versions, write_json  # noqa: F401
 
 logger = logging.getLogger("benchmarks.train_megatron_lm")
 

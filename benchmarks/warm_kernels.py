@@ -8,7 +8,7 @@ kernels land in ``TRITON_CACHE_DIR`` and autotune results too (``FLA_CACHE_RESUL
 later processes read. Here each (op, heads) variant gets its own process, spread over the GPUs,
 so the compile work runs side by side instead of one after another. Nothing is timed.
 
-    python benchmarks/warm_kernels.py --cp 2 --tokens 32K          # Qwen3.5-9B GDN shape, bf16
+    python3 -m benchmarks.warm_kernels --cp 2 --tokens 32K          # Qwen3.5-9B GDN shape, bf16
 
 Each variant runs the FLA backend's op forward + backward on packed (varlen) rows, as every
 gdn-cp mode and stock megatron-core's THD path call it (stock's SBHD path calls FLA without
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 logger = logging.getLogger("benchmarks.warm_kernels")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # the children run this module from there
 
 QWEN = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_width=4)
 
@@ -118,8 +120,8 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     for i, v in enumerate(variants(args.cp, QWEN)):
         spec = dict(v, gpu=i % gpus, dtype=args.dtype, tokens=args.tokens, **QWEN)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--cp", str(args.cp), "--child", repr(spec)]
-        procs.append((spec, subprocess.Popen(cmd, env=dict(os.environ))))
+        cmd = [sys.executable, "-m", "benchmarks.warm_kernels", "--cp", str(args.cp), "--child", repr(spec)]
+        procs.append((spec, subprocess.Popen(cmd, env=dict(os.environ), cwd=REPO_ROOT)))
         logger.info("warming %s on cuda:%d", v, spec["gpu"])
     rc = 0
     for spec, p in procs:

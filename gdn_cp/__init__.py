@@ -1,8 +1,11 @@
 """gdn-cp: context parallelism for Gated DeltaNet layers on Megatron-Core.
 
-Layers (calls go down, never up): layout -> comm -> ops -> modes -> megatron -> cli. Below them all,
-importing nothing of gdn_cp: ``checks`` (the integer-argument rule) and ``env`` (the GDN_CP_*
-environment variables).
+Layers (calls go down, never up): layout -> comm -> ops -> modes -> megatron -> testing -> cli.
+Below them all, importing nothing of gdn_cp: ``checks`` (the integer-argument rule) and ``env``
+(the GDN_CP_* environment variables). Off to the side, above megatron (whose ``pins`` it reads)
+and off the forward path: ``patch``, the tool that installs, checks and reverts the pinned
+Megatron-Core patch (the CLI, the tests and the benchmarks use it). ``tests/test_layers.py``
+holds the package to this order.
 """
 
 __version__ = "0.1.0"

@@ -190,7 +190,7 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_TRAIN_MLM_TIMEOUT", "benchmarks", "420",
                    "benchmarks/gpu_suite.sh: time budget of the train_mlm stage", _SECONDS),
         EnvSetting("GDN_CP_MLM_ONE_GPU", "gdn_cp", "0",
-                   "set by gdn_cp.testing.megatron_lm for its rank processes: 1 when the ranks share one GPU (gloo)",
+                   "set by gdn_cp.testing.megatron.lm for its rank processes: 1 when the ranks share one GPU (gloo)",
                    _SWITCH),
     )
 }

@@ -18,7 +18,6 @@ from gdn_cp.testing.ranks import RankPool
 
 SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ROOT / "benchmarks"
 
 _POOLS: dict[tuple[int, str], RankPool] = {}
 
@@ -45,7 +44,7 @@ def rank_pool():
 
 def megatron_unavailable(reason: str):
     """Fail (the default: CI installs megatron-core) or skip (``GDN_CP_ALLOW_SKIP_MEGATRON=1``)."""
-    from gdn_cp.megatron.patching import PINNED_VERSION
+    from gdn_cp.megatron.pins import PINNED_VERSION
 
     if os.environ.get(SKIP_MEGATRON_ENV) == "1":
         pytest.skip(reason)
@@ -66,27 +65,16 @@ def megatron_installed():
 
 @pytest.fixture(scope="session")
 def benchmark_module():
-    """``benchmark_module("route_build")`` -> that benchmark script imported in this process (its
+    """``benchmark_module("route_build")`` -> ``benchmarks.route_build`` imported in this process (its
     ``main(["--help"])`` costs milliseconds here, a torch import in a subprocess)."""
-    loaded = {}
-
-    def load(name: str):
-        if name not in loaded:
-            spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-            loaded[name] = module
-        return loaded[name]
-
-    return load
+    return lambda name: importlib.import_module(f"benchmarks.{name}")
 
 
 # ------------------------------------------------------------------------------------------
 # benchmark smoke runs, overlapped with the rest of the session
 # ------------------------------------------------------------------------------------------
 class SmokeRun:
-    """``python3 benchmarks/<script>.py <args> --out <json>`` in a subprocess. A smoke run is mostly
+    """``python3 -m benchmarks.<script> <args> --out <json>`` in a subprocess (from the repository root). A smoke run is mostly
     process start-up and imports, so the session runs them one after the other in a background
     thread while the in-process tests run (2 cores: one for each); a test that needs a run that
     has not started yet starts it at once."""
@@ -96,7 +84,7 @@ class SmokeRun:
         name = key.replace(":", ".")
         self.out = workdir / f"{name}.json"
         self._log_path = workdir / f"{name}.log"
-        self.argv = [sys.executable, str(BENCHMARKS / f"{script}.py"), *args, "--out", str(self.out)]
+        self.argv = [sys.executable, "-m", f"benchmarks.{script}", *args, "--out", str(self.out)]
         self.proc: subprocess.Popen | None = None
         self._stopped = False
         self._lock = threading.Lock()
@@ -168,9 +156,9 @@ def _megatron_may_change() -> bool:
     fixture may then rewrite it during the session, so runs that import it start only when their
     test asks (after that), never in the background."""
     try:
-        from gdn_cp.megatron import patching
+        from gdn_cp.patch import PATCHED, check_patch, overall_state
 
-        return patching.overall_state(patching.check_patch(patching.find_megatron_root())) != patching.PATCHED
+        return overall_state(check_patch()) != PATCHED
     except Exception:  # noqa: BLE001 - not installed or not readable: the tests say so themselves
         return True
 

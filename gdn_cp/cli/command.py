@@ -48,7 +48,7 @@ def _existing_path(text: str) -> str:
 
 
 def _cmd_doctor(args) -> int:
-    from ..megatron.doctor import run_doctor
+    from .doctor import run_doctor
 
     heads = None if args.heads is None else tuple(args.heads)
     try:

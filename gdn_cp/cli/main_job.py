@@ -28,7 +28,7 @@ import torch
 from ..checks import as_int
 from ..modes import GDNShape
 from ..modes.spec import MODE_NAMES, get_mode, head_problem
-from ..ops import BACKENDS
+from ..ops.registry import BACKEND_NAMES, ORACLE, BACKENDS, backend_spec, choose_backend_name, get_backend
 from ..testing.inputs import core_inputs, core_leaves
 from ..testing.metrics import max_rel
 from ..testing.packings import packed_boundaries
@@ -67,16 +67,15 @@ class JobConfig:
 
 
 def auto_config(**overrides) -> JobConfig:
-    """CPU + gloo + reference by default. With CUDA (and no ``device`` given): the GPU, FLA when it
-    imports, NCCL when there is a GPU per rank of the largest CP size (else gloo ranks sharing one)."""
+    """CPU + gloo + reference by default. With CUDA (and no ``device`` given): the GPU, the backend
+    the registry prefers there (FLA when it imports), NCCL when there is a GPU per rank of the
+    largest CP size (else gloo ranks sharing one)."""
     cfg = JobConfig(**overrides)
     if "device" in overrides or not torch.cuda.is_available():
         return cfg
-    from ..ops.fla import fla_available
-
     choice = {"device": "cuda"}
     if "backend" not in overrides:
-        choice["backend"] = "fla" if fla_available() else "reference"
+        choice["backend"] = choose_backend_name("cuda")
     if "dist_backend" not in overrides:
         enough = torch.cuda.device_count() >= max(cfg.cp_sizes, default=1)
         choice["dist_backend"] = "nccl" if enough and torch.distributed.is_nccl_available() else "gloo"
@@ -108,15 +107,14 @@ def check_job(cfg: JobConfig) -> None:
         raise ValueError(f"--device cuda: torch {torch.__version__} sees no CUDA GPU (a CPU build of torch, or no "
                          "GPU visible); use --device cpu")
     if cfg.backend not in BACKENDS:
-        raise ValueError(f"--backend {cfg.backend}: use one of {', '.join(BACKENDS)}")
-    if cfg.backend == "fla":
-        if cfg.device != "cuda":
-            raise ValueError("--backend fla needs --device cuda (FLA's kernels are CUDA-only); use --backend "
-                             "reference on the CPU")
-        from ..ops.fla import fla_available, fla_import_error
-
-        if not fla_available():
-            raise ValueError(f"--backend fla: {fla_import_error()}; use --backend reference")
+        raise ValueError(f"--backend {cfg.backend}: use one of {', '.join(BACKEND_NAMES)}")
+    backend = backend_spec(cfg.backend)
+    if cfg.device not in backend.devices:
+        raise ValueError(f"--backend {cfg.backend} needs --device {' or '.join(backend.devices)} "
+                         f"({backend.devices_why}); use --backend {ORACLE} on the {cfg.device.upper()}")
+    problem = backend.problem()
+    if problem is not None:
+        raise ValueError(f"--backend {cfg.backend}: {problem}; use --backend {ORACLE}")
     if cfg.dist_backend not in ("gloo", "nccl"):
         raise ValueError(f"--dist-backend {cfg.dist_backend}: use gloo or nccl")
     if cfg.dist_backend == "nccl":
@@ -134,17 +132,17 @@ def check_job(cfg: JobConfig) -> None:
 
 def _check_what_every_rank_checks(cfg: JobConfig) -> None:
     """What every rank would refuse on its own, said here once, before anything is spawned (a
-    refusal inside the ranks is one traceback per rank and exit status 1): the FLA kernels' head
-    dims, and the chunkwise halo/state path the setting asks for (``native``: FLA's cp context,
-    which the reference backend does not have; on FLA, the rows per rank its context needs)."""
+    refusal inside the ranks is one traceback per rank and exit status 1): the backend's head dims
+    (its ``check_head_dims``), and the chunkwise halo/state path the setting asks for (``native``:
+    the backend's cp context, which the reference backend does not have; the rows per rank that
+    context needs: its ``check_native_rows``)."""
     shape = cfg.shape
-    if cfg.backend == "fla":
-        from ..ops.fla.kernels import check_head_dims
-
+    check_head_dims = getattr(get_backend(cfg.backend), "check_head_dims", None)
+    if check_head_dims is not None:
         try:
             check_head_dims(shape.head_k_dim, shape.head_v_dim)
         except ValueError as err:
-            raise ValueError(f"--backend fla --head-dim {shape.head_k_dim}: {err}") from None
+            raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
     sizes = [cp for cp in cfg.cp_sizes
              if cp > 1 and "chunkwise" in cfg.modes_to_run and "chunkwise" not in _skips(cfg, cp)]
     if not sizes:
@@ -158,8 +156,8 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
     if setting == "native" and not native:
         raise ValueError(
             f"chunkwise path 'native' ({CHUNKWISE_PATH_ENV} or set_chunkwise_path): chunkwise at --cp "
-            f"{','.join(map(str, sizes))} would run FLA's cp context, but {why}; unset {CHUNKWISE_PATH_ENV} (auto: "
-            "FLA's where it can run, else gdn-cp's own exchange), set it to generic, or leave chunkwise out of --modes"
+            f"{','.join(map(str, sizes))} would run the backend's cp context, but {why}; unset {CHUNKWISE_PATH_ENV} "
+            "(auto: the backend's where it can run, else gdn-cp's own exchange), set it to generic, or leave chunkwise out of --modes"
         )
     if native:
         for cp in sizes:
@@ -169,31 +167,25 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
 def _native_cp_context(cfg: JobConfig) -> tuple[bool, str]:
     """Whether the ranks' chunkwise would run the backend's native cp context (their groups are NCCL,
     or gloo on CUDA with FLA's collectives adapted by the rank pool), and why not."""
-    if cfg.backend != "fla":
-        return False, (f"the {cfg.backend} backend has none (FLA's needs --backend fla on a CUDA GPU with "
-                       "flash-linear-attention >= 0.4.2)")
-    from ..ops.fla import detect
-
-    if not detect.has_cp_context():
-        return False, f"FLA {detect.fla_version()}: {detect.features().cp_context_error}"
-    return True, ""
+    problem = getattr(get_backend(cfg.backend), "native_cp_problem", None)
+    if problem is None:
+        others = "; ".join(f"{s.title}'s needs --backend {s.name} on {s.native_cp}"
+                           for s in BACKENDS.values() if s.native_cp is not None)
+        return False, f"the {cfg.backend} backend has none ({others})"
+    why = problem()
+    return why is None, why or ""
 
 
 def _check_native_rows(cfg: JobConfig, cp: int) -> None:
-    """FLA's cp context takes the job's packing at this CP size (the checks its core makes first)."""
+    """The backend's cp context takes the job's packing at this CP size (the checks its core makes first)."""
     from ..layout import Boundaries
-    from ..ops.fla import detect
-    from ..ops.fla.native_cp import check_chunkwise_layout, check_zigzag_stream
 
     cu = Boundaries(packed_boundaries(cfg.num_sequences, cfg.tokens_per_rank * cp, cp, cfg.seed))
     try:
-        if len(cu.nonempty()[1]) == 1 and detect.has_zigzag_layout():  # one zigzag-cut stream: FLA's zigzag context
-            check_zigzag_stream(cu, cp, cfg.conv_width)
-        else:
-            check_chunkwise_layout(cu, cp, cfg.conv_width, allow_short_tails=detect.features().clamps_halo)
+        get_backend(cfg.backend).check_native_rows(cu, cp, cfg.conv_width)
     except ValueError as err:
         raise ValueError(f"--tokens-per-rank {cfg.tokens_per_rank} --sequences {cfg.num_sequences} at --cp {cp} "
-                         f"(chunkwise through FLA's cp context): {err}") from None
+                         f"(chunkwise through {backend_spec(cfg.backend).title}'s cp context): {err}") from None
 
 
 def _check_named_modes(cfg: JobConfig) -> None:
@@ -232,7 +224,6 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     from ..comm import all_gather_rows, route_all_to_all
     from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
     from ..modes import gdn_core, local_core
-    from ..ops import get_backend
     from ..testing.packings import zigzag_rows
 
     rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
@@ -283,11 +274,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     report["modes"] = per_mode
     report["plan_hits_after_first"] = cache.plan(cu_t, cp, rank) is plan
     if "chunkwise" in modes:
-        from ..modes.chunkwise import chunkwise_swaps_layout, resolve_chunkwise_path
-
-        path, _ = resolve_chunkwise_path(backend, group)
-        if path == "native" and not chunkwise_swaps_layout(backend, group, plan):
-            path = "native-zigzag"
+        path = get_mode("chunkwise").prepare(backend, group, plan).path
         report["chunkwise_path"] = f"{path} ({dist.get_backend(group)} group)"
     return report
 

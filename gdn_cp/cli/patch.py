@@ -11,7 +11,7 @@ import sys
 import textwrap
 from typing import Optional, TextIO
 
-from ..megatron import patching
+from .. import patch
 from ..megatron.pins import PINS, get_pin
 from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
 
@@ -25,7 +25,7 @@ The patch is thin: the logic lives in gdn_cp, where it is tested; the patched fi
 hands over when context parallelism is on or the input is packed). Every target file is checked
 against the sha256 of the release before anything is written (a Megatron-LM checkout may report
 another version string: its files decide); all files are replaced or none; the originals are kept
-as *{patching.BACKUP_SUFFIX} (listed in .git/info/exclude in a git checkout) and `revert` restores
+as *{patch.BACKUP_SUFFIX} (listed in .git/info/exclude in a git checkout) and `revert` restores
 them byte for byte.
 """
 
@@ -33,9 +33,9 @@ them byte for byte.
 def _targets() -> str:
     """The target files, from the pinned patch's manifest (so that the help cannot drift from it)."""
     try:
-        files = ", ".join(t.target for t in patching.load_manifest().files)
+        files = ", ".join(t.target for t in patch.load_manifest().files)
         return textwrap.fill(f"Target files: {files}.", width=100) + "\n"
-    except patching.PatchError as err:  # a broken installation: the commands themselves say so
+    except patch.PatchError as err:  # a broken installation: the commands themselves say so
         return f"Target files: unknown ({err}).\n"
 
 
@@ -52,7 +52,7 @@ _FOUND_PROBLEM = {
 }
 
 _REVERT_NOTE = f"""
-Revert before `pip uninstall megatron-core`: pip does not know the *{patching.BACKUP_SUFFIX}
+Revert before `pip uninstall megatron-core`: pip does not know the *{patch.BACKUP_SUFFIX}
 backups and leaves them (and their folders) behind; delete them by hand if it already ran.
 """
 
@@ -67,7 +67,7 @@ def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "patch",
         parents=list(parents),
-        help=f"apply / check / revert the pinned Megatron-Core {patching.PINNED_VERSION} patch",
+        help=f"apply / check / revert the pinned Megatron-Core {patch.PINNED_VERSION} patch",
         description=_DESCRIPTION + "\n" + _targets(),
         epilog=_PATH_HELP + "\n" + exit_epilog("see `gdn-cp patch apply|check|revert --help`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -98,7 +98,7 @@ def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
         if action == "check":
             a.add_argument(
                 "--expect",
-                choices=(patching.PRISTINE, patching.PATCHED),
+                choices=(patch.PRISTINE, patch.PATCHED),
                 default=None,
                 help="exit 1 unless every file is in this state (e.g. in CI)",
             )
@@ -120,17 +120,17 @@ def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) ->
     action can take, nothing changed)."""
     out = out or sys.stdout
     try:
-        root = patching.find_megatron_root(args.path)
-    except patching.MegatronNotFound as e:
+        root = patch.find_megatron_root(args.path)
+    except patch.MegatronNotFound as e:
         raise CommandError(str(e)) from None
     try:
         if args.patch_action == "check":
             return _check(root, args.expect, out)
         if args.patch_action == "apply":
-            result = patching.apply_patch(root)
+            result = patch.apply_patch(root)
         else:
-            result = patching.revert_patch(root)
-    except patching.PatchError as e:
+            result = patch.revert_patch(root)
+    except patch.PatchError as e:
         raise CommandError(str(e), EXIT_FOUND_PROBLEM) from None
     print(result.message, file=out)
     _print_states(result.files, out)
@@ -138,21 +138,21 @@ def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) ->
 
 
 def _check(root, expect: Optional[str], out: TextIO) -> int:
-    files = patching.check_patch(root)
-    state = patching.overall_state(files)
-    print(f"{root}: {patching.describe_tree(root)}", file=out)
+    files = patch.check_patch(root)
+    state = patch.overall_state(files)
+    print(f"{root}: {patch.describe_tree(root)}", file=out)
     _print_states(files, out)
     print(f"state: {state}", file=out)
     if expect is not None:
         if state != expect:
-            raise CommandError(f"expected {expect}, found {state}: {patching.describe_state(state)}",
+            raise CommandError(f"expected {expect}, found {state}: {patch.describe_state(state)}",
                                EXIT_FOUND_PROBLEM)
         return 0
-    if state in (patching.PRISTINE, patching.PATCHED):
+    if state in (patch.PRISTINE, patch.PATCHED):
         return 0
     hint = (
-        "" if state == patching.PARTIAL
+        "" if state == patch.PARTIAL
         else f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
         "commit, then apply"
     )
-    raise CommandError(f"megatron-core at {root}: {patching.describe_state(state)}{hint}", EXIT_FOUND_PROBLEM)
+    raise CommandError(f"megatron-core at {root}: {patch.describe_state(state)}{hint}", EXIT_FOUND_PROBLEM)

@@ -14,6 +14,7 @@ import sys
 from .args import comma_items, int_list, int_range
 from .output import CommandError, exit_epilog
 from ..modes.spec import MODE_NAMES
+from ..ops.registry import BACKEND_NAMES
 
 __all__ = ["add_run_command"]
 
@@ -95,7 +96,7 @@ def add_run_command(sub, parents=()) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"],
                    help="dtype of the activations (the log decay g stays fp32, fp64 with float64; default float32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when torch sees a GPU")
-    p.add_argument("--backend", choices=["reference", "fla"], default=None,
+    p.add_argument("--backend", choices=BACKEND_NAMES, default=None,
                    help="math backend (default: fla on CUDA when it imports, else reference)")
     p.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl with a GPU per rank, else gloo")

@@ -1,4 +1,7 @@
-"""Collectives: the only layer that calls torch.distributed. Groups are always explicit."""
+"""Collectives: on the library's path (layout, ops, modes, megatron) the only layer that calls
+torch.distributed; groups are always explicit. Elsewhere: FLA's own cp context (run by
+``gdn_cp.ops.fla``) makes its collectives inside FLA, and the testing toolkit and ``gdn-cp run``
+above the library start process groups and barriers of their own."""
 
 from .collectives import (
     GatherInFlight,

@@ -1,9 +1,9 @@
 """Differentiable collectives over an explicit CP process group, and the two TP helpers the
 Megatron glue needs (group membership, a gradient sum for TP-replicated parameters).
 
-The only module that calls torch.distributed. Every op flattens its tensor to
-``[rows, features]`` contiguous so that it runs on NCCL and on gloo, with CPU or CUDA
-tensors. No op reads device data on the host: split sizes come from routes (Python ints).
+The only module of the library's path that calls torch.distributed (see :mod:`gdn_cp.comm`).
+Every op flattens its tensor to ``[rows, features]`` contiguous so that it runs on NCCL and on
+gloo, with CPU or CUDA tensors. No op reads device data on the host: split sizes come from routes (Python ints).
 """
 
 from __future__ import annotations

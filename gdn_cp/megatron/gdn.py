@@ -12,32 +12,37 @@ Data flow (per CP rank, per TP rank), with T_local = S_local * B rows:
       -> gdn_core(mode) -> o [T_local, Hv, Dv]
       -> gated norm with z -> [S_local, B, Hv*Dv] --out_proj--> [S_local, B, H]
 
+The mode decides once per call, before any collective, how it runs (its registry entry's
+``prepare``: :class:`~gdn_cp.modes.call.ModeCall`). Where it moves rows to another layout around
+its core (``swap_layout``: chunkwise's contiguous slices) and hidden_states are the narrower
+tensors (:mod:`gdn_cp.megatron.swap`), the same forward moves hidden_states there before in_proj
+and out_proj's output back after, and the core takes the moved rows as they are.
+
 The gates are computed per token before the mode, with the full A_log and dt_bias, so no
 mode slices them; headwise slices only the conv weight. Submodules (in_proj, out_norm,
 out_proj) are called exactly as the stock forward calls them, so the local and the
 TransformerEngine specs both work. The layer is read only through its release's adapter
-(:mod:`gdn_cp.megatron.pins`); gdn-cp keeps its own per-layer caches in the layer's
-``__dict__`` under ``_gdn_cp_*`` names.
+(:mod:`gdn_cp.megatron.pins`), built once per call; gdn-cp keeps its own per-layer caches in the
+layer's ``__dict__`` under ``_gdn_cp_*`` names (``LayerAdapter.own``).
 """
 
 from __future__ import annotations
 
 import logging
-from functools import lru_cache, partial
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from ..checks import as_int
 from ..comm import group_ranks, route_all_to_all
-from ..layout import CONTIGUOUS, PER_DOCUMENT, ZIGZAG
+from ..layout import PER_DOCUMENT, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
-from ..modes import GDNShape, chunkwise_swaps_layout, gdn_core, resolve_chunkwise_path, sbhd_to_thd, thd_to_sbhd
-from ..ops import get_backend
-from ..ops.fla.detect import fla_available  # torch- and FLA-free: FLA is probed on first call
+from ..modes import GDNShape, ModeCall, gdn_core, sbhd_to_thd, thd_to_sbhd
+from ..modes.spec import get_mode
+from ..ops.registry import choose_backend_name, get_backend
 from . import config as _config
-from .patching import pin_of_layer_class
-from .pins import load_adapter
+from .pins.lookup import adapter_class
 from .swap import choose_swap_point, chunkwise_swap
 from .thd_split import THD_SPLIT_FIELD, resolve_thd_split
 from .tp_grads import install_tp_grad_sum
@@ -49,22 +54,17 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ROUTE_CACHE_ATTR = "_gdn_cp_route_cache"  # RouteCache stored on each micro-batch's PackedSeqParams
-_SWAP_ATTR = "_gdn_cp_swap_points"  # chunkwise swap point per (setting, hidden size, dtype) on a layer
+_SWAP_ATTR = "_gdn_cp_swap_points"  # layout swap point per (setting, hidden size, dtype) on a layer
 _SBHD_PLANS_ATTR = "_gdn_cp_sbhd_plans"
 _VALIDATED_ATTR = "_gdn_cp_validated_modes"  # (mode, tp, cp) already checked on this layer
 _DISJOINT_ATTR = "_gdn_cp_cp_groups_disjoint_from_tp"  # id(CP group) -> the group, checked against TP
 _NORM_ATTR = "_gdn_cp_gated_norm"  # (backend name, out_norm hooked) -> the fused gated norm (fn, eps) or None
-_ACTIVATION_ATTR = "_gdn_cp_checked_activation"  # the act_fn found to be SiLU on this layer
-
-
-@lru_cache(maxsize=None)
-def _adapter_class(layer_cls: type):
-    return load_adapter(pin_of_layer_class(layer_cls).version).LayerAdapter
+_ACTIVATION_ATTR = "_gdn_cp_checked_activation"  # {"act_fn": the act_fn found to be SiLU} on this layer
 
 
 def layer_adapter(module):
     """The adapter (``pins.core_<version>.LayerAdapter``) of ``module``'s megatron-core release."""
-    return _adapter_class(type(module))(module)
+    return adapter_class(type(module))(module)
 
 
 def _is_thd(packed_seq_params) -> bool:
@@ -95,10 +95,22 @@ def resolve_cp_group(module, packed_seq_params):
     together (other than that case), ``local_cp_size`` is not a positive integer or not the
     group's size, or this rank is not a member of ``cp_group``.
     """
+    group = _dynamic_cp_group(packed_seq_params)
+    return layer_adapter(module).static_cp_group if group is None else group
+
+
+def _cp_group(layer, packed_seq_params):
+    """:func:`resolve_cp_group` for the call's adapter."""
+    group = _dynamic_cp_group(packed_seq_params)
+    return layer.static_cp_group if group is None else group
+
+
+def _dynamic_cp_group(packed_seq_params):
+    """The micro-batch's own CP group (or :data:`NO_CP`), None when it brings none; checked."""
     group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
     local = getattr(packed_seq_params, "local_cp_size", None) if packed_seq_params is not None else None
     if group is None and local is None:
-        return layer_adapter(module).static_cp_group
+        return None
     if group is None and as_int(local) == 1:
         return NO_CP
     if group is None or local is None:
@@ -139,15 +151,16 @@ def should_dispatch(module, packed_seq_params) -> bool:
     the first call, the TP gradient sum of ``out_norm`` (:mod:`gdn_cp.megatron.tp_grads`).
     """
     layer = layer_adapter(module)
-    if layer.layer.__dict__.get(_ACTIVATION_ATTR) is not layer.activation:
+    checked = layer.own(_ACTIVATION_ATTR, dict)
+    if checked.get("act_fn") is not layer.activation:
         _config.check_gdn_activation(layer.activation, owner=f"GatedDeltaNet (layer {layer.layer_number}): config.")
-        layer.layer.__dict__[_ACTIVATION_ATTR] = layer.activation
+        checked["act_fn"] = layer.activation
     install_tp_grad_sum(layer)
     if _is_thd(packed_seq_params):
         return True
     if layer.static_cp_group.size() > 1:
         return True
-    return resolve_cp_group(module, packed_seq_params).size() > 1
+    return _cp_group(layer, packed_seq_params).size() > 1
 
 
 def _check_cp_group_disjoint_from_tp(layer, group, dynamic: bool) -> None:
@@ -160,7 +173,7 @@ def _check_cp_group_disjoint_from_tp(layer, group, dynamic: bool) -> None:
     """
     if layer.tp_size == 1 or group.size() == 1:
         return
-    checked = layer.layer.__dict__.setdefault(_DISJOINT_ATTR, {})
+    checked = layer.own(_DISJOINT_ATTR, dict)
     if checked.get(id(group)) is group:
         return
     cp_ranks, tp_ranks = group_ranks(group), group_ranks(layer.tp_group)
@@ -184,7 +197,7 @@ def _checked_mode(layer, cp: int) -> str:
     set lookup.
     """
     mode = layer.linear_cp_mode
-    done = layer.layer.__dict__.setdefault(_VALIDATED_ATTR, set())
+    done = layer.own(_VALIDATED_ATTR, set)
     key = (mode, layer.tp_size, cp) if isinstance(mode, str) else None
     if key is not None and key in done:
         return mode
@@ -198,13 +211,12 @@ def _checked_mode(layer, cp: int) -> str:
     return mode
 
 
-def choose_backend(module, device: torch.device):
-    """deterministic_mode -> reference; CUDA with FLA -> fla; otherwise reference."""
-    if layer_adapter(module).deterministic or device.type != "cuda":
-        return get_backend("reference")
-    if fla_available():
-        return get_backend("fla")
-    return get_backend("reference")
+def choose_backend(layer, device: torch.device):
+    """The backend the forward runs for ``layer`` (its adapter: ``layer_adapter(module)``) on
+    ``device``: the registry's choice (:func:`gdn_cp.ops.registry.choose_backend_name`), the
+    plain-torch oracle under ``deterministic_mode``, else the preferred backend that runs on the
+    device and imports here (FLA on CUDA when it imports, the reference elsewhere)."""
+    return get_backend(choose_backend_name(device.type, deterministic=layer.deterministic))
 
 
 def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
@@ -243,7 +255,7 @@ def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:
 
 
 def _sbhd_plan(layer, seq_len: int, batch: int, group) -> CPPlan:
-    plans = layer.layer.__dict__.setdefault(_SBHD_PLANS_ATTR, {})
+    plans = layer.own(_SBHD_PLANS_ATTR, dict)
     key = (seq_len, batch, group.size(), group.rank())  # ints only: can never go stale
     if key not in plans:
         plans[key] = plan_for_sbhd(seq_len, batch, group.size(), group.rank())
@@ -259,7 +271,7 @@ def _fused_gated_norm(layer, backend):
     """``(fn, weight, eps)``: the backend's fused gated RMSNorm for this layer, or None when the
     backend has none or the layer's gated norm is not plain RMSNorm * silu. Decided once per
     (layer, backend, whether out_norm has forward hooks now) and logged."""
-    choices = layer.layer.__dict__.setdefault(_NORM_ATTR, {})
+    choices = layer.own(_NORM_ATTR, dict)
     # out_norm's forward hooks come and go (Megatron DDP's param-gather pre-hooks): decided per state
     name = (getattr(backend, "__name__", type(backend).__name__), layer.out_norm_hooked)
     if name not in choices:
@@ -288,8 +300,8 @@ def _gated_norm_to_rows(layer, core_out, gate, batch: int, thd: bool, fused=None
     return y.unsqueeze(1) if thd else thd_to_sbhd(y, batch).contiguous()
 
 
-def _core(layer, rows, shape: GDNShape, mode: str, plan, group, cp: int, backend, layout: str = "zigzag"):
-    """in_proj rows ``[T, D_tp]`` -> gates -> mode -> ``(o, z)``, both ``[T, Hv, Dv]``."""
+def _core(layer, rows, shape: GDNShape, mode: str, plan, group, cp: int, backend, layout: str, call):
+    """in_proj rows ``[T, D_tp]`` (in ``layout``) -> gates -> mode -> ``(o, z)``, both ``[T, Hv, Dv]``."""
     qkv, gate, beta, alpha = torch.split(
         rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads], dim=-1
     )
@@ -297,7 +309,7 @@ def _core(layer, rows, shape: GDNShape, mode: str, plan, group, cp: int, backend
     beta = beta.sigmoid()
     core_out = gdn_core(
         qkv, g, beta, layer.conv_weight, layer.conv_bias, shape=shape, mode=mode, plan=plan,
-        group=group if cp > 1 else None, backend=backend, layout=layout,
+        group=group if cp > 1 else None, backend=backend, layout=layout, call=call,
     )
     return core_out, gate.reshape(core_out.shape)
 
@@ -313,17 +325,17 @@ def _gated_norm(layer, core_out, gate, batch: int, thd: bool, backend):
 
 
 def _swap_point(layer, shape: GDNShape, hidden_states) -> str:
-    """chunkwise's swap point for this layer (see :mod:`gdn_cp.megatron.swap`), decided once
-    per (setting, hidden size, dtype) and logged."""
+    """Where a mode that moves rows swaps layouts on this layer (see :mod:`gdn_cp.megatron.swap`):
+    ``hidden`` or ``core``, decided once per (setting, hidden size, dtype) and logged."""
     key = (chunkwise_swap(), hidden_states.shape[-1], hidden_states.dtype)
-    choices = layer.layer.__dict__.setdefault(_SWAP_ATTR, {})
+    choices = layer.own(_SWAP_ATTR, dict)
     if key not in choices:
         choice = choose_swap_point(
             shape=shape, hidden_size=key[1], tp=layer.tp_size, sequence_parallel=layer.sp_size > 1,
             act_bytes=hidden_states.element_size(), requested=key[0],
         )
         logger.info(
-            "GatedDeltaNet layer %s chunkwise layout swap at %s (%s; core %d B/token, hidden %s B/token, "
+            "GatedDeltaNet layer %s layout swap at %s (%s; core %d B/token, hidden %s B/token, "
             "stock headwise %d B/token)", layer.layer_number, choice.point, choice.reason,
             choice.core_bytes, choice.hidden_bytes, choice.stock_headwise_bytes,
         )
@@ -331,24 +343,12 @@ def _swap_point(layer, shape: GDNShape, hidden_states) -> str:
     return choices[key]
 
 
-def _forward_hidden_swap(layer, hidden_states, plan, group, shape: GDNShape, thd: bool, batch: int, backend):
-    """chunkwise with the layout swap on hidden_states: route ``[T_local, H]`` zigzag ->
-    contiguous, run in_proj ... out_proj on contiguous rows, route the output back."""
-    to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
-    hidden = hidden_states.shape[-1]
-    rows = hidden_states.reshape(-1, hidden) if thd else sbhd_to_thd(hidden_states)
-    rows_c = route_all_to_all(rows, to_c, to_z, group).unsqueeze(1)  # [T_c, 1, H]: a packed micro-batch
-    qkvzba = layer.in_proj(rows_c)
-    core_out, gate = _core(
-        layer, qkvzba.reshape(-1, qkvzba.shape[-1]), shape, "chunkwise", plan, group, group.size(),
-        backend, layout="contiguous",
-    )
-    norm_out = _gated_norm(layer, core_out, gate, 1, True, backend)
-    out_c, out_bias = layer.out_proj(norm_out)  # [T_c, 1, H]
-    if layer.recompute_norm_out:
-        layer.register_norm_out_recompute(out_c)
-    out = route_all_to_all(out_c.reshape(-1, out_c.shape[-1]), to_z, to_c, group)
-    return (out.unsqueeze(1) if thd else thd_to_sbhd(out, batch)), out_bias
+def _hidden_layout(layer, call: ModeCall | None, shape: GDNShape, hidden_states) -> str:
+    """The layout hidden_states go into before in_proj: the mode's ``swap_layout`` where it moves
+    rows on this call and the swap point is ``hidden``, else zigzag (where they are)."""
+    if call is None or call.swap_layout is None or _swap_point(layer, shape, hidden_states) != "hidden":
+        return ZIGZAG
+    return call.swap_layout
 
 
 def gated_delta_net_forward(
@@ -369,7 +369,7 @@ def gated_delta_net_forward(
         raise NotImplementedError("GDN does not support inference in megatron-core (nor in gdn-cp)")
     layer = layer_adapter(module)
     thd = _is_thd(packed_seq_params)
-    group = resolve_cp_group(module, packed_seq_params)
+    group = _cp_group(layer, packed_seq_params)
     cp = group.size()
     _check_cp_group_disjoint_from_tp(layer, group, dynamic=group is not layer.static_cp_group)
     mode = _checked_mode(layer, cp)
@@ -387,19 +387,25 @@ def gated_delta_net_forward(
     if plan.t_local != s_local * batch:
         raise ValueError(f"plan expects {plan.t_local} local rows, hidden_states gives {s_local * batch}")
 
-    backend = choose_backend(module, hidden_states.device)
-    if mode == "chunkwise" and cp > 1:
-        # a 'native' path setting the backend cannot honour on this group fails before any collective
-        resolve_chunkwise_path(backend, group)
-        # no swap at all where the backend's zigzag core takes these rows as they are
-        if chunkwise_swaps_layout(backend, group, plan) and _swap_point(layer, shape, hidden_states) == "hidden":
-            return _forward_hidden_swap(layer, hidden_states, plan, group, shape, thd, batch, backend)
+    backend = choose_backend(layer, hidden_states.device)
+    # the mode's decisions for this call (a setting the backend cannot honour fails here)
+    call = get_mode(mode).prepare(backend, group, plan) if cp > 1 else None
+    layout = _hidden_layout(layer, call, shape, hidden_states)
+    moved = layout != ZIGZAG
+    if moved:  # the layer runs on the mode's rows: [T_moved, 1, H], a packed micro-batch
+        rows = hidden_states.reshape(-1, hidden_states.shape[-1]) if thd else sbhd_to_thd(hidden_states)
+        to, back = plan.route(ZIGZAG, layout), plan.route(layout, ZIGZAG)
+        hidden_states = route_all_to_all(rows, to, back, group).unsqueeze(1)
+    packed, rows_batch = (True, 1) if moved else (thd, batch)
 
     qkvzba = layer.in_proj(hidden_states)  # [S_local, B, D_tp]
-    rows = qkvzba.reshape(-1, qkvzba.shape[-1]) if thd else sbhd_to_thd(qkvzba)
-    core_out, gate = _core(layer, rows, shape, mode, plan, group, cp, backend)
-    norm_out = _gated_norm(layer, core_out, gate, batch, thd, backend)
+    rows = qkvzba.reshape(-1, qkvzba.shape[-1]) if packed else sbhd_to_thd(qkvzba)
+    core_out, gate = _core(layer, rows, shape, mode, plan, group, cp, backend, layout, call)
+    norm_out = _gated_norm(layer, core_out, gate, rows_batch, packed, backend)
     out, out_bias = layer.out_proj(norm_out)
     if layer.recompute_norm_out:
         layer.register_norm_out_recompute(out)
+    if moved:
+        out = route_all_to_all(out.reshape(-1, out.shape[-1]), back, to, group)
+        out = out.unsqueeze(1) if thd else thd_to_sbhd(out, batch)
     return out, out_bias

@@ -26,7 +26,7 @@ __all__ = ["TP_GRAD_SUM_ATTR", "install_tp_grad_sum"]
 logger = logging.getLogger(__name__)
 
 TP_GRAD_SUM_ATTR = "_gdn_cp_tp_grad_sum"  # set on a parameter whose gradient hook is installed
-_CHECKED_ATTR = "_gdn_cp_tp_grads_checked"  # set on a layer once its parameters were looked at
+_CHECKED_ATTR = "_gdn_cp_tp_grads_checked"  # non-empty on a layer once its parameters were looked at
 
 
 def install_tp_grad_sum(layer) -> list[str]:
@@ -36,10 +36,10 @@ def install_tp_grad_sum(layer) -> list[str]:
     Returns the names of the parameters hooked now (empty on later calls, at TP = 1, and where
     finalize_model_grads sums the parameter itself). Registers hooks only: no collective here.
     """
-    module = layer.layer
-    if module.__dict__.get(_CHECKED_ATTR):
+    checked = layer.own(_CHECKED_ATTR, dict)
+    if checked:
         return []
-    module.__dict__[_CHECKED_ATTR] = True
+    checked["tp_grads"] = True
     if layer.tp_size == 1:
         return []
     group = layer.tp_group

@@ -8,11 +8,13 @@ head count. The fallback of last resort.
 from __future__ import annotations
 
 from ..comm import all_gather_rows
+from ..layout import ZIGZAG
 from ..layout.plan import CPPlan
 from ..ops.shape import GDNShape
+from .call import ModeCall
 from .common import local_core, stack_gates, unstack_gates
 
-__all__ = ["all_gather_core"]
+__all__ = ["all_gather_core", "prepare"]
 
 
 def all_gather_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
@@ -31,3 +33,11 @@ def all_gather_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, pl
         backend=backend,
     )
     return o.index_select(0, own_rows)
+
+
+def prepare(backend, group, plan: CPPlan) -> ModeCall:
+    """all_gather decides nothing per call: its one core, on the zigzag rows."""
+    return _CALL
+
+
+_CALL = ModeCall(cores={ZIGZAG: all_gather_core}, path="all_gather")

@@ -21,14 +21,17 @@ packed row cut into 2*cp parts, rank r holding parts r and 2*cp-1-r: Megatron's 
 zigzag core (``backend.native_zigzag_cp_core``: FLA >= 0.6's zigzag cp context), the native
 path runs on the rows as they are, with no layout all-to-all at all.
 
-The choice is made per call from the setting, the group and the plan, never switched on its
-own, and logged once per (setting, path).
+The choice is made once per call from the setting, the group and the plan
+(:func:`chunkwise_exchange`, through :func:`prepare`: the mode's :class:`~gdn_cp.modes.call.ModeCall`),
+handed down to the cores, never switched on its own, and logged once per (setting, path).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import torch
 
@@ -44,19 +47,24 @@ from ..layout import CONTIGUOUS, WHOLE_ROW, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
 from ..env import CHUNKWISE_PATHS
 from ..layout.plan import CPPlan
+from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
+from .call import ModeCall
 from .common import split_qkv
 
 __all__ = [
     "CHUNKWISE_PATHS",
     "CHUNKWISE_PATH_ENV",
+    "ChunkwiseExchange",
     "chunkwise_core",
+    "chunkwise_exchange",
     "chunkwise_path",
     "contiguous_core",
     "gather_halo",
     "chunkwise_swaps_layout",
     "initial_state_from_summaries",
     "is_one_zigzag_stream",
+    "prepare",
     "resolve_chunkwise_path",
     "set_chunkwise_path",
 ]
@@ -125,25 +133,57 @@ def is_one_zigzag_stream(plan: CPPlan) -> bool:
     return len(plan.cu.nonempty()[1]) == 1  # cached on the boundaries: one pass per micro-batch
 
 
-def _zigzag_core(backend, group, plan: CPPlan):
-    """The backend's native zigzag core when the native path runs and ``plan``'s rows are one
-    zigzag-cut stream, else None (logged once per outcome)."""
-    path, _ = resolve_chunkwise_path(backend, group)
+@dataclass(frozen=True)
+class ChunkwiseExchange:
+    """How chunkwise exchanges halos and state summaries on one call.
+
+    ``path``: ``native`` (the backend's cp context) or ``generic`` (gdn-cp's own exchange);
+    ``native``: the backend's core on contiguous rows (None on the generic path); ``zigzag``: its
+    core on the zigzag rows as they are, where those are one zigzag-cut stream and it has one
+    (then no row moves between layouts), else None.
+    """
+
+    path: str
+    native: Optional[NativeCPCore]
+    zigzag: Optional[NativeCPCore]
+
+    @property
+    def swaps_layout(self) -> bool:
+        """Whether rows move zigzag -> contiguous (and back) around the core."""
+        return self.zigzag is None
+
+
+def chunkwise_exchange(backend, group, plan: CPPlan) -> ChunkwiseExchange:
+    """This call's exchange: the path setting resolved for ``backend`` and ``group``
+    (:func:`resolve_chunkwise_path`: a ``native`` setting it cannot honour is a ValueError here,
+    before any collective), and the zigzag core where ``plan``'s rows are one zigzag-cut stream
+    (logged once per outcome)."""
+    path, native = resolve_chunkwise_path(backend, group)
     if path != "native" or not is_one_zigzag_stream(plan):
-        return None
+        return ChunkwiseExchange(path, native, None)
     make = getattr(backend, "native_zigzag_cp_core", None)
-    core = None if make is None else make(group)
-    _log_once(chunkwise_path(), "native-zigzag" if core is not None else "native-contiguous",
-              "rows are one zigzag-cut stream: no layout all-to-all" if core is not None else
+    zigzag = None if make is None else make(group)
+    _log_once(chunkwise_path(), "native-zigzag" if zigzag is not None else "native-contiguous",
+              "rows are one zigzag-cut stream: no layout all-to-all" if zigzag is not None else
               "rows are one zigzag-cut stream, but the backend's cp context takes no zigzag layout (FLA < 0.6): "
               "routed to the contiguous layout")
-    return core
+    return ChunkwiseExchange(path, native, zigzag)
 
 
 def chunkwise_swaps_layout(backend, group, plan: CPPlan) -> bool:
     """Whether chunkwise moves rows zigzag -> contiguous for this call (False where the backend's
     zigzag core takes the rows as they are): the Megatron glue then needs no layout swap at all."""
-    return _zigzag_core(backend, group, plan) is None
+    return chunkwise_exchange(backend, group, plan).swaps_layout
+
+
+def prepare(backend, group, plan: CPPlan) -> ModeCall:
+    """This call's :class:`~gdn_cp.modes.call.ModeCall`: the exchange decided once and bound into
+    both cores; ``swap_layout`` is ``contiguous`` unless the zigzag core takes the rows as they are."""
+    exchange = chunkwise_exchange(backend, group, plan)
+    cores = {ZIGZAG: partial(chunkwise_core, exchange=exchange), CONTIGUOUS: partial(contiguous_core, exchange=exchange)}
+    if not exchange.swaps_layout:
+        return ModeCall(cores=cores, swap_layout=None, path="native-zigzag")
+    return ModeCall(cores=cores, swap_layout=CONTIGUOUS, path=exchange.path)
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:
@@ -232,33 +272,38 @@ def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk:
     return state
 
 
-def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
+def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend,
+                   exchange: Optional[ChunkwiseExchange] = None):
     """zigzag rows in and out: the backend's zigzag core on the rows as they are where it applies
-    (:func:`chunkwise_swaps_layout`), else the routes wrap :func:`contiguous_core`."""
-    zigzag = _zigzag_core(backend, group, plan)  # a 'native' setting it cannot honour fails before the routes
-    if zigzag is not None:
-        return zigzag(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens_global=plan.cu, group=group,
-                      cache=plan.backend_cache)
+    (:func:`chunkwise_swaps_layout`), else the routes wrap :func:`contiguous_core`. ``exchange``:
+    the call's :func:`chunkwise_exchange` (decided here when not given)."""
+    if exchange is None:  # a 'native' setting it cannot honour fails before the routes
+        exchange = chunkwise_exchange(backend, group, plan)
+    if exchange.zigzag is not None:
+        return exchange.zigzag(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens_global=plan.cu,
+                               group=group, cache=plan.backend_cache)
     to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
     # q|k|v and both gates in one all-to-all per direction (bytes packed side by side, exact)
     qkv_c, g_c, beta_c = route_all_to_all_many((qkv, g, beta), to_c, to_z, group)
     o_c = contiguous_core(
         qkv_c, g_c, beta_c, conv_weight, conv_bias,
-        shape=shape, plan=plan, group=group, backend=backend,
+        shape=shape, plan=plan, group=group, backend=backend, exchange=exchange,
     )
     return route_all_to_all(o_c, to_z, to_c, group)
 
 
-def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend):
+def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend,
+                    exchange: Optional[ChunkwiseExchange] = None):
     """The chunkwise core on rows already in the contiguous layout; returns contiguous rows.
 
     Used directly when the layout swap happens outside the core (on hidden_states). A
     backend with a native context-parallel kernel for this group (FLA's cp_context on NCCL)
     runs it unless the path setting says ``generic``; otherwise halos and state summaries go
     through gdn_cp.comm and the backend's kernels run per rank (same results; the reference
-    backend, or FLA on gloo groups).
+    backend, or FLA on gloo groups). ``exchange``: the call's :func:`chunkwise_exchange`
+    (its path is resolved here when not given).
     """
-    _, native = resolve_chunkwise_path(backend, group)
+    native = resolve_chunkwise_path(backend, group)[1] if exchange is None else exchange.native
     if native is not None:
         return native(
             qkv_c, g_c, beta_c, conv_weight, conv_bias,

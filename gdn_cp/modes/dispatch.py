@@ -1,4 +1,4 @@
-""":func:`gdn_core`, the one entry point of the modes: checks, then the registry's core."""
+""":func:`gdn_core`, the one entry point of the modes: checks, then the core the mode chose for the call."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from ..layout.plan import CPPlan
 from ..ops.contract import Backend, check_backend
 from ..ops.gates import check_log_decay, log_decay_ok
 from ..ops.shape import GDNShape
+from .call import ModeCall
 from .common import check_inputs, local_core
 from .spec import MODES, ModeSpec, get_mode
 
@@ -70,6 +71,7 @@ def gdn_core(
     group,
     backend: Backend,
     layout: str = ZIGZAG,
+    call: ModeCall | None = None,
 ) -> torch.Tensor:
     """GDN core (conv + SiLU + gated delta rule) under context parallelism.
 
@@ -78,8 +80,10 @@ def gdn_core(
     conv_weight ``[C, W]``. Returns ``o [T_local, Hv, Dv]`` in the same rows. Every check
     runs before the first collective; there is no fallback to another mode.
 
-    ``layout``: the rows' layout, one of the mode's ``ModeSpec.layouts``; ``"contiguous"``
-    (chunkwise) when the caller swapped layouts on hidden_states, and the output stays there.
+    ``layout``: the rows' layout, one of the mode's ``ModeSpec.layouts``; another than zigzag
+    (chunkwise's ``contiguous``) when the caller moved the rows itself (its ``call.swap_layout``),
+    and the output stays there. ``call``: the mode's decision for this call
+    (``get_mode(mode).prepare(backend, group, plan)``), made here when not given.
     """
     spec = get_mode(mode)
     if not isinstance(layout, str):
@@ -93,6 +97,8 @@ def gdn_core(
     if world == 1:
         return local_core(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens=plan.cu, backend=backend)
     _check_heads(spec, shape, world)
+    if call is None:  # host-side: a setting the backend cannot honour for this group fails here
+        call = spec.prepare(backend, group, plan)
+    core = call.core(layout)
     _check_log_decay_on_every_rank(g, group)
-    core = spec.core_fn(layout)
     return core(qkv, g, beta, conv_weight, conv_bias, shape=shape, plan=plan, group=group, backend=backend)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 
 from ..comm import head_to_seq, seq_to_head
+from ..layout import ZIGZAG
 from ..layout.plan import CPPlan
 from ..ops.shape import GDNShape
+from .call import ModeCall
 from .common import local_core, stack_gates, unstack_gates
 
-__all__ = ["headwise_core"]
+__all__ = ["headwise_core", "prepare"]
 
 
 def _channel_index(shape: GDNShape, cp: int, rank: int) -> torch.Tensor:
@@ -66,3 +68,11 @@ def headwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan
     )  # [T_global, Hv/cp, Dv]
     o = head_to_seq(o.index_select(0, to_buffer), group)  # [T_local, cp, Hv/cp, Dv]
     return o.reshape(t_local, shape.num_v_heads, shape.head_v_dim)
+
+
+def prepare(backend, group, plan: CPPlan) -> ModeCall:
+    """headwise decides nothing per call: its one core, on the zigzag rows."""
+    return _CALL
+
+
+_CALL = ModeCall(cores={ZIGZAG: headwise_core}, path="headwise")

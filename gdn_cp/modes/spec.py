@@ -2,7 +2,8 @@
 
 Torch-free and Megatron-free, so the patched ``TransformerConfig``, the CLI, ``doctor``, the
 dispatch in :mod:`gdn_cp.modes`, tests and benchmarks all read the same table. A new mode is one
-file under ``gdn_cp/modes/`` holding its core plus one :class:`ModeSpec` entry below.
+file under ``gdn_cp/modes/`` (its cores and a ``prepare(backend, group, plan) -> ModeCall``) plus
+one :class:`ModeSpec` entry below, whose ``module`` imports that file on first use.
 
 Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` divisible by
 ``head_divisor(tp, cp)`` (``TP*CP`` for headwise, ``TP`` for the others).
@@ -10,10 +11,12 @@ Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` 
 
 from __future__ import annotations
 
-import functools
-import importlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Optional
+
+if TYPE_CHECKING:
+    from .call import ModeCall
 
 __all__ = [
     "AUTO",
@@ -32,26 +35,22 @@ AUTO = "auto"
 class ModeSpec:
     """One CP mode.
 
-    ``divides_by_cp``: heads must divide TP*CP (True) or TP only (False).
-    ``cores``: ``(layout, "module:function")`` pairs, the core that takes rows in that layout
-    (``zigzag`` always, first; ``contiguous`` when the caller may swap layouts outside the
-    core), imported on first use so that reading the registry never imports torch. Every core
-    is called as ``core(qkv, g, beta, conv_weight, conv_bias, *, shape, plan, group, backend)``
-    by :func:`gdn_cp.modes.gdn_core`. ``cost``: one line for ``doctor`` and logs.
+    ``divides_by_cp``: heads must divide TP*CP (True) or TP only (False). ``layouts``: the row
+    layouts its cores take, ``zigzag`` (Megatron's) first; ``contiguous`` where a caller may move
+    the rows itself (names of :mod:`gdn_cp.layout`, spelled out here so that reading the
+    registry never imports torch). ``module``: imports the mode's file on first use (a plain
+    import statement, which readers and tools follow); the file holds the cores and
+    ``prepare(backend, group, plan) -> ModeCall``. ``cost``: one line for ``doctor`` and logs.
     ``auto_rank``: order in which ``auto`` prefers legal modes (lower first; the reasons are in
     :mod:`gdn_cp.megatron.config`).
     """
 
     name: str
     divides_by_cp: bool
-    cores: tuple[tuple[str, str], ...]
+    layouts: tuple[str, ...]
+    module: Callable[[], ModuleType]
     cost: str
     auto_rank: int
-
-    @property
-    def layouts(self) -> tuple[str, ...]:
-        """Row layouts the mode takes (``zigzag`` first)."""
-        return tuple(layout for layout, _ in self.cores)
 
     def head_divisor(self, tp: int, cp: int) -> int:
         return tp * cp if self.divides_by_cp else tp
@@ -60,19 +59,29 @@ class ModeSpec:
         """``TP*CP=2*4=8`` or ``TP=2``: how messages name the divisor."""
         return f"TP*CP={tp}*{cp}={tp * cp}" if self.divides_by_cp else f"TP={tp}"
 
-    def core_fn(self, layout: str = "zigzag") -> Callable:
-        """The core for rows in ``layout`` (ValueError naming the layouts this mode takes)."""
-        for name, target in self.cores:
-            if name == layout:
-                return _load(target)
-        raise ValueError(f"linear_cp_mode={self.name!r} takes rows in {self.layouts}, not {layout!r}")
+    def prepare(self, backend, group, plan) -> ModeCall:
+        """This call's way through the mode (:class:`~gdn_cp.modes.call.ModeCall`: its cores, whether
+        it moves rows to another layout, which exchange path it takes), decided once on the host
+        before any collective; ValueError where a setting cannot be honoured for ``group``."""
+        return self.module().prepare(backend, group, plan)
 
 
-@functools.lru_cache(maxsize=None)
-def _load(target: str) -> Callable:
-    """``"module:function"`` -> the function (imported once; later layer calls import nothing)."""
-    module, _, fn = target.partition(":")
-    return getattr(importlib.import_module(module), fn)
+def _headwise() -> ModuleType:
+    from . import headwise
+
+    return headwise
+
+
+def _chunkwise() -> ModuleType:
+    from . import chunkwise
+
+    return chunkwise
+
+
+def _all_gather() -> ModuleType:
+    from . import all_gather
+
+    return all_gather
 
 
 MODES: dict[str, ModeSpec] = {
@@ -81,24 +90,24 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec(
             name="headwise",
             divides_by_cp=True,
-            cores=(("zigzag", "gdn_cp.modes.headwise:headwise_core"),),
+            layouts=("zigzag",),
+            module=_headwise,
             cost="two all-to-alls of every activation; full sequence on 1/cp of the heads",
             auto_rank=1,
         ),
         ModeSpec(
             name="chunkwise",
             divides_by_cp=False,
-            cores=(
-                ("zigzag", "gdn_cp.modes.chunkwise:chunkwise_core"),
-                ("contiguous", "gdn_cp.modes.chunkwise:contiguous_core"),
-            ),
+            layouts=("zigzag", "contiguous"),
+            module=_chunkwise,
             cost="CP=1 work on T/cp tokens plus a route all-to-all and a small halo/state exchange",
             auto_rank=0,
         ),
         ModeSpec(
             name="all_gather",
             divides_by_cp=False,
-            cores=(("zigzag", "gdn_cp.modes.all_gather:all_gather_core"),),
+            layouts=("zigzag",),
+            module=_all_gather,
             cost="cp x the compute and O(T) activation memory (the fallback of last resort)",
             auto_rank=2,
         ),

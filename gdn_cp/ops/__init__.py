@@ -1,32 +1,26 @@
 """Per-rank math backends behind one contract (:class:`~gdn_cp.ops.contract.Backend`).
 
-``reference`` is plain torch (any device, any float dtype); ``fla`` is CUDA only (importing
-it does not import flash-linear-attention).
+:mod:`.registry` lists them: ``reference`` is plain torch (any device, any float dtype); ``fla``
+is CUDA only (importing it does not import flash-linear-attention). Importing this package
+imports no torch (the command line reads the registry): ``check_log_decay`` loads it on first use.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 from .contract import Backend, NativeCPCore
-from .gates import check_log_decay
+from .registry import BACKEND_NAMES, BACKENDS, BackendSpec, backend_spec, get_backend
 from .shape import GDNShape, value_heads_per_key_head
 
 __all__ = [
-    "BACKENDS", "Backend", "GDNShape", "NativeCPCore", "check_log_decay", "get_backend", "value_heads_per_key_head",
+    "BACKENDS", "BACKEND_NAMES", "Backend", "BackendSpec", "GDNShape", "NativeCPCore", "backend_spec",
+    "check_log_decay", "get_backend", "value_heads_per_key_head",
 ]
 
-BACKENDS: dict[str, str] = {"reference": "gdn_cp.ops.reference", "fla": "gdn_cp.ops.fla"}  # name -> module
 
+def __getattr__(name: str):
+    if name != "check_log_decay":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .gates import check_log_decay
 
-def get_backend(name: str) -> Backend:
-    """The backend called ``name`` (its module, imported on first use, then remembered)."""
-    if not isinstance(name, str) or name not in BACKENDS:
-        raise ValueError(f"backend must be one of {tuple(BACKENDS)}, got {name!r}")
-    return _load_backend(name)
-
-
-@functools.lru_cache(maxsize=None)
-def _load_backend(name: str) -> Backend:
-    return importlib.import_module(BACKENDS[name])
+    globals()[name] = check_log_decay
+    return check_log_decay

@@ -20,6 +20,14 @@ Optional members (looked up with ``getattr``; a backend without them works, more
 - ``fused_gated_rms_norm() -> callable | None``: ``fn(x [N, D], z [N, D], weight [D], eps) ->
   x / rms(x) * weight * silu(z)`` in one kernel (FLA); the Megatron glue uses it in place of the
   layer's ``out_norm`` then ``* act(z)`` where that is exactly what the layer computes.
+- ``check_head_dims(head_k_dim, head_v_dim)``: ValueError where the kernels cannot take these
+  head dims (FLA); ``gdn-cp run`` asks before it spawns ranks.
+- ``native_cp_problem() -> str | None``: why the native cores cannot run in this process (None
+  when they can, on a group they take); ``check_native_rows(cu_seqlens_global, cp, conv_width)``:
+  ValueError where they cannot take this packing. ``gdn-cp run`` asks both before it spawns.
+
+Which backends there are, and what gdn-cp needs to know of each outside its own files (devices,
+availability, precision, preference), is :mod:`gdn_cp.ops.registry`.
 """
 
 from __future__ import annotations

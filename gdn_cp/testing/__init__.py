@@ -8,9 +8,10 @@ share, so each of them checks the same thing the same way.
 * :mod:`.inputs`: seeded inputs of the GDN core and layer, and the CP=1 answer of the core;
 * :mod:`.packings`: packed micro-batches (boundaries) and Megatron's zigzag rows;
 * :mod:`.results`: machine and versions, JSON files, JSON-lines records;
-* :mod:`.megatron_layer` / :mod:`.megatron_parity`: the real patched Megatron GatedDeltaNet built on
+* :mod:`.megatron` (one package for Megatron): :mod:`.megatron.layer` / :mod:`.megatron.parity` /
+  :mod:`.megatron.tp`: the real patched Megatron GatedDeltaNet built on
   a CPU or GPU, run, and compared with CP=1 or with stock megatron-core;
-* :mod:`.megatron_model` / :mod:`.megatron_batches` / :mod:`.megatron_training`: Megatron's GPTModel
+* :mod:`.megatron.model` / :mod:`.megatron.batches` / :mod:`.megatron.training`: Megatron's GPTModel
   and HybridModel with GDN layers from local modules, micro-batches cut by Megatron's own
   ``get_batch_on_this_cp_rank`` in each of its strategies (with TransformerEngine's per-document
   split re-derived in torch), and optimizer steps through Megatron's DDP, schedule and optimizer;
@@ -18,7 +19,8 @@ share, so each of them checks the same thing the same way.
   chunkwise swap point a layer used), for reports.
 
 Nothing under ``gdn_cp.layout``, ``comm``, ``ops``, ``modes`` or ``megatron`` imports this package
-(a test checks it): it sits on top of the library, next to the command line. Submodules are
+(a test checks it): it is the layer between the library and the command line (``gdn-cp run`` and
+``selftest`` run on it). Submodules are
 imported explicitly (``from gdn_cp.testing.ranks import RankPool``); importing the package alone
 imports nothing heavy.
 """

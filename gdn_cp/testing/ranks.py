@@ -69,14 +69,14 @@ __all__ = [
     "RankError",
     "RankPool",
     "check_pool_request",
-    "choose_backend",
+    "choose_process_group_backend",
     "current_rank",
     "maybe_fast_autotune",
 ]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("gloo", "nccl")
+PROCESS_GROUP_BACKENDS = ("gloo", "nccl")  # torch.distributed backends (not the math backends of gdn_cp.ops)
 DEVICES = ("cpu", "cuda")
 _COLLECTIVES = ("all_gather_into_tensor", "all_gather", "all_reduce", "all_to_all_single", "broadcast",
                 "reduce_scatter_tensor", "barrier")
@@ -89,9 +89,10 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def choose_backend(world_size: int, device: Optional[str] = None,
-                   backend: Optional[str] = None) -> tuple[str, str, bool]:
-    """``(backend, device, one_gpu)`` for a pool of ``world_size`` ranks (see the module docstring).
+def choose_process_group_backend(world_size: int, device: Optional[str] = None,
+                                 backend: Optional[str] = None) -> tuple[str, str, bool]:
+    """``(backend, device, one_gpu)`` for a pool of ``world_size`` ranks (see the module docstring):
+    ``backend`` is the torch.distributed one (gloo, nccl).
 
     ``one_gpu``: every rank uses ``cuda:0`` (gloo ranks sharing one GPU).
     """
@@ -116,8 +117,8 @@ def check_pool_request(world_size: int, device: str, backend: str) -> None:
         raise ValueError(f"world_size={world_size!r}: a rank pool needs an int >= 1")
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: use one of {DEVICES}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+    if backend not in PROCESS_GROUP_BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {PROCESS_GROUP_BACKENDS}")
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device='cuda': torch {torch.__version__} sees no CUDA GPU (a CPU build, or no GPU "
                          "visible); use device='cpu'")
@@ -237,7 +238,7 @@ def _install_fla_gloo_adapter() -> None:
 
 def adapt_fla_collectives_for_gloo() -> None:
     """Test-only, for processes whose gloo ranks share one GPU outside a :class:`RankPool` (e.g. the
-    Megatron-LM launcher, :mod:`gdn_cp.testing.megatron_lm`): FLA's ``[world, n, ...]``
+    Megatron-LM launcher, :mod:`gdn_cp.testing.megatron.lm`): FLA's ``[world, n, ...]``
     ``all_gather_into_tensor`` outputs viewed flat, and the FLA backend told so (logged), so the
     native chunkwise path runs there as in a pool."""
     from gdn_cp.ops.fla.native_cp import allow_fla_collectives
@@ -422,7 +423,7 @@ class RankPool:
         import multiprocessing
 
         self.world_size = world_size
-        self.backend, self.device, self.one_gpu = choose_backend(world_size, device, backend)
+        self.backend, self.device, self.one_gpu = choose_process_group_backend(world_size, device, backend)
         check_pool_request(world_size, self.device, self.backend)
         self.timeout_s = timeout_s
         self.failure_grace_s = failure_grace_s

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.registry import backend_spec
+
 __all__ = [
     "CP_VS_CP1_MAX_REL",
     "FLA_CP_CEILING_REL_L2",
@@ -56,13 +58,13 @@ def cp_vs_cp1_tolerance(dtype: str, backend: str) -> float:
     """max_rel allowed between a CP run and CP=1 on the same backend and dtype (``gdn-cp run``).
 
     fp64 and fp32 on the reference backend as in :data:`CP_VS_CP1_MAX_REL`, with fp32 loosened to
-    1e-4 for the longer main-job sequences; FLA's fp32 path uses TF32 dots (1e-2); bf16 rounds at
-    8 bits (5e-2).
+    1e-4 for the longer main-job sequences; a backend whose fp32 path uses TF32 dots (FLA's: its
+    registry entry says ``tf32_dots``) 1e-2; bf16 rounds at 8 bits (5e-2).
     """
     if dtype == "float64":
         return CP_VS_CP1_MAX_REL[torch.float64]
     if dtype == "bfloat16":
         return 5e-2
     if dtype == "float32":
-        return 1e-4 if backend == "reference" else 1e-2
+        return 1e-2 if backend_spec(backend).tf32_dots else 1e-4
     raise ValueError(f"dtype={dtype!r} has no tolerance; use float64, float32 or bfloat16")

@@ -353,11 +353,10 @@ def test_patch_messages_print_once(folders, caplog):
     """The patch tool's message reaches the user once: on stdout, not again as an INFO log line."""
     import logging
 
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch
 
-    caplog.set_level(logging.INFO, logger="gdn_cp.megatron.patching")
-    root = patching.find_megatron_root()
-    if patching.overall_state(patching.check_patch(root)) != patching.PATCHED:
+    caplog.set_level(logging.INFO, logger="gdn_cp.patch")
+    if patch.overall_state(patch.check_patch()) != patch.PATCHED:
         pytest.skip("needs the installed megatron-core patched (CI patches it)")
     rc, out, _ = run_cli(["patch", "apply"])  # already patched: a no-op that says so
     assert rc == 0 and "already patched" in out
@@ -365,12 +364,12 @@ def test_patch_messages_print_once(folders, caplog):
 
 
 def test_missing_megatron_hint_works_for_this_python(monkeypatch):
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch
     from gdn_cp.megatron.pins import get_pin
 
-    monkeypatch.setattr(patching.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(patching.PatchError) as info:
-        patching.find_megatron_root()
+    monkeypatch.setattr(patch.tree.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(patch.PatchError) as info:
+        patch.find_megatron_root()
     assert get_pin().install_command() in str(info.value)
     assert "--ignore-requires-python" in get_pin().install_command((3, 11))
     assert get_pin().install_command((3, 12)) == f"python -m pip install {get_pin().requirement}"

@@ -5,7 +5,7 @@ Each case starts from valid small inputs and changes one argument: another float
 integer or bool dtype, a missing or extra dim, a dropped row, a meta tensor, a list, None, a
 non-contiguous view, a hostile scalar, a log decay that overflows. A change that the contract
 forbids must be refused with a message naming the argument; any call that succeeds is compared
-with the per-token fp64 oracles of ``tests/ops/recurrence.py``. A distributed case (two gloo
+with the per-token fp64 oracles of ``gdn_cp/ops/reference/naive.py``. A distributed case (two gloo
 ranks of the session's pool, under its timeout) checks that every mode refuses bad input on every
 rank before its first collective.
 """
@@ -22,9 +22,9 @@ from gdn_cp.layout import Boundaries, RouteCache
 from gdn_cp.modes import GDNShape, gdn_core, local_core, sbhd_to_thd, thd_to_sbhd
 from gdn_cp.modes.spec import MODE_NAMES
 from gdn_cp.ops import BACKENDS, check_log_decay, get_backend, reference, value_heads_per_key_head
+from gdn_cp.ops.reference.naive import naive_causal_conv1d, naive_gated_delta_rule
 from gdn_cp.testing.packings import cumsum0
 
-from ..ops.recurrence import naive_causal_conv1d, naive_gated_delta_rule
 from .common import (
     Refused,
     assert_accepted,

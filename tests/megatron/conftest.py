@@ -10,29 +10,23 @@ from tests.conftest import megatron_unavailable
 @pytest.fixture(scope="session")
 def patched_megatron(megatron_installed):
     """The installed megatron-core, patched for the session (reverted at the end if we patched it).
-    Spawned ranks import the installed (patched) package."""
-    from gdn_cp.megatron import patching
+    Spawned ranks import the installed (patched) package. Another release installed counts as no
+    megatron-core (fail, or skip with GDN_CP_ALLOW_SKIP_MEGATRON=1); local edits of the pinned
+    one fail with the fix."""
+    from gdn_cp.patch import PINNED_VERSION, MegatronNotFound, PatchError, ensure_patched, revert_patch
+    from gdn_cp.patch import find_megatron_root, megatron_version
 
     try:
-        root = patching.find_megatron_root()
-        version = patching.megatron_version(root)
-        state = patching.overall_state(patching.check_patch(root))
-    except Exception as e:  # noqa: BLE001 - any failure here is "not usable", with the reason
-        megatron_unavailable(f"cannot inspect the installed megatron-core: {type(e).__name__}: {e}")
-    if version not in (None, patching.PINNED_VERSION):
-        megatron_unavailable(f"installed megatron-core is {version}, the patch is pinned to {patching.PINNED_VERSION}")
-    applied = False
-    if state == patching.PRISTINE:
-        patching.apply_patch(root)
-        applied = True
-    elif state != patching.PATCHED:
-        pytest.fail(
-            f"installed megatron-core at {root} is {state!r} (neither pristine nor patched); "
-            "run `python3 -m gdn_cp.cli patch check`",
-            pytrace=False,
-        )
+        tree = ensure_patched()
+    except MegatronNotFound as e:
+        megatron_unavailable(f"cannot find the installed megatron-core: {e}")
+    except PatchError as e:
+        version = megatron_version(find_megatron_root())
+        if version not in (None, PINNED_VERSION):
+            megatron_unavailable(f"installed megatron-core is {version}, the patch is pinned to {PINNED_VERSION}")
+        pytest.fail(f"installed megatron-core: {e}", pytrace=False)
     try:
-        yield root
+        yield tree.root
     finally:
-        if applied:
-            patching.revert_patch(root)
+        if tree.applied:
+            revert_patch(tree.root)

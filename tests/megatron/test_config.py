@@ -307,7 +307,7 @@ def _imported_heavy(code: str) -> list:
 def test_imports_are_light():
     """The patch tool imports no Megatron, torch, FLA or Triton; the config hook (imported by the
     patched TransformerConfig) adds nothing to what the mode registry itself costs."""
-    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.megatron.patching, gdn_cp.megatron.pins, gdn_cp.cli.patch") == []
+    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.patch, gdn_cp.megatron.pins, gdn_cp.cli.patch, gdn_cp.cli.doctor") == []
     registry = _imported_heavy("import gdn_cp.modes.spec")
     assert "megatron" not in registry
     assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.megatron.pins.core_0_19_2") == registry
@@ -317,7 +317,8 @@ def test_names_come_from_the_registry(monkeypatch):
     """A mode added to the registry is legal for the config, the check, auto and doctor alike."""
     from gdn_cp.modes import spec
 
-    extra = spec.ModeSpec(name="ring", divides_by_cp=False, cores=(("zigzag", "x:y"),), cost="test mode", auto_rank=-1)
+    extra = spec.ModeSpec(name="ring", divides_by_cp=False, layouts=("zigzag",), module=lambda: None, cost="test mode",
+                          auto_rank=-1)
     monkeypatch.setitem(spec.MODES, "ring", extra)
     monkeypatch.setattr(cfgmod, "MODE_NAMES", (*MODE_NAMES, "ring"))
     monkeypatch.setattr(cfgmod, "MODE_CHOICES", (*MODE_NAMES, "ring", "auto"))

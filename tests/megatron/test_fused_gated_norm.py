@@ -38,7 +38,7 @@ def _with_fused_norm(ctx):
     import logging
 
     import gdn_cp.megatron.gdn as glue
-    from gdn_cp.testing.megatron_parity import parity_case
+    from gdn_cp.testing.megatron.parity import parity_case
 
     records = []
     handler = logging.Handler()
@@ -170,7 +170,7 @@ def _te_stand_in_cases(ctx):
 
     import gdn_cp.megatron.gdn as glue
     from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
     from gdn_cp.testing.metrics import max_rel
 
     records = []
@@ -313,8 +313,8 @@ def _te_layer_cases(ctx, zero_centered_gamma):
     import gdn_cp.megatron.gdn as glue
     from gdn_cp.ops import get_backend
     from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, run_layer, thd_params
-    from gdn_cp.testing.megatron_parity import GPU_CFG
+    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+    from gdn_cp.testing.megatron.parity import GPU_CFG
     from gdn_cp.testing.metrics import rel_l2
 
     records = []

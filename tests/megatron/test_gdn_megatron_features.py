@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from gdn_cp.testing.inputs import hidden_inputs
-from gdn_cp.testing.megatron_layer import (
+from gdn_cp.testing.megatron.layer import (
     DIMS,
     build_gdn,
     install_cpu_shims,
@@ -31,7 +31,7 @@ from gdn_cp.testing.megatron_layer import (
     stock_vs_patched,
     thd_params,
 )
-from gdn_cp.testing.megatron_parity import HIDDEN, MODES, parity_case, sbhd_len
+from gdn_cp.testing.megatron.parity import HIDDEN, MODES, parity_case, sbhd_len
 from gdn_cp.testing.metrics import max_rel
 from gdn_cp.testing.packings import thd_case, zigzag_rows
 from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL

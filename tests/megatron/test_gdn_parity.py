@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn_cp.testing.megatron_parity import MODES, parity_case
+from gdn_cp.testing.megatron.parity import MODES, parity_case
 from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
 
 

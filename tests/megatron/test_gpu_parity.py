@@ -29,7 +29,7 @@ import importlib.util
 import pytest
 import torch
 
-from gdn_cp.testing.megatron_parity import GPU_CFG, MODES, parity_case
+from gdn_cp.testing.megatron.parity import GPU_CFG, MODES, parity_case
 from gdn_cp.testing.metrics import rel_l2
 from gdn_cp.testing.results import JsonlRecorder
 from gdn_cp.testing.tolerances import MEGATRON_BF16_REL_L2 as BF16_TOL
@@ -70,7 +70,7 @@ def gpu_pools(rank_pool):
 def _gpu_cases(ctx, spec: str):
     from types import SimpleNamespace
 
-    from gdn_cp.megatron.gdn import choose_backend
+    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
 
     out = {"cases": {}}
     for layout, batch in MODE_CASES:
@@ -80,7 +80,7 @@ def _gpu_cases(ctx, spec: str):
                                          device=ctx.device, metric=rel_l2, bias=False, conv_bias=False,
                                          sbhd_batch=batch, spec=spec)
     probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
-    out["backend"] = choose_backend(probe, ctx.device).__name__
+    out["backend"] = choose_backend(layer_adapter(probe), ctx.device).__name__
     return out
 
 
@@ -105,8 +105,8 @@ def test_gpu_parity_bf16(gpu_pools, patched_megatron, world, spec):
 
 def _stock_vs_patched(ctx):
     from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron_layer import build_gdn, make_config, rank_groups, stock_vs_patched
-    from gdn_cp.testing.megatron_parity import sbhd_len
+    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_vs_patched
+    from gdn_cp.testing.megatron.parity import sbhd_len
     from gdn_cp.testing.packings import zigzag_rows
 
     group = rank_groups()["world"]
@@ -145,12 +145,12 @@ def _gpu_path_cases(ctx, path: str, spec: str = "local"):
     import torch.distributed as dist
 
     from gdn_cp.layout import plan_for_sbhd
-    from gdn_cp.megatron.gdn import choose_backend
+    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
     from gdn_cp.megatron.swap import set_chunkwise_swap
     from gdn_cp.modes import resolve_chunkwise_path, set_chunkwise_path
     from gdn_cp.modes.chunkwise import chunkwise_swaps_layout
-    from gdn_cp.testing.megatron_layer import rank_groups
-    from gdn_cp.testing.megatron_parity import sbhd_len
+    from gdn_cp.testing.megatron.layer import rank_groups
+    from gdn_cp.testing.megatron.parity import sbhd_len
 
     out = {}
     set_chunkwise_path(path)
@@ -158,7 +158,7 @@ def _gpu_path_cases(ctx, path: str, spec: str = "local"):
         from types import SimpleNamespace
 
         probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
-        backend = choose_backend(probe, ctx.device)
+        backend = choose_backend(layer_adapter(probe), ctx.device)
         world = rank_groups()["world"]
         out["path"] = resolve_chunkwise_path(backend, world)[0]
         out["zigzag_for_sbhd1"] = not chunkwise_swaps_layout(

@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from gdn_cp.testing.megatron_parity import GPU_CFG, MODES, tp_grid_case
+from gdn_cp.testing.megatron.parity import GPU_CFG, MODES, tp_grid_case
 from gdn_cp.testing.metrics import max_rel, rel_l2
 from gdn_cp.testing.results import JsonlRecorder
 from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL, MEGATRON_BF16_REL_L2, MEGATRON_FP32_REL_L2
@@ -57,10 +57,10 @@ def _cases(ctx, grid, dtypes, cfg, metric):
     """The grid on this rank (``ctx.device``), plus the backend the gdn-cp path chose."""
     from types import SimpleNamespace
 
-    from gdn_cp.megatron.gdn import choose_backend
+    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
 
     probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=cfg.get("deterministic_mode", False)))
-    return {"backend": choose_backend(probe, ctx.device).__name__,
+    return {"backend": choose_backend(layer_adapter(probe), ctx.device).__name__,
             "cases": tp_grid_case(grid, dtypes, MODES, cfg=cfg, device=ctx.device, metric=metric, bias=False,
                                   conv_bias=False)}
 

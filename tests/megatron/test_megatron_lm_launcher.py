@@ -1,4 +1,4 @@
-"""The Megatron-LM launcher (gdn_cp.testing.megatron_lm) on the CPU: its command lines pass
+"""The Megatron-LM launcher (gdn_cp.testing.megatron.lm) on the CPU: its command lines pass
 Megatron-LM's own parser and ``validate_args`` and give the model config each run means; the SFT
 stand-ins feed Megatron-LM's real ``SFTDataset``; the log parser reads Megatron's iteration lines;
 ``launch`` runs ranks, reads the last rank's log and ends a run whose rank fails; the benchmark's
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp.testing.megatron_lm import RunSpec, launch, megatron_lm_args, parse_training_log
+from gdn_cp.testing.megatron.lm import RunSpec, launch, megatron_lm_args, parse_training_log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,9 +60,9 @@ from megatron.training.argument_utils import core_transformer_config_from_args
 if not torch.cuda.is_available():
     margs.get_device_arch_version = lambda: 9
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-from gdn_cp.testing.megatron_lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
-sys.path.insert(0, os.environ["GDN_CP_BENCHMARKS"])
-from train_megatron_lm import matrix
+from gdn_cp.testing.megatron.lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
+sys.path.insert(0, os.path.dirname(os.environ["GDN_CP_BENCHMARKS"]))  # the repository root: Megatron-LM runs from its checkout
+from benchmarks.train_megatron_lm import matrix
 
 out = {"runs": {}}
 parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_hybrid.py"))  # the scripts add no flags
@@ -202,11 +202,8 @@ def test_launch_ends_a_run_when_a_rank_fails(tmp_path):
 
 
 def test_benchmark_verdicts_follow_the_noise_rule():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import train_megatron_lm as bench
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    from benchmarks import train_megatron_lm as bench
+
     base = dict(cp=1, mode=None, data="none", recompute="none", status="ok")
     rows = [
         dict(base, name="m_cp1", reference="", losses=[8.0, 7.0], grad_norms=[2.0, 1.0]),
@@ -232,11 +229,8 @@ def test_benchmark_verdicts_follow_the_noise_rule():
 
 def test_each_precision_has_its_own_tolerance():
     """An fp32 CP run is held to fp32's noise, not to bf16's (which is 40x wider in the GPU runs)."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import train_megatron_lm as bench
-    finally:
-        sys.path.remove(str(REPO / "benchmarks"))
+    from benchmarks import train_megatron_lm as bench
+
     base = dict(cp=1, mode=None, data="none", recompute="none", status="ok", grad_norms=[1.0, 1.0])
     rows = [dict(base, name="b_cp1", reference="", losses=[8.0, 7.0]),
             dict(base, name="b_cp1_noise", reference="b_cp1", losses=[8.0, 7.0007]),  # 1e-4
@@ -249,7 +243,7 @@ def test_each_precision_has_its_own_tolerance():
 
 
 def test_error_tail_reads_the_exception_under_torchruns_prefixes():
-    from gdn_cp.testing.megatron_lm import _error_tail
+    from gdn_cp.testing.megatron.lm import _error_tail
 
     log = textwrap.dedent("""\
         INFO:megatron.core.timers:(min, max) time across ranks (ms):

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp.megatron import patching, pins
+from gdn_cp.megatron import pins
+from gdn_cp.megatron.pins import lookup
+from gdn_cp.patch import PATCH_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 _ADAPTER_API = ("VERSION", "read_config", "set_linear_cp_mode", "LayerAdapter")
@@ -19,9 +21,9 @@ _ADAPTER_API = ("VERSION", "read_config", "set_linear_cp_mode", "LayerAdapter")
 @pytest.mark.parametrize("version", list(pins.PINS))
 def test_every_pin_has_its_patch_folder_and_adapter(version):
     pin = pins.get_pin(version)
-    manifest = patching.load_manifest(version)
+    manifest = pins.load_manifest(version)
     assert manifest.megatron_core_version == version
-    assert Path(str(patching.patch_dir(version))).name == pin.patch_folder
+    assert Path(str(pins.patch_dir(version))).name == pin.patch_folder
     adapter = pins.load_adapter(version)
     assert all(hasattr(adapter, name) for name in _ADAPTER_API), adapter
     assert adapter.VERSION == version
@@ -29,7 +31,7 @@ def test_every_pin_has_its_patch_folder_and_adapter(version):
 
 
 def test_default_pin_is_in_the_table_and_unknown_pins_are_refused():
-    assert pins.PINNED_VERSION in pins.PINS and patching.PATCH_NAME == pins.get_pin().patch_folder
+    assert pins.PINNED_VERSION in pins.PINS and PATCH_NAME == pins.get_pin().patch_folder
     with pytest.raises(ValueError, match=r"megatron-core '0\.1\.0' is not supported .*supported: 0\.19\.2"):
         pins.get_pin("0.1.0")
 
@@ -56,7 +58,7 @@ def test_layer_class_pin_single_and_by_hash(monkeypatch, tmp_path):
     class Layer:
         pass
 
-    assert patching.pin_of_layer_class(Layer) is pins.get_pin()  # one pin: no file needed
+    assert pins.pin_of_layer_class(Layer) is pins.get_pin()  # one pin: no file needed
 
     # Two pins: the class's source file decides, by the patched sha256 in each manifest.
     gdn = tmp_path / "megatron" / "core" / "ssm" / "gated_delta_net" / "gdn.py"
@@ -66,19 +68,19 @@ def test_layer_class_pin_single_and_by_hash(monkeypatch, tmp_path):
     module.__file__ = str(gdn)
     monkeypatch.setitem(sys.modules, "fake_megatron_gdn", module)
     Layer.__module__ = "fake_megatron_gdn"
-    other = pins.Pin("9.9.9", "megatron-core-9.9.9", "gdn_cp.megatron.pins.core_0_19_2")
+    other = pins.Pin("9.9.9", "megatron-core-9.9.9", pins.load_adapter())
     monkeypatch.setitem(pins.PINS, "9.9.9", other)
-    real_load = patching.load_manifest
+    real_load = lookup.manifest.load_manifest
     digest = hashlib.sha256(gdn.read_bytes()).hexdigest()
 
     def load_manifest(pin=None):
         if pin != "9.9.9":
             return real_load(pin)
-        target = patching.PatchTarget("megatron/core/ssm/gated_delta_net/gdn.py", "gdn.py.patch", "0" * 64, digest)
-        return patching.Manifest("9.9.9", "megatron/core/package_info.py", (target,))
+        target = pins.PatchTarget("megatron/core/ssm/gated_delta_net/gdn.py", "gdn.py.patch", "0" * 64, digest)
+        return pins.Manifest("9.9.9", "megatron/core/package_info.py", (target,))
 
-    monkeypatch.setattr(patching, "load_manifest", load_manifest)
-    assert patching.pin_of_layer_class(Layer) is other
+    monkeypatch.setattr(lookup.manifest, "load_manifest", load_manifest)
+    assert pins.pin_of_layer_class(Layer) is other
     gdn.write_bytes(b"# something else\n")
     with pytest.raises(ValueError, match="not the patched file of any megatron-core release"):
-        patching.pin_of_layer_class(Layer)
+        pins.pin_of_layer_class(Layer)

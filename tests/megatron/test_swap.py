@@ -7,7 +7,7 @@ import torch
 
 from gdn_cp.megatron.swap import choose_swap_point, set_chunkwise_swap
 from gdn_cp.modes import GDNShape
-from gdn_cp.testing.megatron_parity import HIDDEN, parity_case
+from gdn_cp.testing.megatron.parity import HIDDEN, parity_case
 from gdn_cp.testing.packings import thd_case
 
 QWEN35_9B = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)

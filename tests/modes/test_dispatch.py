@@ -23,15 +23,19 @@ SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 
 
 @pytest.mark.parametrize("name", MODE_NAMES)
-def test_every_registered_core_resolves(name):
+def test_every_registered_mode_prepares_a_core_per_layout(name):
+    """The registry entry's file is imported directly and its prepare() gives a core for every layout
+    the entry names, callable the way gdn_core calls it."""
     spec = MODES[name]
     assert spec.layouts[0] == ZIGZAG and set(spec.layouts) <= set(LAYOUTS)
+    assert spec.module().__name__ == f"gdn_cp.modes.{name}"
+    args, plan = _args([0, 8], cp=2)
+    call = spec.prepare(reference, None, plan)
+    assert tuple(call.cores) == spec.layouts and call.swap_layout in (None, *spec.layouts[1:])
     for layout in spec.layouts:
-        params = inspect.signature(spec.core_fn(layout)).parameters
-        assert [p for p in params if params[p].kind is inspect.Parameter.KEYWORD_ONLY] == [
-            "shape", "plan", "group", "backend"]
-    with pytest.raises(ValueError, match=f"linear_cp_mode='{name}' takes rows in"):
-        spec.core_fn("diagonal")
+        inspect.signature(call.core(layout)).bind(*args, shape=SHAPE, plan=plan, group=None, backend=reference)
+    with pytest.raises(ValueError, match="layout='diagonal': this call's cores take rows in"):
+        call.core("diagonal")
 
 
 def test_mode_registry_import_is_torch_free():

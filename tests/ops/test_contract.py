@@ -44,6 +44,18 @@ def test_native_cp_cores():
     assert _compatible(fla.cp_context_core, NativeCPCore.__call__) == []
 
 
+def test_the_registry_is_torch_free_and_chooses_by_device():
+    """The command line reads the registry without torch; a backend's entry names its module directly."""
+    assert _imports_after("from gdn_cp.ops.registry import BACKENDS; import gdn_cp.cli.run").count("torch") == 0
+    from gdn_cp.ops.registry import ORACLE, choose_backend_name
+
+    for name, spec in BACKENDS.items():
+        assert spec.module().__name__ == f"gdn_cp.ops.{name}" and "cpu" in BACKENDS[ORACLE].devices
+    assert choose_backend_name("cpu") == ORACLE and choose_backend_name("cuda", deterministic=True) == ORACLE
+    want = "fla" if BACKENDS["fla"].problem() is None else ORACLE  # FLA where it imports (never on a CPU machine)
+    assert choose_backend_name("cuda") == want
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match=r"backend must be one of \('reference', 'fla'\), got 'triton'"):
         get_backend("triton")

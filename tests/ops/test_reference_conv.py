@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_cp.ops.reference import causal_conv1d
+from gdn_cp.ops.reference.naive import naive_causal_conv1d
 from gdn_cp.testing.metrics import max_rel
 
-from .recurrence import naive_causal_conv1d
 
 # Empty sequences (front, middle, back), sequences shorter than W and longer.
 CU = [0, 0, 1, 3, 3, 11, 40, 41, 41]

@@ -1,99 +1,25 @@
 """The megatron-core releases gdn-cp supports (pins), each with its patch folder and layer adapter.
 
-A pin is one megatron-core release whose two target files gdn-cp patches. Supporting another
+A pin is one megatron-core release whose target files gdn-cp patches. Supporting another
 release (0.18.x, the next one) takes three things and nothing else:
 
 * a patch folder ``patches/megatron-core-<version>/`` (unified diffs + ``manifest.json`` with the
-  sha256 of the pristine and patched files; see :mod:`gdn_cp.megatron.patching`),
+  sha256 of the pristine and patched files; read by :mod:`.manifest`, applied by :mod:`gdn_cp.patch`),
 * an adapter module ``gdn_cp/megatron/pins/core_<version with _>.py`` exposing what gdn-cp reads
   from that release's ``GatedDeltaNet`` and ``TransformerConfig`` (see :mod:`.core_0_19_2`),
-* one :class:`Pin` row in :data:`PINS` below.
+* one :class:`Pin` row in :data:`PINS` (:mod:`.table`).
 
 Everything that names a megatron-core version (the patch tool, ``doctor``, install hints, the
-CLI's help) reads it from here. Torch-free and Megatron-free.
+CLI's help) reads it from here; :mod:`.lookup` finds the pin (and adapter) of a loaded layer
+class. Torch-free and Megatron-free.
 """
 
-from __future__ import annotations
+from .lookup import adapter_class, file_matches_pin, pin_of_layer_class
+from .manifest import Manifest, PatchError, PatchTarget, load_manifest, patch_dir
+from .table import PINNED_VERSION, PINS, Pin, get_pin, load_adapter
 
-import importlib
-import sys
-from dataclasses import dataclass
-from types import ModuleType
-
-__all__ = ["Pin", "PINS", "PINNED_VERSION", "get_pin", "load_adapter"]
-
-
-@dataclass(frozen=True)
-class Pin:
-    """One supported megatron-core release.
-
-    ``version``: the release's version string (``megatron/core/package_info.py`` of the PyPI
-    release). ``patch_folder``: folder name under ``patches/`` (shipped as ``gdn_cp._patches``).
-    ``adapter``: module implementing the adapter interface for this release. ``matching_refs``:
-    Megatron-LM git refs whose target files were checked to equal the release's (their
-    ``package_info.py`` may report another version string; the patch tool goes by file hashes).
-    """
-
-    version: str
-    patch_folder: str
-    adapter: str
-    matching_refs: tuple[str, ...] = ()
-
-    @property
-    def requirement(self) -> str:
-        """The pip requirement that installs this release, e.g. ``megatron-core==0.19.2``."""
-        return f"megatron-core=={self.version}"
-
-    def install_command(self, python_version: tuple[int, int] | None = None, *, reinstall: bool = False) -> str:
-        """The pip command that installs this release on ``python_version`` (default: this Python).
-
-        megatron-core 0.19.x declares Python >= 3.12, although its sources run on 3.11; there
-        the plain ``pip install`` fails, so the command builds the sdist past that declaration
-        (and adds triton, which megatron.core imports), as ``tests/install_deps.sh`` does.
-        ``reinstall``: replace an installed copy whose files were changed (pip leaves an installed
-        release of the same version alone otherwise); its dependencies are left as they are.
-        """
-        major_minor = tuple(sys.version_info[:2]) if python_version is None else tuple(python_version)[:2]
-        again = "--force-reinstall --no-deps " if reinstall else ""
-        if major_minor >= (3, 12):
-            return f"python -m pip install {again}{self.requirement}"
-        again = "--force-reinstall " if reinstall else ""
-        return (
-            f"python -m pip install {again}--no-binary megatron-core --ignore-requires-python --no-deps "
-            f"{self.requirement} && python -m pip install --no-deps triton"
-        )
-
-
-PINS: dict[str, Pin] = {
-    pin.version: pin
-    for pin in (
-        Pin(
-            version="0.19.2",
-            patch_folder="megatron-core-0.19.2",
-            adapter="gdn_cp.megatron.pins.core_0_19_2",
-            # checked by sha256 on a Megatron-LM snapshot: both report 0.19.1 in package_info.py
-            matching_refs=("core_r0.19.0", "core_v0.19.0"),
-        ),
-    )
-}
-
-PINNED_VERSION = "0.19.2"
-"""The default pin: what gdn-cp's ``megatron`` extra installs and the patch tool applies."""
-
-
-def get_pin(version: str | None = None) -> Pin:
-    """The pin of ``version`` (default :data:`PINNED_VERSION`); ValueError naming the supported ones."""
-    key = PINNED_VERSION if version is None else version
-    pin = PINS.get(key)
-    if pin is None:
-        supported = ", ".join(sorted(PINS))
-        raise ValueError(
-            f"megatron-core {key!r} is not supported by this gdn-cp (supported: {supported}); "
-            f"install one of those ({get_pin().requirement})"
-        )
-    return pin
-
-
-def load_adapter(version: str | None = None) -> ModuleType:
-    """The adapter module of a pin (imported on first use: it may import torch)."""
-    return importlib.import_module(get_pin(version).adapter)
+__all__ = [
+    "Pin", "PINS", "PINNED_VERSION", "get_pin", "load_adapter",
+    "PatchError", "PatchTarget", "Manifest", "patch_dir", "load_manifest",
+    "adapter_class", "file_matches_pin", "pin_of_layer_class",
+]

@@ -39,14 +39,17 @@ Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = [
-    "VERSION", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
+    "VERSION", "STOCK_MODE", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
     "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
 ]
 
 VERSION = "0.19.2"
+
+STOCK_MODE = "headwise"
+"""The ``linear_cp_mode`` of a config without the patch's field: 0.19.2's own (and only) GDN CP scheme."""
 
 TE_RMSNORM = ("transformer_engine.pytorch.module.rmsnorm", "RMSNorm")
 """``(module, qualname)`` of TransformerEngine's RMSNorm module (``te.pytorch.RMSNorm``)."""
@@ -84,7 +87,7 @@ def read_config(config) -> ConfigFields:
 
         activation = F.gelu
     return ConfigFields(
-        linear_cp_mode=getattr(config, "linear_cp_mode", "headwise"),
+        linear_cp_mode=getattr(config, "linear_cp_mode", STOCK_MODE),
         thd_split=getattr(config, "linear_cp_thd_split", None),
         num_key_heads=getattr(config, "linear_num_key_heads", None),
         num_value_heads=getattr(config, "linear_num_value_heads", None),
@@ -198,6 +201,15 @@ class LayerAdapter:
     def __init__(self, layer):
         self.layer = layer
 
+    def own(self, attr: str, make: Callable[[], Any]):
+        """gdn-cp's own per-layer state ``attr`` (a ``_gdn_cp_*`` entry of the layer's ``__dict__``:
+        no parameter, buffer or submodule, so ``state_dict`` and module hooks never see it), made
+        by ``make()`` on first use and kept as long as the layer."""
+        state = self.layer.__dict__.get(attr)
+        if state is None:
+            state = self.layer.__dict__[attr] = make()
+        return state
+
     # -- identity, config ---------------------------------------------------------------------
     @property
     def layer_number(self) -> Optional[int]:
@@ -205,7 +217,7 @@ class LayerAdapter:
 
     @property
     def linear_cp_mode(self):
-        return getattr(self.layer.config, "linear_cp_mode", "headwise")
+        return getattr(self.layer.config, "linear_cp_mode", STOCK_MODE)
 
     @property
     def thd_split_setting(self):

@@ -38,10 +38,12 @@ from .native_cp import (
     FLA_COLLECTIVE_BACKENDS,
     allow_fla_collectives,
     check_chunkwise_layout,
+    check_native_rows,
     check_zigzag_stream,
     cp_context_core,
     fla_collective_backends,
     native_cp_core,
+    native_cp_problem,
     native_zigzag_cp_core,
     zigzag_context_core,
 )

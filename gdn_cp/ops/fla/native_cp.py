@@ -35,6 +35,7 @@ import torch
 from ...comm import group_backend, group_size
 from ...layout.boundaries import Boundaries, check_cp, host_boundaries
 from ..shape import GDNShape
+from . import detect
 from .detect import features, fla_version, has_cp_context, has_zigzag_layout
 from .kernels import causal_conv1d, check_head_dims, chunk_gated_delta_rule, fla_api, kv_heads_for_kernel, require_cuda
 
@@ -42,10 +43,12 @@ __all__ = [
     "FLA_COLLECTIVE_BACKENDS",
     "allow_fla_collectives",
     "check_chunkwise_layout",
+    "check_native_rows",
     "check_zigzag_stream",
     "cp_context_core",
     "fla_collective_backends",
     "native_cp_core",
+    "native_cp_problem",
     "native_zigzag_cp_core",
     "zigzag_context_core",
 ]
@@ -107,6 +110,25 @@ def native_zigzag_cp_core(group):
     """:func:`zigzag_context_core` when :func:`native_cp_core` runs on ``group`` and this FLA's
     ``build_cp_context`` takes ``layout="zigzag"`` (FLA >= 0.6), else None."""
     return zigzag_context_core if has_zigzag_layout() and _runs_on(group) else None
+
+
+def native_cp_problem() -> str | None:
+    """Why FLA's cp context cannot run in this process (None when it can, on a group it takes:
+    :func:`native_cp_core`); host-side, for refusals made before any rank starts."""
+    if detect.has_cp_context():
+        return None
+    return f"FLA {detect.fla_version()}: {detect.features().cp_context_error}"
+
+
+def check_native_rows(cu_seqlens_global: Sequence[int], cp_size: int, conv_kernel_size: int) -> None:
+    """ValueError when FLA's cp context cannot take this packing at this CP size: the checks its
+    cores make first (:func:`check_zigzag_stream` where the rows are one zigzag-cut stream and this
+    FLA has a zigzag context, else :func:`check_chunkwise_layout`)."""
+    cu = host_boundaries(cu_seqlens_global, name="cu_seqlens_global")
+    if len(cu.nonempty()[1]) == 1 and detect.has_zigzag_layout():
+        check_zigzag_stream(cu, cp_size, conv_kernel_size)
+    else:
+        check_chunkwise_layout(cu, cp_size, conv_kernel_size, allow_short_tails=detect.features().clamps_halo)
 
 
 def check_chunkwise_layout(

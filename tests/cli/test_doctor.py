@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gdn_cp import cli
-from gdn_cp.megatron.doctor import run_doctor
+from gdn_cp.cli.doctor import run_doctor
 from gdn_cp.modes.spec import MODE_NAMES
 
 
@@ -41,9 +41,9 @@ def test_doctor_refuses_bad_arguments_before_printing(tmp_path, capsys):
 
 
 def test_doctor_names_the_modified_files_not_the_patch(monkeypatch):
-    from gdn_cp.megatron import patching
+    from gdn_cp import patch
 
-    monkeypatch.setattr(patching, "check_patch", lambda root=None, pin=None: {"a.py": "modified", "b.py": "pristine"})
+    monkeypatch.setattr(patch, "check_patch", lambda root=None, pin=None: {"a.py": "modified", "b.py": "pristine"})
     code, out = _run()
     assert code == 1
     assert "its target files (by sha256) are not the megatron-core 0.19.2 release's, patched or not" in out
@@ -77,7 +77,7 @@ def test_doctor_says_whether_transformer_engine_is_there(monkeypatch):
     import importlib.metadata
     import sys
 
-    from gdn_cp.megatron import doctor
+    from gdn_cp.cli import doctor
 
     real = importlib.metadata.version
     installed = {}
@@ -105,7 +105,7 @@ def test_the_extras_install_exactly_the_tested_fla_stacks():
     import tomllib
     from pathlib import Path
 
-    from gdn_cp.megatron.doctor import TESTED_FLA_STACKS
+    from gdn_cp.cli.doctor import TESTED_FLA_STACKS
 
     root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -117,7 +117,7 @@ def test_the_extras_install_exactly_the_tested_fla_stacks():
 
 
 def test_doctor_says_whether_the_installed_fla_stack_was_tested(monkeypatch):
-    from gdn_cp.megatron import doctor
+    from gdn_cp.cli import doctor
 
     assert doctor.fla_stack_verdict("0.6.0", "3.7.1") == "fla 0.6.0 + triton 3.7.1: a tested stack"
     assert doctor.fla_stack_verdict("0.4.2", "3.6.0").endswith("a tested stack")

@@ -101,7 +101,7 @@ def tp_splits(module) -> dict[str, Optional[TPSplit]]:
         if sharded and (split is None or getattr(p, "partition_dim", None) != split.dim):
             raise ValueError(
                 f"parameter {name} is TP-sharded (partition_dim={getattr(p, 'partition_dim', None)}) but "
-                f"gdn_cp.testing.megatron_tp.tp_splits has {split}; add its layout to the table"
+                f"gdn_cp.testing.megatron.tp.tp_splits has {split}; add its layout to the table"
             )
         out[name] = split if sharded else None
     return out

@@ -4,7 +4,7 @@ Reads versions from package metadata without importing megatron.core (its import
 noisy), TransformerEngine or torch (the doctor must also run, and say so, where torch is missing);
 on a GPU machine the FLA stack lines say which gated norm a layer takes (FLA's fused kernel for
 torch's and TransformerEngine's RMSNorm, the layer's own norm otherwise). Finds the patch
-state and the release the files match (by sha256) through :mod:`gdn_cp.megatron.patching`, and
+state and the release the files match (by sha256) through the patch tool (:mod:`gdn_cp.patch`), and
 for a head shape lists the ``linear_cp_mode`` values of the registry (:mod:`gdn_cp.modes.spec`),
 whether each is legal and what ``auto`` picks, with reasons.
 """
@@ -15,9 +15,9 @@ import importlib.metadata
 import os
 from typing import Callable, Optional
 
-from .. import env
-from .config import AUTO, explain_linear_cp_modes
-from .pins import PINS
+from .. import __version__, env, patch
+from ..megatron.config import AUTO, explain_linear_cp_modes
+from ..megatron.pins import PINS
 
 __all__ = ["TESTED_FLA_STACKS", "check_doctor_args", "collect_report", "fla_stack_verdict", "run_doctor"]
 
@@ -28,7 +28,7 @@ TESTED_FLA_STACKS = {
 """The FLA stacks the GPU suite ran on (README "Tested versions"): pyproject extra -> (fla-core, Triton).
 Each extra pins its fla-core exactly; Triton comes with torch and is not pinned (pip would replace a
 CUDA torch to satisfy a Triton pin), so ``gdn-cp doctor`` says whether the installed pair is one of
-these (``tests/megatron/test_doctor.py`` keeps this table, pyproject.toml and the README equal)."""
+these (``tests/cli/test_doctor.py`` keeps this table, pyproject.toml and the README equal)."""
 
 
 def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:
@@ -101,8 +101,6 @@ def check_doctor_args(heads=None, tp: Optional[int] = None, cp: Optional[int] = 
     """ValueError naming the flag, the value and the fix, before anything is printed: ``--tp`` /
     ``--cp`` without ``--heads`` (they only matter for the mode table), heads that do not group,
     a ``--path`` with no megatron-core. Returns the megatron root of ``path`` (None without)."""
-    from . import patching
-
     if heads is None and (tp is not None or cp is not None):
         given = " ".join(f"{flag} {v}" for flag, v in (("--tp", tp), ("--cp", cp)) if v is not None)
         raise ValueError(f"{given}: the TP / CP sizes only choose the linear_cp_mode table, which needs the heads "
@@ -117,16 +115,13 @@ def check_doctor_args(heads=None, tp: Optional[int] = None, cp: Optional[int] = 
     if path is None:
         return None
     try:
-        return patching.find_megatron_root(path)
-    except patching.MegatronNotFound as err:
+        return patch.find_megatron_root(path)
+    except patch.MegatronNotFound as err:
         raise ValueError(f"--path {path}: {err}") from None
 
 
 def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, path=None) -> dict:
     """The doctor's findings as a dict (see :func:`run_doctor`); ValueError for bad arguments."""
-    from .. import __version__
-    from . import patching
-
     root = check_doctor_args(heads, tp, cp, path)
     gpus, gpu_note = _gpus()
     report: dict = {
@@ -152,12 +147,12 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
         report["fla_stack"] = stack_report()
         report["fla_stack"]["cp context groups"] = fla_collective_backends()
     try:
-        root = root or patching.find_megatron_root(None)
-        states = patching.check_patch(root)
-        state = patching.overall_state(states)
+        root = root or patch.find_megatron_root(None)
+        states = patch.check_patch(root)
+        state = patch.overall_state(states)
         report["patch"] = {
-            "root": str(root), "state": state, "files": states, "tree": patching.describe_tree(root),
-            "meaning": patching.describe_state(state),
+            "root": str(root), "state": state, "files": states, "tree": patch.describe_tree(root),
+            "meaning": patch.describe_state(state),
         }
     except Exception as err:  # report, do not crash the doctor
         report["patch"] = {"root": None, "state": "unavailable", "error": str(err)}

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from gdn_cp.megatron.unified_diff import (
+from gdn_cp.patch.unified_diff import (
     DiffError,
     apply_unified_diff,
     make_unified_diff,

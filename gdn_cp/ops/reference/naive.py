@@ -1,7 +1,10 @@
-"""Naive oracles for the ops: obviously right, slow, fp64 inside.
+"""Naive oracles of the reference ops, token by token: obviously right, slow, fp64 inside.
 
-Same signatures and output dtypes as the functions they check (gdn_cp.ops.reference), so any test
-can swap one for the other. No input validation: they trust their caller.
+Same signatures and output dtypes as the functions they check (:mod:`gdn_cp.ops.reference`'s
+``causal_conv1d`` and ``chunk_gated_delta_rule``), so any test can swap one for the other; they
+stand beside them as flash-linear-attention keeps ``naive.py`` beside its kernels. Not part of
+the backend (``gdn_cp.ops.reference`` does not import them). No input validation: they trust
+their caller.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def loss_func_like_pretrain_gpt(loss_mask: torch.Tensor, output_tensor: torch.Te
 
 
 def _forward_step(data_iterator, model):
-    """``pretrain_gpt.forward_step`` on an iterator of :class:`gdn_cp.testing.megatron_batches.Cut`
+    """``pretrain_gpt.forward_step`` on an iterator of :class:`gdn_cp.testing.megatron.batches.Cut`
     (batch already cut by Megatron's get_batch_on_this_cp_rank, PackedSeqParams built as
     forward_step builds them)."""
     cut = next(data_iterator)

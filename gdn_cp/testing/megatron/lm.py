@@ -337,7 +337,7 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
                    GDN_CP_MLM_ONE_GPU="1" if one_gpu else "0", PYTHONFAULTHANDLER="1")
         log = open(log_dir / f"{spec.name}.rank{rank}.log", "w", encoding="utf-8")
         logs.append(log)
-        cmd = [python, "-m", "gdn_cp.testing.megatron_lm", "--checkout", str(checkout), "--script", spec.script,
+        cmd = [python, "-m", "gdn_cp.testing.megatron.lm", "--checkout", str(checkout), "--script", spec.script,
                "--", *args]
         procs.append(subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
@@ -399,7 +399,7 @@ class _Issued:
 @contextlib.contextmanager
 def _one_by_one(group=None, device=None, async_ops=False):
     if async_ops:
-        raise RuntimeError("gdn_cp.testing.megatron_lm: overlapped grad reduction (async collectives inside "
+        raise RuntimeError("gdn_cp.testing.megatron.lm: overlapped grad reduction (async collectives inside "
                            "_coalescing_manager) is not supported on gloo ranks sharing one GPU; leave "
                            "--overlap-grad-reduce off")
     yield _Issued()
@@ -435,16 +435,16 @@ def _install_sft_stand_ins() -> None:
 def install_rank_shims(argv: Sequence[str]) -> list[str]:
     """Install what this rank needs (module docstring); returns what was installed, for the log."""
     done = []
-    from .ranks import maybe_fast_autotune
+    from ..ranks import maybe_fast_autotune
 
     if maybe_fast_autotune():
         done.append("FLA autotune: first working config (GDN_CP_TEST_FAST_AUTOTUNE=1)")
-    from ..env import read as env_setting
+    from ...env import read as env_setting
 
     if env_setting("GDN_CP_MLM_ONE_GPU") == "1":
         import megatron.core.distributed.param_and_grad_buffer as buffers
 
-        from .ranks import adapt_fla_collectives_for_gloo
+        from ..ranks import adapt_fla_collectives_for_gloo
 
         buffers._coalescing_manager = _one_by_one
         adapt_fla_collectives_for_gloo()
@@ -456,16 +456,16 @@ def install_rank_shims(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m gdn_cp.testing.megatron_lm --checkout DIR --script pretrain_hybrid.py -- ARGS``:
+    """``python -m gdn_cp.testing.megatron.lm --checkout DIR --script pretrain_hybrid.py -- ARGS``:
     one rank of a run (``launch`` starts these)."""
     import argparse
     import runpy
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        raise SystemExit("usage: python -m gdn_cp.testing.megatron_lm --checkout DIR --script NAME -- ARGS")
+        raise SystemExit("usage: python -m gdn_cp.testing.megatron.lm --checkout DIR --script NAME -- ARGS")
     cut = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m gdn_cp.testing.megatron_lm",
+    parser = argparse.ArgumentParser(prog="python -m gdn_cp.testing.megatron.lm",
                                      description="One rank of a Megatron-LM training run (test-only launcher).")
     parser.add_argument("--checkout", required=True, help="a patched Megatron-LM checkout")
     parser.add_argument("--script", required=True, choices=SCRIPTS)

@@ -25,7 +25,7 @@ The 0.19.2 local spec has ``in_proj=None`` for GDN (no layer-norm-fused linear w
 submodules are built by hand (ColumnParallelLinear / the local RMSNorm / RowParallelLinear), and
 weights come from a seeded generator, identical on every rank and for every CP size. Under TP
 (``build_gdn(..., tp_group=...)``) each rank gets its part of the same full weights
-(:mod:`gdn_cp.testing.megatron_tp`). Under sequence parallelism Megatron's local norm refuses to
+(:mod:`gdn_cp.testing.megatron.tp`). Under sequence parallelism Megatron's local norm refuses to
 build ("sequence parallel not supported by torch LayerNorm"), so ``out_norm`` is then
 :class:`SequenceParallelRMSNorm`: torch's RMSNorm with its weight tagged ``sequence_parallel``,
 as TransformerEngine's and Apex's norms tag theirs.
@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .metrics import max_rel
+from ..metrics import max_rel
 
 __all__ = [
     "DIMS",
@@ -134,7 +134,7 @@ def rank_groups() -> dict:
     are created on first call (every rank must call it, in the same order)."""
     import torch.distributed as dist
 
-    from .ranks import current_rank
+    from ..ranks import current_rank
 
     if _GROUPS:
         return _GROUPS
@@ -268,7 +268,7 @@ def _load_tp_part(module, config, tp_rank: int, **build):
     """Copy this TP rank's part of the full weights (those of the same layer at TP=1) into ``module``."""
     import dataclasses
 
-    from .megatron_tp import shard_for_tp, tp_splits
+    from .tp import shard_for_tp, tp_splits
 
     full_config = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
                                       context_parallel_size=1)

@@ -41,8 +41,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..checks import as_int
-from .packings import cumsum0
+from ...checks import as_int
+from ..packings import cumsum0
 
 __all__ = [
     "BATCH_KEYS",

@@ -1,6 +1,6 @@
 """Single-file unified diffs: apply one exactly (no fuzz, no offset, reversible) and make one.
 
-The patch tool (:mod:`gdn_cp.megatron.patching`) ships its Megatron changes as ordinary unified
+The patch tool (:mod:`gdn_cp.patch`) ships its Megatron changes as ordinary unified
 diffs (``patch -p1`` applies them too) and applies them itself, so that nothing outside Python is
 needed and every hunk must match exactly. Lines are split on ``\\n`` only: Python's
 ``str.splitlines`` would also split on form feeds and other separators that source files contain.

@@ -3,7 +3,7 @@ GatedDeltaNet, built from local modules (no TransformerEngine), run as Megatron-
 
 * ``gpt``: ``GPTModel`` with a hand-written TransformerLayer spec: local RMSNorm -> GatedDeltaNet
   (ColumnParallelLinear in_proj, local RMSNorm out_norm, RowParallelLinear out_proj: the
-  submodules of :mod:`.megatron_layer`) -> residual -> local RMSNorm -> Megatron's local MLP spec
+  submodules of :mod:`.layer`) -> residual -> local RMSNorm -> Megatron's local MLP spec
   -> residual; a final RMSNorm and the output layer; ``position_embedding_type="none"`` (GDN
   needs no positions). Megatron's own GDN block spec
   (``get_transformer_block_with_experimental_attention_variant_spec``) needs TransformerEngine.
@@ -17,7 +17,7 @@ identical weights.
 
 Stand-ins, for test processes only (:func:`install_model_stand_ins`; never in a training job):
 
-* :func:`gdn_cp.testing.megatron_layer.install_cpu_shims` on the CPU (see there);
+* :func:`gdn_cp.testing.megatron.layer.install_cpu_shims` on the CPU (see there);
 * ``HybridStack`` builds its final norm as ``TENorm`` whatever the spec says (0.19.2,
   ``hybrid_block.py``), which raises without TransformerEngine: ``hybrid_block.TENorm`` becomes
   Megatron's local norm (``LocalSpecProvider().layer_norm``: torch's RMSNorm / LayerNorm as the
@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .megatron_layer import _submodules, install_cpu_shims, install_gpu_shims, make_config, set_params
+from .layer import _submodules, install_cpu_shims, install_gpu_shims, make_config, set_params
 
 __all__ = [
     "FFN_HIDDEN",
@@ -141,7 +141,7 @@ def hybrid_stack_spec():
 
 def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float64, **overrides):
     """The TransformerConfig of a ``kind`` model (:data:`MODEL_KINDS`) at static CP size ``cp``:
-    the GDN shape of :data:`gdn_cp.testing.megatron_layer.DIMS`, MLP hidden :data:`FFN_HIDDEN`,
+    the GDN shape of :data:`gdn_cp.testing.megatron.layer.DIMS`, MLP hidden :data:`FFN_HIDDEN`,
     no dropout, deterministic mode (gdn-cp's reference backend). ``overrides`` go to the config."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
@@ -157,7 +157,7 @@ def model_pg_collection(cp_group, dp_cp_group=None):
     metadata HybridModel asks for."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from .megatron_layer import rank_groups
+    from .layer import rank_groups
 
     alone = rank_groups()["self"]
     pg = ProcessGroupCollection()
@@ -195,7 +195,7 @@ def _name_seed(seed: int, name: str) -> int:
 
 def set_model_params(model, seed: int) -> None:
     """Every parameter from a generator seeded by ``seed`` and its name: each GatedDeltaNet by
-    :func:`gdn_cp.testing.megatron_layer.set_params` (seeded by ``seed`` and its layer number),
+    :func:`gdn_cp.testing.megatron.layer.set_params` (seeded by ``seed`` and its layer number),
     norms near 1, linear weights ``N(0, 1/fan_in)``, the embedding ``N(0, 0.25)``, anything else
     (biases) ``N(0, 0.01)``."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet

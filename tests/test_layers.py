@@ -1,0 +1,51 @@
+"""The package keeps its layer order: every import of gdn_cp goes to the importer's layer or below
+(layout -> comm -> ops -> modes -> megatron -> testing -> cli; checks and env at the bottom; the patch
+tool above megatron and below the command line, so nothing on the forward path imports it). Read
+from the source (function-level imports included), so it costs no import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gdn_cp"
+ORDER = ("checks", "env", "layout", "comm", "ops", "modes", "megatron", "patch", "testing", "cli")
+FLOOR = {"checks": 0, "env": 0, **{name: i for i, name in enumerate(ORDER[2:], start=1)}}
+
+
+def _layer(module: str) -> str | None:
+    """``gdn_cp.modes.spec`` -> ``modes``; None for the package root's own names (``__version__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FLOOR else None
+
+
+def _imports(path: Path) -> list[str]:
+    """The gdn_cp modules ``path`` imports, relative imports resolved."""
+    package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])  # an __init__'s is its own folder
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - (node.level - 1)] if node.level else []
+            target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            found += [target] if node.module else [f"{target}.{a.name}" for a in node.names]
+    return [m for m in found if m == "gdn_cp" or m.startswith("gdn_cp.")]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_go_down(path):
+    source = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    if source is None:  # gdn_cp/__init__.py
+        return
+    up = [m for m in _imports(path) if _layer(m) is not None and FLOOR[_layer(m)] > FLOOR[source]]
+    assert not up, f"{path.relative_to(ROOT)} ({source}) imports from a higher layer: {up}"
+
+
+def test_the_order_names_every_part_of_the_package():
+    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if p.name not in ("__init__.py", "__pycache__") and (p.is_dir() or p.suffix == ".py")}
+    assert parts == set(ORDER)
