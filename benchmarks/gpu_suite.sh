@@ -34,7 +34,7 @@
 #      GDN_CP_CACHE_MAX_MB (largest cache tarball kept, default 56),
 #      GDN_CP_TEST_FAST_AUTOTUNE=1 (test-only: first working Triton config per kernel instead of a
 #      full autotune; a cold FLA 0.4.2 autotune costs ~1 min per conv dtype and ~3 min per GDN
-#      dtype on an H200, see docs/gpu-results.md).
+#      dtype on an H200, see docs/performance.md).
 # On the device machine: carry [".whl", ".triton_cache", ".te", ".mlm"] (+ ".slim" for fla060; .te and .mlm
 # optional: TransformerEngine and the Megatron-LM checkout of the TE tests and stage train_mlm) and run
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q

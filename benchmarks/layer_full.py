@@ -514,7 +514,7 @@ def _spec(row: dict, args, phase: str) -> dict:
 
 
 # Above these (relative L2 vs CP=1) a case is flagged as not computing the CP=1 answer: bf16 CP runs
-# measured so far stay below 7e-3 (docs/gpu-results.md), fp32 below 1e-5 on the CPU.
+# measured so far stay below 7e-3 (docs/performance.md), fp32 below 1e-5 on the CPU.
 CHECK_SUSPECT = {"bfloat16": 2e-2, "float32": 1e-4, "float64": 1e-8}
 
 

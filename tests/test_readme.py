@@ -1,5 +1,7 @@
-"""The README's checkable claims, checked: the patch size, the error messages, the exit-status rule, the
-install advice, the commands and paths it names (issue #19: "every README claim true")."""
+"""The README's and docs' checkable claims, checked, each in the file that makes it: the patch size
+(docs/megatron.md), the error messages and the exit-status rule (docs/errors.md), the install advice and
+the training command (README), the commands and paths every page names (issue #19: "every README
+claim true"; issue #24: the tests follow the files)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,11 @@ from gdn_cp.patch import PINNED_VERSION, load_manifest, patch_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = {name: (ROOT / name).read_text() for name in
+        ("README.md", "docs/megatron.md", "docs/errors.md", "docs/architecture.md", "docs/testing.md",
+         "docs/performance.md")}
+MEGATRON_DOC, ERRORS_DOC, PERFORMANCE_DOC = DOCS["docs/megatron.md"], DOCS["docs/errors.md"], DOCS["docs/performance.md"]
+ALL_DOCS = "\n".join(DOCS.values())
 
 
 def _one_line(text: str) -> str:
@@ -42,8 +49,8 @@ def _patch_size() -> tuple[int, int, int]:
 
 
 def test_patch_size_in_the_readme_is_the_patch_files():
-    found = re.search(r"The patch is thin \((\d+) added and (\d+) removed lines in (\d+) files\)", _one_line(README))
-    assert found, "README: 'The patch is thin (N added and M removed lines in F files)' is gone"
+    found = re.search(r"The patch is thin \((\d+) added and (\d+) removed lines in (\d+) files\)", _one_line(MEGATRON_DOC))
+    assert found, "docs/megatron.md: 'The patch is thin (N added and M removed lines in F files)' is gone"
     assert tuple(map(int, found.groups())) == _patch_size(), (
         f"README says {found.group(0)}; the patch files of {PINNED_VERSION} add / remove / touch {_patch_size()}")
 
@@ -52,7 +59,7 @@ def test_patch_size_in_the_readme_is_the_patch_files():
 # "message starts with": each row is the start of a message the code produces
 # ------------------------------------------------------------------------------------------
 def _message_rows() -> list[str]:
-    table = README[README.index("| message starts with | what to do |"):]
+    table = ERRORS_DOC[ERRORS_DOC.index("| message starts with | what to do |"):]
     rows = []
     for line in table.splitlines()[2:]:
         if not line.startswith("|"):
@@ -211,11 +218,11 @@ def test_every_message_row_is_a_message_the_code_produces(tmp_path, monkeypatch)
 # the exit-status rule: written once (gdn_cp.cli.output), quoted by the README and by --help
 # ------------------------------------------------------------------------------------------
 def test_exit_status_rule_is_the_one_the_commands_print(capsys):
-    assert _one_line(EXIT_STATUS) in _one_line(README)
+    assert _one_line(EXIT_STATUS) in _one_line(ERRORS_DOC)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     assert _one_line(EXIT_STATUS) in _one_line(capsys.readouterr().out)
-    assert "Exit status of the commands:" not in README  # the per-command list this replaced
+    assert "Exit status of the commands:" not in ALL_DOCS  # the per-command list this replaced
 
 
 # ------------------------------------------------------------------------------------------
@@ -240,16 +247,16 @@ def test_patched_files_give_the_one_install_advice():
 # every gdn-cp command line and every path the README names
 # ------------------------------------------------------------------------------------------
 def _readme_commands() -> list[list[str]]:
-    """``gdn-cp ...`` invocations in the README's code blocks and inline code."""
+    """``gdn-cp ...`` invocations in the code blocks and inline code of the README and the docs."""
     found = []
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", ALL_DOCS, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("#")[0]
             for part in re.split(r"&&|\|", line):
                 words = shlex.split(part)
                 if words[:1] == ["gdn-cp"]:
                     found.append(words[1:])
-    for inline in re.findall(r"`(gdn-cp [^`]*)`", README):
+    for inline in re.findall(r"`(gdn-cp [^`]*)`", ALL_DOCS):
         words = shlex.split(inline.replace("[--rank r]", ""))
         if "..." not in inline and "COMMAND" not in inline and "|" not in inline:
             found.append(words[1:])
@@ -273,10 +280,10 @@ def test_every_gdn_cp_command_in_the_readme_parses(capsys):
 
 
 def test_every_path_the_readme_names_exists():
-    """Code, tests, scripts and docs the README points to (benchmark result files are written by the
-    runs it describes, some of which it says have not run yet: not checked here)."""
-    named = set(re.findall(r"(?<![\w./-])((?:gdn_cp|tests|docker|patches|docs)/[\w./{},-]*[\w}])", README))
-    named |= set(re.findall(r"(?<![\w./-])(benchmarks/[\w./-]*\.(?:py|sh))", README))
+    """Code, tests, scripts and docs the README and the docs point to (benchmark result files are written
+    by the runs they describe, some of which they say have not run yet: not checked here)."""
+    named = set(re.findall(r"(?<![\w./-])((?:gdn_cp|tests|docker|patches|docs)/[\w./{},-]*[\w}])", ALL_DOCS))
+    named |= set(re.findall(r"(?<![\w./-])(benchmarks/[\w./-]*\.(?:py|sh))", ALL_DOCS))
     paths = set()
     for path in named:  # a/b_{x,y}.py names a/b_x.py and a/b_y.py
         brace = re.search(r"\{([^}]*)\}", path)
@@ -289,7 +296,7 @@ def test_every_path_the_readme_names_exists():
 def test_exit_status_examples_exit_as_the_readme_says(capsys):
     from gdn_cp.cli import main
 
-    text = _one_line(README)
+    text = _one_line(ERRORS_DOC)
     assert "`gdn-cp patch apply /nope` and `gdn-cp doctor --path /nope` both exit 2" in text
     for argv in (["patch", "apply", "/nope"], ["doctor", "--path", "/nope"]):
         try:
@@ -306,7 +313,7 @@ def test_a_bad_flag_prints_the_one_line_the_readme_shows(capsys):
     from gdn_cp.cli import main
 
     row = "`gdn-cp COMMAND: error: argument --flag: ...; usage: gdn-cp COMMAND --help`"
-    assert row in _one_line(README)
+    assert row in _one_line(ERRORS_DOC)
     for argv in (["run", "--cp", "1_0"], ["route", "--cu", "0,,8", "--cp", "2"], ["doctor", "--heads", "128 256"]):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
@@ -320,7 +327,7 @@ def test_a_bad_flag_prints_the_one_line_the_readme_shows(capsys):
 def test_the_readme_names_no_path_outside_the_repository():
     """Issue #25: `bash ../shared/tools/slim-triton/make.sh .slim` pointed at a folder a user does not
     have; what the README tells a user to run lives in this repository (or is a package to install)."""
-    outside = re.findall(r"`[^`]*\.\./[^`]*`", README)
+    outside = re.findall(r"`[^`]*\.\./[^`]*`", ALL_DOCS)
     assert outside == [], outside
 
 
@@ -354,7 +361,7 @@ def test_the_training_curve_table_is_its_result_file_and_names_the_machine():
     import json
 
     result = json.loads((ROOT / "benchmarks" / "results" / "train_curve.json").read_text())
-    text = _one_line(README)
+    text = _one_line(PERFORMANCE_DOC)
     section = text[text.index("**Training curve**"):text.index("**The full layer**")]
     assert f"measured on an {result['machine']['cpu_model']} VM" in section
     assert result["versions"]["torch"] in section and "another CPU" in section
@@ -365,3 +372,64 @@ def test_the_training_curve_table_is_its_result_file_and_names_the_machine():
     for row, key in names.items():
         assert float(rows[row]) == float(f"{result['max_rel_diff_loss'][key]:.1e}"), (row, rows[row])
         assert result["max_rel_diff_loss"][key] <= result["target"]["max_rel_diff_loss"]
+
+
+# ------------------------------------------------------------------------------------------
+# "Train a model with Megatron-LM": the command is the one that ran, and its figures are the result file's
+# ------------------------------------------------------------------------------------------
+def _training_command() -> tuple[dict, list[str]]:
+    """The README's ``... torchrun ... pretrain_hybrid.py ...`` block: its environment, its script's arguments."""
+    block = README[README.index("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun"):]
+    words = shlex.split(block[:block.index("```")].replace("\\\n", " "))
+    script = words.index("pretrain_hybrid.py")
+    env = dict(w.split("=", 1) for w in words[:words.index("torchrun")])
+    return env, words[script + 1:]
+
+
+def test_the_training_command_is_the_run_that_matched_cp1():
+    """The README's command is exactly what the launcher ran for the ``hybrid_cp2_chunkwise`` row (minus
+    what ranks sharing one GPU add), and that row matched CP=1 in the result file."""
+    import json
+
+    from benchmarks.train_megatron_lm import matrix
+    from gdn_cp.testing.megatron.lm import megatron_lm_args
+
+    env, args = _training_command()
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    (spec,) = [s for s, _ in matrix() if s.name == "hybrid_cp2_chunkwise"]
+    assert args == megatron_lm_args(spec), args
+    from benchmarks.train_megatron_lm import judge
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "train_megatron_lm.json").read_text())
+    judge(result["rows"])
+    (row,) = [r for r in result["rows"] if r["name"] == "hybrid_cp2_chunkwise"]
+    assert row["verdict"] == "matches CP=1" and row["cp"] == 2 and row["mode"] == "chunkwise", row
+
+
+def _sci(x: float) -> str:
+    """1.1e-4, as the README writes it (Python's 1.1e-04 without the exponent's leading zero)."""
+    return re.sub(r"e([-+])0(\d)", r"e\1\2", f"{x:.1e}")
+
+
+def test_the_training_figures_are_the_result_files():
+    """"within 1.1e-4 (loss) and 1.2e-3 (grad norm) ... (2.7e-6 in fp32)": the largest differences of the
+    CP > 1 rows that matched CP=1, in benchmarks/results/train_megatron_lm.json."""
+    import json
+
+    from benchmarks.train_megatron_lm import judge
+
+    result = json.loads((ROOT / "benchmarks" / "results" / "train_megatron_lm.json").read_text())
+    judge(result["rows"])  # the verdicts under today's rule, not the ones the file was written with
+    matched = [r for r in result["rows"] if r.get("verdict") == "matches CP=1" and r["cp"] > 1]
+    bf16 = [r for r in matched if r.get("precision", "bf16") == "bf16"]
+    fp32 = [r for r in matched if r.get("precision") == "fp32"]
+    assert {r["cp"] for r in bf16} == {2, 4} and {r["mode"] for r in bf16} >= {"chunkwise", "headwise", "all_gather"}
+    text = _one_line(README)
+    loss, gnorm = max(r["loss_rel_diff"] for r in bf16), max(r["grad_norm_rel_diff"] for r in bf16)
+    assert f"loss within {_sci(loss)} and grad norm within {_sci(gnorm)}" in text, (loss, gnorm)
+    assert f"({_sci(max(r['loss_rel_diff'] for r in fp32))} in fp32)" in text
+    # nothing that should match is hidden: every bf16 CP > 1 row either matched or is an --sft row
+    # the README explains (refused now without --calculate-per-token-loss)
+    for r in result["rows"]:
+        if r["cp"] > 1 and r["status"] == "ok" and r.get("verdict") != "matches CP=1":
+            assert r["data"] == "sft" and "--sft" in text, r["name"]

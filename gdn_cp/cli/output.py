@@ -1,7 +1,7 @@
 """What every ``gdn-cp`` command shares when it talks: the exit-status rule, the error line, counts.
 
 The rule is written once, here (:data:`EXIT_STATUS`); ``gdn-cp --help`` prints it, each command's
-``--help`` says what "found something wrong" means for that command, and README "Exit status"
+``--help`` says what "found something wrong" means for that command, and docs/errors.md "Exit status"
 quotes it (``tests/cli/test_cli.py`` checks that the three agree and that every command keeps it).
 """
 

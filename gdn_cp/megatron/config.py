@@ -19,7 +19,7 @@ the same mode on a CPU node and a GPU node, with or without FLA. It picks the fi
 the registry's ``auto_rank`` order (chunkwise, headwise, all_gather). chunkwise is legal wherever
 any mode is (heads divisible by TP), so ``auto`` never picks the O(cp) all_gather fallback. Why
 chunkwise first: every rank runs CP=1 work on its T/cp tokens (as headwise does on its heads), it
-moves fewer bytes per token than headwise (README "chunkwise: where the layout swap happens") and
+moves fewer bytes per token than headwise (docs/megatron.md, "chunkwise: where the layout swap happens") and
 it takes any head count; where FLA's cp context cannot run, gdn-cp's own halo/state exchange gives
 the same numbers. Megatron-LM rebuilds the config every micro-batch: the resolution is logged at
 INFO once per process and request, at DEBUG after that.
@@ -258,7 +258,7 @@ def _any_mode_legal(k: int, v: int, tp: int, cp: int) -> bool:
 def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = None) -> str:
     """The patched ``TransformerConfig.__post_init__`` hook; returns the mode the field holds.
 
-    Which configs have their GDN heads looked at (the rule; README "Using it with Megatron-Core"):
+    Which configs have their GDN heads looked at (the rule; docs/megatron.md, "Install, patch, configure"):
 
     * the config builds GDN layers (``experimental_attention_variant='gated_delta_net'``, where
       stock 0.19.2 checks the heads against TP*CP): ``"auto"`` is resolved here, once, with the

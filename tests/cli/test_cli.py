@@ -90,7 +90,7 @@ def test_no_command_is_a_usage_error(capsys):
     (["--bogus"], "gdn-cp", "unrecognized arguments: --bogus"),
 ])
 def test_a_bad_flag_is_one_line_on_stderr(capsys, argv, prog, says):
-    """README "Exit status": 2, one line on stderr naming the command and the flag, nothing on stdout;
+    """docs/errors.md "Exit status": 2, one line on stderr naming the command and the flag, nothing on stdout;
     argparse's usage block is behind --help (the line says so)."""
     try:
         rc = main(argv)

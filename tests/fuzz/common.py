@@ -101,7 +101,7 @@ MAX_TP = 2**16  # README: a CP or TP size above 65536 is refused
 
 def is_int(value) -> bool:
     """What sizes, ranks and counts must be: an int or a NumPy integer (what Python itself takes as
-    an index), not a bool (README "Errors you may see")."""
+    an index), not a bool (docs/errors.md)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 

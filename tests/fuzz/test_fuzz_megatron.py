@@ -128,7 +128,7 @@ def test_explain(k, v, tp, cp):
 @given(mode=st.one_of(modes, st.just(None)), k=heads, v=heads, tp=sizes, cp=sizes,
        variant=st.sampled_from(["gated_delta_net", None, "dsa"]), hybrid=st.booleans())
 def test_configure_hook(mode, k, v, tp, cp, variant, hybrid):
-    """The patched TransformerConfig's hook (README "Using it with Megatron-Core"): a config that
+    """The patched TransformerConfig's hook (docs/megatron.md): a config that
     builds GDN layers is checked and auto resolved (to a legal mode, stored on the config); a hybrid
     model has auto resolved where some mode is legal and kept otherwise (its GDN layers check);
     any other config only refuses unknown modes. (The activation must be SiLU: test_activation.py.)"""

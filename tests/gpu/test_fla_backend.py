@@ -7,7 +7,7 @@ layout all-to-all; ``generic``: gdn-cp's own exchange).
 Every test here is marked ``gpu`` and skipped without CUDA + flash-linear-attention (the FLA
 backend's input checks, which run anywhere, are in tests/ops/test_fla_checks.py). Measured errors
 are appended as JSON lines to the file named by ``GDN_CP_GPU_RESULTS`` (the device suite writes it
-into $OUT; docs/gpu-results.md quotes it).
+into $OUT; docs/performance.md quotes it).
 
 Tolerances (relative L2 = ||a-b|| / ||b||, i.e. normalized RMS; gdn_cp.testing.tolerances):
   FLA vs fp64 reference: fp32 <= 5e-3, bf16 <= 1e-2 (outputs and gradients).
@@ -43,7 +43,7 @@ needs_gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA + flash-linear-att
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # CP_TOL / CEILING (gdn_cp.testing.tolerances): a tensor over CP_TOL still passes when CP is as
 # accurate as CP=1 against fp64 (<= 1.1x CP=1's error + 1e-4) and within CEILING of CP=1; the record
-# keeps issue_targets_met=False for it. Measured on an H200 (run of 2026-11-29, docs/gpu-results.md):
+# keeps issue_targets_met=False for it. Measured on an H200 (run of 2026-11-29, docs/performance.md):
 # bf16 packed cp=4 output rel-L2 2.13e-3 against CP=1, both 4.2e-3 from fp64; fp32 packed cp=2 dg
 # 1.26e-4, dbeta 1.03e-4 against CP=1, both 1.45e-3 / 1.88e-3 from fp64.
 

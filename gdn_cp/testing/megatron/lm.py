@@ -66,7 +66,7 @@ DATA_FLAGS = {
     "inter_document_masking": ["--dataloader-inter-document-masking"],
     "sft": ["--sft"],
 }
-"""Megatron-LM's data flags that decide how a packed row is cut over the CP ranks (README "which cut")."""
+"""Megatron-LM's data flags that decide how a packed row is cut over the CP ranks (README "Train a model", docs/megatron.md "which cut")."""
 
 RECOMPUTE = {
     "none": [],
