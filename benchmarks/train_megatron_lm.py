@@ -61,9 +61,8 @@ def matrix(groups=("main",)) -> list[tuple[RunSpec, str]]:
 
     ``main``: what the README's claims rest on (above). ``diagnose``: what tells bf16 rounding from a
     wrong result: stock megatron-core 0.19.2 at CP=2 (an unpatched checkout, ``--stock-checkout``:
-    how far Megatron's own CP run is from CP=1), GDN-only models in fp32 (CP=2 in every mode, CP=4;
-    SBHD, whole-row and per-document THD), and the ``--sft`` runs split into GDN-only and
-    attention-only models."""
+    how far Megatron's own CP run is from CP=1), and GDN-only models in fp32 (CP=2 chunkwise and CP=4
+    on SBHD rows, CP=4 on ``--sft`` rows)."""
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         raise ValueError(f"groups={unknown!r}: use {', '.join(GROUPS)}")
@@ -210,7 +209,8 @@ def run_matrix(args) -> dict:
                 continue
             used += spec.world
             logger.info("start %s (cp=%d, %s ranks in use)", spec.name, spec.cp, used)
-            fut = pool.submit(launch, spec, checkout=Path(args.stock_checkout) if spec.stock else checkout, log_dir=work / "logs", data_dir=sft_dir,
+            fut = pool.submit(launch, spec, checkout=Path(args.stock_checkout) if spec.stock else checkout,
+                              log_dir=work / "logs", data_dir=sft_dir,
                               timeout_s=min(args.run_timeout_s, max(left - 10, 30)))
             running.append((fut, spec, ref))
         if not running:
@@ -235,8 +235,8 @@ def run_matrix(args) -> dict:
     return doc
 
 
-def table(doc: dict) -> str:
-    tols = judge(doc["rows"])
+def table(doc: dict, tols: dict) -> str:
+    """The rows as text, under ``tols`` (what :func:`judge` returned for them)."""
     lines = [f"tolerance {p}: loss {t['loss']:.1e}, grad norm {t['grad_norm']:.1e} (3x the CP=1 noise pairs: "
              f"loss {t['noise']['loss']:.1e}, grad norm {t['noise']['grad_norm']:.1e}; log floor loss "
              f"{PRINT_FLOOR['loss']:.0e}, grad norm {PRINT_FLOOR['grad_norm']:.0e})" for p, t in tols.items()]
@@ -256,7 +256,7 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict, png: Path) -> None:
+def plot(doc: dict, png: Path, tols: dict) -> None:
     """Per model family (a CP=1 reference and its runs): the loss per iteration (top) and, per run,
     ``|loss - CP=1 loss| / CP=1 loss`` per iteration on a log scale with the tolerance (bottom):
     the curves overlap too closely to compare by eye."""
@@ -265,7 +265,6 @@ def plot(doc: dict, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tols = judge(doc["rows"])
     by = {r["name"]: r for r in doc["rows"]}
     groups: dict[str, list] = {}
     for r in doc["rows"]:
@@ -318,13 +317,13 @@ def main(argv=None) -> int:
 
         doc = json.loads(Path(args.plot).read_text())
         doc["tolerance"] = judge(doc["rows"])
-        print(table(doc))
-        plot(doc, Path(args.plot).with_suffix(".png"))
+        print(table(doc, doc["tolerance"]))
+        plot(doc, Path(args.plot).with_suffix(".png"), doc["tolerance"])
         return 0
     if not args.checkout:
         p.error("--checkout is required (or --plot)")
     doc = run_matrix(args)
-    print(table(doc))
+    print(table(doc, doc["tolerance"]))
     good = ("reference", "noise pair", "matches CP=1", "refused before step 1 (as required)")
     bad = [r["name"] for r in doc["rows"] if r.get("verdict") not in good]
     if bad:

@@ -377,15 +377,6 @@ def test_the_training_curve_table_is_its_result_file_and_names_the_machine():
 # ------------------------------------------------------------------------------------------
 # "Train a model with Megatron-LM": the command is the one that ran, and its figures are the result file's
 # ------------------------------------------------------------------------------------------
-def _training_command() -> tuple[dict, list[str]]:
-    """The README's ``... torchrun ... pretrain_hybrid.py ...`` block: its environment, its script's arguments."""
-    block = README[README.index("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun"):]
-    words = shlex.split(block[:block.index("```")].replace("\\\n", " "))
-    script = words.index("pretrain_hybrid.py")
-    env = dict(w.split("=", 1) for w in words[:words.index("torchrun")])
-    return env, words[script + 1:]
-
-
 def test_the_training_command_is_the_run_that_matched_cp1():
     """The README's command is exactly what the launcher ran for the ``hybrid_cp2_chunkwise`` row (minus
     what ranks sharing one GPU add), and that row matched CP=1 in the result file."""
@@ -394,8 +385,11 @@ def test_the_training_command_is_the_run_that_matched_cp1():
     from benchmarks.train_megatron_lm import matrix
     from gdn_cp.testing.megatron.lm import megatron_lm_args
 
-    env, args = _training_command()
-    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    from tests.megatron.test_training_args import readme_training_command
+
+    command = readme_training_command()
+    env, args = command["env"], command["args"]
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} and command["nproc"] == 2
     (spec,) = [s for s, _ in matrix() if s.name == "hybrid_cp2_chunkwise"]
     assert args == megatron_lm_args(spec), args
     from benchmarks.train_megatron_lm import judge

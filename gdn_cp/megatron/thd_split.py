@@ -245,9 +245,9 @@ def check_megatron_lm_model(args: Any) -> None:
             "MLPs become SwiGLU, as in Qwen3-Next)"
         )
     cp = as_int(getattr(args, "context_parallel_size", 1))
-    masks = [f for f, on in (("--sft", getattr(args, "sft", False)), ("--eod-mask-loss", getattr(args, "eod_mask_loss", False)))
-             if on]
-    if gdn is not None and masks and cp is not None and cp > 1 and not getattr(args, "calculate_per_token_loss", False):
+    masks = [flag for flag, field in (("--sft", "sft"), ("--eod-mask-loss", "eod_mask_loss")) if getattr(args, field, False)]
+    per_rank_average = not getattr(args, "calculate_per_token_loss", False)
+    if gdn is not None and masks and cp is not None and cp > 1 and per_rank_average:
         raise ValueError(
             f"{' '.join(masks)} at --context-parallel-size {cp} without --calculate-per-token-loss: Megatron-LM then "
             "divides each CP rank's loss by that rank's own count of loss tokens, and with this loss mask the counts "
@@ -263,9 +263,9 @@ def check_megatron_lm_model(args: Any) -> None:
             "get_batch then cuts each packed row into 2*cp parts as one sequence (use_per_sequence_balancing=True), "
             f"but this model has layers that expect every document cut into 2*cp parts on its own ({layers}; "
             "TransformerEngine's THD attention and Mamba cut per document under CP; upstream Megatron-LM issue #6156: "
-            "the flag is not supported with CP > 1), so CP > 1 would train another model than CP=1 without an error. Use --sft "
-            "--calculate-per-token-loss (cuts every document into 2*cp parts), a model of gated delta net and MLP layers only (e.g. --hybrid-layer-pattern "
-            "'G-G-'), or --context-parallel-size 1"
+            "the flag is not supported with CP > 1), so CP > 1 would train another model than CP=1 without an error. "
+            "Use --sft --calculate-per-token-loss (cuts every document into 2*cp parts), a model of gated delta net "
+            "and MLP layers only (e.g. --hybrid-layer-pattern 'G-G-'), or --context-parallel-size 1"
         )
 
 

@@ -29,18 +29,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def readme_training_command() -> dict:
-    """The ``torchrun ... pretrain_hybrid.py`` block of the README: its script arguments (with
-    ``$VARS`` replaced by placeholders) and ``--nproc-per-node``."""
+    """The ``[VAR=value ...] torchrun ... pretrain_hybrid.py`` block of the README: its script arguments
+    (with ``$VARS`` replaced by placeholders), ``--nproc-per-node`` and the environment set before
+    ``torchrun``."""
     import shlex
 
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    start = text.index("torchrun ")
+    start = text.rindex("\n", 0, text.index("torchrun ")) + 1  # the line, with its environment
     block = text[start : text.index("```", start)].replace("\\\n", " ")
     words = shlex.split(block)
     script = next(i for i, w in enumerate(words) if w.endswith(".py"))
     assert words[script] == "pretrain_hybrid.py", words[: script + 1]
     nproc = int(words[words.index("--nproc-per-node") + 1])
-    return {"args": [w.replace("$", "PLACEHOLDER_") for w in words[script + 1 :]], "nproc": nproc}
+    env = dict(w.split("=", 1) for w in words[: words.index("torchrun")])
+    return {"args": [w.replace("$", "PLACEHOLDER_") for w in words[script + 1 :]], "nproc": nproc, "env": env}
 
 _SCRIPT = r"""
 import argparse, contextlib, io, json, logging, os, sys, typing, warnings
