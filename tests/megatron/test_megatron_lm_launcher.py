@@ -77,7 +77,8 @@ for spec, ref in matrix():
                 "act": c.activation_func.__name__, "glu": c.gated_linear_unit, "norm": c.normalization,
                 "layers": args.num_layers, "backend": args.distributed_backend, "cp_comm": args.cp_comm_type,
                 "recompute": [args.recompute_granularity, args.recompute_modules], "pad": args.null_tokenizer_pad_id,
-                "ref": ref}
+                "warmup": args.seq_length // args.context_parallel_size * args.micro_batch_size * args.ffn_hidden_size,
+                "gdn_heads": [c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim], "ref": ref}
         except (ValueError, AssertionError) as e:
             out["runs"][spec.name] = {"error": f"{type(e).__name__}: {e}", "ref": ref}
 
@@ -138,8 +139,16 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
             assert run["mode"] in ("headwise", "chunkwise", "all_gather"), (name, run)  # auto resolved
             assert run["backend"] == "gloo" and run["cp_comm"] == ["a2a"], (name, run)
     assert runs["hybrid_cp2_headwise"]["mode"] == "headwise" and runs["hybrid_cp2_all_gather"]["mode"] == "all_gather"
-    assert runs["gdnonly_idm_cp4"]["split"] == "whole_row" and runs["hybrid_sft_cp4"]["split"] == "per_document"
+    assert runs["gdnonly_idm_cp4"]["split"] == "whole_row" and runs["hybrid_sft_cp2"]["split"] == "per_document"
     assert runs["hybrid_sft_cp2"]["pad"] == 1022
+    # sizes where CP=1 equivalence means something: Megatron-LM's JIT warm-up draws (seq / cp) x micro-batch x FFN
+    # elements from the global CUDA generator, which leave it at a CP-dependent offset above ~1M (one Philox round
+    # on an H200); GDN head dim 128 and 3 value heads per key head
+    for name, run in runs.items():
+        if "error" not in run:
+            assert run["warmup"] >= 2**21 and run["gdn_heads"] == [4, 12, 128], (name, run)
+    assert {runs[f"{m}_cp{cp}_{mode}"]["mode"] for m in ("hybrid", "gpt") for cp in (2, 4)
+            for mode in ("chunkwise", "headwise", "all_gather")} == {"chunkwise", "headwise", "all_gather"}
     assert runs["hybrid_cp1"]["layers"] == 6 and runs["gpt_cp1"]["layers"] == 4
     assert runs["hybrid_full_recompute_cp2"]["recompute"][0] == "full"
     assert runs["gpt_norm_out_recompute_cp2"]["recompute"] == ["selective", ["gdn_norm_out"]]
@@ -199,6 +208,36 @@ def test_launch_ends_a_run_when_a_rank_fails(tmp_path):
     assert res.ended_after_failure_s is not None and res.ended_after_failure_s < 20, res.ended_after_failure_s
     assert res.wall_s < 600
     assert res.status == "refused" and res.error.startswith("rank 1 (exit code 1): ValueError: --dataloader-inter"), res.error
+
+
+def test_dataset_helpers_are_built_once_before_runs_start(tmp_path, monkeypatch):
+    """run_matrix builds Megatron's C++ dataset helpers in each checkout (``make``) before it starts any
+    run: runs started side by side on a fresh checkout would race to build them."""
+    from benchmarks import train_megatron_lm as bench
+    from gdn_cp.testing.megatron.lm import RunResult
+
+    events = []
+    for name in ("mlm", "stock"):
+        folder = tmp_path / name / "megatron" / "core" / "datasets"
+        folder.mkdir(parents=True)
+        (folder / "Makefile").write_text(f"default:\n\techo built >> {tmp_path / name / 'made'}\n")
+
+    def fake_launch(spec, *, checkout, **kw):
+        events.append(("launch", spec.name, sorted(p.parent.name for p in tmp_path.glob("*/made"))))
+        return RunResult(spec=spec, status="ok", losses=[1.0] * spec.iterations, grad_norms=[1.0] * spec.iterations,
+                         wall_s=0.0)
+
+    monkeypatch.setattr(bench, "launch", fake_launch)
+    args = bench.argparse.Namespace(checkout=str(tmp_path / "mlm"), stock_checkout=str(tmp_path / "stock"),
+                                    work=str(tmp_path / "work"), out=str(tmp_path / "out.json"), groups=("main",),
+                                    only=["hybrid_cp1", "hybrid_cp2_stock"], budget_s=600, run_timeout_s=60, max_ranks=8)
+    doc = bench.run_matrix(args)
+    assert [r["status"] for r in doc["rows"]] == ["ok"] * 3, doc["rows"]
+    assert events and all(made == ["mlm", "stock"] for _, _, made in events), events  # built before the first run
+    assert (tmp_path / "mlm" / "made").read_text() == "built\n"  # once
+    with pytest.raises(RuntimeError, match="dataset helpers"):
+        (tmp_path / "mlm" / "megatron" / "core" / "datasets" / "Makefile").write_text("default:\n\tfalse\n")
+        bench.build_dataset_helpers(tmp_path / "mlm")
 
 
 def test_benchmark_verdicts_follow_the_noise_rule():

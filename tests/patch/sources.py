@@ -35,7 +35,8 @@ GDN = "megatron/core/ssm/gated_delta_net/gdn.py"
 CFG = "megatron/core/transformer/transformer_config.py"
 UTILS = "megatron/core/utils.py"  # get_batch_on_this_cp_rank records its THD split
 ARGS = "megatron/training/arguments.py"  # validate_args sets --linear-cp-thd-split from the data flags
-TARGETS = (CFG, GDN, UTILS, ARGS)
+COMMON = "megatron/core/ssm/gated_delta_net/common.py"  # GDN conv1d drawn from the model-parallel RNG stream
+TARGETS = (CFG, GDN, COMMON, UTILS, ARGS)
 INFO = "megatron/core/package_info.py"
 IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", "*" + BACKUP_SUFFIX, "*.gdn_cp.tmp")
 

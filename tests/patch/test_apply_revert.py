@@ -26,7 +26,7 @@ from gdn_cp.patch import (
     revert_patch,
 )
 
-from .sources import ARGS, CFG, GDN, TARGETS, UTILS, VERSION
+from .sources import CFG, GDN, TARGETS, VERSION
 
 
 @pytest.mark.megatron
@@ -90,7 +90,7 @@ def test_foreign_modification_is_detected_and_nothing_written(layout):
     gdn = layout.path(GDN)
     gdn.write_bytes(gdn.read_bytes() + b"# someone else's change\n")
     before = layout.digest()
-    assert check_patch(layout.root) == {CFG: PRISTINE, GDN: MODIFIED, UTILS: PRISTINE, ARGS: PRISTINE}
+    assert check_patch(layout.root) == {**dict.fromkeys(TARGETS, PRISTINE), GDN: MODIFIED}
     with pytest.raises(PatchError) as ei:
         apply_patch(layout.root)
     msg = str(ei.value)
@@ -121,21 +121,21 @@ def test_modified_after_patching_blocks_revert(layout):
 def test_partially_patched_is_refused_and_revert_recovers(layout):
     apply_patch(layout.root)
     layout.path(GDN).write_bytes(layout.path(GDN + BACKUP_SUFFIX).read_bytes())  # gdn.py back to pristine
-    assert check_patch(layout.root) == {CFG: PATCHED, GDN: PRISTINE, UTILS: PATCHED, ARGS: PATCHED}
+    assert check_patch(layout.root) == {**dict.fromkeys(TARGETS, PATCHED), GDN: PRISTINE}
     assert overall_state(check_patch(layout.root)) == PARTIAL
     before = layout.digest()
     with pytest.raises(PatchError, match="partially patched.*gdn-cp patch revert"):
         apply_patch(layout.root)
     assert layout.digest() == before
     res = revert_patch(layout.root)
-    assert res.action == "reverted" and res.changed == (CFG, UTILS, ARGS)
+    assert res.action == "reverted" and res.changed == tuple(t for t in TARGETS if t != GDN)
     assert layout.digest() == layout.pristine
 
 
 @pytest.mark.megatron
 def test_missing_target(layout):
     layout.path(GDN).unlink()
-    assert check_patch(layout.root) == {CFG: PRISTINE, GDN: MISSING, UTILS: PRISTINE, ARGS: PRISTINE}
+    assert check_patch(layout.root) == {**dict.fromkeys(TARGETS, PRISTINE), GDN: MISSING}
     before = layout.digest()
     with pytest.raises(PatchError, match=f"{GDN} is missing"):
         apply_patch(layout.root)

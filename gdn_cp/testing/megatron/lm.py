@@ -54,6 +54,7 @@ __all__ = [
     "megatron_lm_args",
     "parse_training_log",
     "launch",
+    "build_dataset_helpers",
     "write_sft_set",
     "install_rank_shims",
     "main",
@@ -100,8 +101,14 @@ class RunSpec:
     gpt_layers: int = 4
     gpt_attention_freq: int = 4
     iterations: int = 20
-    seq_length: int = 2048
-    hidden: int = 256
+    seq_length: int = 4096
+    micro_batch: int = 2
+    global_batch: int = 4
+    hidden: int = 1024
+    gdn_heads: tuple = (4, 12)  # (key heads, value heads): a ratio other than 2
+    gdn_head_dim: int = 128
+    attention_heads: tuple = (8, 4)  # (query heads, query groups): head dim hidden / 8
+    lr: float = 3e-4
     seed: int = 1234
     env: tuple = ()  # extra environment, as (name, value) pairs (e.g. a kernel choice)
     extra_args: tuple = ()
@@ -122,6 +129,12 @@ class RunSpec:
         if self.stock and self.mode is not None:
             raise ValueError(f"RunSpec.mode={self.mode!r} with stock=True: stock Megatron-LM has no --linear-cp-mode; "
                              "leave mode None")
+        for name in ("seq_length", "micro_batch", "global_batch", "hidden", "gdn_head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"RunSpec.{name}={getattr(self, name)!r} must be a positive int")
+        if self.global_batch % self.micro_batch:
+            raise ValueError(f"RunSpec.global_batch={self.global_batch} must be a multiple of micro_batch={self.micro_batch} "
+                             "(one data-parallel rank: global_batch / micro_batch micro-batches per iteration)")
 
     @property
     def script(self) -> str:
@@ -136,16 +149,18 @@ class RunSpec:
 
 
 def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: bool = False) -> list[str]:
-    """The script's command line for ``spec`` (a small model: hidden 256, 4 / 8 GDN heads of dim 64,
-    8 attention heads in 4 groups, SwiGLU + RMSNorm as GDN needs, no dropout, bf16 or fp32, mock data or
-    the SFT set in ``data_dir``).
+    """The script's command line for ``spec`` (its sizes: hidden, FFN 2 x hidden, GDN key / value heads and
+    head dim, attention heads in groups; SwiGLU + RMSNorm as GDN needs, no dropout, bf16 or fp32, mock data
+    or the SFT set in ``data_dir``).
 
     ``one_gpu``: ranks share one GPU (gloo; TE attention's CP exchange through all-to-all)."""
-    # 8 query heads in 4 groups: TE's all-to-all CP exchange (ranks sharing one GPU) splits the KV heads over
+    # query heads in groups: TE's all-to-all CP exchange (ranks sharing one GPU) splits the KV heads over
     # the CP ranks, so the groups must divide by CP (2 groups at CP=4 crash in TE's backend query, SIGFPE)
-    heads = ["--num-attention-heads", "8", "--num-query-groups", "4", "--group-query-attention"]
-    gdn = ["--linear-num-key-heads", "4", "--linear-num-value-heads", "8", "--linear-key-head-dim", "64",
-           "--linear-value-head-dim", "64", "--linear-conv-kernel-dim", "4"]
+    heads = ["--num-attention-heads", str(spec.attention_heads[0]), "--num-query-groups", str(spec.attention_heads[1]),
+             "--group-query-attention"]
+    gdn = ["--linear-num-key-heads", str(spec.gdn_heads[0]), "--linear-num-value-heads", str(spec.gdn_heads[1]),
+           "--linear-key-head-dim", str(spec.gdn_head_dim), "--linear-value-head-dim", str(spec.gdn_head_dim),
+           "--linear-conv-kernel-dim", "4"]
     if spec.model == "hybrid":
         model = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
                  "--hybrid-layer-pattern", spec.pattern]
@@ -161,9 +176,10 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         "--hidden-dropout", "0", "--attention-dropout", "0",
         "--untie-embeddings-and-output-weights",
         "--seq-length", str(spec.seq_length), "--max-position-embeddings", str(spec.seq_length),
-        "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--micro-batch-size", str(spec.micro_batch), "--global-batch-size", str(spec.global_batch),
         "--context-parallel-size", str(spec.cp),
-        *PRECISIONS[spec.precision], "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        *PRECISIONS[spec.precision], "--lr", f"{spec.lr:g}", "--min-lr", f"{spec.lr / 10:g}", "--lr-decay-style", "cosine",
+        "--lr-warmup-iters", "2",
         "--weight-decay", "0.01", "--clip-grad", "1.0",
         "--train-iters", str(spec.iterations), "--seed", str(spec.seed),
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
@@ -261,6 +277,23 @@ class RunResult:
         return {**self.spec.describe(), "args": self.args, "status": self.status, "losses": self.losses,
                 "grad_norms": self.grad_norms, "wall_s": round(self.wall_s, 1), "error": self.error,
                 "dist_backend": self.dist_backend, "skipped_iterations": self.skipped}
+
+
+def build_dataset_helpers(checkout, *, timeout_s: float = 600.0) -> None:
+    """Compile Megatron's C++ dataset helpers in ``checkout`` (``make -C megatron/core/datasets``), once,
+    before runs start side by side.
+
+    Each Megatron-LM run compiles them on its rank 0 when they are missing (``_compile_dependencies``), so
+    runs started together on a fresh checkout race to write the same ``helpers_cpp*.so`` (seen: ``file too
+    short``, ``invalid ELF header``: the runs were reported as refused). ``make`` does nothing when the
+    library is up to date. RuntimeError with make's output when it fails."""
+    folder = Path(checkout) / "megatron" / "core" / "datasets"
+    if not (folder / "Makefile").is_file():
+        raise ValueError(f"checkout={str(checkout)!r} has no megatron/core/datasets/Makefile: pass a Megatron-LM checkout")
+    done = subprocess.run(["make", "-C", str(folder)], capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"building Megatron's dataset helpers in {folder} failed (make exit code "
+                           f"{done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
 
 
 def _free_port() -> int:
