@@ -14,6 +14,12 @@ Who calls what:
 * users may call :func:`resolve_linear_cp_mode` themselves; ``gdn-cp doctor`` calls
   :func:`explain_linear_cp_modes`.
 
+The patched field defaults to ``auto``, so a config that only sets ``context_parallel_size`` runs
+chunkwise, legal for the most head counts (upstream Megatron-LM's own ``linear_cp_mode`` defaults to
+chunkwise too); ``headwise``, stock 0.19.2's one scheme, is chosen by name (the pin's ``STOCK_MODE``
+is what a config without the field runs). Each GDN layer logs the mode it runs on its first call
+(:mod:`gdn_cp.megatron.gdn`).
+
 ``auto`` depends on the heads, TP and CP alone, never on the machine: the same config resolves to
 the same mode on a CPU node and a GPU node, with or without FLA. It picks the first legal mode in
 the registry's ``auto_rank`` order (chunkwise, headwise, all_gather). chunkwise is legal wherever

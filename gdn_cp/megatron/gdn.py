@@ -194,7 +194,8 @@ def _checked_mode(layer, cp: int) -> str:
     Hybrid models never run TransformerConfig's gated_delta_net checks, and a dynamic CP group
     can differ from the static one, so the forward checks (before any collective) with the same
     function as the config. A legal (mode, tp, cp) is remembered per layer: later calls cost one
-    set lookup.
+    set lookup. The first one a layer runs is logged at INFO (the mode each layer runs, once, at
+    start-up), another CP size of a later call (dynamic CP) at DEBUG.
     """
     mode = layer.linear_cp_mode
     done = layer.own(_VALIDATED_ATTR, set)
@@ -207,6 +208,11 @@ def _checked_mode(layer, cp: int) -> str:
         )
     except ValueError as e:
         raise ValueError(f"GatedDeltaNet (layer {layer.layer_number}), CP group of this call has {cp} ranks: {e}") from None
+    logger.log(
+        logging.DEBUG if done else logging.INFO,
+        "GatedDeltaNet layer %s runs linear_cp_mode=%s (TP=%d, CP=%d, linear_num_key_heads=%d, linear_num_value_heads=%d)",
+        layer.layer_number, mode, layer.tp_size, cp, layer.num_key_heads, layer.num_value_heads,
+    )
     done.add(key)
     return mode
 

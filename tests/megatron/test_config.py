@@ -90,7 +90,9 @@ def test_check_table(mode, k, v, tp, cp):
         assert "'chunkwise' or 'all_gather'" in msg  # points to the modes that work
 
 
-def test_config_default_mode_is_headwise():
+def test_config_without_the_patched_field_is_stocks_headwise():
+    """A config object without ``linear_cp_mode`` (megatron-core unpatched, or a stand-in) runs stock's
+    one scheme, headwise; the patched field's own default is ``auto`` (tests/patch/test_patched_megatron.py)."""
     with pytest.raises(ValueError, match="linear_cp_mode='headwise'"):
         configure_linear_cp_mode(_config(_ABSENT, 2, 4, 1, 4))
 
@@ -326,3 +328,24 @@ def test_names_come_from_the_registry(monkeypatch):
     assert configure_linear_cp_mode(_config("ring", 3, 6, 1, 2)) == "ring"
     assert resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=1, cp=2) == "ring"
     assert "ring" in explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=1, cp=2)
+
+
+def test_each_gdn_layer_logs_the_mode_it_runs_once(caplog):
+    """Issue #32: at start-up every GDN layer says, once at INFO, which linear_cp_mode it runs (with TP,
+    CP and its heads); its later calls log nothing more at INFO, a new CP size (dynamic CP) at DEBUG."""
+    from gdn_cp.megatron import gdn
+    from gdn_cp.megatron.pins.core_0_19_2 import LayerAdapter
+
+    caplog.set_level(logging.DEBUG, logger="gdn_cp")
+    layers = [LayerAdapter(types.SimpleNamespace(config=types.SimpleNamespace(linear_cp_mode="chunkwise"), tp_size=1,
+                                                 num_key_heads=4, num_value_heads=8, layer_number=n)) for n in (1, 3)]
+    for _ in range(3):
+        for layer in layers:
+            assert gdn._checked_mode(layer, 2) == "chunkwise"
+    gdn._checked_mode(layers[0], 4)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == gdn.logger.name]
+    assert info == [f"GatedDeltaNet layer {n} runs linear_cp_mode=chunkwise (TP=1, CP=2, linear_num_key_heads=4, "
+                    "linear_num_value_heads=8)" for n in (1, 3)], info
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == gdn.logger.name]
+    assert debug == ["GatedDeltaNet layer 1 runs linear_cp_mode=chunkwise (TP=1, CP=4, linear_num_key_heads=4, "
+                     "linear_num_value_heads=8)"], debug

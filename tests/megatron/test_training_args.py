@@ -150,7 +150,7 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(lines[0][len("RESULT"):])
 
-    assert tuple(out["choices"]) == MODE_CHOICES and out["default"] == "headwise"
+    assert tuple(out["choices"]) == MODE_CHOICES and out["default"] == "auto"
     assert "--linear-cp-mode {" + ",".join(MODE_CHOICES) + "}" in out["help_entry"], out["help_entry"]
     assert all(f'"{m}"' in out["help"] for m in MODE_CHOICES), out["help"]  # the field's docstring
     assert out["typo"][0] == 2 and "invalid choice: 'head_wise'" in out["typo"][1], out["typo"]
