@@ -26,9 +26,10 @@ TESTED_FLA_STACKS = {
     "fla042": ("0.4.2", "3.6.0"),
 }
 """The FLA stacks the GPU suite ran on (README "Tested versions"): pyproject extra -> (fla-core, Triton).
-Each extra pins its fla-core exactly; Triton comes with torch and is not pinned (pip would replace a
-CUDA torch to satisfy a Triton pin), so ``gdn-cp doctor`` says whether the installed pair is one of
-these (``tests/cli/test_doctor.py`` keeps this table, pyproject.toml and the README equal)."""
+Each extra pins its fla-core exactly; Triton comes with torch and no extra pins it (pip would replace a
+CUDA torch to satisfy a Triton pin): ``constraints/<extra>.txt`` pins the torch and Triton of the
+stack for a fresh environment, and ``gdn-cp doctor`` says whether the installed pair is one of these
+(``tests/cli/test_doctor.py`` keeps this table, pyproject.toml, constraints/ and the README equal)."""
 
 
 def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:

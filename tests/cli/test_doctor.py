@@ -116,6 +116,38 @@ def test_the_extras_install_exactly_the_tested_fla_stacks():
         assert rows, f"README 'Tested versions' has no row with FLA {fla} and Triton {triton}"
 
 
+
+def test_each_tested_stack_installs_from_one_line_that_keeps_a_users_torch_unless_asked():
+    """Issue #32: `pip install -e '.[megatron,fla]'` in a fresh environment resolved torch 2.14.1 and
+    Triton 3.8.0, an untested stack. Each tested stack is one extra plus constraints/<extra>.txt, which
+    pins that stack's Triton and a torch; no extra (nor gdn-cp's own dependencies) pins torch or Triton,
+    so without the constraints file pip keeps an installed torch. The README and docs/megatron.md give
+    the line. (The resolution itself was checked with pip against the package index: see the files.)"""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from gdn_cp.cli.doctor import TESTED_FLA_STACKS
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    every = list(project["dependencies"]) + [d for ds in project["optional-dependencies"].values() for d in ds]
+    for dep in every:
+        name = re.match(r"[A-Za-z0-9_.-]+", dep).group(0).lower()
+        assert name not in ("triton",) and not (name == "torch" and re.search(r"==|<|~=", dep)), dep
+    readme = " ".join((root / "README.md").read_text().split())
+    docs = " ".join((root / "docs" / "megatron.md").read_text().split())
+    assert sorted(p.stem for p in (root / "constraints").glob("*.txt")) == sorted(TESTED_FLA_STACKS)
+    for extra, (fla, triton) in TESTED_FLA_STACKS.items():
+        lines = [ln.split("#")[0].strip() for ln in (root / "constraints" / f"{extra}.txt").read_text().splitlines()]
+        pins = dict(ln.split("==") for ln in lines if ln)
+        assert set(pins) == {"torch", "triton"} and pins["triton"] == triton, (extra, pins)
+        line = rf"'?\.\[megatron,{extra}\]'? -c constraints/{extra}\.txt"
+        assert re.search(line, docs) and re.search(line, readme), extra
+        row = f"| `.[megatron,{extra}]` `-c constraints/{extra}.txt` | {fla} | {triton} | {pins['torch']} |"
+        assert row in docs, row
+        assert f"Triton {triton}, torch {pins['torch']}" in readme, (extra, pins)
+
 def test_doctor_says_whether_the_installed_fla_stack_was_tested(monkeypatch):
     from gdn_cp.cli import doctor
 
