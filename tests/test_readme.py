@@ -427,3 +427,24 @@ def test_the_training_figures_are_the_result_files():
     for r in result["rows"]:
         if r["cp"] > 1 and r["status"] == "ok" and r.get("verdict") != "matches CP=1":
             assert r["data"] == "sft" and "--sft" in text, r["name"]
+
+
+# ------------------------------------------------------------------------------------------
+# docs/megatron.md lists the Megatron-LM flags the patch adds (`pretrain_hybrid.py --help` crashes in stock)
+# ------------------------------------------------------------------------------------------
+def test_the_docs_list_every_flag_the_patch_adds_with_its_values_and_default():
+    """Issue #32: `--linear-cp-mode` could not be found with `--help`; each ``linear_cp_*`` field of the
+    patched TransformerConfig is a row of docs/megatron.md's flag table, with its values and default."""
+    text = next((patch_dir() / t.patch).read_text() for t in load_manifest().files if t.target.endswith(
+        "transformer_config.py"))
+    fields = re.findall(r"^\+    (linear_cp_\w+): (.*) = (\S+)$", text, re.M)
+    assert {name for name, _, _ in fields} >= {"linear_cp_mode", "linear_cp_thd_split"}, fields
+    start = MEGATRON_DOC.index("### The Megatron-LM flags gdn-cp adds")
+    section = MEGATRON_DOC[start:MEGATRON_DOC.index("\n## ", start)]
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(--[\w-]+)` \|.*$", section, re.M)}
+    assert sorted(rows) == sorted("--" + name.replace("_", "-") for name, _, _ in fields), rows
+    for name, annotation, default in fields:
+        row = rows["--" + name.replace("_", "-")]
+        values = re.findall(r'"(\w+)"', annotation)
+        assert f"| {', '.join(f'`{v}`' for v in values)} |" in row, (row, values)
+        assert (f"| `{default.strip(chr(34))}` |" in row) if default != "None" else "| none" in row, (row, default)
