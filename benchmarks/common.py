@@ -6,6 +6,8 @@
   CPU time and page faults per call; :func:`retain_freed_memory` pins glibc's allocator regime;
 - :func:`format_table`: human-readable output;
 - :func:`plot_lines`: an optional matplotlib plot (skipped, not failed, without matplotlib);
+- :func:`add_out_arguments` / :func:`resolve_out`: where a reproduction writes (never over a committed
+  result unless told: ``--replace``);
 - :func:`setup_logging`: script plumbing.
 
 The benchmarks are a package run from the repository root (``python3 -m benchmarks.<name>``), so
@@ -28,6 +30,9 @@ from gdn_cp.testing.results import load_average, machine_info, now_iso, stack_ve
 __all__ = [
     "REPO_ROOT",
     "RESULTS_DIR",
+    "REPRODUCED_DIR",
+    "add_out_arguments",
+    "resolve_out",
     "setup_logging",
     "machine_info",
     "versions",
@@ -43,6 +48,31 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPRODUCED_DIR = RESULTS_DIR / "reproduced"
+"""Where a benchmark writes by default: beside the committed results, git-ignored, so a reproduction
+never overwrites the files the docs quote (compare the two; ``--replace`` writes over them)."""
+
+
+def add_out_arguments(parser, name: str, what: str = "JSON path") -> None:
+    """``--out`` (default: ``benchmarks/results/reproduced/<name>``) and ``--replace`` (write the
+    committed ``benchmarks/results/<name>`` instead); :func:`resolve_out` reads them."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"{what} (default: benchmarks/results/reproduced/{name}, beside the committed "
+                        f"benchmarks/results/{name}, which only --replace overwrites)")
+    parser.add_argument("--replace", action="store_true",
+                        help=f"write benchmarks/results/{name}, the committed result the docs quote")
+
+
+def resolve_out(args, name: str, parser=None) -> Path:
+    """The path ``--out`` / ``--replace`` ask for (both at once: ``parser``'s error, else SystemExit)."""
+    if args.replace and args.out is not None:
+        message = "--replace writes the committed result; leave out --out with it"
+        if parser is not None:
+            parser.error(message)
+        raise SystemExit(message)
+    if args.out is not None:
+        return Path(args.out)
+    return (RESULTS_DIR if args.replace else REPRODUCED_DIR) / name
 
 logger = logging.getLogger("benchmarks")
 

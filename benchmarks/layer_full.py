@@ -110,7 +110,7 @@ from gdn_cp.layout import build_chunkwise_plan
 from gdn_cp.testing.ranks import RankPool
 
 from . import layer_full_rank as rank_side
-from .common import RESULTS_DIR, machine_info, now_iso, setup_logging, write_json
+from .common import add_out_arguments, machine_info, now_iso, resolve_out, setup_logging, write_json
 from .layer_full_math import (
     CASES,
     CP1_CASES,
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--grace", type=float, default=45.0, help="a running case is killed this long after the limit")
     r.add_argument("--case-timeout", type=float, default=420.0,
                    help="longest wait for one call into the ranks (a cold FLA autotune takes minutes; default 420)")
-    r.add_argument("--out", type=Path, default=RESULTS_DIR / "layer_full.json", help="JSON rows (merged, see above)")
+    add_out_arguments(r, "layer_full.json", "JSON rows (merged, see above)")
     r.add_argument("--quick", action="store_true",
                    help=f"CPU dry run: tiny shape and {QUICK} unless given")
     r.add_argument("--list", action="store_true", help="print the plan and exit")
@@ -257,6 +257,7 @@ def resolve_args(args):
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.tiny = args.tiny or args.quick
+    args.out = resolve_out(args, "layer_full.json")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")

@@ -51,12 +51,13 @@ from gdn_cp.testing.packings import packed_boundaries
 
 from .common import (
     REPO_ROOT,
-    RESULTS_DIR,
+    add_out_arguments,
     format_table,
     load_average,
     machine_info,
     now_iso,
     plot_lines,
+    resolve_out,
     retain_freed_memory,
     setup_logging,
     time_call,
@@ -409,8 +410,7 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--quick", action="store_true", help="small smoke run (T in 4K,32K; seqs 1,64; short budgets)")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default: benchmarks/results/route_build.json; "
-                    "with --quick: $TMPDIR/route_build_quick.json, so a smoke run never overwrites the results)")
+    add_out_arguments(ap, "route_build.json", "JSON path (--quick: default $TMPDIR/route_build_quick.json)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out, .png)")
     ap.add_argument("--no-plot", action="store_true", help="do not write the PNG")
     ap.add_argument("--t", type=token_count, nargs="+", default=None,
@@ -440,8 +440,9 @@ def parse_args(argv=None):
     args.passes = args.passes or (1 if args.quick else 2)
     args.budget = args.budget if args.budget is not None else (0.02 if args.quick else 0.5)
     args.min_repeats = args.min_repeats or (3 if args.quick else 7)
-    if args.out is None:
-        args.out = Path(tempfile.gettempdir()) / "route_build_quick.json" if args.quick else RESULTS_DIR / "route_build.json"
+    if args.quick and args.out is None and not args.replace:
+        args.out = Path(tempfile.gettempdir()) / "route_build_quick.json"
+    args.out = resolve_out(args, "route_build.json", ap)
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
     return args

@@ -7,10 +7,10 @@ with ``torch.cuda.set_sync_debug_mode("warn")``. Collectives are excluded: with 
 one GPU, gloo stages CUDA tensors through the host, which NCCL does not (the rank pool of
 ``gdn_cp.testing.ranks`` suspends the sync check while a collective runs and counts the collectives).
 
-    python3 -m benchmarks.syncs --out benchmarks/results/syncs.json      # needs CUDA + FLA + megatron
+    python3 -m benchmarks.syncs      # needs CUDA + FLA + megatron; exit 2 without a GPU
 
-Writes JSON (machine, versions, per cp and path: syncs in forward and backward, collectives)
-and prints a table.
+Writes JSON (machine, versions, dtype, the layer's shape; per cp and path: syncs in forward and
+backward, collectives) and prints a table.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from .common import REPO_ROOT, machine_info
+from .common import add_out_arguments, machine_info, resolve_out, versions
 
 SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
 # Shape small enough to compile fast; sync counts do not depend on it.
@@ -98,14 +98,22 @@ def _rank_syncs(ctx, cp_sizes):
     return out
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes (default 1 2)")
-    parser.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "syncs.json"))
+    add_out_arguments(parser, "syncs.json")
     args = parser.parse_args(argv)
+    args.out = str(resolve_out(args, "syncs.json", parser))
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("syncs.py needs CUDA (it counts CUDA device->host synchronizations); nothing to do here")
-        return 0
+        print(f"benchmarks.syncs: error: needs a CUDA GPU (it counts CUDA device->host synchronizations) and "
+              f"torch {torch.__version__} sees none; nothing was measured. Run it on a GPU machine with FLA and "
+              "megatron-core 0.19.2 (benchmarks/gpu_suite.sh, stage syncs)", file=sys.stderr)
+        return 2
     from gdn_cp.patch import ensure_patched
     from gdn_cp.testing.ranks import RankPool
 
@@ -116,7 +124,7 @@ def main(argv=None) -> int:
         per_rank = pool.run(_rank_syncs, args.cp)
     finally:
         pool.close()
-    result = {"machine": machine_info(), "cp": {}}
+    result = {"machine": machine_info(), "versions": versions(), "dtype": "bfloat16", "config": CFG, "cp": {}}
     print(f"{'cp':>3} {'path':<15} {'fwd syncs':>9} {'bwd syncs':>9} {'collectives':>11}  (max over ranks)")
     for cp in args.cp:
         ranks = [r[cp] for r in per_rank if cp in r]

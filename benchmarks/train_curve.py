@@ -68,11 +68,12 @@ import torch
 
 from .common import (
     REPO_ROOT,
-    RESULTS_DIR,
+    add_out_arguments,
     format_table,
     load_average,
     machine_info,
     now_iso,
+    resolve_out,
     save_figure,
     setup_logging,
     versions,
@@ -405,7 +406,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3 AdamW, 0.1 SGD)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (default 1.0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS_DIR / "train_curve.json"), help="JSON path")
+    add_out_arguments(p, "train_curve.json")
     p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run before the ranks count as hung")
@@ -421,6 +422,7 @@ def parse_args(argv=None):
     args.lr = (3e-3 if args.optimizer == "adamw" else 0.1) if args.lr is None else args.lr
     if "cp1" not in args.runs:
         args.runs = ["cp1"] + args.runs
+    args.out = str(resolve_out(args, "train_curve.json", p))
     args.plot = args.plot or str(Path(args.out).with_suffix(".png"))
     args.base = base
     return args

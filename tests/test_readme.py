@@ -448,3 +448,88 @@ def test_the_docs_list_every_flag_the_patch_adds_with_its_values_and_default():
         values = re.findall(r'"(\w+)"', annotation)
         assert f"| {', '.join(f'`{v}`' for v in values)} |" in row, (row, values)
         assert (f"| `{default.strip(chr(34))}` |" in row) if default != "None" else "| none" in row, (row, default)
+
+
+# ------------------------------------------------------------------------------------------
+# cross-references: the sections, names and result fields the pages point to exist
+# ------------------------------------------------------------------------------------------
+def _headings(text: str) -> list[str]:
+    """Markdown headings of ``text``, outside code blocks."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    return [h.strip() for h in re.findall(r"^#+ (.+)$", prose, re.M)]
+
+
+def _section_refs() -> list[tuple[str, str, str]]:
+    """``(where, page, section name)`` for each section a page or a docstring names: README's X section,
+    README "X", `docs/f.md` ("X") / `docs/f.md`, "X", ("X", below|above) and see "X" (the same page)."""
+    sources = {name: text for name, text in DOCS.items()}
+    for folder in ("gdn_cp", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            sources[str(path.relative_to(ROOT))] = path.read_text()
+    refs = []
+    for where, text in sources.items():
+        flat = _one_line(text)
+        own = where if where in DOCS else "README.md"
+        for m in re.finditer(r"README's ([A-Z][\w-]*) section", flat):
+            refs.append((where, "README.md", m.group(1)))
+        for m in re.finditer(r"README(?:'s)?,? \"([^\"]+)\"", flat):
+            refs.append((where, "README.md", m.group(1)))
+        for m in re.finditer(r"`?(docs/\w+\.md)`?,? \(?\"([^\"]+)\"", flat):
+            refs.append((where, m.group(1), m.group(2)))
+        for m in re.finditer(r"\(\"([^\"]+)\", (?:below|above)\)|\bsee \"([^\"]+)\"", flat):
+            refs.append((where, own, m.group(1) or m.group(2)))
+    return refs
+
+
+def test_every_section_a_page_names_exists():
+    """Issue #32: "the README's Performance section" (there is none), "what doctor prints" in
+    docs/megatron.md (not there). Every section named by the README, the docs and the code's
+    docstrings is a heading of the page named (a part of its title is enough: "which cut")."""
+    refs = _section_refs()
+    assert len(refs) > 8, refs
+    bad = [(where, page, name) for where, page, name in refs
+           if not any(name in heading for heading in _headings(DOCS[page]))]
+    assert bad == [], bad
+
+
+def test_each_result_file_has_the_machine_and_versions_the_docs_say_it_has():
+    """docs/performance.md: each results JSON has the machine and the versions, except the files it
+    names as lacking them (issue #32: syncs.json had no versions while the page said all had)."""
+    import json
+
+    text = _one_line(PERFORMANCE_DOC)
+    claim = re.search(r"with the machine and versions, except ((?:`\w+\.json`(?:,| and)? ?)+)", text)
+    assert claim, "docs/performance.md no longer says which result files have the machine and versions"
+    exceptions = set(re.findall(r"`(\w+\.json)`", claim.group(1)))
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        data = json.loads(path.read_text())
+        rows = data if isinstance(data, list) else [data]
+        has = all("machine" in r and "versions" in r for r in rows)
+        assert has == (path.name not in exceptions), (path.name, has, exceptions)
+
+
+def test_every_gdn_cp_name_the_docs_and_results_give_exists():
+    """Dotted names (``gdn_cp.testing.packings.packed_boundaries``) in the pages and in the result files
+    import (issue #32: route_build.json named gdn_cp.demo.packed_boundaries, moved since)."""
+    import importlib
+
+    texts = [ALL_DOCS] + [p.read_text() for p in sorted((ROOT / "benchmarks" / "results").glob("*.json"))]
+    names = {n for t in texts for n in re.findall(r"(?<![\w.*])gdn_cp(?:\.\w+)+", t)}
+    assert len(names) > 5, names
+    missing = []
+    for name in sorted(names):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for attr in parts[cut:]:
+                    obj = getattr(obj, attr)
+            except AttributeError:
+                missing.append(name)
+            break
+        else:
+            missing.append(name)
+    assert missing == [], missing
