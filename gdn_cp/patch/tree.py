@@ -237,6 +237,20 @@ def is_checkout(root: Path) -> bool:
     return find_git(root) is not None or (root / "pretrain_gpt.py").is_file()
 
 
+def _restore_in_checkout(root: Path, edited: str, pin: str) -> str:
+    """How to put the release's files back in a Megatron-LM checkout. Its scripts import the checkout's
+    own ``megatron/`` (the script's folder comes first on ``sys.path``), so reinstalling the pip package
+    would not touch these files: git restores them in a git checkout; in a copy without git (an unpacked
+    archive), the release's sources do."""
+    if find_git(root) is not None:
+        return f"restore them: `git checkout -- {edited}` in {root}"
+    return (
+        f"restore them from the megatron-core {pin} sources (this checkout has no git, and pip does not manage "
+        f"its files): `python -m pip download --no-deps --no-binary megatron-core megatron-core=={pin}`, unpack "
+        f"the megatron_core-{pin}.tar.gz it writes, and copy {edited} from its folder into {root}"
+    )
+
+
 def foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, verb: str) -> PatchError:
     """Target files that are neither the release's nor the patched ones. When the other targets are
     the release's, these are local edits of the pinned release (a Megatron-LM checkout reporting
@@ -258,8 +272,7 @@ def foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, ver
             f"that release (or another gdn-cp version's patch); the patch applies only to files identical to "
             f"the release's (sha256)"
         )
-        fixes = [f"restore them: `git checkout -- {edited}` in a git checkout"] if is_checkout(root) else []
-        fixes.append(reinstall)
+        fixes = [_restore_in_checkout(root, edited, pin)] if is_checkout(root) else [reinstall]
     else:
         why = (
             f"the patch is pinned to megatron-core {pin} and applies only to files identical to that "

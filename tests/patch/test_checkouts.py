@@ -75,6 +75,28 @@ def test_checkout_messages_name_the_checkouts_own_version(pristine_megatron, tmp
     assert "check out a commit whose files match" in msg and "local edits" not in msg and "gdn-cp release" not in msg
 
 
+
+@pytest.mark.megatron
+def test_a_checkout_without_git_gets_advice_that_applies_there(pristine_megatron, tmp_path):
+    """Issue #32: a Megatron-LM checkout unpacked from an archive (no git) with an edited target file was
+    told to reinstall megatron-core with pip, which never touches the checkout's own files (its scripts
+    import them). The advice now is to copy the file from the release's sources; following it (the
+    pristine sources stand for the unpacked sdist) lets the patch apply."""
+    import re
+
+    root = megatron_lm_repo(tmp_path, pristine_megatron)
+    shutil.rmtree(root / ".git")
+    (root / GDN).write_text((root / GDN).read_text() + "# a local change\n")
+    with pytest.raises(PatchError) as ei:
+        apply_patch(root)
+    msg = str(ei.value)
+    assert "git checkout" not in msg and "pip install" not in msg and "reinstall" not in msg, msg
+    found = re.search(r"`python -m pip download --no-deps --no-binary megatron-core megatron-core==([\d.]+)`, "
+                      r"unpack the megatron_core-\1\.tar\.gz it writes, and copy (\S+) from its folder into (\S+?)\. Nothing", msg)
+    assert found and found.group(1) == VERSION and found.group(2) == GDN and found.group(3) == str(root), msg
+    shutil.copy(pristine_megatron / GDN, root / GDN)  # what the advice says, from the release's sources
+    assert apply_patch(root).action == "applied"
+
 @pytest.mark.megatron
 def test_site_packages_inside_a_git_work_tree_is_not_a_checkout(pristine_megatron, tmp_path):
     """A virtual environment inside a repository (CI's .venv in a clone): its site-packages is an
