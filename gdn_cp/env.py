@@ -46,13 +46,19 @@ def _one_of(*choices: str) -> Callable[[str], str]:
     return parse
 
 
+MIN_PG_TIMEOUT_S = 1.0
+"""The shortest process-group timeout taken: below it a collective fails inside gloo before any rank could
+answer (1e-9 was accepted, then failed there)."""
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError("use a number of seconds > 0, e.g. 180")
+    if not (math.isfinite(value) and value >= MIN_PG_TIMEOUT_S):
+        raise ValueError(f"use a number of seconds > 0, at least {MIN_PG_TIMEOUT_S:g} (a collective needs that "
+                         "long), e.g. 180")
     return value
 
 
@@ -128,7 +134,8 @@ SETTINGS: dict[str, EnvSetting] = {
                    "generic (gdn-cp's own); see gdn_cp.modes.set_chunkwise_path",
                    _one_of(*CHUNKWISE_PATHS)),
         EnvSetting("GDN_CP_TEST_DIST_BACKEND", "gdn_cp", "",
-                   "the torch.distributed backend of rank pools that do not name one (gdn_cp.testing.ranks)",
+                   "the torch.distributed backend of rank pools that do not name one (gdn_cp.testing.ranks; "
+                   "gdn-cp run takes --dist-backend, and says so when this is set to another)",
                    _one_of("gloo", "nccl")),
         EnvSetting("GDN_CP_TEST_PG_TIMEOUT", "gdn_cp", "180",
                    "seconds a rank of a rank pool waits in a collective (gdn_cp.testing.ranks)",

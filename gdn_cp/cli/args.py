@@ -38,15 +38,16 @@ def comma_items(text: str, *, unique: bool = False) -> list[str]:
     return items
 
 
-def int_range(low: int, high: Optional[int] = None, *, example: str = "") -> Callable[[str], int]:
-    """An argparse type: an int in ``[low, high]`` (no upper bound when ``high`` is None)."""
+def int_range(low: int, high: Optional[int] = None, *, high_why: str = "") -> Callable[[str], int]:
+    """An argparse type: an int in ``[low, high]`` (no upper bound when ``high`` is None); ``high_why``
+    follows the message of a value over ``high`` (what the bound is)."""
 
     def parse(text: str) -> int:
         value = parse_int(text)
         if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}{example}")
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
         if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"{value} must be <= {high}{example}")
+            raise argparse.ArgumentTypeError(f"{value} must be <= {high}{high_why}")
         return value
 
     parse.__name__ = "integer"  # argparse names the type in some messages

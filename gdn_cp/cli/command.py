@@ -74,9 +74,9 @@ def _add_doctor_command(sub, parents) -> None:
                            "legal for --heads"))
     p.add_argument("--heads", type=int_list(1, count=2), default=None, metavar="K,V",
                    help="linear key,value heads (linear_num_key_heads, linear_num_value_heads), e.g. 16,32")
-    p.add_argument("--tp", type=int_range(1, MAX_TP_SIZE, example=" (the largest TP group gdn-cp plans for)"),
+    p.add_argument("--tp", type=int_range(1, MAX_TP_SIZE, high_why=" (the largest TP group gdn-cp plans for)"),
                    default=None, help=f"tensor-parallel size for --heads, in [1, {MAX_TP_SIZE}] (default 1)")
-    p.add_argument("--cp", type=int_range(1, MAX_CP_SIZE, example=" (the largest CP group gdn-cp plans for)"),
+    p.add_argument("--cp", type=int_range(1, MAX_CP_SIZE, high_why=" (the largest CP group gdn-cp plans for)"),
                    default=None, help=f"context-parallel size for --heads, in [1, {MAX_CP_SIZE}] (default 1)")
     p.add_argument("--path", type=_existing_path, default=None,
                    help="Megatron-LM checkout or site-packages (default: the importable megatron)")

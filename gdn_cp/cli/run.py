@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import env
 from .args import comma_items, int_list, int_range
 from .output import CommandError, exit_epilog
 from ..modes.spec import MODE_NAMES
@@ -18,6 +19,8 @@ from ..ops.registry import BACKEND_NAMES
 
 __all__ = ["add_run_command"]
 
+
+POOL_BACKEND_ENV = "GDN_CP_TEST_DIST_BACKEND"
 
 MAX_RANKS = 64
 """Most ranks ``gdn-cp run`` spawns on one machine (each is a process)."""
@@ -119,8 +122,13 @@ def run_command(args) -> int:
     for name in ("device", "backend", "dist_backend"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
+    cfg = auto_config(**overrides)
+    pool_backend = env.read(POOL_BACKEND_ENV)
+    if pool_backend and pool_backend != cfg.dist_backend:  # issue #32: was ignored without a word
+        print(f"gdn-cp run: note: {POOL_BACKEND_ENV}={pool_backend} chooses the backend of the test rank pools; "
+              f"gdn-cp run takes --dist-backend (this run: {cfg.dist_backend})", file=sys.stderr, flush=True)
     try:
-        result = run_job(auto_config(**overrides), echo=lambda line: print(line, flush=True))
+        result = run_job(cfg, echo=lambda line: print(line, flush=True))
     except ValueError as err:  # the job cannot run on this machine: said before anything was spawned
         raise CommandError(str(err)) from None
     except KeyboardInterrupt:

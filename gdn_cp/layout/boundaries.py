@@ -182,7 +182,8 @@ def _host_int64(values, name: str, *, allow_tensor: bool) -> np.ndarray:
 
 
 def _raise_out_of_range(name: str, i: int, value: int) -> None:
-    raise ValueError(f"{name}[{i}]={value} is out of range: boundaries are row offsets in [0, 2**62]")
+    why = " (negative)" if value < 0 else ""
+    raise ValueError(f"{name}[{i}]={value} is out of range{why}: boundaries are row offsets in [0, 2**62]")
 
 
 def _check_structure(cu: np.ndarray, name: str) -> None:
@@ -194,6 +195,10 @@ def _check_structure(cu: np.ndarray, name: str) -> None:
         raise ValueError(
             f"{name}[0] must be 0, got {int(cu[0])}; boundaries are offsets into the packed rows, so they start at 0"
         )
+    negative = cu < 0
+    if negative.any():
+        i = int(np.argmax(negative))
+        _raise_out_of_range(name, i, int(cu[i]))
     falls = cu[1:] < cu[:-1]
     if falls.any():
         i = int(np.argmax(falls)) + 1

@@ -69,7 +69,8 @@ def test_cli_refuses_non_positive_sizes(capsys):
         cli.main(["doctor", "--heads", "16,32", "--cp", "0"])
     except SystemExit as e:
         assert e.code == 2
-    assert "argument --cp: 0 must be >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --cp: 0 must be >= 1;" in err and "largest" not in err  # issue #32: no "largest CP group" for 0
 
 
 def test_doctor_says_whether_transformer_engine_is_there(monkeypatch):

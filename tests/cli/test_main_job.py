@@ -205,3 +205,21 @@ def test_wrong_answers_fail():
     assert result.exit_code == 1, text
     assert "failed: cp=2 chunkwise: relative error over -1" in text
     assert "result: FAIL (1 problem listed above)" in text
+
+
+def test_run_says_that_the_pool_backend_variable_is_not_its_flag(monkeypatch, capsys):
+    """Issue #32: GDN_CP_TEST_DIST_BACKEND=nccl was silently ignored by `gdn-cp run` on a CPU; it chooses
+    the test rank pools' backend, and the run says that its own is --dist-backend's."""
+    from gdn_cp.cli import main
+    from gdn_cp.cli import main_job
+
+    ran = []
+    monkeypatch.setattr(main_job, "run_job", lambda cfg, **k: ran.append(cfg) or main_job.JobResult())
+    monkeypatch.setattr(main_job.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("GDN_CP_TEST_DIST_BACKEND", "nccl")
+    assert main(["run"]) == 0 and ran[0].dist_backend == "gloo"
+    err = capsys.readouterr().err
+    assert err == ("gdn-cp run: note: GDN_CP_TEST_DIST_BACKEND=nccl chooses the backend of the test rank pools; "
+                   "gdn-cp run takes --dist-backend (this run: gloo)\n"), err
+    monkeypatch.setenv("GDN_CP_TEST_DIST_BACKEND", "gloo")
+    assert main(["run"]) == 0 and capsys.readouterr().err == ""

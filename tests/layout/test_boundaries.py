@@ -67,6 +67,8 @@ def test_copies_and_pickles_drop_the_caches():
         ([0], ValueError, "at least 2 boundaries"),
         ([2, 4], ValueError, r"cu_seqlens\[0\] must be 0"),
         ([0, 4, 3], ValueError, r"non-decreasing, but cu_seqlens\[2\]=3 < cu_seqlens\[1\]=4"),
+        ([0, -8], ValueError, r"cu_seqlens\[1\]=-8 is out of range \(negative\)"),  # not "non-decreasing" (issue #32)
+        ([0, 4, -2, 6], ValueError, r"cu_seqlens\[2\]=-2 is out of range \(negative\)"),
         ([0, 4.0], TypeError, r"cu_seqlens\[1\] must be an int, got float"),
         ([0, True], TypeError, r"cu_seqlens\[1\] must be an int, got bool"),
         ("0,4", TypeError, "must be a list of ints"),
