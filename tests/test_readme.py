@@ -140,6 +140,13 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         monkeypatch.setattr(patch.tree.importlib.util, "find_spec", lambda name: None)
         patch.find_megatron_root()
 
+    def too_large_for_memory():
+        from gdn_cp.cli import main_job
+
+        monkeypatch.delenv("GDN_CP_CHUNKWISE_PATH", raising=False)  # bad_env's setting is not this row's
+        monkeypatch.setattr(main_job, "_available_memory", lambda: 23 << 30)
+        check_job(JobConfig(tokens_per_rank=1 << 20))
+
     def bad_env():
         monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "ring")
         chunkwise_path()
@@ -196,6 +203,7 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
                 hybrid_layer_pattern="G-G-*-", swiglu=True, sft=True, context_parallel_size=2)),
         "--modes ... cannot run at --cp ... with --heads ...": lambda: check_job(JobConfig(modes=("headwise",),
                                                                                            cp_sizes=(8,))),
+        "--tokens-per-rank ... at --cp ...: the ... ranks would need about ... GiB of memory": too_large_for_memory,
         # the first column of check_linear_cp_mode's table row (kept to show the config and the forward agree)
         "_check": lambda: check_linear_cp_mode("headwise", num_key_heads=4, num_value_heads=8, tp=1, cp=8),
     }

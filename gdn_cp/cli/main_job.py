@@ -36,7 +36,7 @@ from ..testing.ranks import RankError, RankPool
 from ..testing.tolerances import cp_vs_cp1_tolerance
 from .output import count
 
-__all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "run_job"]
+__all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "estimate_rank_bytes", "run_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,66 @@ def check_job(cfg: JobConfig) -> None:
             raise ValueError(f"--dist-backend nccl needs one GPU per rank: --cp {need} needs {need} GPUs, "
                              f"{gpus} visible; use --dist-backend gloo (ranks share a GPU) or a smaller --cp")
     _check_what_every_rank_checks(cfg)
+    _check_memory(cfg)
+
+
+# Host memory of a CPU run, per rank: every rank also computes the CP=1 reference on all T_global rows,
+# so it grows with T_global = tokens_per_rank * cp, not with the rank's share. Calibrated on a 2-core
+# AMD EPYC VM (torch 2.13.0+cpu, peak RSS of the largest rank): 560 MiB at T_global 2048 and 1125 MiB at
+# 8192 (4,8 heads of dim 32, float32), 2.70 GiB at 32768 (every mode); per token 94 KB there, 155-178 KB
+# with twice the head dim, twice the heads or float64. The estimate is above each of these.
+_RANK_BASE_BYTES = 400 << 20
+_PER_TOKEN_FIXED_BYTES = 16 << 10
+_PER_TOKEN_ROW_FACTOR = 32  # bytes per byte of a token's q|k|v and output row
+
+
+def estimate_rank_bytes(cfg: JobConfig, cp: int) -> int:
+    """Estimated peak host memory of one CPU rank at CP size ``cp`` (see the calibration above)."""
+    shape = cfg.shape
+    row = shape.num_k_heads * shape.head_k_dim * 2 + shape.num_v_heads * shape.head_v_dim * 2  # q, k, v, o
+    element = max(torch.finfo(getattr(torch, cfg.dtype)).bits // 8, 4)  # the reference backend computes in fp32
+    per_token = _PER_TOKEN_FIXED_BYTES + _PER_TOKEN_ROW_FACTOR * row * element
+    return _RANK_BASE_BYTES + cfg.tokens_per_rank * cp * per_token
+
+
+def _available_memory() -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none: the check is then skipped)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _largest_fit(cfg: JobConfig, cp: int, available: int) -> int:
+    """The largest even ``tokens_per_rank`` whose ``cp`` ranks fit in ``available`` bytes (estimate)."""
+    per_token = (estimate_rank_bytes(cfg, cp) - _RANK_BASE_BYTES) / (cfg.tokens_per_rank * cp)
+    return int((available / cp - _RANK_BASE_BYTES) / (per_token * cp)) // 2 * 2
+
+
+def _check_memory(cfg: JobConfig) -> None:
+    """Refuse, before spawning, a CPU run whose ranks would not fit in this machine's available memory
+    (a run of 1M tokens per rank was OOM-killed after 54 s on a 23 GB machine); the message has the
+    estimate and the largest --tokens-per-rank that fits."""
+    available = _available_memory()
+    if cfg.device != "cpu" or available is None:
+        return
+    for cp in cfg.cp_sizes:
+        need = cp * estimate_rank_bytes(cfg, cp)
+        if need <= available:
+            continue
+        fits = min(_largest_fit(cfg, c, available) for c in cfg.cp_sizes)
+        fix = (f"use --tokens-per-rank {fits} or less (for every --cp size)" if fits >= 2
+               else "use smaller --cp sizes")
+        gib = 1 << 30
+        raise ValueError(
+            f"--tokens-per-rank {cfg.tokens_per_rank} at --cp {cp}: the {cp} ranks would need about "
+            f"{need / gib:.1f} GiB of memory (each also computes CP=1 on all T_global={cfg.tokens_per_rank * cp} "
+            f"tokens: ~{need / cp / gib:.1f} GiB), and this machine has {available / gib:.1f} GiB available; {fix}"
+        )
 
 
 def _check_what_every_rank_checks(cfg: JobConfig) -> None:

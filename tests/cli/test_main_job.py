@@ -223,3 +223,31 @@ def test_run_says_that_the_pool_backend_variable_is_not_its_flag(monkeypatch, ca
                    "gdn-cp run takes --dist-backend (this run: gloo)\n"), err
     monkeypatch.setenv("GDN_CP_TEST_DIST_BACKEND", "gloo")
     assert main(["run"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_run_refuses_before_spawning_what_would_not_fit_in_memory(monkeypatch):
+    """Issue #32: --tokens-per-rank 1048576 (the --help maximum) was OOM-killed after 54 s on a 23 GB machine.
+    The estimate (above every peak measured: see main_job's calibration) refuses it before any rank
+    starts, with the figures and a --tokens-per-rank that fits every --cp size; the default run fits."""
+    import re
+
+    from gdn_cp.cli import main_job
+    from gdn_cp.cli.main_job import JobConfig, check_job, estimate_rank_bytes
+
+    monkeypatch.setattr(main_job, "_available_memory", lambda: 23 << 30)
+    check_job(JobConfig())  # 1024 tokens per rank at cp 2,4
+    with pytest.raises(ValueError) as err:
+        check_job(JobConfig(tokens_per_rank=1 << 20))
+    msg = str(err.value)
+    found = re.fullmatch(r"--tokens-per-rank 1048576 at --cp 2: the 2 ranks would need about ([\d.]+) GiB of memory "
+                         r"\(each also computes CP=1 on all T_global=2097152 tokens: ~[\d.]+ GiB\), and this machine "
+                         r"has 23\.0 GiB available; use --tokens-per-rank (\d+) or less \(for every --cp size\)", msg)
+    assert found and float(found.group(1)) > 100, msg
+    fits = int(found.group(2))
+    check_job(JobConfig(tokens_per_rank=fits))  # what it names fits at cp 2 and 4
+    assert 4 * estimate_rank_bytes(JobConfig(tokens_per_rank=fits + 2), 4) > 23 << 30  # and is the largest
+    # measured peaks it must stay above (largest rank's RSS, CPU, float32, 4,8 heads of dim 32)
+    for tokens, cp, peak_mib in ((1024, 2, 560), (4096, 2, 1125), (16384, 2, 2703), (2048, 4, 1243)):
+        assert estimate_rank_bytes(JobConfig(tokens_per_rank=tokens), cp) > peak_mib << 20
+    monkeypatch.setattr(main_job, "_available_memory", lambda: None)  # no /proc/meminfo: not checked
+    check_job(JobConfig(tokens_per_rank=1 << 20))
