@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
 from typing import Callable, Optional
 
 from .. import __version__, env, patch
@@ -44,6 +45,20 @@ def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:
         hazard = "; FLA >= 0.5 with Triton < 3.7.1 refuses or miscomputes the GDN backward on Hopper (FLA issue #640)"
     return (f"fla {fla} + triton {triton}: untested (tested: {tested}){hazard}; "
             "check it with `gdn-cp selftest --gpu` on the GPU machine")
+
+
+MEGATRON_PYTHON = (3, 12)
+"""The oldest Python megatron-core 0.19.2 installs on (its Requires-Python; its wheels are for 3.12)."""
+
+
+def python_verdict(version: tuple) -> str:
+    """This Python's version, and on one older than megatron-core's floor, what that means."""
+    text = ".".join(map(str, version))
+    if tuple(version[:2]) >= MEGATRON_PYTHON:
+        return text
+    floor = ".".join(map(str, MEGATRON_PYTHON))
+    return (f"{text} (megatron-core 0.19.2 declares Python >= {floor}: pip refuses it here; use a {floor} "
+            f"environment, or install its sources as docs/megatron.md says for 3.11)")
 
 
 def _at_least(version: str, floor: tuple) -> bool:
@@ -127,6 +142,7 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
     gpus, gpu_note = _gpus()
     report: dict = {
         "versions": {
+            "python": python_verdict(sys.version_info[:3]),
             "gdn-cp": __version__,
             "torch": _version("torch"),
             "megatron-core": _version("megatron-core"),

@@ -163,3 +163,21 @@ def test_doctor_says_whether_the_installed_fla_stack_was_tested(monkeypatch):
     monkeypatch.setattr(doctor, "_dist_version", lambda *names: next((versions[n] for n in names if n in versions), None))
     code, out = _run()
     assert "FLA + Triton: fla 0.6.0 + triton 3.5.0: untested" in out, out
+
+
+
+def test_doctor_says_when_this_python_cannot_take_megatron_core():
+    """Issue #32: on Python 3.11 `pip install -e '.[megatron,fla]'` fails with pages of version listings;
+    the doctor (which installs there) says in its python line what that means and what to do."""
+    from gdn_cp.cli.doctor import python_verdict
+
+    assert python_verdict((3, 12, 3)) == "3.12.3"
+    line = python_verdict((3, 11, 7))
+    assert line.startswith("3.11.7 (megatron-core 0.19.2 declares Python >= 3.12: pip refuses it here") and "3.12" in line
+    import importlib.metadata
+
+    try:
+        declared = importlib.metadata.metadata("megatron-core")["Requires-Python"]
+    except importlib.metadata.PackageNotFoundError:
+        return
+    assert declared.replace(" ", "") == ">=3.12", declared  # the floor the doctor and the README state
