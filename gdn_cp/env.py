@@ -133,6 +133,9 @@ SETTINGS: dict[str, EnvSetting] = {
                    "how chunkwise exchanges halos and state summaries: auto, native (FLA's cp context) or "
                    "generic (gdn-cp's own); see gdn_cp.modes.set_chunkwise_path",
                    _one_of(*CHUNKWISE_PATHS)),
+        EnvSetting("GDN_CP_FLASHQLA_AUTO_CP", "gdn_cp", "1",
+                   "the FlashQLA backend's auto_cp (FlashQLA's own split of long sequences inside one GPU): 1 on "
+                   "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.auto_cp_setting", _SWITCH),
         EnvSetting("GDN_CP_TEST_DIST_BACKEND", "gdn_cp", "",
                    "the torch.distributed backend of rank pools that do not name one (gdn_cp.testing.ranks; "
                    "gdn-cp run takes --dist-backend, and says so when this is set to another)",

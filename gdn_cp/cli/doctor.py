@@ -1,7 +1,7 @@
 """`gdn-cp doctor`: what is installed, whether Megatron-Core is patched, and which mode fits.
 
 Reads versions from package metadata without importing megatron.core (its import is slow and
-noisy), TransformerEngine or torch (the doctor must also run, and say so, where torch is missing);
+noisy), TransformerEngine, FlashQLA / TileLang or torch (the doctor must also run, and say so, where torch is missing);
 on a GPU machine the FLA stack lines say which gated norm a layer takes (FLA's fused kernel for
 torch's and TransformerEngine's RMSNorm, the layer's own norm otherwise). Finds the patch
 state and the release the files match (by sha256) through the patch tool (:mod:`gdn_cp.patch`), and
@@ -20,7 +20,8 @@ from .. import __version__, env, patch
 from ..megatron.config import AUTO, explain_linear_cp_modes
 from ..megatron.pins import PINS
 
-__all__ = ["TESTED_FLA_STACKS", "check_doctor_args", "collect_report", "fla_stack_verdict", "run_doctor"]
+__all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "fla_stack_verdict",
+           "flashqla_verdict", "run_doctor"]
 
 TESTED_FLA_STACKS = {
     "fla": ("0.6.0", "3.7.1"),
@@ -31,6 +32,21 @@ Each extra pins its fla-core exactly; Triton comes with torch and no extra pins 
 CUDA torch to satisfy a Triton pin): ``constraints/<extra>.txt`` pins the torch and Triton of the
 stack for a fresh environment, and ``gdn-cp doctor`` says whether the installed pair is one of these
 (``tests/cli/test_doctor.py`` keeps this table, pyproject.toml, constraints/ and the README equal)."""
+
+
+TESTED_FLASHQLA_STACK = ("0.1.3", "0.1.15")
+"""The FlashQLA stack of the ``[flashqla]`` extra: (flash-qla, tilelang)."""
+
+
+def flashqla_verdict(flash_qla: Optional[str], tilelang: Optional[str]) -> str:
+    """One line: the installed FlashQLA + TileLang, and whether it is the stack of the [flashqla] extra."""
+    want = f"flash-qla {TESTED_FLASHQLA_STACK[0]} + tilelang {TESTED_FLASHQLA_STACK[1]} ([flashqla])"
+    if flash_qla in (None, "not installed"):
+        return f"not installed (sm_90+ GPU only: pip install -e '.[flashqla]'; the pinned stack: {want})"
+    if (flash_qla, tilelang) == TESTED_FLASHQLA_STACK:
+        return f"flash-qla {flash_qla} + tilelang {tilelang}: the [flashqla] stack"
+    return (f"flash-qla {flash_qla} + tilelang {tilelang}: not the pinned stack ({want}); check it with "
+            "`gdn-cp selftest --gpu` on the GPU machine")
 
 
 def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:
@@ -150,6 +166,8 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
             "flash-linear-attention": _version("flash-linear-attention"),
             "fla-core": _version("fla-core"),
             "triton": _version("triton"),
+            "flash-qla": _dist_version("flash-qla", "flash_qla") or "not installed",
+            "tilelang": _version("tilelang"),
             "transformer-engine": _te_version(),
         },
         "gpus": gpus,
@@ -158,11 +176,16 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
                                                _dist_version("triton")),
         "environment": {n: os.environ[n] for n in sorted(os.environ) if n.startswith(env.PREFIX)},
     }
-    if report["gpus"]:  # FLA's kernels import only with CUDA: probing them on a CPU machine says nothing
+    report["flashqla_verdict"] = flashqla_verdict(report["versions"]["flash-qla"], report["versions"]["tilelang"])
+    if report["gpus"]:  # FLA's and FlashQLA's kernels import only with CUDA: probing them on a CPU machine says nothing
         from ..ops.fla import fla_collective_backends, stack_report
+        from ..ops.flashqla import stack_report as flashqla_stack_report
+        from ..ops.registry import resolve_backend
 
         report["fla_stack"] = stack_report()
         report["fla_stack"]["cp context groups"] = fla_collective_backends()
+        report["flashqla_stack"] = flashqla_stack_report()
+        report["backend_auto"] = resolve_backend("auto", "cuda", head_dims=(128, 128), dtype="bfloat16")
     try:
         root = root or patch.find_megatron_root(None)
         states = patch.check_patch(root)
@@ -199,6 +222,13 @@ def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, p
             echo(f"  {name:<20} {text}")
         groups = ", ".join(f"{b} ({why})" for b, why in stack["cp context groups"].items())
         echo(f"  {'cp context groups':<20} {groups}")
+    if "flashqla_stack" in report:
+        stack = report["flashqla_stack"]
+        echo(f"FlashQLA stack: {stack['stack']} (what the flashqla backend uses of it):")
+        for name, text in stack["choices"].items():
+            echo(f"  {name:<20} {text}")
+        name, why = report["backend_auto"]
+        echo(f"linear_cp_backend auto for head dims 128, bf16 (Qwen3.5's GDN layers) on this GPU -> {name}: {why}")
     patch = report["patch"]
     if patch["root"] is None:
         echo(f"megatron-core patch: unavailable ({patch.get('error')})")
@@ -208,6 +238,7 @@ def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, p
         for file, state in patch["files"].items():
             echo(f"  {state:<9} {file}")
     echo(f"FLA + Triton: {report['fla_stack_verdict']}")
+    echo(f"FlashQLA + TileLang: {report['flashqla_verdict']}")
     if "modes" in report:
         s = report["shape"]
         echo(

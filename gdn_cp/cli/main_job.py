@@ -75,7 +75,8 @@ def auto_config(**overrides) -> JobConfig:
         return cfg
     choice = {"device": "cuda"}
     if "backend" not in overrides:
-        choice["backend"] = choose_backend_name("cuda")
+        choice["backend"] = choose_backend_name("cuda", head_dims=(cfg.shape.head_k_dim, cfg.shape.head_v_dim),
+                                                dtype=cfg.dtype)
     if "dist_backend" not in overrides:
         enough = torch.cuda.device_count() >= max(cfg.cp_sizes, default=1)
         choice["dist_backend"] = "nccl" if enough and torch.distributed.is_nccl_available() else "gloo"
@@ -203,6 +204,12 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
             check_head_dims(shape.head_k_dim, shape.head_v_dim)
         except ValueError as err:
             raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
+    check_core = getattr(get_backend(cfg.backend), "check_core", None)  # the dtypes its kernels take
+    if check_core is not None:
+        try:
+            check_core(shape, getattr(torch, cfg.dtype))
+        except ValueError as err:
+            raise ValueError(f"--backend {cfg.backend} --dtype {cfg.dtype}: {err}") from None
     sizes = [cp for cp in cfg.cp_sizes
              if cp > 1 and "chunkwise" in cfg.modes_to_run and "chunkwise" not in _skips(cfg, cp)]
     if not sizes:

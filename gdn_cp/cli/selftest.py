@@ -89,7 +89,8 @@ class CaseResult:
 CHECKED = {
     True: "the FLA backend (float32, bfloat16) against the reference backend in float64 on the GPU: causal "
     "conv and gated delta rule with packed sequences, a halo and initial states; outputs and gradients; the fused "
-    "gated norm, also against TransformerEngine's RMSNorm (with and without zero_centered_gamma) where TE imports",
+    "gated norm, also against TransformerEngine's RMSNorm (with and without zero_centered_gamma) where TE imports; "
+    "the FlashQLA backend (bfloat16, head dims 128) the same way where it runs",
     False: "the reference backend (plain torch) in float32 against itself in float64 on the CPU: causal conv "
     "and gated delta rule with packed sequences, a halo and initial states; outputs and gradients",
 }
@@ -375,9 +376,33 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
         if not fla_backend.has_cp_context():
             notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
                          "the FLA backend")
+    _flashqla_cases(cases, not_checked, seed)
     stack = fla_backend.stack_report() if torch.cuda.is_available() else {}
     return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes,
                           not_checked=not_checked, stack=stack)
+
+
+FLASHQLA_DIMS = dict(head_k_dim=128, head_v_dim=128)  # the head dims FlashQLA's kernels take
+
+
+def _flashqla_cases(cases: list, not_checked: list, seed: int) -> None:
+    """The FlashQLA backend (bf16, head dims 128: what it takes) against the reference in fp64, where it
+    runs here (an sm_90+ GPU with flash-qla and TileLang); else listed as not checked, with why. Its
+    first call compiles TileLang kernels (minutes on a fresh machine without TILELANG_CACHE_DIR)."""
+    from gdn_cp.ops import reference
+    from gdn_cp.ops.registry import BACKENDS, get_backend
+
+    why = BACKENDS["flashqla"].problem()
+    if why is not None:
+        not_checked.append(f"the FlashQLA backend ({why})")
+        return
+    flashqla, dev = get_backend("flashqla"), torch.device("cuda", torch.cuda.current_device())
+    for name, fn in (("conv", conv_case), ("gdn", gdn_case)):
+        kwargs = {"dims": FLASHQLA_DIMS} if name == "gdn" else {}
+        cases.append(_run_case(
+            f"flashqla/{name}/bfloat16",
+            lambda fn=fn, kwargs=kwargs: fn(flashqla, reference, dtype=torch.bfloat16, device=dev, seed=seed, **kwargs),
+            FLA_VS_FP64_REL_L2["bfloat16"]))
 
 
 def run_selftest_command(args) -> int:

@@ -281,15 +281,20 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
     * any other config builds no GDN layer: only the mode's name is checked (a typo still
       fails); nothing is resolved, checked against the heads or logged.
 
-    Raises ValueError for unknown values of ``linear_cp_mode`` and ``linear_cp_thd_split`` (a typo
-    fails when the config is built).
+    Raises ValueError for unknown values of ``linear_cp_mode``, ``linear_cp_thd_split`` and
+    ``linear_cp_backend`` (a typo fails when the config is built), and for a named
+    ``linear_cp_backend`` that cannot run here (:func:`gdn_cp.megatron.backend.check_linear_cp_backend`).
     """
     from gdn_cp.megatron.pins import load_adapter
     from gdn_cp.megatron.thd_split import THD_SPLIT_FIELD, check_thd_split_setting  # imports torch
 
+    from gdn_cp.megatron.backend import check_linear_cp_backend
+
     adapter = load_adapter()
     f = adapter.read_config(config)
     check_thd_split_setting(f.thd_split, f"TransformerConfig.{THD_SPLIT_FIELD}")
+    check_linear_cp_backend(f.linear_cp_backend, builds_gdn=f.builds_gdn or f.hybrid, deterministic=f.deterministic,
+                            head_dims=f.head_dims, dtype=f.params_dtype)
     mode = f.linear_cp_mode
     if not isinstance(mode, str) or (mode not in MODES and mode != AUTO):
         raise _unknown_mode_error(mode)

@@ -40,8 +40,8 @@ from ..layout import PER_DOCUMENT, ZIGZAG
 from ..layout.plan import CPPlan, RouteCache, plan_for_sbhd
 from ..modes import GDNShape, ModeCall, gdn_core, sbhd_to_thd, thd_to_sbhd
 from ..modes.spec import get_mode
-from ..ops.registry import choose_backend_name, get_backend
 from . import config as _config
+from .backend import choose_backend as _choose_backend
 from .pins.lookup import adapter_class
 from .swap import choose_swap_point, chunkwise_swap
 from .thd_split import THD_SPLIT_FIELD, resolve_thd_split
@@ -219,10 +219,10 @@ def _checked_mode(layer, cp: int) -> str:
 
 def choose_backend(layer, device: torch.device):
     """The backend the forward runs for ``layer`` (its adapter: ``layer_adapter(module)``) on
-    ``device``: the registry's choice (:func:`gdn_cp.ops.registry.choose_backend_name`), the
-    plain-torch oracle under ``deterministic_mode``, else the preferred backend that runs on the
-    device and imports here (FLA on CUDA when it imports, the reference elsewhere)."""
-    return get_backend(choose_backend_name(device.type, deterministic=layer.deterministic))
+    ``device``: ``config.linear_cp_backend`` as :func:`gdn_cp.megatron.backend.choose_backend`
+    resolves it (``auto``: the plain-torch oracle under ``deterministic_mode``, else FlashQLA where it
+    runs and takes the layer, else FLA where it imports, else the reference), logged once."""
+    return _choose_backend(layer, device)
 
 
 def _thd_plan(layer, packed_seq_params, group, t_global: int) -> CPPlan:

@@ -94,6 +94,9 @@ def gdn_core(
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None (no CP), got {type(group).__name__}")
     world = 1 if group is None else group_size(group)
     check_inputs(qkv, g, beta, conv_weight, conv_bias, shape, plan, world)
+    check_core = getattr(backend, "check_core", None)  # the kernels' own limits, before any collective
+    if check_core is not None:
+        check_core(shape, qkv.dtype)
     if world == 1:
         return local_core(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens=plan.cu, backend=backend)
     _check_heads(spec, shape, world)

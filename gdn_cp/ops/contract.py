@@ -5,8 +5,8 @@ exactly the rows given, as host ints: a :class:`~gdn_cp.layout.Boundaries` (mode
 plan's, so a backend finds its device copies cached on it) or a list / tuple of ints. A
 backend never reads device data back to the host.
 
-A backend is any object with these members; ``gdn_cp.ops.reference`` and
-``gdn_cp.ops.fla`` are modules that satisfy it (``tests/ops/test_contract.py`` checks both).
+A backend is any object with these members; ``gdn_cp.ops.reference``, ``gdn_cp.ops.fla`` and
+``gdn_cp.ops.flashqla`` are modules that satisfy it (``tests/ops/test_contract.py`` checks each).
 
 Optional members (looked up with ``getattr``; a backend without them works, more slowly):
 
@@ -21,7 +21,10 @@ Optional members (looked up with ``getattr``; a backend without them works, more
   x / rms(x) * weight * silu(z)`` in one kernel (FLA); the Megatron glue uses it in place of the
   layer's ``out_norm`` then ``* act(z)`` where that is exactly what the layer computes.
 - ``check_head_dims(head_k_dim, head_v_dim)``: ValueError where the kernels cannot take these
-  head dims (FLA); ``gdn-cp run`` asks before it spawns ranks.
+  head dims (FLA, FlashQLA); ``gdn-cp run`` asks before it spawns ranks.
+- ``check_core(shape, dtype)``: ValueError where the kernels cannot take a layer of this
+  :class:`~gdn_cp.ops.shape.GDNShape` whose activations are ``dtype`` (FLA: head dims; FlashQLA:
+  head dims 128, bf16 / fp16); :func:`gdn_cp.modes.gdn_core` asks before any collective.
 - ``native_cp_problem() -> str | None``: why the native cores cannot run in this process (None
   when they can, on a group they take); ``check_native_rows(cu_seqlens_global, cp, conv_width)``:
   ValueError where they cannot take this packing. ``gdn-cp run`` asks both before it spawns.
@@ -115,6 +118,6 @@ def check_backend(backend, name: str = "backend") -> None:
     missing = [m for m in _BACKEND_MEMBERS if not callable(getattr(backend, m, None))]
     if missing:
         raise TypeError(
-            f"{name} must be a backend (gdn_cp.ops.get_backend('reference') or ('fla')), got "
+            f"{name} must be a backend (gdn_cp.ops.get_backend('reference'), ('fla') or ('flashqla')), got "
             f"{type(backend).__name__} {backend!r:.60} without {', '.join(missing)}"
         )

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Optional
 
-__all__ = ["BackendSpec", "BACKENDS", "BACKEND_NAMES", "ORACLE", "backend_spec", "choose_backend_name", "get_backend"]
+__all__ = [
+    "AUTO", "BACKEND_CHOICES", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ORACLE", "backend_problem", "backend_spec",
+    "choose_backend_name", "get_backend", "resolve_backend",
+]
 
 
 @dataclass(frozen=True)
@@ -25,9 +28,9 @@ class BackendSpec:
     ``devices``: the device types its kernels run on, and ``devices_why`` says why in a refusal.
     ``problem``: why it cannot run in this Python (None when it can; probed once, never raises).
     ``tf32_dots``: fp32 inputs are multiplied with TF32 dot products (looser fp32 tolerances).
-    ``preference``: order in which gdn-cp chooses among the backends that run on a device (lower
-    first). ``native_cp``: what its native context-parallel cores need, for messages (None: it has
-    none; then chunkwise always runs gdn-cp's own exchange on it).
+    ``preference``: order in which ``auto`` chooses among the backends that run on a device and take
+    the layer (lower first). ``native_cp``: what its native context-parallel cores need, for messages
+    (None: it has none; then chunkwise always runs gdn-cp's own exchange on it).
     """
 
     name: str
@@ -39,6 +42,10 @@ class BackendSpec:
     tf32_dots: bool
     preference: int
     native_cp: Optional[str] = None
+    takes: Optional[Callable[[Optional[int], Optional[int], Optional[str]], Optional[str]]] = None
+    """``takes(head_k_dim, head_v_dim, dtype name)``: why its kernels cannot take a layer of these head
+    dims whose activations are of that dtype (None when they can; any argument may be None, unknown).
+    None: it takes anything."""
 
 
 def _reference() -> ModuleType:
@@ -59,6 +66,44 @@ def _fla_problem() -> Optional[str]:
     return fla_import_error()
 
 
+def _fla_takes(head_k_dim: Optional[int], head_v_dim: Optional[int], dtype: Optional[str]) -> Optional[str]:
+    if head_k_dim is None or head_v_dim is None:
+        return None  # FLA's range is wide: checked again by its kernels (check_core) before any collective
+    from .fla.kernels import check_head_dims  # torch, not FLA
+
+    try:
+        check_head_dims(head_k_dim, head_v_dim)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _flashqla() -> ModuleType:
+    from . import flashqla
+
+    return flashqla
+
+
+def _flashqla_problem() -> Optional[str]:
+    from .flashqla.detect import flashqla_problem  # FlashQLA-free until asked; then probed once per process
+
+    return flashqla_problem()
+
+
+def _flashqla_takes(head_k_dim: Optional[int], head_v_dim: Optional[int], dtype: Optional[str]) -> Optional[str]:
+    if head_k_dim is None or head_v_dim is None or dtype is None:
+        return "FlashQLA takes head dims 128 and bf16 / fp16 only: chosen where the layer's head dims and dtype are known"
+    if dtype not in ("bfloat16", "float16"):
+        return f"FlashQLA takes bfloat16 / float16 activations only, not {dtype}"
+    from .flashqla.kernels import check_head_dims  # torch, not FlashQLA
+
+    try:
+        check_head_dims(head_k_dim, head_v_dim)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 ORACLE = "reference"
 """The plain-torch backend: any device, any float dtype; what ``deterministic_mode`` and the CPU use,
 and what the others are checked against."""
@@ -68,17 +113,29 @@ BACKENDS: dict[str, BackendSpec] = {
     for spec in (
         BackendSpec(
             name="reference", title="the reference backend", module=_reference, devices=("cpu", "cuda"), devices_why="plain torch",
-            problem=lambda: None, tf32_dots=False, preference=1,
+            problem=lambda: None, tf32_dots=False, preference=2,
         ),
         BackendSpec(
             name="fla", title="FLA", module=_fla, devices=("cuda",), devices_why="FLA's kernels are CUDA-only",
-            problem=_fla_problem, tf32_dots=True, preference=0,
-            native_cp="a CUDA GPU with flash-linear-attention >= 0.4.2",
+            problem=_fla_problem, tf32_dots=True, preference=1,
+            native_cp="a CUDA GPU with flash-linear-attention >= 0.4.2", takes=_fla_takes,
+        ),
+        BackendSpec(
+            name="flashqla", title="FlashQLA", module=_flashqla, devices=("cuda",),
+            devices_why="FlashQLA's TileLang kernels run on NVIDIA sm_90+ GPUs only",
+            problem=_flashqla_problem, tf32_dots=False, preference=0,
+            native_cp="an sm_90+ GPU with flash-qla >= 0.1.3 and FLA's cp context (the conv)", takes=_flashqla_takes,
         ),
     )
 }
 
 BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
+
+AUTO = "auto"
+BACKEND_CHOICES: tuple[str, ...] = (AUTO, *BACKEND_NAMES)
+"""What a user may ask for (``TransformerConfig.linear_cp_backend``, ``--linear-cp-backend``): ``auto``
+or a backend's name."""
+AUTO_ORDER = ", ".join(s.name for s in sorted(BACKENDS.values(), key=lambda s: s.preference))
 
 
 def backend_spec(name) -> BackendSpec:
@@ -94,12 +151,56 @@ def get_backend(name: str):
     return backend_spec(name).module()
 
 
-def choose_backend_name(device_type: str, *, deterministic: bool = False) -> str:
-    """The backend gdn-cp runs on ``device_type`` when none is named: the :data:`ORACLE` under
-    ``deterministic``, else the most preferred one that runs there and imports here."""
-    if deterministic:
-        return ORACLE
-    for spec in sorted(BACKENDS.values(), key=lambda s: s.preference):
-        if device_type in spec.devices and spec.problem() is None:
-            return spec.name
-    return ORACLE
+def backend_problem(name: str, device_type: str, *, head_dims: Optional[tuple[int, int]] = None,
+                    dtype: Optional[str] = None) -> Optional[str]:
+    """Why backend ``name`` cannot run a layer of ``head_dims`` (``(Dk, Dv)``) with activations of
+    ``dtype`` (a torch dtype's name, e.g. ``"bfloat16"``) on ``device_type`` in this process; None when
+    it can (unknown head dims or dtype: as far as the rest says)."""
+    spec = backend_spec(name)
+    if device_type not in spec.devices:
+        return f"{spec.title} runs on {' or '.join(spec.devices)} only ({spec.devices_why}), not {device_type}"
+    problem = spec.problem()
+    if problem is not None:
+        return problem
+    if spec.takes is None:
+        return None
+    dk, dv = head_dims if head_dims is not None else (None, None)
+    return spec.takes(dk, dv, dtype)
+
+
+def resolve_backend(requested: str, device_type: str, *, deterministic: bool = False,
+                    head_dims: Optional[tuple[int, int]] = None, dtype: Optional[str] = None) -> tuple[str, str]:
+    """``(backend name, why)`` for ``requested`` (a name of :data:`BACKEND_CHOICES`).
+
+    ``auto``: the :data:`ORACLE` under ``deterministic``, else the most preferred backend
+    (``preference``: FlashQLA, FLA, reference) that runs on ``device_type``, imports here and takes
+    the layer (:func:`backend_problem`); the reasons for skipping the others are in ``why``. A
+    named backend is returned as it is when it can run, else ValueError saying why (also under
+    ``deterministic``, which only the oracle honours). A pure function of what is installed and its
+    arguments: the same answer on every call."""
+    if requested == AUTO:
+        if deterministic:
+            return ORACLE, "deterministic_mode: the plain-torch reference kernels"
+        skipped = []
+        for spec in sorted(BACKENDS.values(), key=lambda s: s.preference):
+            why = backend_problem(spec.name, device_type, head_dims=head_dims, dtype=dtype)
+            if why is None:
+                return spec.name, "; ".join([*skipped, f"{spec.name}: the first of {AUTO_ORDER} that runs and takes the layer"])
+            skipped.append(f"{spec.name}: {why}")
+        raise ValueError(f"no backend runs on {device_type}: " + "; ".join(skipped))  # the oracle runs anywhere
+    spec = backend_spec(requested)
+    if deterministic and requested != ORACLE:
+        raise ValueError(f"backend {requested!r} with deterministic_mode: deterministic_mode runs the plain-torch "
+                         f"{ORACLE!r} backend only")
+    why = backend_problem(requested, device_type, head_dims=head_dims, dtype=dtype)
+    if why is not None:
+        raise ValueError(f"backend {requested!r} cannot run here: {why}")
+    return requested, "requested"
+
+
+def choose_backend_name(device_type: str, *, deterministic: bool = False, head_dims: Optional[tuple[int, int]] = None,
+                        dtype: Optional[str] = None) -> str:
+    """The backend ``auto`` resolves to (:func:`resolve_backend`): the :data:`ORACLE` under
+    ``deterministic``, else the most preferred one that runs there, imports here and takes the layer
+    (FlashQLA only where the head dims and dtype are given and it takes them)."""
+    return resolve_backend(AUTO, device_type, deterministic=deterministic, head_dims=head_dims, dtype=dtype)[0]

@@ -89,8 +89,8 @@ def _fla_version() -> Optional[str]:
 
 
 def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
-    """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, FLA, megatron-core,
-    gdn-cp, the GPUs. Read from package metadata: nothing heavy is imported."""
+    """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, FLA, FlashQLA and
+    TileLang, megatron-core, gdn-cp, the GPUs. Read from package metadata: nothing heavy is imported."""
     import torch
 
     import gdn_cp
@@ -102,6 +102,8 @@ def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "triton": _dist_version("triton"),
         "fla": _fla_version(),
+        "flash_qla": _dist_version("flash-qla") or _dist_version("flash_qla"),
+        "tilelang": _dist_version("tilelang"),
         "megatron_core": _dist_version("megatron-core"),
         "gdn_cp": getattr(gdn_cp, "__version__", None),
         "gpu": None,

@@ -181,3 +181,21 @@ def test_doctor_says_when_this_python_cannot_take_megatron_core():
     except importlib.metadata.PackageNotFoundError:
         return
     assert declared.replace(" ", "") == ">=3.12", declared  # the floor the doctor and the README state
+
+
+def test_flashqla_extra_pins_the_stack_the_doctor_names():
+    """The [flashqla] extra pins flash-qla and TileLang at the versions doctor calls the pinned stack
+    (with TileLang's own dependencies at the versions that ran beside them); doctor reads the installed
+    ones from package metadata and says whether they are that stack."""
+    import tomllib
+    from pathlib import Path
+
+    from gdn_cp.cli import doctor
+
+    root = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["flashqla"]
+    flash_qla, tilelang = doctor.TESTED_FLASHQLA_STACK
+    assert extra[:2] == [f"flash-qla=={flash_qla}", f"tilelang=={tilelang}"] and all("==" in p for p in extra), extra
+    assert doctor.flashqla_verdict(flash_qla, tilelang).endswith("the [flashqla] stack")
+    assert "not the pinned stack" in doctor.flashqla_verdict("0.1.2", "0.1.9")
+    assert doctor.flashqla_verdict("not installed", "not installed").startswith("not installed")

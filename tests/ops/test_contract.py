@@ -1,4 +1,4 @@
-"""Both backends satisfy the one contract; the registry and FLA's package import stay light."""
+"""Every backend satisfies the one contract; the registry and the kernel packages' imports stay light."""
 
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ def test_backend_satisfies_the_contract(name):
 
 def test_native_cp_cores():
     assert get_backend("reference").native_cp_core(object()) is None
-    fla = get_backend("fla")
-    assert fla.native_cp_core(None) is None  # no group: nothing to be parallel over
-    assert _compatible(fla.cp_context_core, NativeCPCore.__call__) == []
+    for name, core in (("fla", "cp_context_core"), ("flashqla", "inter_card_core")):
+        backend = get_backend(name)
+        assert backend.native_cp_core(None) is None  # no group: nothing to be parallel over
+        assert _compatible(getattr(backend, core), NativeCPCore.__call__) == []
 
 
 def test_the_registry_is_torch_free_and_chooses_by_device():
@@ -53,11 +54,11 @@ def test_the_registry_is_torch_free_and_chooses_by_device():
         assert spec.module().__name__ == f"gdn_cp.ops.{name}" and "cpu" in BACKENDS[ORACLE].devices
     assert choose_backend_name("cpu") == ORACLE and choose_backend_name("cuda", deterministic=True) == ORACLE
     want = "fla" if BACKENDS["fla"].problem() is None else ORACLE  # FLA where it imports (never on a CPU machine)
-    assert choose_backend_name("cuda") == want
+    assert choose_backend_name("cuda") == want  # FlashQLA only where the head dims and dtype are known
 
 
 def test_unknown_backend():
-    with pytest.raises(ValueError, match=r"backend must be one of \('reference', 'fla'\), got 'triton'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('reference', 'fla', 'flashqla'\), got 'triton'"):
         get_backend("triton")
 
 
@@ -68,6 +69,14 @@ def test_fla_package_exports_what_it_lists():
     submodules = (set(fla.detect.__all__) | set(fla.kernels.__all__) | set(fla.native_cp.__all__)
                   | set(fla.norm.__all__))
     assert set(fla.__all__) == submodules
+
+
+def test_flashqla_package_exports_what_it_lists():
+    flashqla = get_backend("flashqla")
+    missing = [n for n in flashqla.__all__ if not hasattr(flashqla, n)]
+    assert not missing and len(flashqla.__all__) == len(set(flashqla.__all__))
+    assert set(flashqla.__all__) == (set(flashqla.detect.__all__) | set(flashqla.kernels.__all__)
+                                     | set(flashqla.native_cp.__all__))
 
 
 def _imports_after(code: str) -> list[str]:
@@ -81,3 +90,11 @@ def _imports_after(code: str) -> list[str]:
 def test_fla_backend_import_does_not_import_fla():
     mods = _imports_after("from gdn_cp.ops import get_backend; get_backend('fla')")
     assert "fla" not in mods and "triton" not in mods
+
+
+def test_flashqla_backend_import_and_probe_import_no_kernel_library():
+    """Importing the backend, and asking why it cannot run on this CPU machine, imports neither
+    FlashQLA, TileLang nor FLA (the probe stops at the first missing piece)."""
+    mods = _imports_after("from gdn_cp.ops import BACKENDS, get_backend; get_backend('flashqla'); "
+                          "BACKENDS['flashqla'].problem()")
+    assert not {"flash_qla", "tilelang", "fla", "triton"} & set(mods), mods

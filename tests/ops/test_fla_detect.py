@@ -141,8 +141,9 @@ def test_stack_report_names_the_stack_and_each_choice(monkeypatch):
 
 def test_gdn_kernel_backends_reads_flas_registry():
     """FLA >= 0.6 may hand chunk_gated_delta_rule to a registered backend (FlashQLA when flash_qla
-    imports, on by default): the detector lists them best first and the stack report names the one
-    in use, or FLA's Triton kernels; an FLA without the registry (0.4.x) or none at all gives []."""
+    imports, on by default): the detector lists them best first and the stack report says which one
+    FLA's dispatch would take and that gdn-cp's FLA backend runs FLA's Triton kernels all the same;
+    an FLA without the registry (0.4.x) or none at all gives []."""
 
     class Backend:
         def __init__(self, name, available, enabled, priority):
@@ -169,8 +170,9 @@ def test_gdn_kernel_backends_reads_flas_registry():
 
     found = detect.gdn_kernel_backends(fake([Backend("flash_qla", True, True, 3), Backend("tilelang", False, True, 1)]))
     assert [b["name"] for b in found] == ["tilelang", "flash_qla"]
-    text = detect._kernel_backend_text(found)
-    assert "flash_qla" in text and "FLA_FLASH_QLA=0" in text and "cp context" in text
+    text = detect._kernel_backend_text(found)  # what would have run, and what gdn-cp's FLA backend runs instead
+    assert text.startswith("FLA's Triton kernels: gdn-cp calls FLA's chunk_gated_delta_rule behind FLA's dispatch")
+    assert "flash_qla" in text and "linear_cp_backend='flashqla'" in text
     off = detect.gdn_kernel_backends(fake([Backend("flash_qla", True, False, 3)]))
     assert detect._kernel_backend_text(off).startswith("FLA's Triton kernels") and "off" in detect._kernel_backend_text(off)
 
@@ -179,3 +181,26 @@ def test_gdn_kernel_backends_reads_flas_registry():
 
     assert detect.gdn_kernel_backends(no_registry) == []
     assert detect._kernel_backend_text([]) == "FLA's Triton kernels"
+
+
+def test_own_kernel_steps_behind_flas_dispatch():
+    """FLA >= 0.6: ``chunk_gated_delta_rule`` is torch.compiler.disable(dispatch wrapper(FLA's own
+    function)); the FLA backend calls the own function (FLA's Triton kernels), found by the file the
+    dispatch wrapper's code lives in; an undispatched function (FLA 0.4.x) is taken as it is."""
+    import functools
+
+    def own(x):
+        return ("triton", x)
+
+    ns: dict = {}
+    exec(compile("def make(fn):\n    def wrapper(*a, **k):\n        return ('flash_qla', a)\n    return wrapper\n",
+                 "/site/fla/backends.py", "exec"), ns)  # noqa: S102 - a dispatch wrapper defined in fla/backends.py
+    dispatch = functools.wraps(own)(ns["make"](own))
+
+    @functools.wraps(dispatch)
+    def outer(*a, **k):  # like torch.compiler.disable's wrapper
+        return dispatch(*a, **k)
+
+    fn, bypassed = detect.own_kernel(outer)
+    assert bypassed and fn(1) == ("triton", 1) and outer(1) == ("flash_qla", (1,))
+    assert detect.own_kernel(own) == (own, False)

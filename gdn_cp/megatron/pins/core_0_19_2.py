@@ -18,8 +18,9 @@ TP-local ``q|k|v`` channels; ``A_log`` / ``dt_bias`` the TP-local value heads; `
 row-parallel over the value heads. Replicated over TP: ``out_norm`` (one weight shared by every
 value head) and ``out_proj``'s bias.
 
-``TransformerConfig`` fields used: ``linear_cp_mode`` and ``linear_cp_thd_split`` (added by the
-patch), ``linear_num_key_heads``, ``linear_num_value_heads``, ``tensor_model_parallel_size``,
+``TransformerConfig`` fields used: ``linear_cp_mode``, ``linear_cp_thd_split`` and
+``linear_cp_backend`` (added by the patch), ``linear_num_key_heads``, ``linear_num_value_heads``,
+``linear_key_head_dim``, ``linear_value_head_dim``, ``params_dtype``, ``tensor_model_parallel_size``,
 ``context_parallel_size``, ``experimental_attention_variant``, ``activation_func`` (the layer keeps
 it as ``act_fn``), ``deterministic_mode``, ``sequence_parallel``, ``hybrid_context_parallel``.
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 __all__ = [
-    "VERSION", "STOCK_MODE", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
+    "VERSION", "STOCK_MODE", "STOCK_BACKEND", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
     "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
 ]
 
@@ -50,6 +51,9 @@ VERSION = "0.19.2"
 
 STOCK_MODE = "headwise"
 """The ``linear_cp_mode`` of a config without the patch's field: 0.19.2's own (and only) GDN CP scheme."""
+
+STOCK_BACKEND = "auto"
+"""The ``linear_cp_backend`` of a config without the patch's field (gdn-cp's registry then chooses)."""
 
 TE_RMSNORM = ("transformer_engine.pytorch.module.rmsnorm", "RMSNorm")
 """``(module, qualname)`` of TransformerEngine's RMSNorm module (``te.pytorch.RMSNorm``)."""
@@ -76,6 +80,10 @@ class ConfigFields:
     builds_gdn: bool
     hybrid: bool = False
     activation: Any = None
+    linear_cp_backend: Any = "auto"
+    head_dims: Optional[tuple] = None  # (linear_key_head_dim, linear_value_head_dim)
+    params_dtype: Any = None
+    deterministic: bool = False
 
 
 def read_config(config) -> ConfigFields:
@@ -96,6 +104,10 @@ def read_config(config) -> ConfigFields:
         builds_gdn=getattr(config, "experimental_attention_variant", None) == "gated_delta_net",
         hybrid=bool(getattr(config, "is_hybrid_model", False)),
         activation=activation,
+        linear_cp_backend=getattr(config, "linear_cp_backend", STOCK_BACKEND),
+        head_dims=(getattr(config, "linear_key_head_dim", None), getattr(config, "linear_value_head_dim", None)),
+        params_dtype=getattr(config, "params_dtype", None),
+        deterministic=bool(getattr(config, "deterministic_mode", False)),
     )
 
 
@@ -220,6 +232,11 @@ class LayerAdapter:
         return getattr(self.layer.config, "linear_cp_mode", STOCK_MODE)
 
     @property
+    def linear_cp_backend(self):
+        """``linear_cp_backend`` (added by the patch): ``auto`` or a backend's name."""
+        return getattr(self.layer.config, "linear_cp_backend", STOCK_BACKEND)
+
+    @property
     def thd_split_setting(self):
         """``linear_cp_thd_split``: None (decided per micro-batch), ``per_document`` or ``whole_row``."""
         return getattr(self.layer.config, "linear_cp_thd_split", None)
@@ -277,6 +294,12 @@ class LayerAdapter:
     def head_dims(self) -> tuple[int, int]:
         """``(D_k, D_v)``."""
         return self.layer.key_head_dim, self.layer.value_head_dim
+
+    @property
+    def activation_dtype(self):
+        """The dtype of the layer's activations: its parameters' (Megatron's mixed precision keeps the
+        model in bf16 / fp16; the core's own check sees the real one before any collective)."""
+        return self.layer.conv1d.weight.dtype
 
     @property
     def qk_l2norm(self) -> bool:

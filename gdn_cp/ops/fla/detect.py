@@ -29,11 +29,13 @@ __all__ = [
     "features",
     "fla_available",
     "fla_import_error",
+    "fla_own_gated_delta_rule",
     "fla_version",
     "gdn_kernel_backends",
     "has_cp_context",
     "has_zigzag_layout",
     "log_stack_once",
+    "own_kernel",
     "probe",
     "stack_report",
 ]
@@ -220,15 +222,53 @@ def gdn_kernel_backends(import_module: Callable = importlib.import_module) -> li
     return out
 
 
+_DISPATCH_FILE = "fla/backends.py"  # where FLA >= 0.6 defines its dispatch wrapper
+
+
+def own_kernel(fn: Callable) -> tuple[Callable, bool]:
+    """``(FLA's own function behind its backend dispatch, True)``, or ``(fn, False)`` where ``fn`` is
+    not dispatched (FLA 0.4.x, a fake).
+
+    FLA >= 0.6 wraps ``chunk_gated_delta_rule`` in ``fla.backends``' dispatch, which hands a call to
+    the first registered backend whose verifier accepts it: FlashQLA (``flash_qla``) whenever it is
+    installed, on Hopper, bf16/fp16, head dims 128, no cp context (``FLA_FLASH_QLA=0`` turns it off).
+    gdn-cp's FLA backend calls the function inside instead, so that it runs the kernels its name
+    says (FLA's Triton kernels) whatever else is installed; FlashQLA is its own backend
+    (``linear_cp_backend='flashqla'``). The dispatch wrapper is found along the ``__wrapped__``
+    chain by the file its code lives in; the function inside is kept out of torch.compile graphs
+    as FLA keeps the wrapper."""
+    f, depth = fn, 0
+    while f is not None and depth < 16:
+        code = getattr(f, "__code__", None)
+        if code is not None and code.co_filename.replace("\\", "/").endswith(_DISPATCH_FILE):
+            inner = getattr(f, "__wrapped__", None)
+            if inner is None:
+                return fn, False
+            import torch
+
+            return torch.compiler.disable(inner), True
+        f, depth = getattr(f, "__wrapped__", None), depth + 1
+    return fn, False
+
+
+@functools.lru_cache(maxsize=1)
+def fla_own_gated_delta_rule() -> tuple[Callable, bool]:
+    """``own_kernel(fla.ops.gated_delta_rule.chunk_gated_delta_rule)``, looked up once (imports FLA)."""
+    return own_kernel(importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule)
+
+
 def _kernel_backend_text(backends: list[dict]) -> str:
+    """What gdn-cp's FLA backend runs, and what FLA's own dispatch would have done instead."""
     active = [b for b in backends if b["available"] and b["enabled"]]
     if active:
         b = active[0]
-        return (f"FLA dispatches chunk_gated_delta_rule to {b['name']} ({b['package']}) where its verifier accepts "
-                f"the call (no cp context; FLA's Triton kernels otherwise); {b['env_var']}=0 turns it off")
+        return (f"FLA's Triton kernels: gdn-cp calls FLA's chunk_gated_delta_rule behind FLA's dispatch, which would "
+                f"hand bf16 head-dim-128 calls to {b['name']} ({b['package']}, installed here); gdn-cp runs FlashQLA "
+                "only as its own backend (linear_cp_backend='flashqla')")
     off = [f"{b['name']} ({'installed, off: ' + str(b['env_var']) + '=0' if b['available'] else 'not installed'})"
            for b in backends]
-    return "FLA's Triton kernels" + (f" (registered: {', '.join(off)})" if off else "")
+    return "FLA's Triton kernels" + (f" (FLA's dispatch registers: {', '.join(off)}; gdn-cp calls FLA's own function "
+                                     "behind it)" if off else "")
 
 
 def _dist_version(name: str) -> str | None:

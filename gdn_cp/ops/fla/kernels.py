@@ -17,12 +17,14 @@ import torch
 
 from ...layout.boundaries import Boundaries, host_boundaries
 from ..shape import value_heads_per_key_head
-from .detect import features, fla_import_error, has_cp_context, log_stack_once
+from ..varlen import all_final_states, kept_initial_states
+from .detect import features, fla_import_error, fla_own_gated_delta_rule, has_cp_context, log_stack_once
 
 __all__ = [
     "FLA_MAX_HEAD_K_DIM",
     "FLA_MIN_HEAD_DIM",
     "causal_conv1d",
+    "check_core",
     "check_head_dims",
     "chunk_gated_delta_rule",
     "fla_api",
@@ -45,7 +47,8 @@ def fla_api() -> dict[str, Any]:
         )
     log_stack_once()
     return {
-        "chunk_gated_delta_rule": importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule,
+        # FLA's own Triton kernel, behind FLA >= 0.6's dispatch (which would hand calls to FlashQLA)
+        "chunk_gated_delta_rule": fla_own_gated_delta_rule()[0],
         "causal_conv1d": importlib.import_module("fla.modules.convolution").causal_conv1d,
         "build_cp_context": importlib.import_module("fla.ops.cp").build_cp_context if has_cp_context() else None,
     }
@@ -73,6 +76,12 @@ def check_head_dims(head_k_dim: int, head_v_dim: int) -> None:
             f"head_v_dim={head_v_dim} is below FLA's minimum {FLA_MIN_HEAD_DIM}. Fix: use a value head "
             "dim >= 16, or the reference backend."
         )
+
+
+def check_core(shape, dtype: torch.dtype) -> None:
+    """The contract's optional pre-collective check: ValueError where FLA's kernels cannot take this
+    layer's head dims (any float dtype is taken)."""
+    check_head_dims(shape.head_k_dim, shape.head_v_dim)
 
 
 def expand_kv_groups(x: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -192,10 +201,7 @@ def chunk_gated_delta_rule(
             f"initial_state must be [N={n_all}, Hv={Hv}, Dk={Dk}, Dv={Dv}] (one state per sequence of "
             f"cu_seqlens, empty ones included); got {tuple(initial_state.shape)}"
         )
-    cu_ne, keep = cu.nonempty()
-    n = len(keep)
-
-    if n == 0:  # no rows at all
+    if cu.total == 0:  # no rows at all (every sequence empty)
         o = v.new_empty(0, Hv, Dv)
         if not output_final_state:
             return o, None
@@ -203,12 +209,8 @@ def chunk_gated_delta_rule(
               else v.new_zeros(n_all, Hv, Dk, Dv, dtype=torch.float32))
         return o, fs
 
-    h0 = None
-    if initial_state is not None:
-        h0 = initial_state.float()
-        if n != n_all:
-            h0 = torch.stack([h0[i] for i in keep], dim=0)
-        h0 = h0.contiguous()
+    cu_ne, keep = cu.nonempty()
+    h0 = kept_initial_states(initial_state, keep, n_all)
 
     o, fs = fla_api()["chunk_gated_delta_rule"](
         q=kv_heads_for_kernel(q, ratio).unsqueeze(0),
@@ -226,15 +228,4 @@ def chunk_gated_delta_rule(
     o = o.squeeze(0)
     if not output_final_state:
         return o, None
-    if n != n_all:  # empty sequences pass their state through unchanged
-        pos = {seq: j for j, seq in enumerate(keep)}
-        rows = []
-        for i in range(n_all):
-            if i in pos:
-                rows.append(fs[pos[i]])
-            elif initial_state is not None:
-                rows.append(initial_state[i].float())
-            else:
-                rows.append(fs.new_zeros(Hv, Dk, Dv))
-        fs = torch.stack(rows, dim=0)
-    return o, fs
+    return o, all_final_states(fs, keep, n_all, initial_state)  # empty sequences pass their state through

@@ -45,11 +45,13 @@ __all__ = [
     "check_chunkwise_layout",
     "check_native_rows",
     "check_zigzag_stream",
+    "context_conv",
     "cp_context_core",
     "fla_collective_backends",
     "native_cp_core",
     "native_cp_problem",
     "native_zigzag_cp_core",
+    "runs_on",
     "zigzag_context_core",
 ]
 
@@ -84,7 +86,9 @@ def fla_collective_backends() -> dict[str, str]:
     return {**{b: "takes FLA's collectives as FLA calls them" for b in FLA_COLLECTIVE_BACKENDS}, **_ALLOWED}
 
 
-def _runs_on(group) -> bool:
+def runs_on(group) -> bool:
+    """Whether FLA's cp context runs on ``group`` in this process: an NCCL group, or one of a backend
+    :func:`allow_fla_collectives` admitted (logged the first time per backend)."""
     if group is None or not has_cp_context():
         return False
     backend = group_backend(group)
@@ -103,13 +107,13 @@ def native_cp_core(group):
     admitted in this process; elsewhere (plain gloo) the chunkwise mode exchanges halos and
     states itself and runs FLA's kernels per rank.
     """
-    return cp_context_core if _runs_on(group) else None
+    return cp_context_core if runs_on(group) else None
 
 
 def native_zigzag_cp_core(group):
     """:func:`zigzag_context_core` when :func:`native_cp_core` runs on ``group`` and this FLA's
     ``build_cp_context`` takes ``layout="zigzag"`` (FLA >= 0.6), else None."""
-    return zigzag_context_core if has_zigzag_layout() and _runs_on(group) else None
+    return zigzag_context_core if has_zigzag_layout() and runs_on(group) else None
 
 
 def native_cp_problem() -> str | None:
@@ -240,14 +244,29 @@ def _check_core_inputs(qkv, g, beta, conv_weight, shape: GDNShape) -> int:
     return conv_weight.shape[1]
 
 
+def context_conv(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, *,
+                 cu_seqlens_global: Boundaries, group, cache: dict | None = None) -> torch.Tensor:
+    """FLA's causal conv (SiLU) of this rank's contiguous rows ``qkv [T_c, C]`` with FLA's cp context
+    for ``cu_seqlens_global`` (checked by :func:`check_chunkwise_layout`): the halo comes from the
+    ranks before, inside FLA's kernels. Returns ``[T_c, C]``. For backends without a conv of their own
+    (FlashQLA's native core)."""
+    _require_cp_context()
+    ctx = _cp_context(cache, cu_seqlens_global, group, conv_weight.shape[1], qkv.device)
+    return _conv_with_context(ctx, qkv, conv_weight, conv_bias)
+
+
+def _conv_with_context(ctx, qkv, conv_weight, conv_bias) -> torch.Tensor:
+    x, _ = fla_api()["causal_conv1d"](
+        x=qkv.unsqueeze(0), weight=conv_weight, bias=conv_bias, activation="silu", cp_context=ctx)
+    return x.squeeze(0)
+
+
 def _run_with_context(ctx, qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, scale) -> torch.Tensor:
     """FLA's conv (SiLU) and gated delta rule on this rank's rows with cp context ``ctx``."""
     t_c = qkv.shape[0]
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     api = fla_api()
-    x, _ = api["causal_conv1d"](
-        x=qkv.unsqueeze(0), weight=conv_weight, bias=conv_bias, activation="silu", cp_context=ctx)
-    x = x.squeeze(0)
+    x = _conv_with_context(ctx, qkv, conv_weight, conv_bias)
     q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
     ratio = hv // hk
     q = kv_heads_for_kernel(q.reshape(t_c, hk, dk), ratio)
