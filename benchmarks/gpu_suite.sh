@@ -38,6 +38,15 @@
 # On the device machine: carry [".whl", ".triton_cache", ".te", ".mlm"] (+ ".slim" for fla060; .te and .mlm
 # optional: TransformerEngine and the Megatron-LM checkout of the TE tests and stage train_mlm) and run
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q
+#
+# FlashQLA (the flashqla backend; stages flashqla, flashqla_tests, flashqla_warm): the slim-tilelang pack
+# in GDN_CP_TL (default .tl: made by `bash ../shared/tools/slim-tilelang/make.sh .tl`, ~39 MB) is unpacked
+# once into .site-tl/ (ignored; a later call on the same warm machine finds it without the pack) and put
+# first on PYTHONPATH. TileLang compiles each kernel on first use (~3 min cold for a forward + backward):
+# its cache (TILELANG_CACHE_DIR=.tl_cache/live) is restored from .tl_cache/tl_cache.tar.gz.part* and saved
+# into $OUT/tl_cache.tar.gz.part* (<= 15 MiB each; GDN_CP_SAVE_TL_CACHE=0: not saved), to be carried back
+# as .tl_cache/. At most 8 files come back from a call: with the Triton cache parts, keep the count low
+# (GDN_CP_SAVE_CACHE=0 where the Triton cache is already warm).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 # a bad or unknown GDN_CP_* variable (a stage name, a stack, a time limit): one line, before anything runs
@@ -100,6 +109,22 @@ if [ -n "$MLM_TAR" ] && [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
     || { echo "Megatron-LM checkout: unpack or patch failed"; exit 1; }
 fi
 
+# FlashQLA + TileLang (the slim-tilelang pack), unpacked once into .site-tl/ and put first on PYTHONPATH
+TL_PACK=${GDN_CP_TL:-.tl}
+TL_SITE=$ROOT/.site-tl
+if [ -f "$TL_PACK/unpack.py" ] && [ ! -f "$TL_SITE/.unpacked" ]; then
+  python3 "$TL_PACK/unpack.py" "$TL_SITE" && touch "$TL_SITE/.unpacked" || { echo "slim-tilelang unpack failed"; exit 1; }
+fi
+if [ -f "$TL_SITE/.unpacked" ]; then
+  export PYTHONPATH=$TL_SITE:$PYTHONPATH
+fi
+export TILELANG_CACHE_DIR=$ROOT/.tl_cache/live
+mkdir -p "$TILELANG_CACHE_DIR"
+if ls .tl_cache/tl_cache.tar.gz.part* >/dev/null 2>&1 && [ ! -f "$TILELANG_CACHE_DIR/.restored" ]; then
+  cat .tl_cache/tl_cache.tar.gz.part* | tar -xzf - -C "$TILELANG_CACHE_DIR" && touch "$TILELANG_CACHE_DIR/.restored" \
+    && echo "tilelang cache restored: $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
+fi
+
 export TRITON_CACHE_DIR=$ROOT/.triton_cache/live-$STACK
 export FLA_CACHE_RESULTS=1 PYTHONUNBUFFERED=1
 export GDN_CP_GPU_RESULTS=$OUT/gpu_results.jsonl
@@ -123,6 +148,7 @@ import triton
 print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
       "| triton", triton.__version__, "from", triton.__file__.rsplit("/triton/", 1)[0],
       "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"), "| transformer-engine", v("transformer-engine"),
+      "| flash-qla", v("flash-qla") or v("flash_qla"), "| tilelang", v("tilelang"),
       "| gpus", torch.cuda.device_count(),
       "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
 EOF
@@ -131,7 +157,9 @@ EOF
 # with TE, Megatron's TE spec); train_mlm = benchmarks/train_megatron_lm.py (Megatron-LM's scripts);
 # warm = benchmarks/warm_kernels.py (FLA kernels compiled side by side, one process per shape);
 # syncs = benchmarks/syncs.py; layer_full = benchmarks/layer_full.py;
-# args = the megatron.training argument test (Python >= 3.12). Each under its own time limit.
+# args = the megatron.training argument test (Python >= 3.12); flashqla = benchmarks/flashqla_probe.py;
+# flashqla_tests = the FlashQLA backend's GPU tests; flashqla_warm = warm_kernels.py --backend flashqla.
+# Each under its own time limit.
 # Stages joined by "+" run side by side (each one's output goes to a temp file, printed whole into
 # run.log when all are done: what comes back from the device is limited to 8 files), e.g. GDN_CP_STAGES="warm+tests layer_full": the small-shape tests while warm compiles the
 # benchmark's shapes, then the benchmark alone on the GPUs.
@@ -169,6 +197,20 @@ run_stage() {
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_B_TIMEOUT:-240} + 60 ))" python3 -m benchmarks.layer_full \
         --out "$OUT/layer_full_${STACK}_b.json" --time-limit "${GDN_CP_LAYER_FULL_B_TIMEOUT:-240}" \
         ${GDN_CP_LAYER_FULL_B_ARGS:-} ;;
+    flashqla)
+      # benchmarks/flashqla_probe.py: versions, accuracy vs FLA and the reference, timings, compile costs
+      # shellcheck disable=SC2086
+      timeout --signal=INT "$(( ${GDN_CP_FLASHQLA_TIMEOUT:-540} + 30 ))" python3 -m benchmarks.flashqla_probe \
+        --out "$OUT/flashqla_probe.jsonl" --time-limit "${GDN_CP_FLASHQLA_TIMEOUT:-540}" ${GDN_CP_FLASHQLA_ARGS:-} ;;
+    flashqla_tests)
+      # the FlashQLA backend's GPU tests: its own (every mode, CP=1/2/4) and the Megatron layer parity on it
+      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_flashqla_backend.py \
+        tests/megatron/test_gpu_parity.py -m gpu -k flashqla -p no:cacheprovider -rA --durations=15 "$@" ;;
+    flashqla_warm)
+      # FlashQLA's kernel variants of the benchmarks' shapes, compiled side by side (GDN_CP_WARM_ARGS: --cp, --tokens)
+      # shellcheck disable=SC2086
+      python3 -m benchmarks.warm_kernels --backend flashqla --timeout "${GDN_CP_WARM_TIMEOUT:-360}" \
+        ${GDN_CP_WARM_ARGS:---cp 2} ;;
     train_mlm)
       # Megatron-LM's own pretrain_hybrid.py / pretrain_gpt.py, CP > 1 against CP=1 (needs TE and the checkout)
       [ -f "$MLM_DIR/pretrain_hybrid.py" ] || { echo "train_mlm needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false; } &&
@@ -223,6 +265,13 @@ if [ "${GDN_CP_SAVE_CACHE:-1}" != 0 ]; then
   fi
   split -b 15m -d "$TAR" "$OUT/cache.tar.gz.part"
   echo "triton cache saved: $((SIZE / 1024)) KiB in $(ls "$OUT"/cache.tar.gz.part* | wc -l) part(s); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
+fi
+# save TileLang's kernel cache (FlashQLA's compiled kernels), split like the Triton cache
+if [ "${GDN_CP_SAVE_TL_CACHE:-1}" != 0 ] && [ -n "$(find "$TILELANG_CACHE_DIR" -type f ! -name .restored -print -quit)" ]; then
+  rm -f "$OUT"/tl_cache.tar.gz.part*
+  (cd "$TILELANG_CACHE_DIR" && tar -czf /tmp/tl_cache.tar.gz --exclude=.restored .)
+  split -b 15m -d /tmp/tl_cache.tar.gz "$OUT/tl_cache.tar.gz.part"
+  echo "tilelang cache saved: $(( $(stat -c %s /tmp/tl_cache.tar.gz) / 1024 )) KiB in $(ls "$OUT"/tl_cache.tar.gz.part* | wc -l) part(s), $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
 fi
 echo "suite total $(( $(date +%s) - T0 ))s"
 exit "$RC"

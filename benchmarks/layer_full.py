@@ -9,8 +9,10 @@ says whose submodules: ``local`` (ColumnParallelLinear in_proj, torch RMSNorm, R
 out_proj) and/or ``te`` (Megatron's own GDN spec, ``get_gated_delta_net_module_spec``:
 TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, TERowParallelLinear out_proj). Without
 TransformerEngine every te row is an error that says so (no rank is spawned for it); the local rows
-still run. Every row names its spec, its FLA stack, the submodules it ran, the gated-norm path its
-step really took (counted in the rank) and the backend FLA dispatched its GDN kernel to.
+still run. ``--backend`` picks gdn-cp's per-rank kernels (``linear_cp_backend``: ``flashqla`` for the
+FlashQLA rows; run once per backend into the same ``--out``). Every row names its spec, its FLA stack,
+the submodules it ran, the gated-norm path its step really took (counted in the rank), the backend
+FLA dispatched its GDN kernel to (stock's) and the one gdn-cp ran (``gdn_cp_backend``).
 
 Levers (``--levers``): each gdn-cp lever named there is also timed switched off, in extra patched
 rows beside the rows with every lever on (same run, rows and weights). The switch is benchmark-side,
@@ -107,6 +109,7 @@ from pathlib import Path
 import torch
 
 from gdn_cp.layout import build_chunkwise_plan
+from gdn_cp.ops.registry import BACKEND_CHOICES
 from gdn_cp.testing.ranks import RankPool
 
 from . import layer_full_rank as rank_side
@@ -202,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--plan", type=str, default=None,
                    help="explicit run order of SPEC[-LEVER]:T units instead of --spec/--levers/--tokens, e.g. "
                         "te:32K,te:128K,te-fused_norm:32K,local:128K (a time limit then cuts the last units)")
+    g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
+                   help="gdn-cp's per-rank kernels in the patched cases (TransformerConfig.linear_cp_backend; default "
+                        "auto: FlashQLA where it runs and takes the layer, else FLA); stock rows are stock's FLA call")
     g.add_argument("--zero-centered-gamma", action="store_true",
                    help="te spec: TransformerConfig.layernorm_zero_centered_gamma (TE's norms scale by 1 + weight)")
     s = p.add_argument_group("shape (default Qwen3.5-9B GDN)")
@@ -324,7 +330,7 @@ def knobs(args) -> dict:
             "stock_from": args.stock_from, "time_limit_s": args.time_limit, "grace_s": args.grace,
             "case_timeout_s": args.case_timeout, "packings": args.packings, "cases": args.cases,
             "specs": args.specs, "levers": args.levers, "plan": args.plan,
-            "zero_centered_gamma": args.zero_centered_gamma,
+            "zero_centered_gamma": args.zero_centered_gamma, "linear_cp_backend": args.backend,
             "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
             "route_build": "once per micro-batch (PackedSeqParams reused across iterations, as the layers of one "
                            "micro-batch share it); stock rebuilds its per-token permutation every call"}
@@ -542,7 +548,7 @@ def fill_compile(row: dict, outs: list[dict]) -> None:
     row["chunkwise_path"] = outs[0]["chunkwise_path"]
     # what ran, seen in the rank (not assumed from the flags): the layer's submodules, the gated norm
     # path of this very step, the FLA backend of chunk_gated_delta_rule
-    for k in ("modules", "norm_path", "fla_gdn_backend"):
+    for k in ("modules", "norm_path", "fla_gdn_backend", "gdn_cp_backend"):
         if k in outs[0]:
             row[k] = outs[0][k]
 
@@ -801,7 +807,7 @@ def main(argv=None) -> int:
     stopped = None
     specs = [s for s in args.specs if not (s == "te" and no_te)]
     setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed, "specs": specs,
-             "zero_centered_gamma": args.zero_centered_gamma}
+             "zero_centered_gamma": args.zero_centered_gamma, "linear_cp_backend": args.backend}
     try:
         if args.stock_from == "copy":
             workdir = args.workdir or Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_"))

@@ -85,24 +85,29 @@ class GDNDims:
 
 def run_key(row: dict) -> tuple:
     """Rows with the same run key describe the same measurement (machine size, CP, T, dtype,
-    shape, compile-only or timed, the CP size a ``--cp 1`` run slices for, the layer spec and the
-    FLA version); a newer run replaces them. Rows from before ``spec`` existed are ``local``."""
+    shape, compile-only or timed, the CP size a ``--cp 1`` run slices for, the layer spec, the
+    FLA version and gdn-cp's requested backend); a newer run replaces them. Rows from before ``spec``
+    existed are ``local``, from before ``--backend`` existed ``auto``."""
     k = row.get("knobs", {})
     return (row.get("device"), row.get("gpus"), row.get("cp"), row.get("tp"), row.get("T"), k.get("dtype"),
             tuple(sorted(k.get("dims", {}).items())), bool(k.get("compile_only")), k.get("slice_of_cp"),
-            row.get("spec") or "local", (row.get("versions") or {}).get("fla"))
+            row.get("spec") or "local", (row.get("versions") or {}).get("fla"), k.get("linear_cp_backend") or "auto")
 
 
 def case_key(row: dict) -> str:
     """The case name, with the slice's rank for ``*_slice`` rows (one row per rank), the spec when it
-    is not ``local`` and the lever switched off, if any: ``patched_slice[r1]``,
-    ``patched_slice[r1]|te``, ``patched_slice[r1]|te|-fused_norm``."""
+    is not ``local``, the lever switched off, if any, and gdn-cp's backend when one was named
+    (``--backend``; gdn-cp's cases only): ``patched_slice[r1]``, ``patched_slice[r1]|te``,
+    ``patched_slice[r1]|te|-fused_norm``, ``patched_slice[r1]|te|flashqla``."""
     rank = row.get("slice_rank")
     key = row["case"] if rank is None else f"{row['case']}[r{rank}]"
     if (row.get("spec") or "local") != "local":
         key += f"|{row['spec']}"
     if row.get("lever_off"):
         key += f"|-{row['lever_off']}"
+    backend = (row.get("knobs") or {}).get("linear_cp_backend") or "auto"
+    if backend != "auto" and row["case"] not in STOCK_CASES:
+        key += f"|{backend}"
     return key
 
 

@@ -118,11 +118,11 @@ def _cpu_stock_kernels() -> None:
 
 
 def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_centered_gamma: bool = False,
-               spec: str = "local"):
+               spec: str = "local", backend: str = "auto"):
     """TransformerConfig of one GDN layer. Stock megatron has no ``linear_cp_mode`` field; the
     patched one is built with chunkwise (legal for any head count) and set per case.
     ``zero_centered_gamma``: ``layernorm_zero_centered_gamma`` (the te spec's norms then scale by
-    1 + weight). The te spec's modules are built on the GPU, as in training (and as the GPU parity
+    1 + weight). ``backend``: the patched layer's ``linear_cp_backend``. The te spec's modules are built on the GPU, as in training (and as the GPU parity
     tests build them); the weights are set afterwards either way."""
     from megatron.core.transformer import TransformerConfig
 
@@ -138,6 +138,7 @@ def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_c
     if patched:
         kw["linear_cp_mode"] = "chunkwise"
         kw["linear_cp_thd_split"] = "per_document"  # THD rows are cut per document here (zigzag_rows)
+        kw["linear_cp_backend"] = backend  # gdn-cp's per-rank kernels (--backend); stock has its own FLA call
     if zero_centered_gamma:
         kw["layernorm_zero_centered_gamma"] = True
     if spec == "te":
@@ -179,8 +180,9 @@ def rank_setup(ctx, spec: dict) -> dict:
         # a spec that cannot be built here (te without TransformerEngine) fails its own rows, not the pool
         zc = bool(spec.get("zero_centered_gamma")) and name == "te"
         try:
-            layer1 = build_gdn(gdn_config(1, dims, dtype, patched, zc, name), ctx.group(1), spec=name, **build)
-            layer = layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched, zc, name), ctx.group(cp),
+            backend = spec.get("linear_cp_backend", "auto")
+            layer1 = build_gdn(gdn_config(1, dims, dtype, patched, zc, name, backend), ctx.group(1), spec=name, **build)
+            layer = layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched, zc, name, backend), ctx.group(cp),
                                                      spec=name, **build)
             layers[name] = {"layer": layer, "layer1": layer1}
         except Exception as err:  # noqa: BLE001 - reported per spec
@@ -498,6 +500,10 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
                 out["fla_gdn_backend"] = fla_gdn_backend()
             except Exception as err:  # noqa: BLE001
                 out["fla_gdn_backend"] = f"unknown ({type(err).__name__}: {err})"
+        if case.case not in STOCK_CASES:  # the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
+            from gdn_cp.megatron.gdn import choose_backend, layer_adapter
+
+            out["gdn_cp_backend"] = choose_backend(layer_adapter(case.module), device).__name__.rsplit(".", 1)[-1]
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
             out["check"] = _check_vs_stock(case, y)
         elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:

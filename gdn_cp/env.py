@@ -83,7 +83,8 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "args", "warm", "syncs", "selftest", "levers", "layer_full", "layer_full_b", "train_mlm")
+SUITE_STAGES = ("tests", "args", "warm", "syncs", "selftest", "levers", "layer_full", "layer_full_b", "flashqla",
+                "flashqla_tests", "flashqla_warm", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
@@ -199,6 +200,14 @@ SETTINGS: dict[str, EnvSetting] = {
                    "benchmarks/gpu_suite.sh: arguments of benchmarks/train_megatron_lm.py (stage train_mlm)"),
         EnvSetting("GDN_CP_TRAIN_MLM_TIMEOUT", "benchmarks", "420",
                    "benchmarks/gpu_suite.sh: time budget of the train_mlm stage", _SECONDS),
+        EnvSetting("GDN_CP_TL", "benchmarks", ".tl",
+                   "benchmarks/gpu_suite.sh: folder of the slim-tilelang pack (FlashQLA + TileLang), unpacked into .site-tl/"),
+        EnvSetting("GDN_CP_FLASHQLA_ARGS", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: arguments of benchmarks/flashqla_probe.py (stage flashqla)"),
+        EnvSetting("GDN_CP_FLASHQLA_TIMEOUT", "benchmarks", "540",
+                   "benchmarks/gpu_suite.sh: time limit of the flashqla stage (the probe's --time-limit)", _SECONDS),
+        EnvSetting("GDN_CP_SAVE_TL_CACHE", "benchmarks", "1",
+                   "benchmarks/gpu_suite.sh: 0 keeps no TileLang kernel cache tarball", _SWITCH),
         EnvSetting("GDN_CP_MLM_ONE_GPU", "gdn_cp", "0",
                    "set by gdn_cp.testing.megatron.lm for its rank processes: 1 when the ranks share one GPU (gloo)",
                    _SWITCH),

@@ -49,8 +49,22 @@ def smoke(tmp_path_factory):
 def test_help_lists_the_knobs():
     text = layer_full.build_parser().format_help()
     for flag in ("--tokens", "--packings", "--cases", "--warmup", "--iters", "--profile-iters", "--time-limit",
-                 "--stock-from", "--compile-only", "--out", "--quick"):
+                 "--stock-from", "--compile-only", "--out", "--quick", "--backend"):
         assert flag in text, flag
+
+
+def test_rows_say_which_backend_gdn_cp_ran(smoke):
+    """--backend (default auto) is a knob of every row and of its run key; gdn-cp's rows name the
+    kernels their layers ran (the reference on the CPU); a named backend marks gdn-cp's case keys."""
+    rows, _ = smoke
+    for r in rows:
+        assert r["knobs"]["linear_cp_backend"] == "auto"
+        if r["case"] not in lfm.STOCK_CASES and r["status"] == "ok":
+            assert r["gdn_cp_backend"] == "reference", r["case"]
+    row = dict(rows[0], knobs=dict(rows[0]["knobs"], linear_cp_backend="flashqla"))
+    assert lfm.run_key(row) != lfm.run_key(rows[0])
+    patched = next(r for r in rows if r["case"] not in lfm.STOCK_CASES)
+    assert lfm.case_key(dict(patched, knobs=row["knobs"])) == lfm.case_key(patched) + "|flashqla"
 
 
 def test_every_case_measured_with_the_promised_fields(smoke):

@@ -1,5 +1,6 @@
-"""GPU version of the GatedDeltaNet parity suite: the patched megatron-core 0.19.2 GatedDeltaNet with
-the FLA backend (deterministic_mode=False), bf16, CP=2 and CP=4 as gloo ranks on one GPU (NCCL
+"""GPU version of the GatedDeltaNet parity suite: the patched megatron-core 0.19.2 GatedDeltaNet on
+each GPU backend (``linear_cp_backend``: FLA at head dim 64, FlashQLA at head dim 128, the only one it
+takes; FlashQLA's cases skip with the reason where it cannot run), deterministic_mode=False, bf16, CP=2 and CP=4 as gloo ranks on one GPU (NCCL
 with one rank per GPU when there are enough GPUs), against the same module at CP=1 (SBHD: stock
 0.19.2's FLA path; THD: gdn-cp's path at CP=1), every ``linear_cp_mode``, SBHD (batch 2 and 1) and THD
 (cut per document and as a whole row), with the layer's submodules from Megatron's local modules and
@@ -67,35 +68,61 @@ def gpu_pools(rank_pool):
     return lambda world: rank_pool(world, device="cuda")
 
 
-def _gpu_cases(ctx, spec: str):
-    from types import SimpleNamespace
+# The per-rank math backends the layer parity runs on: FLA (GPU_CFG's head dims 64; what auto takes
+# where FlashQLA is absent or refuses them) and FlashQLA (head dims 128, the only ones it takes).
+BACKENDS = ("fla", "flashqla")
 
-    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
 
+def _backend_cfg(backend: str) -> dict:
+    if backend == "fla":
+        return GPU_CFG
+    return dict(GPU_CFG, linear_key_head_dim=128, linear_value_head_dim=128, linear_cp_backend=backend)
+
+
+def _require_backend(backend: str) -> None:
+    if backend == "flashqla":
+        from gdn_cp.ops.flashqla import flashqla_problem
+
+        why = flashqla_problem()
+        if why is not None:
+            pytest.skip(f"FlashQLA backend: {why}")
+
+
+def _chosen(ctx, cfg: dict) -> str:
+    """The backend the layers' forward runs (the registry's answer for the config's request)."""
+    from gdn_cp.ops.registry import resolve_backend
+
+    return resolve_backend(cfg.get("linear_cp_backend", "auto"), ctx.device.type,
+                           head_dims=(cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]), dtype="bfloat16")[0]
+
+
+def _gpu_cases(ctx, spec: str, backend: str = "fla"):
     out = {"cases": {}}
+    base = _backend_cfg(backend)
     for layout, batch in MODE_CASES:
-        cfg = dict(GPU_CFG, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else GPU_CFG
+        cfg = dict(base, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else base
         name = f"{layout}{batch if layout == 'sbhd' else ''}"
         out["cases"][name] = parity_case(ctx.rank, ctx.world_size, layout, torch.bfloat16, MODES, cfg=cfg,
                                          device=ctx.device, metric=rel_l2, bias=False, conv_bias=False,
                                          sbhd_batch=batch, spec=spec)
-    probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
-    out["backend"] = choose_backend(layer_adapter(probe), ctx.device).__name__
+    out["backend"] = _chosen(ctx, base)
     return out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("world", [2, 4])
-def test_gpu_parity_bf16(gpu_pools, patched_megatron, world, spec):
+def test_gpu_parity_bf16(gpu_pools, patched_megatron, world, spec, backend):
     _require_spec(spec)
-    results = gpu_pools(world).run(_gpu_cases, spec)
-    assert results[0]["backend"].endswith("fla"), results[0]["backend"]
+    _require_backend(backend)
+    results = gpu_pools(world).run(_gpu_cases, spec, backend)
+    assert results[0]["backend"] == backend, results[0]["backend"]
     bad = []
     for rank, res in enumerate(results):
         for layout, per_mode in res["cases"].items():
             for mode, errs in per_mode.items():
                 _record("megatron_gdn_parity", world=world, rank=rank, layout=layout, mode=mode, spec=spec,
-                        errors=errs)
+                        backend=backend, errors=errs)
                 for k, v in errs.items():
                     tol = BF16_TOL["out"] if k == "out" else BF16_TOL["grad"]
                     if not v <= tol:
@@ -138,37 +165,36 @@ PATH_CASES = (("sbhd", 2), ("sbhd", 1), ("thd", 1), ("thd_whole_row", 1))
 ONE_STREAM = ("sbhd1", "thd_whole_row")
 
 
-def _gpu_path_cases(ctx, path: str, spec: str = "local"):
+def _gpu_path_cases(ctx, path: str, spec: str = "local", backend: str = "fla"):
     """chunkwise with the exchange path forced (``native``: FLA's cp context, which on gloo ranks of
     one GPU runs through gdn_cp.testing's collective adapter; ``generic``: gdn-cp's own exchange,
     asynchronous and overlapped with the scans on NCCL), at both swap points, SBHD and THD."""
     import torch.distributed as dist
 
     from gdn_cp.layout import plan_for_sbhd
-    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
     from gdn_cp.megatron.swap import set_chunkwise_swap
+    from gdn_cp.ops import get_backend
     from gdn_cp.modes import resolve_chunkwise_path, set_chunkwise_path
     from gdn_cp.modes.chunkwise import chunkwise_swaps_layout
     from gdn_cp.testing.megatron.layer import rank_groups
     from gdn_cp.testing.megatron.parity import sbhd_len
 
     out = {}
+    base = _backend_cfg(backend)
     set_chunkwise_path(path)
     try:
-        from types import SimpleNamespace
-
-        probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=False))
-        backend = choose_backend(layer_adapter(probe), ctx.device)
+        out["backend"] = _chosen(ctx, base)
+        kernels = get_backend(out["backend"])
         world = rank_groups()["world"]
-        out["path"] = resolve_chunkwise_path(backend, world)[0]
+        out["path"] = resolve_chunkwise_path(kernels, world)[0]
         out["zigzag_for_sbhd1"] = not chunkwise_swaps_layout(
-            backend, world, plan_for_sbhd(sbhd_len(ctx.world_size), 1, ctx.world_size, ctx.rank))
+            kernels, world, plan_for_sbhd(sbhd_len(ctx.world_size), 1, ctx.world_size, ctx.rank))
         out["dist_backend"] = dist.get_backend()
         for swap in ("hidden", "core"):
             set_chunkwise_swap(swap)
             for layout, batch in PATH_CASES:
                 a2a = ctx.collectives.get("all_to_all_single", 0)
-                cfg = dict(GPU_CFG, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else GPU_CFG
+                cfg = dict(base, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else base
                 errs = parity_case(
                     ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=cfg,
                     device=ctx.device, metric=rel_l2, bias=False, conv_bias=False, sbhd_batch=batch,
@@ -181,24 +207,31 @@ def _gpu_path_cases(ctx, path: str, spec: str = "local"):
     return out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("path", ["native", "generic"])
-def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world, spec):
+def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world, spec, backend):
     from gdn_cp.ops.fla import has_zigzag_layout
 
     _require_spec(spec)
-    results = gpu_pools(world).run(_gpu_path_cases, path, spec)
+    _require_backend(backend)
+    if backend == "flashqla" and path == "native":
+        from gdn_cp.ops.flashqla import native_cp_problem
+
+        if native_cp_problem() is not None:
+            pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
+    results = gpu_pools(world).run(_gpu_path_cases, path, spec, backend)
     bad = []
     for rank, res in enumerate(results):
-        assert res["path"] == path, res["path"]
-        zigzag = path == "native" and has_zigzag_layout()
+        assert res["path"] == path and res["backend"] == backend, (res["path"], res["backend"])
+        zigzag = path == "native" and backend == "fla" and has_zigzag_layout()  # FlashQLA has no zigzag layout
         assert res["zigzag_for_sbhd1"] == zigzag, res
         for case, got in res.items():
             if not isinstance(got, dict):
                 continue
             errs = got["errors"]
-            _record("megatron_gdn_parity_path", world=world, rank=rank, path=path, case=case, spec=spec,
+            _record("megatron_gdn_parity_path", world=world, rank=rank, path=path, case=case, spec=spec, backend=backend,
                     zigzag=zigzag and case.startswith(ONE_STREAM), dist=res["dist_backend"], errors=errs,
                     all_to_alls=got["all_to_alls"])
             for k, v in errs.items():

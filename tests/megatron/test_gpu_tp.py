@@ -55,12 +55,12 @@ def _require_gpus(n: int):
 
 def _cases(ctx, grid, dtypes, cfg, metric):
     """The grid on this rank (``ctx.device``), plus the backend the gdn-cp path chose."""
-    from types import SimpleNamespace
+    from gdn_cp.ops.registry import resolve_backend
 
-    from gdn_cp.megatron.gdn import choose_backend, layer_adapter
-
-    probe = SimpleNamespace(config=SimpleNamespace(deterministic_mode=cfg.get("deterministic_mode", False)))
-    return {"backend": choose_backend(layer_adapter(probe), ctx.device).__name__,
+    name, _ = resolve_backend(cfg.get("linear_cp_backend", "auto"), ctx.device.type,
+                              deterministic=cfg.get("deterministic_mode", False),
+                              head_dims=(cfg.get("linear_key_head_dim"), cfg.get("linear_value_head_dim")))
+    return {"backend": name,
             "cases": tp_grid_case(grid, dtypes, MODES, cfg=cfg, device=ctx.device, metric=metric, bias=False,
                                   conv_bias=False)}
 

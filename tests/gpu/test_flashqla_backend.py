@@ -1,0 +1,344 @@
+"""FlashQLA backend on an sm_90+ GPU: against the fp64 reference and FLA at CP=1, and every mode at
+cp=2/4 (gloo ranks sharing one GPU, or NCCL with one GPU per rank) against CP=1 on the same backend,
+THD (cut per document, sequences straddling ranks, an empty slot; cut as a whole row) and SBHD (batch
+2 and 1), bf16; chunkwise through both exchange paths (``native``: FlashQLA's inter-card cp context
+with FLA's for the conv; ``generic``: gdn-cp's own exchange, the state summaries from FlashQLA scans);
+one realistic shape (16 key / 32 value heads, head dim 128, T=8K); and the second call's syncs.
+
+Every test is marked ``gpu`` and skipped, with the reason, where the FlashQLA backend cannot run
+(``gdn_cp.ops.flashqla.flashqla_problem()``: no flash-qla / TileLang, no sm_90+ GPU). The CPU tests of
+the same plumbing (a flash_qla stand-in) are tests/ops/test_flashqla_backend.py.
+
+TileLang compiles every kernel variant on first use (~3 min for a cold forward + backward): a variant
+is one (value heads, key heads, head dims, dtypes, with / without initial state, final state, varlen,
+value-block width FlashQLA picks from sequences x heads) combination, so the shapes here are few: key /
+value heads 4 / 8 (headwise takes 2 / 4 at cp=2 and 1 / 2 at cp=4), head dim 128, and the realistic
+16 / 32. Keep ``TILELANG_CACHE_DIR`` between runs (benchmarks/gpu_suite.sh does).
+
+Tolerances (relative L2; gdn_cp.testing.tolerances), the FLA backend's: bf16 vs the fp64 reference
+<= 1e-2; cp=N vs CP=1 <= 2e-3 outputs, <= 1e-2 gradients, or within 5e-3 of CP=1 and as close to fp64
+as CP=1 is (FlashQLA's own split of long sequences, auto_cp, cuts them at other rows per CP size).
+Measured errors are appended as JSON lines to ``$GDN_CP_GPU_RESULTS``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+
+from gdn_cp.ops import GDNShape
+from gdn_cp.ops.flashqla import flashqla_problem
+from gdn_cp.testing.inputs import fla_core_inputs
+from gdn_cp.testing.metrics import max_rel, rel_l2
+from gdn_cp.testing.results import JsonlRecorder
+from gdn_cp.testing.tolerances import FLA_VS_FP64_REL_L2 as TOLERANCES
+
+from .test_fla_backend import _judge
+
+WHY_NOT = flashqla_problem()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY_NOT is not None, reason=f"FlashQLA backend: {WHY_NOT}")]
+
+DIMS = dict(num_k_heads=4, num_v_heads=8, head_k_dim=128, head_v_dim=128)
+SHAPE = GDNShape(**DIMS)
+REALISTIC = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)
+CONV_W = 4
+T_GLOBAL = 512
+# name -> (global boundaries, split, SBHD batch or None). Per-document lengths are multiples of 2*cp = 8.
+CASES = {
+    "thd_docs": ([0, 40, 40, 128, 304, 384, 448, 512], "per_document", None),  # an empty slot, straddling
+    "thd_whole_row": ([0, 37, 37, 126, 300, 383, 450, 512], "whole_row", None),  # odd lengths, one row cut
+    "sbhd2": ([0, 256, 512], "per_document", 2),
+    "sbhd1": ([0, 512], "per_document", 1),
+}
+MODES = ("headwise", "all_gather", "chunkwise")
+
+_record = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS").record
+BASELINE_DEVICE = "cuda"  # where the CP=1 baselines run (a CPU dry run with a flash_qla stand-in sets "cpu")
+
+
+def _leaves(inp: dict, device, rows=None) -> dict:
+    sl = rows if rows is not None else slice(None)
+    cast = {"qkv": torch.bfloat16, "g": torch.float32, "beta": torch.bfloat16, "w": torch.bfloat16, "b": torch.bfloat16}
+    return {k: (inp[k][sl] if k in ("qkv", "g", "beta") else inp[k]).to(device=device, dtype=cast[k])
+            .detach().requires_grad_(True) for k in cast}
+
+
+def _grads(t: dict) -> dict:
+    return {f"d{k}": v.grad.detach().float().cpu() for k, v in t.items()}
+
+
+def _rows(case: str, cp: int, rank: int) -> torch.Tensor:
+    from gdn_cp.testing.packings import zigzag_rows
+
+    cu, split, batch = CASES[case]
+    if batch is None:
+        return zigzag_rows(cu, cp, rank, whole_row=split == "whole_row")
+    seq = cu[-1] // batch
+    one = zigzag_rows([0, seq], cp, rank)
+    return torch.cat([b * seq + one for b in range(batch)])
+
+
+def _plan(case: str, cp: int, rank: int):
+    from gdn_cp.layout import RouteCache, plan_for_sbhd
+
+    cu, split, batch = CASES[case]
+    if batch is None:
+        return RouteCache().plan(cu, cp, rank, split=split)
+    return plan_for_sbhd(cu[-1] // batch, batch, cp, rank)
+
+
+def _core_cp1(backend, t: dict, cu, shape=SHAPE):
+    from gdn_cp.modes import local_core
+
+    return local_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=shape, cu_seqlens=cu, backend=backend)
+
+
+_BASELINES: dict = {}
+
+
+def _baseline(case: str, dims=None, cu=None):
+    """CP=1 on FlashQLA, on FLA (where it imports) and the fp64 reference, on the same bf16-rounded inputs
+    (``cu``: boundaries of a case not in CASES)."""
+    dims = dims or DIMS
+    key = (case, tuple(dims.values()))
+    if key in _BASELINES:
+        return _BASELINES[key]
+    from gdn_cp.ops import get_backend
+    from gdn_cp.ops.fla import fla_available
+
+    shape = GDNShape(**dims)
+    cu = CASES[case][0] if cu is None else cu
+    inp = fla_core_inputs(cu[-1], **dims, width=CONV_W, seed=5)
+    dev = torch.device(BASELINE_DEVICE)
+    out = {}
+    for name in ("flashqla", "fla", "reference"):
+        if name == "fla" and not fla_available():
+            continue
+        t = _leaves(inp, dev)
+        if name == "reference":
+            t = {k: v.detach().double().requires_grad_(True) for k, v in t.items()}
+        o = _core_cp1(get_backend(name), t, cu, shape)
+        (o.double() * inp["do"].to(dev).double()).sum().backward()
+        out[name] = {"o": o.detach().float().cpu(), **_grads(t)}
+    _BASELINES[key] = (inp, out)
+    return _BASELINES[key]
+
+
+@pytest.fixture(scope="module")
+def cuda_pool(rank_pool):
+    p = rank_pool(4, device="cuda")
+    _record("flashqla_pool", backend=p.backend, one_gpu=p.one_gpu, world=p.world_size)
+    return p
+
+
+# ------------------------------------------------------------------------------------------
+# CP=1
+# ------------------------------------------------------------------------------------------
+
+def test_flashqla_vs_reference_and_fla_cp1():
+    """Conv + gated delta rule on packed THD with an empty slot: FlashQLA against the fp64 reference
+    (the FLA backend's bf16 tolerance) and against FLA (recorded; within the same tolerance)."""
+    t0 = time.perf_counter()
+    _, out = _baseline("thd_docs")
+    seconds = time.perf_counter() - t0  # the first FlashQLA call: TileLang's compile, unless cached
+    ref, got = out["reference"], out["flashqla"]
+    errs = {k: rel_l2(got[k], ref[k]) for k in ref}
+    vs_fla = {k: rel_l2(got[k], out["fla"][k]) for k in ref} if "fla" in out else None
+    fla_vs_ref = {k: rel_l2(out["fla"][k], ref[k]) for k in ref} if "fla" in out else None
+    _record("flashqla_vs_reference_cp1", rel_l2=errs, max_rel={k: max_rel(got[k], ref[k]) for k in ref},
+            rel_l2_vs_fla=vs_fla, fla_rel_l2_vs_reference=fla_vs_ref, first_call_s=round(seconds, 1))
+    bad = {k: e for k, e in errs.items() if not e <= TOLERANCES["bfloat16"]}
+    assert not bad, f"FlashQLA vs fp64 reference over {TOLERANCES['bfloat16']}: {bad}"
+    if vs_fla is not None:
+        bad = {k: e for k, e in vs_fla.items() if not e <= TOLERANCES["bfloat16"]}
+        assert not bad, f"FlashQLA vs FLA over {TOLERANCES['bfloat16']}: {bad}"
+
+
+def test_selftest_cases_pass():
+    """``gdn-cp selftest --gpu``'s FlashQLA cases (gated delta rule with initial and final states,
+    grouped value heads, an empty sequence; FLA's conv) pass here."""
+    from gdn_cp.cli.selftest import _flashqla_cases
+
+    cases, not_checked = [], []
+    _flashqla_cases(cases, not_checked, seed=0)
+    _record("flashqla_selftest", cases=[c.line() for c in cases], not_checked=not_checked)
+    assert cases and not not_checked and all(c.ok for c in cases), [c.line() for c in cases]
+
+
+# ------------------------------------------------------------------------------------------
+# every mode at cp=2/4 against CP=1
+# ------------------------------------------------------------------------------------------
+
+def _rank_modes(rctx, inputs: dict, cp: int, path: str):
+    """Every mode on every case, on this rank's zigzag rows of a cp-sized group, with the chunkwise
+    path set to ``path``; per (case, mode): output, gradients, rows, what chunkwise ran."""
+    import torch.distributed as dist
+
+    from gdn_cp.modes import gdn_core, set_chunkwise_path
+    from gdn_cp.modes.spec import get_mode
+    from gdn_cp.ops import get_backend
+
+    backend = get_backend("flashqla")
+    group = rctx.group(cp)
+    r = dist.get_rank(group)
+    out = {}
+    set_chunkwise_path(path)
+    try:
+        for case in CASES:
+            plan, rows = _plan(case, cp, r), _rows(case, cp, r)
+            for mode in MODES if path == "generic" else ("chunkwise",):
+                t = _leaves(inputs[case], rctx.device, rows)
+                call = get_mode(mode).prepare(backend, group, plan)
+                o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode=mode, plan=plan,
+                             group=group, backend=backend, call=call)
+                (o.float() * inputs[case]["do"][rows].to(rctx.device)).sum().backward()
+                out[f"{case}/{mode}"] = {"o": o.detach().float().cpu(), **_grads(t), "rows": rows, "ran": call.path}
+    finally:
+        set_chunkwise_path(None)
+    return out
+
+
+def _gather(results, key: str, cp: int, start: int, t_global: int) -> dict:
+    mine = [res[key] for res in results[start:start + cp]]
+    rows = torch.cat([m["rows"] for m in mine])
+    out = {}
+    for k in ("o", "dqkv", "dg", "dbeta"):
+        vals = torch.cat([m[k] for m in mine])
+        full = torch.empty((t_global, *vals.shape[1:]), dtype=vals.dtype)
+        full[rows] = vals
+        out[k] = full
+    for k in ("dw", "db"):  # parameters replicated over CP: gradients summed
+        out[k] = torch.stack([m[k].double() for m in mine]).sum(0).float()
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("path", ["generic", "native"])
+def test_modes_match_cp1(cuda_pool, path, cp):
+    """generic: headwise, all_gather and chunkwise (gdn-cp's exchange); native: chunkwise on FlashQLA's
+    inter-card context (skipped where it cannot run: FlashQLA < 0.1.3, or FLA's cp context missing)."""
+    from gdn_cp.ops.flashqla import native_cp_problem
+
+    if path == "native" and native_cp_problem() is not None:
+        pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
+    inputs = {case: _baseline(case)[0] for case in CASES}
+    t0 = time.perf_counter()
+    results = cuda_pool.run(_rank_modes, inputs, cp, path)
+    seconds = time.perf_counter() - t0
+    failures = []
+    for key in results[0]:
+        case, mode = key.split("/")
+        _, base = _baseline(case)
+        got = [_gather(results, key, cp, s, T_GLOBAL) for s in range(0, cuda_pool.world_size, cp)]
+        bad, targets_met, errs, maxes, ref_errs, cp1_ref_errs = _judge(got, base["flashqla"], base["reference"],
+                                                                       "bfloat16")
+        ran = sorted({res[key]["ran"] for res in results})
+        vs_fla = {k: rel_l2(got[0][k], base["fla"][k]) for k in got[0]} if "fla" in base else None
+        _record("flashqla_mode_vs_cp1", case=case, mode=mode, path=path, ran=ran, cp=cp, ok=not bad,
+                issue_targets_met=targets_met, rel_l2=errs, max_rel=maxes, rel_l2_vs_fp64_reference=ref_errs,
+                cp1_rel_l2_vs_fp64_reference=cp1_ref_errs, rel_l2_vs_fla_cp1=vs_fla, seconds=round(seconds, 1))
+        failures += [f"{key}: {b}" for b in bad]
+        want = path if mode == "chunkwise" else mode
+        if ran != [want]:
+            failures.append(f"{key}: ran {ran}, expected {want}")
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------------------
+# the realistic shape, and the second call's syncs
+# ------------------------------------------------------------------------------------------
+
+def _rank_realistic(rctx, inp: dict, cu: list, cp: int, path: str):
+    import torch.distributed as dist
+
+    from gdn_cp.layout import RouteCache
+    from gdn_cp.modes import gdn_core, set_chunkwise_path
+    from gdn_cp.ops import get_backend
+    from gdn_cp.testing.packings import zigzag_rows
+
+    group = rctx.group(cp)
+    r = dist.get_rank(group)
+    rows = zigzag_rows(cu, cp, r)
+    plan = RouteCache().plan(cu, cp, r)
+    set_chunkwise_path(path)
+    try:
+        t = _leaves(inp, rctx.device, rows)
+        o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=GDNShape(**REALISTIC), mode="chunkwise",
+                     plan=plan, group=group, backend=get_backend("flashqla"))
+        (o.float() * inp["do"][rows].to(rctx.device)).sum().backward()
+    finally:
+        set_chunkwise_path(None)
+    return {"single": {"o": o.detach().float().cpu(), **_grads(t), "rows": rows}}
+
+
+@pytest.mark.parametrize("path", ["generic", "native"])
+def test_realistic_shape_chunkwise_cp2(cuda_pool, path):
+    """16 key / 32 value heads, head dim 128, T=8192 in one sequence: chunkwise at cp=2 against FlashQLA
+    at CP=1, FLA at CP=1 and the fp64 reference."""
+    from gdn_cp.ops.flashqla import native_cp_problem
+
+    if path == "native" and native_cp_problem() is not None:
+        pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
+    t = 8192
+    inp, base = _baseline("realistic", REALISTIC, cu=[0, t])
+    results = cuda_pool.run(_rank_realistic, inp, [0, t], 2, path)
+    got = [_gather(results, "single", 2, s, t) for s in range(0, cuda_pool.world_size, 2)]
+    bad, targets_met, errs, _, ref_errs, cp1_ref_errs = _judge(got, base["flashqla"], base["reference"], "bfloat16")
+    flashqla_vs_fla = {k: rel_l2(base["flashqla"][k], base["fla"][k]) for k in base["fla"]} if "fla" in base else None
+    _record("flashqla_realistic_cp2", path=path, T=t, dims=REALISTIC, ok=not bad, issue_targets_met=targets_met,
+            rel_l2=errs, rel_l2_vs_fp64_reference=ref_errs, cp1_rel_l2_vs_fp64_reference=cp1_ref_errs,
+            cp1_flashqla_vs_fla=flashqla_vs_fla)
+    assert not bad, "\n".join(bad)
+
+
+def _rank_syncs(rctx, inp: dict, cp: int, path: str):
+    """A second identical call (same plan, same boundaries objects: a later layer of the micro-batch)
+    under torch's sync debug mode: the device->host syncs it makes."""
+    import torch.distributed as dist
+
+    from gdn_cp.modes import gdn_core, set_chunkwise_path
+    from gdn_cp.ops import get_backend
+
+    group = rctx.group(cp)
+    r = dist.get_rank(group)
+    plan, rows = _plan("thd_docs", cp, r), _rows("thd_docs", cp, r)
+    do = inp["do"][rows].to(rctx.device)
+    set_chunkwise_path(path)
+    try:
+        def step():
+            t = _leaves(inp, rctx.device, rows)
+            o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
+                         group=group, backend=get_backend("flashqla"))
+            (o.float() * do).sum().backward()
+
+        step()
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    finally:
+        set_chunkwise_path(None)
+    syncs = [str(w.message) for w in caught
+             if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
+    return {"syncs": len(syncs), "messages": syncs[:3]}
+
+
+@pytest.mark.parametrize("path", ["generic", "native"])
+def test_second_call_makes_no_sync(cuda_pool, path):
+    """gdn-cp's rule: after the first layer of a micro-batch, a layer call makes no device->host sync.
+    FlashQLA's caches (boundaries-derived tensors, keyed on the tensor object, 4 entries) must hit."""
+    from gdn_cp.ops.flashqla import native_cp_problem
+
+    if path == "native" and native_cp_problem() is not None:
+        pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
+    inp, _ = _baseline("thd_docs")
+    results = cuda_pool.run(_rank_syncs, inp, 2, path)
+    _record("flashqla_zero_sync", path=path, ranks=results)
+    assert all(r["syncs"] == 0 for r in results), results
