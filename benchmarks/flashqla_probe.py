@@ -474,8 +474,17 @@ def case_fla_dispatch(args) -> list[dict]:
     handler.emit = lambda rec: records.append(rec.getMessage())
     logging.getLogger("fla.backends").addHandler(handler)
     logging.getLogger("fla.backends").setLevel(logging.INFO)
+    saved = os.environ.get("FLA_FLASH_QLA")
+    os.environ["FLA_FLASH_QLA"] = "1"  # FLA reads its switch on every call: its dispatch as FLA ships it
+    try:
+        with torch.no_grad():
+            dispatched, _ = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule(**kw)
+    finally:
+        if saved is None:
+            os.environ.pop("FLA_FLASH_QLA", None)
+        else:
+            os.environ["FLA_FLASH_QLA"] = saved
     with torch.no_grad():
-        dispatched, _ = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule(**kw)
         fla_own, _ = own(**kw)
         flash, _ = importlib.import_module("flash_qla").chunk_gated_delta_rule(**kw, auto_cp=True)  # as FLA calls it
         backend_o, _ = get_backend("fla").chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=cu)

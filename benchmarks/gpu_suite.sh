@@ -64,9 +64,11 @@ case $STACK in
     WHEELS=$(ls .whl/*.whl 2>/dev/null) ;;
   fla060)
     SLIM=${GDN_CP_SLIM:-.slim}
-    [ -f "$SLIM/unpack.py" ] || { echo "GDN_CP_STACK=fla060 needs the slim-triton pack in $SLIM (make.sh)"; exit 1; }
-    [ -d /tmp/site37/triton ] || python3 "$SLIM/unpack.py" /tmp/site37 >/dev/null \
-      || { echo "slim-triton unpack failed"; exit 1; }
+    # unpacked once: a later call on the same warm machine needs no pack (e.g. to carry .tl beside .whl)
+    if [ ! -d /tmp/site37/triton ]; then
+      [ -f "$SLIM/unpack.py" ] || { echo "GDN_CP_STACK=fla060 needs the slim-triton pack in $SLIM (make.sh)"; exit 1; }
+      python3 "$SLIM/unpack.py" /tmp/site37 >/dev/null || { echo "slim-triton unpack failed"; exit 1; }
+    fi
     SITE_PATH=/tmp/site37:
     WHEELS=$(ls .whl/*.whl 2>/dev/null | grep -v -e '/fla_core-' -e '/flash_linear_attention-') ;;
   *) echo "GDN_CP_STACK=$STACK: use fla042 or fla060"; exit 1 ;;
@@ -80,6 +82,9 @@ if [ -n "$WHEELS" ]; then
   if [ -d "$SITE/megatron" ]; then
     python3 -m gdn_cp.cli patch apply "$SITE" || { echo "patch apply failed"; exit 1; }
   fi
+elif [ -d "$SITE" ]; then  # no wheels carried: the stack an earlier call installed on this warm machine
+  echo "no .whl/*.whl: using $SITE from an earlier call"
+  export PYTHONPATH=$SITE_PATH$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}
 else
   export PYTHONPATH=$SITE_PATH$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
