@@ -126,6 +126,11 @@ out["readme"] = {"thd_split": args.linear_cp_thd_split, "mode": config.linear_cp
                  "activation": config.activation_func.__name__, "normalization": config.normalization}
 (split_flag,) = [a for a in parser._actions if "--linear-cp-thd-split" in a.option_strings]
 out["thd_split_choices"] = [list(split_flag.choices), split_flag.default]
+(backend_flag,) = [a for a in parser._actions if "--linear-cp-backend" in a.option_strings]
+out["backend_choices"] = [list(backend_flag.choices), backend_flag.default]
+args = parser.parse_args(model + ["--linear-cp-backend", "reference"])
+args.params_dtype = torch.float32
+out["backend_config"] = core_transformer_config_from_args(args).linear_cp_backend
 typo = io.StringIO()
 with contextlib.redirect_stderr(typo):
     try:
@@ -150,6 +155,10 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
     out = json.loads(lines[0][len("RESULT"):])
 
+    from gdn_cp.ops.registry import BACKEND_CHOICES
+
+    # --linear-cp-backend comes from the patched field's Literal, the registry's choices
+    assert out["backend_choices"] == [list(BACKEND_CHOICES), "auto"] and out["backend_config"] == "reference", out
     assert tuple(out["choices"]) == MODE_CHOICES and out["default"] == "auto"
     assert "--linear-cp-mode {" + ",".join(MODE_CHOICES) + "}" in out["help_entry"], out["help_entry"]
     assert all(f'"{m}"' in out["help"] for m in MODE_CHOICES), out["help"]  # the field's docstring
