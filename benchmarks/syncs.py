@@ -45,7 +45,14 @@ def _count_syncs(fn):
     return result, n
 
 
-def _rank_syncs(ctx, cp_sizes):
+def _cfg(backend: str) -> dict:
+    """The layer's fields for gdn-cp's ``linear_cp_backend``: FlashQLA takes head dims 128 only."""
+    if backend == "flashqla":
+        return dict(CFG, linear_key_head_dim=128, linear_value_head_dim=128, linear_cp_backend=backend)
+    return dict(CFG, linear_cp_backend=backend)
+
+
+def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
     from gdn_cp.modes import set_chunkwise_path
     from gdn_cp.testing.inputs import hidden_inputs
@@ -60,7 +67,8 @@ def _rank_syncs(ctx, cp_sizes):
         group = rank_groups()["world"] if cp == ctx.world_size else rank_groups()["self"]
         padded, actual = thd_case(cp)
         rows = zigzag_rows(padded, cp, ctx.rank).to(ctx.device)
-        x, dout = hidden_inputs(padded[-1], 1, torch.bfloat16, 5, CFG["hidden_size"], ctx.device)
+        fields = _cfg(backend)
+        x, dout = hidden_inputs(padded[-1], 1, torch.bfloat16, 5, fields["hidden_size"], ctx.device)
         x, dout = x[rows], dout[rows]
         res = {}
         for path in ("headwise", "chunkwise", "chunkwise generic", "all_gather", "stock headwise"):
@@ -68,7 +76,7 @@ def _rank_syncs(ctx, cp_sizes):
             # gdn-cp's own chunkwise exchange (async summary gather on NCCL), else the auto path
             set_chunkwise_path("generic" if path == "chunkwise generic" else None)
             # the rows are cut per document (zigzag_rows): the layer is told so
-            cfg = make_config(cp, mode, torch.bfloat16, linear_cp_thd_split="per_document", **CFG)
+            cfg = make_config(cp, mode, torch.bfloat16, linear_cp_thd_split="per_document", **fields)
             first = build_gdn(cfg, group, seed=1, layer_number=1, device=ctx.device)
             second = build_gdn(cfg, group, seed=2, layer_number=2, device=ctx.device)
             params = thd_params(padded, actual, device=ctx.device)
@@ -102,6 +110,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes (default 1 2)")
     add_out_arguments(parser, "syncs.json")
+    parser.add_argument("--backend", choices=("auto", "fla", "flashqla"), default="auto",
+                        help="gdn-cp's per-rank kernels (linear_cp_backend; flashqla at head dims 128)")
     args = parser.parse_args(argv)
     args.out = str(resolve_out(args, "syncs.json", parser))
     return args
@@ -121,10 +131,11 @@ def main(argv=None) -> int:
     world = max(args.cp)
     pool = RankPool(world, device="cuda")
     try:
-        per_rank = pool.run(_rank_syncs, args.cp)
+        per_rank = pool.run(_rank_syncs, args.cp, args.backend)
     finally:
         pool.close()
-    result = {"machine": machine_info(), "versions": versions(), "dtype": "bfloat16", "config": CFG, "cp": {}}
+    result = {"machine": machine_info(), "versions": versions(), "dtype": "bfloat16", "config": CFG,
+              "linear_cp_backend": args.backend, "cp": {}}
     print(f"{'cp':>3} {'path':<15} {'fwd syncs':>9} {'bwd syncs':>9} {'collectives':>11}  (max over ranks)")
     for cp in args.cp:
         ranks = [r[cp] for r in per_rank if cp in r]
