@@ -209,6 +209,7 @@ run_stage() {
         --out "$OUT/flashqla_probe.jsonl" --time-limit "${GDN_CP_FLASHQLA_TIMEOUT:-540}" ${GDN_CP_FLASHQLA_ARGS:-} ;;
     flashqla_tests)
       # the FlashQLA backend's GPU tests: its own (every mode, CP=1/2/4) and the Megatron layer parity on it
+      GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
       timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_flashqla_backend.py \
         tests/megatron/test_gpu_parity.py -m gpu -k flashqla -p no:cacheprovider -rA --durations=15 "$@" ;;
     flashqla_warm)
