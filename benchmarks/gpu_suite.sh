@@ -165,9 +165,10 @@ EOF
 # args = the megatron.training argument test (Python >= 3.12); flashqla = benchmarks/flashqla_probe.py;
 # flashqla_tests = the FlashQLA backend's GPU tests; flashqla_warm = warm_kernels.py --backend flashqla.
 # Each under its own time limit.
-# Stages joined by "+" run side by side (each one's output goes to a temp file, printed whole into
-# run.log when all are done: what comes back from the device is limited to 8 files), e.g. GDN_CP_STAGES="warm+tests layer_full": the small-shape tests while warm compiles the
-# benchmark's shapes, then the benchmark alone on the GPUs.
+# Stages joined by "+" run side by side, each one's output written as it comes to $OUT/stage_<name>.log
+# (so a call killed at its time limit still brings back what each stage printed; what comes back from the
+# device is limited to 8 files), e.g. GDN_CP_STAGES="warm+tests layer_full": the small-shape tests while
+# warm compiles the benchmark's shapes, then the benchmark alone on the GPUs.
 run_stage() {
   local stage=$1; shift
   local T1; T1=$(date +%s)
@@ -242,14 +243,14 @@ for group in ${GDN_CP_STAGES:-tests}; do
   fi
   PIDS=()
   for stage in ${group//+/ }; do
-    run_stage "$stage" "$@" > "/tmp/gdn_cp_stage_${STACK}_$stage.log" 2>&1 &
+    run_stage "$stage" "$@" > "$OUT/stage_$stage.log" 2>&1 &
     PIDS+=($!)
   done
   for pid in "${PIDS[@]}"; do
     wait "$pid" || RC=$?
   done
   for stage in ${group//+/ }; do
-    echo "== side-by-side stage $stage:"; cat "/tmp/gdn_cp_stage_${STACK}_$stage.log"
+    echo "== side-by-side stage $stage: $OUT/stage_$stage.log, last lines:"; tail -n 40 "$OUT/stage_$stage.log"
   done
 done
 
