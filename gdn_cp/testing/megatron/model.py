@@ -10,6 +10,11 @@ GatedDeltaNet, built from local modules (no TransformerEngine), run as Megatron-
 * ``hybrid``: ``HybridModel`` with a local-module stack spec (``gdn_layer``: the same GDN
   TransformerLayer without MLP; ``mlp_layer``: an ``MLPLayer`` with a local pre-MLP norm) and the
   pattern :data:`HYBRID_PATTERN`. Megatron's stock hybrid stack spec is TransformerEngine-only.
+* ``hybrid_te`` (GPU, TransformerEngine): ``HybridModel`` with Megatron's own stack spec
+  (``megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec``: TE linears and norms, TE
+  attention) and the pattern :data:`TE_HYBRID_PATTERN` (GDN, MLP, attention, MLP); attention CP
+  through all-to-all (``cp_comm_type='a2a'``: ranks that share one GPU talk over gloo, which has no
+  point-to-point for CUDA tensors).
 
 :func:`model_config` gives every model the same small shape; :func:`build_model` seeds every
 parameter from its name (:func:`set_model_params`), so every rank and every CP size starts from
@@ -41,6 +46,7 @@ from .layer import _submodules, install_cpu_shims, install_gpu_shims, make_confi
 __all__ = [
     "FFN_HIDDEN",
     "HYBRID_PATTERN",
+    "TE_HYBRID_PATTERN",
     "MODEL_KINDS",
     "VOCAB_SIZE",
     "build_model",
@@ -54,11 +60,12 @@ __all__ = [
     "sum_grads",
 ]
 
-MODEL_KINDS = ("gpt", "hybrid")
+MODEL_KINDS = ("gpt", "hybrid", "hybrid_te")
 VOCAB_SIZE = 64
 FFN_HIDDEN = 64
 GPT_LAYERS = 2  # each: GDN + MLP
 HYBRID_PATTERN = "G-G-"  # GDN, MLP, GDN, MLP
+TE_HYBRID_PATTERN = "G-*-"  # GDN, MLP, attention, MLP
 MAX_SEQUENCE_LENGTH = 4096
 
 _STAND_INS_INSTALLED = False
@@ -145,8 +152,10 @@ def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float6
     no dropout, deterministic mode (gdn-cp's reference backend). ``overrides`` go to the config."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
-    layers = GPT_LAYERS if kind == "gpt" else len(HYBRID_PATTERN)
+    layers = {"gpt": GPT_LAYERS, "hybrid": len(HYBRID_PATTERN), "hybrid_te": len(TE_HYBRID_PATTERN)}[kind]
     kw = dict(num_layers=layers, ffn_hidden_size=FFN_HIDDEN, hidden_dropout=0.0, attention_dropout=0.0)
+    if kind == "hybrid_te":
+        kw.update(cp_comm_type="a2a", deterministic_mode=False)
     kw.update(overrides)
     return make_config(cp, mode, dtype, **kw)
 
@@ -167,21 +176,27 @@ def model_pg_collection(cp_group, dp_cp_group=None):
     return pg
 
 
-def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: int = 0, device="cpu"):
+def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: int = 0, device="cpu",
+                position_embedding_type: str = "none"):
     """A ``kind`` model (:data:`MODEL_KINDS`) with seeded weights (:func:`set_model_params`),
     cast to ``config.params_dtype`` as a whole. ``pg_collection`` defaults to
-    :func:`model_pg_collection` of ``cp_group``."""
+    :func:`model_pg_collection` of ``cp_group``. ``position_embedding_type``: ``none`` (GDN needs no
+    positions) or, for a model with attention layers, ``rope``."""
     install_model_stand_ins(device)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     pg = model_pg_collection(cp_group) if pg_collection is None else pg_collection
-    common = dict(vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH, position_embedding_type="none",
-                  pg_collection=pg)
+    common = dict(vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                  position_embedding_type=position_embedding_type, pg_collection=pg)
     if kind == "gpt":
         model = GPTModel(config, gdn_layer_spec(), **common)
     elif kind == "hybrid":
         model = HybridModel(config, hybrid_stack_spec(), hybrid_layer_pattern=HYBRID_PATTERN, **common)
+    elif kind == "hybrid_te":
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_hybrid_stack_spec
+
+        model = HybridModel(config, te_hybrid_stack_spec, hybrid_layer_pattern=TE_HYBRID_PATTERN, **common)
     else:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
     model.to(device=device, dtype=config.params_dtype)
