@@ -48,7 +48,8 @@ SEED = 5
 S = 48  # tokens per sample: divisible by 2*cp at cp 2 and 4
 MODES = ("headwise", "chunkwise", "chunkwise@core", "all_gather")
 HEADS = {"gpt": {}, "hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=6)}
-ILLEGAL = {("hybrid", 4, "headwise")}  # heads % (TP*CP) != 0
+HEADS["hybrid_attn"] = HEADS["hybrid"]
+ILLEGAL = {("hybrid", 4, "headwise"), ("hybrid_attn", 4, "headwise")}  # heads % (TP*CP) != 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -337,6 +338,59 @@ def test_hybrid_context_parallel_equals_cp1(patched_megatron, rank_pool, kind):
 
 
 # ------------------------------------------------------------------------------------------
+# 1b. a model with attention layers (the CPU stand-in of TE's THD attention under CP)
+# ------------------------------------------------------------------------------------------
+def _attention_cases(ctx, cp: int) -> dict:
+    """HybridModel ``G-*-`` (``hybrid_attn``: GDN, MLP, attention, MLP) at static CP=cp, every mode, on
+    padded rows (documents of odd lengths: the patched cut for --dataloader-inter-document-masking),
+    per-document rows (--sft) and, as the negative control, stock's whole-row cut of rows whose
+    documents all divide by 2*cp (which the attention reads as a per-document cut, as TE does)."""
+    from gdn_cp.testing.megatron.batches import install_te_partition_stand_in, packed_batch, random_lengths
+    from gdn_cp.testing.megatron.layer import rank_groups
+    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config
+
+    install_te_partition_stand_in()
+    group, pair = ctx.group(cp), ctx.rank // cp
+    seed = 300 + 100 * cp + 10 * pair
+    make = partial(packed_batch, seq_length=S, vocab_size=VOCAB_SIZE, mbs=2)
+    batches = {
+        "padded": ("padded", partial(make, [[17, 9, 22], random_lengths(S, 5, seed, 1)], seed=seed), S),
+        "per_document": ("per_document", partial(make, [random_lengths(S, 3, seed + s, 2 * cp) for s in range(2)],
+                                                 seed=seed + 1), S),
+        "whole_row_read_per_document": ("whole_row", partial(make, [random_lengths(S, 3, seed + 2 + s, 2 * cp)
+                                                                    for s in range(2)], seed=seed + 2), S),
+    }
+    base = build_model("hybrid_attn", model_config("hybrid_attn", 1, "headwise", **HEADS["hybrid_attn"]),
+                       rank_groups()["self"], seed=SEED)
+    want = {name: _cp1_answer(base, make(), strategy, n) for name, (strategy, make, n) in batches.items()}
+    return _run_modes("hybrid_attn", group, {}, batches, want, dict(cp_group=group))
+
+
+def test_attention_model_on_padded_rows_equals_cp1(patched_megatron, rank_pool):
+    """With attention layers the padded per-document cut (and --sft's cut) trains CP=1's model in every
+    mode; stock's whole-row cut does not (the negative control: rows whose documents all divide by 2*cp,
+    so that nothing stops it)."""
+    pool = rank_pool(WORLD)
+    bad, control = [], []
+    for cp in (2, 4):
+        results = pool.run(_attention_cases, cp, timeout_s=240)
+        bad += _check(results, "hybrid_attn", cp, ["padded", "per_document"])
+        for rank, per_mode in enumerate(results):
+            for mode, result in per_mode.items():
+                got = result.get("whole_row_read_per_document")
+                if isinstance(got, dict):
+                    control.append(got["loss"])
+                    if not got["loss"] > 1e-2:
+                        bad.append(f"rank {rank} cp={cp} {mode}: stock's whole-row cut was not seen: {got}")
+        padded = [v for r in results for res in r.values() if isinstance(res.get("padded"), dict)
+                  for k, v in res["padded"].items() if k not in ("psp", "pads")]
+        print(f"hybrid_attn cp={cp} padded rows: max_rel over every loss and gradient {max(padded, default=math.nan):.3g}")
+    assert not bad, "\n".join(bad)
+    assert control, "the negative control did not run"
+    print(f"attention model, stock's whole-row cut: loss max_rel {min(control):.3g} .. {max(control):.3g}")
+
+
+# ------------------------------------------------------------------------------------------
 # 2. the CP=1 answer itself: a packed row equals its documents run one at a time
 # ------------------------------------------------------------------------------------------
 def _cp1_packed_vs_documents(ctx) -> dict:
@@ -560,7 +614,7 @@ TRAIN_RUNS = {  # name -> (kind, strategy, [(cp, mode)]); the first run is the C
     "hybrid": ("hybrid", "per_document", [(1, "headwise"), (2, "headwise"), (4, "chunkwise")]),
     # --dataloader-inter-document-masking rows padded and cut per document (pads uneven over the ranks:
     # calculate_per_token_loss makes the step CP=1's)
-    "hybrid_padded": ("hybrid", "padded", [(1, "headwise"), (2, "all_gather"), (4, "chunkwise")]),
+    "hybrid_attn_padded": ("hybrid_attn", "padded", [(1, "headwise"), (2, "all_gather"), (4, "chunkwise")]),
 }
 
 

@@ -10,6 +10,9 @@ GatedDeltaNet, built from local modules (no TransformerEngine), run as Megatron-
 * ``hybrid``: ``HybridModel`` with a local-module stack spec (``gdn_layer``: the same GDN
   TransformerLayer without MLP; ``mlp_layer``: an ``MLPLayer`` with a local pre-MLP norm) and the
   pattern :data:`HYBRID_PATTERN`. Megatron's stock hybrid stack spec is TransformerEngine-only.
+* ``hybrid_attn``: the ``hybrid`` stack spec plus an ``attention_layer`` of local modules whose core
+  attention is :class:`gdn_cp.testing.megatron.attention.ThdCpAttention` (TransformerEngine's THD
+  attention under CP, re-derived in torch for the CPU), pattern :data:`TE_HYBRID_PATTERN`.
 * ``hybrid_te`` (GPU, TransformerEngine): ``HybridModel`` with Megatron's own stack spec
   (``megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec``: TE linears and norms, TE
   attention) and the pattern :data:`TE_HYBRID_PATTERN` (GDN, MLP, attention, MLP); attention CP
@@ -60,12 +63,12 @@ __all__ = [
     "sum_grads",
 ]
 
-MODEL_KINDS = ("gpt", "hybrid", "hybrid_te")
+MODEL_KINDS = ("gpt", "hybrid", "hybrid_attn", "hybrid_te")
 VOCAB_SIZE = 64
 FFN_HIDDEN = 64
 GPT_LAYERS = 2  # each: GDN + MLP
 HYBRID_PATTERN = "G-G-"  # GDN, MLP, GDN, MLP
-TE_HYBRID_PATTERN = "G-*-"  # GDN, MLP, attention, MLP
+TE_HYBRID_PATTERN = "G-*-"  # GDN, MLP, attention, MLP (hybrid_attn, hybrid_te)
 MAX_SEQUENCE_LENGTH = 4096
 
 _STAND_INS_INSTALLED = False
@@ -126,9 +129,10 @@ def gdn_layer_spec(with_mlp: bool = True):
     ))
 
 
-def hybrid_stack_spec():
+def hybrid_stack_spec(with_attention: bool = False):
     """A HybridStack ModuleSpec from local modules: ``gdn_layer`` (:func:`gdn_layer_spec` without
-    MLP) and ``mlp_layer`` (an MLPLayer: local RMSNorm -> Megatron's local MLP -> residual)."""
+    MLP) and ``mlp_layer`` (an MLPLayer: local RMSNorm -> Megatron's local MLP -> residual); with
+    ``with_attention``, ``attention_layer`` too (:func:`gdn_cp.testing.megatron.attention.attention_layer_spec`)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -142,8 +146,13 @@ def hybrid_stack_spec():
         mlp=get_mlp_module_spec_for_backend(LocalSpecProvider()),
         mlp_bda=get_bias_dropout_add,
     ))
-    return ModuleSpec(module=HybridStack,
-                      submodules=HybridStackSubmodules(gdn_layer=gdn_layer_spec(with_mlp=False), mlp_layer=mlp_layer))
+    extra = {}
+    if with_attention:
+        from .attention import attention_layer_spec
+
+        extra["attention_layer"] = attention_layer_spec()
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        gdn_layer=gdn_layer_spec(with_mlp=False), mlp_layer=mlp_layer, **extra))
 
 
 def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float64, **overrides):
@@ -152,7 +161,8 @@ def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float6
     no dropout, deterministic mode (gdn-cp's reference backend). ``overrides`` go to the config."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
-    layers = {"gpt": GPT_LAYERS, "hybrid": len(HYBRID_PATTERN), "hybrid_te": len(TE_HYBRID_PATTERN)}[kind]
+    layers = {"gpt": GPT_LAYERS, "hybrid": len(HYBRID_PATTERN), "hybrid_attn": len(TE_HYBRID_PATTERN),
+              "hybrid_te": len(TE_HYBRID_PATTERN)}[kind]
     kw = dict(num_layers=layers, ffn_hidden_size=FFN_HIDDEN, hidden_dropout=0.0, attention_dropout=0.0)
     if kind == "hybrid_te":
         kw.update(cp_comm_type="a2a", deterministic_mode=False)
@@ -193,6 +203,9 @@ def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: i
         model = GPTModel(config, gdn_layer_spec(), **common)
     elif kind == "hybrid":
         model = HybridModel(config, hybrid_stack_spec(), hybrid_layer_pattern=HYBRID_PATTERN, **common)
+    elif kind == "hybrid_attn":
+        model = HybridModel(config, hybrid_stack_spec(with_attention=True), hybrid_layer_pattern=TE_HYBRID_PATTERN,
+                            **common)
     elif kind == "hybrid_te":
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_hybrid_stack_spec
 
