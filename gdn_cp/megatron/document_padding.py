@@ -89,10 +89,13 @@ def padded_cut_request(args: Any) -> Optional[int]:
 
 
 def cut_packed_rows(batch: dict, cp_group) -> Optional[dict]:
-    """The patched ``get_batch_on_this_cp_rank``'s call for a batch with ``cu_seqlens`` and
-    ``use_per_sequence_balancing=True``: the batch padded and cut per document (:func:`pad_and_cut`)
-    when Megatron-LM's args ask for it (:func:`padded_cut_request`) and the CP group has more than one
-    rank; else None (Megatron cuts the row whole, as stock)."""
+    """The patched ``get_batch_on_this_cp_rank``'s call with ``use_per_sequence_balancing=True``:
+    ``batch`` padded and cut per document in place (:func:`pad_and_cut`) and returned when it has
+    ``cu_seqlens``, Megatron-LM's args ask for the cut (:func:`padded_cut_request`) and the CP group
+    has more than one rank; else None, with ``batch`` untouched (Megatron cuts the row whole, as
+    stock)."""
+    if batch.get("cu_seqlens") is None:
+        return None
     local_multiple = padded_cut_request(megatron_lm_args())
     if local_multiple is None:
         return None
