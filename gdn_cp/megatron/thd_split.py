@@ -274,7 +274,7 @@ def check_megatron_lm_model(args: Any) -> None:
         )
 
 
-def _padded_cut_problem(args: Any, cp: int, why: str) -> None:
+def _check_padded_cut(args: Any, cp: int, why: str) -> None:
     """ValueError for the flags the padded per-document cut of ``--dataloader-inter-document-masking``
     rows cannot train CP=1's model with (``why``: what chose that cut)."""
     where = f"--dataloader-inter-document-masking at --context-parallel-size {cp} pads every document to a multiple " \
@@ -296,7 +296,8 @@ def _padded_cut_problem(args: Any, cp: int, why: str) -> None:
         (bool(getattr(args, "mtp_num_layers", None)), f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)}",
          "multi-token prediction shifts labels along the row, across the pad rows"),
         (bool(getattr(args, "fp8", None)) or bool(getattr(args, "fp4", None)), "--fp8-format / --fp4-format",
-         "FP8 / FP4 GEMMs need row counts divisible by 16 or 32, which the padded rows do not promise"),
+         "FP8 / FP4 GEMMs need token counts of fixed multiples (8, 16 or 32 by recipe), which the padded rows "
+         "do not promise"),
     ]
     for bad, flag, reason in others:
         if bad:
@@ -344,7 +345,7 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
             )
         if layers is not None or given == PER_DOCUMENT:
             made = PER_DOCUMENT
-            _padded_cut_problem(args, cp, f"the model's {layers}" if layers else "--linear-cp-thd-split per_document")
+            _check_padded_cut(args, cp, f"the model's {layers}" if layers else "--linear-cp-thd-split per_document")
     if given is not None and given != made:
         names = {"sft": "--sft", "inter_document_masking": "--dataloader-inter-document-masking",
                  "hybrid_context_parallel": "--hybrid-context-parallel"}
