@@ -108,6 +108,10 @@ MLM_TAR=$(ls "${GDN_CP_MLM:-.mlm}"/*.tar.gz 2>/dev/null | head -n 1)
 # A second, unpatched copy is stock megatron-core 0.19.2's GDN, for train_mlm's stock rows.
 MLM_DIR=/tmp/megatron-lm
 MLM_STOCK=/tmp/megatron-lm-stock
+if [ -n "$MLM_TAR" ] && [ -f "$MLM_DIR/pretrain_hybrid.py" ] \
+    && ! python3 -m gdn_cp.cli patch check --expect patched "$MLM_DIR" >/dev/null 2>&1; then
+  rm -rf "$MLM_DIR" "$MLM_STOCK"  # a warm machine's checkout, patched by another version of the patch: unpack anew
+fi
 if [ -n "$MLM_TAR" ] && [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
   mkdir -p "$MLM_DIR" "$MLM_STOCK" && tar -xzf "$MLM_TAR" -C "$MLM_DIR" && tar -xzf "$MLM_TAR" -C "$MLM_STOCK" \
     && python3 -m gdn_cp.cli patch apply "$MLM_DIR" \

@@ -19,8 +19,12 @@ where there are enough GPUs). The matrix (:func:`matrix`), group ``main``:
 * stock megatron-core 0.19.2 at CP=2 from an unpatched copy of the checkout (``--stock-checkout``):
   how far Megatron's own CP run is from CP=1 at these sizes (its conv1d starts elsewhere); judged, never
   required to match;
-* ``--dataloader-inter-document-masking``: CP=2 and 4 (``--linear-cp-mode auto``), GDN-only model (exact
-  whole-row path);
+* ``--dataloader-inter-document-masking`` (with ``--calculate-per-token-loss``; Megatron-LM's mock data:
+  documents of 1-4095 tokens, cut at the row ends): CP=2 and 4 (``--linear-cp-mode auto``), the
+  GDN-only model on the whole-row cut (stock's, exact) and the models with attention layers (both
+  scripts) on the padded per-document cut (every document padded to a multiple of 2*cp); the GDN-only
+  model on the padded cut too (``--linear-cp-thd-split per_document``), whose step time
+  (``iteration_ms``, meaningful with one rank per GPU) is the padded cut's cost against the whole row;
 * ``--sft`` (a packed SFT set written here, with ``--calculate-per-token-loss``): CP=2, auto;
 * recompute: CP=2 with full recompute (hybrid), with ``gdn_norm_out`` selective recompute (GPT:
   megatron-core allows it only for ``experimental_attention_variant='gated_delta_net'``).
@@ -57,8 +61,11 @@ logger = logging.getLogger("benchmarks.train_megatron_lm")
 NOISE = ("--no-bias-swiglu-fusion",)
 
 REFUSED = "refused:"
-REFUSED_IDM = REFUSED + "--dataloader-inter-document-masking"
-"""A run expected to stop before its first step, with an error naming this flag."""
+"""A reference starting with this: the run must stop before its first step, with an error naming what follows."""
+
+PADDED_CUT = ("--linear-cp-thd-split", "per_document")
+"""A GDN-only model's --dataloader-inter-document-masking rows padded and cut per document (as a model with
+attention layers gets them) instead of cut whole."""
 
 
 STOCK = "stock:"
@@ -92,10 +99,20 @@ def matrix(groups=("main",)) -> list[tuple[RunSpec, str]]:
             (RunSpec("gdnonly_idm_cp1_noise", **G, data="inter_document_masking", extra_args=NOISE), "gdnonly_idm_cp1"),
             (RunSpec("gdnonly_idm_cp2", **G, cp=2, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
             (RunSpec("gdnonly_idm_cp4", **G, cp=4, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
+            (RunSpec("hybrid_idm_cp1", **H, data="inter_document_masking"), ""),
+            (RunSpec("hybrid_idm_cp2", **H, cp=2, mode="auto", data="inter_document_masking"), "hybrid_idm_cp1"),
+            (RunSpec("hybrid_idm_cp4", **H, cp=4, mode="auto", data="inter_document_masking"), "hybrid_idm_cp1"),
+            (RunSpec("gpt_idm_cp1", **P, data="inter_document_masking"), ""),
+            (RunSpec("gpt_idm_cp2", **P, cp=2, mode="auto", data="inter_document_masking"), "gpt_idm_cp1"),
+            (RunSpec("gpt_idm_cp4", **P, cp=4, mode="auto", data="inter_document_masking"), "gpt_idm_cp1"),
             (RunSpec("hybrid_sft_cp1", **H, data="sft"), ""),
             (RunSpec("hybrid_sft_cp2", **H, cp=2, mode="auto", data="sft"), "hybrid_sft_cp1"),
             (RunSpec("hybrid_full_recompute_cp2", **H, cp=2, mode="auto", recompute="full"), "hybrid_cp1"),
             (RunSpec("gpt_norm_out_recompute_cp2", **P, cp=2, mode="auto", recompute="gdn_norm_out"), "gpt_cp1"),
+            (RunSpec("gdnonly_idm_padded_cp2", **G, cp=2, mode="auto", data="inter_document_masking",
+                     extra_args=PADDED_CUT), "gdnonly_idm_cp1"),
+            (RunSpec("gdnonly_idm_padded_cp4", **G, cp=4, mode="auto", data="inter_document_masking",
+                     extra_args=PADDED_CUT), "gdnonly_idm_cp1"),
         ]
     if "diagnose" in groups:
         runs += [
@@ -236,22 +253,32 @@ def run_matrix(args) -> dict:
     return doc
 
 
+def step_ms(row: dict, skip: int = 3):
+    """The median of Megatron's "elapsed time per iteration (ms)" after the first ``skip`` iterations
+    (compile, autotune, warm-up), or None. Comparable between runs only with one rank per GPU (ranks
+    sharing one GPU over gloo time the sharing)."""
+    times = sorted(t for t in (row.get("iteration_ms") or [])[skip:] if t is not None)
+    return times[len(times) // 2] if times else None
+
+
 def table(doc: dict, tols: dict) -> str:
     """The rows as text, under ``tols`` (what :func:`judge` returned for them)."""
     lines = [f"tolerance {p}: loss {t['loss']:.1e}, grad norm {t['grad_norm']:.1e} (3x the CP=1 noise pairs: "
              f"loss {t['noise']['loss']:.1e}, grad norm {t['noise']['grad_norm']:.1e}; log floor loss "
              f"{PRINT_FLOOR['loss']:.0e}, grad norm {PRINT_FLOOR['grad_norm']:.0e})" for p, t in tols.items()]
     lines.append(f"{'run':30s} {'cp':>2s} {'mode':10s} {'data':24s} {'prec':4s} {'loss 1 -> last':>17s} "
-                 f"{'loss diff':>9s} {'gnorm diff':>10s}  verdict")
+                 f"{'loss diff':>9s} {'gnorm diff':>10s} {'ms/it':>7s}  verdict")
     for r in doc["rows"]:
         losses = r.get("losses") or []
         span = f"{losses[0]:.4f} -> {losses[-1]:.4f}" if losses and None not in losses else "-"
         dl = r.get("loss_rel_diff")
         dg = r.get("grad_norm_rel_diff")
+        ms = step_ms(r)
         lines.append(f"{r['name']:30s} {r['cp']:>2d} {str(r['mode'] or '-'):10s} "
                      f"{r['data'] + ('+' + r['recompute'] if r['recompute'] != 'none' else ''):24s} "
                      f"{r.get('precision', 'bf16'):4s} {span:>17s} "
-                     f"{(f'{dl:.1e}' if dl is not None else '-'):>9s} {(f'{dg:.1e}' if dg is not None else '-'):>10s}  "
+                     f"{(f'{dl:.1e}' if dl is not None else '-'):>9s} {(f'{dg:.1e}' if dg is not None else '-'):>10s} "
+                     f"{(f'{ms:.0f}' if ms is not None else '-'):>7s}  "
                      f"{r.get('verdict', r['status'])}")
     lines += [f"note: {n}" for n in doc.get("notes", [])]
     return "\n".join(lines)

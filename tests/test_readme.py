@@ -117,7 +117,14 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     tp_layer = _adapter(types.SimpleNamespace(tp_size=2, pg_collection=types.SimpleNamespace(tp=tp_group)))
     monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
+    from gdn_cp.megatron.document_padding import pad_and_cut
     from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split
+
+    def flat_batch():
+        """A flattened packed batch of documents of 3 and 5 tokens (as Megatron-LM's get_batch flattens it)."""
+        rows = {k: torch.zeros(1, 8, dtype=torch.int64) for k in ("tokens", "labels", "position_ids")}
+        return dict(rows, loss_mask=torch.ones(1, 8), cu_seqlens=torch.tensor([[0, 3, 8]], dtype=torch.int32),
+                    max_seqlen=torch.tensor([5]), attention_mask=None, cu_seqlens_padded=None)
 
     cp2_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
 
@@ -194,10 +201,29 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
             lambda: gdn.should_dispatch(hybrid_gdn, None),
         "--... gated delta net layers ..., which compute SiLU (their conv and output gate), but without --swiglu ...":
             lambda: configure_megatron_lm_args(types.SimpleNamespace(hybrid_layer_pattern="G-G-*-", swiglu=False)),
-        "--dataloader-inter-document-masking without --sft at --context-parallel-size ...: ...":
+        "--dataloader-inter-document-masking at --context-parallel-size ... pads every document to a multiple of "
+        "2*cp and cuts it in 2*cp parts (...), without --calculate-per-token-loss: ...":
             lambda: configure_megatron_lm_args(types.SimpleNamespace(
                 hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
                 context_parallel_size=2)),
+        "--dataloader-inter-document-masking at --context-parallel-size ... pads every document to a multiple of "
+        "2*cp and cuts it in 2*cp parts (...), which cannot run with ...: ...":
+            lambda: configure_megatron_lm_args(types.SimpleNamespace(
+                hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
+                context_parallel_size=2, calculate_per_token_loss=True, pipeline_model_parallel_size=2)),
+        "--linear-cp-thd-split whole_row with --dataloader-inter-document-masking at --context-parallel-size ...: "
+        "this model has layers that expect every document cut into 2*cp parts ...":
+            lambda: configure_megatron_lm_args(types.SimpleNamespace(
+                hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
+                context_parallel_size=2, linear_cp_thd_split="whole_row")),
+        "--dataloader-inter-document-masking with --hybrid-context-parallel at --context-parallel-size ...: ...":
+            lambda: configure_megatron_lm_args(types.SimpleNamespace(
+                hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
+                hybrid_context_parallel=True, calculate_per_token_loss=True, context_parallel_size=2)),
+        "pad_and_cut got a batch whose cu_seqlens_padded differs from its cu_seqlens: its rows are padded already":
+            lambda: pad_and_cut(dict(flat_batch(), cu_seqlens_padded=torch.tensor([[0, 4, 8]])), 2, 0),
+        "pad_and_cut got a batch with an attention_mask":
+            lambda: pad_and_cut(dict(flat_batch(), attention_mask=torch.ones(1, 1, 8, 8)), 2, 0),
         "--sft at --context-parallel-size ... without --calculate-per-token-loss: ...":
             lambda: configure_megatron_lm_args(types.SimpleNamespace(
                 hybrid_layer_pattern="G-G-*-", swiglu=True, sft=True, context_parallel_size=2)),

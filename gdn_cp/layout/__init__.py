@@ -18,6 +18,8 @@ Words (used the same way in ``layout/``, ``modes/`` and ``ops/``):
   layouts and index tensors are lists of spans.
 - *slice*: rank r's rows ``[r*T/cp, (r+1)*T/cp)`` in the contiguous layout.
 - *transfer*: a span that a route sends to, or receives from, one peer.
+- *pad row*: a row added at the end of a document so that its length divides by 2*cp
+  (:func:`pad_documents`); the padded boundaries then cover the real and the pad rows.
 """
 
 from .boundaries import (
@@ -33,6 +35,7 @@ from .boundaries import (
     zigzag_cut,
 )
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
+from .padding import PAD_SOURCE, pad_documents, padded_rank_sources, padded_row_multiple
 from .plan import CPPlan, RouteCache, plan_for_sbhd
 from .route import NaturalOrder, Route, build_natural_order, build_sbhd_route, build_thd_route
 from .spans import CONTIGUOUS, LAYOUTS, ZIGZAG, Spans, expand_spans
@@ -63,4 +66,8 @@ __all__ = [
     "CPPlan",
     "RouteCache",
     "plan_for_sbhd",
+    "PAD_SOURCE",
+    "pad_documents",
+    "padded_rank_sources",
+    "padded_row_multiple",
 ]

@@ -4,7 +4,9 @@ Megatron has two THD cuts, and ``PackedSeqParams`` carries the same document bou
 (see :data:`gdn_cp.layout.PER_DOCUMENT` and :data:`gdn_cp.layout.WHOLE_ROW`):
 
 * per document: ``megatron.core.utils.get_batch_on_this_cp_rank`` without per-sequence balancing
-  (Megatron-LM ``--sft``); every document is cut into 2*cp parts on its own;
+  (Megatron-LM ``--sft``); every document is cut into 2*cp parts on its own; also, with the patch,
+  ``--dataloader-inter-document-masking`` rows at CP > 1 in a model with attention layers, each
+  document first padded to a multiple of 2*cp (:mod:`gdn_cp.megatron.document_padding`);
 * whole row: ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)`` (Megatron-LM
   ``--dataloader-inter-document-masking`` without ``--sft``) and hybrid CP (``--hybrid-context-parallel``,
   a sub-sample over ``local_cp_size > 1`` ranks): the whole row is cut as if it were one sequence.
@@ -33,10 +35,13 @@ A record and an explicit setting that disagree stop the layer call with a ValueE
 collective.
 
 Megatron-LM's patched ``validate_args`` calls :func:`configure_megatron_lm_args`, which also stops
-flag combinations that would train another model than CP=1 without an error: a GDN model without
-``--swiglu`` (GDN computes SiLU), and ``--dataloader-inter-document-masking`` without ``--sft`` at
-CP > 1 when the model has layers that expect every document cut in 2*cp parts (attention; see
-:func:`per_document_layers`). Torch is imported lazily; Megatron is never imported here.
+flag combinations that would train another model than CP=1 without an error (a GDN model without
+``--swiglu``: GDN computes SiLU; per-rank loss averages with uneven loss masks) and chooses the cut
+of ``--dataloader-inter-document-masking`` rows at CP > 1: ``whole_row`` (stock: the packed row in
+2*cp parts, no padding) for models of GDN, MLP and MoE layers, ``per_document`` (every document
+padded to a multiple of 2*cp and cut in 2*cp parts: :mod:`gdn_cp.megatron.document_padding`) when
+the model has layers that expect it (attention, Mamba; :func:`per_document_layers`) or when asked
+(``--linear-cp-thd-split per_document``). Torch is imported lazily; Megatron is never imported here.
 """
 
 from __future__ import annotations
@@ -221,13 +226,13 @@ def check_megatron_lm_model(args: Any) -> None:
 
     * gated delta net layers without ``--swiglu``: Megatron-LM then gives the model
       ``activation_func=gelu`` (or squared ReLU / quick GELU), while GDN computes SiLU;
-    * ``--dataloader-inter-document-masking`` without ``--sft`` at ``--context-parallel-size`` > 1
-      in a model with layers that expect the per-document cut (:func:`per_document_layers`):
-      Megatron-LM's ``get_batch`` then cuts each packed row whole (``use_per_sequence_balancing=
-      True``), while TransformerEngine's THD attention under CP expects every document cut in
-      2*cp parts (upstream Megatron-LM issue #6156: the flag is not supported with CP > 1).
-      Measured on one H200 (TE 2.20.2, 6 iterations): loss 3.2-3.5% off CP=1 for ``G-G-*-`` and
-      ``*-*-``, while the GDN-only ``G-G-`` stays on CP=1's; GDN-only models keep the whole-row path.
+    * ``--dataloader-inter-document-masking`` with ``--hybrid-context-parallel`` at
+      ``--context-parallel-size`` > 1 in a model with layers that expect the per-document cut
+      (:func:`per_document_layers`): Megatron-LM's ``get_batch`` then cuts each packed row whole,
+      while TransformerEngine's THD attention under CP expects every document cut in 2*cp parts
+      (measured on one H200, TE 2.20.2, 6 iterations, without hybrid CP: loss 3.2-3.5% off CP=1 for
+      ``G-G-*-`` and ``*-*-``). Without hybrid CP such rows are padded and cut per document instead
+      (:func:`configure_megatron_lm_args`).
     * ``--sft`` or ``--eod-mask-loss`` at ``--context-parallel-size`` > 1 without
       ``--calculate-per-token-loss``, in a model with GDN layers: Megatron-LM's schedule then divides
       each CP rank's loss by that rank's own count of loss tokens, which differ between ranks when the
@@ -255,26 +260,67 @@ def check_megatron_lm_model(args: Any) -> None:
             "than CP=1 without an error (the loss it prints still matches). Add --calculate-per-token-loss (to the "
             "CP=1 run too: it averages over every token of the step), or --context-parallel-size 1"
         )
-    whole_row = bool(getattr(args, "dataloader_inter_document_masking", False)) and not getattr(args, "sft", False)
-    layers = per_document_layers(args) if whole_row and cp is not None and cp > 1 else None
+    hybrid_idm = (bool(getattr(args, "dataloader_inter_document_masking", False)) and not getattr(args, "sft", False)
+                  and getattr(args, "hybrid_context_parallel", False))
+    layers = per_document_layers(args) if hybrid_idm and cp is not None and cp > 1 else None
     if layers is not None:
         raise ValueError(
-            f"--dataloader-inter-document-masking without --sft at --context-parallel-size {cp}: Megatron-LM's "
-            "get_batch then cuts each packed row into 2*cp parts as one sequence (use_per_sequence_balancing=True), "
-            f"but this model has layers that expect every document cut into 2*cp parts on its own ({layers}; "
-            "TransformerEngine's THD attention and Mamba cut per document under CP; upstream Megatron-LM issue #6156: "
-            "the flag is not supported with CP > 1), so CP > 1 would train another model than CP=1 without an error. "
-            "Use --sft --calculate-per-token-loss (cuts every document into 2*cp parts), a model of gated delta net "
-            "and MLP layers only (e.g. --hybrid-layer-pattern 'G-G-'), or --context-parallel-size 1"
+            f"--dataloader-inter-document-masking with --hybrid-context-parallel at --context-parallel-size {cp}: "
+            "Megatron-LM's get_batch then cuts each packed row into 2*cp parts as one sequence, but this model has "
+            f"layers that expect every document cut into 2*cp parts on its own ({layers}; TransformerEngine's THD "
+            "attention and Mamba cut per document under CP), so CP > 1 would train another model than CP=1 without "
+            "an error. Drop --hybrid-context-parallel (the rows are then padded and cut per document), use a model "
+            "of gated delta net and MLP layers only, or --context-parallel-size 1"
         )
+
+
+def _check_padded_cut(args: Any, cp: int, why: str) -> None:
+    """ValueError for the flags the padded per-document cut of ``--dataloader-inter-document-masking``
+    rows cannot train CP=1's model with (``why``: what chose that cut)."""
+    where = f"--dataloader-inter-document-masking at --context-parallel-size {cp} pads every document to a multiple " \
+            f"of 2*cp and cuts it in 2*cp parts ({why})"
+    if not getattr(args, "calculate_per_token_loss", False):
+        raise ValueError(
+            f"{where}, without --calculate-per-token-loss: the pad rows (loss mask 0) fall unevenly on the CP ranks "
+            "and Megatron-LM then divides each CP rank's loss by that rank's own count of loss tokens, so the gradient "
+            "would weight the ranks unequally and CP > 1 would train another model than CP=1. Add "
+            "--calculate-per-token-loss (to the CP=1 run too: it averages over every token of the step)"
+        )
+    pp = as_int(getattr(args, "pipeline_model_parallel_size", 1)) or 1
+    others = [
+        (pp > 1, f"--pipeline-model-parallel-size {pp}",
+         "the padded row's length changes from micro-batch to micro-batch, while pipeline stages exchange "
+         "activations of --seq-length rows, and the middle stages never see the padded boundaries"),
+        (getattr(args, "num_experts", None) is not None, f"--num-experts {getattr(args, 'num_experts', None)}",
+         "the MoE router would see the pad rows (its load-balancing loss, expert bias and capacity count them)"),
+        (bool(getattr(args, "mtp_num_layers", None)), f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)}",
+         "multi-token prediction shifts labels along the row, across the pad rows"),
+        (bool(getattr(args, "fp8", None)) or bool(getattr(args, "fp4", None)), "--fp8-format / --fp4-format",
+         "FP8 / FP4 GEMMs need token counts of fixed multiples (8, 16 or 32 by recipe), which the padded rows "
+         "do not promise"),
+    ]
+    for bad, flag, reason in others:
+        if bad:
+            raise ValueError(f"{where}, which cannot run with {flag}: {reason}. Drop {flag}, or use "
+                             "--context-parallel-size 1")
 
 
 def configure_megatron_lm_args(args: Any) -> Optional[str]:
     """The patched ``megatron.training.arguments.validate_args`` hook: refuses the flag combinations
-    of :func:`check_megatron_lm_model`, then sets ``args.linear_cp_thd_split`` from ``--sft``,
-    ``--dataloader-inter-document-masking`` and ``--hybrid-context-parallel`` (where they make a THD
-    cut), so every pipeline stage's GDN layers know the cut; ValueError when
-    ``--linear-cp-thd-split`` contradicts them. Returns the value set."""
+    of :func:`check_megatron_lm_model`, then sets ``args.linear_cp_thd_split`` to the THD cut packed
+    rows get (so every pipeline stage's GDN layers know it) and returns it:
+
+    * ``--sft``: ``per_document`` (Megatron-LM's per-document cut); hybrid CP: ``whole_row``;
+    * ``--dataloader-inter-document-masking`` without ``--sft``: ``whole_row`` (stock's cut), except at
+      ``--context-parallel-size`` > 1 when the model has layers that expect the per-document cut
+      (:func:`per_document_layers`) or ``--linear-cp-thd-split per_document`` asks for it: then
+      ``per_document``, which tells the patched ``get_batch_on_this_cp_rank`` to pad every document
+      to a multiple of 2*cp and cut it per document (:mod:`gdn_cp.megatron.document_padding`);
+      that cut needs ``--calculate-per-token-loss`` and refuses what it cannot train exactly
+      (pipeline parallelism, MoE, MTP, FP8 / FP4), each with the reason.
+
+    ValueError when ``--linear-cp-thd-split`` contradicts the cut (``whole_row`` for a model with
+    attention layers at CP > 1 included)."""
     check_megatron_lm_model(args)
     given = check_thd_split_setting(getattr(args, THD_SPLIT_FIELD, None), "--linear-cp-thd-split")
     flags = {
@@ -285,13 +331,29 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
     made = megatron_lm_thd_split(**flags)
     if made is None:
         return given
+    cp = as_int(getattr(args, "context_parallel_size", 1)) or 1
+    packed_pretraining = flags["inter_document_masking"] and not flags["sft"] and not flags["hybrid_context_parallel"]
+    if packed_pretraining and cp > 1:
+        layers = per_document_layers(args)
+        if layers is not None and given == WHOLE_ROW:
+            raise ValueError(
+                f"--linear-cp-thd-split {WHOLE_ROW} with --dataloader-inter-document-masking at --context-parallel-size "
+                f"{cp}: this model has layers that expect every document cut into 2*cp parts on its own ({layers}; "
+                "TransformerEngine's THD attention and Mamba cut per document under CP), so the whole-row cut would "
+                "train another model than CP=1 without an error; drop --linear-cp-thd-split (the rows are then padded "
+                "and cut per document)"
+            )
+        if layers is not None or given == PER_DOCUMENT:
+            made = PER_DOCUMENT
+            _check_padded_cut(args, cp, f"the model's {layers}" if layers else "--linear-cp-thd-split per_document")
     if given is not None and given != made:
         names = {"sft": "--sft", "inter_document_masking": "--dataloader-inter-document-masking",
                  "hybrid_context_parallel": "--hybrid-context-parallel"}
         on = " ".join(names[k] for k, v in flags.items() if v)
         raise ValueError(
             f"--linear-cp-thd-split {given} contradicts {on}: with these flags Megatron-LM's get_batch cuts packed "
-            f"rows {made!r}; drop --linear-cp-thd-split (it is set from them) or change the data flags"
+            f"rows {made!r}{' (at --context-parallel-size 1 nothing is cut or padded)' if cp == 1 else ''}; drop "
+            "--linear-cp-thd-split (it is set from them) or change the data flags"
         )
     setattr(args, THD_SPLIT_FIELD, made)
     return made

@@ -12,14 +12,19 @@ steps through megatron-core's DDP, schedule, ``finalize_model_grads`` and optimi
 trajectory and the final parameters equal CP=1's.
 
 Strategies (``--sft`` -> per document; ``--dataloader-inter-document-masking`` -> whole row,
-documents of any length; ``--hybrid-context-parallel`` -> per sample ``local_cp_size`` 1, 2, 4;
-no packing flag -> SBHD). Modes: headwise, chunkwise with its swap at hidden_states (what
+documents of any length, and ``padded``: the same rows with Megatron-LM's args asking for the
+per-document cut, as the patched ``validate_args`` does for models with attention layers: every
+document padded at its end to a multiple of 2*cp, then cut per document, pads out of the loss;
+``--hybrid-context-parallel`` -> per sample ``local_cp_size`` 1, 2, 4; no packing flag -> SBHD).
+Padded rows are compared at their real tokens; their pad rows must carry loss mask 0 and label 0. Modes: headwise, chunkwise with its swap at hidden_states (what
 ``auto`` picks for these shapes) and forced at the core, all_gather. The hybrid model has 2 key /
 6 value heads: headwise is illegal at CP=4 there and must be refused with a ValueError.
 
-The mutation check: whole-row rows whose documents all divide by 2*cp, read as per-document rows
+The mutation checks: whole-row rows whose documents all divide by 2*cp, read as per-document rows
 (PackedSeqParams from copies of the boundaries, ``linear_cp_thd_split='per_document'``: the wrong
-setting), pass every check of the layer and give a wrong model; the comparison must see it.
+setting), pass every check of the layer and give a wrong model; padded rows with their pads left in
+the loss, or with the pads put before each document instead of after it; the comparison must see
+each of them.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ SEED = 5
 S = 48  # tokens per sample: divisible by 2*cp at cp 2 and 4
 MODES = ("headwise", "chunkwise", "chunkwise@core", "all_gather")
 HEADS = {"gpt": {}, "hybrid": dict(linear_num_key_heads=2, linear_num_value_heads=6)}
-ILLEGAL = {("hybrid", 4, "headwise")}  # heads % (TP*CP) != 0
+HEADS["hybrid_attn"] = HEADS["hybrid"]
+ILLEGAL = {("hybrid", 4, "headwise"), ("hybrid_attn", 4, "headwise")}  # heads % (TP*CP) != 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -91,7 +97,8 @@ def test_thd_get_partitioned_indices_refuses_what_te_cannot_split():
 def _batches(cp: int, pair: int) -> dict:
     """``{name: (strategy, builder, seq_length)}``: this CP group's micro-batches (the two CP=2 groups get
     different ones). Whole-row rows: documents of any length on CP=2 group 0, and all divisible
-    by 2*cp elsewhere (the rows a per-document reading would take without an error)."""
+    by 2*cp elsewhere (the rows a per-document reading would take without an error). Padded rows:
+    documents of any length."""
     from gdn_cp.testing.megatron.batches import packed_batch, random_lengths
     from gdn_cp.testing.megatron.model import VOCAB_SIZE
 
@@ -107,12 +114,16 @@ def _batches(cp: int, pair: int) -> dict:
             make, [random_lengths(S, 4, seed + 2 + s, unit) for s in range(mbs)], seed=seed + 2, with_padded=pair == 1),
             S),
         "whole_row": ("whole_row", partial(make, whole_row, seed=seed + 3), S),
+        "padded": ("padded", partial(make, [[17, 9, 22]] if (cp == 2 and pair == 0)
+                                     else [random_lengths(S, 4, seed + 4 + s, 1) for s in range(mbs)],
+                                     seed=seed + 4), S),
     }
 
 
 def _compare(got, want, cut) -> dict:
     """Errors of one rank's ``(per-token losses, {name: grad})`` against CP=1's: the losses at the
-    rank's rows, the gradients summed over the micro-batch's group."""
+    rank's real rows, the gradients summed over the micro-batch's group; ``pads``: 0 when every pad
+    row (``cut.rows`` -1) has loss mask 0 and label 0, else inf."""
     from gdn_cp.testing.megatron.model import sum_grads
     from gdn_cp.testing.metrics import max_rel
 
@@ -121,7 +132,11 @@ def _compare(got, want, cut) -> dict:
     if set(grads) != set(want_grads):
         raise ValueError(f"parameters differ: CP has {sorted(grads)}, CP=1 has {sorted(want_grads)}")
     sum_grads(grads, cut.group)
-    errs = {"loss": max_rel(loss, want_loss.reshape(-1)[cut.rows])}
+    real = cut.rows >= 0
+    errs = {"loss": max_rel(loss[real], want_loss.reshape(-1)[cut.rows[real]])}
+    pad = ~real
+    out_of_loss = bool((cut.batch["loss_mask"][pad] == 0).all() and (cut.batch["labels"][pad] == 0).all())
+    errs["pads"] = 0.0 if out_of_loss else math.inf
     errs.update({f"grad:{n}": max_rel(grads[n], g) for n, g in want_grads.items()})  # None: inf
     return errs
 
@@ -206,7 +221,7 @@ def _run_modes(kind, group, static_cfg, batches, want, cut_kwargs) -> dict:
 
 
 def _strategy_cases(ctx, kind: str, cp: int) -> dict:
-    """SBHD, per-document and whole-row micro-batches at static CP=cp, every mode."""
+    """SBHD, per-document, whole-row and padded micro-batches at static CP=cp, every mode."""
     from gdn_cp.testing.megatron.batches import install_te_partition_stand_in
     from gdn_cp.testing.megatron.layer import rank_groups
     from gdn_cp.testing.megatron.model import build_model, model_config
@@ -299,7 +314,10 @@ def test_model_equals_cp1_in_every_strategy_and_mode(patched_megatron, rank_pool
     bad = []
     for cp in (2, 4):
         results = pool.run(_strategy_cases, kind, cp, timeout_s=240)
-        bad += _check(results, kind, cp, ["sbhd", "per_document", "whole_row"])
+        bad += _check(results, kind, cp, ["sbhd", "per_document", "whole_row", "padded"])
+        padded = [v for r in results for res in r.values() if isinstance(res.get("padded"), dict)
+                  for k, v in res["padded"].items() if k not in ("psp", "pads")]
+        print(f"{kind} cp={cp} padded rows: max_rel over every loss and gradient {max(padded, default=math.nan):.3g}")
     assert not bad, "\n".join(bad)
 
 
@@ -317,6 +335,59 @@ def test_hybrid_context_parallel_equals_cp1(patched_megatron, rank_pool, kind):
                     k = int(name.split("=")[1])
                     assert result[name]["psp"] == (k, k == 1), (name, result[name]["psp"])
     assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------------------
+# 1b. a model with attention layers (the CPU stand-in of TE's THD attention under CP)
+# ------------------------------------------------------------------------------------------
+def _attention_cases(ctx, cp: int) -> dict:
+    """HybridModel ``G-*-`` (``hybrid_attn``: GDN, MLP, attention, MLP) at static CP=cp, every mode, on
+    padded rows (documents of odd lengths: the patched cut for --dataloader-inter-document-masking),
+    per-document rows (--sft) and, as the negative control, stock's whole-row cut of rows whose
+    documents all divide by 2*cp (which the attention reads as a per-document cut, as TE does)."""
+    from gdn_cp.testing.megatron.batches import install_te_partition_stand_in, packed_batch, random_lengths
+    from gdn_cp.testing.megatron.layer import rank_groups
+    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config
+
+    install_te_partition_stand_in()
+    group, pair = ctx.group(cp), ctx.rank // cp
+    seed = 300 + 100 * cp + 10 * pair
+    make = partial(packed_batch, seq_length=S, vocab_size=VOCAB_SIZE, mbs=2)
+    batches = {
+        "padded": ("padded", partial(make, [[17, 9, 22], random_lengths(S, 5, seed, 1)], seed=seed), S),
+        "per_document": ("per_document", partial(make, [random_lengths(S, 3, seed + s, 2 * cp) for s in range(2)],
+                                                 seed=seed + 1), S),
+        "whole_row_read_per_document": ("whole_row", partial(make, [random_lengths(S, 3, seed + 2 + s, 2 * cp)
+                                                                    for s in range(2)], seed=seed + 2), S),
+    }
+    base = build_model("hybrid_attn", model_config("hybrid_attn", 1, "headwise", **HEADS["hybrid_attn"]),
+                       rank_groups()["self"], seed=SEED)
+    want = {name: _cp1_answer(base, make(), strategy, n) for name, (strategy, make, n) in batches.items()}
+    return _run_modes("hybrid_attn", group, {}, batches, want, dict(cp_group=group))
+
+
+def test_attention_model_on_padded_rows_equals_cp1(patched_megatron, rank_pool):
+    """With attention layers the padded per-document cut (and --sft's cut) trains CP=1's model in every
+    mode; stock's whole-row cut does not (the negative control: rows whose documents all divide by 2*cp,
+    so that nothing stops it)."""
+    pool = rank_pool(WORLD)
+    bad, control = [], []
+    for cp in (2, 4):
+        results = pool.run(_attention_cases, cp, timeout_s=240)
+        bad += _check(results, "hybrid_attn", cp, ["padded", "per_document"])
+        for rank, per_mode in enumerate(results):
+            for mode, result in per_mode.items():
+                got = result.get("whole_row_read_per_document")
+                if isinstance(got, dict):
+                    control.append(got["loss"])
+                    if not got["loss"] > 1e-2:
+                        bad.append(f"rank {rank} cp={cp} {mode}: stock's whole-row cut was not seen: {got}")
+        padded = [v for r in results for res in r.values() if isinstance(res.get("padded"), dict)
+                  for k, v in res["padded"].items() if k not in ("psp", "pads")]
+        print(f"hybrid_attn cp={cp} padded rows: max_rel over every loss and gradient {max(padded, default=math.nan):.3g}")
+    assert not bad, "\n".join(bad)
+    assert control, "the negative control did not run"
+    print(f"attention model, stock's whole-row cut: loss max_rel {min(control):.3g} .. {max(control):.3g}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -461,14 +532,89 @@ def test_thd_split_without_a_record(patched_megatron, rank_pool):
     print(f"whole-row rows read per document: loss max_rel {min(mutation):.3g} .. {max(mutation):.3g}")
 
 
+def _pads_before_documents(cu, padded, cp, rank):
+    """A wrong cut for the mutation check: :func:`gdn_cp.layout.padded_rank_sources` with every
+    document's pad rows before its real rows instead of after them."""
+    import numpy as np
+
+    from gdn_cp.layout import PAD_SOURCE
+    from gdn_cp.layout.spans import expand_spans, zigzag_rank_spans
+
+    c, p = np.array(cu, dtype=np.int64), np.array(padded, dtype=np.int64)
+    spans = zigzag_rank_spans(p, cp, rank)
+    rows = expand_spans(spans.start, spans.length).numpy()
+    doc = np.searchsorted(p, rows, side="right") - 1
+    offset = rows - p[doc] - (np.diff(p) - np.diff(c))[doc]
+    return torch.from_numpy(np.where(offset >= 0, c[doc] + offset, PAD_SOURCE))
+
+
+def _padded_mutation_cases(ctx) -> dict:
+    """GPTModel, chunkwise, at CP=2 and 4 on padded rows: ``{(cp, case): errors}`` for the right cut
+    (``right``), the pads left in the loss (loss mask 1 at every pad row) and the pads put before
+    every document."""
+    from gdn_cp.megatron import document_padding
+    from gdn_cp.testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
+    from gdn_cp.testing.megatron.layer import rank_groups
+    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
+
+    install_te_partition_stand_in()
+    base = build_model("gpt", model_config("gpt", 1, "headwise"), rank_groups()["self"], seed=SEED)
+    out = {}
+    for cp in (2, 4):
+        group = ctx.group(cp)
+        model = build_model("gpt", model_config("gpt", cp, "chunkwise"), group, seed=SEED)
+        make = partial(packed_batch, [[17, 9, 22]], S, vocab_size=VOCAB_SIZE, seed=11)
+        want = _cp1_answer(base, make(), "padded", S)
+        for case in ("right", "pads_in_loss", "pads_before"):
+            saved = document_padding.padded_rank_sources
+            if case == "pads_before":
+                document_padding.padded_rank_sources = _pads_before_documents
+            try:
+                cut = cut_for_rank(make(), "padded", cp_group=group, seq_length=S)
+            finally:
+                document_padding.padded_rank_sources = saved
+            if case == "pads_in_loss":
+                cut.batch["loss_mask"][cut.rows < 0] = 1.0
+            errs = _compare(run_model(model, cut.batch, cut.packed_seq_params), want, cut)
+            out[(cp, case)] = {"loss": errs["loss"], "pads": errs["pads"],
+                               "grad": max(v for k, v in errs.items() if k.startswith("grad:"))}
+    return out
+
+
+def test_padded_cut_mutations_are_seen(patched_megatron, rank_pool):
+    """The right padded cut equals CP=1; pads left in the loss change the gradients (their losses
+    join the sum) and are flagged; pads before each document change every following token of it
+    (the recurrence and the conv see them first). The comparison must see both."""
+    results = rank_pool(WORLD).run(_padded_mutation_cases, timeout_s=240)
+    bad = []
+    for rank, per_case in enumerate(results):
+        for (cp, case), errs in per_case.items():
+            where = f"rank {rank} cp={cp} {case}: {errs}"
+            if case == "right" and not (errs["loss"] <= TOL and errs["grad"] <= TOL and errs["pads"] == 0):
+                bad.append(where)
+            elif case == "pads_in_loss" and not errs["grad"] > 1e-2:
+                bad.append(f"{where}: pads in the loss were not seen")
+            elif case == "pads_before" and not errs["loss"] > 1e-2:
+                bad.append(f"{where}: pads before the documents were not seen")
+    assert not bad, "\n".join(bad)
+    for cp in (2, 4):  # the ranks that hold pad rows flag them (at cp=2 here only rank 0 of each pair does)
+        assert any(r[(cp, "pads_in_loss")]["pads"] == math.inf for r in results), (cp, results)
+    for case in ("pads_in_loss", "pads_before"):
+        seen = [e["grad" if case == "pads_in_loss" else "loss"] for r in results for (_, c), e in r.items() if c == case]
+        print(f"padded cut mutation {case}: max_rel {min(seen):.3g} .. {max(seen):.3g}")
+
+
 # ------------------------------------------------------------------------------------------
 # 4. optimizer steps through Megatron's DDP, schedule, finalize_model_grads and optimizer
 # ------------------------------------------------------------------------------------------
 TRAIN_STEPS = 3
 MICRO_BATCHES = 2
-TRAIN_RUNS = {  # kind -> (strategy, [(cp, mode)]); the first run is the CP=1 reference
-    "gpt": ("whole_row", [(1, "headwise"), (2, "chunkwise"), (4, "headwise"), (4, "all_gather")]),
-    "hybrid": ("per_document", [(1, "headwise"), (2, "headwise"), (4, "chunkwise")]),
+TRAIN_RUNS = {  # name -> (kind, strategy, [(cp, mode)]); the first run is the CP=1 reference
+    "gpt": ("gpt", "whole_row", [(1, "headwise"), (2, "chunkwise"), (4, "headwise"), (4, "all_gather")]),
+    "hybrid": ("hybrid", "per_document", [(1, "headwise"), (2, "headwise"), (4, "chunkwise")]),
+    # --dataloader-inter-document-masking rows padded and cut per document (pads uneven over the ranks:
+    # calculate_per_token_loss makes the step CP=1's)
+    "hybrid_attn_padded": ("hybrid_attn", "padded", [(1, "headwise"), (2, "all_gather"), (4, "chunkwise")]),
 }
 
 
@@ -486,15 +632,15 @@ def _train_micro_batches(strategy: str, cp: int, cp_group, step: int) -> list:
     return out
 
 
-def _train_cases(ctx, kind: str) -> dict:
-    """Every run of ``TRAIN_RUNS[kind]`` on the whole world (DP = 4 / cp replicas, all on the same
+def _train_cases(ctx, name: str) -> dict:
+    """Every run of ``TRAIN_RUNS[name]`` on the whole world (DP = 4 / cp replicas, all on the same
     micro-batches): ``{(cp, mode): train_steps result}``."""
     from gdn_cp.testing.megatron.batches import install_te_partition_stand_in
     from gdn_cp.testing.megatron.model import build_model, model_config
     from gdn_cp.testing.megatron.training import megatron_parallel_state, train_steps
 
     install_te_partition_stand_in()
-    strategy, runs = TRAIN_RUNS[kind]
+    kind, strategy, runs = TRAIN_RUNS[name]
     out = {}
     for cp, mode in runs:
         with megatron_parallel_state(cp) as ps:
@@ -510,14 +656,14 @@ def _train_cases(ctx, kind: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hybrid"])
-def test_training_steps_equal_cp1(patched_megatron, rank_pool, kind):
+@pytest.mark.parametrize("name", sorted(TRAIN_RUNS))
+def test_training_steps_equal_cp1(patched_megatron, rank_pool, name):
     """3 Adam steps of 2 micro-batches each: the loss of every step, the final parameters (max_rel
     over each tensor) equal CP=1's; the gradient norm (megatron computes it in fp32) to 1e-6."""
     from gdn_cp.testing.metrics import max_rel
 
-    results = rank_pool(WORLD).run(_train_cases, kind, timeout_s=240)
-    strategy, runs = TRAIN_RUNS[kind]
+    results = rank_pool(WORLD).run(_train_cases, name, timeout_s=240)
+    kind, strategy, runs = TRAIN_RUNS[name]
     bad = []
     for rank, per_run in enumerate(results):
         ref = per_run[runs[0]]

@@ -35,6 +35,7 @@ def test_parse_training_log():
     got = parse_training_log(LOG)
     assert got["losses"] == [8.37512, 8.101, 7.9]
     assert got["grad_norms"] == [3.141, 2.5, 2.0]
+    assert got["iteration_ms"] == [900.1, None, None]
     assert got["skipped"] == 1 and got["nan"] == 0
 
 
@@ -105,6 +106,23 @@ for cp in (1, 2, 4):
         rows.append({"cu": cu, "loss_tokens": int(item["loss_mask"].sum()),
                      "targets": item["labels"][item["loss_mask"] > 0].tolist()})
     out["sft"][cp] = rows
+
+# Megatron-LM's mock data with --dataloader-inter-document-masking, at the matrix's sequence lengths (the
+# seed of every run): how many documents a row holds and how long they are
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import MockGPTDataset
+out["mock_idm"] = {}
+for s in sorted({spec.seq_length for spec, _ in matrix() if spec.data == "inter_document_masking"}):
+    cfg = GPTDatasetConfig(random_seed=1234, sequence_length=s, blend=None, tokenizer=tok, reset_position_ids=False,
+                           reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                           inter_document_masking=True, context_parallel_size=2)
+    with contextlib.redirect_stdout(io.StringIO()):
+        train = BlendedMegatronDatasetBuilder(MockGPTDataset, [20, 0, 0], lambda: True, cfg).build()[0]
+    docs = []
+    for i in range(20):
+        cu = train[i]["cu_seqlens"]
+        docs.append(np.diff(cu[: int((cu < s).sum()) + 1].numpy()).tolist())
+    out["mock_idm"][s] = docs
 print("RESULT" + json.dumps(out))
 """
 
@@ -140,6 +158,13 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
             assert run["backend"] == "gloo" and run["cp_comm"] == ["a2a"], (name, run)
     assert runs["hybrid_cp2_headwise"]["mode"] == "headwise" and runs["hybrid_cp2_all_gather"]["mode"] == "all_gather"
     assert runs["gdnonly_idm_cp4"]["split"] == "whole_row" and runs["hybrid_sft_cp2"]["split"] == "per_document"
+    # --dataloader-inter-document-masking: attention layers (both scripts) and the GDN-only model asked for it get
+    # the padded per-document cut at CP > 1; at CP=1 nothing is cut
+    for name in ("hybrid_idm_cp2", "hybrid_idm_cp4", "gpt_idm_cp2", "gpt_idm_cp4", "gdnonly_idm_padded_cp2",
+                 "gdnonly_idm_padded_cp4"):
+        assert runs[name]["split"] == "per_document", (name, runs[name])
+    for name in ("hybrid_idm_cp1", "gpt_idm_cp1", "gdnonly_idm_cp1", "gdnonly_idm_cp2"):
+        assert runs[name]["split"] == "whole_row", (name, runs[name])
     assert runs["hybrid_sft_cp2"]["pad"] == 1022
     # sizes where CP=1 equivalence means something: Megatron-LM's JIT warm-up draws (seq / cp) x micro-batch x FFN
     # elements from the global CUDA generator, which leave it at a CP-dependent offset above ~1M (one Philox round
@@ -168,6 +193,19 @@ def test_sft_stand_ins_feed_megatrons_sft_dataset(parsed):
             assert 0 < row["loss_tokens"] < 2048 and -100 not in row["targets"]
     for i in range(len(sft["1"])):
         assert sft["1"][i]["targets"] == sft["2"][i]["targets"] == sft["4"][i]["targets"]
+
+
+@pytest.mark.megatron
+def test_mock_data_rows_hold_documents_the_padded_cut_pads(parsed):
+    """The inter-document-masking runs train on Megatron-LM's mock data (documents of 1-4095 tokens,
+    cut at the row ends): rows of several documents, most lengths not divisible by 2*cp, so the
+    CP > 1 runs really pad and cut per document."""
+    for s, rows in parsed["mock_idm"].items():
+        lengths = [n for row in rows for n in row]
+        assert all(sum(row) == int(s) for row in rows)
+        assert len(lengths) >= 1.5 * len(rows), (s, rows)
+        for cp in (2, 4):
+            assert sum(n % (2 * cp) != 0 for n in lengths) >= len(lengths) / 3, (s, cp, rows)
 
 
 def _fake_checkout(root: Path, body: str) -> Path:

@@ -151,21 +151,38 @@ def test_megatron_lm_refuses_gdn_without_swiglu(kw, act):
     (dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=8, spec=["my.module", "my_spec"]),
      "--spec my.module my_spec (a custom layer spec: its layers are not known here)"),
 ])
-def test_megatron_lm_refuses_whole_row_cuts_at_cp_for_attention_layers(kw, layers):
-    """--dataloader-inter-document-masking without --sft cuts whole rows; attention (and Mamba) expect
-    every document cut in 2*cp parts: refused at CP > 1 with the flags that work."""
-    args = _lm_args(dataloader_inter_document_masking=True, context_parallel_size=2, **kw)
+def test_attention_layers_get_the_padded_per_document_cut(kw, layers):
+    """--dataloader-inter-document-masking without --sft: stock Megatron-LM cuts whole rows, which
+    attention (and Mamba) under CP do not take; with the patch such rows are padded and cut per
+    document at CP > 1 (per_document), which needs --calculate-per-token-loss (the pads fall unevenly
+    on the ranks) and refuses what it cannot train exactly, each naming the flag and the reason."""
+    idm = dict(dataloader_inter_document_masking=True, context_parallel_size=2, **kw)
+    args = _lm_args(calculate_per_token_loss=True, **idm)
+    assert configure_megatron_lm_args(args) == PER_DOCUMENT and args.linear_cp_thd_split == PER_DOCUMENT
+    assert configure_megatron_lm_args(_lm_args(calculate_per_token_loss=True, linear_cp_thd_split=PER_DOCUMENT,
+                                               **idm)) == PER_DOCUMENT
+    where = ("--dataloader-inter-document-masking at --context-parallel-size 2 pads every document to a multiple of "
+             "2*cp and cuts it in 2*cp parts (the model's ")
     with pytest.raises(ValueError) as ei:
-        configure_megatron_lm_args(args)
+        configure_megatron_lm_args(_lm_args(**idm))
     msg = str(ei.value)
-    assert msg.startswith("--dataloader-inter-document-masking without --sft at --context-parallel-size 2: "), msg
-    assert "this model has layers that expect every document cut into 2*cp parts on its own (" in msg, msg
-    assert layers in msg.split("on its own (", 1)[1].split("; TransformerEngine")[0], msg
-    assert "Megatron-LM issue #6156" in msg, msg
-    assert msg.endswith("Use --sft --calculate-per-token-loss (cuts every document into 2*cp parts), a model of gated "
-                        "delta net and MLP layers "
-                        "only (e.g. --hybrid-layer-pattern 'G-G-'), or --context-parallel-size 1"), msg
-    # the flags that work: --sft (per document), CP=1
+    assert msg.startswith(where) and layers in msg.split("(the model's ", 1)[1].split("), without")[0], msg
+    assert "without --calculate-per-token-loss: the pad rows (loss mask 0) fall unevenly" in msg, msg
+    with pytest.raises(ValueError, match=r"--linear-cp-thd-split whole_row with --dataloader-inter-document-masking "
+                                         r"at --context-parallel-size 2: this model has layers that expect"):
+        configure_megatron_lm_args(_lm_args(calculate_per_token_loss=True, linear_cp_thd_split=WHOLE_ROW, **idm))
+    for extra, flag in ((dict(pipeline_model_parallel_size=2), "--pipeline-model-parallel-size 2"),
+                        (dict(num_experts=8), "--num-experts 8"), (dict(mtp_num_layers=1), "--mtp-num-layers 1"),
+                        (dict(fp8="hybrid"), "--fp8-format / --fp4-format")):
+        with pytest.raises(ValueError) as ei:
+            configure_megatron_lm_args(_lm_args(calculate_per_token_loss=True, **idm, **extra))
+        assert str(ei.value).startswith(where) and f"which cannot run with {flag}: " in str(ei.value), str(ei.value)
+    # hybrid CP cuts sub-samples whole: still refused with these layers
+    with pytest.raises(ValueError) as ei:
+        configure_megatron_lm_args(_lm_args(calculate_per_token_loss=True, hybrid_context_parallel=True, **idm))
+    assert str(ei.value).startswith("--dataloader-inter-document-masking with --hybrid-context-parallel at "
+                                    "--context-parallel-size 2: "), str(ei.value)
+    # --sft cuts per document as before; CP=1 cuts nothing (whole_row: the row stays as it is)
     assert configure_megatron_lm_args(_lm_args(dataloader_inter_document_masking=True, sft=True,
                                                calculate_per_token_loss=True, context_parallel_size=2,
                                                **kw)) == PER_DOCUMENT
@@ -178,9 +195,17 @@ def test_megatron_lm_refuses_whole_row_cuts_at_cp_for_attention_layers(kw, layer
     dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 1, 1, 1]),
 ])
 def test_gdn_only_models_keep_the_whole_row_cut(kw):
+    """GDN, MLP and MoE layers run the whole-row cut exactly: no padding, unless asked for with
+    --linear-cp-thd-split per_document (then the padded cut, with its rules)."""
     for cp in (2, 4):
         args = _lm_args(dataloader_inter_document_masking=True, context_parallel_size=cp, **kw)
         assert configure_megatron_lm_args(args) == WHOLE_ROW and args.linear_cp_thd_split == WHOLE_ROW
+        asked = dict(dataloader_inter_document_masking=True, context_parallel_size=cp, linear_cp_thd_split=PER_DOCUMENT,
+                     **kw)
+        assert configure_megatron_lm_args(_lm_args(calculate_per_token_loss=True, **asked)) == PER_DOCUMENT
+        with pytest.raises(ValueError, match=r"\(--linear-cp-thd-split per_document\), without "
+                                             r"--calculate-per-token-loss"):
+            configure_megatron_lm_args(_lm_args(**asked))
 
 
 def test_config_refuses_an_unknown_split(patched_megatron):

@@ -1,9 +1,11 @@
 """Megatron-LM's training command line with the patch: ``--linear-cp-mode`` lists the modes, a typo
 fails at parse time, and ``--linear-cp-mode auto`` reaches the model config as a concrete mode;
 ``validate_args`` sets ``--linear-cp-thd-split`` from the data flags that choose the THD cut
-(``--dataloader-inter-document-masking``, ``--sft``) and refuses a contradicting value, a GDN
-model without ``--swiglu`` (GDN computes SiLU) and ``--dataloader-inter-document-masking`` at CP > 1
-in a model with attention layers; the model config refuses a non-SiLU activation too.
+(``--dataloader-inter-document-masking``, ``--sft``) and the model's layers (``per_document``, the
+padded cut, for ``--dataloader-inter-document-masking`` at CP > 1 in a model with attention layers,
+with ``--calculate-per-token-loss``) and refuses a contradicting value, a GDN model without
+``--swiglu`` (GDN computes SiLU) and the padded cut without per-token loss; the model config
+refuses a non-SiLU activation too.
 
 megatron-core 0.19.2 builds these flags from the TransformerConfig fields
 (``megatron/training/argument_utils.py``: a ``Literal[...]`` type becomes argparse ``choices``,
@@ -98,12 +100,16 @@ out["thd_split"] = {}
 with contextlib.redirect_stdout(io.StringIO()):
     gdn_only = ["--linear-attention-freq", "8"]  # no standard-attention layer among the 4
     for name, extra in {"none": [], "inter_document_masking": ["--dataloader-inter-document-masking"] + gdn_only,
-                        "inter_document_masking_attention": ["--dataloader-inter-document-masking"],
+                        "inter_document_masking_attention": ["--dataloader-inter-document-masking",
+                                                             "--calculate-per-token-loss"],
+                        "inter_document_masking_attention_per_rank_average": ["--dataloader-inter-document-masking"],
                         "sft": ["--sft", "--calculate-per-token-loss"],
                         "both": ["--sft", "--dataloader-inter-document-masking", "--calculate-per-token-loss"],
                         "sft_per_rank_average": ["--sft"],
-                        "contradiction": ["--dataloader-inter-document-masking", "--linear-cp-thd-split", "per_document"]
-                        + gdn_only, "no_swiglu": None,
+                        "contradiction": ["--sft", "--calculate-per-token-loss", "--linear-cp-thd-split", "whole_row"],
+                        "gdn_only_padded": ["--dataloader-inter-document-masking", "--linear-cp-thd-split", "per_document",
+                                            "--calculate-per-token-loss"] + gdn_only,
+                        "no_swiglu": None,
                         }.items():
         words = model_without_swiglu if extra is None else model + extra
         args = parser.parse_args(words + data + ["--context-parallel-size", "2"])
@@ -180,15 +186,21 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     assert split["none"] == [None, None]  # no packed rows: nothing to say
     assert split["inter_document_masking"] == ["whole_row", "whole_row"]  # a GDN-only model: the whole-row cut
     assert split["sft"] == ["per_document", "per_document"] and split["both"] == ["per_document", "per_document"]
-    assert "--linear-cp-thd-split per_document contradicts --dataloader-inter-document-masking" in split["contradiction"]
+    assert "--linear-cp-thd-split whole_row contradicts --sft" in split["contradiction"], split["contradiction"]
+    # a GDN-only model keeps the whole-row cut unless the padded per-document cut is asked for
+    assert split["gdn_only_padded"] == ["per_document", "per_document"]
     # SFT loss masks differ between CP ranks: refused without --calculate-per-token-loss (Megatron-LM would
     # average each rank's loss over its own tokens)
     assert split["sft_per_rank_average"].startswith("--sft at --context-parallel-size 2 without "
                                                     "--calculate-per-token-loss: "), split["sft_per_rank_average"]
-    # attention layers at CP > 1 expect every document cut in 2*cp parts: the whole-row cut is refused
-    msg = split["inter_document_masking_attention"]
-    assert msg.startswith("--dataloader-inter-document-masking without --sft at --context-parallel-size 2: "), msg
-    assert "--linear-attention-freq 4: standard attention at layer 4" in msg and "Use --sft" in msg, msg
+    # attention layers at CP > 1 expect every document cut in 2*cp parts: the rows are padded and cut per
+    # document, which needs per-token loss (the pads fall unevenly on the ranks)
+    assert split["inter_document_masking_attention"] == ["per_document", "per_document"]
+    msg = split["inter_document_masking_attention_per_rank_average"]
+    assert msg.startswith("--dataloader-inter-document-masking at --context-parallel-size 2 pads every document to a "
+                          "multiple of 2*cp and cuts it in 2*cp parts (the model's --experimental-attention-variant "
+                          "gated_delta_net with --linear-attention-freq 4: standard attention at layer 4), without "
+                          "--calculate-per-token-loss: "), msg
     # GDN computes SiLU: without --swiglu, validate_args and the model config both refuse
     assert split["no_swiglu"].startswith("--experimental-attention-variant gated_delta_net builds gated delta net "
                                          "layers, which compute SiLU"), split["no_swiglu"]

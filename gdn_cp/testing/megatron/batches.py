@@ -20,6 +20,11 @@ The strategies (:data:`STRATEGIES`) and what a rank holds afterwards:
   ``thd_get_partitioned_indices`` (each document length a multiple of 2*cp);
 * ``whole_row`` (``--dataloader-inter-document-masking``): the whole packed row cut zigzag as if
   it were one sequence (only the row must divide by 2*cp), the document boundaries unchanged;
+* ``padded`` (``--dataloader-inter-document-masking`` with Megatron-LM's args asking for the
+  per-document cut, as the patched ``validate_args`` does for models with attention layers): every
+  document padded at its end to a multiple of 2*cp, then cut per document
+  (:mod:`gdn_cp.megatron.document_padding`); Megatron-LM's global args are set for the call
+  (:func:`megatron_lm_args`);
 * ``hybrid`` (``--hybrid-context-parallel``): each sample carries ``local_cp_size``; 1: not cut
   (``PackedSeqParams(local_cp_size=1, cp_group=None)``), k > 1: the whole row cut over the
   hybrid group of k ranks that ``hybrid_cp_group_func(group_size=k)`` returns.
@@ -33,8 +38,10 @@ present). Megatron is imported lazily, inside the functions.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
+import sys
 import types
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -46,18 +53,20 @@ from ..packings import cumsum0
 
 __all__ = [
     "BATCH_KEYS",
+    "PADDED_CUT_ARGS",
     "STRATEGIES",
     "Cut",
     "cut_for_rank",
     "get_batch_like_pretrain_gpt",
     "install_te_partition_stand_in",
+    "megatron_lm_args",
     "packed_batch",
     "packed_seq_params_like_pretrain_gpt",
     "random_lengths",
     "thd_get_partitioned_indices",
 ]
 
-STRATEGIES = ("sbhd", "per_document", "whole_row", "hybrid")
+STRATEGIES = ("sbhd", "per_document", "whole_row", "padded", "hybrid")
 # The keys pretrain_gpt.get_batch returns (its BATCH_KEYS), and what the data loader may set.
 BATCH_KEYS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "hybrid_cp_group", "labels", "local_cp_size",
               "loss_mask", "max_seqlen", "position_ids", "tokens")
@@ -177,20 +186,50 @@ def packed_batch(documents: Optional[Sequence[Sequence[int]]], seq_length: int, 
 # ------------------------------------------------------------------------------------------
 # Megatron-LM's get_batch and forward_step, on a batch this process already has
 # ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def megatron_lm_args(**fields):
+    """Inside: Megatron-LM's global args (``megatron.training.global_vars.set_args``, what
+    ``get_args()`` returns) are a namespace of ``fields``; the previous args are restored on exit.
+    Test processes only. ``megatron.training`` needs Python >= 3.12 (``typing.override``); on older
+    Pythons ``typing`` gets ``typing_extensions``' identical run-time decorator first."""
+    if sys.version_info < (3, 12) and not hasattr(__import__("typing"), "override"):
+        import typing
+
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    import megatron.training.global_vars as global_vars
+
+    saved = global_vars._GLOBAL_ARGS
+    global_vars.set_args(types.SimpleNamespace(**fields))
+    try:
+        yield
+    finally:
+        global_vars.set_args(saved)
+
+
+PADDED_CUT_ARGS = dict(linear_cp_thd_split="per_document", dataloader_inter_document_masking=True, sft=False,
+                       hybrid_context_parallel=False, sequence_parallel=False, tensor_model_parallel_size=1)
+"""Megatron-LM's args (the fields the data path reads) for ``--dataloader-inter-document-masking`` in a
+model with attention layers at CP > 1, as the patched ``validate_args`` leaves them."""
+
+
 def get_batch_like_pretrain_gpt(batch: dict, *, cp_group, sft: bool = False, inter_document_masking: bool = False,
                                 hybrid_context_parallel: bool = False,
-                                hybrid_cp_group_func: Optional[Callable] = None) -> dict:
+                                hybrid_cp_group_func: Optional[Callable] = None, padded: bool = False) -> dict:
     """What ``pretrain_gpt.get_batch`` (core_v0.19.0) does to a batch after the TP broadcast:
     ``flatten_batch_for_packed_sequences``, then ``get_batch_on_this_cp_rank`` with the
     strategy its flags select (``use_per_sequence_balancing = inter_document_masking and not
-    sft``). ``batch`` is changed in place and returned."""
+    sft``). ``padded``: Megatron-LM's args ask for the padded per-document cut
+    (:data:`PADDED_CUT_ARGS`). ``batch`` is changed in place and returned."""
     from megatron.core.utils import flatten_batch_for_packed_sequences, get_batch_on_this_cp_rank
 
     batch = flatten_batch_for_packed_sequences(batch)
-    return get_batch_on_this_cp_rank(
-        batch, is_hybrid_cp=hybrid_context_parallel, cp_group=cp_group, hybrid_cp_group_func=hybrid_cp_group_func,
-        use_per_sequence_balancing=inter_document_masking and not sft,
-    )
+    with megatron_lm_args(**PADDED_CUT_ARGS) if padded else contextlib.nullcontext():
+        return get_batch_on_this_cp_rank(
+            batch, is_hybrid_cp=hybrid_context_parallel, cp_group=cp_group, hybrid_cp_group_func=hybrid_cp_group_func,
+            use_per_sequence_balancing=inter_document_masking and not sft,
+        )
 
 
 def packed_seq_params_like_pretrain_gpt(batch: dict, seq_length: int):
@@ -222,8 +261,9 @@ def packed_seq_params_like_pretrain_gpt(batch: dict, seq_length: int):
 class Cut:
     """One rank's part of a micro-batch: the batch (Megatron's cut), its PackedSeqParams (as
     forward_step builds them), ``rows`` (int64, the shape of the rank's ``tokens``): the position
-    of each of the rank's tokens in the uncut batch flattened (``tokens.reshape(-1)``), and
-    ``group``: the ranks this micro-batch is split over (None: not split)."""
+    of each of the rank's tokens in the uncut batch flattened (``tokens.reshape(-1)``), -1 for a
+    pad row (strategy ``padded``), and ``group``: the ranks this micro-batch is split over (None:
+    not split)."""
 
     batch: dict
     packed_seq_params: object
@@ -237,16 +277,18 @@ def cut_for_rank(batch: dict, strategy: str, *, cp_group, seq_length: int,
     ``strategy`` (:data:`STRATEGIES`), and build its PackedSeqParams as forward_step does.
 
     ``rows`` come from the very same cut applied to a copy whose tokens are their own global
-    positions. ``cp_group`` of size 1 (a CP=1 baseline): nothing is cut."""
+    positions plus one (a pad row's token is 0). ``cp_group`` of size 1 (a CP=1 baseline): nothing
+    is cut."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: use one of {STRATEGIES}")
-    flags = dict(sft=strategy == "per_document", inter_document_masking=strategy == "whole_row",
-                 hybrid_context_parallel=strategy == "hybrid", hybrid_cp_group_func=hybrid_cp_group_func)
+    flags = dict(sft=strategy == "per_document", inter_document_masking=strategy in ("whole_row", "padded"),
+                 hybrid_context_parallel=strategy == "hybrid", hybrid_cp_group_func=hybrid_cp_group_func,
+                 padded=strategy == "padded")
     index_batch = copy.deepcopy(batch)
     mbs, s = batch["tokens"].shape
-    index_batch["tokens"] = torch.arange(mbs * s).view(mbs, s)
+    index_batch["tokens"] = torch.arange(1, mbs * s + 1).view(mbs, s)
     cut = get_batch_like_pretrain_gpt(batch, cp_group=cp_group, **flags)
-    rows = get_batch_like_pretrain_gpt(index_batch, cp_group=cp_group, **flags)["tokens"]
+    rows = get_batch_like_pretrain_gpt(index_batch, cp_group=cp_group, **flags)["tokens"] - 1
     group = cut.get("hybrid_cp_group")
     if strategy != "hybrid" and cp_group.size() > 1:
         group = cp_group

@@ -64,7 +64,10 @@ logger = logging.getLogger(__name__)
 
 DATA_FLAGS = {
     "none": [],
-    "inter_document_masking": ["--dataloader-inter-document-masking"],
+    # --calculate-per-token-loss: at CP > 1 a model with attention layers gets every document padded to a
+    # multiple of 2*cp, and the pads fall unevenly on the ranks (validate_args refuses it without the flag); the
+    # CP=1 runs and the GDN-only ones take it too, so that every run of the flag trains the same objective
+    "inter_document_masking": ["--dataloader-inter-document-masking", "--calculate-per-token-loss"],
     "sft": ["--sft"],
 }
 """Megatron-LM's data flags that decide how a packed row is cut over the CP ranks (README "Train a model", docs/megatron.md "which cut")."""
@@ -233,13 +236,15 @@ def write_sft_set(path, *, rows: int = 64, seq_length: int = 2048, seed: int = 0
 
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|(.*)")
-_FIELD = re.compile(r"(lm loss|grad norm|number of skipped iterations|number of nan iterations):\s*([-+0-9.eEnaif]+)")
+_FIELD = re.compile(r"(lm loss|grad norm|number of skipped iterations|number of nan iterations|"
+                    r"elapsed time per iteration \(ms\)):\s*([-+0-9.eEnaif]+)")
 
 
 def parse_training_log(text: str) -> dict:
-    """``{"losses": [...], "grad_norms": [...], "skipped": int, "nan": int}`` from Megatron's
-    training log lines (``iteration   3/  20 | ... | lm loss: 7.9E+00 | ... | grad norm: 1.234 |``),
-    one entry per iteration in order (a repeated iteration keeps its last line)."""
+    """``{"losses": [...], "grad_norms": [...], "iteration_ms": [...], "skipped": int, "nan": int}``
+    from Megatron's training log lines (``iteration   3/  20 | ... | elapsed time per iteration (ms):
+    900.1 | ... | lm loss: 7.9E+00 | ... | grad norm: 1.234 |``), one entry per iteration in order (a
+    repeated iteration keeps its last line; a field a line lacks is None)."""
     per_iter: dict[int, dict] = {}
     for line in text.splitlines():
         m = _ITERATION.search(line)
@@ -247,11 +252,13 @@ def parse_training_log(text: str) -> dict:
             continue
         fields = {k: v for k, v in _FIELD.findall(m.group(3))}
         per_iter[int(m.group(1))] = fields
-    out = {"losses": [], "grad_norms": [], "skipped": 0, "nan": 0}
+    out = {"losses": [], "grad_norms": [], "iteration_ms": [], "skipped": 0, "nan": 0}
     for it in sorted(per_iter):
         f = per_iter[it]
         out["losses"].append(float(f["lm loss"]) if "lm loss" in f else None)
         out["grad_norms"].append(float(f["grad norm"]) if "grad norm" in f else None)
+        ms = f.get("elapsed time per iteration (ms)")
+        out["iteration_ms"].append(float(ms) if ms is not None else None)
         out["skipped"] += int(float(f.get("number of skipped iterations", 0)))
         out["nan"] += int(float(f.get("number of nan iterations", 0)))
     return out
@@ -267,6 +274,7 @@ class RunResult:
     losses: list
     grad_norms: list
     wall_s: float
+    iteration_ms: list = dataclasses.field(default_factory=list)  # Megatron's "elapsed time per iteration"
     error: str = ""
     dist_backend: str = ""
     skipped: int = 0
@@ -275,7 +283,8 @@ class RunResult:
 
     def to_json(self) -> dict:
         return {**self.spec.describe(), "args": self.args, "status": self.status, "losses": self.losses,
-                "grad_norms": self.grad_norms, "wall_s": round(self.wall_s, 1), "error": self.error,
+                "grad_norms": self.grad_norms, "iteration_ms": self.iteration_ms, "wall_s": round(self.wall_s, 1),
+                "error": self.error,
                 "dist_backend": self.dist_backend, "skipped_iterations": self.skipped}
 
 
@@ -413,6 +422,7 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
         if status == "failed" and not parsed["losses"]:
             status = "refused"
     return RunResult(spec=spec, status=status, losses=parsed["losses"], grad_norms=parsed["grad_norms"], args=args,
+                     iteration_ms=parsed["iteration_ms"],
                      wall_s=wall, error=error, dist_backend="gloo" if one_gpu and spec.world > 1 else "nccl",
                      skipped=parsed["skipped"], ended_after_failure_s=ended_after_failure)
 

@@ -10,6 +10,14 @@ GatedDeltaNet, built from local modules (no TransformerEngine), run as Megatron-
 * ``hybrid``: ``HybridModel`` with a local-module stack spec (``gdn_layer``: the same GDN
   TransformerLayer without MLP; ``mlp_layer``: an ``MLPLayer`` with a local pre-MLP norm) and the
   pattern :data:`HYBRID_PATTERN`. Megatron's stock hybrid stack spec is TransformerEngine-only.
+* ``hybrid_attn``: the ``hybrid`` stack spec plus an ``attention_layer`` of local modules whose core
+  attention is :class:`gdn_cp.testing.megatron.attention.ThdCpAttention` (TransformerEngine's THD
+  attention under CP, re-derived in torch for the CPU), pattern :data:`TE_HYBRID_PATTERN`.
+* ``hybrid_te`` (GPU, TransformerEngine): ``HybridModel`` with Megatron's own stack spec
+  (``megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec``: TE linears and norms, TE
+  attention) and the pattern :data:`TE_HYBRID_PATTERN` (GDN, MLP, attention, MLP); attention CP
+  through all-to-all (``cp_comm_type='a2a'``: ranks that share one GPU talk over gloo, which has no
+  point-to-point for CUDA tensors).
 
 :func:`model_config` gives every model the same small shape; :func:`build_model` seeds every
 parameter from its name (:func:`set_model_params`), so every rank and every CP size starts from
@@ -41,6 +49,7 @@ from .layer import _submodules, install_cpu_shims, install_gpu_shims, make_confi
 __all__ = [
     "FFN_HIDDEN",
     "HYBRID_PATTERN",
+    "TE_HYBRID_PATTERN",
     "MODEL_KINDS",
     "VOCAB_SIZE",
     "build_model",
@@ -54,11 +63,12 @@ __all__ = [
     "sum_grads",
 ]
 
-MODEL_KINDS = ("gpt", "hybrid")
+MODEL_KINDS = ("gpt", "hybrid", "hybrid_attn", "hybrid_te")
 VOCAB_SIZE = 64
 FFN_HIDDEN = 64
 GPT_LAYERS = 2  # each: GDN + MLP
 HYBRID_PATTERN = "G-G-"  # GDN, MLP, GDN, MLP
+TE_HYBRID_PATTERN = "G-*-"  # GDN, MLP, attention, MLP (hybrid_attn, hybrid_te)
 MAX_SEQUENCE_LENGTH = 4096
 
 _STAND_INS_INSTALLED = False
@@ -119,9 +129,10 @@ def gdn_layer_spec(with_mlp: bool = True):
     ))
 
 
-def hybrid_stack_spec():
+def hybrid_stack_spec(with_attention: bool = False):
     """A HybridStack ModuleSpec from local modules: ``gdn_layer`` (:func:`gdn_layer_spec` without
-    MLP) and ``mlp_layer`` (an MLPLayer: local RMSNorm -> Megatron's local MLP -> residual)."""
+    MLP) and ``mlp_layer`` (an MLPLayer: local RMSNorm -> Megatron's local MLP -> residual); with
+    ``with_attention``, ``attention_layer`` too (:func:`gdn_cp.testing.megatron.attention.attention_layer_spec`)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -135,8 +146,13 @@ def hybrid_stack_spec():
         mlp=get_mlp_module_spec_for_backend(LocalSpecProvider()),
         mlp_bda=get_bias_dropout_add,
     ))
-    return ModuleSpec(module=HybridStack,
-                      submodules=HybridStackSubmodules(gdn_layer=gdn_layer_spec(with_mlp=False), mlp_layer=mlp_layer))
+    extra = {}
+    if with_attention:
+        from .attention import attention_layer_spec
+
+        extra["attention_layer"] = attention_layer_spec()
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        gdn_layer=gdn_layer_spec(with_mlp=False), mlp_layer=mlp_layer, **extra))
 
 
 def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float64, **overrides):
@@ -145,8 +161,11 @@ def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float6
     no dropout, deterministic mode (gdn-cp's reference backend). ``overrides`` go to the config."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
-    layers = GPT_LAYERS if kind == "gpt" else len(HYBRID_PATTERN)
+    layers = {"gpt": GPT_LAYERS, "hybrid": len(HYBRID_PATTERN), "hybrid_attn": len(TE_HYBRID_PATTERN),
+              "hybrid_te": len(TE_HYBRID_PATTERN)}[kind]
     kw = dict(num_layers=layers, ffn_hidden_size=FFN_HIDDEN, hidden_dropout=0.0, attention_dropout=0.0)
+    if kind == "hybrid_te":
+        kw.update(cp_comm_type="a2a", deterministic_mode=False)
     kw.update(overrides)
     return make_config(cp, mode, dtype, **kw)
 
@@ -167,21 +186,30 @@ def model_pg_collection(cp_group, dp_cp_group=None):
     return pg
 
 
-def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: int = 0, device="cpu"):
+def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: int = 0, device="cpu",
+                position_embedding_type: str = "none"):
     """A ``kind`` model (:data:`MODEL_KINDS`) with seeded weights (:func:`set_model_params`),
     cast to ``config.params_dtype`` as a whole. ``pg_collection`` defaults to
-    :func:`model_pg_collection` of ``cp_group``."""
+    :func:`model_pg_collection` of ``cp_group``. ``position_embedding_type``: ``none`` (GDN needs no
+    positions) or, for a model with attention layers, ``rope``."""
     install_model_stand_ins(device)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     pg = model_pg_collection(cp_group) if pg_collection is None else pg_collection
-    common = dict(vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH, position_embedding_type="none",
-                  pg_collection=pg)
+    common = dict(vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                  position_embedding_type=position_embedding_type, pg_collection=pg)
     if kind == "gpt":
         model = GPTModel(config, gdn_layer_spec(), **common)
     elif kind == "hybrid":
         model = HybridModel(config, hybrid_stack_spec(), hybrid_layer_pattern=HYBRID_PATTERN, **common)
+    elif kind == "hybrid_attn":
+        model = HybridModel(config, hybrid_stack_spec(with_attention=True), hybrid_layer_pattern=TE_HYBRID_PATTERN,
+                            **common)
+    elif kind == "hybrid_te":
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_hybrid_stack_spec
+
+        model = HybridModel(config, te_hybrid_stack_spec, hybrid_layer_pattern=TE_HYBRID_PATTERN, **common)
     else:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
     model.to(device=device, dtype=config.params_dtype)
