@@ -226,9 +226,12 @@ run_stage() {
       # Megatron-LM's own pretrain_hybrid.py / pretrain_gpt.py, CP > 1 against CP=1 (needs TE and the checkout)
       [ -f "$MLM_DIR/pretrain_hybrid.py" ] || { echo "train_mlm needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false; } &&
       # shellcheck disable=SC2086
-      timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" python3 -m benchmarks.train_megatron_lm \
+      # FlashQLA (.site-tl) only on the PYTHONPATH of group flashqla's runs: the others keep auto's choice without it
+      PYTHONPATH=${PYTHONPATH//$TL_SITE:/} timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" \
+        python3 -m benchmarks.train_megatron_lm \
         --checkout "$MLM_DIR" --stock-checkout "$MLM_STOCK" --out "$OUT/train_megatron_lm.json" --work /tmp/mlm_work \
-        --budget-s "${GDN_CP_TRAIN_MLM_TIMEOUT:-420}" ${GDN_CP_TRAIN_MLM_ARGS:-}
+        --budget-s "${GDN_CP_TRAIN_MLM_TIMEOUT:-420}" $([ -f "$TL_SITE/.unpacked" ] && echo --flashqla-site "$TL_SITE") \
+        ${GDN_CP_TRAIN_MLM_ARGS:-}
       local trc=$?
       tar -czf "$OUT/train_mlm_logs.tar.gz" -C /tmp/mlm_work logs 2>/dev/null
       (exit $trc) ;;

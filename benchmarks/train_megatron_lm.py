@@ -29,7 +29,10 @@ where there are enough GPUs). The matrix (:func:`matrix`), group ``main``:
 * recompute: CP=2 with full recompute (hybrid), with ``gdn_norm_out`` selective recompute (GPT:
   megatron-core allows it only for ``experimental_attention_variant='gated_delta_net'``).
 
-Group ``diagnose`` tells rounding from a wrong result: GDN-only models in fp32 at CP=2 and 4.
+Group ``flashqla``: the hybrid model on FlashQLA's kernels (``--linear-cp-backend flashqla``) at CP=2
+(chunkwise, headwise) against CP=1 on FlashQLA; ``--flashqla-site`` puts an unpacked FlashQLA site first on
+those runs' PYTHONPATH only, so that every other run keeps ``auto``'s choice without it (FLA). Group ``diagnose`` tells rounding from a wrong result: GDN-only models in fp32 at CP=2
+and 4.
 
 Before any run, Megatron's C++ dataset helpers are built once in each checkout
 (:func:`~gdn_cp.testing.megatron.lm.build_dataset_helpers`): runs started side by side on a fresh
@@ -50,6 +53,7 @@ import math
 import sys
 import tempfile
 import time
+from typing import Optional
 from pathlib import Path
 
 from gdn_cp.testing.megatron.lm import RunSpec, build_dataset_helpers, launch, write_sft_set
@@ -72,10 +76,10 @@ STOCK = "stock:"
 """A stock megatron-core run (an unpatched checkout) compared with this CP=1 run: reported, never required
 to match (at these sizes stock's conv1d starts from another draw than CP=1's)."""
 
-GROUPS = ("main", "diagnose")
+GROUPS = ("main", "diagnose", "flashqla")
 
 
-def matrix(groups=("main",)) -> list[tuple[RunSpec, str]]:
+def matrix(groups=("main",), flashqla_site: Optional[str] = None) -> list[tuple[RunSpec, str]]:
     """``[(spec, reference name)]`` in priority order; the reference of a CP=1 run is its noise
     partner (or itself); a stock run's reference is :data:`STOCK` + its CP=1 run.
 
@@ -87,24 +91,23 @@ def matrix(groups=("main",)) -> list[tuple[RunSpec, str]]:
     H, G, P = dict(model="hybrid"), dict(model="hybrid", pattern="G-G-"), dict(model="gpt")
     F = dict(model="hybrid", pattern="G-G-", precision="fp32")
     modes = ("chunkwise", "headwise", "all_gather")
-    runs: list[tuple[RunSpec, str]] = []
+    core: list[tuple[RunSpec, str]] = []  # main's runs in priority order: a time budget cuts the tail
+    rest: list[tuple[RunSpec, str]] = []
     if "main" in groups:
         for name, kind in (("hybrid", H), ("gpt", P)):
-            runs += [(RunSpec(f"{name}_cp1", **kind), ""),
+            core += [(RunSpec(f"{name}_cp1", **kind), ""),
                      (RunSpec(f"{name}_cp1_noise", **kind, extra_args=NOISE), f"{name}_cp1")]
-            runs += [(RunSpec(f"{name}_cp{cp}_{m}", **kind, cp=cp, mode=m), f"{name}_cp1") for cp in (2, 4) for m in modes]
-            runs += [(RunSpec(f"{name}_cp2_stock", **kind, cp=2, stock=True), STOCK + f"{name}_cp1")]
-        runs += [
+            core += [(RunSpec(f"{name}_cp{cp}_{m}", **kind, cp=cp, mode=m), f"{name}_cp1") for cp in (2, 4) for m in modes]
+            core += [(RunSpec(f"{name}_cp2_stock", **kind, cp=2, stock=True), STOCK + f"{name}_cp1")]
+        for name, kind in (("hybrid", H), ("gpt", P)):
+            core += [(RunSpec(f"{name}_idm_cp1", **kind, data="inter_document_masking"), "")]
+            core += [(RunSpec(f"{name}_idm_cp{cp}", **kind, cp=cp, mode="auto", data="inter_document_masking"),
+                      f"{name}_idm_cp1") for cp in (2, 4)]
+        rest += [
             (RunSpec("gdnonly_idm_cp1", **G, data="inter_document_masking"), ""),
             (RunSpec("gdnonly_idm_cp1_noise", **G, data="inter_document_masking", extra_args=NOISE), "gdnonly_idm_cp1"),
             (RunSpec("gdnonly_idm_cp2", **G, cp=2, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
             (RunSpec("gdnonly_idm_cp4", **G, cp=4, mode="auto", data="inter_document_masking"), "gdnonly_idm_cp1"),
-            (RunSpec("hybrid_idm_cp1", **H, data="inter_document_masking"), ""),
-            (RunSpec("hybrid_idm_cp2", **H, cp=2, mode="auto", data="inter_document_masking"), "hybrid_idm_cp1"),
-            (RunSpec("hybrid_idm_cp4", **H, cp=4, mode="auto", data="inter_document_masking"), "hybrid_idm_cp1"),
-            (RunSpec("gpt_idm_cp1", **P, data="inter_document_masking"), ""),
-            (RunSpec("gpt_idm_cp2", **P, cp=2, mode="auto", data="inter_document_masking"), "gpt_idm_cp1"),
-            (RunSpec("gpt_idm_cp4", **P, cp=4, mode="auto", data="inter_document_masking"), "gpt_idm_cp1"),
             (RunSpec("hybrid_sft_cp1", **H, data="sft"), ""),
             (RunSpec("hybrid_sft_cp2", **H, cp=2, mode="auto", data="sft"), "hybrid_sft_cp1"),
             (RunSpec("hybrid_full_recompute_cp2", **H, cp=2, mode="auto", recompute="full"), "hybrid_cp1"),
@@ -114,6 +117,13 @@ def matrix(groups=("main",)) -> list[tuple[RunSpec, str]]:
             (RunSpec("gdnonly_idm_padded_cp4", **G, cp=4, mode="auto", data="inter_document_masking",
                      extra_args=PADDED_CUT), "gdnonly_idm_cp1"),
         ]
+    flashqla: list[tuple[RunSpec, str]] = []
+    if "flashqla" in groups:  # needs FlashQLA installed (pip install -e '.[flashqla]'); head dims 128, bf16
+        Q = dict(model="hybrid", backend="flashqla", site=flashqla_site)
+        flashqla += [(RunSpec("hybrid_flashqla_cp1", **Q), ""),
+                     (RunSpec("hybrid_flashqla_cp2_chunkwise", **Q, cp=2, mode="chunkwise"), "hybrid_flashqla_cp1"),
+                     (RunSpec("hybrid_flashqla_cp2_headwise", **Q, cp=2, mode="headwise"), "hybrid_flashqla_cp1")]
+    runs = core + flashqla + rest
     if "diagnose" in groups:
         runs += [
             (RunSpec("gdnonly_fp32_cp1", **F), ""),
@@ -199,7 +209,7 @@ def run_matrix(args) -> dict:
     checkout = Path(args.checkout)
     work = Path(args.work or tempfile.mkdtemp(prefix="gdn_cp_mlm_"))
     sft_dir = work / "data"
-    todo = [(s, ref) for s, ref in matrix(args.groups) if not args.only or any(k in s.name for k in args.only)]
+    todo = [(s, ref) for s, ref in matrix(args.groups, args.flashqla_site) if not args.only or any(k in s.name for k in args.only)]
     write_sft_set(sft_dir / "sft.jsonl", seq_length=max((s.seq_length for s, _ in todo), default=4096))
     for tree in {checkout, *([Path(args.stock_checkout)] if args.stock_checkout else [])}:
         build_dataset_helpers(tree)  # once, before runs start side by side (they would race to build them)
@@ -334,6 +344,8 @@ def main(argv=None) -> int:
     p.add_argument("--run-timeout-s", type=float, default=300, help="kill a run after this many seconds")
     p.add_argument("--max-ranks", type=int, default=12, help="rank processes side by side")
     p.add_argument("--only", nargs="*", help="run only the matrix entries whose name contains one of these")
+    p.add_argument("--flashqla-site", help="an unpacked FlashQLA site (e.g. .site-tl), first on the PYTHONPATH of "
+                   "group flashqla's runs only")
     p.add_argument("--groups", type=lambda t: tuple(t.split(",")), default=("main",),
                    help=f"comma-separated matrix groups of {', '.join(GROUPS)} (default main; see matrix())")
     p.add_argument("--stock-checkout", help="an unpatched copy of the checkout, for the stock rows")

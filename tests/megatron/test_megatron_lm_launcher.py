@@ -220,11 +220,12 @@ def test_launch_reads_the_last_ranks_log(tmp_path):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         assert os.environ["LOCAL_RANK"] == "0" and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         assert "--distributed-backend" in sys.argv and "--cp-comm-type" in sys.argv
+        assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == "/nonexistent/site-tl"  # RunSpec.site first
         if rank == world - 1:
             for it in range(1, 21):
                 print(f" iteration {it:8d}/      20 | lm loss: {9 - it / 10:.6E} | grad norm: {1 + it / 100:.3f} |")
         """
-    spec = RunSpec("fake", cp=2, mode="chunkwise")
+    spec = RunSpec("fake", cp=2, mode="chunkwise", site="/nonexistent/site-tl")
     res = launch(spec, checkout=_fake_checkout(tmp_path / "mlm", body), log_dir=tmp_path / "logs", gpus=0,
                  timeout_s=900)  # generous: two interpreters importing megatron on a loaded 2-core machine
     assert res.status == "ok", res.error
@@ -268,7 +269,8 @@ def test_dataset_helpers_are_built_once_before_runs_start(tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "launch", fake_launch)
     args = bench.argparse.Namespace(checkout=str(tmp_path / "mlm"), stock_checkout=str(tmp_path / "stock"),
                                     work=str(tmp_path / "work"), out=str(tmp_path / "out.json"), groups=("main",),
-                                    only=["hybrid_cp1", "hybrid_cp2_stock"], budget_s=600, run_timeout_s=60, max_ranks=8)
+                                    only=["hybrid_cp1", "hybrid_cp2_stock"], budget_s=600, run_timeout_s=60, max_ranks=8,
+                                    flashqla_site=None)
     doc = bench.run_matrix(args)
     assert [r["status"] for r in doc["rows"]] == ["ok"] * 3, doc["rows"]
     assert events and all(made == ["mlm", "stock"] for _, _, made in events), events  # built before the first run

@@ -112,6 +112,8 @@ class RunSpec:
     gdn_head_dim: int = 128
     attention_heads: tuple = (8, 4)  # (query heads, query groups): head dim hidden / 8
     lr: float = 3e-4
+    backend: Optional[str] = None  # --linear-cp-backend (None: no flag, the config's default "auto")
+    site: Optional[str] = None  # a folder put first on the ranks' PYTHONPATH (e.g. an unpacked FlashQLA site)
     seed: int = 1234
     env: tuple = ()  # extra environment, as (name, value) pairs (e.g. a kernel choice)
     extra_args: tuple = ()
@@ -129,6 +131,9 @@ class RunSpec:
             raise ValueError(f"RunSpec.cp={self.cp!r} must be a positive int")
         if self.precision not in PRECISIONS:
             raise ValueError(f"RunSpec.precision={self.precision!r}: use one of {sorted(PRECISIONS)}")
+        if self.stock and self.backend is not None:
+            raise ValueError(f"RunSpec.backend={self.backend!r} with stock=True: stock Megatron-LM has no "
+                             "--linear-cp-backend; leave backend None")
         if self.stock and self.mode is not None:
             raise ValueError(f"RunSpec.mode={self.mode!r} with stock=True: stock Megatron-LM has no --linear-cp-mode; "
                              "leave mode None")
@@ -191,6 +196,8 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         # the output layer's fused weight-gradient accumulation needs APEX's CUDA extension (not installed)
         "--no-gradient-accumulation-fusion",
     ]
+    if spec.backend is not None:
+        args += ["--linear-cp-backend", spec.backend]
     if spec.mode is not None:
         args += ["--linear-cp-mode", spec.mode]
     if one_gpu and spec.world > 1:
@@ -373,6 +380,8 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
         env = dict(os.environ)
         env.update(extra_env or {})
         env.update(dict(spec.env))
+        if spec.site is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (spec.site, env.get("PYTHONPATH", "")) if p)
         env.update(RANK=str(rank), WORLD_SIZE=str(spec.world), LOCAL_RANK="0" if one_gpu else str(rank),
                    LOCAL_WORLD_SIZE="1" if one_gpu else str(spec.world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
