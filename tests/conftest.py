@@ -37,9 +37,39 @@ def rank_pool():
         return pool
 
     yield get
-    for pool in _POOLS.values():
-        pool.close()
-    _POOLS.clear()
+    try:
+        leaks = _thread_leaks(_POOLS.values())
+    finally:
+        for pool in _POOLS.values():
+            pool.close()
+        _POOLS.clear()
+    if leaks:
+        pytest.fail("\n".join(leaks), pytrace=False)
+
+
+MAX_RANK_THREADS = 64
+"""The most threads a pool rank may hold at the end of the session. A fresh 4-rank CPU pool's rank
+holds about 13 (its 3 gloo groups at 3 threads each, Python's and torch's own); every gloo process
+group a case creates and never destroys adds 3 for the rest of the session (Megatron's
+``initialize_model_parallel`` made about 25 per call: 1,168 threads per rank, a load of 180-290
+on 2 cores). Cases create groups once per topology (``gdn_cp.testing.megatron.training.
+megatron_parallel_state``, ``tp.tp_cp_groups``, ``layer.rank_groups``)."""
+
+
+def _thread_leaks(pools) -> list[str]:
+    """One line per pool rank holding more than :data:`MAX_RANK_THREADS` threads, with its
+    threads by name (pools that are closed or broken are not asked)."""
+    lines = []
+    for pool in pools:
+        if pool.broken:
+            continue
+        for rank, census in enumerate(pool.thread_census()):
+            if census is not None and census[0] > MAX_RANK_THREADS:
+                count, names = census
+                lines.append(f"rank {rank} of the {pool.world_size}-rank {pool.device} pool holds {count} threads "
+                             f"(at most {MAX_RANK_THREADS}): {names}; a case created process groups it never "
+                             "destroyed (create them once per topology and reuse them, or destroy them)")
+    return lines
 
 
 def megatron_unavailable(reason: str):

@@ -72,6 +72,9 @@ __all__ = [
     "choose_process_group_backend",
     "current_rank",
     "maybe_fast_autotune",
+    "process_group",
+    "shared_process_groups",
+    "thread_census",
 ]
 
 logger = logging.getLogger(__name__)
@@ -274,6 +277,76 @@ def _install_collective_shims(ctx: RankContext, gloo: bool) -> None:
         setattr(dist, name, wrapped)
 
 
+_SHARED_GROUPS: dict = {}  # (sorted ranks, backend) -> the group over them (or NON_GROUP_MEMBER)
+
+
+def process_group(ranks, backend: Optional[str] = None, **new_group_kwargs):
+    """The process group over exactly ``ranks``, created on the first request and the same object
+    after: every gloo group holds threads until it is destroyed, so test processes share one group
+    per rank set (a rank is in at most 2**(world-1) of them) instead of creating one per use.
+    ``backend`` None: the default group's. Every rank must ask for the same sets in the same order
+    (creating a group is collective), as cases that run the same code on every rank do. Groups
+    of the same ranks serve several roles (e.g. TP and DP): fine for code that issues its
+    collectives in the same order on every rank, as tests do; not a pattern for training."""
+    import torch.distributed as dist
+
+    members = tuple(sorted(int(r) for r in ranks))
+    key = (members, str(backend or dist.get_backend()))
+    if key not in _SHARED_GROUPS:
+        if members == tuple(range(dist.get_world_size())) and key[1] == str(dist.get_backend()):
+            _SHARED_GROUPS[key] = dist.group.WORLD
+        else:
+            _SHARED_GROUPS[key] = _NEW_GROUP(list(members), backend=backend, **new_group_kwargs)
+    return _SHARED_GROUPS[key]
+
+
+_NEW_GROUP = torch.distributed.new_group
+
+
+@contextlib.contextmanager
+def shared_process_groups():
+    """Inside: ``torch.distributed.new_group(ranks)`` returns :func:`process_group` ``(ranks)``, so
+    code that creates its groups (e.g. Megatron's ``initialize_model_parallel``: dozens per call)
+    reuses those of the same ranks; restored on exit. Calls with ``pg_options`` or without ``ranks``
+    go to torch unchanged."""
+    import torch.distributed as dist
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, **kwargs):
+        if ranks is None or pg_options is not None:
+            return _NEW_GROUP(ranks, timeout, backend, pg_options, **kwargs)
+        return process_group(ranks, backend, **kwargs)
+
+    saved = dist.new_group
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = saved
+
+
+def thread_census() -> Optional[tuple[int, dict[str, int]]]:
+    """``(threads, {thread name: count})`` of this process, from ``/proc/self/task/*/comm`` (None
+    where there is no /proc). A gloo process group holds threads (``pt_gloo_runloop``,
+    ``gloo_tcp_loop``) until it is destroyed: this is how a pool rank's leaked groups show."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names: dict[str, int] = {}
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        names[name] = names.get(name, 0) + 1
+    return sum(names.values()), dict(sorted(names.items(), key=lambda kv: -kv[1]))
+
+
+def _thread_census_case(ctx) -> Optional[tuple[int, dict[str, int]]]:  # noqa: ARG001 - a pool case
+    return thread_census()
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     """A rank whose parent died (killed, crashed) has nobody to answer: exit instead of lingering."""
     while True:
@@ -297,6 +370,10 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
     """Body of a rank process: start, then answer tasks from the parent until told to stop."""
     global _CURRENT
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # Temporary files of the rank (multiprocessing's pymp-* folder, made when tensors go back to the
+    # parent) go into the pool's folder, which the parent removes: the rank ends by os._exit, which
+    # skips the finalizers that would remove them.
+    tempfile.tempdir = os.path.dirname(init_file)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     os.environ.update(env)
     try:
@@ -318,7 +395,7 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
                 continue
             for start in range(0, world, size):
                 members = list(range(start, start + size))
-                grp = dist.group.WORLD if size == world else dist.new_group(members)
+                grp = process_group(members)
                 if rank in members:
                     ctx.groups[size] = grp
         if test_shims:
@@ -563,6 +640,11 @@ class RankPool:
         if failures and raise_on_error:
             raise RankError(failures)
         return out
+
+    def thread_census(self) -> list[Optional[tuple[int, dict[str, int]]]]:
+        """Each rank's :func:`thread_census`, by rank (a leak check: a rank's thread count should
+        not grow with the cases it ran)."""
+        return self.run(_thread_census_case, timeout_s=60.0)
 
     # -- ending -----------------------------------------------------------------------------
     def close(self, wait_s: float = 5.0) -> None:

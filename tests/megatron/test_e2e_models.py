@@ -681,3 +681,32 @@ def test_training_steps_equal_cp1(patched_megatron, rank_pool, name):
                 bad.append(f"rank {rank} {kind} {strategy} cp={run[0]} {run[1]}: loss {loss:.3g}, params "
                            f"{params:.3g}, grad norm {norm:.3g} (losses {got['loss']} vs {ref['loss']})")
     assert not bad, "\n".join(bad)
+
+
+def _parallel_state_entries(ctx):
+    """Enter megatron_parallel_state for topologies seen before and new: per entry (tp, cp, the
+    groups' identities and sizes, this rank's threads); outside it nothing is initialized."""
+    from gdn_cp.testing.megatron.training import megatron_parallel_state
+    from gdn_cp.testing.ranks import thread_census
+
+    out = []
+    for tp, cp in ((1, 2), (2, 2), (1, 2), (2, 2), (1, 4), (2, 2), (1, 2)):
+        with megatron_parallel_state(cp, tensor_model_parallel_size=tp) as ps:
+            groups = (ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group(),
+                      ps.get_data_parallel_group(with_context_parallel=True))
+            out.append((tp, cp, tuple(id(g) for g in groups), tuple(g.size() for g in groups),
+                        ps.get_global_memory_buffer() is not None, thread_census()[0]))
+        assert not ps.model_parallel_is_initialized() and ps._GLOBAL_MEMORY_BUFFER is None
+    return out
+
+
+def test_megatron_parallel_state_is_made_once_per_topology(patched_megatron, rank_pool):
+    """A topology entered again gets the same groups and costs no thread (each
+    initialize_model_parallel creates dozens of gloo groups that hold threads until destroyed)."""
+    for rank, entries in enumerate(rank_pool(WORLD).run(_parallel_state_entries)):
+        first = {}
+        for tp, cp, ids, sizes, buffer, _ in entries:
+            assert sizes == (tp, cp, WORLD // tp) and buffer, (rank, tp, cp, sizes)
+            assert first.setdefault((tp, cp), ids) == ids, (rank, tp, cp, "groups made again")
+        threads = [e[-1] for e in entries]  # entries 2, 3 and 5, 6 only re-enter topologies made before
+        assert threads[1] == threads[2] == threads[3] and threads[4] == threads[5] == threads[6], (rank, threads)

@@ -299,7 +299,6 @@ def _finalize_case(ctx, *, stock: bool, sp: bool, layout: str, cp: int, normaliz
     the same data), the layer wrapped in DistributedDataParallel, forward + backward, then
     ``finalize_model_grads``. Returns, per parameter, the error of ``main_grad`` (TP parts
     gathered, divided by DP) against the TP=1 CP=1 gradient, and out_norm.weight's main_grad."""
-    from megatron.core import parallel_state
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -309,15 +308,14 @@ def _finalize_case(ctx, *, stock: bool, sp: bool, layout: str, cp: int, normaliz
     from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward
     from gdn_cp.testing.megatron.parity import case_inputs, cp1_answer, thd_split_cfg
     from gdn_cp.testing.megatron.tp import gather_tp_grads, sp_slice
+    from gdn_cp.testing.megatron.training import megatron_parallel_state
     from gdn_cp.testing.metrics import max_rel
 
     # stock 0.19.2's deterministic core is fp32 (SBHD at CP=1 runs it); gdn-cp's path runs fp64
     dtype = torch.float32 if layout == "sbhd" and cp == 1 else torch.float64
     fields = dict(calculate_per_token_loss=True, normalization=normalization)  # DDP sums, no 1/dp scaling
     fields = thd_split_cfg(layout, fields)  # case_inputs cuts THD rows per document
-    parallel_state.destroy_model_parallel()  # a clean slate (other cases may have left a memory buffer)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=cp)
-    try:
+    with megatron_parallel_state(cp, tensor_model_parallel_size=2) as parallel_state:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         cp_group = parallel_state.get_context_parallel_group()
         x, dout, rows, psp = case_inputs(layout, cp, cp_group.rank(), dtype, 0, 32, "cpu")
@@ -338,8 +336,6 @@ def _finalize_case(ctx, *, stock: bool, sp: bool, layout: str, cp: int, normaliz
         dp = parallel_state.get_data_parallel_world_size()
         errs = {name: max_rel(g / dp, want[name]) for name, g in full.items()}
         return errs, main["out_norm.weight"], str(dtype)
-    finally:
-        parallel_state.destroy_model_parallel()
 
 
 def _finalize_cases(ctx):

@@ -91,6 +91,51 @@ def test_results_by_rank_and_ordinary_failures_keep_the_pool(rank_pool, hang_gua
     assert not pool.broken and pool.run(_where)[1][0] == 1  # still serving
 
 
+def _groups_made_once(ctx):
+    """Asked again, a rank set gives the same group and no new threads; new_group inside
+    shared_process_groups goes through the same table; the pool's own groups are in it."""
+    import torch
+    import torch.distributed as dist
+
+    from gdn_cp.testing.ranks import process_group, shared_process_groups, thread_census
+
+    pair = [0, 1] if ctx.rank < 2 else [2, 3]
+    assert process_group(pair) is ctx.group(2) and process_group(range(4)) is dist.group.WORLD
+    first = process_group([0, 2])  # a rank set the pool does not have (rank 1 and 3: not a member)
+    threads = thread_census()[0]
+    torch_new_group = dist.new_group
+    with shared_process_groups():
+        again = [dist.new_group([2, 0]) for _ in range(20)]
+    assert all(g is first for g in again) and process_group([0, 2]) is first
+    assert dist.new_group is torch_new_group  # restored
+    member = dist.get_rank() in (0, 2)
+    if member:
+        t = torch.ones(1)
+        dist.all_reduce(t, group=first)
+        assert t.item() == 2
+    return thread_census()[0] - threads
+
+
+def test_process_groups_are_made_once_per_rank_set(rank_pool, hang_guard):
+    assert rank_pool(4).run(_groups_made_once) == [0, 0, 0, 0]
+
+
+def _temp_dir(ctx):
+    import multiprocessing.util
+    import tempfile
+
+    return tempfile.gettempdir(), multiprocessing.util.get_temp_dir()
+
+
+def test_rank_temp_files_go_to_the_pool_folder(hang_guard):
+    """A rank ends by os._exit (no finalizers): its multiprocessing temp folder (pymp-*, made when
+    tensors go back to the parent) lies in the pool's folder, which the pool removes."""
+    with RankPool(1, device="cpu") as pool:
+        (base, mp_dir), = pool.run(_temp_dir)
+        assert os.path.dirname(mp_dir) == base == pool._tmp and os.path.isdir(mp_dir)
+    assert not os.path.exists(base)
+
+
 @pytest.mark.slow
 def test_rank_failing_at_start_is_reported(hang_guard):
     with pytest.raises(RankError) as err:

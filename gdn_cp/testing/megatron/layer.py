@@ -134,7 +134,7 @@ def rank_groups() -> dict:
     are created on first call (every rank must call it, in the same order)."""
     import torch.distributed as dist
 
-    from ..ranks import current_rank
+    from ..ranks import current_rank, process_group
 
     if _GROUPS:
         return _GROUPS
@@ -146,11 +146,11 @@ def rank_groups() -> dict:
         if world % 2 == 0:
             _GROUPS["pair"] = ctx.group(2)
         return _GROUPS
-    selfs = [dist.new_group([r]) for r in range(world)]
+    selfs = [process_group([r]) for r in range(world)]
     _GROUPS["self"] = selfs[rank]
     _GROUPS["world"] = dist.group.WORLD
     if world % 2 == 0 and world > 2:
-        pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+        pairs = [process_group([r, r + 1]) for r in range(0, world, 2)]
         _GROUPS["pair"] = pairs[rank // 2]
     elif world == 2:
         _GROUPS["pair"] = dist.group.WORLD

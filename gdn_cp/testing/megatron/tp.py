@@ -42,8 +42,10 @@ _GROUPS: dict = {}
 def tp_cp_groups(tp: int, cp: int):
     """``(tp_group, cp_group, dp_rank)`` of this rank for a TP x CP grid over the whole world
     (see the module docstring for the layout). Every rank must call it with the same sizes, in
-    the same order (groups are created collectively on first use, then cached)."""
+    the same order (groups are created collectively on first use, one per rank set: :func:`gdn_cp.testing.ranks.process_group`)."""
     import torch.distributed as dist
+
+    from ..ranks import process_group
 
     key = (tp, cp)
     if key not in _GROUPS:
@@ -55,12 +57,12 @@ def tp_cp_groups(tp: int, cp: int):
             base = dp * tp * cp
             for c in range(cp):  # TP groups: consecutive ranks
                 members = [base + c * tp + t for t in range(tp)]
-                group = dist.new_group(members)
+                group = process_group(members)
                 if rank in members:
                     mine["tp"] = group
             for t in range(tp):  # CP groups: stride tp
                 members = [base + c * tp + t for c in range(cp)]
-                group = dist.new_group(members)
+                group = process_group(members)
                 if rank in members:
                     mine["cp"] = group
         _GROUPS[key] = (mine["tp"], mine["cp"], rank // (tp * cp))

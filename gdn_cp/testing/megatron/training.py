@@ -2,7 +2,7 @@
 megatron-core's ``DistributedDataParallel``, each step through megatron-core's own schedule
 (``get_forward_backward_func()``: forward_step, loss, backward, then ``finalize_model_grads``
 with the token count) and its own optimizer (``get_megatron_optimizer``), on Megatron's process
-groups (``parallel_state.initialize_model_parallel``).
+groups (``parallel_state.initialize_model_parallel``, once per topology: :func:`megatron_parallel_state`).
 
 What differs from a GPU run, and why:
 
@@ -24,6 +24,7 @@ What differs from a GPU run, and why:
 from __future__ import annotations
 
 import contextlib
+import re
 from functools import partial
 from typing import Callable, Iterable
 
@@ -69,19 +70,52 @@ def cuda_literals_on_cpu():
             setattr(torch, name, factory)
 
 
+_PARALLEL_STATES: dict = {}  # (world, tp, cp) -> parallel_state's globals right after initialize_model_parallel
+
+
+def _state_names(parallel_state) -> list[str]:
+    """The module globals that hold megatron-core's parallel state (``_TENSOR_MODEL_PARALLEL_GROUP``,
+    ``_GLOBAL_MEMORY_BUFFER``, ..., ``_global_process_group_list``)."""
+    return [n for n in vars(parallel_state) if re.fullmatch(r"_[A-Z][A-Z0-9_]*|_global_process_group_list", n)]
+
+
 @contextlib.contextmanager
-def megatron_parallel_state(context_parallel_size: int):
-    """megatron-core's ``parallel_state`` on this process's world: TP = PP = 1, CP as given, DP
-    the rest (Megatron's rank order: CP groups of consecutive ranks). Destroyed on exit; every
-    rank must enter it together."""
+def megatron_parallel_state(context_parallel_size: int, tensor_model_parallel_size: int = 1):
+    """megatron-core's ``parallel_state`` on this process's world: TP and CP as given, PP = 1, DP
+    the rest (Megatron's rank order ``tp-cp-ep-dp-pp``). Every rank must enter it together.
+
+    Each ``initialize_model_parallel`` creates dozens of process groups and ``destroy_model_parallel``
+    only drops the references (torch keeps every group, and a gloo group its threads, until it is
+    destroyed): a rank pool that initialized per case grew to 1,168 threads per rank. So the state
+    is made once per topology and process, then re-installed, and its groups are those of
+    :func:`gdn_cp.testing.ranks.shared_process_groups` (one per rank set, shared with the pool's
+    and the other topologies'). On exit the state found on entry is put back; each entry gets a
+    fresh global memory buffer, as ``initialize_model_parallel`` makes one."""
+    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()  # a clean slate (another case may have left state)
-    parallel_state.initialize_model_parallel(context_parallel_size=context_parallel_size)
+    from ..ranks import shared_process_groups
+
+    names = _state_names(parallel_state)
+    outside = {n: getattr(parallel_state, n) for n in names}
+    key = (dist.get_world_size(), tensor_model_parallel_size, context_parallel_size)
     try:
+        for n, value in outside.items():  # a clean slate, without destroying anything
+            setattr(parallel_state, n, {} if isinstance(value, dict) else None)
+        if key not in _PARALLEL_STATES:
+            with shared_process_groups():
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                                         context_parallel_size=context_parallel_size)
+            _PARALLEL_STATES[key] = {n: getattr(parallel_state, n) for n in names}
+        else:
+            for n, value in _PARALLEL_STATES[key].items():
+                if n != "_GLOBAL_MEMORY_BUFFER":
+                    setattr(parallel_state, n, value)
+            parallel_state._set_global_memory_buffer()
         yield parallel_state
     finally:
-        parallel_state.destroy_model_parallel()
+        for n, value in outside.items():
+            setattr(parallel_state, n, value)
 
 
 def loss_func_like_pretrain_gpt(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
