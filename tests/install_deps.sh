@@ -26,26 +26,22 @@ if [ "$ANY_ENV" != 1 ] && ! "$PY" -c 'import sys; sys.exit(0 if sys.prefix != sy
 fi
 cd "$(dirname "$0")/.."
 
-# one progress line per step (about a minute in all on 2 cores with a fast index)
+# one progress line per step (about a minute in all on 2 cores with a fast index); two pip calls (each
+# start costs seconds): what resolves normally, then what must not pull dependencies
 START=$SECONDS
-step() { echo "tests/install_deps.sh: [$1/6] $2 ($(( SECONDS - START )) s so far)"; }
-step 1 "torch 2.13.0"
-"$PY" -m pip install -q torch==2.13.0
-step 2 "gdn-cp (editable) with its test extras: pytest, hypothesis, hadolint, shellcheck"
-"$PY" -m pip install -q -e ".[test]"
-if "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
-  step 3 "megatron-core 0.19.2"
-  "$PY" -m pip install -q --no-deps megatron-core==0.19.2
-else
-  step 3 "megatron-core 0.19.2 from its sources (it declares Python >= 3.12; they run on this one)"
-  "$PY" -m pip install -q --no-binary megatron-core --ignore-requires-python --no-deps megatron-core==0.19.2
-fi
+step() { echo "tests/install_deps.sh: [$1/4] $2 ($(( SECONDS - START )) s so far)"; }
+step 1 "torch 2.13.0, gdn-cp (editable) with its test extras (pytest, hypothesis, hadolint, shellcheck), packaging, numpy"
+"$PY" -m pip install -q torch==2.13.0 -e ".[test]" "packaging>=24.2" numpy
 # megatron.core imports triton at import time; --no-deps keeps pip from touching torch.
-step 4 "triton (megatron.core imports it), packaging, numpy"
-"$PY" -m pip install -q --no-deps triton
-"$PY" -m pip install -q "packaging>=24.2" numpy
-step 5 "gdn-cp patch apply"
+if "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
+  step 2 "megatron-core 0.19.2 and triton (megatron.core imports it)"
+  "$PY" -m pip install -q --no-deps megatron-core==0.19.2 triton
+else
+  step 2 "megatron-core 0.19.2 from its sources (it declares Python >= 3.12; they run on this one) and triton"
+  "$PY" -m pip install -q --no-deps --no-binary megatron-core --ignore-requires-python megatron-core==0.19.2 triton
+fi
+step 3 "gdn-cp patch apply"
 "$PY" -m gdn_cp.cli patch apply
-step 6 "gdn-cp patch check --expect patched"
+step 4 "gdn-cp patch check --expect patched"
 "$PY" -m gdn_cp.cli patch check --expect patched
 echo "tests/install_deps.sh: done in $(( SECONDS - START )) s; run the tests with: python3 -m pytest"

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,10 +20,8 @@ from benchmarks import layer_full_math as lfm
 from benchmarks.layer_full_rank import spans_from_trace
 from gdn_cp.testing.metrics import rel_l2
 from gdn_cp.testing.packings import zigzag_rows
+from tests.conftest import start_smoke_run
 from tests.megatron.conftest import patched_megatron  # noqa: F401 - the fixture, for the switch test
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ["-m", "benchmarks.layer_full"]  # run from ROOT
 
 ROW_KEYS = {"gpus", "backend", "cp", "tp", "T", "layout", "packing", "case", "median_ms", "p10_ms", "p90_ms",
             "iters", "peak_gib", "machine", "versions", "date", "knobs", "bytes_per_token", "status", "check",
@@ -34,16 +30,27 @@ TINY = lfm.GDNDims(hidden=32, num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v
 FP32_TOL = 1e-5
 
 
+# started in the background when the session starts (tests/conftest.py: a run is mostly process
+# start-ups and megatron imports), unless the session may patch the installed megatron-core while it runs
+SMOKE_RUNS = {
+    "smoke": ("layer_full", ["--quick", "--tokens", "256", "--packings", "mixed8,sbhd", "--iters", "2"]),
+    # --cp 1: one process per megatron tree, the whole packing and both slices of a CP=2 run
+    "smoke_cp1": ("layer_full", ["--quick", "--cp", "1", "--slice-of-cp", "2", "--tokens", "256", "--packings",
+                                 "mixed8", "--iters", "2", "--spec", "te,local", "--levers", "fused_norm"]),
+}
+SMOKE_IMPORTS_MEGATRON = True
+
+
+def _smoke_rows(fixture: str):
+    code, printed, out = start_smoke_run(sys.modules[__name__], fixture).result(timeout_s=300)
+    args = " ".join(SMOKE_RUNS[fixture][1])
+    assert code == 0, f"layer_full.py {args} failed ({code}):\n{printed[-8000:]}"
+    return json.loads(out.read_text()), printed
+
+
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("layer_full") / "layer_full.json"
-    proc = subprocess.run(
-        [sys.executable, *SCRIPT, "--quick", "--tokens", "256", "--packings", "mixed8,sbhd", "--iters", "2",
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"layer_full.py failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text()), proc.stdout
+def smoke():
+    return _smoke_rows("smoke")
 
 
 def test_help_lists_the_knobs():
@@ -96,16 +103,9 @@ def test_every_case_equals_cp1(smoke):
 
 
 @pytest.fixture(scope="module")
-def smoke_cp1(tmp_path_factory):
+def smoke_cp1():
     """``--cp 1``: one process per megatron tree, the whole packing and both slices of a CP=2 run."""
-    out = tmp_path_factory.mktemp("layer_full_cp1") / "layer_full.json"
-    proc = subprocess.run(
-        [sys.executable, *SCRIPT, "--quick", "--cp", "1", "--slice-of-cp", "2", "--tokens", "256",
-         "--packings", "mixed8", "--iters", "2", "--spec", "te,local", "--levers", "fused_norm", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, f"layer_full.py --cp 1 failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text()), proc.stdout
+    return _smoke_rows("smoke_cp1")
 
 
 def _base_rows(rows):

@@ -7,52 +7,129 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from gdn_cp.patch import apply_patch
 
-from .sources import REPO
+from .sources import REPO, Layout
 
 
-_TABLE_SCRIPT = r"""
-import json, sys, typing, warnings
+# One Python runs every job of this module (a fresh one costs seconds of torch and megatron
+# imports; megatron alone again, from another tree, costs a fraction of a second): each job first
+# drops megatron's modules and puts its tree first on sys.path.
+_SCRIPT = r"""
+import json, sys, traceback, typing, warnings
 warnings.filterwarnings("ignore")
+import torch
 import torch.nn.functional as F
-from megatron.core.transformer import TransformerConfig
-import megatron.core
-assert megatron.core.__file__.startswith(sys.argv[1]), megatron.core.__file__
-shapes = json.loads(sys.argv[2])
-modes = json.loads(sys.argv[3])
-field = TransformerConfig.__dataclass_fields__.get("linear_cp_mode")
-out = [list(typing.get_args(field.type)) if field is not None else None]
-try:  # megatron-core itself refuses sequence parallelism without TP > 1
-    TransformerConfig(num_layers=4, hidden_size=96, num_attention_heads=24, sequence_parallel=True)
-    out.append("sp-accepted")
-except ValueError as e:
-    out.append(str(e))
-for k, v, tp, cp in shapes:
-    for mode in modes:
-        kw = dict(num_layers=4, hidden_size=96, num_attention_heads=24,
-                  experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
-                  linear_num_key_heads=k, linear_num_value_heads=v, activation_func=F.silu,
-                  tensor_model_parallel_size=tp, context_parallel_size=cp)
-        if mode is not None:
-            kw["linear_cp_mode"] = mode
-        try:
-            c = TransformerConfig(**kw)
-            out.append([k, v, tp, cp, mode, "ok", getattr(c, "linear_cp_mode", None)])
-        except Exception as e:
-            out.append([k, v, tp, cp, mode, type(e).__name__, str(e)])
-try:  # TransformerConfig's default activation_func (gelu), with GDN layers
-    TransformerConfig(num_layers=4, hidden_size=96, num_attention_heads=24, experimental_attention_variant="gated_delta_net",
-                      linear_attention_freq=4, linear_num_key_heads=16, linear_num_value_heads=32)
-    gelu = "accepted"
-except Exception as e:
-    gelu = [type(e).__name__, str(e)]
-print("GELU" + json.dumps(gelu))
-print("RESULT" + json.dumps(out))
+
+
+def use_tree(root):
+    for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
+        del sys.modules[name]
+    sys.path[:] = [root] + [p for p in sys.path if p not in TREES]
+    import megatron.core
+    assert megatron.core.__file__.startswith(root), megatron.core.__file__
+
+
+def table(shapes, modes):
+    from megatron.core.transformer import TransformerConfig
+    field = TransformerConfig.__dataclass_fields__.get("linear_cp_mode")
+    out = [list(typing.get_args(field.type)) if field is not None else None]
+    try:  # megatron-core itself refuses sequence parallelism without TP > 1
+        TransformerConfig(num_layers=4, hidden_size=96, num_attention_heads=24, sequence_parallel=True)
+        out.append("sp-accepted")
+    except ValueError as e:
+        out.append(str(e))
+    for k, v, tp, cp in shapes:
+        for mode in modes:
+            kw = dict(num_layers=4, hidden_size=96, num_attention_heads=24,
+                      experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                      linear_num_key_heads=k, linear_num_value_heads=v, activation_func=F.silu,
+                      tensor_model_parallel_size=tp, context_parallel_size=cp)
+            if mode is not None:
+                kw["linear_cp_mode"] = mode
+            try:
+                c = TransformerConfig(**kw)
+                out.append([k, v, tp, cp, mode, "ok", getattr(c, "linear_cp_mode", None)])
+            except Exception as e:
+                out.append([k, v, tp, cp, mode, type(e).__name__, str(e)])
+    try:  # TransformerConfig's default activation_func (gelu), with GDN layers
+        TransformerConfig(num_layers=4, hidden_size=96, num_attention_heads=24,
+                          experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                          linear_num_key_heads=16, linear_num_value_heads=32)
+        gelu = "accepted"
+    except Exception as e:
+        gelu = [type(e).__name__, str(e)]
+    return {"rows": out, "gelu": gelu}
+
+
+def forward(root):
+    import types
+    import gdn_cp.megatron
+    from megatron.core.ssm.gated_delta_net import gdn as gdn_mod
+    from megatron.core.packed_seq_params import PackedSeqParams
+    assert gdn_mod.__file__.startswith(root), gdn_mod.__file__
+    forward = gdn_mod.GatedDeltaNet.forward
+
+    calls = []
+    fake = types.ModuleType("gdn_cp.megatron.gdn")
+    fake.should_dispatch = lambda self, psp: calls.append(("should", self, psp)) or self.dispatch
+    def gated_delta_net_forward(self, hidden_states, attention_mask, **kw):
+        calls.append(("forward", self, hidden_states, attention_mask, kw))
+        return "OUT", "BIAS"
+    fake.gated_delta_net_forward = gated_delta_net_forward
+    sys.modules["gdn_cp.megatron.gdn"] = fake
+
+    class FakeGDN:  # the stock path needs far more than this: it fails on self.sp_size
+        dispatch = True
+    me = FakeGDN()
+    hs, mask = torch.zeros(4, 1, 8), None
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32))
+
+    # 1. dispatch: everything is handed over, stock code does not run
+    out = forward(me, hs, mask, None, psp, 3, inference_params=None, extra_kw=7)
+    assert out == ("OUT", "BIAS"), out
+    assert calls[0] == ("should", me, psp)
+    _, s, h, m, kw = calls[1]
+    assert s is me and h is hs and m is mask
+    assert kw == dict(inference_context=None, packed_seq_params=psp, sequence_len_offset=3,
+                      inference_params=None, extra_kw=7), kw
+
+    # 2. no dispatch: the stock code below the hook runs
+    me.dispatch = False
+    calls.clear()
+    try:
+        forward(me, hs, mask)
+        raise SystemExit("stock path did not run")
+    except AttributeError as e:
+        assert "sp_size" in str(e), e
+    assert [c[0] for c in calls] == ["should"]
+
+    # 3. gdn_cp.megatron.gdn not importable: a clear ImportError
+    sys.modules["gdn_cp.megatron.gdn"] = None
+    try:
+        forward(me, hs, mask)
+        raise SystemExit("no ImportError")
+    except ImportError as e:
+        assert "pip install -e <clone>" in str(e) and "gdn-cp patch revert" in str(e), e
+    return "FORWARD-OK"
+
+
+jobs = json.loads(sys.argv[1])
+TREES = {job["root"] for job in jobs}
+results = []
+for job in jobs:  # the forward job comes last: it replaces gdn_cp.megatron.gdn
+    try:
+        use_tree(job["root"])
+        if job["kind"] == "table":
+            results.append(table(job["shapes"], job["modes"]))
+        else:
+            results.append(forward(job["root"]))
+    except BaseException:
+        results.append({"error": traceback.format_exc()})
+print("RESULT" + json.dumps(results))
 """
 
 _SHAPES = [
@@ -69,35 +146,49 @@ _SHAPES = [
 ]
 
 
-def _run_table(root: Path, modes) -> list:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(REPO)]))
-    r = subprocess.run(
-        [sys.executable, "-c", _TABLE_SCRIPT, str(root), json.dumps(_SHAPES), json.dumps(modes)],
-        capture_output=True, text=True, env=env, cwd=root, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    literal, sp_error, *rows = json.loads(line[len("RESULT"):])
+STOCK_MODES = [None]
+PATCHED_MODES = [None, "headwise", "chunkwise", "all_gather", "auto", "ring", "HEADWISE"]
+
+
+@pytest.fixture(scope="module")
+def runs(pristine_megatron, tmp_path_factory) -> dict:
+    """The jobs' results: ``table_stock`` (a pristine site-packages tree), ``table_patched`` and
+    ``forward`` (a patched one), from one Python (see ``_SCRIPT``)."""
+    stock = Layout("site-packages", tmp_path_factory.mktemp("stock"), pristine_megatron)
+    patched = Layout("site-packages", tmp_path_factory.mktemp("patched"), pristine_megatron)
+    apply_patch(patched.root)
+    jobs = {"table_stock": dict(kind="table", root=str(stock.root), shapes=_SHAPES, modes=STOCK_MODES),
+            "table_patched": dict(kind="table", root=str(patched.root), shapes=_SHAPES, modes=PATCHED_MODES),
+            "forward": dict(kind="forward", root=str(patched.root))}
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(list(jobs.values()))],
+                       capture_output=True, text=True, env=env, cwd=tmp_path_factory.getbasetemp(), timeout=600)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+    return dict(zip(jobs, json.loads(lines[0][len("RESULT"):])))
+
+
+def _table(result) -> tuple:
+    assert "error" not in result, result["error"]
+    literal, sp_error, *rows = result["rows"]
     assert sp_error == "Cannot use sequence parallelism without tensor parallelism", sp_error
-    (gelu,) = [json.loads(ln[len("GELU"):]) for ln in r.stdout.splitlines() if ln.startswith("GELU")]
-    return literal, rows, gelu
+    return literal, rows, result["gelu"]
 
 
 @pytest.mark.megatron
-def test_patched_transformer_config_validation_table(site):
+def test_patched_transformer_config_validation_table(runs):
     from gdn_cp.megatron.config import resolve_linear_cp_mode
     from gdn_cp.modes.spec import MODE_CHOICES
 
-    literal, stock, gelu = _run_table(site.root, [None])
+    literal, stock, gelu = _table(runs["table_stock"])
     assert literal is None  # no linear_cp_mode field before patching
     assert gelu == "accepted"  # stock refuses a non-SiLU GDN activation only when the layer runs
     for k, v, tp, cp, _, outcome, detail in stock:  # stock 0.19.2: heads % (TP*CP), AssertionError
         ok = k % (tp * cp) == 0 and v % (tp * cp) == 0
         assert outcome == ("ok" if ok else "AssertionError"), (k, v, tp, cp, outcome, detail)
 
-    apply_patch(site.root)
-    modes = [None, "headwise", "chunkwise", "all_gather", "auto", "ring", "HEADWISE"]
-    literal, rows, gelu = _run_table(site.root, modes)
+    modes = PATCHED_MODES
+    literal, rows, gelu = _table(runs["table_patched"])
     assert tuple(literal) == MODE_CHOICES  # the field's Literal[...] lists the registry's choices
     assert gelu[0] == "ValueError" and gelu[1].startswith("TransformerConfig.activation_func=gelu, but gated delta "
                                                           "net layers need SiLU"), gelu
@@ -129,67 +220,6 @@ def test_patched_transformer_config_validation_table(site):
             assert f"{bad_field}=" in detail, case
 
 
-_FORWARD_SCRIPT = r"""
-import sys, types, warnings
-warnings.filterwarnings("ignore")
-import torch
-import gdn_cp.megatron
-from megatron.core.ssm.gated_delta_net import gdn as gdn_mod
-from megatron.core.packed_seq_params import PackedSeqParams
-assert gdn_mod.__file__.startswith(sys.argv[1]), gdn_mod.__file__
-forward = gdn_mod.GatedDeltaNet.forward
-
-calls = []
-fake = types.ModuleType("gdn_cp.megatron.gdn")
-fake.should_dispatch = lambda self, psp: calls.append(("should", self, psp)) or self.dispatch
-def gated_delta_net_forward(self, hidden_states, attention_mask, **kw):
-    calls.append(("forward", self, hidden_states, attention_mask, kw))
-    return "OUT", "BIAS"
-fake.gated_delta_net_forward = gated_delta_net_forward
-sys.modules["gdn_cp.megatron.gdn"] = fake
-
-class FakeGDN:  # the stock path needs far more than this: it fails on self.sp_size
-    dispatch = True
-me = FakeGDN()
-hs, mask = torch.zeros(4, 1, 8), None
-psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32))
-
-# 1. dispatch: everything is handed over, stock code does not run
-out = forward(me, hs, mask, None, psp, 3, inference_params=None, extra_kw=7)
-assert out == ("OUT", "BIAS"), out
-assert calls[0] == ("should", me, psp)
-_, s, h, m, kw = calls[1]
-assert s is me and h is hs and m is mask
-assert kw == dict(inference_context=None, packed_seq_params=psp, sequence_len_offset=3,
-                  inference_params=None, extra_kw=7), kw
-
-# 2. no dispatch: the stock code below the hook runs
-me.dispatch = False
-calls.clear()
-try:
-    forward(me, hs, mask)
-    raise SystemExit("stock path did not run")
-except AttributeError as e:
-    assert "sp_size" in str(e), e
-assert [c[0] for c in calls] == ["should"]
-
-# 3. gdn_cp.megatron.gdn not importable: a clear ImportError
-sys.modules["gdn_cp.megatron.gdn"] = None
-try:
-    forward(me, hs, mask)
-    raise SystemExit("no ImportError")
-except ImportError as e:
-    assert "pip install -e <clone>" in str(e) and "gdn-cp patch revert" in str(e), e
-print("FORWARD-OK")
-"""
-
-
 @pytest.mark.megatron
-def test_patched_gdn_forward_hands_over(site):
-    apply_patch(site.root)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site.root), str(REPO)]))
-    r = subprocess.run(
-        [sys.executable, "-c", _FORWARD_SCRIPT, str(site.root)],
-        capture_output=True, text=True, env=env, cwd=site.root, timeout=600,
-    )  # fmt: skip
-    assert r.returncode == 0 and "FORWARD-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+def test_patched_gdn_forward_hands_over(runs):
+    assert runs["forward"] == "FORWARD-OK", runs["forward"]

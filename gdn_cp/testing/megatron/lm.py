@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.abc
+import importlib.util
 import json
 import logging
 import os
@@ -357,13 +359,14 @@ def _error_tail(text: str, lines: int = 12) -> str:
 
 
 def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float = 600.0,
-           gpus: Optional[int] = None, python: str = sys.executable, extra_env: Optional[dict] = None) -> RunResult:
+           gpus: Optional[int] = None, python: str = sys.executable, extra_env: Optional[dict] = None,
+           failure_grace_s: float = 5.0) -> RunResult:
     """Run ``spec`` to the end (or its first failure) and return what it logged.
 
     One rank per GPU over NCCL when there are enough GPUs (``gpus``, default: what torch sees),
     else every rank on GPU 0 over gloo (see the module docstring). Each rank's output goes to
     ``log_dir/<name>.rank<r>.log``. A rank that exits non-zero ends the run: the others are killed
-    after 5 s."""
+    after ``failure_grace_s``."""
     checkout, log_dir = Path(checkout), Path(log_dir)
     script = checkout / spec.script
     if not script.is_file():
@@ -399,7 +402,7 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
         bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
         if bad:
             failed_rank, failed_at = bad[0], time.monotonic()
-            grace = failed_at + 5.0
+            grace = failed_at + failure_grace_s
             while time.monotonic() < grace and any(p.poll() is None for p in procs):
                 time.sleep(0.2)
             status = "failed"
@@ -484,6 +487,39 @@ def _install_sft_stand_ins() -> None:
     text_tokenizer.MegatronTokenizerText.tokenize_conversation = tokenize_conversation
 
 
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds no module itself: when ``name`` is imported, takes the spec the other finders give and
+    runs ``patch(module)`` right after the module's own code, before anything can bind its names."""
+
+    def __init__(self, name: str, patch):
+        self.name, self.patch = name, patch
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module):
+            exec_module(module)
+            self.patch(module)
+
+        spec.loader.exec_module = exec_then_patch  # this module's own loader instance
+        return spec
+
+
+def when_imported(name: str, patch) -> None:
+    """``patch(module)`` as soon as module ``name`` is imported (now, if it is): a shim that costs a
+    rank no megatron import before its script imports megatron (a test's stand-in script never does)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _PatchOnImport(name, patch))
+
+
 def install_rank_shims(argv: Sequence[str]) -> list[str]:
     """Install what this rank needs (module docstring); returns what was installed, for the log."""
     done = []
@@ -494,11 +530,10 @@ def install_rank_shims(argv: Sequence[str]) -> list[str]:
     from ...env import read as env_setting
 
     if env_setting("GDN_CP_MLM_ONE_GPU") == "1":
-        import megatron.core.distributed.param_and_grad_buffer as buffers
-
         from ..ranks import adapt_fla_collectives_for_gloo
 
-        buffers._coalescing_manager = _one_by_one
+        when_imported("megatron.core.distributed.param_and_grad_buffer",
+                      lambda buffers: setattr(buffers, "_coalescing_manager", _one_by_one))
         adapt_fla_collectives_for_gloo()
         done.append("ranks share one GPU: gloo, DDP bucket collectives one by one, FLA gathers viewed flat")
     if "--sft" in argv:
