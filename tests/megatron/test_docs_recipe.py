@@ -36,7 +36,8 @@ def test_the_docs_model_recipe_runs_as_written_on_a_cpu(patched_megatron, tmp_pa
     script = tmp_path / "recipe.py"
     script.write_text(docs_recipe())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()))
+               OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()),
+               TMPDIR=str(tmp_path))  # torchrun leaves its torchelastic_* log folder in the temp dir
     commands = {1: [sys.executable, str(script)],
                 2: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                     str(_free_port()), str(script)]}
