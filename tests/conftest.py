@@ -49,11 +49,11 @@ def rank_pool():
 
 MAX_RANK_THREADS = 64
 """The most threads a pool rank may hold at the end of the session. A fresh 4-rank CPU pool's rank
-holds about 13 (its 3 gloo groups at 3 threads each, Python's and torch's own); every gloo process
-group a case creates and never destroys adds 3 for the rest of the session (Megatron's
-``initialize_model_parallel`` made about 25 per call: 1,168 threads per rank, a load of 180-290
-on 2 cores). Cases create groups once per topology (``gdn_cp.testing.megatron.training.
-megatron_parallel_state``, ``tp.tp_cp_groups``, ``layer.rank_groups``)."""
+holds 13 (its 3 gloo groups at 3 threads each, Python's and torch's own) and 16 after the whole
+suite; every gloo process group a case creates and never destroys adds 3 for the rest of the
+session (Megatron's ``initialize_model_parallel`` made about 25 per call: 1,168 threads per rank, a
+load of 180-290 on 2 cores). Cases get their groups from ``gdn_cp.testing.ranks.process_group``
+(one per rank set; Megatron's through ``gdn_cp.testing.megatron.training.megatron_parallel_state``)."""
 
 
 def _thread_leaks(pools) -> list[str]:

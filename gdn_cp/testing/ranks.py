@@ -55,6 +55,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+import multiprocessing.util
 from multiprocessing import connection
 from typing import Any, Callable, Optional
 
@@ -370,10 +371,6 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
     """Body of a rank process: start, then answer tasks from the parent until told to stop."""
     global _CURRENT
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    # Temporary files of the rank (multiprocessing's pymp-* folder, made when tensors go back to the
-    # parent) go into the pool's folder, which the parent removes: the rank ends by os._exit, which
-    # skips the finalizers that would remove them.
-    tempfile.tempdir = os.path.dirname(init_file)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     os.environ.update(env)
     try:
@@ -527,6 +524,10 @@ class RankPool:
         logger.debug("rank pool of %d up in %.1fs (%s, %s)", world_size, self.startup_s, self.backend, self.device)
 
     def _spawn(self, ctx, env: Optional[dict], test_shims: bool) -> None:
+        # multiprocessing's temporary folder (pymp-*: where a rank's sockets for sending tensors back
+        # live) made here, before spawning, is the ranks' too (they inherit it) and is removed when
+        # this process exits; a rank's own would outlive it (a rank ends by os._exit: no finalizers).
+        multiprocessing.util.get_temp_dir()
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(
