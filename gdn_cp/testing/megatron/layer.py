@@ -16,6 +16,11 @@ belong in test and benchmark processes only, never in a training job):
   generator's state instead;
 * ``torch.cuda.current_stream()`` -> a stream that waits for nothing (Megatron's
   DistributedDataParallel asks for it in its gradient sync, to wait on CUDA-graph events);
+* the recompute of ``CheckpointWithoutOutput`` (gdn_norm_out) hands its output over by
+  ``share_storage``, a C++ extension that ``torch.utils.cpp_extension.load_inline`` compiles on
+  first use (10-20 CPU s of g++; its build cache under ``~/.cache/torch_extensions`` is keyed by
+  the torch include path, so two virtual environments rebuild it in turn): on the CPU the same
+  hand-over by a storage-level copy (every view sees the data, no version counter moves);
 * without TransformerEngine, 0.19.2's ``CheckpointWithoutOutput()`` (gdn_norm_out recompute) is
   broken (``self.fp8 = fp8 is not None`` is True for the default ``fp8=False``, then TE's
   ``FP8GlobalStateManager`` is a NameError): stand-ins that say "no fp8" are installed when TE is
@@ -73,6 +78,14 @@ def _torch_l2norm(x, dim: int = -1, eps: float = 1e-6, **_):
     return x * torch.rsqrt((x * x).sum(dim, keepdim=True) + eps)
 
 
+def _share_storage_by_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Megatron's ``share_storage(dst, src)`` without its compiled extension: ``dst``'s storage
+    (released to 0 bytes before the recompute) resized back and filled with ``src``'s bytes."""
+    storage = dst.untyped_storage()
+    storage.resize_(src.untyped_storage().nbytes())
+    storage.copy_(src.untyped_storage())
+
+
 class _CpuStream:
     """Stands in for ``torch.cuda.current_stream()`` on the CPU: work is done when issued."""
 
@@ -98,6 +111,7 @@ def install_cpu_shims() -> None:
     common.l2norm = _torch_l2norm
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda *a, **k: None
+    mrandom._get_share_storage = lambda: _share_storage_by_copy
     if not mrandom.HAVE_TE:
         class _NoFP8:
             is_fp8_enabled = staticmethod(lambda: False)
