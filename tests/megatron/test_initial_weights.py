@@ -227,7 +227,8 @@ def _te_weights_after_draws(ctx) -> dict:
     out = {}
     for n in DRAWS:
         torch.manual_seed(SEED)
-        model_parallel_cuda_manual_seed(SEED)  # Megatron-LM's _set_random_seed, then its JIT warm-up:
+        # Megatron-LM's _set_random_seed (one rank: TP / EP rank 0), then its JIT warm-up:
+        model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0, etp_rank=0)
         torch.rand(n, device="cuda")
         models = _te_models(model_pg_collection(rank_groups()["self"]))
         out[n] = {f"{kind}.{k}": v.detach().float().cpu().clone()

@@ -286,7 +286,7 @@ def cut_for_rank(batch: dict, strategy: str, *, cp_group, seq_length: int,
                  padded=strategy == "padded")
     index_batch = copy.deepcopy(batch)
     mbs, s = batch["tokens"].shape
-    index_batch["tokens"] = torch.arange(1, mbs * s + 1).view(mbs, s)
+    index_batch["tokens"] = torch.arange(1, mbs * s + 1, device=batch["tokens"].device).view(mbs, s)
     cut = get_batch_like_pretrain_gpt(batch, cp_group=cp_group, **flags)
     rows = get_batch_like_pretrain_gpt(index_batch, cp_group=cp_group, **flags)["tokens"] - 1
     group = cut.get("hybrid_cp_group")
