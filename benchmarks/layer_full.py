@@ -28,7 +28,7 @@ Cases, per (T, packing), all on the same weights and input rows:
 - ``stock_headwise``: stock megatron-core 0.19.2 from pristine files, in its own rank processes;
 - ``headwise``, ``chunkwise_hidden`` (layout swap at hidden_states), ``chunkwise_core`` (swap
   around the core), ``chunkwise_generic`` (hidden swap, gdn-cp's own halo/state exchange even
-  where FLA's cp context could run: ``gdn_cp.modes.set_chunkwise_path("generic")``; the other
+  where FLA's cp context could run: ``GDN_CP_CHUNKWISE_PATH=generic`` in the ranks; the other
   chunkwise cases take the ``auto`` path), ``all_gather``: the patched layer (gdn-cp), one rank
   pool for all of them;
 - ``cp1_slice``: the ideal for chunkwise: CP=1 (no communication) on each rank's own contiguous

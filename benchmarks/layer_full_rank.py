@@ -7,7 +7,7 @@ megatron, checks which file was imported, and builds the layers once per rank:
 
 - ``layer``: GatedDeltaNet on the pool's CP group (every rank of the pool), the case's mode set on
   its config per case (``linear_cp_mode``; the chunkwise swap point through
-  ``gdn_cp.megatron.swap.set_chunkwise_swap``);
+  ``GDN_CP_CHUNKWISE_SWAP``);
 - ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
   CP=1 reference of the correctness check. In a one-rank pool (``--cp 1``) ``layer`` is ``layer1``.
 
@@ -235,10 +235,11 @@ def _count_fused_norm_calls() -> None:
 
 
 def _clear_norm_choice(module) -> None:
-    """Forget the glue's per-layer gated-norm choice (``_gdn_cp_*norm*`` entries of the layer's
-    ``__dict__``), so the next forward decides again."""
-    for key in [k for k in vars(module) if k.startswith("_gdn_cp_") and "norm" in k]:
-        del module.__dict__[key]
+    """Forget the glue's per-layer gated-norm choice (its ``LayerState.gated_norms``), so the next
+    forward decides again."""
+    from gdn_cp.megatron.gdn import layer_state
+
+    layer_state(module).gated_norms.clear()
 
 
 @contextlib.contextmanager
@@ -247,9 +248,9 @@ def fused_norm_off(modules):
     ``out_norm * act(z)`` instead of the fused gated RMSNorm, because its release adapter's
     ``plain_rms_gated_norm`` reports the norm as not plain. The layers' cached choice is dropped on
     entry and exit, so the rows before and after decide afresh."""
-    from gdn_cp.megatron.gdn import layer_adapter
+    from gdn_cp.megatron.gdn import layer_state
 
-    classes = {type(layer_adapter(m)) for m in modules}
+    classes = {type(layer_state(m).adapter) for m in modules}
     own = {cls: cls.__dict__.get("plain_rms_gated_norm") for cls in classes}  # None: inherited
     for m in modules:
         _clear_norm_choice(m)
@@ -327,17 +328,15 @@ def _rows(case: str, layout: str, cu, cp: int, rank: int, device) -> torch.Tenso
 
 
 def _set_mode(case: str, layers: dict) -> None:
-    """The patched layer's mode for ``case`` (config field read at every forward), swap point and
-    chunkwise path (``chunkwise_generic``: gdn-cp's own exchange; every other case: ``auto``)."""
-    from gdn_cp.megatron.swap import set_chunkwise_swap
-    from gdn_cp.modes import set_chunkwise_path
-
+    """The patched layer's mode for ``case`` (config field), swap point and chunkwise path
+    (``chunkwise_generic``: gdn-cp's own exchange; every other case: ``auto``), in this rank process's
+    environment: the forward reads all three on every call."""
     mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(case, "chunkwise")
     layers["layer"].config.linear_cp_mode = mode
     layers["layer1"].config.linear_cp_mode = mode
-    set_chunkwise_swap({"chunkwise_hidden": "hidden", "chunkwise_core": "core", "chunkwise_generic": "hidden"}
-                       .get(case, "auto"))
-    set_chunkwise_path("generic" if case == "chunkwise_generic" else "auto")
+    os.environ["GDN_CP_CHUNKWISE_SWAP"] = {"chunkwise_hidden": "hidden", "chunkwise_core": "core",
+                                           "chunkwise_generic": "hidden"}.get(case, "auto")
+    os.environ["GDN_CP_CHUNKWISE_PATH"] = "generic" if case == "chunkwise_generic" else "auto"
 
 
 class _Case:
@@ -397,11 +396,20 @@ class _Case:
     def chunkwise_path(self) -> str | None:
         if not self.case.startswith("chunkwise"):
             return None
-        from gdn_cp.megatron.gdn import choose_backend, layer_adapter
-        from gdn_cp.modes import resolve_chunkwise_path
+        if self.group is None:  # no CP: no exchange
+            return "generic"
+        from gdn_cp.layout import RouteCache
+        from gdn_cp.megatron.config import read_settings
+        from gdn_cp.megatron.backend import choose_backend
+        from gdn_cp.megatron.gdn import layer_state
+        from gdn_cp.modes import CallContext, prepare_mode
 
-        path, _ = resolve_chunkwise_path(choose_backend(layer_adapter(self.module), _STATE["device"]), self.group)
-        return "fla" if path == "native" else "generic"
+        state = layer_state(self.module)
+        settings = read_settings(state.adapter.config_fields)
+        call = CallContext(settings=settings, shape=state.shape, plan=RouteCache().plan([0, 2 * self.group.size()],
+                           self.group.size(), self.group.rank()), group=self.group,
+                           backend=choose_backend(settings, state.adapter, _STATE["device"]))
+        return "fla" if prepare_mode(call).path.startswith("native") else "generic"
 
     # -- the core alone ------------------------------------------------------------------------
     def core_step(self, seed: int):
@@ -411,8 +419,10 @@ class _Case:
         if self.case in STOCK_CASES:
             return None
         from gdn_cp.layout import RouteCache, plan_for_sbhd
-        from gdn_cp.megatron.gdn import choose_backend, layer_adapter
-        from gdn_cp.modes import GDNShape, gdn_core
+        from gdn_cp.megatron.config import read_settings
+        from gdn_cp.megatron.backend import choose_backend
+        from gdn_cp.megatron.gdn import layer_state
+        from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 
         st = _STATE
         m, device, dtype, cp, rank = self.module, st["device"], st["dtype"], st["cp"], st["ctx"].rank
@@ -427,8 +437,9 @@ class _Case:
             plan, group = plan_for_sbhd(self.cu[-1], 1, cp, rank), self.group
         else:
             plan, group = RouteCache().plan(torch.tensor(self.cu), cp, rank), self.group
-        mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(self.case, "chunkwise")
-        layout = "contiguous" if self.case in ("chunkwise_hidden", "chunkwise_generic") else "zigzag"
+        settings = read_settings(layer_state(m).adapter.config_fields)
+        # chunkwise with its swap at hidden_states: its core takes rows already contiguous
+        contiguous = self.case in ("chunkwise_hidden", "chunkwise_generic") and group is not None
         n = plan.t_local
         qkv = _randn((n, shape.conv_dim), seed + 11, dtype, device).requires_grad_(True)
         g = (-F.softplus(_randn((n, shape.num_v_heads), seed + 12, torch.float32, device)) * 0.3).requires_grad_(True)
@@ -437,14 +448,20 @@ class _Case:
         do = _randn((n, shape.num_v_heads, shape.head_v_dim), seed + 14, dtype, device)
         weight = m.conv1d.weight
         bias = m.conv1d.bias if m.conv_bias else None
-        backend = choose_backend(layer_adapter(m), device)
+        backend = choose_backend(settings, layer_state(m).adapter, device)
+        call = CallContext(settings=settings, shape=shape, plan=plan, group=group, backend=backend)
+        way = prepare_mode(call)
 
         def step():
             m.zero_grad(set_to_none=True)
             for t in (qkv, g, beta):
                 t.grad = None
-            o = gdn_core(qkv, g, beta, weight.reshape(weight.shape[0], -1), bias, shape=shape, mode=mode, plan=plan,
-                         group=group, backend=backend, layout=layout)
+            w = weight.reshape(weight.shape[0], -1)
+            if contiguous:
+                o = way.contiguous_core(call, qkv, g, beta, w, bias)
+            else:
+                o = gdn_core(qkv, g, beta, w, bias, shape=shape, mode=settings.mode, plan=plan, group=group,
+                             backend=backend, chunkwise_path=settings.chunkwise_path)
             o.backward(do)
 
         return step
@@ -501,9 +518,13 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             except Exception as err:  # noqa: BLE001
                 out["fla_gdn_backend"] = f"unknown ({type(err).__name__}: {err})"
         if case.case not in STOCK_CASES:  # the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
-            from gdn_cp.megatron.gdn import choose_backend, layer_adapter
+            from gdn_cp.megatron.backend import choose_backend
+            from gdn_cp.megatron.config import read_settings
+            from gdn_cp.megatron.gdn import layer_state
 
-            out["gdn_cp_backend"] = choose_backend(layer_adapter(case.module), device).__name__.rsplit(".", 1)[-1]
+            adapter = layer_state(case.module).adapter
+            backend = choose_backend(read_settings(adapter.config_fields), adapter, device)
+            out["gdn_cp_backend"] = backend.__name__.rsplit(".", 1)[-1]
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
             out["check"] = _check_vs_stock(case, y)
         elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:

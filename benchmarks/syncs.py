@@ -54,10 +54,10 @@ def _cfg(backend: str) -> dict:
 
 def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
-    from gdn_cp.modes import set_chunkwise_path
     from gdn_cp.testing.inputs import hidden_inputs
     from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
     from gdn_cp.testing.packings import thd_case, zigzag_rows
+    from gdn_cp.testing.probes import env_setting
 
     rank_groups()  # every rank creates every group, in the same order, before any rank goes on
     out = {}
@@ -74,7 +74,7 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
         for path in ("headwise", "chunkwise", "chunkwise generic", "all_gather", "stock headwise"):
             mode = {"stock headwise": "headwise", "chunkwise generic": "chunkwise"}.get(path, path)
             # gdn-cp's own chunkwise exchange (async summary gather on NCCL), else the auto path
-            set_chunkwise_path("generic" if path == "chunkwise generic" else None)
+            setting = env_setting("GDN_CP_CHUNKWISE_PATH", "generic" if path == "chunkwise generic" else None)
             # the rows are cut per document (zigzag_rows): the layer is told so
             cfg = make_config(cp, mode, torch.bfloat16, linear_cp_thd_split="per_document", **fields)
             first = build_gdn(cfg, group, seed=1, layer_number=1, device=ctx.device)
@@ -89,7 +89,7 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
             import contextlib
 
             ctxm = stock_forward() if path == "stock headwise" else contextlib.nullcontext()
-            with ctxm:
+            with ctxm, setting:
                 call(first).backward(dout)  # builds routes / FLA context, autotunes
                 before = ctx.collective_count()
                 o, fwd = _count_syncs(lambda: call(second))
@@ -102,7 +102,6 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
                 "route_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
             }
         out[cp] = res
-    set_chunkwise_path(None)
     return out
 
 

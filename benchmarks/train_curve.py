@@ -58,6 +58,7 @@ import importlib
 import importlib.util
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -226,11 +227,11 @@ def train_run(ctx, run_name, cfg):
 
     # megatron-core's import-time notices (no TE / Apex / absl on this machine): noise here
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from gdn_cp.megatron.swap import set_chunkwise_swap
     from gdn_cp.testing.megatron.layer import (
         assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params,
     )
     from gdn_cp.testing.packings import zigzag_rows
+    from gdn_cp.testing.probes import swap_points
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -243,7 +244,7 @@ def train_run(ctx, run_name, cfg):
         return None
     group = groups["world"] if cp == world else groups["self"]
     assert group.size() == cp, (group.size(), cp)
-    set_chunkwise_swap(swap)
+    os.environ["GDN_CP_CHUNKWISE_SWAP"] = swap or "auto"  # this rank process's layers read it on every call
     seed, steps = cfg["seed"], cfg["steps"]
 
     config = make_config(cp, mode, torch.float32, hidden_size=cfg["hidden"], num_layers=cfg["layers"],
@@ -258,38 +259,39 @@ def train_run(ctx, run_name, cfg):
 
     losses, grad_norms, step_s = [], [], []
     t_run = time.perf_counter()
-    for step in range(steps):
-        t0 = time.perf_counter()
-        toks, targets, mask, cu, _ = micro_batch(seed, step, cfg["tokens"], cfg["vocab"])
-        n_global = int(mask.sum())
-        rows = zigzag_rows(cu, cp, rank)
-        psp = thd_params(cu)  # a fresh PackedSeqParams per micro-batch (its route cache lives on it)
+    with swap_points() as seen:  # which layout-swap points chunkwise took, per layer
+        for step in range(steps):
+            t0 = time.perf_counter()
+            toks, targets, mask, cu, _ = micro_batch(seed, step, cfg["tokens"], cfg["vocab"])
+            n_global = int(mask.sum())
+            rows = zigzag_rows(cu, cp, rank)
+            psp = thd_params(cu)  # a fresh PackedSeqParams per micro-batch (its route cache lives on it)
 
-        opt.zero_grad(set_to_none=True)
-        logits = model(toks[rows], psp)
-        token_loss = F.cross_entropy(logits, targets[rows], reduction="none")
-        loss_sum = (token_loss * mask[rows].to(token_loss.dtype)).sum()
-        (loss_sum / n_global).backward()
+            opt.zero_grad(set_to_none=True)
+            logits = model(toks[rows], psp)
+            token_loss = F.cross_entropy(logits, targets[rows], reduction="none")
+            loss_sum = (token_loss * mask[rows].to(token_loss.dtype)).sum()
+            (loss_sum / n_global).backward()
 
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        reported = loss_sum.detach().clone()
-        if cp > 1:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=group)  # DP-CP gradient all-reduce (replicated parameters)
-            for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(r)
-            dist.all_reduce(reported, group=group)
-        for p, g in zip(params, grads):
-            p.grad = g
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
-        opt.step()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            reported = loss_sum.detach().clone()
+            if cp > 1:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=group)  # DP-CP gradient all-reduce (replicated parameters)
+                for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                    g.copy_(r)
+                dist.all_reduce(reported, group=group)
+            for p, g in zip(params, grads):
+                p.grad = g
+            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
+            opt.step()
 
-        losses.append(float(reported) / n_global)
-        grad_norms.append(float(gnorm))
-        step_s.append(time.perf_counter() - t0)
-        if rank == 0 and (step == 0 or (step + 1) % cfg["log_every"] == 0 or step + 1 == steps):
-            print(f"  [{run_name}] step {step + 1:>4}/{steps}  loss {losses[-1]:.6f}  grad norm {grad_norms[-1]:.4f}  "
-                  f"({sum(step_s) / len(step_s):.3f} s/step)", flush=True)
+            losses.append(float(reported) / n_global)
+            grad_norms.append(float(gnorm))
+            step_s.append(time.perf_counter() - t0)
+            if rank == 0 and (step == 0 or (step + 1) % cfg["log_every"] == 0 or step + 1 == steps):
+                print(f"  [{run_name}] step {step + 1:>4}/{steps}  loss {losses[-1]:.6f}  grad norm {grad_norms[-1]:.4f}  "
+                      f"({sum(step_s) / len(step_s):.3f} s/step)", flush=True)
 
     out = {
         "loss": losses,
@@ -301,9 +303,7 @@ def train_run(ctx, run_name, cfg):
     if rank == 0:
         out["final_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
         if mode == "chunkwise" and cp > 1:
-            from gdn_cp.testing.probes import chunkwise_swap_points
-
-            out["chunkwise_swap_points"] = sorted({pt for g in gdns for pt in chunkwise_swap_points(g)})
+            out["chunkwise_swap_points"] = sorted(set().union(*seen.values()))
     return out
 
 

@@ -29,12 +29,16 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["CHUNKWISE_PATHS", "PREFIX", "SETTINGS", "SUITE_STAGES", "EnvSetting", "check_environment", "read", "table",
-           "unknown_name_message"]
+__all__ = ["CHUNKWISE_PATHS", "CHUNKWISE_PATH_ENV", "CHUNKWISE_SWAP_ENV", "PREFIX", "SETTINGS", "SUITE_STAGES",
+           "SWAP_POINTS", "EnvSetting", "check_environment", "read", "table", "unknown_name_message"]
 
 PREFIX = "GDN_CP_"
+CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
+CHUNKWISE_SWAP_ENV = "GDN_CP_CHUNKWISE_SWAP"
 CHUNKWISE_PATHS = ("auto", "native", "generic")
-"""The values of ``GDN_CP_CHUNKWISE_PATH`` (and of ``gdn_cp.modes.set_chunkwise_path``)."""
+"""The values of ``GDN_CP_CHUNKWISE_PATH`` (``Settings.chunkwise_path``, ``gdn_core(chunkwise_path=...)``)."""
+SWAP_POINTS = ("auto", "hidden", "core")
+"""The values of ``GDN_CP_CHUNKWISE_SWAP`` (``Settings.chunkwise_swap``): where chunkwise moves a layer's rows."""
 
 
 def _one_of(*choices: str) -> Callable[[str], str]:
@@ -130,10 +134,14 @@ _SWITCH = _one_of("0", "1")
 SETTINGS: dict[str, EnvSetting] = {
     s.name: s
     for s in (
-        EnvSetting("GDN_CP_CHUNKWISE_PATH", "gdn_cp", "auto",
+        EnvSetting(CHUNKWISE_PATH_ENV, "gdn_cp", "auto",
                    "how chunkwise exchanges halos and state summaries: auto, native (FLA's cp context) or "
-                   "generic (gdn-cp's own); see gdn_cp.modes.set_chunkwise_path",
+                   "generic (gdn-cp's own); see gdn_cp.modes.chunkwise",
                    _one_of(*CHUNKWISE_PATHS)),
+        EnvSetting(CHUNKWISE_SWAP_ENV, "gdn_cp", "auto",
+                   "where chunkwise moves a Megatron layer's rows between layouts: auto (the fewer bytes), hidden "
+                   "(hidden_states before in_proj) or core (q|k|v and the gates); see gdn_cp.modes.swap",
+                   _one_of(*SWAP_POINTS)),
         EnvSetting("GDN_CP_FLASHQLA_AUTO_CP", "gdn_cp", "1",
                    "the FlashQLA backend's auto_cp (FlashQLA's own split of long sequences inside one GPU): 1 on "
                    "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.auto_cp_setting", _SWITCH),

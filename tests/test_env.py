@@ -49,7 +49,7 @@ def test_every_variable_used_anywhere_is_in_the_table():
     ("GDN_CP_TEST_PG_TIMEOUT", "-5", "use a number of seconds > 0"),
     ("GDN_CP_TEST_PG_TIMEOUT", "1e-9", "at least 1"),  # issue #32: accepted, then failed inside gloo
     ("GDN_CP_TEST_FAST_AUTOTUNE", "yes", "use one of 0, 1"),
-    ("GDN_CP_CHUNKWISE_PAHT", "generic", "is not a gdn-cp setting (a typo?); did you mean GDN_CP_CHUNKWISE_PATH?"),
+    ("GDN_CP_CHUNKWISE_PAHT", "generic", "is not a gdn-cp setting (a typo?); did you mean GDN_CP_CHUNKWISE_PATH "),
     # read by the tests and the benchmarks only, checked by every command all the same (issue #25)
     ("GDN_CP_FUZZ_EXAMPLES", "abc", "use a whole number >= 1"),
     ("GDN_CP_FUZZ_EXAMPLES", "1_000", "use a whole number >= 1"),

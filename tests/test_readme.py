@@ -85,14 +85,9 @@ def _fake_tree(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _adapter(module):
-    from gdn_cp.megatron.pins.core_0_19_2 import LayerAdapter
-
-    return LayerAdapter(module)
-
-
 def _producers(tmp_path: Path, monkeypatch) -> dict:
-    """Row -> a call that produces a message starting with it, through a public path."""
+    """Row -> a call that produces a message starting with it, through a public path (the patched
+    forward's rows through the forward itself, on a stand-in layer)."""
     import torch
 
     from gdn_cp.cli.main_job import JobConfig, check_job
@@ -101,24 +96,21 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     from gdn_cp import patch
     from gdn_cp.megatron import gdn
     from gdn_cp.megatron.config import check_linear_cp_mode, configure_linear_cp_mode, resolve_linear_cp_mode
-    from gdn_cp.megatron.swap import choose_swap_point
-    from gdn_cp.modes import GDNShape
-    from gdn_cp.modes.chunkwise import chunkwise_path
-    from gdn_cp.modes.common import check_inputs
-    from gdn_cp.ops import check_log_decay
+    from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split
+    from gdn_cp.modes import GDNShape, Settings, gdn_core
+    from gdn_cp.modes.swap import choose_swap_point
+    from gdn_cp.ops import reference
+    from gdn_cp.ops.gates import check_log_decay
+    from gdn_cp.testing.stand_ins import StandInGroup, stand_in_gdn
 
     shape = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
     config = types.SimpleNamespace(linear_cp_mode="headwise", linear_num_key_heads=4, linear_num_value_heads=6,
                                    tensor_model_parallel_size=1, context_parallel_size=1,
                                    experimental_attention_variant="gated_delta_net")
-    layer = _adapter(types.SimpleNamespace(config=types.SimpleNamespace(linear_cp_mode="auto"), tp_size=1,
-                                           num_key_heads=16, num_value_heads=32, layer_number=3))
-    tp_group, cp_group = types.SimpleNamespace(size=lambda: 2), types.SimpleNamespace(size=lambda: 4)
-    tp_layer = _adapter(types.SimpleNamespace(tp_size=2, pg_collection=types.SimpleNamespace(tp=tp_group)))
+    tp_group, cp_group = StandInGroup(2), StandInGroup(4)
     monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
     from gdn_cp.megatron.document_padding import pad_and_cut
-    from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split
 
     def flat_batch():
         """A flattened packed batch of documents of 3 and 5 tokens (as Megatron-LM's get_batch flattens it)."""
@@ -126,22 +118,20 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         return dict(rows, loss_mask=torch.ones(1, 8), cu_seqlens=torch.tensor([[0, 3, 8]], dtype=torch.int32),
                     max_seqlen=torch.tensor([5]), attention_mask=None, cu_seqlens_padded=None)
 
-    cp2_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 0)
+    def forward(layer, packed_seq_params=None, rows=4):
+        gdn.gated_delta_net_forward(layer, torch.zeros(rows, 1, 8), packed_seq_params=packed_seq_params)
+
+    def packed(cu, **dynamic):
+        return types.SimpleNamespace(qkv_format="thd", cu_seqlens_q_padded=torch.tensor(cu, dtype=torch.int32),
+                                     cu_seqlens_q=None, **dynamic)
 
     def split_layer(setting):
-        return types.SimpleNamespace(thd_split_setting=setting, hybrid_context_parallel=False)
-
-    def packed(cu):
-        return types.SimpleNamespace(cu_seqlens_q_padded=torch.tensor(cu, dtype=torch.int32), cu_seqlens_q=None)
-
-    # a GatedDeltaNet of a hybrid model built with TransformerConfig's default activation (gelu)
-    hybrid_gdn = types.SimpleNamespace(act_fn=torch.nn.functional.gelu, layer_number=2)
-    monkeypatch.setattr(gdn, "layer_adapter", lambda module: _adapter(module))
+        return stand_in_gdn(cp_group=StandInGroup(2), linear_cp_thd_split=setting)
 
     def recorded_contradiction():
         params = packed([0, 4, 8])
         record_split({"cu_seqlens_padded": params.cu_seqlens_q_padded}, "whole_row")
-        gdn._thd_plan(split_layer("per_document"), params, cp2_group, 8)
+        forward(split_layer("per_document"), params)
 
     def not_importable():
         monkeypatch.setattr(patch.tree.importlib.util, "find_spec", lambda name: None)
@@ -155,8 +145,9 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         check_job(JobConfig(tokens_per_rank=1 << 20))
 
     def bad_env():
-        monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "ring")
-        chunkwise_path()
+        with monkeypatch.context() as local:
+            local.setenv("GDN_CP_CHUNKWISE_PATH", "ring")
+            Settings.from_environment(mode="chunkwise")
 
     return {
         "sequence ... of cu_seqlens has length ..., not divisible by 2*cp=...":
@@ -171,34 +162,37 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         "linear_cp_mode='auto': no mode is legal":
             lambda: resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=2, cp=1),
         "GatedDeltaNet (layer ...), CP group of this call has ... ranks: linear_cp_mode='auto' must be resolved":
-            lambda: gdn._checked_mode(layer, 2),
+            lambda: forward(stand_in_gdn(cp_group=StandInGroup(2), linear_cp_mode="auto", heads=(16, 32),
+                                         layer_number=3)),
         "g (log decay) must be finite and <= 0": lambda: check_log_decay(torch.tensor([[0.5]])),
         "PackedSeqParams.cp_group and local_cp_size must be set together":
-            lambda: gdn.resolve_cp_group(None, types.SimpleNamespace(cp_group=object(), local_cp_size=None)),
+            lambda: forward(stand_in_gdn(), packed([0, 8], cp_group=StandInGroup(2), local_cp_size=None)),
         "the plan was built for cp=... but the process group has ...":
-            lambda: check_inputs(None, None, None, None, None, shape, RouteCache().plan([0, 8], 2, 0), 4),
+            lambda: gdn_core(None, None, None, None, None, shape=shape, mode="chunkwise",
+                             plan=RouteCache().plan([0, 8], 2, 0), group=None, backend=reference),
         "PackedSeqParams.cp_group has ranks ..., of which ... are also in this layer's tensor-parallel group":
-            lambda: gdn._check_cp_group_disjoint_from_tp(tp_layer, cp_group, dynamic=True),
-        "chunkwise swap at hidden_states (set_chunkwise_swap('hidden')) is not possible with sequence_parallel=True":
+            lambda: forward(stand_in_gdn(tp_size=2, tp_group=tp_group),
+                            packed([0, 16], cp_group=cp_group, local_cp_size=4)),
+        "chunkwise swap at hidden_states (GDN_CP_CHUNKWISE_SWAP=hidden) is not possible with sequence_parallel=True":
             lambda: choose_swap_point(shape=shape, hidden_size=64, tp=2, sequence_parallel=True, act_bytes=2,
                                       requested="hidden"),
         "cannot apply the patch in ...: ... is modified": lambda: patch.apply_patch(_fake_tree(tmp_path)),
         "megatron-core is not importable from this Python (install it: ...)": not_importable,
         "environment variable GDN_CP_...": bad_env,
         "PackedSeqParams.cu_seqlens_q_padded (per_document split: ...): sequence ... has length ..., not "
-        "divisible by 2*cp=...": lambda: gdn._thd_plan(split_layer("per_document"), packed([0, 3, 8]), cp2_group, 8),
+        "divisible by 2*cp=...": lambda: forward(split_layer("per_document"), packed([0, 3, 8])),
         "TransformerConfig.linear_cp_thd_split=..., but Megatron's get_batch_on_this_cp_rank cut these rows ...":
             recorded_contradiction,
         "--linear-cp-thd-split ... contradicts ...": lambda: configure_megatron_lm_args(types.SimpleNamespace(
             sft=False, dataloader_inter_document_masking=True, hybrid_context_parallel=False,
             linear_cp_thd_split="per_document")),
         "TransformerConfig.linear_cp_thd_split is None and these packed (THD) rows carry no record of Megatron's "
-        "get_batch_on_this_cp_rank": lambda: gdn._thd_plan(split_layer(None), packed([0, 4, 8]), cp2_group, 8),
+        "get_batch_on_this_cp_rank": lambda: forward(split_layer(None), packed([0, 4, 8])),
         "TransformerConfig.activation_func=..., but gated delta net layers need SiLU":
             lambda: configure_linear_cp_mode(types.SimpleNamespace(**dict(vars(config), linear_num_value_heads=8,
                                                                         activation_func=torch.nn.functional.gelu))),
         "GatedDeltaNet (layer ...): config.activation_func=..., but gated delta net layers need SiLU":
-            lambda: gdn.should_dispatch(hybrid_gdn, None),
+            lambda: forward(stand_in_gdn(act_fn=torch.nn.functional.gelu, layer_number=2)),
         "--... gated delta net layers ..., which compute SiLU (their conv and output gate), but without --swiglu ...":
             lambda: configure_megatron_lm_args(types.SimpleNamespace(hybrid_layer_pattern="G-G-*-", swiglu=False)),
         "--dataloader-inter-document-masking at --context-parallel-size ... pads every document to a multiple of "

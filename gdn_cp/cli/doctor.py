@@ -178,12 +178,13 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
     }
     report["flashqla_verdict"] = flashqla_verdict(report["versions"]["flash-qla"], report["versions"]["tilelang"])
     if report["gpus"]:  # FLA's and FlashQLA's kernels import only with CUDA: probing them on a CPU machine says nothing
-        from ..ops.fla import fla_collective_backends, stack_report
+        from ..ops.fla import FLA_COLLECTIVE_BACKENDS, stack_report
         from ..ops.flashqla import stack_report as flashqla_stack_report
         from ..ops.registry import resolve_backend
 
         report["fla_stack"] = stack_report()
-        report["fla_stack"]["cp context groups"] = fla_collective_backends()
+        report["fla_stack"]["cp context groups"] = {b: "takes FLA's collectives as FLA calls them"
+                                                    for b in FLA_COLLECTIVE_BACKENDS}
         report["flashqla_stack"] = flashqla_stack_report()
         report["backend_auto"] = resolve_backend("auto", "cuda", head_dims=(128, 128), dtype="bfloat16")
     try:

@@ -214,16 +214,16 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
              if cp > 1 and "chunkwise" in cfg.modes_to_run and "chunkwise" not in _skips(cfg, cp)]
     if not sizes:
         return
-    from ..modes.chunkwise import CHUNKWISE_PATH_ENV, chunkwise_path
+    from .. import env
 
-    setting = chunkwise_path()
+    setting = env.read(env.CHUNKWISE_PATH_ENV)
     if setting == "generic":
         return
     native, why = _native_cp_context(cfg)
     if setting == "native" and not native:
         raise ValueError(
-            f"chunkwise path 'native' ({CHUNKWISE_PATH_ENV} or set_chunkwise_path): chunkwise at --cp "
-            f"{','.join(map(str, sizes))} would run the backend's cp context, but {why}; unset {CHUNKWISE_PATH_ENV} "
+            f"chunkwise path 'native' ({env.CHUNKWISE_PATH_ENV}): chunkwise at --cp "
+            f"{','.join(map(str, sizes))} would run the backend's cp context, but {why}; unset {env.CHUNKWISE_PATH_ENV} "
             "(auto: the backend's where it can run, else gdn-cp's own exchange), set it to generic, or leave chunkwise out of --modes"
         )
     if native:
@@ -290,7 +290,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
 
     from ..comm import all_gather_rows, route_all_to_all
     from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
-    from ..modes import gdn_core, local_core
+    from ..modes import CallContext, Settings, gdn_core, prepare_mode
     from ..testing.packings import zigzag_rows
 
     rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
@@ -315,8 +315,8 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     full = core_leaves(data)
     _sync(device)
     t0 = time.perf_counter()
-    o_ref = local_core(full["qkv"], full["g"], full["beta"], full["conv_weight"], full["conv_bias"],
-                       shape=cfg.shape, cu_seqlens=cu, backend=backend)
+    o_ref = gdn_core(full["qkv"], full["g"], full["beta"], full["conv_weight"], full["conv_bias"],
+                     shape=cfg.shape, mode="chunkwise", plan=cache.plan(cu, 1, 0), group=None, backend=backend)
     o_ref.backward(data["dout"])
     _sync(device)
     report["cp1_s"] = time.perf_counter() - t0
@@ -341,8 +341,9 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     report["modes"] = per_mode
     report["plan_hits_after_first"] = cache.plan(cu_t, cp, rank) is plan
     if "chunkwise" in modes:
-        path = get_mode("chunkwise").prepare(backend, group, plan).path
-        report["chunkwise_path"] = f"{path} ({dist.get_backend(group)} group)"
+        call = CallContext(settings=Settings.from_environment(mode="chunkwise"), shape=cfg.shape, plan=plan,
+                           group=group, backend=backend)
+        report["chunkwise_path"] = f"{prepare_mode(call).path} ({dist.get_backend(group)} group)"
     return report
 
 

@@ -16,8 +16,6 @@ import torch.distributed as dist
 from ..layout.route import Route
 
 __all__ = [
-    "comm_stats",
-    "reset_comm_stats",
     "group_size",
     "group_rank",
     "group_backend",
@@ -36,24 +34,6 @@ __all__ = [
 # torch >= 2.13 names them *_single; older releases only have *_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-_STATS: dict[str, int] = {}
-
-
-def _count(op: str, sent: torch.Tensor) -> None:
-    """Bytes this rank sends, per op (host-side sizes only: no device work, no sync)."""
-    _STATS[op] = _STATS.get(op, 0) + sent.numel() * sent.element_size()
-    _STATS[op + ":calls"] = _STATS.get(op + ":calls", 0) + 1
-
-
-def comm_stats() -> dict[str, int]:
-    """Bytes sent and calls per collective since the last reset, for benchmarks."""
-    return dict(_STATS)
-
-
-def reset_comm_stats() -> None:
-    _STATS.clear()
 
 
 def group_size(group) -> int:
@@ -78,7 +58,6 @@ def sum_over_group(x: torch.Tensor, group) -> torch.Tensor:
     """A copy of ``x`` summed over ``group`` (any shape). Not differentiable: it is meant for
     gradient hooks, where the result replaces the gradient."""
     out = x.contiguous().clone()
-    _count("grad_all_reduce", out)
     dist.all_reduce(out, group=group)
     return out
 
@@ -107,7 +86,6 @@ def _apply_route(x: torch.Tensor, route: Route, group) -> torch.Tensor:
     send_idx, recv_idx = route.indices_on(x.device)
     send = _flat(x if send_idx is None else x.index_select(0, send_idx))
     recv = send.new_empty((route.rows_out, send.shape[1]))
-    _count("route_all_to_all", send)
     dist.all_to_all_single(
         recv, send, output_split_sizes=list(route.recv_splits), input_split_sizes=list(route.send_splits), group=group
     )
@@ -189,7 +167,6 @@ def _apply_route_many(xs, route: Route, group) -> list[torch.Tensor]:
         else:
             cols.index_copy_(0, positions, f)
     recv = send.new_empty((route.rows_out, width))
-    _count("route_all_to_all", send)
     dist.all_to_all_single(
         recv, send, output_split_sizes=list(route.recv_splits), input_split_sizes=list(route.send_splits), group=group
     )
@@ -243,7 +220,6 @@ def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     # [T_local, world, *rest] -> [world, T_local, *rest]: block p goes to rank p.
     send = x.transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
-    _count("seq_head_all_to_all", send)
     dist.all_to_all_single(recv.view(world, -1), send.view(world, -1), group=group)
     # Block q = rank q's rows of my head group: the rank-major buffer.
     return recv.view(world * t_local, *rest)
@@ -255,7 +231,6 @@ def _head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     rest = y.shape[1:]
     send = y.contiguous().view(world, t_local, *rest)
     recv = torch.empty_like(send)
-    _count("seq_head_all_to_all", send)
     dist.all_to_all_single(recv.view(world, -1), send.view(world, -1), group=group)
     return recv.transpose(0, 1).contiguous()  # [T_local, world, *rest]
 
@@ -309,7 +284,6 @@ class _AllGatherRows(torch.autograd.Function):
         world = group_size(group)
         flat = _flat(x)
         out = flat.new_empty((world * flat.shape[0], flat.shape[1]))
-        _count("all_gather", flat)
         _all_gather_flat(out, flat, group=group)
         return out.view(world * x.shape[0], *x.shape[1:])
 
@@ -318,7 +292,6 @@ class _AllGatherRows(torch.autograd.Function):
         world = group_size(ctx.group)
         flat = _flat(grad)
         out = flat.new_empty((flat.shape[0] // world, flat.shape[1]))
-        _count("reduce_scatter", flat)
         _reduce_scatter_flat(out, flat, group=ctx.group)
         return out.view(grad.shape[0] // world, *grad.shape[1:]), None
 
@@ -361,7 +334,6 @@ class _StartAllGather(torch.autograd.Function):
     def forward(ctx, x, flight):
         flat = _flat(x)
         out = flat.new_empty((flight.world * flat.shape[0], flat.shape[1]))
-        _count("all_gather", flat)
         flight.work = _all_gather_flat(out, flat, group=flight.group, async_op=flight.async_op)
         flight.shape, flight.send, flight.out = tuple(x.shape), flat, out
         ctx.flight = flight
@@ -392,7 +364,6 @@ class _WaitAllGather(torch.autograd.Function):
         f = ctx.flight
         flat = _flat(grad)
         out = flat.new_empty((flat.shape[0] // f.world, flat.shape[1]))
-        _count("reduce_scatter", flat)
         f.grad_work = _reduce_scatter_flat(out, flat, group=f.group, async_op=f.async_op)
         f.grad_send, f.grad_in = flat, out  # kept alive until the start's backward has waited
         return grad.new_zeros(()), None

@@ -48,7 +48,6 @@ class CPPlan:
     _natural: NaturalOrder | None = None
     _chunkwise: dict = field(default_factory=dict)
     _on_device: dict = field(default_factory=dict)
-    builds: int = 0  # how many routes/maps were built (tests and benchmarks read it)
 
     def __post_init__(self) -> None:
         check_cp(self.cp_size, self.cp_rank)
@@ -72,13 +71,11 @@ class CPPlan:
         key = (source, target)
         if key not in self.routes:
             self.routes[key] = build_thd_route(self.zigzag_cu, self.cp_size, self.cp_rank, source, target)
-            self.builds += 1
         return self.routes[key]
 
     def natural_order(self) -> NaturalOrder:
         if self._natural is None:
             self._natural = build_natural_order(self.zigzag_cu, self.cp_size, self.cp_rank)
-            self.builds += 1
         return self._natural
 
     def chunkwise(self, conv_width: int) -> ChunkwisePlan:
@@ -86,7 +83,6 @@ class CPPlan:
             self._chunkwise[conv_width] = build_chunkwise_plan(
                 self.cu, self.cp_size, self.cp_rank, conv_width, split=self.split
             )
-            self.builds += 1
         return self._chunkwise[conv_width]
 
     def cached_on(self, name, device, make) -> torch.Tensor:

@@ -11,9 +11,13 @@ applies it to Megatron's fields, in two places:
   head dims or dtype its kernels refuse, ``deterministic_mode``), with the field, the value, why
   and the fix. ``auto`` stays ``auto``: it depends on the device the layer runs on;
 * :func:`choose_backend`, from every layer call of the patched forward: the registry's answer for
-  the layer's request, device, head dims and dtype (the same on every call: a pure function of what
-  is installed), logged at INFO once per process and answer; a named backend that cannot run is a
-  ValueError there too, before any collective. Never a switch to another backend on its own.
+  the call's settings (``Settings.backend``, ``deterministic``), the layer's device, head dims and
+  dtype (the same on every call: a pure function of what is installed), logged at INFO once per
+  process and answer; a named backend that cannot run is a ValueError there too, before any
+  collective. Never a switch to another backend on its own.
+
+The value itself (``auto`` or a backend) is checked with the other settings
+(:class:`gdn_cp.modes.settings.Settings`).
 
 Megatron's fields are read through the pin's adapter (:mod:`gdn_cp.megatron.pins`).
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from ..ops.registry import AUTO, AUTO_ORDER, BACKEND_CHOICES, ORACLE, get_backend, resolve_backend
+from ..ops.registry import AUTO, AUTO_ORDER, ORACLE, get_backend, resolve_backend
 
 __all__ = ["BACKEND_FIELD", "check_linear_cp_backend", "choose_backend"]
 
@@ -38,27 +42,18 @@ def _fix(requested: str) -> str:
             f"'{ORACLE}' (plain torch, any device and dtype); Megatron-LM: --linear-cp-backend")
 
 
-def _unknown(requested: Any, where: str) -> ValueError:
-    return ValueError(f"{where}{BACKEND_FIELD}={requested!r} is not a backend; set it to one of "
-                      f"{', '.join(repr(c) for c in BACKEND_CHOICES)} (Megatron-LM: --linear-cp-backend "
-                      f"{{{','.join(BACKEND_CHOICES)}}}).")
-
-
 def _dtype_name(dtype) -> Optional[str]:
     return None if dtype is None else str(dtype).replace("torch.", "")
 
 
-def check_linear_cp_backend(requested: Any, *, builds_gdn: bool, deterministic: bool,
+def check_linear_cp_backend(requested: str, *, builds_gdn: bool, deterministic: bool,
                             head_dims: Optional[tuple[int, int]], dtype: Any) -> None:
-    """The config-time check of ``linear_cp_backend`` (ValueError with the fix).
-
-    Every config: the value is ``auto`` or a backend. A config that builds GDN layers (or may: a
-    hybrid model) and names a backend: it must run on this machine's device (the GPU where torch sees
-    one) for these head dims (``linear_key_head_dim``, ``linear_value_head_dim``) and ``dtype``
-    (``params_dtype``, the activations' dtype in Megatron's mixed precision)."""
+    """The config-time check of a named ``linear_cp_backend`` (``requested``: a checked
+    ``Settings.backend``; ValueError with the fix): where the config builds GDN layers (or may: a
+    hybrid model), it must run on this machine's device (the GPU where torch sees one) for these head
+    dims (``linear_key_head_dim``, ``linear_value_head_dim``) and ``dtype`` (``params_dtype``, the
+    activations' dtype in Megatron's mixed precision)."""
     where = "TransformerConfig."
-    if not isinstance(requested, str) or requested not in BACKEND_CHOICES:
-        raise _unknown(requested, where)
     if requested == AUTO or not builds_gdn:
         return
     import torch
@@ -73,21 +68,19 @@ def check_linear_cp_backend(requested: Any, *, builds_gdn: bool, deterministic: 
                          f"Fix: {_fix(requested)}.") from None
 
 
-def choose_backend(layer, device):
-    """The backend a layer call runs (``layer``: the pin's ``LayerAdapter``; ``device``: where its
-    activations are): :func:`gdn_cp.ops.registry.resolve_backend` of the layer's
-    ``linear_cp_backend`` (absent: ``auto``), its head dims and activations' dtype, and
-    ``deterministic_mode``; logged once per process and answer. ValueError (before any collective)
+def choose_backend(settings, layer, device):
+    """The backend a layer call runs: :func:`gdn_cp.ops.registry.resolve_backend` of the call's
+    ``settings`` (:class:`gdn_cp.modes.settings.Settings`: ``backend``, ``deterministic``) for
+    ``layer`` (the pin's ``LayerAdapter``: its head dims and activations' dtype) on ``device`` (where
+    its activations are); logged once per process and answer. ValueError (before any collective)
     for a named backend that cannot run here."""
-    requested = layer.linear_cp_backend
-    if not isinstance(requested, str) or requested not in BACKEND_CHOICES:
-        raise _unknown(requested, f"GatedDeltaNet (layer {layer.layer_number}): config.")
+    requested, deterministic = settings.backend, settings.deterministic
     dtype = _dtype_name(layer.activation_dtype)
-    key = (requested, device.type, layer.deterministic, layer.head_dims, dtype)
+    key = (requested, device.type, deterministic, layer.head_dims, dtype)
     name = _CHOSEN.get(key)
     if name is None:
         try:
-            name, why = resolve_backend(requested, device.type, deterministic=layer.deterministic,
+            name, why = resolve_backend(requested, device.type, deterministic=deterministic,
                                         head_dims=layer.head_dims, dtype=dtype)
         except ValueError as err:
             raise ValueError(f"GatedDeltaNet (layer {layer.layer_number}): config.{BACKEND_FIELD}={requested!r} on "
@@ -95,6 +88,5 @@ def choose_backend(layer, device):
                              ) from None
         _CHOSEN[key] = name
         logger.info("gdn-cp %s: requested=%s resolved=%s (device %s, head dims %s, %s, deterministic_mode=%s): %s",
-                    BACKEND_FIELD, requested, name, device.type, layer.head_dims, dtype, layer.deterministic, why)
+                    BACKEND_FIELD, requested, name, device.type, layer.head_dims, dtype, deterministic, why)
     return get_backend(name)
-

@@ -8,9 +8,10 @@ Who calls what:
   resolves ``"auto"`` once, before any model is built (logged with the reason; the field then
   holds the concrete mode) and, for a config that builds GDN layers, checks the heads against
   TP / CP (replacing stock 0.19.2's "heads divisible by TP*CP" assertion);
-* the patched ``GatedDeltaNet.forward`` calls :func:`check_linear_cp_mode` with the layer's heads,
-  TP and the CP size of the call (dynamic CP groups; hybrid models, whose config never ran the
-  GDN checks), and :func:`check_gdn_activation` on every layer's first call;
+* the patched ``GatedDeltaNet.forward`` reads its settings with :func:`read_settings` and calls
+  :func:`check_linear_cp_mode` with the layer's heads, TP and the CP size of the call (dynamic CP
+  groups; hybrid models, whose config never ran the GDN checks), and :func:`check_gdn_activation`
+  on every layer's first call;
 * users may call :func:`resolve_linear_cp_mode` themselves; ``gdn-cp doctor`` calls
   :func:`explain_linear_cp_modes`.
 
@@ -36,11 +37,17 @@ imports neither Megatron nor torch.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Optional
+import os
+from typing import TYPE_CHECKING, Any, Optional
 
 from gdn_cp.checks import MAX_CP_SIZE, MAX_TP_SIZE, as_int, size_limit_problem
-from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODE_NAMES, MODES, get_mode, head_problem
+from gdn_cp.env import CHUNKWISE_PATH_ENV, CHUNKWISE_SWAP_ENV
+from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODE_NAMES, MODES, get_mode, head_problem, unknown_mode_error
+
+if TYPE_CHECKING:
+    from gdn_cp.modes.settings import Settings
 
 __all__ = [
     "AUTO",
@@ -48,6 +55,7 @@ __all__ = [
     "check_gdn_activation",
     "check_linear_cp_mode",
     "configure_linear_cp_mode",
+    "read_settings",
     "resolve_linear_cp_mode",
     "explain_linear_cp_modes",
 ]
@@ -108,13 +116,6 @@ def _fix_hint(mode: str, k: int, v: int, tp: int, cp: int) -> str:
     return f"set linear_cp_mode to {' or '.join(repr(m) for m in others)}, which these heads allow, or {own}"
 
 
-def _unknown_mode_error(mode: Any) -> ValueError:
-    return ValueError(
-        f"linear_cp_mode={mode!r} is not a known mode; set it to one of {_legal_list(MODE_CHOICES)} "
-        f"(Megatron-LM: --linear-cp-mode {{{','.join(MODE_CHOICES)}}})."
-    )
-
-
 def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any, tp: Any, cp: Any) -> str:
     """The one validation of a concrete ``linear_cp_mode`` against the GDN heads and TP / CP sizes.
 
@@ -142,7 +143,7 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
             "num_key_heads=..., num_value_heads=..., tp=..., cp=...)."
         )
     if not isinstance(mode, str) or mode not in MODES:
-        raise _unknown_mode_error(mode)
+        raise unknown_mode_error(mode)
     k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
     problem = head_problem(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
     if problem is not None:
@@ -240,7 +241,7 @@ def resolve_linear_cp_mode(
         k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
         mode, reason = _auto_choice(k, v, tp, cp)
     elif not isinstance(requested, str) or requested not in MODES:
-        raise _unknown_mode_error(requested)
+        raise unknown_mode_error(requested)
     else:
         k, v, tp, cp = _checked_sizes(num_key_heads, num_value_heads, tp, cp)
         mode = check_linear_cp_mode(requested, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
@@ -261,10 +262,35 @@ def _any_mode_legal(k: int, v: int, tp: int, cp: int) -> bool:
     return any(head_problem(m, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) is None for m in MODE_NAMES)
 
 
+@functools.lru_cache(maxsize=64)
+def _settings(mode, thd_split, backend, deterministic, path: str, swap: str) -> Settings:
+    from gdn_cp.modes.settings import Settings  # imports torch
+
+    return Settings.from_environment({CHUNKWISE_PATH_ENV: path, CHUNKWISE_SWAP_ENV: swap}, mode=mode,
+                                     thd_split=thd_split, backend=backend, deterministic=deterministic)
+
+
+def read_settings(fields: Any) -> Settings:
+    """gdn-cp's :class:`~gdn_cp.modes.settings.Settings` of a ``TransformerConfig`` whose fields the
+    pin's adapter read (``ConfigFields``: ``linear_cp_mode``, ``linear_cp_thd_split``,
+    ``linear_cp_backend``, ``deterministic_mode``), with the environment's (``GDN_CP_CHUNKWISE_PATH``,
+    ``GDN_CP_CHUNKWISE_SWAP``), read on every call (a field set later, a variable changed, is seen)
+    and checked once per distinct value. ValueError / TypeError naming the field or the variable."""
+    environ = (os.environ.get(CHUNKWISE_PATH_ENV, ""), os.environ.get(CHUNKWISE_SWAP_ENV, ""))
+    values = (fields.linear_cp_mode, fields.thd_split, fields.linear_cp_backend, fields.deterministic)
+    try:
+        return _settings(*values, *environ)
+    except TypeError:  # a field that cannot be a cache key (a list, a dict): checked, and refused, uncached
+        return _settings.__wrapped__(*values, *environ)
+
+
 def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = None) -> str:
     """The patched ``TransformerConfig.__post_init__`` hook; returns the mode the field holds.
 
-    Which configs have their GDN heads looked at (the rule; docs/megatron.md, "Install, patch, configure"):
+    Every gdn-cp setting of the config and the environment is checked first
+    (:func:`read_settings`: an unknown ``linear_cp_mode``, ``linear_cp_thd_split`` or
+    ``GDN_CP_*`` value fails when the config is built). Which configs have their GDN heads looked at
+    (the rule; docs/megatron.md, "Install, patch, configure"):
 
     * the config builds GDN layers (``experimental_attention_variant='gated_delta_net'``, where
       stock 0.19.2 checks the heads against TP*CP): ``"auto"`` is resolved here, once, with the
@@ -278,26 +304,22 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
       the heads against the mode (:func:`check_linear_cp_mode`) and the activation
       (:func:`check_gdn_activation`; Megatron-LM's patched ``validate_args`` checks it earlier from
       ``--hybrid-layer-pattern``);
-    * any other config builds no GDN layer: only the mode's name is checked (a typo still
-      fails); nothing is resolved, checked against the heads or logged.
+    * any other config builds no GDN layer: only the settings are checked (a typo still fails);
+      nothing is resolved, checked against the heads or logged.
 
-    Raises ValueError for unknown values of ``linear_cp_mode``, ``linear_cp_thd_split`` and
-    ``linear_cp_backend`` (a typo fails when the config is built), and for a named
-    ``linear_cp_backend`` that cannot run here (:func:`gdn_cp.megatron.backend.check_linear_cp_backend`).
+    A named ``linear_cp_backend`` must also run here
+    (:func:`gdn_cp.megatron.backend.check_linear_cp_backend`).
     """
     from gdn_cp.megatron.pins import load_adapter
-    from gdn_cp.megatron.thd_split import THD_SPLIT_FIELD, check_thd_split_setting  # imports torch
 
     from gdn_cp.megatron.backend import check_linear_cp_backend
 
     adapter = load_adapter()
     f = adapter.read_config(config)
-    check_thd_split_setting(f.thd_split, f"TransformerConfig.{THD_SPLIT_FIELD}")
-    check_linear_cp_backend(f.linear_cp_backend, builds_gdn=f.builds_gdn or f.hybrid, deterministic=f.deterministic,
+    settings = read_settings(f)
+    check_linear_cp_backend(settings.backend, builds_gdn=f.builds_gdn or f.hybrid, deterministic=settings.deterministic,
                             head_dims=f.head_dims, dtype=f.params_dtype)
-    mode = f.linear_cp_mode
-    if not isinstance(mode, str) or (mode not in MODES and mode != AUTO):
-        raise _unknown_mode_error(mode)
+    mode = settings.mode
     if not (f.builds_gdn or f.hybrid):
         return mode
     k, v, tp, cp = _checked_sizes(f.num_key_heads, f.num_value_heads, f.tp, f.cp, config=True)

@@ -50,7 +50,8 @@ import weakref
 from typing import Any, Optional
 
 from ..checks import as_int
-from ..layout.boundaries import PER_DOCUMENT, THD_SPLITS, WHOLE_ROW, check_thd_split
+from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
+from ..modes.settings import THD_SPLIT_FIELD, check_thd_split_setting
 
 __all__ = [
     "THD_SPLIT_FIELD",
@@ -64,22 +65,8 @@ __all__ = [
     "resolve_thd_split",
 ]
 
-THD_SPLIT_FIELD = "linear_cp_thd_split"
-"""The TransformerConfig field (and, as ``--linear-cp-thd-split``, the Megatron-LM flag)."""
-
 _RECORDS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()  # tensor storage -> split
 _BATCH_KEYS = ("cu_seqlens", "cu_seqlens_padded")
-
-
-def check_thd_split_setting(value: Any, name: str = THD_SPLIT_FIELD) -> Optional[str]:
-    """``value`` if it is None or one of the splits; ValueError naming ``name`` otherwise."""
-    if value is None or (isinstance(value, str) and value in THD_SPLITS):
-        return value
-    raise ValueError(
-        f"{name}={value!r} is not a THD split; set it to one of {', '.join(map(repr, THD_SPLITS))} or None "
-        f"(None: the split Megatron's get_batch_on_this_cp_rank recorded, else {WHOLE_ROW!r} with hybrid CP, "
-        f"else an error at CP > 1)"
-    )
 
 
 def record_split(batch: dict, split: str) -> None:
@@ -107,13 +94,12 @@ def recorded_split(cu_seqlens: Any) -> Optional[str]:
     return _RECORDS.get(cu_seqlens.untyped_storage())
 
 
-def resolve_thd_split(setting: Any, *, hybrid_context_parallel: bool, cu_seqlens: Any, cp: int) -> tuple[str, str]:
+def resolve_thd_split(setting: Optional[str], *, hybrid_context_parallel: bool, cu_seqlens: Any, cp: int) -> tuple[str, str]:
     """``(split, where it comes from)`` for one THD layer call (see the module docstring for the
     order). ``setting``: the config's ``linear_cp_thd_split``; ``cu_seqlens``: the boundaries tensor
     the layer plans with; ``cp``: the size of the CP group the rows were cut over. ValueError,
-    before any collective, when a record contradicts ``setting``, and at ``cp > 1`` when neither a
-    record nor ``setting`` nor hybrid CP says how the rows were cut."""
-    setting = check_thd_split_setting(setting)
+    before any collective, when a record contradicts ``setting`` (a checked ``Settings.thd_split``),
+    and at ``cp > 1`` when neither a record nor ``setting`` nor hybrid CP says how the rows were cut."""
     recorded = recorded_split(cu_seqlens)
     if recorded is not None:
         if setting is not None and setting != recorded:

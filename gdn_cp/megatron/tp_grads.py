@@ -10,8 +10,8 @@ replicas of ``out_norm.weight`` get different gradients and drift apart from the
 Fix: a gradient hook on each such parameter that sums its gradient over the layer's TP group
 before autograd accumulates it (so Megatron's DDP sees the full gradient in ``main_grad``).
 It is registered once per parameter, from :func:`install_tp_grad_sum`, which the patched
-forward reaches on every call (stock CP=1 SBHD path included), and only where finalize will not
-sum the parameter itself (no double reduction under sequence parallelism). Cost: one all-reduce
+forward calls on each layer's first call (stock CP=1 SBHD path included), and only where finalize
+will not sum the parameter itself (no double reduction under sequence parallelism). Cost: one all-reduce
 of D_v (+ D_v for a LayerNorm bias) values per layer per backward, on TP > 1 only.
 """
 
@@ -26,20 +26,15 @@ __all__ = ["TP_GRAD_SUM_ATTR", "install_tp_grad_sum"]
 logger = logging.getLogger(__name__)
 
 TP_GRAD_SUM_ATTR = "_gdn_cp_tp_grad_sum"  # set on a parameter whose gradient hook is installed
-_CHECKED_ATTR = "_gdn_cp_tp_grads_checked"  # non-empty on a layer once its parameters were looked at
 
 
 def install_tp_grad_sum(layer) -> list[str]:
     """Install the TP gradient sum on ``layer``'s partial-gradient parameters; idempotent.
 
-    ``layer`` is the release adapter of a GatedDeltaNet (:func:`gdn_cp.megatron.gdn.layer_adapter`).
+    ``layer`` is the release adapter of a GatedDeltaNet (:func:`gdn_cp.megatron.gdn.layer_state`'s ``adapter``).
     Returns the names of the parameters hooked now (empty on later calls, at TP = 1, and where
     finalize_model_grads sums the parameter itself). Registers hooks only: no collective here.
     """
-    checked = layer.own(_CHECKED_ATTR, dict)
-    if checked:
-        return []
-    checked["tp_grads"] = True
     if layer.tp_size == 1:
         return []
     group = layer.tp_group

@@ -1,17 +1,23 @@
 """The three CP modes: rank-local zigzag tensors in, rank-local zigzag tensors out.
 
-:func:`gdn_core` is the one entry point; :mod:`gdn_cp.modes.spec` is the registry it
-dispatches through (one entry per mode: its head rule, the layouts it takes, and its file, whose
-``prepare`` decides a call's :class:`~gdn_cp.modes.call.ModeCall`). Nothing here knows about
-Megatron. The names below load their modules (and torch) on first use, so
-``import gdn_cp.modes.spec`` does not import torch.
+:func:`gdn_core` is the public entry point of the core (it checks its arguments and makes the
+call's :class:`CallContext`); the patched Megatron forward makes its own context and hands the
+whole layer to the mode (:meth:`Mode.run`). :mod:`.spec` is the registry (one entry per mode: its
+head rule and its class), :mod:`.settings` the settings a call carries. Nothing here knows about
+Megatron.
+
+This ``__getattr__`` is the package's one lazy face, and the reason is import order: Python runs
+this file before any submodule, and :mod:`gdn_cp.modes.spec` must import without torch (the
+``gdn-cp`` command line builds its help from it, the patched ``TransformerConfig`` checks with
+it). The names below load their modules (and torch) on first use; everything else imports the
+submodules directly.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "GDNShape", "ModeCall", "gdn_core", "local_core", "sbhd_to_thd", "thd_to_sbhd", "chunkwise_path",
-    "set_chunkwise_path", "resolve_chunkwise_path", "chunkwise_swaps_layout", "is_one_zigzag_stream",
+    "CallContext", "GDNShape", "LayerFacts", "Mode", "Projected", "Segment", "Settings", "gdn_core", "prepare_mode",
+    "sbhd_to_thd", "thd_to_sbhd",
 ]
 
 
@@ -19,16 +25,15 @@ def __getattr__(name: str):
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from ..ops.shape import GDNShape
-    from . import chunkwise, common, packing
-    from .call import ModeCall
-    from .dispatch import gdn_core
+    from .context import CallContext, LayerFacts, Mode, Projected, Segment
+    from .core import gdn_core, prepare_mode
+    from .packing import sbhd_to_thd, thd_to_sbhd
+    from .settings import Settings
 
     public = {
-        "GDNShape": GDNShape, "ModeCall": ModeCall, "gdn_core": gdn_core, "local_core": common.local_core,
-        "sbhd_to_thd": packing.sbhd_to_thd, "thd_to_sbhd": packing.thd_to_sbhd,
-        "chunkwise_path": chunkwise.chunkwise_path, "set_chunkwise_path": chunkwise.set_chunkwise_path,
-        "resolve_chunkwise_path": chunkwise.resolve_chunkwise_path,
-        "chunkwise_swaps_layout": chunkwise.chunkwise_swaps_layout, "is_one_zigzag_stream": chunkwise.is_one_zigzag_stream,
+        "CallContext": CallContext, "GDNShape": GDNShape, "LayerFacts": LayerFacts, "Mode": Mode,
+        "Projected": Projected, "Segment": Segment, "Settings": Settings, "gdn_core": gdn_core,
+        "prepare_mode": prepare_mode, "sbhd_to_thd": sbhd_to_thd, "thd_to_sbhd": thd_to_sbhd,
     }
     globals().update(public)
     return public[name]

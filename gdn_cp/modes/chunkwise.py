@@ -6,24 +6,22 @@ earlier ranks and the scan takes its initial state from the affine summaries
 is the CP=1 compute on T/cp tokens (in the generic path here, plus one wider scan on a
 rank whose whole slice continues a sequence on both sides, for its transition matrix M).
 
-A backend with a native context-parallel core for the group (``backend.native_cp_core``:
-FLA's cp context on NCCL, or on gloo where a harness adapted FLA's collectives) replaces the
-generic halo/summary path, unless the chunkwise path setting says otherwise
-(:func:`set_chunkwise_path`, env ``GDN_CP_CHUNKWISE_PATH``):
+:meth:`Chunkwise.prepare` decides once per call, host-side and before any collective, from the
+settings (``Settings.chunkwise_path``: ``GDN_CP_CHUNKWISE_PATH``), the backend, the group and the
+plan, and logs each outcome once:
 
-- ``auto`` (default): the backend's native core where it has one for the group, else generic;
-- ``native``: the native core; a ValueError (before any collective) where there is none;
-- ``generic``: gdn-cp's own halo and state summary exchange around the backend's CP=1 kernels.
-
-Where the rows are already one zigzag-cut stream (:func:`is_one_zigzag_stream`: the whole
-packed row cut into 2*cp parts, rank r holding parts r and 2*cp-1-r: Megatron's SBHD at batch
-1, a plan whose split is whole-row, or a single sequence) and the backend also has a native
-zigzag core (``backend.native_zigzag_cp_core``: FLA >= 0.6's zigzag cp context), the native
-path runs on the rows as they are, with no layout all-to-all at all.
-
-The choice is made once per call from the setting, the group and the plan
-(:func:`chunkwise_exchange`, through :func:`prepare`: the mode's :class:`~gdn_cp.modes.call.ModeCall`),
-handed down to the cores, never switched on its own, and logged once per (setting, path).
+- the halo/state exchange: the backend's native context-parallel core for the group
+  (``backend.native_cp_core``: FLA's cp context on NCCL groups) where the setting is ``auto``
+  (default) or ``native`` (a ValueError where there is none), else gdn-cp's own exchange around the
+  backend's CP=1 kernels (``generic``; also forced by the setting ``generic``);
+- whether rows move at all: where the rows are already one zigzag-cut stream
+  (:func:`is_one_zigzag_stream`: the whole packed row cut into 2*cp parts, rank r holding parts r and
+  2*cp-1-r: Megatron's SBHD at batch 1, a plan whose split is whole-row, or a single sequence) and
+  the backend also has a native zigzag core (``backend.native_zigzag_cp_core``: FLA >= 0.6's zigzag
+  cp context), the native path runs on the rows as they are, with no layout all-to-all at all;
+- in a Megatron layer, where the rows move (:mod:`gdn_cp.modes.swap`, ``Settings.chunkwise_swap``):
+  ``hidden`` moves hidden_states before in_proj and out_proj's output back (:meth:`Chunkwise.run`),
+  ``core`` moves q|k|v and the gates around the core.
 """
 
 from __future__ import annotations
@@ -35,7 +33,6 @@ from typing import Optional
 
 import torch
 
-from .. import env
 from ..comm import (
     all_gather_rows,
     route_all_to_all,
@@ -43,85 +40,28 @@ from ..comm import (
     start_all_gather_rows,
     wait_all_gather_rows,
 )
+from ..env import CHUNKWISE_PATH_ENV
 from ..layout import CONTIGUOUS, WHOLE_ROW, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
-from ..env import CHUNKWISE_PATHS
 from ..layout.plan import CPPlan
 from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
-from .call import ModeCall
 from .common import split_qkv
+from .context import CallContext, Mode
+from .packing import sbhd_to_thd, thd_to_sbhd
+from .swap import choose_swap_point
 
-__all__ = [
-    "CHUNKWISE_PATHS",
-    "CHUNKWISE_PATH_ENV",
-    "ChunkwiseExchange",
-    "chunkwise_core",
-    "chunkwise_exchange",
-    "chunkwise_path",
-    "contiguous_core",
-    "gather_halo",
-    "chunkwise_swaps_layout",
-    "initial_state_from_summaries",
-    "is_one_zigzag_stream",
-    "prepare",
-    "resolve_chunkwise_path",
-    "set_chunkwise_path",
-]
+__all__ = ["Chunkwise", "gather_halo", "initial_state_from_summaries", "is_one_zigzag_stream"]
 
 logger = logging.getLogger(__name__)
 
-CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
-_PATH_SETTING: list = [None]  # set_chunkwise_path's value; None: the environment decides
 _LOGGED: set = set()
 
 
-def _check_path(path, where: str) -> str:
-    if path not in CHUNKWISE_PATHS:
-        raise ValueError(f"{where}={path!r}: the chunkwise path must be one of {', '.join(CHUNKWISE_PATHS)}")
-    return path
-
-
-def set_chunkwise_path(path: str | None) -> None:
-    """Choose how chunkwise exchanges halos and state summaries: ``auto``, ``native`` (the
-    backend's own CP kernels, FLA's cp context on NCCL) or ``generic`` (gdn-cp's exchange).
-    ``None`` hands the choice back to ``GDN_CP_CHUNKWISE_PATH`` (default ``auto``)."""
-    _PATH_SETTING[0] = None if path is None else _check_path(path, "set_chunkwise_path(path)")
-
-
-def chunkwise_path() -> str:
-    """The setting: :func:`set_chunkwise_path`'s, else ``GDN_CP_CHUNKWISE_PATH``'s, else ``auto``."""
-    if _PATH_SETTING[0] is not None:
-        return _PATH_SETTING[0]
-    return env.read(CHUNKWISE_PATH_ENV)
-
-
-def _log_once(setting: str, path: str, why: str) -> None:
-    if (setting, path) not in _LOGGED:
-        _LOGGED.add((setting, path))
-        logger.info("chunkwise halo/state exchange: %s path (setting %s; %s)", path, setting, why)
-
-
-def resolve_chunkwise_path(backend, group):
-    """``(path, native_core)`` for this call: ``("native", core)`` or ``("generic", None)``.
-
-    Host-side only; raises ValueError (before any collective) when the setting is ``native`` and
-    the backend has no native core for ``group``.
-    """
-    setting = chunkwise_path()
-    native = None if setting == "generic" or group is None else backend.native_cp_core(group)
-    if setting == "native" and native is None:
-        raise ValueError(
-            f"chunkwise path 'native' (set_chunkwise_path or {CHUNKWISE_PATH_ENV}) but the "
-            f"{getattr(backend, '__name__', type(backend).__name__)} backend has no native CP core for this "
-            "group (FLA's cp context needs a CUDA device, FLA >= 0.4.2 and an NCCL group, or a group whose "
-            "backend a harness adapted FLA's collectives for: gdn_cp.ops.fla.allow_fla_collectives); set 'auto' "
-            "or 'generic'"
-        )
-    path = "native" if native is not None else "generic"
-    _log_once(setting, path, "the backend's cp context" if native is not None else
-              "gdn-cp's own exchange" + (" (setting)" if setting == "generic" else ": no native core for this group"))
-    return path, native
+def _log_once(key, message: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(message, *args)
 
 
 def is_one_zigzag_stream(plan: CPPlan) -> bool:
@@ -133,57 +73,128 @@ def is_one_zigzag_stream(plan: CPPlan) -> bool:
     return len(plan.cu.nonempty()[1]) == 1  # cached on the boundaries: one pass per micro-batch
 
 
-@dataclass(frozen=True)
-class ChunkwiseExchange:
-    """How chunkwise exchanges halos and state summaries on one call.
+def _native_core(ctx: CallContext) -> Optional[NativeCPCore]:
+    """The backend's native core for the call's group as the path setting allows; ValueError for
+    ``native`` where there is none."""
+    setting, backend = ctx.settings.chunkwise_path, ctx.backend
+    native = None if setting == "generic" else backend.native_cp_core(ctx.group)
+    if setting == "native" and native is None:
+        raise ValueError(
+            f"chunkwise path 'native' ({CHUNKWISE_PATH_ENV} or gdn_core's chunkwise_path) but the "
+            f"{getattr(backend, '__name__', type(backend).__name__)} backend has no native CP core for this "
+            "group (FLA's cp context needs a CUDA device, FLA >= 0.4.2 and an NCCL group); set 'auto' or 'generic'"
+        )
+    why = ("the backend's cp context" if native is not None else
+           "gdn-cp's own exchange" + (" (setting)" if setting == "generic" else ": no native core for this group"))
+    _log_once(("path", setting, native is not None), "chunkwise halo/state exchange: %s path (setting %s; %s)",
+              "native" if native is not None else "generic", setting, why)
+    return native
 
-    ``path``: ``native`` (the backend's cp context) or ``generic`` (gdn-cp's own exchange);
-    ``native``: the backend's core on contiguous rows (None on the generic path); ``zigzag``: its
-    core on the zigzag rows as they are, where those are one zigzag-cut stream and it has one
-    (then no row moves between layouts), else None.
+
+def _zigzag_core(ctx: CallContext) -> Optional[NativeCPCore]:
+    """The backend's native core on the zigzag rows as they are, where they are one zigzag-cut
+    stream and the backend has one (FLA >= 0.6), else None (logged once per outcome)."""
+    if not is_one_zigzag_stream(ctx.plan):
+        return None
+    make = getattr(ctx.backend, "native_zigzag_cp_core", None)
+    zigzag = None if make is None else make(ctx.group)
+    _log_once(("zigzag", ctx.settings.chunkwise_path, zigzag is not None),
+              "chunkwise halo/state exchange: %s path (setting %s; %s)",
+              "native-zigzag" if zigzag is not None else "native-contiguous", ctx.settings.chunkwise_path,
+              "rows are one zigzag-cut stream: no layout all-to-all" if zigzag is not None else
+              "rows are one zigzag-cut stream, but the backend's cp context takes no zigzag layout (FLA < 0.6): "
+              "routed to the contiguous layout")
+    return zigzag
+
+
+def _swap_point(ctx: CallContext) -> str:
+    """Where a layer's rows move (``hidden`` or ``core``): :mod:`gdn_cp.modes.swap`'s rule, logged
+    once per layer and outcome."""
+    layer = ctx.layer
+    choice = choose_swap_point(shape=ctx.shape, hidden_size=layer.hidden_size, tp=layer.tp,
+                               sequence_parallel=layer.sequence_parallel, act_bytes=layer.act_bytes,
+                               requested=ctx.settings.chunkwise_swap)
+    _log_once(("swap", layer.label, choice.point, choice.reason),
+              "%s layout swap at %s (%s; core %d B/token, hidden %s B/token, stock headwise %d B/token)",
+              layer.label, choice.point, choice.reason, choice.core_bytes, choice.hidden_bytes,
+              choice.stock_headwise_bytes)
+    return choice.point
+
+
+@dataclass(frozen=True)
+class Chunkwise(Mode):
+    """One call's way through chunkwise (made by :meth:`prepare`).
+
+    ``path``: ``native`` (the backend's cp context), ``native-zigzag`` (its zigzag context on the
+    rows as they are) or ``generic`` (gdn-cp's own exchange). ``native`` / ``zigzag``: the
+    backend's cores for those paths, else None. ``swap``: where :meth:`run` moves a layer's rows,
+    ``hidden`` or ``core``; None where nothing moves (the zigzag core) or there is no layer.
     """
 
     path: str
     native: Optional[NativeCPCore]
     zigzag: Optional[NativeCPCore]
+    swap: Optional[str]
 
-    @property
-    def swaps_layout(self) -> bool:
-        """Whether rows move zigzag -> contiguous (and back) around the core."""
-        return self.zigzag is None
+    @classmethod
+    def prepare(cls, ctx: CallContext) -> Chunkwise:
+        native = _native_core(ctx)
+        zigzag = None if native is None else _zigzag_core(ctx)
+        if zigzag is not None:
+            return cls("native-zigzag", native, zigzag, None)
+        return cls("generic" if native is None else "native", native, None,
+                   None if ctx.layer is None else _swap_point(ctx))
 
+    def core(self, ctx: CallContext, qkv, g, beta, conv_weight, conv_bias) -> torch.Tensor:
+        """zigzag rows in and out: the zigzag core on the rows as they are, else the routes around
+        the contiguous core."""
+        plan, group = ctx.plan, ctx.group
+        if self.zigzag is not None:
+            return self.zigzag(qkv, g, beta, conv_weight, conv_bias, shape=ctx.shape, cu_seqlens_global=plan.cu,
+                               group=group, cache=plan.backend_cache)
+        to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+        # q|k|v and both gates in one all-to-all per direction (bytes packed side by side, exact)
+        qkv_c, g_c, beta_c = route_all_to_all_many((qkv, g, beta), to_c, to_z, group)
+        o_c = self.contiguous_core(ctx, qkv_c, g_c, beta_c, conv_weight, conv_bias)
+        return route_all_to_all(o_c, to_z, to_c, group)
 
-def chunkwise_exchange(backend, group, plan: CPPlan) -> ChunkwiseExchange:
-    """This call's exchange: the path setting resolved for ``backend`` and ``group``
-    (:func:`resolve_chunkwise_path`: a ``native`` setting it cannot honour is a ValueError here,
-    before any collective), and the zigzag core where ``plan``'s rows are one zigzag-cut stream
-    (logged once per outcome)."""
-    path, native = resolve_chunkwise_path(backend, group)
-    if path != "native" or not is_one_zigzag_stream(plan):
-        return ChunkwiseExchange(path, native, None)
-    make = getattr(backend, "native_zigzag_cp_core", None)
-    zigzag = None if make is None else make(group)
-    _log_once(chunkwise_path(), "native-zigzag" if zigzag is not None else "native-contiguous",
-              "rows are one zigzag-cut stream: no layout all-to-all" if zigzag is not None else
-              "rows are one zigzag-cut stream, but the backend's cp context takes no zigzag layout (FLA < 0.6): "
-              "routed to the contiguous layout")
-    return ChunkwiseExchange(path, native, zigzag)
+    def run(self, ctx: CallContext, hidden: torch.Tensor, segment):
+        """The layer on contiguous rows where the swap is at ``hidden``: hidden_states
+        ``[S_local, B, H]`` move zigzag -> contiguous as packed rows ``[T_local, 1, H]``, the layer's
+        per-token work and the contiguous core run there, out_proj's output moves back. Otherwise
+        the default: :meth:`core` moves what it moves."""
+        if self.swap != "hidden":
+            return super().run(ctx, hidden, segment)
+        plan, group = ctx.plan, ctx.group
+        to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
+        moved = route_all_to_all(sbhd_to_thd(hidden), to_c, to_z, group).unsqueeze(1)
+        x = segment.project(moved)
+        o = self.contiguous_core(ctx, x.qkv, x.g, x.beta, segment.conv_weight, segment.conv_bias)
+        out, out_bias = segment.finish(o, x.gate, 1)
+        out = route_all_to_all(out.reshape(-1, out.shape[-1]), to_z, to_c, group)
+        return thd_to_sbhd(out, hidden.shape[1]), out_bias
 
-
-def chunkwise_swaps_layout(backend, group, plan: CPPlan) -> bool:
-    """Whether chunkwise moves rows zigzag -> contiguous for this call (False where the backend's
-    zigzag core takes the rows as they are): the Megatron glue then needs no layout swap at all."""
-    return chunkwise_exchange(backend, group, plan).swaps_layout
-
-
-def prepare(backend, group, plan: CPPlan) -> ModeCall:
-    """This call's :class:`~gdn_cp.modes.call.ModeCall`: the exchange decided once and bound into
-    both cores; ``swap_layout`` is ``contiguous`` unless the zigzag core takes the rows as they are."""
-    exchange = chunkwise_exchange(backend, group, plan)
-    cores = {ZIGZAG: partial(chunkwise_core, exchange=exchange), CONTIGUOUS: partial(contiguous_core, exchange=exchange)}
-    if not exchange.swaps_layout:
-        return ModeCall(cores=cores, swap_layout=None, path="native-zigzag")
-    return ModeCall(cores=cores, swap_layout=CONTIGUOUS, path=exchange.path)
+    def contiguous_core(self, ctx: CallContext, qkv_c, g_c, beta_c, conv_weight, conv_bias) -> torch.Tensor:
+        """The chunkwise core on rows in the contiguous layout; returns contiguous rows. The native
+        core where the call has one, else gdn-cp's halo and state summary exchange around the
+        backend's CP=1 kernels (same results)."""
+        plan, group, shape, backend = ctx.plan, ctx.group, ctx.shape, ctx.backend
+        if self.native is not None:
+            return self.native(qkv_c, g_c, beta_c, conv_weight, conv_bias, shape=shape, cu_seqlens_global=plan.cu,
+                               group=group, cache=plan.backend_cache)
+        cw = plan.chunkwise(conv_weight.shape[1])
+        straddles = cw.any_straddle  # same on every rank: all skip the exchanges together
+        halo = None
+        if straddles and cw.conv_width > 1:
+            index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
+            halo = gather_halo(qkv_c, cw, index, group)
+        x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=cw.local_cu, halo=halo, activation="silu")
+        q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
+        if not straddles:
+            o_c, _ = backend.chunk_gated_delta_rule(q, k, v, g_c, beta_c, cu_seqlens=cw.local_cu,
+                                                    use_qk_l2norm=shape.qk_l2norm)
+            return o_c
+        return _scan_with_carried_state(q, k, v, g_c, beta_c, cw, backend, group, shape)
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:
@@ -270,61 +281,6 @@ def initial_state_from_summaries(summaries: torch.Tensor, cw: ChunkwisePlan, dk:
         m, ext = summaries[q, ..., :dk], summaries[q, ..., dk:]
         state = torch.matmul(m, state) + ext
     return state
-
-
-def chunkwise_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend,
-                   exchange: Optional[ChunkwiseExchange] = None):
-    """zigzag rows in and out: the backend's zigzag core on the rows as they are where it applies
-    (:func:`chunkwise_swaps_layout`), else the routes wrap :func:`contiguous_core`. ``exchange``:
-    the call's :func:`chunkwise_exchange` (decided here when not given)."""
-    if exchange is None:  # a 'native' setting it cannot honour fails before the routes
-        exchange = chunkwise_exchange(backend, group, plan)
-    if exchange.zigzag is not None:
-        return exchange.zigzag(qkv, g, beta, conv_weight, conv_bias, shape=shape, cu_seqlens_global=plan.cu,
-                               group=group, cache=plan.backend_cache)
-    to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
-    # q|k|v and both gates in one all-to-all per direction (bytes packed side by side, exact)
-    qkv_c, g_c, beta_c = route_all_to_all_many((qkv, g, beta), to_c, to_z, group)
-    o_c = contiguous_core(
-        qkv_c, g_c, beta_c, conv_weight, conv_bias,
-        shape=shape, plan=plan, group=group, backend=backend, exchange=exchange,
-    )
-    return route_all_to_all(o_c, to_z, to_c, group)
-
-
-def contiguous_core(qkv_c, g_c, beta_c, conv_weight, conv_bias, *, shape: GDNShape, plan: CPPlan, group, backend,
-                    exchange: Optional[ChunkwiseExchange] = None):
-    """The chunkwise core on rows already in the contiguous layout; returns contiguous rows.
-
-    Used directly when the layout swap happens outside the core (on hidden_states). A
-    backend with a native context-parallel kernel for this group (FLA's cp_context on NCCL)
-    runs it unless the path setting says ``generic``; otherwise halos and state summaries go
-    through gdn_cp.comm and the backend's kernels run per rank (same results; the reference
-    backend, or FLA on gloo groups). ``exchange``: the call's :func:`chunkwise_exchange`
-    (its path is resolved here when not given).
-    """
-    native = resolve_chunkwise_path(backend, group)[1] if exchange is None else exchange.native
-    if native is not None:
-        return native(
-            qkv_c, g_c, beta_c, conv_weight, conv_bias,
-            shape=shape, cu_seqlens_global=plan.cu, group=group, cache=plan.backend_cache,
-        )
-
-    cw = plan.chunkwise(conv_weight.shape[1])
-    straddles = cw.any_straddle  # same on every rank: all skip the exchanges together
-    halo = None
-    if straddles and cw.conv_width > 1:
-        index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
-        halo = gather_halo(qkv_c, cw, index, group)
-    x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=cw.local_cu, halo=halo, activation="silu")
-    q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
-
-    if not straddles:
-        o_c, _ = backend.chunk_gated_delta_rule(
-            q, k, v, g_c, beta_c, cu_seqlens=cw.local_cu, use_qk_l2norm=shape.qk_l2norm
-        )
-        return o_c
-    return _scan_with_carried_state(q, k, v, g_c, beta_c, cw, backend, group, shape)
 
 
 def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group, shape: GDNShape):

@@ -1,9 +1,9 @@
 """The CP mode registry: every rule about a ``linear_cp_mode`` lives here, in one entry per mode.
 
 Torch-free and Megatron-free, so the patched ``TransformerConfig``, the CLI, ``doctor``, the
-dispatch in :mod:`gdn_cp.modes`, tests and benchmarks all read the same table. A new mode is one
-file under ``gdn_cp/modes/`` (its cores and a ``prepare(backend, group, plan) -> ModeCall``) plus
-one :class:`ModeSpec` entry below, whose ``module`` imports that file on first use.
+modes, tests and benchmarks all read the same table. A new mode is one file under
+``gdn_cp/modes/`` (a :class:`~gdn_cp.modes.context.Mode` subclass) plus one :class:`ModeSpec`
+entry below, whose ``runner`` imports that class on first use.
 
 Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` divisible by
 ``head_divisor(tp, cp)`` (``TP*CP`` for headwise, ``TP`` for the others).
@@ -12,11 +12,10 @@ Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
-    from .call import ModeCall
+    from .context import Mode
 
 __all__ = [
     "AUTO",
@@ -26,6 +25,7 @@ __all__ = [
     "MODES",
     "get_mode",
     "head_problem",
+    "unknown_mode_error",
 ]
 
 AUTO = "auto"
@@ -35,20 +35,16 @@ AUTO = "auto"
 class ModeSpec:
     """One CP mode.
 
-    ``divides_by_cp``: heads must divide TP*CP (True) or TP only (False). ``layouts``: the row
-    layouts its cores take, ``zigzag`` (Megatron's) first; ``contiguous`` where a caller may move
-    the rows itself (names of :mod:`gdn_cp.layout`, spelled out here so that reading the
-    registry never imports torch). ``module``: imports the mode's file on first use (a plain
-    import statement, which readers and tools follow); the file holds the cores and
-    ``prepare(backend, group, plan) -> ModeCall``. ``cost``: one line for ``doctor`` and logs.
-    ``auto_rank``: order in which ``auto`` prefers legal modes (lower first; the reasons are in
-    :mod:`gdn_cp.megatron.config`).
+    ``divides_by_cp``: heads must divide TP*CP (True) or TP only (False). ``runner``: imports the
+    mode's class on first use (a plain import statement, which readers and tools follow; the class
+    decides a call's way through the mode and runs it). ``cost``: one line for ``doctor`` and
+    logs. ``auto_rank``: order in which ``auto`` prefers legal modes (lower first; the reasons are
+    in :mod:`gdn_cp.megatron.config`).
     """
 
     name: str
     divides_by_cp: bool
-    layouts: tuple[str, ...]
-    module: Callable[[], ModuleType]
+    runner: Callable[[], type[Mode]]
     cost: str
     auto_rank: int
 
@@ -59,29 +55,23 @@ class ModeSpec:
         """``TP*CP=2*4=8`` or ``TP=2``: how messages name the divisor."""
         return f"TP*CP={tp}*{cp}={tp * cp}" if self.divides_by_cp else f"TP={tp}"
 
-    def prepare(self, backend, group, plan) -> ModeCall:
-        """This call's way through the mode (:class:`~gdn_cp.modes.call.ModeCall`: its cores, whether
-        it moves rows to another layout, which exchange path it takes), decided once on the host
-        before any collective; ValueError where a setting cannot be honoured for ``group``."""
-        return self.module().prepare(backend, group, plan)
+
+def _headwise() -> type[Mode]:
+    from .headwise import Headwise
+
+    return Headwise
 
 
-def _headwise() -> ModuleType:
-    from . import headwise
+def _chunkwise() -> type[Mode]:
+    from .chunkwise import Chunkwise
 
-    return headwise
-
-
-def _chunkwise() -> ModuleType:
-    from . import chunkwise
-
-    return chunkwise
+    return Chunkwise
 
 
-def _all_gather() -> ModuleType:
-    from . import all_gather
+def _all_gather() -> type[Mode]:
+    from .all_gather import AllGather
 
-    return all_gather
+    return AllGather
 
 
 MODES: dict[str, ModeSpec] = {
@@ -90,24 +80,21 @@ MODES: dict[str, ModeSpec] = {
         ModeSpec(
             name="headwise",
             divides_by_cp=True,
-            layouts=("zigzag",),
-            module=_headwise,
+            runner=_headwise,
             cost="two all-to-alls of every activation; full sequence on 1/cp of the heads",
             auto_rank=1,
         ),
         ModeSpec(
             name="chunkwise",
             divides_by_cp=False,
-            layouts=("zigzag", "contiguous"),
-            module=_chunkwise,
+            runner=_chunkwise,
             cost="CP=1 work on T/cp tokens plus a route all-to-all and a small halo/state exchange",
             auto_rank=0,
         ),
         ModeSpec(
             name="all_gather",
             divides_by_cp=False,
-            layouts=("zigzag",),
-            module=_all_gather,
+            runner=_all_gather,
             cost="cp x the compute and O(T) activation memory (the fallback of last resort)",
             auto_rank=2,
         ),
@@ -126,6 +113,14 @@ def get_mode(name) -> ModeSpec:
         extra = f" ('{AUTO}' must be resolved first)" if name == AUTO else ""
         raise ValueError(f"linear_cp_mode={name!r} is not a concrete mode{extra}; use one of {legal}")
     return spec
+
+
+def unknown_mode_error(mode: Any) -> ValueError:
+    """The error for a ``linear_cp_mode`` that is neither a mode nor ``auto``."""
+    return ValueError(
+        f"linear_cp_mode={mode!r} is not a known mode; set it to one of {', '.join(map(repr, MODE_CHOICES))} "
+        f"(Megatron-LM: --linear-cp-mode {{{','.join(MODE_CHOICES)}}})."
+    )
 
 
 def head_problem(name: str, *, num_key_heads: int, num_value_heads: int, tp: int, cp: int) -> Optional[str]:

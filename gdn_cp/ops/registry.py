@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 __all__ = [
     "AUTO", "BACKEND_CHOICES", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ORACLE", "backend_problem", "backend_spec",
-    "choose_backend_name", "get_backend", "resolve_backend",
+    "choose_backend_name", "get_backend", "resolve_backend", "unknown_backend_error",
 ]
 
 
@@ -149,6 +149,14 @@ def backend_spec(name) -> BackendSpec:
 def get_backend(name: str):
     """The backend called ``name`` (its module, imported on first use; a :class:`Backend`)."""
     return backend_spec(name).module()
+
+
+def unknown_backend_error(requested, where: str = "") -> ValueError:
+    """The error for a ``linear_cp_backend`` that is neither ``auto`` nor a backend (``where``: the
+    field's owner, e.g. ``"TransformerConfig."``)."""
+    return ValueError(f"{where}linear_cp_backend={requested!r} is not a backend; set it to one of "
+                      f"{', '.join(repr(c) for c in BACKEND_CHOICES)} (Megatron-LM: --linear-cp-backend "
+                      f"{{{','.join(BACKEND_CHOICES)}}}).")
 
 
 def backend_problem(name: str, device_type: str, *, head_dims: Optional[tuple[int, int]] = None,

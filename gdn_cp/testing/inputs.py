@@ -67,7 +67,7 @@ def core_leaves(inputs: dict, rows=None) -> dict:
 def cp1_core_answer(inputs: dict, shape, cu: Sequence[int], backend="reference"):
     """CP=1 output ``[T, Hv, Dv]`` and gradients ``{name: grad}`` of the core on the whole packed
     stream: the reference every CP mode is compared with."""
-    from gdn_cp.modes import local_core
+    from gdn_cp.modes.common import local_core
     from gdn_cp.ops import get_backend
 
     leaves = core_leaves(inputs)

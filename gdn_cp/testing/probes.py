@@ -1,17 +1,122 @@
-"""Read-only looks at gdn-cp internals that tests and benchmarks report on.
+"""Looks into a run that the library does not offer: which swap points chunkwise took, how many bytes
+the all-to-alls sent, how many route and plan builds a micro-batch cost; and a setting of the
+environment for the length of a block.
 
-The library keeps these details private on purpose; this module is the one place outside the
-library that reads them, so a rename breaks one function (and its test), not every caller.
+Each is a context manager that wraps one library function (or one torch.distributed call) for the
+length of the block, in this process, and gives it back afterwards, so the library keeps no
+counters or hooks for tests: a rename breaks one function here (and its test), not every caller.
 """
 
 from __future__ import annotations
 
-__all__ = ["chunkwise_swap_points"]
+import contextlib
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+__all__ = ["AllToAllBytes", "PlanBuilds", "all_to_all_bytes", "env_setting", "plan_builds", "swap_points"]
 
 
-def chunkwise_swap_points(module) -> list[str]:
-    """The chunkwise layout-swap points (``"hidden"`` / ``"core"``) a patched GatedDeltaNet has
-    used so far, sorted (empty before its first chunkwise call)."""
-    from gdn_cp.megatron import gdn
+@contextlib.contextmanager
+def env_setting(name: str, value: Optional[str]) -> Iterator[None]:
+    """``os.environ[name] = value`` (None: unset) for the block, then as it was (e.g.
+    ``GDN_CP_CHUNKWISE_SWAP=core`` for the layers a block runs: the settings read it on every call)."""
+    before = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
-    return sorted({str(point) for point in module.__dict__.get(gdn._SWAP_ATTR, {}).values()})
+
+@contextlib.contextmanager
+def swap_points() -> Iterator[dict]:
+    """``{layer label: {swap point, ...}}`` that chunkwise chose for the layer calls of the block
+    (``"hidden"`` / ``"core"``; a call through the zigzag core moves nothing and adds none)."""
+    from gdn_cp.modes import chunkwise
+
+    seen: dict = {}
+    original = chunkwise._swap_point
+
+    def recording(ctx):
+        point = original(ctx)
+        seen.setdefault(ctx.layer.label, set()).add(point)
+        return point
+
+    chunkwise._swap_point = recording
+    try:
+        yield seen
+    finally:
+        chunkwise._swap_point = original
+
+
+@dataclass
+class AllToAllBytes:
+    """Bytes this rank handed to ``all_to_all_single`` (every route and seq<->head all-to-all) and calls."""
+
+    bytes: int = 0
+    calls: int = 0
+
+
+@contextlib.contextmanager
+def all_to_all_bytes() -> Iterator[AllToAllBytes]:
+    """Count what this rank sends through ``torch.distributed.all_to_all_single`` in the block (host
+    sizes only: no device work)."""
+    import torch.distributed as dist
+
+    count = AllToAllBytes()
+    original = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        count.bytes += input.numel() * input.element_size()
+        count.calls += 1
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        yield count
+    finally:
+        dist.all_to_all_single = original
+
+
+@dataclass
+class PlanBuilds:
+    """Routes, natural-order maps and chunkwise plans built (by any plan) in the block."""
+
+    counts: dict = field(default_factory=lambda: {"route": 0, "natural_order": 0, "chunkwise": 0})
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+@contextlib.contextmanager
+def plan_builds() -> Iterator[PlanBuilds]:
+    """Count the builds a :class:`gdn_cp.layout.plan.CPPlan` makes in the block (a plan reused by
+    every layer, both directions and recompute builds each of its pieces once)."""
+    from gdn_cp.layout import plan as plan_module
+
+    builds = PlanBuilds()
+    names = {"route": "build_thd_route", "natural_order": "build_natural_order", "chunkwise": "build_chunkwise_plan"}
+    originals = {key: getattr(plan_module, name) for key, name in names.items()}
+
+    def counting(key):
+        def build(*args, **kwargs):
+            builds.counts[key] += 1
+            return originals[key](*args, **kwargs)
+
+        return build
+
+    for key, name in names.items():
+        setattr(plan_module, name, counting(key))
+    try:
+        yield builds
+    finally:
+        for key, name in names.items():
+            setattr(plan_module, name, originals[key])

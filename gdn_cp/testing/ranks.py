@@ -18,7 +18,7 @@ by the pool, never by the library:
 * every ``torch.distributed`` collective is counted (``ctx.collectives``);
 * on gloo: FLA (0.4.2 and 0.6) passes ``all_gather_into_tensor`` an output ``[world, n, ...]``,
   which NCCL accepts and gloo rejects: the shim views it flat ``[world*n, ...]`` for the call, and
-  on CUDA ranks tells the FLA backend so (:func:`gdn_cp.ops.fla.allow_fla_collectives`), whose
+  on CUDA ranks adds gloo to the FLA backend's ``FLA_COLLECTIVE_BACKENDS`` (logged), whose
   chunkwise native path (FLA's cp context) then runs on these gloo groups as it does on NCCL;
 * on gloo: gloo stages CUDA tensors through the host (a device->host sync NCCL does not make):
   the shim suspends ``torch.cuda.set_sync_debug_mode`` while a collective runs, so a zero-sync
@@ -245,10 +245,19 @@ def adapt_fla_collectives_for_gloo() -> None:
     Megatron-LM launcher, :mod:`gdn_cp.testing.megatron.lm`): FLA's ``[world, n, ...]``
     ``all_gather_into_tensor`` outputs viewed flat, and the FLA backend told so (logged), so the
     native chunkwise path runs there as in a pool."""
-    from gdn_cp.ops.fla.native_cp import allow_fla_collectives
-
     _install_fla_gloo_adapter()
-    allow_fla_collectives("gloo", by=_FLA_GLOO_SHIM)
+    _admit_gloo_for_fla()
+
+
+def _admit_gloo_for_fla() -> None:
+    """Add gloo to the backends whose groups the FLA backend runs its cp context on
+    (``gdn_cp.ops.fla.native_cp.FLA_COLLECTIVE_BACKENDS``, NCCL alone in the library): this process
+    flattened FLA's outputs for gloo. Logged."""
+    from gdn_cp.ops.fla import native_cp
+
+    if "gloo" not in native_cp.FLA_COLLECTIVE_BACKENDS:
+        native_cp.FLA_COLLECTIVE_BACKENDS = (*native_cp.FLA_COLLECTIVE_BACKENDS, "gloo")
+        logging.getLogger(__name__).info("FLA's cp context may run on gloo groups in this process: %s", _FLA_GLOO_SHIM)
 
 
 def _install_collective_shims(ctx: RankContext, gloo: bool) -> None:
@@ -400,9 +409,7 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
         if backend == "gloo" and device_type == "cuda" and (test_shims or fla_on_gloo):
             if not test_shims:  # the test shims flatten FLA's outputs themselves
                 _install_fla_gloo_adapter()
-            from gdn_cp.ops.fla.native_cp import allow_fla_collectives
-
-            allow_fla_collectives("gloo", by=_FLA_GLOO_SHIM)
+            _admit_gloo_for_fla()
         _CURRENT = ctx
         conn.send(("ready", True, None))
     except BaseException:  # noqa: BLE001 - reported to the parent, then this rank ends

@@ -104,29 +104,23 @@ def test_what_every_rank_would_refuse_is_refused_before_spawning(monkeypatch, ca
     assert main(["run", *argv]) == 2
     cap = capsys.readouterr()
     assert cap.out == "" and cap.err.count("\n") == 1, cap
-    assert cap.err.startswith("gdn-cp run: error: chunkwise path 'native' (GDN_CP_CHUNKWISE_PATH or "
-                              "set_chunkwise_path): chunkwise at --cp ") and "the reference backend has none" in cap.err
+    assert cap.err.startswith("gdn-cp run: error: chunkwise path 'native' (GDN_CP_CHUNKWISE_PATH): chunkwise at "
+                              "--cp ") and "the reference backend has none" in cap.err
 
 
 def test_the_native_path_runs_where_chunkwise_needs_no_cp(monkeypatch):
     """No refusal where no rank would refuse: chunkwise at CP=1, or not run (--modes without it)."""
-    from gdn_cp.modes import set_chunkwise_path
-
-    set_chunkwise_path("native")
-    try:
-        check_job(JobConfig(cp_sizes=(1,), modes=("chunkwise",)))
-        check_job(JobConfig(cp_sizes=(2, 4), modes=("headwise", "all_gather")))
-        with pytest.raises(ValueError, match="chunkwise path 'native'"):
-            check_job(JobConfig(cp_sizes=(1, 2)))
-    finally:
-        set_chunkwise_path(None)
+    monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "native")
+    check_job(JobConfig(cp_sizes=(1,), modes=("chunkwise",)))
+    check_job(JobConfig(cp_sizes=(2, 4), modes=("headwise", "all_gather")))
+    with pytest.raises(ValueError, match="chunkwise path 'native'"):
+        check_job(JobConfig(cp_sizes=(1, 2)))
 
 
 def test_fla_refusals_are_said_by_the_parent(monkeypatch):
     """On a GPU machine (stood in here): FLA's head-dim range, a FLA without a cp context under 'native',
     and rows too few for FLA's conv halo are refused before spawning, naming the flag."""
     from gdn_cp.cli import main_job
-    from gdn_cp.modes import set_chunkwise_path
     from gdn_cp.ops.fla import detect
 
     fla = dict(backend="fla", device="cuda", modes=("chunkwise",))
@@ -135,21 +129,18 @@ def test_fla_refusals_are_said_by_the_parent(monkeypatch):
     big = dict(SMALL, shape=GDNShape(num_k_heads=3, num_v_heads=6, head_k_dim=16, head_v_dim=16))
     features = detect.FLAFeatures(None, "fla.ops.cp.build_cp_context is not importable (stand-in)")
     monkeypatch.setattr(detect, "features", lambda: features)
-    set_chunkwise_path("native")
-    try:
-        with pytest.raises(ValueError, match=r"chunkwise path 'native'.* but FLA .*: fla\.ops\.cp\.build_cp_context "
-                                             r"is not importable \(stand-in\)"):
-            main_job._check_what_every_rank_checks(JobConfig(cp_sizes=(2,), **fla, **big))  # noqa: SLF001
-        set_chunkwise_path("auto")  # auto without a cp context: gdn-cp's own exchange, nothing to refuse
+    monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "native")
+    with pytest.raises(ValueError, match=r"chunkwise path 'native'.* but FLA .*: fla\.ops\.cp\.build_cp_context "
+                                         r"is not importable \(stand-in\)"):
         main_job._check_what_every_rank_checks(JobConfig(cp_sizes=(2,), **fla, **big))  # noqa: SLF001
-        monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, None))  # a cp context
-        few = dict(big, tokens_per_rank=2, num_sequences=1)  # 2 rows per rank, the conv halo needs W-1=3
-        with pytest.raises(ValueError, match=r"^--tokens-per-rank 2 --sequences 1 at --cp 2 \(chunkwise through "
-                                             r"FLA's cp context\): each rank holds 2 rows"):
-            main_job._check_what_every_rank_checks(JobConfig(cp_sizes=(2,), **fla, **few))  # noqa: SLF001
-        main_job._check_what_every_rank_checks(JobConfig(cp_sizes=(2,), **fla, **big))  # noqa: SLF001
-    finally:
-        set_chunkwise_path(None)
+    monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "auto")  # auto without a cp context: gdn-cp's own exchange
+    main_job._check_what_every_rank_checks(JobConfig(cp_sizes=(2,), **fla, **big))  # noqa: SLF001
+    monkeypatch.setattr(detect, "features", lambda: detect.FLAFeatures(None, None))  # a cp context
+    few = dict(big, tokens_per_rank=2, num_sequences=1)  # 2 rows per rank, the conv halo needs W-1=3
+    with pytest.raises(ValueError, match=r"^--tokens-per-rank 2 --sequences 1 at --cp 2 \(chunkwise through "
+                                         r"FLA's cp context\): each rank holds 2 rows"):
+        main_job._check_what_every_rank_checks(JobConfig(cp_sizes=(2,), **fla, **few))  # noqa: SLF001
+    main_job._check_what_every_rank_checks(JobConfig(cp_sizes=(2,), **fla, **big))  # noqa: SLF001
 
 
 def test_heads_are_flags_and_in_the_header(monkeypatch):

@@ -84,21 +84,22 @@ def test_route_rejects_wrong_rows_before_communicating():
         route_all_to_all(torch.zeros(12, 2), route, route, group=None)
 
 
-def _stats_case(ctx):
-    from gdn_cp.comm import comm_stats, reset_comm_stats
+def _bytes_case(ctx):
+    from gdn_cp.testing.probes import all_to_all_bytes
 
     rank, world = ctx.rank, ctx.world_size
     plan = RouteCache().plan(torch.tensor(named_packings(world)["straddling"]), world, rank)
     z2c, c2z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
-    reset_comm_stats()
     x = torch.zeros(plan.t_local, 5, dtype=torch.float32)
-    route_all_to_all(x, z2c, c2z, dist.group.WORLD)
-    return comm_stats(), plan.t_local
+    with all_to_all_bytes() as sent:
+        route_all_to_all(x, z2c, c2z, dist.group.WORLD)
+    return sent, plan.t_local
 
 
-def test_comm_stats_count_bytes_sent(rank_pool):
-    for stats, t_local in rank_pool(2).run(_stats_case):
-        assert stats["route_all_to_all"] == t_local * 5 * 4 and stats["route_all_to_all:calls"] == 1
+def test_the_byte_probe_counts_what_a_route_sends(rank_pool):
+    """The tests' all-to-all byte count (gdn_cp.testing.probes) sees a route's whole send buffer."""
+    for sent, t_local in rank_pool(2).run(_bytes_case):
+        assert (sent.bytes, sent.calls) == (t_local * 5 * 4, 1)
 
 
 class _Log(torch.autograd.Function):
@@ -162,7 +163,8 @@ def test_gather_in_flight_mirrors_its_overlap_in_backward(rank_pool, world):
 def _many_case(ctx):
     """route_all_to_all_many moves tensors of mixed dtypes and shapes bit for bit where separate
     routes put them, in one all-to-all per direction, and its gradients are theirs."""
-    from gdn_cp.comm import comm_stats, reset_comm_stats, route_all_to_all_many
+    from gdn_cp.comm import route_all_to_all_many
+    from gdn_cp.testing.probes import all_to_all_bytes
 
     rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD
@@ -176,9 +178,9 @@ def _many_case(ctx):
         wide = torch.randn(n, 7, generator=gen, dtype=torch.float64)[:, 1:5].reshape(n, 2, 2)  # strided input
         xs = [wide, torch.randn(n, generator=gen), torch.randn(n, 5, generator=gen).to(torch.bfloat16)]
         leaves = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in xs]
-        reset_comm_stats()
-        moved = route_all_to_all_many(leaves, z2c, c2z, group)
-        calls = comm_stats().get("route_all_to_all:calls", 0)
+        with all_to_all_bytes() as sent:
+            moved = route_all_to_all_many(leaves, z2c, c2z, group)
+        calls = sent.calls
         back = route_all_to_all_many(moved, c2z, z2c, group)
         grads = [torch.randn_like(b) for b in back]
         torch.autograd.backward(back, grads)

@@ -342,15 +342,14 @@ def test_chunkwise_fla_cp_matches_cp1_other_layouts(cuda_pool, case, dtype, cp):
 # the chunkwise mode (gdn_core) through both exchange paths, against CP=1
 # ------------------------------------------------------------------------------------------
 
-# (case, split, row layout): which rows each rank feeds gdn_core. "zigzag" rows of a per-document
-# split are routed to the contiguous layout; one zigzag-cut stream (a whole-row split, or a single
-# sequence) goes to FLA >= 0.6's zigzag cp context as it is; "contiguous" rows are what the Megatron
-# glue hands over after swapping layouts on hidden_states.
+# (case, split, row layout): which rows each rank feeds gdn_core (zigzag rows, its one layout).
+# Those of a per-document split are routed to the contiguous layout; one zigzag-cut stream (a
+# whole-row split, or a single sequence) goes to FLA >= 0.6's zigzag cp context as it is. (The
+# chunkwise swap at hidden_states, contiguous rows through the layer, is the Megatron GPU parity's.)
 MODE_CASES = [
     ("docs8", "per_document", "zigzag"),
     ("packed", "whole_row", "zigzag"),
     ("single", "per_document", "zigzag"),
-    ("docs8", "per_document", "contiguous"),
 ]
 
 
@@ -360,40 +359,29 @@ def _rank_mode_cases(rctx, inputs: dict, dtype: str, cp: int, path: str):
     import torch.distributed as dist
 
     from gdn_cp.layout import RouteCache
-    from gdn_cp.modes import gdn_core, set_chunkwise_path
-    from gdn_cp.modes.chunkwise import chunkwise_swaps_layout, resolve_chunkwise_path
+    from gdn_cp.modes import CallContext, Settings, gdn_core, prepare_mode
     from gdn_cp.testing.packings import zigzag_rows
 
     group = rctx.group(cp)
     r = dist.get_rank(group)
     dev = rctx.device
     out = {}
-    set_chunkwise_path(path)
-    try:
-        for case, split, layout in MODE_CASES:
-            inp = inputs[case]
-            cu = ALL_CASES[case]
-            plan = RouteCache().plan(cu, cp, r, split=split)
-            if layout == "zigzag":
-                rows = zigzag_rows(cu, cp, r, whole_row=split == "whole_row")
-            else:
-                part = cu[-1] // cp
-                rows = torch.arange(r * part, (r + 1) * part)
-            t = _leaves(inp, DTYPES[dtype], dev, rows)
-            a2a_before = rctx.collectives.get("all_to_all_single", 0)
-            o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
-                         group=group, backend=fla_backend, layout=layout)
-            (o.float() * inp["do"][rows].to(dev)).sum().backward()
-            resolved, _ = resolve_chunkwise_path(fla_backend, group)
-            zigzag = layout == "zigzag" and resolved == "native" and not chunkwise_swaps_layout(
-                fla_backend, group, plan)
-            out[f"{case}/{split}/{layout}"] = {
-                "o": o.detach().cpu(), **_grads(t), "rows": rows,
-                "path": "native-zigzag" if zigzag else resolved,
-                "all_to_alls": rctx.collectives.get("all_to_all_single", 0) - a2a_before,
-            }
-    finally:
-        set_chunkwise_path(None)
+    for case, split, layout in MODE_CASES:
+        inp = inputs[case]
+        cu = ALL_CASES[case]
+        plan = RouteCache().plan(cu, cp, r, split=split)
+        rows = zigzag_rows(cu, cp, r, whole_row=split == "whole_row")
+        t = _leaves(inp, DTYPES[dtype], dev, rows)
+        a2a_before = rctx.collectives.get("all_to_all_single", 0)
+        o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
+                     group=group, backend=fla_backend, chunkwise_path=path)
+        (o.float() * inp["do"][rows].to(dev)).sum().backward()
+        call = CallContext(settings=Settings(mode="chunkwise", chunkwise_path=path), shape=SHAPE, plan=plan,
+                           group=group, backend=fla_backend)
+        out[f"{case}/{split}/{layout}"] = {
+            "o": o.detach().cpu(), **_grads(t), "rows": rows, "path": prepare_mode(call).path,
+            "all_to_alls": rctx.collectives.get("all_to_all_single", 0) - a2a_before,
+        }
     return out
 
 

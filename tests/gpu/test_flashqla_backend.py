@@ -91,7 +91,7 @@ def _plan(case: str, cp: int, rank: int):
 
 
 def _core_cp1(backend, t: dict, cu, shape=SHAPE):
-    from gdn_cp.modes import local_core
+    from gdn_cp.modes.common import local_core  # the CP=1 core (its inputs trusted: the test made them)
 
     return local_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=shape, cu_seqlens=cu, backend=backend)
 
@@ -177,27 +177,23 @@ def _rank_modes(rctx, inputs: dict, cp: int, path: str):
     path set to ``path``; per (case, mode): output, gradients, rows, what chunkwise ran."""
     import torch.distributed as dist
 
-    from gdn_cp.modes import gdn_core, set_chunkwise_path
-    from gdn_cp.modes.spec import get_mode
+    from gdn_cp.modes import CallContext, Settings, gdn_core, prepare_mode
     from gdn_cp.ops import get_backend
 
     backend = get_backend("flashqla")
     group = rctx.group(cp)
     r = dist.get_rank(group)
     out = {}
-    set_chunkwise_path(path)
-    try:
-        for case in CASES:
-            plan, rows = _plan(case, cp, r), _rows(case, cp, r)
-            for mode in MODES if path == "generic" else ("chunkwise",):
-                t = _leaves(inputs[case], rctx.device, rows)
-                call = get_mode(mode).prepare(backend, group, plan)
-                o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode=mode, plan=plan,
-                             group=group, backend=backend, call=call)
-                (o.float() * inputs[case]["do"][rows].to(rctx.device)).sum().backward()
-                out[f"{case}/{mode}"] = {"o": o.detach().float().cpu(), **_grads(t), "rows": rows, "ran": call.path}
-    finally:
-        set_chunkwise_path(None)
+    for case in CASES:
+        plan, rows = _plan(case, cp, r), _rows(case, cp, r)
+        for mode in MODES if path == "generic" else ("chunkwise",):
+            t = _leaves(inputs[case], rctx.device, rows)
+            o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode=mode, plan=plan,
+                         group=group, backend=backend, chunkwise_path=path)
+            (o.float() * inputs[case]["do"][rows].to(rctx.device)).sum().backward()
+            ran = prepare_mode(CallContext(settings=Settings(mode=mode, chunkwise_path=path), shape=SHAPE, plan=plan,
+                                           group=group, backend=backend)).path
+            out[f"{case}/{mode}"] = {"o": o.detach().float().cpu(), **_grads(t), "rows": rows, "ran": ran}
     return out
 
 
@@ -255,7 +251,7 @@ def _rank_realistic(rctx, inp: dict, cu: list, cp: int, path: str):
     import torch.distributed as dist
 
     from gdn_cp.layout import RouteCache
-    from gdn_cp.modes import gdn_core, set_chunkwise_path
+    from gdn_cp.modes import gdn_core
     from gdn_cp.ops import get_backend
     from gdn_cp.testing.packings import zigzag_rows
 
@@ -263,14 +259,10 @@ def _rank_realistic(rctx, inp: dict, cu: list, cp: int, path: str):
     r = dist.get_rank(group)
     rows = zigzag_rows(cu, cp, r)
     plan = RouteCache().plan(cu, cp, r)
-    set_chunkwise_path(path)
-    try:
-        t = _leaves(inp, rctx.device, rows)
-        o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=GDNShape(**REALISTIC), mode="chunkwise",
-                     plan=plan, group=group, backend=get_backend("flashqla"))
-        (o.float() * inp["do"][rows].to(rctx.device)).sum().backward()
-    finally:
-        set_chunkwise_path(None)
+    t = _leaves(inp, rctx.device, rows)
+    o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=GDNShape(**REALISTIC), mode="chunkwise",
+                 plan=plan, group=group, backend=get_backend("flashqla"), chunkwise_path=path)
+    (o.float() * inp["do"][rows].to(rctx.device)).sum().backward()
     return {"single": {"o": o.detach().float().cpu(), **_grads(t), "rows": rows}}
 
 
@@ -299,32 +291,29 @@ def _rank_syncs(rctx, inp: dict, cp: int, path: str):
     under torch's sync debug mode: the device->host syncs it makes."""
     import torch.distributed as dist
 
-    from gdn_cp.modes import gdn_core, set_chunkwise_path
+    from gdn_cp.modes import gdn_core
     from gdn_cp.ops import get_backend
 
     group = rctx.group(cp)
     r = dist.get_rank(group)
     plan, rows = _plan("thd_docs", cp, r), _rows("thd_docs", cp, r)
     do = inp["do"][rows].to(rctx.device)
-    set_chunkwise_path(path)
-    try:
-        def step():
-            t = _leaves(inp, rctx.device, rows)
-            o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
-                         group=group, backend=get_backend("flashqla"))
-            (o.float() * do).sum().backward()
 
-        step()
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                step()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-    finally:
-        set_chunkwise_path(None)
+    def step():
+        t = _leaves(inp, rctx.device, rows)
+        o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
+                     group=group, backend=get_backend("flashqla"), chunkwise_path=path)
+        (o.float() * do).sum().backward()
+
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     syncs = [str(w.message) for w in caught
              if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
     return {"syncs": len(syncs), "messages": syncs[:3]}

@@ -42,12 +42,16 @@ def test_other_cp_size_or_rank_misses():
 
 
 def test_directions_cached_separately_and_reused():
+    from gdn_cp.testing.probes import plan_builds
+
     cache = RouteCache()
     plan = cache.plan(torch.tensor([0, 8, 24]), 2, 1)
-    fwd = plan.route(ZIGZAG, CONTIGUOUS)
-    back = plan.route(CONTIGUOUS, ZIGZAG)
-    assert fwd is not back and (fwd.source, back.source) == (ZIGZAG, CONTIGUOUS)
-    assert plan.route(ZIGZAG, CONTIGUOUS) is fwd and plan.builds == 2
+    with plan_builds() as built:
+        fwd = plan.route(ZIGZAG, CONTIGUOUS)
+        back = plan.route(CONTIGUOUS, ZIGZAG)
+        assert fwd is not back and (fwd.source, back.source) == (ZIGZAG, CONTIGUOUS)
+        assert plan.route(ZIGZAG, CONTIGUOUS) is fwd and plan.route(CONTIGUOUS, ZIGZAG) is back
+    assert built.counts == {"route": 2, "natural_order": 0, "chunkwise": 0}
 
 
 def test_list_boundaries_are_never_cached_by_identity():

@@ -26,8 +26,11 @@ def _config(backend="auto", *, dims=(128, 128), dtype=torch.bfloat16, determinis
 
 
 def _layer(backend="auto", *, dims=(128, 128), dtype=torch.bfloat16, deterministic=False):
-    return types.SimpleNamespace(linear_cp_backend=backend, head_dims=dims, activation_dtype=dtype,
-                                 deterministic=deterministic, layer_number=3)
+    """``(settings, layer)`` of a layer call: its checked settings and the adapter's view of the layer."""
+    from gdn_cp.modes import Settings
+
+    settings = Settings(mode="chunkwise", backend=backend, deterministic=deterministic)
+    return settings, types.SimpleNamespace(head_dims=dims, activation_dtype=dtype, layer_number=3)
 
 
 @pytest.fixture
@@ -81,11 +84,11 @@ def fake_installed():
 
 def test_forward_resolves_auto_per_device_and_logs_once(fresh_choices, fake_installed, caplog):
     with caplog.at_level(logging.INFO, logger="gdn_cp.megatron.backend"):
-        assert glue.choose_backend(_layer(), torch.device("cpu")) is get_backend("reference")
-        assert glue.choose_backend(_layer(), torch.device("cuda")) is get_backend("flashqla")
-        assert glue.choose_backend(_layer(), torch.device("cuda")) is get_backend("flashqla")
-        assert glue.choose_backend(_layer(dims=(64, 64)), torch.device("cuda")) is get_backend("reference")  # no FLA here
-        assert glue.choose_backend(_layer(deterministic=True), torch.device("cuda")) is get_backend("reference")
+        assert glue.choose_backend(*_layer(), torch.device("cpu")) is get_backend("reference")
+        assert glue.choose_backend(*_layer(), torch.device("cuda")) is get_backend("flashqla")
+        assert glue.choose_backend(*_layer(), torch.device("cuda")) is get_backend("flashqla")
+        assert glue.choose_backend(*_layer(dims=(64, 64)), torch.device("cuda")) is get_backend("reference")  # no FLA here
+        assert glue.choose_backend(*_layer(deterministic=True), torch.device("cuda")) is get_backend("reference")
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 4, lines  # once per answer
     assert "requested=auto resolved=flashqla (device cuda, head dims (128, 128), bfloat16" in lines[1], lines
@@ -94,10 +97,10 @@ def test_forward_resolves_auto_per_device_and_logs_once(fresh_choices, fake_inst
 
 def test_forward_refuses_a_named_backend_before_any_collective(fresh_choices, fake_installed):
     with pytest.raises(ValueError, match=r"GatedDeltaNet \(layer 3\): config.linear_cp_backend='flashqla' on cpu"):
-        glue.choose_backend(_layer("flashqla"), torch.device("cpu"))
+        glue.choose_backend(*_layer("flashqla"), torch.device("cpu"))
     with pytest.raises(ValueError, match=r"config.linear_cp_backend='flashqla' on cuda, head dims \(128, 128\), "
                                          r"float32: backend 'flashqla' cannot run here: FlashQLA takes bfloat16"):
-        glue.choose_backend(_layer("flashqla", dtype=torch.float32), torch.device("cuda"))
+        glue.choose_backend(*_layer("flashqla", dtype=torch.float32), torch.device("cuda"))
     with pytest.raises(ValueError, match="is not a backend"):
-        glue.choose_backend(_layer("tl"), torch.device("cuda"))
-    assert glue.choose_backend(_layer("flashqla"), torch.device("cuda")) is get_backend("flashqla")
+        glue.choose_backend(*_layer("tl"), torch.device("cuda"))
+    assert glue.choose_backend(*_layer("flashqla"), torch.device("cuda")) is get_backend("flashqla")

@@ -319,8 +319,7 @@ def test_names_come_from_the_registry(monkeypatch):
     """A mode added to the registry is legal for the config, the check, auto and doctor alike."""
     from gdn_cp.modes import spec
 
-    extra = spec.ModeSpec(name="ring", divides_by_cp=False, layouts=("zigzag",), module=lambda: None, cost="test mode",
-                          auto_rank=-1)
+    extra = spec.ModeSpec(name="ring", divides_by_cp=False, runner=lambda: None, cost="test mode", auto_rank=-1)
     monkeypatch.setitem(spec.MODES, "ring", extra)
     monkeypatch.setattr(cfgmod, "MODE_NAMES", (*MODE_NAMES, "ring"))
     monkeypatch.setattr(cfgmod, "MODE_CHOICES", (*MODE_NAMES, "ring", "auto"))

@@ -143,30 +143,11 @@ def _compare(got, want, cut) -> dict:
 
 def _swap_setting(mode: str):
     """``(linear_cp_mode, context)``: ``chunkwise@core`` forces the chunkwise swap at the core."""
-    import contextlib
-
-    from gdn_cp.megatron.swap import set_chunkwise_swap
+    from gdn_cp.testing.probes import env_setting
 
     if mode != "chunkwise@core":
         return mode, nullcontext()
-
-    @contextlib.contextmanager
-    def forced():
-        set_chunkwise_swap("core")
-        try:
-            yield
-        finally:
-            set_chunkwise_swap("auto")
-
-    return "chunkwise", forced()
-
-
-def _swap_points(model) -> list[str]:
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
-
-    from gdn_cp.testing.probes import chunkwise_swap_points
-
-    return sorted({p for m in model.modules() if isinstance(m, GatedDeltaNet) for p in chunkwise_swap_points(m)})
+    return "chunkwise", env_setting("GDN_CP_CHUNKWISE_SWAP", "core")
 
 
 def _cp1_answer(model, batch, strategy: str, seq_length: int):
@@ -192,6 +173,7 @@ def _run_modes(kind, group, static_cfg, batches, want, cut_kwargs) -> dict:
     is None) of the PackedSeqParams the model got)."""
     from gdn_cp.testing.megatron.batches import cut_for_rank
     from gdn_cp.testing.megatron.model import build_model, model_config, run_model
+    from gdn_cp.testing.probes import swap_points
 
     out = {}
     for mode in MODES:
@@ -203,7 +185,7 @@ def _run_modes(kind, group, static_cfg, batches, want, cut_kwargs) -> dict:
             continue
         model = build_model(kind, config, group, seed=SEED)
         result = {}
-        with swap:
+        with swap, swap_points() as points:
             for name, (strategy, make, seq_length) in batches.items():
                 if isinstance(want[name], str):
                     result[name] = want[name]
@@ -215,7 +197,7 @@ def _run_modes(kind, group, static_cfg, batches, want, cut_kwargs) -> dict:
                     result[name]["psp"] = None if psp is None else (psp.local_cp_size, psp.cp_group is None)
                 except Exception as e:  # noqa: BLE001 - reported per case by the parent
                     result[name] = f"{type(e).__name__}: {e}"
-        result["swap"] = _swap_points(model)
+        result["swap"] = sorted(set().union(*points.values()))
         out[mode] = result
     return out
 

@@ -46,7 +46,7 @@ def _with_fused_norm(ctx):
     logging.getLogger(glue.__name__).addHandler(handler)
     logging.getLogger(glue.__name__).setLevel(logging.INFO)
     original = glue.choose_backend
-    glue.choose_backend = lambda module, device: _FusedReference()
+    glue.choose_backend = lambda settings, layer, device: _FusedReference()
     try:
         errs = parity_case(ctx.rank, ctx.world_size, "thd", torch.float64, ("chunkwise", "headwise"))
     finally:
@@ -197,7 +197,7 @@ def _te_stand_in_cases(ctx):
             module._apply_gated_norm = _exact_gated_norm(module)
             want = run_layer(module, x, dout, thd_params(cu))
             del module._apply_gated_norm
-            glue.choose_backend = lambda module, device: _FusedReference()
+            glue.choose_backend = lambda settings, layer, device: _FusedReference()
             before = _FusedReference.calls
             got = run_layer(module, x, dout, thd_params(cu))
             errs = {"out": max_rel(got[0], want[0]), "grad:hidden_states": max_rel(got[1], want[1])}
@@ -347,9 +347,9 @@ def _te_layer_cases(ctx, zero_centered_gamma):
     unfused = Unfused()
     original = glue.choose_backend
     try:
-        glue.choose_backend = lambda module, device: unfused
+        glue.choose_backend = lambda settings, layer, device: unfused
         want = run_layer(module, x, dout, thd_params(cu, device=ctx.device))
-        glue.choose_backend = lambda module, device: fla
+        glue.choose_backend = lambda settings, layer, device: fla
         got = run_layer(module, x, dout, thd_params(cu, device=ctx.device))
     finally:
         glue.choose_backend = original

@@ -9,7 +9,7 @@
 * selective (gdn_norm_out) and full-layer recompute: same results, routes not rebuilt on replay;
 * state_dict / sharded_state_dict identical across modes; a checkpoint crosses modes;
 * stock vs patched (headwise, SBHD, CP=2) and THD + deterministic at CP=1 (stock refuses it);
-* when the patch hands over to gdn-cp (should_dispatch).
+* when the patch hands the call to gdn-cp (the forward returns None for the stock path).
 """
 
 from __future__ import annotations
@@ -198,6 +198,7 @@ def test_dynamic_cp(patched_megatron, rank_pool):
 # ------------------------------------------------------------------------------------------
 def _route_cache(ctx):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
+    from gdn_cp.testing.probes import plan_builds
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -211,22 +212,24 @@ def _route_cache(ctx):
         psp = thd_params(cu_pad, cu_act)
         assert ROUTE_CACHE_ATTR == "_gdn_cp_route_cache"
         rec = {}
-        h1, _ = layer1(x.clone().requires_grad_(True), None, packed_seq_params=psp)
-        cache, plan = _cache_plan(psp)
-        rec["after_layer1"] = (cache.hits, cache.misses, plan.builds)
-        h2, _ = layer2(h1, None, packed_seq_params=psp)
-        cache2, plan2 = _cache_plan(psp)
-        rec["same_plan"] = cache2 is cache and plan2 is plan
-        rec["after_layer2"] = (cache.hits, cache.misses, plan.builds)
-        h2.backward(dout)
-        rec["after_backward"] = (cache.hits, cache.misses, plan.builds)
-        rec["plan_cp"] = (plan.cp_size, plan.cp_rank, plan.t_global)
+        with plan_builds() as built:  # routes, maps and chunkwise plans built, by every plan
+            h1, _ = layer1(x.clone().requires_grad_(True), None, packed_seq_params=psp)
+            cache, plan = _cache_plan(psp)
+            rec["after_layer1"] = (cache.hits, cache.misses, built.total)
+            h2, _ = layer2(h1, None, packed_seq_params=psp)
+            cache2, plan2 = _cache_plan(psp)
+            rec["same_plan"] = cache2 is cache and plan2 is plan
+            rec["after_layer2"] = (cache.hits, cache.misses, built.total)
+            h2.backward(dout)
+            rec["after_backward"] = (cache.hits, cache.misses, built.total)
+            rec["plan_cp"] = (plan.cp_size, plan.cp_rank, plan.t_global)
 
-        fresh = thd_params(cu_pad, cu_act)  # the next micro-batch: same values, new object
-        layer1(x, None, packed_seq_params=fresh)
-        fcache, fplan = _cache_plan(fresh)
-        rec["fresh"] = (fcache is not cache, fplan is not plan, fcache.hits, fcache.misses, fplan.builds)
-        rec["old_untouched"] = (cache.hits, cache.misses, plan.builds)
+            fresh = thd_params(cu_pad, cu_act)  # the next micro-batch: same values, new object
+            layer1(x, None, packed_seq_params=fresh)
+            fcache, fplan = _cache_plan(fresh)
+            # the fresh plan builds what the first one did; the first one is left as it was
+            rec["fresh"] = (fcache is not cache, fplan is not plan, fcache.hits, fcache.misses, built.total)
+            rec["old_untouched"] = (cache.hits, cache.misses)
 
         psp.cu_seqlens_q_padded.add_(0)  # an in-place write (same values) bumps _version: rebuild
         layer1(x, None, packed_seq_params=psp)
@@ -244,8 +247,8 @@ def test_route_cache(patched_megatron, rank_pool):
             assert rec["after_layer2"] == (1, 1, builds), (rank, mode, rec)
             assert rec["after_backward"] == (1, 1, builds), (rank, mode, rec)
             assert rec["plan_cp"] == (2, rank, thd_case(2)[0][-1]), (rank, mode, rec)
-            assert rec["fresh"] == (True, True, 0, 1, builds), (rank, mode, rec)
-            assert rec["old_untouched"] == (1, 1, builds), (rank, mode, rec)
+            assert rec["fresh"] == (True, True, 0, 1, 2 * builds), (rank, mode, rec)
+            assert rec["old_untouched"] == (1, 1), (rank, mode, rec)
             assert rec["after_inplace"] == (1, 2), (rank, mode, rec)
 
 
@@ -254,6 +257,8 @@ def test_route_cache(patched_megatron, rank_pool):
 # ------------------------------------------------------------------------------------------
 def _recompute(ctx):
     from megatron.core import tensor_parallel
+
+    from gdn_cp.testing.probes import plan_builds
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -285,10 +290,11 @@ def _recompute(ctx):
             full = build_gdn(make_config(world, mode, torch.float64, **PER_DOC), group)
             p = psp()
             x_leaf = x.clone().requires_grad_(True)
-            y = tensor_parallel.checkpoint(lambda h: full(h, None, packed_seq_params=p)[0], False, x_leaf)
-            before = _route_state(full, p)
-            y.backward(dout)
-            after = _route_state(full, p)
+            with plan_builds() as built:
+                y = tensor_parallel.checkpoint(lambda h: full(h, None, packed_seq_params=p)[0], False, x_leaf)
+                before = _route_state(full, p, built)
+                y.backward(dout)
+                after = _route_state(full, p, built)
             grads = {n: q.grad for n, q in full.named_parameters()}
             rec["full_bitwise"] = _bitwise((y.detach(), x_leaf.grad, grads), want)
             rec["full_routes"] = (before, after)
@@ -296,12 +302,14 @@ def _recompute(ctx):
     return out
 
 
-def _route_state(module, psp):
+def _route_state(module, psp, built):
     if psp is not None:
-        cache, plan = _cache_plan(psp)
-        return ("thd", cache.hits, cache.misses, plan.builds)
-    plans = module.__dict__["_gdn_cp_sbhd_plans"]
-    return ("sbhd", len(plans), tuple(p.builds for p in plans.values()), tuple(id(p) for p in plans.values()))
+        cache, _ = _cache_plan(psp)
+        return ("thd", cache.hits, cache.misses, built.total)
+    from gdn_cp.megatron.gdn import layer_state
+
+    plans = layer_state(module).sbhd_plans
+    return ("sbhd", len(plans), built.total, tuple(id(p) for p in plans.values()))
 
 
 def _bitwise(got, want):
@@ -400,7 +408,7 @@ def test_state_dict_same_in_every_mode(patched_megatron, rank_pool):
 
 
 # ------------------------------------------------------------------------------------------
-# 7. stock vs patched; 8. THD + deterministic at CP=1; should_dispatch
+# 7. stock vs patched; 8. THD + deterministic at CP=1; when the forward hands over
 # ------------------------------------------------------------------------------------------
 def _stock_vs_patched(ctx):
     rank, world = ctx.rank, ctx.world_size
@@ -431,7 +439,10 @@ def test_stock_vs_patched_headwise(patched_megatron, rank_pool):
 def _thd_cp1_and_dispatch(ctx):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from gdn_cp.megatron.gdn import should_dispatch
+    from gdn_cp.testing.stand_ins import handed_over
+
+    def dispatches(module, psp):
+        return handed_over(module, torch.zeros(4, 1, HIDDEN), psp) is not None
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -447,7 +458,7 @@ def _thd_cp1_and_dispatch(ctx):
     for a, b in zip(cu_pad[:-1], cu_pad[1:]):
         if a == b:
             continue
-        assert not should_dispatch(module, None)
+        assert not dispatches(module, None)
         y, gx, g = run_layer(module, x[a:b], dout[a:b])
         ys.append(y)
         gxs.append(gx)
@@ -467,14 +478,14 @@ def _thd_cp1_and_dispatch(ctx):
     cp2 = build_gdn(make_config(world, "chunkwise", torch.float32), groups["world"])
     sbhd = PackedSeqParams(qkv_format="sbhd")
     res["dispatch"] = {
-        "cp1_none": should_dispatch(cp1, None),
-        "cp1_sbhd_params": should_dispatch(cp1, sbhd),
-        "cp1_thd": should_dispatch(cp1, thd_params(cu_pad, cu_act)),
-        "cp2_none": should_dispatch(cp2, None),
-        "cp2_thd": should_dispatch(cp2, thd_params(cu_pad, cu_act)),
-        "cp2_dynamic_single": should_dispatch(
+        "cp1_none": dispatches(cp1, None),
+        "cp1_sbhd_params": dispatches(cp1, sbhd),
+        "cp1_thd": dispatches(cp1, thd_params(cu_pad, cu_act)),
+        "cp2_none": dispatches(cp2, None),
+        "cp2_thd": dispatches(cp2, thd_params(cu_pad, cu_act)),
+        "cp2_dynamic_single": dispatches(
             cp2, PackedSeqParams(qkv_format="sbhd", cp_group=groups["self"], local_cp_size=1)),
-        "cp1_dynamic_pair": should_dispatch(
+        "cp1_dynamic_pair": dispatches(
             cp1, PackedSeqParams(qkv_format="sbhd", cp_group=groups["world"], local_cp_size=world)),
     }
     return res

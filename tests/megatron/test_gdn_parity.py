@@ -67,23 +67,24 @@ def _mutated(ctx, which):
     import gdn_cp.megatron.gdn as glue
     import gdn_cp.modes.chunkwise as chunkwise_module
 
-    saved = (chunkwise_module.initial_state_from_summaries, glue.gdn_core)
+    saved = (chunkwise_module.initial_state_from_summaries, glue.LayerSegment.__init__)
     try:
         if which == "drop_incoming_state":
             orig = chunkwise_module.initial_state_from_summaries
             chunkwise_module.initial_state_from_summaries = lambda *a, **k: orig(*a, **k) * 0
             modes = ("chunkwise",)
-        else:  # "conv_bias_not_trained"
-            orig_core = glue.gdn_core
+        else:  # "conv_bias_not_trained": the core gets the layer's conv bias cut off from its graph
+            orig_init = glue.LayerSegment.__init__
 
-            def core(qkv, g, beta, w, b, **kw):
-                return orig_core(qkv, g, beta, w, None if b is None else b.detach(), **kw)
+            def init(self, *args, **kwargs):
+                orig_init(self, *args, **kwargs)
+                self.conv_bias = None if self.conv_bias is None else self.conv_bias.detach()
 
-            glue.gdn_core = core
+            glue.LayerSegment.__init__ = init
             modes = ("all_gather",)
         return parity_case(ctx.rank, ctx.world_size, "thd", torch.float64, modes)
     finally:
-        chunkwise_module.initial_state_from_summaries, glue.gdn_core = saved
+        chunkwise_module.initial_state_from_summaries, glue.LayerSegment.__init__ = saved
 
 
 @pytest.mark.megatron

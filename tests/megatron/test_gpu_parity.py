@@ -167,43 +167,45 @@ ONE_STREAM = ("sbhd1", "thd_whole_row")
 
 def _gpu_path_cases(ctx, path: str, spec: str = "local", backend: str = "fla"):
     """chunkwise with the exchange path forced (``native``: FLA's cp context, which on gloo ranks of
-    one GPU runs through gdn_cp.testing's collective adapter; ``generic``: gdn-cp's own exchange,
+    one GPU runs through the rank pool's collective adapter; ``generic``: gdn-cp's own exchange,
     asynchronous and overlapped with the scans on NCCL), at both swap points, SBHD and THD."""
     import torch.distributed as dist
 
     from gdn_cp.layout import plan_for_sbhd
-    from gdn_cp.megatron.swap import set_chunkwise_swap
+    from gdn_cp.modes import CallContext, GDNShape, Settings, prepare_mode
     from gdn_cp.ops import get_backend
-    from gdn_cp.modes import resolve_chunkwise_path, set_chunkwise_path
-    from gdn_cp.modes.chunkwise import chunkwise_swaps_layout
     from gdn_cp.testing.megatron.layer import rank_groups
     from gdn_cp.testing.megatron.parity import sbhd_len
+    from gdn_cp.testing.probes import env_setting
 
     out = {}
     base = _backend_cfg(backend)
-    set_chunkwise_path(path)
-    try:
-        out["backend"] = _chosen(ctx, base)
-        kernels = get_backend(out["backend"])
-        world = rank_groups()["world"]
-        out["path"] = resolve_chunkwise_path(kernels, world)[0]
-        out["zigzag_for_sbhd1"] = not chunkwise_swaps_layout(
-            kernels, world, plan_for_sbhd(sbhd_len(ctx.world_size), 1, ctx.world_size, ctx.rank))
-        out["dist_backend"] = dist.get_backend()
+    out["backend"] = _chosen(ctx, base)
+    kernels = get_backend(out["backend"])
+    settings = Settings(mode="chunkwise", chunkwise_path=path)
+    shape = GDNShape(num_k_heads=base["linear_num_key_heads"], num_v_heads=base["linear_num_value_heads"],
+                     head_k_dim=base["linear_key_head_dim"], head_v_dim=base["linear_value_head_dim"])
+    world = rank_groups()["world"]
+
+    def way(batch):  # the chunkwise way the forward takes for SBHD at this batch (host-side, no collective)
+        plan = plan_for_sbhd(sbhd_len(ctx.world_size), batch, ctx.world_size, ctx.rank)
+        return prepare_mode(CallContext(settings=settings, shape=shape, plan=plan, group=world, backend=kernels)).path
+
+    out["path"] = way(2)  # documents cut on their own: "native" or "generic"
+    out["zigzag_for_sbhd1"] = way(1) == "native-zigzag"
+    out["dist_backend"] = dist.get_backend()
+    with env_setting("GDN_CP_CHUNKWISE_PATH", path):
         for swap in ("hidden", "core"):
-            set_chunkwise_swap(swap)
-            for layout, batch in PATH_CASES:
-                a2a = ctx.collectives.get("all_to_all_single", 0)
-                cfg = dict(base, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else base
-                errs = parity_case(
-                    ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=cfg,
-                    device=ctx.device, metric=rel_l2, bias=False, conv_bias=False, sbhd_batch=batch,
-                    spec=spec)["chunkwise"]
-                out[f"{layout}{batch if layout == 'sbhd' else ''}/{swap}"] = {
-                    "errors": errs, "all_to_alls": ctx.collectives.get("all_to_all_single", 0) - a2a}
-    finally:
-        set_chunkwise_path(None)
-        set_chunkwise_swap("auto")
+            with env_setting("GDN_CP_CHUNKWISE_SWAP", swap):
+                for layout, batch in PATH_CASES:
+                    a2a = ctx.collectives.get("all_to_all_single", 0)
+                    cfg = dict(base, linear_cp_thd_split="whole_row") if layout == "thd_whole_row" else base
+                    errs = parity_case(
+                        ctx.rank, ctx.world_size, layout, torch.bfloat16, ("chunkwise",), cfg=cfg,
+                        device=ctx.device, metric=rel_l2, bias=False, conv_bias=False, sbhd_batch=batch,
+                        spec=spec)["chunkwise"]
+                    out[f"{layout}{batch if layout == 'sbhd' else ''}/{swap}"] = {
+                        "errors": errs, "all_to_alls": ctx.collectives.get("all_to_all_single", 0) - a2a}
     return out
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn_cp.megatron.swap import choose_swap_point, set_chunkwise_swap
-from gdn_cp.modes import GDNShape
+from gdn_cp.modes import GDNShape, Settings
+from gdn_cp.modes.swap import choose_swap_point
 from gdn_cp.testing.megatron.parity import HIDDEN, parity_case
 from gdn_cp.testing.packings import thd_case
 
@@ -18,7 +18,7 @@ def _tp_shape(tp):
 
 
 def test_qwen_shape_tp1_swaps_hidden_states_at_half_of_stock_headwise():
-    """The example in gdn_cp/megatron/swap.py's docstring and the README."""
+    """The example in gdn_cp/modes/swap.py's docstring and the README."""
     c = choose_swap_point(shape=_tp_shape(1), hidden_size=4096, tp=1, sequence_parallel=False, act_bytes=2)
     assert (c.point, c.hidden_bytes, c.core_bytes, c.stock_headwise_bytes) == ("hidden", 16384, 24768, 32896)
     assert c.hidden_bytes <= 0.5 * c.stock_headwise_bytes
@@ -44,24 +44,21 @@ def test_forcing_hidden_under_sequence_parallel_is_refused():
     with pytest.raises(ValueError, match="sequence_parallel"):
         choose_swap_point(shape=_tp_shape(2), hidden_size=4096, tp=2, sequence_parallel=True, act_bytes=2,
                           requested="hidden")
-    with pytest.raises(ValueError, match="swap point"):
-        set_chunkwise_swap("middle")
+    with pytest.raises(ValueError, match="chunkwise_swap='middle' .GDN_CP_CHUNKWISE_SWAP. must be one of auto, hidden, core"):
+        Settings(mode="chunkwise", chunkwise_swap="middle")
 
 
 def _both_points(ctx):
-    from gdn_cp.comm import comm_stats, reset_comm_stats
+    from gdn_cp.testing.probes import all_to_all_bytes, env_setting
 
     rank, world = ctx.rank, ctx.world_size
     out, moved = {}, {}
     for point in ("hidden", "core"):
-        set_chunkwise_swap(point)
-        try:
+        with env_setting("GDN_CP_CHUNKWISE_SWAP", point):
             for layout in ("thd", "sbhd"):
-                reset_comm_stats()
-                out[(point, layout)] = parity_case(rank, world, layout, torch.float64, ("chunkwise",))["chunkwise"]
-                moved[(point, layout)] = comm_stats().get("route_all_to_all", 0)
-        finally:
-            set_chunkwise_swap("auto")
+                with all_to_all_bytes() as sent:
+                    out[(point, layout)] = parity_case(rank, world, layout, torch.float64, ("chunkwise",))["chunkwise"]
+                moved[(point, layout)] = sent.bytes
     t_local = thd_case(world)[0][-1] // world
     # hidden swap: hidden_states in and the output back, forward and backward, fp64.
     return out, moved, 4 * t_local * HIDDEN * 8

@@ -74,8 +74,6 @@ def test_resolution_order_and_contradiction():
     with pytest.raises(ValueError, match=r"linear_cp_thd_split='per_document', but Megatron's get_batch_on_this_cp_rank "
                                          r"cut these rows 'whole_row'"):
         resolve(PER_DOCUMENT, hybrid_context_parallel=False)
-    with pytest.raises(ValueError, match="linear_cp_thd_split='row' is not a THD split"):
-        resolve("row", hybrid_context_parallel=False)
 
 
 @pytest.mark.parametrize("sft,idm,hcp,want", [

@@ -220,8 +220,7 @@ def test_heads_dividing_tp_but_not_tp_times_cp(patched_megatron, rank_pool):
 def _swap_points_tp(ctx):
     import torch.distributed as dist
 
-    from gdn_cp.comm import comm_stats, reset_comm_stats
-    from gdn_cp.megatron.swap import set_chunkwise_swap
+    from gdn_cp.testing.probes import all_to_all_bytes, env_setting
     from gdn_cp.testing.megatron.layer import build_gdn, make_config, thd_params
     from gdn_cp.testing.megatron.tp import sp_slice, tp_cp_groups
     from gdn_cp.testing.packings import thd_case, zigzag_rows
@@ -230,20 +229,16 @@ def _swap_points_tp(ctx):
     res, moved = {}, {}
     for sp, points in ((False, ("hidden", "core", "auto")), (True, ("core", "auto"))):
         for point in points:
-            set_chunkwise_swap(point)
-            try:
+            with env_setting("GDN_CP_CHUNKWISE_SWAP", point):
                 for layout in LAYOUTS:
-                    reset_comm_stats()
-                    res[(sp, point, layout, "float64")] = tp_parity_case(
-                        layout, torch.float64, ("chunkwise",), tp_group=tp_group, cp_group=cp_group,
-                        sequence_parallel=sp)
-                    moved[(sp, point, layout)] = comm_stats().get("route_all_to_all", 0)
-            finally:
-                set_chunkwise_swap("auto")
+                    with all_to_all_bytes() as sent:
+                        res[(sp, point, layout, "float64")] = tp_parity_case(
+                            layout, torch.float64, ("chunkwise",), tp_group=tp_group, cp_group=cp_group,
+                            sequence_parallel=sp)
+                    moved[(sp, point, layout)] = sent.bytes
     # With SP, forcing the hidden_states swap is refused before any collective (rank 0 calls alone).
     error = None
-    set_chunkwise_swap("hidden")
-    try:
+    with env_setting("GDN_CP_CHUNKWISE_SWAP", "hidden"):
         config = make_config(2, "chunkwise", torch.float64, tensor_model_parallel_size=2, sequence_parallel=True,
                              linear_cp_thd_split="per_document")  # the rows are cut per document (zigzag_rows)
         module = build_gdn(config, cp_group, tp_group=tp_group)
@@ -256,15 +251,13 @@ def _swap_points_tp(ctx):
                 module(x, None, packed_seq_params=thd_params(cu_pad, cu_act))
             except ValueError as e:
                 error = str(e)
-    finally:
-        set_chunkwise_swap("auto")
     dist.barrier()
     return res, moved, error
 
 
 def test_chunkwise_swap_points_at_tp2(patched_megatron, rank_pool):
-    from gdn_cp.megatron.swap import choose_swap_point
     from gdn_cp.modes import GDNShape
+    from gdn_cp.modes.swap import choose_swap_point
     from gdn_cp.testing.megatron.layer import DIMS
     from gdn_cp.testing.megatron.parity import HIDDEN
     from gdn_cp.testing.packings import thd_case
@@ -286,8 +279,8 @@ def test_chunkwise_swap_points_at_tp2(patched_megatron, rank_pool):
             assert 0 < moved[key] != hidden_thd, (rank, key, moved)
     error = results[0][2]
     assert error is not None, "the hidden_states swap ran under sequence parallelism"
-    for needle in ("set_chunkwise_swap('hidden')", "sequence_parallel=True", "tensor_model_parallel_size=2",
-                   "set_chunkwise_swap('core')"):
+    for needle in ("GDN_CP_CHUNKWISE_SWAP=hidden", "sequence_parallel=True", "tensor_model_parallel_size=2",
+                   "set GDN_CP_CHUNKWISE_SWAP=core"):
         assert needle in error, (needle, error)
 
 

@@ -1,25 +1,27 @@
-"""The chunkwise path setting: ``auto`` / ``native`` / ``generic``, from set_chunkwise_path or
-GDN_CP_CHUNKWISE_PATH; an impossible ``native`` fails before any collective, naming the fix."""
+"""The chunkwise path setting: ``auto`` / ``native`` / ``generic``, from ``gdn_core(chunkwise_path=...)``
+or GDN_CP_CHUNKWISE_PATH, decided once per call by ``Chunkwise.prepare``; an impossible ``native``
+fails before any collective, naming the fix."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import gdn_cp.modes.chunkwise as chunkwise
 from gdn_cp.layout import RouteCache
-from gdn_cp.modes import GDNShape
+from gdn_cp.modes import CallContext, GDNShape, Settings, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
 from gdn_cp.testing.inputs import core_inputs
+from gdn_cp.testing.packings import zigzag_rows
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
 
 
 @pytest.fixture(autouse=True)
-def _restore_setting(monkeypatch):
-    monkeypatch.delenv(chunkwise.CHUNKWISE_PATH_ENV, raising=False)
-    yield
-    chunkwise.set_chunkwise_path(None)
+def _no_setting(monkeypatch):
+    monkeypatch.delenv(PATH_ENV, raising=False)
 
 
 class _FakeBackend:
@@ -45,61 +47,57 @@ class _FakeBackend:
         return core
 
 
+def _context(plan, backend, path="auto", group=None):
+    """A call's context as a boundary makes it (a stand-in group: prepare makes no collective)."""
+    return CallContext(settings=Settings(mode="chunkwise", chunkwise_path=path), shape=SHAPE, plan=plan,
+                       group=object() if group is None else group, backend=backend)
+
+
 def test_setting_comes_from_the_call_then_the_environment(monkeypatch):
-    assert chunkwise.chunkwise_path() == "auto"
-    monkeypatch.setenv(chunkwise.CHUNKWISE_PATH_ENV, "generic")
-    assert chunkwise.chunkwise_path() == "generic"
-    chunkwise.set_chunkwise_path("native")
-    assert chunkwise.chunkwise_path() == "native"
-    chunkwise.set_chunkwise_path(None)
-    assert chunkwise.chunkwise_path() == "generic"
+    assert Settings.from_environment(mode="chunkwise").chunkwise_path == "auto"
+    monkeypatch.setenv(PATH_ENV, "generic")
+    assert Settings.from_environment(mode="chunkwise").chunkwise_path == "generic"
+    assert Settings.from_environment(mode="chunkwise", chunkwise_path="native").chunkwise_path == "native"
 
 
 def test_bad_settings_name_the_choices(monkeypatch):
-    with pytest.raises(ValueError, match="auto, native, generic"):
-        chunkwise.set_chunkwise_path("fla")
-    monkeypatch.setenv(chunkwise.CHUNKWISE_PATH_ENV, "nccl")
+    with pytest.raises(ValueError, match="chunkwise_path='fla'.*auto, native, generic"):
+        Settings(mode="chunkwise", chunkwise_path="fla")
+    monkeypatch.setenv(PATH_ENV, "nccl")
     with pytest.raises(ValueError, match="GDN_CP_CHUNKWISE_PATH='nccl'"):
-        chunkwise.chunkwise_path()
+        Settings.from_environment(mode="chunkwise")
 
 
-def test_resolve_picks_native_only_where_it_exists():
-    fake, ref, group = _FakeBackend(), get_backend("reference"), object()
-    assert chunkwise.resolve_chunkwise_path(fake, group)[0] == "native"
-    assert chunkwise.resolve_chunkwise_path(ref, group) == ("generic", None)
-    chunkwise.set_chunkwise_path("generic")
-    assert chunkwise.resolve_chunkwise_path(fake, group) == ("generic", None)
-    chunkwise.set_chunkwise_path("native")
-    assert chunkwise.resolve_chunkwise_path(fake, group)[0] == "native"
+def test_prepare_picks_native_only_where_it_exists():
+    plan = RouteCache().plan([0, 16, 32], 2, 0)
+    fake, ref = _FakeBackend(), get_backend("reference")
+    assert prepare_mode(_context(plan, fake)).path == "native"
+    generic = prepare_mode(_context(plan, ref))
+    assert (generic.path, generic.native) == ("generic", None)
+    assert prepare_mode(_context(plan, fake, "generic")).path == "generic"
+    assert prepare_mode(_context(plan, fake, "native")).path == "native"
     with pytest.raises(ValueError, match="no native CP core.*set 'auto' or 'generic'"):
-        chunkwise.resolve_chunkwise_path(ref, group)
+        prepare_mode(_context(plan, ref, "native"))
 
 
-def test_contiguous_core_follows_the_setting():
-    """A slice with no sequence crossing a rank edge needs no collective on the generic path, so
-    a stand-in group shows which path ran: generic computes, native is the fake's zeros."""
-    cu = [0, 16, 32]  # cp=2: rank 0 holds exactly the first sequence
-    plan = RouteCache().plan(torch.tensor(cu), 2, 0)
+def _native_without_a_native_core(ctx):
+    """gdn_core refuses 'native' on the reference backend on every rank, before any collective."""
+    cu = [0, 24 * ctx.world_size]
+    plan = RouteCache().plan(torch.tensor(cu), ctx.world_size, ctx.rank)
     x = core_inputs(cu[-1], SHAPE, 4, torch.float64, seed=3)
-    args = (x["qkv"][:16], x["g"][:16], x["beta"][:16], x["conv_weight"], None)
-    fake = _FakeBackend()
-    o_auto = chunkwise.contiguous_core(*args, shape=SHAPE, plan=plan, group=object(), backend=fake)
-    assert fake.native_calls == 1 and o_auto.abs().max() == 0
-    chunkwise.set_chunkwise_path("generic")
-    o_generic = chunkwise.contiguous_core(*args, shape=SHAPE, plan=plan, group=object(), backend=fake)
-    assert fake.native_calls == 1 and o_generic.abs().max() > 0
+    rows = zigzag_rows(cu, ctx.world_size, ctx.rank)
+    before = ctx.collective_count()
+    try:
+        gdn_core(x["qkv"][rows], x["g"][rows], x["beta"][rows], x["conv_weight"], None, shape=SHAPE, mode="chunkwise",
+                 plan=plan, group=dist.group.WORLD, backend=get_backend("reference"), chunkwise_path="native")
+    except ValueError as err:
+        return str(err), ctx.collective_count() - before
+    return None, ctx.collective_count() - before
 
 
-def test_native_without_a_native_core_fails_before_the_route():
-    """chunkwise_core checks the setting before its first all-to-all: a stand-in group that
-    cannot communicate is never reached."""
-    cu = [0, 24, 32]
-    plan = RouteCache().plan(torch.tensor(cu), 2, 0)
-    x = core_inputs(16, SHAPE, 4, torch.float64, seed=3)
-    chunkwise.set_chunkwise_path("native")
-    with pytest.raises(ValueError, match="no native CP core"):
-        chunkwise.chunkwise_core(x["qkv"], x["g"], x["beta"], x["conv_weight"], None, shape=SHAPE, plan=plan,
-                                 group=object(), backend=get_backend("reference"))
+def test_native_without_a_native_core_fails_before_any_collective(rank_pool):
+    for message, collectives in rank_pool(2).run(_native_without_a_native_core):
+        assert message is not None and "no native CP core" in message and collectives == 0, (message, collectives)
 
 
 class _FakeZigzagBackend(_FakeBackend):
@@ -131,18 +129,16 @@ def test_one_zigzag_stream(cu, split, one_stream):
 def test_zigzag_core_takes_one_stream_as_it_is():
     """Rows that are one zigzag-cut stream go to the backend's zigzag core unmoved (the stand-in group
     would fail any collective), with the documents' boundaries; other rows take the routes."""
-    fake, group = _FakeZigzagBackend(), object()
+    fake = _FakeZigzagBackend()
     plan = RouteCache().plan([0, 3, 20, 32], 2, 0, split="whole_row")
     inp = core_inputs(plan.t_local, SHAPE, 4, torch.float64, seed=0)
-    o = chunkwise.chunkwise_core(inp["qkv"], inp["g"], inp["beta"], inp["conv_weight"], None, shape=SHAPE, plan=plan,
-                                 group=group, backend=fake)
+    ctx = _context(plan, fake)
+    mode = prepare_mode(ctx)
+    assert (mode.path, mode.swap) == ("native-zigzag", None)
+    o = mode.core(ctx, inp["qkv"], inp["g"], inp["beta"], inp["conv_weight"], None)
     assert torch.equal(o, torch.ones_like(o)) and fake.zigzag_calls[0][0] is inp["qkv"]
     assert fake.zigzag_calls[0][1] == (0, 3, 20, 32)
-    assert not chunkwise.chunkwise_swaps_layout(fake, group, plan)
     per_doc = RouteCache().plan([0, 8, 32], 2, 0)
-    assert chunkwise.chunkwise_swaps_layout(fake, group, per_doc)
-    chunkwise.set_chunkwise_path("generic")  # generic never takes a native core
-    assert chunkwise.chunkwise_swaps_layout(fake, group, plan)
-    chunkwise.set_chunkwise_path(None)
-    # a backend without a zigzag core routes even one stream
-    assert chunkwise.chunkwise_swaps_layout(_FakeBackend(), group, plan)
+    assert prepare_mode(_context(per_doc, fake)).path == "native"
+    assert prepare_mode(_context(plan, fake, "generic")).path == "generic"  # generic never takes a native core
+    assert prepare_mode(_context(plan, _FakeBackend())).path == "native"  # no zigzag core: routed

@@ -1,5 +1,5 @@
-"""gdn_core dispatches through the mode registry, hands backends the plan's Boundaries, and
-takes packings of nothing but padding slots."""
+"""gdn_core runs the mode the registry names, hands backends the plan's Boundaries, and takes
+packings of nothing but padding slots."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gdn_cp.layout import LAYOUTS, ZIGZAG, Boundaries, RouteCache
-from gdn_cp.modes import GDNShape, gdn_core
+from gdn_cp.layout import Boundaries, RouteCache
+from gdn_cp.modes import CallContext, GDNShape, Mode, Settings, gdn_core, prepare_mode
 from gdn_cp.modes.spec import MODE_NAMES, MODES
 from gdn_cp.ops import reference
 from gdn_cp.testing.inputs import core_inputs
@@ -23,23 +23,21 @@ SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 
 
 @pytest.mark.parametrize("name", MODE_NAMES)
-def test_every_registered_mode_prepares_a_core_per_layout(name):
-    """The registry entry's file is imported directly and its prepare() gives a core for every layout
-    the entry names, callable the way gdn_core calls it."""
+def test_every_registered_mode_prepares_a_core(name):
+    """The registry entry's class is imported directly from the mode's file, and its prepare() gives a
+    Mode whose core is callable the way gdn_core calls it."""
     spec = MODES[name]
-    assert spec.layouts[0] == ZIGZAG and set(spec.layouts) <= set(LAYOUTS)
-    assert spec.module().__name__ == f"gdn_cp.modes.{name}"
+    runner = spec.runner()
+    assert issubclass(runner, Mode) and runner.__module__ == f"gdn_cp.modes.{name}"
     args, plan = _args([0, 8], cp=2)
-    call = spec.prepare(reference, None, plan)
-    assert tuple(call.cores) == spec.layouts and call.swap_layout in (None, *spec.layouts[1:])
-    for layout in spec.layouts:
-        inspect.signature(call.core(layout)).bind(*args, shape=SHAPE, plan=plan, group=None, backend=reference)
-    with pytest.raises(ValueError, match="layout='diagonal': this call's cores take rows in"):
-        call.core("diagonal")
+    ctx = CallContext(settings=Settings(mode=name), shape=SHAPE, plan=plan, group=object(), backend=reference)
+    mode = prepare_mode(ctx)
+    assert type(mode) is runner and mode.path
+    inspect.signature(mode.core).bind(ctx, *args)
 
 
 def test_mode_registry_import_is_torch_free():
-    code = ("import sys, gdn_cp.modes.spec as s; s.get_mode('chunkwise').layouts; "
+    code = ("import sys, gdn_cp.modes.spec as s; s.get_mode('chunkwise').cost; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy'}))")
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=repo,
@@ -54,12 +52,12 @@ def _args(cu, cp=1, rank=0):
     return [inputs[k][rows] for k in ("qkv", "g", "beta")] + [inputs["conv_weight"], inputs["conv_bias"]], plan
 
 
-def test_bad_mode_and_layout_fail_before_anything_runs():
+def test_bad_mode_and_setting_fail_before_anything_runs():
     args, plan = _args([0, 8])
     with pytest.raises(ValueError, match="linear_cp_mode='ring' is not a concrete mode"):
         gdn_core(*args, shape=SHAPE, mode="ring", plan=plan, group=None, backend=reference)
-    with pytest.raises(ValueError, match="only chunkwise takes contiguous rows"):
-        gdn_core(*args, shape=SHAPE, mode="headwise", plan=plan, group=None, backend=reference, layout="contiguous")
+    with pytest.raises(ValueError, match="chunkwise_path='fast'"):
+        gdn_core(*args, shape=SHAPE, mode="chunkwise", plan=plan, group=None, backend=reference, chunkwise_path="fast")
 
 
 class RecordingBackend:

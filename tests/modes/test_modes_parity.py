@@ -180,36 +180,81 @@ def test_halo_from_several_ranks_when_slices_are_shorter_than_the_conv(rank_pool
             assert max(errs.values()) <= 1e-10, (mode, errs)
 
 
-def _contiguous_input(ctx):
-    """chunkwise on rows the caller already moved to the contiguous layout equals zigzag chunkwise."""
+class _ToySegment:
+    """A layer's per-token work in miniature (Segment): fixed linear maps from hidden rows to q|k|v,
+    the gates and z, and from the gated core output back to hidden. fp64, on any rows."""
+
+    def __init__(self, shape, hidden, seed):
+        gen = torch.Generator().manual_seed(seed)
+        w = lambda *size: torch.randn(*size, generator=gen, dtype=torch.float64) / size[0] ** 0.5  # noqa: E731
+        self.shape = shape
+        self.w_in = w(hidden, shape.conv_dim + 2 * shape.num_v_heads + shape.value_dim).requires_grad_(True)
+        self.w_out = w(shape.value_dim, hidden).requires_grad_(True)
+        self.conv_weight = (w(shape.conv_dim, WIDTH) * 0.5).requires_grad_(True)
+        self.conv_bias = None
+
+    def project(self, hidden):
+        from gdn_cp.modes import Projected
+
+        s = self.shape
+        rows = sbhd_to_thd(hidden) @ self.w_in
+        qkv, a, b, z = torch.split(rows, [s.conv_dim, s.num_v_heads, s.num_v_heads, s.value_dim], dim=-1)
+        return Projected(qkv, -0.3 * torch.nn.functional.softplus(a), b.sigmoid(),
+                         z.reshape(-1, s.num_v_heads, s.head_v_dim))
+
+    def finish(self, o, gate, batch):
+        from gdn_cp.modes import thd_to_sbhd
+
+        y = (o * torch.nn.functional.silu(gate)).reshape(o.shape[0], -1) @ self.w_out
+        return thd_to_sbhd(y, batch), None
+
+
+def _mode_runs_the_segment(ctx):
+    """Mode.run: the whole segment (project, core, finish) under each mode, and chunkwise with its
+    layout swap at hidden_states and at the core, against the CP=1 run of the same segment."""
+    from gdn_cp.modes import CallContext, LayerFacts, Settings, prepare_mode
+
     rank, world = ctx.rank, ctx.world_size
-    from gdn_cp.comm import route_all_to_all
-    from gdn_cp.layout import CONTIGUOUS, ZIGZAG
+    hidden, batch, seq = 24, 2, 8 * world
+    plan_1, plan = plan_for_sbhd(seq, batch, 1, 0), plan_for_sbhd(seq, batch, world, rank)
+    x = torch.randn(seq, batch, hidden, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    dout = torch.randn(seq, batch, hidden, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    rows = zigzag_rows(list(range(0, batch * seq + 1, seq)), world, rank).reshape(batch, -1)[0]  # one sequence's rows
 
-    group = dist.group.WORLD
-    backend = get_backend("reference")
-    cu = thd_boundaries(world)
-    inputs = core_inputs(cu[-1], SHAPE, WIDTH, torch.float64, seed=3)
-    rows = zigzag_rows(cu, world, rank)
-    plan = RouteCache().plan(torch.tensor(cu), world, rank)
-    to_c, to_z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
-    args = [inputs[k][rows] for k in ("qkv", "g", "beta")] + [inputs["conv_weight"], inputs["conv_bias"]]
-    zig = gdn_core(*args, shape=SHAPE, mode="chunkwise", plan=plan, group=group, backend=backend)
-    moved = [route_all_to_all(t, to_c, to_z, group) for t in args[:3]]
-    out_c = gdn_core(*moved, *args[3:], shape=SHAPE, mode="chunkwise", plan=plan, group=group, backend=backend,
-                     layout="contiguous")
-    back = route_all_to_all(out_c, to_z, to_c, group)
-    try:
-        gdn_core(*args, shape=SHAPE, mode="headwise", plan=plan, group=group, backend=backend, layout="contiguous")
-        refused = False
-    except ValueError:
-        refused = True
-    return torch.equal(back, zig), refused
+    def run(mode, swap, group, plan, x, dout):
+        segment = _ToySegment(SHAPE, hidden, seed=9)
+        settings = Settings(mode=mode, chunkwise_swap=swap)
+        layer = LayerFacts(label="toy", hidden_size=hidden, tp=1, sequence_parallel=False, act_bytes=8)
+        call = CallContext(settings=settings, shape=SHAPE, plan=plan, group=group, backend=get_backend("reference"),
+                           layer=layer)
+        x = x.detach().clone().requires_grad_(True)
+        way = prepare_mode(call)
+        out, _ = way.run(call, x, segment)
+        out.backward(dout)
+        grads = [t.grad for t in (x, segment.w_in, segment.w_out, segment.conv_weight)]
+        return way, out.detach(), grads
+
+    _, want, want_grads = run("chunkwise", "auto", None, plan_1, x, dout)
+    out = {}
+    for mode, swap in (("headwise", "auto"), ("all_gather", "auto"), ("chunkwise", "hidden"), ("chunkwise", "core")):
+        way, got, grads = run(mode, swap, dist.group.WORLD, plan, x[rows], dout[rows])
+        errs = {"out": max_rel(got, want[rows]), "grad:hidden": max_rel(grads[0], want_grads[0][rows])}
+        for name, g, w in zip(("w_in", "w_out", "conv_weight"), grads[1:], want_grads[1:]):
+            dist.all_reduce(g)  # parameters: gradients sum over the CP ranks
+            errs[f"grad:{name}"] = max_rel(g, w)
+        out[(mode, swap, getattr(way, "swap", None))] = errs
+    return out
 
 
-def test_chunkwise_on_contiguous_rows(rank_pool):
-    for same, refused in rank_pool(2).run(_contiguous_input):
-        assert same and refused
+def test_every_mode_runs_the_layer_segment(rank_pool):
+    """chunkwise moves hidden_states (hidden) or q|k|v and the gates (core) itself; either way, and
+    every other mode, the segment equals CP=1."""
+    for res in rank_pool(2).run(_mode_runs_the_segment):
+        assert {(mode, swap, point) for mode, swap, point in res} == {
+            ("headwise", "auto", None), ("all_gather", "auto", None), ("chunkwise", "hidden", "hidden"),
+            ("chunkwise", "core", "core")}
+        for key, errs in res.items():
+            assert max(errs.values()) <= 1e-10, (key, errs)
 
 
 def test_sbhd_packing_round_trip():

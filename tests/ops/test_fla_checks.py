@@ -77,7 +77,7 @@ def test_cp_context_cache_provenance(monkeypatch):
         built.append((cu.tolist(), cu_seqlens_cpu.tolist(), conv1d_kernel_size))
         return object()
 
-    monkeypatch.setattr(native_cp, "fla_api", lambda: {"build_cp_context": fake_build})
+    monkeypatch.setattr(native_cp, "fla_api", lambda: fla_backend.FLAFunctions(None, None, fake_build))
     monkeypatch.setattr(native_cp, "features", lambda: fla_backend.FLAFeatures(
         None, None, kernel_size_arg="conv1d_kernel_size", takes_cu_seqlens_cpu=True))
     cache: dict = {}
@@ -102,28 +102,25 @@ def test_feature_detection_never_raises():
 
 
 def test_native_core_runs_on_nccl_and_on_backends_a_harness_adapted(monkeypatch, caplog):
-    """Only NCCL takes FLA's collectives as FLA calls them; another backend's groups are taken once
-    allow_fla_collectives said who adapted them, and that is logged (never a silent switch)."""
+    """Only NCCL takes FLA's collectives as FLA calls them; another backend's groups are taken where a
+    harness that adapted FLA's collectives added it to FLA_COLLECTIVE_BACKENDS, and the first group
+    of each backend is logged (never a silent switch)."""
     import logging
 
     monkeypatch.setattr(native_cp, "has_cp_context", lambda: True)
     monkeypatch.setattr(native_cp, "has_zigzag_layout", lambda: True)
-    monkeypatch.setattr(native_cp, "_ALLOWED", {})
     monkeypatch.setattr(native_cp, "_ADMITTED", set())
     backends = {"nccl": object(), "gloo": object()}
     monkeypatch.setattr(native_cp, "group_backend", lambda g: next(k for k, v in backends.items() if v is g))
-    assert native_cp.native_cp_core(backends["nccl"]) is native_cp.cp_context_core
+    with caplog.at_level(logging.INFO, logger=native_cp.__name__):
+        assert native_cp.native_cp_core(backends["nccl"]) is native_cp.cp_context_core
+    assert "runs on a nccl group" in caplog.text
     assert native_cp.native_zigzag_cp_core(backends["nccl"]) is native_cp.zigzag_context_core
     assert native_cp.native_cp_core(backends["gloo"]) is None and native_cp.native_cp_core(None) is None
-    with caplog.at_level(logging.INFO, logger=native_cp.__name__):
-        native_cp.allow_fla_collectives("gloo", by="a test harness")
-        assert native_cp.native_cp_core(backends["gloo"]) is native_cp.cp_context_core
-    assert "may run on gloo groups" in caplog.text and "a test harness" in caplog.text
-    assert native_cp.fla_collective_backends()["gloo"] == "a test harness"
+    monkeypatch.setattr(native_cp, "FLA_COLLECTIVE_BACKENDS", ("nccl", "gloo"))  # what the test rank pool does
+    assert native_cp.native_cp_core(backends["gloo"]) is native_cp.cp_context_core
     monkeypatch.setattr(native_cp, "has_zigzag_layout", lambda: False)
     assert native_cp.native_zigzag_cp_core(backends["gloo"]) is None
-    with pytest.raises(ValueError, match="by must say"):
-        native_cp.allow_fla_collectives("gloo", by="")
 
 
 @pytest.mark.parametrize("cu, cp, rows, match", [

@@ -11,7 +11,7 @@ import torch
 from gdn_cp.layout import build_natural_order
 from gdn_cp.testing.metrics import max_rel, rel_l2, worst
 from gdn_cp.testing.packings import named_packings, packed_boundaries, thd_case, zigzag_rows
-from gdn_cp.testing.probes import chunkwise_swap_points
+from gdn_cp.testing.probes import env_setting, swap_points
 from gdn_cp.testing.results import JsonlRecorder, write_json
 
 
@@ -81,16 +81,34 @@ def test_write_json_replaces_atomically(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary left behind
 
 
-def test_probes():
-    class Layer:
-        pass
+def test_probes(monkeypatch):
+    """env_setting sets and restores a variable; swap_points records what chunkwise chose per layer,
+    and the library's choice is back in place afterwards."""
+    import os
 
-    layer = Layer()
-    assert chunkwise_swap_points(layer) == []
-    from gdn_cp.megatron import gdn
+    import gdn_cp.modes.chunkwise as chunkwise
+    from gdn_cp.layout import RouteCache
+    from gdn_cp.modes import CallContext, GDNShape, LayerFacts, Settings, prepare_mode
+    from gdn_cp.ops import get_backend
 
-    layer.__dict__[gdn._SWAP_ATTR] = {("auto", 32, "fp32"): "core", ("auto", 32, "bf16"): "hidden"}
-    assert chunkwise_swap_points(layer) == ["core", "hidden"]
+    monkeypatch.setenv("GDN_CP_CHUNKWISE_SWAP", "auto")
+    with env_setting("GDN_CP_CHUNKWISE_SWAP", "core"):
+        assert os.environ["GDN_CP_CHUNKWISE_SWAP"] == "core"
+        with env_setting("GDN_CP_CHUNKWISE_SWAP", None):
+            assert "GDN_CP_CHUNKWISE_SWAP" not in os.environ
+    assert os.environ["GDN_CP_CHUNKWISE_SWAP"] == "auto"
+
+    shape = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    plan = RouteCache().plan([0, 8, 32], 2, 0)
+    original = chunkwise._swap_point
+    with swap_points() as seen:
+        for swap, label in (("core", "a"), ("hidden", "a"), ("auto", "b")):
+            layer = LayerFacts(label=label, hidden_size=32, tp=1, sequence_parallel=False, act_bytes=4)
+            ctx = CallContext(settings=Settings(mode="chunkwise", chunkwise_swap=swap), shape=shape, plan=plan,
+                              group=object(), backend=get_backend("reference"), layer=layer)
+            prepare_mode(ctx)
+    assert seen == {"a": {"core", "hidden"}, "b": {"hidden"}}  # auto: 2*32*4 B/token < the core tensors' 416
+    assert chunkwise._swap_point is original
 
 
 def test_fast_autotune_takes_the_first_config_that_runs(monkeypatch):

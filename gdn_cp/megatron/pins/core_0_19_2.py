@@ -61,14 +61,16 @@ TE_RMSNORM = ("transformer_engine.pytorch.module.rmsnorm", "RMSNorm")
 
 @dataclass(frozen=True)
 class ConfigFields:
-    """The ``TransformerConfig`` fields that decide ``linear_cp_mode``.
+    """The ``TransformerConfig`` fields gdn-cp reads: those that decide ``linear_cp_mode``, and its settings.
 
     ``builds_gdn``: the config itself asks for GDN layers (``experimental_attention_variant=
     'gated_delta_net'``), which is when stock 0.19.2 checks the heads against TP*CP. ``hybrid``:
     a hybrid model (``is_hybrid_model``), which places GDN layers through its layer pattern
     (``G`` in Megatron-LM's ``--hybrid-layer-pattern``); the config does not see the pattern, so
     its layers are checked by the forward. ``activation``: ``activation_func``, which a GDN layer
-    applies after its conv and to its output gate (it must be SiLU).
+    applies after its conv and to its output gate (it must be SiLU). ``head_dims``:
+    ``(linear_key_head_dim, linear_value_head_dim)``; ``deterministic``: ``deterministic_mode``; the
+    others are the fields of the same names.
     """
 
     linear_cp_mode: Any
@@ -84,11 +86,12 @@ class ConfigFields:
     head_dims: Optional[tuple] = None  # (linear_key_head_dim, linear_value_head_dim)
     params_dtype: Any = None
     deterministic: bool = False
+    hybrid_context_parallel: bool = False
 
 
 def read_config(config) -> ConfigFields:
     """Read the fields as they are (unchecked); absent ones take megatron-core 0.19.2's defaults
-    (mode: ``headwise``, TP and CP: 1, ``activation_func``: ``F.gelu``)."""
+    (mode: ``headwise``, TP and CP: 1, ``activation_func``: ``F.gelu``; backend ``auto``)."""
     activation = getattr(config, "activation_func", _ABSENT)
     if activation is _ABSENT:
         import torch.nn.functional as F
@@ -108,6 +111,7 @@ def read_config(config) -> ConfigFields:
         head_dims=(getattr(config, "linear_key_head_dim", None), getattr(config, "linear_value_head_dim", None)),
         params_dtype=getattr(config, "params_dtype", None),
         deterministic=bool(getattr(config, "deterministic_mode", False)),
+        hybrid_context_parallel=bool(getattr(config, "hybrid_context_parallel", False)),
     )
 
 
@@ -205,7 +209,7 @@ def fused_rms_norm_weight(norm):
 class LayerAdapter:
     """gdn-cp's view of one ``GatedDeltaNet`` layer of megatron-core 0.19.2.
 
-    Cheap to build (one slot); the forward builds one per call. Shapes below are per TP rank.
+    One slot; the forward keeps one per layer. Shapes below are per TP rank.
     """
 
     __slots__ = ("layer",)
@@ -213,47 +217,21 @@ class LayerAdapter:
     def __init__(self, layer):
         self.layer = layer
 
-    def own(self, attr: str, make: Callable[[], Any]):
-        """gdn-cp's own per-layer state ``attr`` (a ``_gdn_cp_*`` entry of the layer's ``__dict__``:
-        no parameter, buffer or submodule, so ``state_dict`` and module hooks never see it), made
-        by ``make()`` on first use and kept as long as the layer."""
-        state = self.layer.__dict__.get(attr)
-        if state is None:
-            state = self.layer.__dict__[attr] = make()
-        return state
-
     # -- identity, config ---------------------------------------------------------------------
     @property
     def layer_number(self) -> Optional[int]:
         return getattr(self.layer, "layer_number", None)
 
     @property
-    def linear_cp_mode(self):
-        return getattr(self.layer.config, "linear_cp_mode", STOCK_MODE)
-
-    @property
-    def linear_cp_backend(self):
-        """``linear_cp_backend`` (added by the patch): ``auto`` or a backend's name."""
-        return getattr(self.layer.config, "linear_cp_backend", STOCK_BACKEND)
-
-    @property
-    def thd_split_setting(self):
-        """``linear_cp_thd_split``: None (decided per micro-batch), ``per_document`` or ``whole_row``."""
-        return getattr(self.layer.config, "linear_cp_thd_split", None)
-
-    @property
-    def hybrid_context_parallel(self) -> bool:
-        return bool(getattr(self.layer.config, "hybrid_context_parallel", False))
+    def config_fields(self) -> ConfigFields:
+        """The layer's ``TransformerConfig`` fields that gdn-cp reads (:func:`read_config`), read now:
+        a field set after the model was built is seen on the next call."""
+        return read_config(self.layer.config)
 
     @property
     def activation(self):
         """The activation the layer computes with (``act_fn``, from ``config.activation_func``)."""
         return self.layer.act_fn
-
-    @property
-    def deterministic(self) -> bool:
-        """``deterministic_mode``: gdn-cp then uses its plain-torch reference kernels."""
-        return bool(self.layer.config.deterministic_mode)
 
     # -- parallel sizes and groups ------------------------------------------------------------
     @property

@@ -30,6 +30,7 @@ from .detect import (
 from .kernels import (
     FLA_MAX_HEAD_K_DIM,
     FLA_MIN_HEAD_DIM,
+    FLAFunctions,
     causal_conv1d,
     check_core,
     check_head_dims,
@@ -39,13 +40,11 @@ from .kernels import (
 )
 from .native_cp import (
     FLA_COLLECTIVE_BACKENDS,
-    allow_fla_collectives,
     check_chunkwise_layout,
     check_native_rows,
     check_zigzag_stream,
     context_conv,
     cp_context_core,
-    fla_collective_backends,
     native_cp_core,
     native_cp_problem,
     native_zigzag_cp_core,

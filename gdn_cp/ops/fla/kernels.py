@@ -10,8 +10,8 @@ identity-keyed caches hit across layers). No call reads device data back to the 
 from __future__ import annotations
 
 import functools
-import importlib
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "check_core",
     "check_head_dims",
     "chunk_gated_delta_rule",
+    "FLAFunctions",
     "fla_api",
     "kv_heads_for_kernel",
 ]
@@ -36,8 +37,17 @@ FLA_MAX_HEAD_K_DIM = 256
 FLA_MIN_HEAD_DIM = 16
 
 
+@dataclass(frozen=True)
+class FLAFunctions:
+    """The FLA functions gdn-cp calls (``build_cp_context``: None where this FLA has no cp context)."""
+
+    chunk_gated_delta_rule: Callable[..., Any]
+    causal_conv1d: Callable[..., Any]
+    build_cp_context: Optional[Callable[..., Any]]
+
+
 @functools.lru_cache(maxsize=1)
-def fla_api() -> dict[str, Any]:
+def fla_api() -> FLAFunctions:
     """FLA's functions (imported on first use); RuntimeError with the fix when FLA does not import."""
     err = fla_import_error()
     if err is not None:
@@ -46,12 +56,13 @@ def fla_api() -> dict[str, Any]:
             "Triton it supports on a CUDA machine, or use gdn_cp.ops.reference."
         )
     log_stack_once()
-    return {
-        # FLA's own Triton kernel, behind FLA >= 0.6's dispatch (which would hand calls to FlashQLA)
-        "chunk_gated_delta_rule": fla_own_gated_delta_rule()[0],
-        "causal_conv1d": importlib.import_module("fla.modules.convolution").causal_conv1d,
-        "build_cp_context": importlib.import_module("fla.ops.cp").build_cp_context if has_cp_context() else None,
-    }
+    from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
+
+    build_cp_context = None
+    if has_cp_context():
+        from fla.ops.cp import build_cp_context
+    # FLA's own Triton kernel, behind FLA >= 0.6's dispatch (which would hand calls to FlashQLA)
+    return FLAFunctions(fla_own_gated_delta_rule()[0], fla_causal_conv1d, build_cp_context)
 
 
 def require_cuda(name: str, t: torch.Tensor) -> None:
@@ -149,7 +160,7 @@ def causal_conv1d(
             first = torch.cat([first, first.new_zeros(n - 1, C, W)], dim=0)
         initial_state = first.contiguous()
 
-    y, _ = fla_api()["causal_conv1d"](
+    y, _ = fla_api().causal_conv1d(
         x=x.unsqueeze(0),
         weight=weight,
         bias=bias,
@@ -212,7 +223,7 @@ def chunk_gated_delta_rule(
     cu_ne, keep = cu.nonempty()
     h0 = kept_initial_states(initial_state, keep, n_all)
 
-    o, fs = fla_api()["chunk_gated_delta_rule"](
+    o, fs = fla_api().chunk_gated_delta_rule(
         q=kv_heads_for_kernel(q, ratio).unsqueeze(0),
         k=kv_heads_for_kernel(k, ratio).unsqueeze(0),
         v=v.unsqueeze(0),

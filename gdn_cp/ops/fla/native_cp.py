@@ -17,10 +17,9 @@ by the boundaries object (immutable), the layout, the conv kernel size, the grou
 
 FLA's context collectives are ``all_gather_into_tensor`` into a ``[world, n, ...]`` output and
 ``all_reduce``. NCCL takes that output; gloo wants it flat ``[world*n, ...]``. So the native
-core runs on NCCL groups, and on groups of another backend only after
-:func:`allow_fla_collectives` said that this process adapts FLA's collectives for it (the test
-harness does for gloo ranks sharing one GPU: :mod:`gdn_cp.testing.ranks`); the permission is
-logged when given and every group it admits is logged once.
+core runs on groups of the backends in :data:`FLA_COLLECTIVE_BACKENDS` (NCCL; a test harness that
+adapts FLA's collectives for gloo ranks sharing one GPU adds gloo there, and says so); each
+backend it runs on is logged once.
 """
 
 from __future__ import annotations
@@ -41,13 +40,11 @@ from .kernels import causal_conv1d, check_head_dims, chunk_gated_delta_rule, fla
 
 __all__ = [
     "FLA_COLLECTIVE_BACKENDS",
-    "allow_fla_collectives",
     "check_chunkwise_layout",
     "check_native_rows",
     "check_zigzag_stream",
     "context_conv",
     "cp_context_core",
-    "fla_collective_backends",
     "native_cp_core",
     "native_cp_problem",
     "native_zigzag_cp_core",
@@ -61,51 +58,29 @@ _CACHE_KEY = "fla_cp_context"
 _ZIGZAG_CACHE_KEY = "fla_cp_context_zigzag"
 
 FLA_COLLECTIVE_BACKENDS = ("nccl",)
-"""torch.distributed backends that take FLA's collectives as FLA calls them."""
-_ALLOWED: dict[str, str] = {}  # backend -> who adapted FLA's collectives for it in this process
+"""torch.distributed backends whose groups take FLA's collectives as FLA calls them."""
 _ADMITTED: set = set()  # backends already logged as running FLA's cp context
 
 
-def allow_fla_collectives(backend: str, by: str) -> None:
-    """Let the native core run on groups of ``backend`` in this process: the caller (``by``, said
-    in the log) has adapted FLA's collectives for it. Without this only NCCL groups are taken.
-
-    Meant for harnesses (the test rank pool installs a shim that views FLA's ``[world, n, ...]``
-    ``all_gather_into_tensor`` output flat for gloo); a library user on NCCL never needs it."""
-    if not isinstance(backend, str) or not backend:
-        raise ValueError(f"backend must be a torch.distributed backend name such as 'gloo', got {backend!r}")
-    if not isinstance(by, str) or not by:
-        raise ValueError(f"by must say who adapted FLA's collectives for {backend!r}, got {by!r}")
-    if _ALLOWED.get(backend) != by:
-        _ALLOWED[backend] = by
-        logger.info("FLA's cp context may run on %s groups in this process: collectives adapted by %s", backend, by)
-
-
-def fla_collective_backends() -> dict[str, str]:
-    """Backends whose groups the native core takes here, with the reason for each."""
-    return {**{b: "takes FLA's collectives as FLA calls them" for b in FLA_COLLECTIVE_BACKENDS}, **_ALLOWED}
-
-
 def runs_on(group) -> bool:
-    """Whether FLA's cp context runs on ``group`` in this process: an NCCL group, or one of a backend
-    :func:`allow_fla_collectives` admitted (logged the first time per backend)."""
+    """Whether FLA's cp context runs on ``group`` in this process: a group of a backend in
+    :data:`FLA_COLLECTIVE_BACKENDS` (logged the first time per backend)."""
     if group is None or not has_cp_context():
         return False
     backend = group_backend(group)
-    if backend not in FLA_COLLECTIVE_BACKENDS and backend not in _ALLOWED:
+    if backend not in FLA_COLLECTIVE_BACKENDS:
         return False
     if backend not in _ADMITTED:
         _ADMITTED.add(backend)
-        logger.info("FLA's cp context runs on a %s group (%s)", backend, fla_collective_backends()[backend])
+        logger.info("FLA's cp context runs on a %s group", backend)
     return True
 
 
 def native_cp_core(group):
     """:func:`cp_context_core` when FLA's cp context can run on ``group``, else None.
 
-    It can on NCCL groups, and on groups of a backend that :func:`allow_fla_collectives`
-    admitted in this process; elsewhere (plain gloo) the chunkwise mode exchanges halos and
-    states itself and runs FLA's kernels per rank.
+    It can on groups of :data:`FLA_COLLECTIVE_BACKENDS` (NCCL); elsewhere (gloo) the chunkwise mode
+    exchanges halos and states itself and runs FLA's kernels per rank.
     """
     return cp_context_core if runs_on(group) else None
 
@@ -216,7 +191,7 @@ def _cp_context(cache: dict | None, cu: Boundaries, group, conv_kernel_size: int
         kwargs["cu_seqlens_cpu"] = cu_ne.cpu().clone()  # FLA keys caches on identity: one per build
     if layout != "contiguous":
         kwargs["layout"] = layout
-    ctx = fla_api()["build_cp_context"](cu_ne.on(device), group, **kwargs)
+    ctx = fla_api().build_cp_context(cu_ne.on(device), group, **kwargs)
     if cache is not None:
         cache[key] = _CPContextEntry(cu, conv_kernel_size, group, device, ctx)
     return ctx
@@ -256,7 +231,7 @@ def context_conv(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.
 
 
 def _conv_with_context(ctx, qkv, conv_weight, conv_bias) -> torch.Tensor:
-    x, _ = fla_api()["causal_conv1d"](
+    x, _ = fla_api().causal_conv1d(
         x=qkv.unsqueeze(0), weight=conv_weight, bias=conv_bias, activation="silu", cp_context=ctx)
     return x.squeeze(0)
 
@@ -271,7 +246,7 @@ def _run_with_context(ctx, qkv, g, beta, conv_weight, conv_bias, shape: GDNShape
     ratio = hv // hk
     q = kv_heads_for_kernel(q.reshape(t_c, hk, dk), ratio)
     k = kv_heads_for_kernel(k.reshape(t_c, hk, dk), ratio)
-    o, _ = api["chunk_gated_delta_rule"](
+    o, _ = api.chunk_gated_delta_rule(
         q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.reshape(t_c, hv, dv).unsqueeze(0),
         g=g.float().unsqueeze(0), beta=beta.unsqueeze(0), scale=scale,
         use_qk_l2norm_in_kernel=shape.qk_l2norm, cp_context=ctx)

@@ -346,26 +346,27 @@ def thd_params(cu_padded: Sequence[int], cu_actual: Optional[Sequence[int]] = No
 
 @contextlib.contextmanager
 def stock_forward():
-    """Run GatedDeltaNet.forward's untouched stock 0.19.2 code: the patch's hand-over never fires."""
+    """Run GatedDeltaNet.forward's untouched stock 0.19.2 code: the patch's hand-over (which looks
+    ``gated_delta_net_forward`` up on every call) returns None before gdn-cp does anything."""
     import gdn_cp.megatron.gdn as glue
 
-    saved = glue.should_dispatch
-    glue.should_dispatch = lambda module, packed_seq_params: False
+    saved = glue.gated_delta_net_forward
+    glue.gated_delta_net_forward = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        glue.should_dispatch = saved
+        glue.gated_delta_net_forward = saved
 
 
 @contextlib.contextmanager
 def gdn_cp_forward():
     """Hand every GatedDeltaNet call to gdn-cp's forward, CP=1 SBHD included (stock 0.19.2 computes
-    its deterministic core in fp32: fp64 comparisons at CP=1 SBHD need gdn-cp's path). The real
-    ``should_dispatch`` still runs first, so whatever it installs on the layer is installed."""
+    its deterministic core in fp32: fp64 comparisons at CP=1 SBHD need gdn-cp's path). What the
+    forward sees to before it decides (the activation check, the TP gradient sum) runs as always."""
     import gdn_cp.megatron.gdn as glue
 
     saved = glue.should_dispatch
-    glue.should_dispatch = lambda module, packed_seq_params: saved(module, packed_seq_params) or True
+    glue.should_dispatch = lambda layer, group, packed_seq_params: True
     try:
         yield
     finally:

@@ -93,12 +93,8 @@ def thd_split_cfg(layout: str, cfg=None) -> dict:
 def cp1_answer(base, layout, dtype, x, dout, psp):
     """The TP=1 CP=1 answer on the whole input. fp64 SBHD runs gdn-cp's path at CP=1 (stock
     computes its deterministic core in fp32); everything else runs the module as a user gets it."""
-    from gdn_cp.megatron.gdn import gated_delta_net_forward
-
-    forward = None
-    if layout == "sbhd" and dtype == torch.float64:
-        forward = partial(gated_delta_net_forward, base)
-    return run_layer(base, x, dout, psp(), forward=forward)
+    with gdn_cp_forward() if layout == "sbhd" and dtype == torch.float64 else nullcontext():
+        return run_layer(base, x, dout, psp())
 
 
 def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, dynamic=False, seed=1,

@@ -1,4 +1,4 @@
-"""Where chunkwise swaps layouts: around the core (wide tensors) or around the layer (hidden_states).
+"""Where chunkwise swaps a layer's layouts: around the core (wide tensors) or around the layer (hidden_states).
 
 chunkwise moves rows zigzag -> contiguous and back. in_proj, the gates, the gated norm and
 out_proj act per token, so the swap can happen either
@@ -12,9 +12,11 @@ The rule, per TP rank, in bytes per token (``a`` = activation bytes):
     core   = (2*Hk*Dk + Hv*Dv) * a + Hv * (4 + a) + Hv*Dv * a    (TP-local heads)
     hidden = 2 * H * a                                          (H = hidden size, replicated over TP)
 
-take ``hidden`` when it is strictly smaller and allowed, else ``core``. The hidden swap is
-not allowed with sequence parallelism and TP > 1 (hidden_states are then split along the
-sequence over TP and gathered inside in_proj). Both paths give the same numbers (tested).
+take ``hidden`` when it is strictly smaller and allowed, else ``core``; ``GDN_CP_CHUNKWISE_SWAP``
+(``Settings.chunkwise_swap``) forces one. The hidden swap is not allowed with sequence
+parallelism and TP > 1 (hidden_states are then split along the sequence over TP and gathered
+inside in_proj). Both paths give the same numbers (tested). The chunkwise mode decides once per
+call, in its ``prepare``, and runs the swap itself (:class:`gdn_cp.modes.chunkwise.Chunkwise`).
 Example, computed from the rule (``tests/megatron/test_swap.py`` checks these numbers): the
 Qwen3.5-9B GDN shape at TP=1 (H=4096, 16 key / 32 value heads of dim 128, bf16) gives core
 24,768 B/token and hidden 16,384 B/token; stock headwise moves 32,896 (q|k|v|z|beta|alpha in,
@@ -23,29 +25,13 @@ the normed output out), so the hidden swap moves 0.50x of stock headwise.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-from ..modes import GDNShape
+from ..ops.shape import GDNShape
 
-__all__ = ["SWAP_POINTS", "SwapChoice", "choose_swap_point", "set_chunkwise_swap", "chunkwise_swap"]
+__all__ = ["SwapChoice", "choose_swap_point"]
 
-logger = logging.getLogger(__name__)
-
-SWAP_POINTS = ("auto", "hidden", "core")
 _GATE_BYTES = 4
-_setting = {"swap": "auto"}
-
-
-def set_chunkwise_swap(point: str) -> None:
-    """Force the chunkwise swap point for this process: ``auto`` (default), ``hidden`` or ``core``."""
-    if point not in SWAP_POINTS:
-        raise ValueError(f"chunkwise swap point must be one of {SWAP_POINTS}, got {point!r}")
-    _setting["swap"] = point
-
-
-def chunkwise_swap() -> str:
-    return _setting["swap"]
 
 
 @dataclass(frozen=True)
@@ -60,20 +46,18 @@ class SwapChoice:
 def choose_swap_point(
     *, shape: GDNShape, hidden_size: int, tp: int, sequence_parallel: bool, act_bytes: int, requested: str = "auto"
 ) -> SwapChoice:
-    """Apply the rule above; ``requested`` = ``hidden`` / ``core`` forces a point (``hidden``
-    raises ValueError where it is not allowed)."""
-    if requested not in SWAP_POINTS:
-        raise ValueError(f"chunkwise swap point must be one of {SWAP_POINTS}, got {requested!r}")
+    """Apply the rule above; ``requested`` (a checked ``Settings.chunkwise_swap``) = ``hidden`` /
+    ``core`` forces a point (``hidden`` raises ValueError where it is not allowed)."""
     core = (shape.conv_dim + shape.value_dim) * act_bytes + shape.num_v_heads * (_GATE_BYTES + act_bytes)
     stock = (shape.conv_dim + 2 * shape.value_dim + 2 * shape.num_v_heads) * act_bytes
     allowed = tp == 1 or not sequence_parallel
     hidden = 2 * hidden_size * act_bytes if allowed else None
     if requested == "hidden" and hidden is None:
         raise ValueError(
-            "chunkwise swap at hidden_states (set_chunkwise_swap('hidden')) is not possible with "
+            "chunkwise swap at hidden_states (GDN_CP_CHUNKWISE_SWAP=hidden) is not possible with "
             f"sequence_parallel=True and tensor_model_parallel_size={tp}: hidden_states are then split "
-            "along the sequence over TP and gathered inside in_proj; call "
-            "gdn_cp.megatron.swap.set_chunkwise_swap('core') or ('auto')"
+            "along the sequence over TP and gathered inside in_proj; set GDN_CP_CHUNKWISE_SWAP=core or auto "
+            "(or unset it)"
         )
     if requested != "auto":
         return SwapChoice(requested, core, hidden, stock, "requested")
