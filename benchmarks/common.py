@@ -2,8 +2,7 @@
 
 - :func:`machine_info` / :func:`versions` / :func:`now_iso` / :func:`write_json`: what a result was
   measured on, and atomic JSON output (from :mod:`gdn_cp.testing.results`, shared with the tests);
-- :func:`time_call`: median wall time of a callable (warm-up first, adaptive repeats), with its
-  CPU time and page faults per call; :func:`retain_freed_memory` pins glibc's allocator regime;
+- how a benchmark measures (timing, statistics, profile splits, token counts): :mod:`.measure`;
 - :func:`format_table`: human-readable output;
 - :func:`plot_lines`: an optional matplotlib plot (skipped, not failed, without matplotlib);
 - :func:`add_out_arguments` / :func:`resolve_out`: where a reproduction writes (never over a committed
@@ -17,13 +16,10 @@ toolkit included), never ``tests``.
 
 from __future__ import annotations
 
-import gc
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from gdn_cp.testing.results import load_average, machine_info, now_iso, stack_versions, write_json
 
@@ -38,8 +34,6 @@ __all__ = [
     "versions",
     "load_average",
     "now_iso",
-    "time_call",
-    "retain_freed_memory",
     "write_json",
     "format_table",
     "plot_lines",
@@ -101,86 +95,6 @@ def setup_logging(verbose: bool = False) -> None:
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )
-
-
-def time_call(
-    fn: Callable[[], object],
-    *,
-    budget_s: float = 0.5,
-    min_repeats: int = 5,
-    max_repeats: int = 1000,
-    warmup: int = 2,
-) -> dict:
-    """Median wall time of ``fn()`` in ms (and the median CPU time of the calling thread,
-    ``cpu_median_ms``: on a shared machine, wall >> CPU means the process was descheduled;
-    it equals wall only when all work runs on the calling thread, e.g. one torch thread).
-
-    ``warmup`` untimed calls first; then as many timed calls as fit in ``budget_s``
-    (estimated from the warm-up), clamped to ``[min_repeats, max_repeats]``, so fast cases
-    get many repeats and slow ones at least ``min_repeats``. The garbage collector is off
-    while timing (as in :mod:`timeit`).
-    """
-    t0 = time.perf_counter()
-    for _ in range(max(1, warmup)):
-        fn()
-    per_call = (time.perf_counter() - t0) / max(1, warmup)
-    repeats = int(budget_s / per_call) if per_call > 0 else max_repeats
-    repeats = max(min_repeats, min(max_repeats, repeats))
-    faults0 = _minor_faults()
-    samples = []
-    cpu_samples = []
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            c = time.thread_time_ns()
-            t = time.perf_counter_ns()
-            fn()
-            samples.append((time.perf_counter_ns() - t) / 1e6)
-            cpu_samples.append((time.thread_time_ns() - c) / 1e6)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    faults = _minor_faults()
-    return {
-        "median_ms": statistics.median(samples),
-        "min_ms": min(samples),
-        "max_ms": max(samples),
-        "cpu_median_ms": statistics.median(cpu_samples),
-        "repeats": repeats,
-        "minor_faults_per_call": None if faults is None else round((faults - faults0) / repeats, 1),
-    }
-
-
-def _minor_faults() -> int | None:
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    except ImportError:
-        return None
-
-
-def retain_freed_memory() -> bool:
-    """Make glibc malloc keep freed memory in the heap (no per-call mmap/munmap, no heap trim).
-
-    Large temporaries (a per-token builder at T=1M allocates ~13 tensors of 8 MB per call) are
-    otherwise served by fresh mmaps or a re-grown heap whenever the allocator's history says so,
-    and then every call page-faults its whole working set again: measured here, the same call
-    took ~25 ms or ~70 ms depending only on the process's earlier allocations. Retaining freed
-    memory pins the cheap regime, which is also what a caching device allocator gives. Returns
-    False where this is not glibc.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1
-        ok &= libc.mallopt(m_mmap_threshold, 32 << 20) == 1  # glibc's largest allowed value
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False
 
 
 def _cell(v) -> str:

@@ -51,31 +51,20 @@ import torch.nn.functional as F
 from gdn_cp.testing.metrics import rel_l2
 
 from .common import machine_info, now_iso, write_json
-
-GIB = float(2**30)
+from .measure import GIB, quantile, timed_steps
 
 
 def _timed(step, warmup: int, iters: int) -> dict:
     """Median / p10 / p90 ms of ``step()`` (fwd+bwd) with CUDA events, and its peak memory above
     what was allocated before (GiB)."""
     step()  # compile / autotune
-    for _ in range(warmup):
-        step()
+    timed_steps(step, warmup, 0, torch.device("cuda"))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    q = lambda f: times[min(len(times) - 1, int(f * (len(times) - 1) + 0.5))]  # noqa: E731
-    return {"median_ms": q(0.5), "p10_ms": q(0.1), "p90_ms": q(0.9), "iters": iters,
-            "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / GIB}
+    times = timed_steps(step, 0, iters, torch.device("cuda"))
+    return {"median_ms": quantile(times, 0.5), "p10_ms": quantile(times, 0.1), "p90_ms": quantile(times, 0.9),
+            "iters": iters, "peak_extra_gib": (torch.cuda.max_memory_allocated() - base) / GIB}
 
 
 # ---------------------------------------------------------------------------------------------

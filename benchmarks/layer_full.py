@@ -126,13 +126,11 @@ from .layer_full_math import (
     bytes_per_token,
     case_key,
     contiguous_slice,
-    fmt_tokens,
-    iteration_stats,
     packing,
     parse_plan,
-    parse_tokens,
     run_key,
 )
+from .measure import GIB, fmt_tokens, iteration_stats, parse_tokens
 
 
 logger = logging.getLogger("benchmarks.layer_full")
@@ -141,7 +139,6 @@ SCHEMA = 1
 TINY = GDNDims(hidden=32, num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim=8, conv_width=4)
 DEFAULTS = dict(tokens=[32 * 1024], align=64, warmup=5, iters=20, profile_iters=3)
 QUICK = dict(tokens=[512], align=4, warmup=1, iters=3, profile_iters=0)
-GIB = float(2**30)
 SPAWN_S = 180.0  # spawning a pool (imports, NCCL init, building the layers) may take this long
 
 

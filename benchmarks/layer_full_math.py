@@ -1,6 +1,6 @@
-"""Pure helpers of ``layer_full.py``: packings, bytes per token from the CP plan, statistics, and the
-split of a profiled rank's time. No torch.distributed, no Megatron, no device work: the main
-process uses them and the tests check them directly.
+"""Pure helpers of ``layer_full.py``: its cases, packings and plan, and bytes per token from the CP
+plan (how it measures is :mod:`benchmarks.measure`). No torch.distributed, no Megatron, no device
+work: the main process uses them and the tests check them directly.
 
 Words (see /work/shared/DESIGN.md): T is the global token count of one micro-batch, ``cu`` its
 global padded boundaries (Python ints), T_local = T / cp the rows of one rank.
@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_sbhd_route, build_thd_route
+
+from .measure import parse_tokens
 
 __all__ = [
     "CASES",
@@ -28,13 +30,8 @@ __all__ = [
     "GDNDims",
     "packing",
     "contiguous_slice",
-    "parse_tokens",
-    "fmt_tokens",
-    "quantile",
-    "iteration_stats",
     "rows_leaving",
     "bytes_per_token",
-    "split_busy_time",
     "run_key",
 ]
 
@@ -135,31 +132,6 @@ def parse_plan(text: str) -> list[tuple[str, str | None, int]]:
     return units
 
 
-def parse_tokens(text: str) -> int:
-    """'32K' -> 32768, '1M' -> 1048576, '512' -> 512."""
-    t = str(text).strip().lower()
-    mult = 1
-    if t.endswith("k"):
-        mult, t = 1024, t[:-1]
-    elif t.endswith("m"):
-        mult, t = 1024 * 1024, t[:-1]
-    try:
-        value = int(float(t) * mult)
-    except ValueError:
-        raise ValueError(f"tokens must look like 8K, 32K, 128K or 4096, got {text!r}") from None
-    if value <= 0:
-        raise ValueError(f"tokens must be positive, got {text!r}")
-    return value
-
-
-def fmt_tokens(t: int) -> str:
-    if t % (1024 * 1024) == 0:
-        return f"{t // (1024 * 1024)}M"
-    if t % 1024 == 0:
-        return f"{t // 1024}K"
-    return str(t)
-
-
 def packing(name: str, t_global: int, align: int) -> tuple[str, list[int]]:
     """``(layout, cu)`` of a named packing of ``t_global`` tokens, every length a multiple of ``align``.
 
@@ -200,37 +172,6 @@ def contiguous_slice(cu: Sequence[int], cp: int, rank: int) -> list[int]:
     part = cu[-1] // cp
     lo, hi = rank * part, (rank + 1) * part
     return [0] + sorted({c - lo for c in cu if lo < c < hi}) + [part]
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile (numpy's default), q in [0, 1]."""
-    if not values:
-        raise ValueError("quantile of no values")
-    s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def iteration_stats(per_rank_ms: Sequence[Sequence[float]]) -> dict:
-    """Statistics of the per-iteration maximum over ranks.
-
-    ``per_rank_ms[r][i]``: rank r's time of iteration i (every rank ran the same iterations,
-    separated by a barrier). An iteration takes as long as its slowest rank.
-    """
-    n = {len(t) for t in per_rank_ms}
-    if len(n) != 1 or 0 in n:
-        raise ValueError(f"every rank must report the same non-zero number of iterations, got {sorted(n)}")
-    iter_max = [max(ts) for ts in zip(*per_rank_ms)]
-    return {
-        "median_ms": quantile(iter_max, 0.5),
-        "p10_ms": quantile(iter_max, 0.1),
-        "p90_ms": quantile(iter_max, 0.9),
-        "iters": len(iter_max),
-        "iter_max_ms": iter_max,
-        "per_rank_median_ms": [quantile(t, 0.5) for t in per_rank_ms],
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,73 +263,3 @@ def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims:
         "exchange_per_rank": exchange,
         "chunkwise_exchange_path": chunkwise_path if case.startswith("chunkwise") else None,
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# profile split
-# ---------------------------------------------------------------------------------------------
-
-CATEGORIES = ("compute", "nccl", "memcpy")  # attribution priority, highest first
-
-
-def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _length(spans: Iterable[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in spans)
-
-
-def _minus(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Parts of disjoint sorted ``spans`` not covered by disjoint sorted ``cover``."""
-    out = []
-    j = 0
-    for a, b in spans:
-        start = a
-        while j < len(cover) and cover[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(cover) and cover[k][0] < b:
-            if cover[k][0] > start:
-                out.append((start, cover[k][0]))
-            start = max(start, cover[k][1])
-            k += 1
-        if start < b:
-            out.append((start, b))
-    return out
-
-
-def split_busy_time(spans: dict[str, Sequence[tuple[float, float]]], wall: float) -> dict:
-    """Split ``wall`` (the CUDA-event time of the same profiled iterations) into exclusive parts.
-
-    ``spans[category]``: ``(start, end)`` of every GPU activity of that category ("compute"
-    kernels, "nccl" kernels, "memcpy" = memcpy/memset), in one clock. Each instant is given to
-    the highest-priority category busy then: compute, else nccl (communication or waiting for a
-    slower rank: NCCL kernels spin while they wait), else memcpy; idle = wall minus the union of
-    all busy intervals. So ``compute + nccl + memcpy + idle == wall`` (idle clamped at 0 when the
-    trace's busy time exceeds the event wall by clock skew). Also returns the plain (overlapping)
-    sums per category as ``*_total``.
-    """
-    unknown = set(spans) - set(CATEGORIES)
-    if unknown:
-        raise ValueError(f"span categories must be among {CATEGORIES}, got {sorted(unknown)}")
-    out = {}
-    covered: list[tuple[float, float]] = []
-    for cat in CATEGORIES:
-        mine = _union(spans.get(cat, ()))
-        out[f"{cat}_total"] = sum(b - a for a, b in spans.get(cat, ()))
-        out[cat] = _length(_minus(mine, covered))
-        covered = _union([*covered, *mine])
-    busy = _length(covered)
-    out["busy"] = busy
-    out["idle"] = max(0.0, wall - busy)
-    out["wall"] = wall
-    return out

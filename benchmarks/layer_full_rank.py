@@ -52,9 +52,8 @@ from gdn_cp.testing.megatron.layer import (
 from gdn_cp.testing.metrics import rel_l2
 from gdn_cp.testing.packings import zigzag_rows
 
-from .layer_full_math import CATEGORIES, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice, split_busy_time
-
-GIB = float(2**30)
+from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
+from .measure import GIB, copy_kernels, spans_from_trace, split_busy_time, timed_steps
 TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank
 _STATE: dict = {}
 
@@ -582,33 +581,20 @@ def _memory_split(case: "_Case", device) -> dict:
 
 
 def _timed(step, warmup: int, iters: int, device, memory: bool) -> dict:
-    """``warmup`` untimed then ``iters`` timed calls of ``step``; each starts after a device
-    synchronize and a host barrier. Times in ms (CUDA events on a GPU, perf_counter on the CPU)."""
-    for _ in range(warmup):
+    """``warmup`` untimed then ``iters`` timed calls of ``step`` (:func:`benchmarks.measure.timed_steps`),
+    each after a device synchronize and a host barrier; with ``memory``, the peaks over the timed
+    ones (GiB)."""
+    def before():
         _sync(device)
         _barrier()
-        step()
+
+    timed_steps(step, warmup, 0, device, before)
     _sync(device)
     out = {}
     if device.type == "cuda" and memory:
         torch.cuda.reset_peak_memory_stats(device)
         out["allocated_before_gib"] = torch.cuda.memory_allocated(device) / GIB
-    times = []
-    for _ in range(iters):
-        _sync(device)
-        _barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e3)
-    out["iter_ms"] = times
+    out["iter_ms"] = timed_steps(step, 0, iters, device, before)
     if device.type == "cuda" and memory:
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
@@ -618,34 +604,6 @@ def _timed(step, warmup: int, iters: int, device, memory: bool) -> dict:
 # ---------------------------------------------------------------------------------------------
 # profile
 # ---------------------------------------------------------------------------------------------
-
-def _category(event: dict) -> str | None:
-    cat = str(event.get("cat", "")).lower()
-    name = str(event.get("name", "")).lower()
-    if cat in ("gpu_memcpy", "gpu_memset") or name.startswith(("memcpy", "memset")):
-        return "memcpy"
-    if cat == "kernel":
-        return "nccl" if "nccl" in name else "compute"
-    return None
-
-
-def spans_from_trace(trace) -> tuple[dict, dict]:
-    """GPU activity of a chrome trace by category (us), and kernel time by name."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    spans: dict[str, list] = {c: [] for c in CATEGORIES}
-    by_name: dict[str, float] = {}
-    for e in events:
-        if not isinstance(e, dict) or e.get("ph") != "X":
-            continue
-        cat = _category(e)
-        if cat is None:
-            continue
-        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
-        spans[cat].append((ts, ts + dur))
-        key = f"{cat}: {str(e.get('name'))[:90]}"
-        by_name[key] = by_name.get(key, 0.0) + dur
-    return spans, by_name
-
 
 def _profiled(step, n: int, device) -> dict:
     """``n`` iterations under torch.profiler (schedule: 1 wait, 1 warm-up, ``n`` active; CUDA
@@ -665,20 +623,19 @@ def _profiled(step, n: int, device) -> dict:
         finally:
             os.unlink(path)
 
-    walls = []
     with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=1, active=n, repeat=1),
                  on_trace_ready=on_ready) as prof:
-        for i in range(n + 2):
+        calls = [0]
+
+        def before():  # the profiler steps after every call: ahead of each call but the first, and at the end
+            if calls[0]:
+                prof.step()
+            calls[0] += 1
             _sync(device)
             _barrier()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            if i >= 2:
-                walls.append(start.elapsed_time(end))
-            prof.step()
+
+        walls = timed_steps(step, 0, n + 2, device, before)[2:]
+        prof.step()
     if "data" not in trace:
         return {"error": "the profiler produced no trace"}
     spans, by_name = spans_from_trace(trace["data"])
@@ -691,28 +648,6 @@ def _profiled(step, n: int, device) -> dict:
             "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top],
             "copy_ms": copies["us"] / 1e3 / n, "copy_kernels": copies["count"] // n,
             "copy_top_ms": [[name, us / 1e3 / n] for name, us in copies["top"]]}
-
-
-# What a copy kernel looks like in a CUDA trace: torch's copy / cat / contiguous kernels (the lever
-# "fewer copies around in_proj and the gate split" can save at most their time).
-_COPY_MARKERS = ("copy", "catarraybatched", "cat_kernel")
-
-
-def copy_kernels(trace, top: int = 6) -> dict:
-    """Total time (us) and count of the copy kernels (compute kernels whose name says copy or cat:
-    ``direct_copy_kernel_cuda``, ``CatArrayBatchedCopy``, ...) in a chrome trace, and the largest."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    by_name: dict[str, float] = {}
-    count = 0
-    for e in events:
-        if not isinstance(e, dict) or e.get("ph") != "X" or _category(e) != "compute":
-            continue
-        name = str(e.get("name", ""))
-        if any(m in name.lower() for m in _COPY_MARKERS):
-            by_name[name[:90]] = by_name.get(name[:90], 0.0) + float(e.get("dur", 0.0))
-            count += 1
-    return {"us": sum(by_name.values()), "count": count,
-            "top": sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,13 +24,12 @@ import sys
 from pathlib import Path
 
 from .common import save_figure, write_json
-from .layer_full_math import case_key, run_key
+from .layer_full_math import CASES as CP_CASES
+from .layer_full_math import CP1_CASES, case_key, run_key
 
 logger = logging.getLogger("benchmarks.plot_layer_full")
 
-CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "chunkwise_generic", "all_gather",
-         "cp1_slice",
-         "stock_cp1", "patched_cp1", "stock_slice", "patched_slice")
+CASES = CP_CASES + CP1_CASES
 LABELS = {"stock_headwise": "stock headwise", "headwise": "headwise", "chunkwise_hidden": "chunkwise (hidden swap)",
           "chunkwise_core": "chunkwise (core swap)", "chunkwise_generic": "chunkwise (hidden, gdn-cp exchange)",
           "all_gather": "all_gather", "cp1_slice": "ideal: CP=1 on own slice",

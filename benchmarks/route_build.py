@@ -49,6 +49,7 @@ import torch
 from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_natural_order, build_thd_route
 from gdn_cp.testing.packings import packed_boundaries
 
+from .measure import retain_freed_memory, time_call
 from .common import (
     REPO_ROOT,
     add_out_arguments,
@@ -58,9 +59,7 @@ from .common import (
     now_iso,
     plot_lines,
     resolve_out,
-    retain_freed_memory,
     setup_logging,
-    time_call,
     versions,
     write_json,
 )

@@ -26,16 +26,13 @@ import sys
 import time
 from pathlib import Path
 
+from .measure import parse_tokens
+
 logger = logging.getLogger("benchmarks.warm_kernels")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent  # the children run this module from there
 
 QWEN = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_width=4)
-
-
-def _tokens(text: str) -> int:
-    text = text.strip().upper()
-    return int(text[:-1]) * 1024 if text.endswith("K") else int(text)
 
 
 # FlashQLA (TileLang) compiles a kernel per (heads, head dims, dtypes, with / without initial state and
@@ -134,7 +131,7 @@ def _run_variant(spec: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cp", type=int, required=True, help="CP size of the run to warm for (its 1/cp head share)")
-    ap.add_argument("--tokens", type=_tokens, default=_tokens("8K"), help="rows per warm call (default 8K)")
+    ap.add_argument("--tokens", type=parse_tokens, default=parseparse_tokens("8K"), help="rows per warm call (default 8K)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
     ap.add_argument("--timeout", type=float, default=400, help="seconds before the warm processes are killed")
     ap.add_argument("--backend", choices=("fla", "flashqla"), default="fla",

@@ -15,9 +15,9 @@ import pytest
 
 import torch
 
-from benchmarks import layer_full, plot_layer_full
+from benchmarks import layer_full, measure, plot_layer_full
 from benchmarks import layer_full_math as lfm
-from benchmarks.layer_full_rank import spans_from_trace
+from benchmarks.measure import spans_from_trace
 from gdn_cp.testing.metrics import rel_l2
 from gdn_cp.testing.packings import zigzag_rows
 from tests.conftest import start_smoke_run
@@ -268,7 +268,7 @@ def test_plan_arguments(tmp_path):
 
 
 def test_copy_kernels_from_a_trace():
-    from benchmarks.layer_full_rank import copy_kernels
+    from benchmarks.measure import copy_kernels
 
     trace = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)",
@@ -416,24 +416,24 @@ def test_bytes_per_token_qwen_shape():
 
 
 def test_iteration_stats_take_the_slowest_rank_per_iteration():
-    s = lfm.iteration_stats([[1.0, 5.0, 3.0], [4.0, 2.0, 3.0]])
+    s = measure.iteration_stats([[1.0, 5.0, 3.0], [4.0, 2.0, 3.0]])
     assert s["iter_max_ms"] == [4.0, 5.0, 3.0]
     assert s["median_ms"] == 4.0 and s["per_rank_median_ms"] == [3.0, 3.0]
     assert s["p10_ms"] == pytest.approx(3.2) and s["p90_ms"] == pytest.approx(4.8)
     with pytest.raises(ValueError, match="same non-zero number"):
-        lfm.iteration_stats([[1.0], [1.0, 2.0]])
+        measure.iteration_stats([[1.0], [1.0, 2.0]])
 
 
 def test_split_busy_time_gives_each_instant_to_one_part():
     spans = {"compute": [(0, 10), (5, 12), (30, 40)],  # union 0-12, 30-40
              "nccl": [(8, 20), (35, 50)],              # exclusive 12-20, 40-50
              "memcpy": [(19, 25), (60, 61)]}            # exclusive 20-25, 60-61
-    s = lfm.split_busy_time(spans, wall=100)
+    s = measure.split_busy_time(spans, wall=100)
     assert (s["compute"], s["nccl"], s["memcpy"]) == (22, 18, 6)
     assert s["idle"] == 100 - 46 and s["compute"] + s["nccl"] + s["memcpy"] + s["idle"] == 100
     assert s["compute_total"] == 27 and s["nccl_total"] == 27
     with pytest.raises(ValueError, match="categories"):
-        lfm.split_busy_time({"cpu": [(0, 1)]}, 1)
+        measure.split_busy_time({"cpu": [(0, 1)]}, 1)
 
 
 def test_spans_from_a_kineto_trace():
@@ -448,7 +448,7 @@ def test_spans_from_a_kineto_trace():
     ]}
     spans, by_name = spans_from_trace(trace)
     assert spans == {"compute": [(100.0, 150.0)], "nccl": [(120.0, 200.0)], "memcpy": [(210.0, 215.0), (220.0, 221.0)]}
-    split = lfm.split_busy_time(spans, wall=200.0)
+    split = measure.split_busy_time(spans, wall=200.0)
     assert split["compute"] == 50 and split["nccl"] == 50 and split["memcpy"] == 6
     assert by_name["nccl: ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"] == 80.0
 

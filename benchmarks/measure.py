@@ -1,0 +1,320 @@
+"""How the benchmarks measure: one place for timing, statistics, profile splits and token counts.
+
+- :func:`timed_steps`: ``warmup`` untimed then ``iters`` timed calls of a step (CUDA events on a
+  GPU, ``perf_counter`` on the CPU), each after a caller's ``before()`` (a device synchronize and
+  a barrier, so every rank starts an iteration together);
+- :func:`quantile` / :func:`iteration_stats`: median and p10 / p90 of the per-iteration maximum
+  over ranks (an iteration takes as long as its slowest rank);
+- :func:`spans_from_trace` / :func:`split_busy_time`: a profiled iteration's GPU time split into
+  compute, NCCL (communication or waiting), memcpy and idle, summing to the CUDA-event wall;
+- :func:`time_call` / :func:`retain_freed_memory`: host-side timing of a callable (adaptive
+  repeats, CPU time, page faults) and glibc's allocator regime pinned for it;
+- :func:`parse_tokens` / :func:`fmt_tokens`: ``32K`` <-> 32768.
+
+Torch is imported where a GPU is timed, not with this module. DESIGN's rules for a number worth
+printing apply: warm-up first (compile and autotune in a pass of their own), >= 20 timed
+iterations, the maximum over ranks, never time subtracted across iterations.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+__all__ = [
+    "CATEGORIES", "GIB", "copy_kernels", "fmt_tokens", "iteration_stats", "parse_tokens", "quantile", "retain_freed_memory",
+    "spans_from_trace", "split_busy_time", "time_call", "timed_steps",
+]
+
+GIB = float(2**30)
+
+
+def timed_steps(step: Callable[[], object], warmup: int, iters: int, device,
+                before: Optional[Callable[[], None]] = None) -> list[float]:
+    """ms of each of ``iters`` calls of ``step`` after ``warmup`` untimed ones; ``before()`` runs
+    ahead of every call, untimed (e.g. a device synchronize and a barrier). ``device``: a
+    ``torch.device``."""
+    import torch
+
+    before = before or (lambda: None)
+    for _ in range(warmup):
+        before()
+        step()
+    times = []
+    for _ in range(iters):
+        before()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), q in [0, 1]."""
+    if not values:
+        raise ValueError("quantile of no values")
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def iteration_stats(per_rank_ms: Sequence[Sequence[float]]) -> dict:
+    """Statistics of the per-iteration maximum over ranks.
+
+    ``per_rank_ms[r][i]``: rank r's time of iteration i (every rank ran the same iterations,
+    separated by a barrier). An iteration takes as long as its slowest rank.
+    """
+    n = {len(t) for t in per_rank_ms}
+    if len(n) != 1 or 0 in n:
+        raise ValueError(f"every rank must report the same non-zero number of iterations, got {sorted(n)}")
+    iter_max = [max(ts) for ts in zip(*per_rank_ms)]
+    return {
+        "median_ms": quantile(iter_max, 0.5),
+        "p10_ms": quantile(iter_max, 0.1),
+        "p90_ms": quantile(iter_max, 0.9),
+        "iters": len(iter_max),
+        "iter_max_ms": iter_max,
+        "per_rank_median_ms": [quantile(t, 0.5) for t in per_rank_ms],
+    }
+
+
+def parse_tokens(text: str) -> int:
+    """'32K' -> 32768, '1M' -> 1048576, '512' -> 512."""
+    t = str(text).strip().lower()
+    mult = 1
+    if t.endswith("k"):
+        mult, t = 1024, t[:-1]
+    elif t.endswith("m"):
+        mult, t = 1024 * 1024, t[:-1]
+    try:
+        value = int(float(t) * mult)
+    except ValueError:
+        raise ValueError(f"tokens must look like 8K, 32K, 128K or 4096, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"tokens must be positive, got {text!r}")
+    return value
+
+
+def fmt_tokens(t: int) -> str:
+    if t % (1024 * 1024) == 0:
+        return f"{t // (1024 * 1024)}M"
+    if t % 1024 == 0:
+        return f"{t // 1024}K"
+    return str(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# profile split
+# ---------------------------------------------------------------------------------------------
+
+CATEGORIES = ("compute", "nccl", "memcpy")  # attribution priority, highest first
+
+
+def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans: Iterable[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _minus(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Parts of disjoint sorted ``spans`` not covered by disjoint sorted ``cover``."""
+    out = []
+    j = 0
+    for a, b in spans:
+        start = a
+        while j < len(cover) and cover[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            if cover[k][0] > start:
+                out.append((start, cover[k][0]))
+            start = max(start, cover[k][1])
+            k += 1
+        if start < b:
+            out.append((start, b))
+    return out
+
+
+def split_busy_time(spans: dict[str, Sequence[tuple[float, float]]], wall: float) -> dict:
+    """Split ``wall`` (the CUDA-event time of the same profiled iterations) into exclusive parts.
+
+    ``spans[category]``: ``(start, end)`` of every GPU activity of that category ("compute"
+    kernels, "nccl" kernels, "memcpy" = memcpy/memset), in one clock. Each instant is given to
+    the highest-priority category busy then: compute, else nccl (communication or waiting for a
+    slower rank: NCCL kernels spin while they wait), else memcpy; idle = wall minus the union of
+    all busy intervals. So ``compute + nccl + memcpy + idle == wall`` (idle clamped at 0 when the
+    trace's busy time exceeds the event wall by clock skew). Also returns the plain (overlapping)
+    sums per category as ``*_total``.
+    """
+    unknown = set(spans) - set(CATEGORIES)
+    if unknown:
+        raise ValueError(f"span categories must be among {CATEGORIES}, got {sorted(unknown)}")
+    out = {}
+    covered: list[tuple[float, float]] = []
+    for cat in CATEGORIES:
+        mine = _union(spans.get(cat, ()))
+        out[f"{cat}_total"] = sum(b - a for a, b in spans.get(cat, ()))
+        out[cat] = _length(_minus(mine, covered))
+        covered = _union([*covered, *mine])
+    busy = _length(covered)
+    out["busy"] = busy
+    out["idle"] = max(0.0, wall - busy)
+    out["wall"] = wall
+    return out
+
+
+def _category(event: dict) -> str | None:
+    cat = str(event.get("cat", "")).lower()
+    name = str(event.get("name", "")).lower()
+    if cat in ("gpu_memcpy", "gpu_memset") or name.startswith(("memcpy", "memset")):
+        return "memcpy"
+    if cat == "kernel":
+        return "nccl" if "nccl" in name else "compute"
+    return None
+
+
+def spans_from_trace(trace) -> tuple[dict, dict]:
+    """GPU activity of a chrome trace by category (us), and kernel time by name."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    spans: dict[str, list] = {c: [] for c in CATEGORIES}
+    by_name: dict[str, float] = {}
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X":
+            continue
+        cat = _category(e)
+        if cat is None:
+            continue
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        spans[cat].append((ts, ts + dur))
+        key = f"{cat}: {str(e.get('name'))[:90]}"
+        by_name[key] = by_name.get(key, 0.0) + dur
+    return spans, by_name
+
+
+# What a copy kernel looks like in a CUDA trace: torch's copy / cat / contiguous kernels (the lever
+# "fewer copies around in_proj and the gate split" can save at most their time).
+_COPY_MARKERS = ("copy", "catarraybatched", "cat_kernel")
+
+
+def copy_kernels(trace, top: int = 6) -> dict:
+    """Total time (us) and count of the copy kernels (compute kernels whose name says copy or cat:
+    ``direct_copy_kernel_cuda``, ``CatArrayBatchedCopy``, ...) in a chrome trace, and the largest."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    by_name: dict[str, float] = {}
+    count = 0
+    for e in events:
+        if not isinstance(e, dict) or e.get("ph") != "X" or _category(e) != "compute":
+            continue
+        name = str(e.get("name", ""))
+        if any(m in name.lower() for m in _COPY_MARKERS):
+            by_name[name[:90]] = by_name.get(name[:90], 0.0) + float(e.get("dur", 0.0))
+            count += 1
+    return {"us": sum(by_name.values()), "count": count,
+            "top": sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
+
+
+# ---------------------------------------------------------------------------------------------
+# host-side timing
+# ---------------------------------------------------------------------------------------------
+
+def time_call(
+    fn: Callable[[], object],
+    *,
+    budget_s: float = 0.5,
+    min_repeats: int = 5,
+    max_repeats: int = 1000,
+    warmup: int = 2,
+) -> dict:
+    """Median wall time of ``fn()`` in ms (and the median CPU time of the calling thread,
+    ``cpu_median_ms``: on a shared machine, wall >> CPU means the process was descheduled;
+    it equals wall only when all work runs on the calling thread, e.g. one torch thread).
+
+    ``warmup`` untimed calls first; then as many timed calls as fit in ``budget_s``
+    (estimated from the warm-up), clamped to ``[min_repeats, max_repeats]``, so fast cases
+    get many repeats and slow ones at least ``min_repeats``. The garbage collector is off
+    while timing (as in :mod:`timeit`).
+    """
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        fn()
+    per_call = (time.perf_counter() - t0) / max(1, warmup)
+    repeats = int(budget_s / per_call) if per_call > 0 else max_repeats
+    repeats = max(min_repeats, min(max_repeats, repeats))
+    faults0 = _minor_faults()
+    samples = []
+    cpu_samples = []
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            c = time.thread_time_ns()
+            t = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - t) / 1e6)
+            cpu_samples.append((time.thread_time_ns() - c) / 1e6)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    faults = _minor_faults()
+    return {
+        "median_ms": statistics.median(samples),
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "cpu_median_ms": statistics.median(cpu_samples),
+        "repeats": repeats,
+        "minor_faults_per_call": None if faults is None else round((faults - faults0) / repeats, 1),
+    }
+
+
+def _minor_faults() -> int | None:
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except ImportError:
+        return None
+
+
+def retain_freed_memory() -> bool:
+    """Make glibc malloc keep freed memory in the heap (no per-call mmap/munmap, no heap trim).
+
+    Large temporaries (a per-token builder at T=1M allocates ~13 tensors of 8 MB per call) are
+    otherwise served by fresh mmaps or a re-grown heap whenever the allocator's history says so,
+    and then every call page-faults its whole working set again: measured here, the same call
+    took ~25 ms or ~70 ms depending only on the process's earlier allocations. Retaining freed
+    memory pins the cheap regime, which is also what a caching device allocator gives. Returns
+    False where this is not glibc.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1
+        ok &= libc.mallopt(m_mmap_threshold, 32 << 20) == 1  # glibc's largest allowed value
+        return bool(ok)
+    except (OSError, AttributeError):
+        return False
