@@ -1,7 +1,7 @@
 """Small shared helpers for the benchmarks in this folder.
 
 - :func:`machine_info` / :func:`versions` / :func:`now_iso` / :func:`write_json`: what a result was
-  measured on, and atomic JSON output (from :mod:`gdn_cp.testing.results`, shared with the tests);
+  measured on, and atomic JSON output (from :mod:`gdn_cp_testing.results`, shared with the tests);
 - how a benchmark measures (timing, statistics, profile splits, token counts): :mod:`.measure`;
 - :func:`format_table`: human-readable output;
 - :func:`plot_lines`: an optional matplotlib plot (skipped, not failed, without matplotlib);
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from gdn_cp.testing.results import load_average, machine_info, now_iso, stack_versions, write_json
+from gdn_cp_testing.results import load_average, machine_info, now_iso, stack_versions, write_json
 
 __all__ = [
     "REPO_ROOT",

@@ -205,13 +205,13 @@ def run_backend(backend, t: dict, cu: list[int], *, dtype=None) -> dict:
 
 
 def rel_errors(got: dict, want: dict) -> dict:
-    from gdn_cp.testing.metrics import rel_l2
+    from gdn_cp.cli.accuracy import rel_l2
 
     return {k: float(f"{rel_l2(got[k], want[k]):.3e}") for k in want if k in got}
 
 
 def _versions() -> dict:
-    from gdn_cp.testing.results import stack_versions
+    from gdn_cp_testing.results import stack_versions
 
     v = stack_versions()
     try:
@@ -328,7 +328,7 @@ def case_summary(args) -> list[dict]:
     rows = []
 
     def judge(name, got, seconds, **extra):
-        from gdn_cp.testing.metrics import rel_l2
+        from gdn_cp.cli.accuracy import rel_l2
 
         rows.append({"T": T, "how": name, **REALISTIC, "M_rel_l2": float(f"{rel_l2(got[..., :dk], want[..., :dk]):.3e}"),
                      "S_ext_rel_l2": float(f"{rel_l2(got[..., dk:], want[..., dk:]):.3e}"), **seconds, **extra})

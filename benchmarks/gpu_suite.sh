@@ -50,7 +50,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 # a bad or unknown GDN_CP_* variable (a stage name, a stack, a time limit): one line, before anything runs
-python3 -m gdn_cp.env --check || exit 2
+python3 -m gdn_cp_testing.env --check || exit 2
 ROOT=$PWD
 OUT=${OUT:-/tmp/gdn_cp_gpu_out}
 mkdir -p "$OUT"

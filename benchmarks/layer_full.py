@@ -110,7 +110,7 @@ import torch
 
 from gdn_cp.layout import build_chunkwise_plan
 from gdn_cp.ops.registry import BACKEND_CHOICES
-from gdn_cp.testing.ranks import RankPool
+from gdn_cp_testing.ranks import RankPool
 
 from . import layer_full_rank as rank_side
 from .common import add_out_arguments, machine_info, now_iso, resolve_out, setup_logging, write_json

@@ -47,7 +47,7 @@ CP1_CASES = ("stock_cp1", "patched_cp1", "stock_slice", "patched_slice")
 SLICE_CASES = ("stock_slice", "patched_slice")
 STOCK_CASES = ("stock_headwise", "stock_cp1", "stock_slice")
 PACKINGS = ("mixed8", "long1", "short64", "sbhd")
-# Where the layer's submodules come from (``gdn_cp.testing.megatron.layer.SPECS``): ``local``
+# Where the layer's submodules come from (``gdn_cp_testing.megatron.layer.SPECS``): ``local``
 # (ColumnParallelLinear / torch RMSNorm / RowParallelLinear) or ``te`` (Megatron's own GDN spec:
 # TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, TERowParallelLinear out_proj).
 SPECS = ("local", "te")

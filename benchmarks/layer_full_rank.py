@@ -11,7 +11,7 @@ megatron, checks which file was imported, and builds the layers once per rank:
 - ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
   CP=1 reference of the correctness check. In a one-rank pool (``--cp 1``) ``layer`` is ``layer1``.
 
-Weights come from a seeded generator by parameter name (``gdn_cp.testing.megatron.layer.set_params``), inputs from a
+Weights come from a seeded generator by parameter name (``gdn_cp_testing.megatron.layer.set_params``), inputs from a
 seeded generator on the device: identical on every rank, in both pools, for every case.
 
 :func:`rank_case` runs one case in one of two phases:
@@ -42,15 +42,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.testing.megatron.layer import (
-    build_gdn,
-    install_cpu_shims,
-    install_gpu_shims,
-    stock_forward,
-    thd_params,
-)
-from gdn_cp.testing.metrics import rel_l2
-from gdn_cp.testing.packings import zigzag_rows
+from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
+from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
 from .measure import GIB, copy_kernels, spans_from_trace, split_busy_time, timed_steps

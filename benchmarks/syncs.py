@@ -5,7 +5,7 @@ CUDA machine with FLA: each rank builds two GDN layers, runs the first on the mi
 (it builds the routes), then counts the syncs of the second layer's forward and backward
 with ``torch.cuda.set_sync_debug_mode("warn")``. Collectives are excluded: with gloo ranks on
 one GPU, gloo stages CUDA tensors through the host, which NCCL does not (the rank pool of
-``gdn_cp.testing.ranks`` suspends the sync check while a collective runs and counts the collectives).
+``gdn_cp_testing.ranks`` suspends the sync check while a collective runs and counts the collectives).
 
     python3 -m benchmarks.syncs      # needs CUDA + FLA + megatron; exit 2 without a GPU
 
@@ -54,10 +54,10 @@ def _cfg(backend: str) -> dict:
 
 def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
-    from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
-    from gdn_cp.testing.packings import thd_case, zigzag_rows
-    from gdn_cp.testing.probes import env_setting
+    from gdn_cp_testing.inputs import hidden_inputs
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
+    from gdn_cp_testing.packings import thd_case, zigzag_rows
+    from gdn_cp_testing.probes import env_setting
 
     rank_groups()  # every rank creates every group, in the same order, before any rank goes on
     out = {}
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
               "megatron-core 0.19.2 (benchmarks/gpu_suite.sh, stage syncs)", file=sys.stderr)
         return 2
     from gdn_cp.patch import ensure_patched
-    from gdn_cp.testing.ranks import RankPool
+    from gdn_cp_testing.ranks import RankPool
 
     ensure_patched()  # the installed megatron-core: patched in place if pristine, refused if modified
     world = max(args.cp)

@@ -7,7 +7,7 @@ Model (fp32, CPU): token embedding -> N blocks of [RMSNorm -> the REAL patched m
 ``GatedDeltaNet`` (``deterministic_mode=True``: gdn-cp's ``reference`` backend) -> residual ->
 RMSNorm -> MLP (Linear, SiLU, Linear) -> residual] -> RMSNorm -> output head -> cross-entropy on
 next-token targets. The GDN layers are built exactly as the CPU test suite builds them, with
-``gdn_cp.testing.megatron.layer`` (CPU stand-ins for CUDA calls, FLA's l2norm and
+``gdn_cp_testing.megatron.layer`` (CPU stand-ins for CUDA calls, FLA's l2norm and
 TransformerEngine; the local in_proj / RMSNorm / out_proj submodules; seeded weights) to run
 CPU-only Megatron. Every other parameter is drawn from a generator seeded by the run seed and
 the parameter's name, so every run starts from the same weights.
@@ -227,11 +227,9 @@ def train_run(ctx, run_name, cfg):
 
     # megatron-core's import-time notices (no TE / Apex / absl on this machine): noise here
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from gdn_cp.testing.megatron.layer import (
-        assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params,
-    )
-    from gdn_cp.testing.packings import zigzag_rows
-    from gdn_cp.testing.probes import swap_points
+    from gdn_cp_testing.megatron.layer import assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params
+    from gdn_cp_testing.packings import zigzag_rows
+    from gdn_cp_testing.probes import swap_points
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -337,7 +335,7 @@ def rel_diffs(curve, ref) -> list[float]:
 
 def param_rel_diff(params, ref) -> tuple[float, str]:
     """(max over tensors of max |p - p_ref| / max |p_ref|, the name of that tensor)."""
-    from gdn_cp.testing.metrics import max_rel
+    from gdn_cp.cli.accuracy import max_rel
 
     worst, where = 0.0, ""
     for name, want in ref.items():
@@ -438,7 +436,7 @@ def main(argv=None) -> int:
     )
     t_start = time.perf_counter()
     load_before = load_average()
-    from gdn_cp.testing.ranks import RankPool
+    from gdn_cp_testing.ranks import RankPool
 
     with tempfile.TemporaryDirectory(prefix="gdn_cp_train_curve_") as tmp:
         mcore = prepare_megatron(Path(tmp))

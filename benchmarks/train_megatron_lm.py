@@ -2,8 +2,8 @@
 
 Runs ``pretrain_hybrid.py`` (pattern ``G-G-*-``: GDN, MLP, TE attention; and GDN-only ``G-G-``) and
 ``pretrain_gpt.py`` (``--experimental-attention-variant gated_delta_net``, 3 GDN layers + 1 attention
-layer) from a patched Megatron-LM checkout through :mod:`gdn_cp.testing.megatron.lm`: mock data, bf16,
-TransformerEngine specs, no dropout, 20 iterations, at the sizes of :class:`~gdn_cp.testing.megatron.lm.RunSpec`
+layer) from a patched Megatron-LM checkout through :mod:`gdn_cp_testing.megatron.lm`: mock data, bf16,
+TransformerEngine specs, no dropout, 20 iterations, at the sizes of :class:`~gdn_cp_testing.megatron.lm.RunSpec`
 (sequence 4096, micro-batch 2, global batch 4, hidden 1024, FFN 2048, GDN 4 key / 12 value heads of dim
 128, 8 attention heads in 4 groups): above the sizes where Megatron-LM's JIT warm-up, which draws
 (seq / cp) x micro-batch x FFN elements from the global CUDA generator before the model is built, leaves
@@ -35,7 +35,7 @@ those runs' PYTHONPATH only, so that every other run keeps ``auto``'s choice wit
 and 4.
 
 Before any run, Megatron's C++ dataset helpers are built once in each checkout
-(:func:`~gdn_cp.testing.megatron.lm.build_dataset_helpers`): runs started side by side on a fresh
+(:func:`~gdn_cp_testing.megatron.lm.build_dataset_helpers`): runs started side by side on a fresh
 checkout would race to build them. Runs go side by side under a rank budget (``--max-ranks``) in the
 order of the matrix, within ``--budget-s``; the JSON (``--out``) is rewritten after every run, so a
 time-out keeps what finished. ``--plot FILE.json`` draws ``FILE.png`` (losses per iteration, CP=1
@@ -56,7 +56,7 @@ import time
 from typing import Optional
 from pathlib import Path
 
-from gdn_cp.testing.megatron.lm import RunSpec, build_dataset_helpers, launch, write_sft_set
+from gdn_cp_testing.megatron.lm import RunSpec, build_dataset_helpers, launch, write_sft_set
 
 from .common import machine_info, now_iso, setup_logging, versions, write_json  # noqa: F401
 

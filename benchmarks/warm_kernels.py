@@ -131,7 +131,7 @@ def _run_variant(spec: dict) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cp", type=int, required=True, help="CP size of the run to warm for (its 1/cp head share)")
-    ap.add_argument("--tokens", type=parse_tokens, default=parseparse_tokens("8K"), help="rows per warm call (default 8K)")
+    ap.add_argument("--tokens", type=parse_tokens, default=parse_tokens("8K"), help="rows per warm call (default 8K)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
     ap.add_argument("--timeout", type=float, default=400, help="seconds before the warm processes are killed")
     ap.add_argument("--backend", choices=("fla", "flashqla"), default="fla",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp.testing.ranks import RankPool
+from gdn_cp_testing.ranks import RankPool
 
 SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,8 +52,8 @@ MAX_RANK_THREADS = 64
 holds 13 (its 3 gloo groups at 3 threads each, Python's and torch's own) and 16 after the whole
 suite; every gloo process group a case creates and never destroys adds 3 for the rest of the
 session (Megatron's ``initialize_model_parallel`` made about 25 per call: 1,168 threads per rank, a
-load of 180-290 on 2 cores). Cases get their groups from ``gdn_cp.testing.ranks.process_group``
-(one per rank set; Megatron's through ``gdn_cp.testing.megatron.training.megatron_parallel_state``)."""
+load of 180-290 on 2 cores). Cases get their groups from ``gdn_cp_testing.ranks.process_group``
+(one per rank set; Megatron's through ``gdn_cp_testing.megatron.training.megatron_parallel_state``)."""
 
 
 def _thread_leaks(pools) -> list[str]:
@@ -194,10 +194,10 @@ def _megatron_may_change() -> bool:
 
 
 def pytest_configure(config):  # noqa: ARG001
-    """A bad or unknown GDN_CP_* variable stops the session before anything is collected, with the
-    one line every gdn-cp command prints (README "Errors you may see"), not as collection errors of
-    the modules that read it."""
-    from gdn_cp import env
+    """A bad or unknown GDN_CP_* variable (the library's table or the tests' and benchmarks') stops the
+    session before anything is collected, with the one line a gdn-cp command prints (docs/errors.md),
+    not as collection errors of the modules that read it."""
+    from gdn_cp_testing import env
 
     try:
         env.check_environment()

@@ -1,4 +1,6 @@
-"""gdn_cp.env: every GDN_CP_* variable in one table, checked in one place, before any command runs."""
+"""gdn_cp.env (the library's GDN_CP_* variables) and gdn_cp_testing.env (the tests' and benchmarks'):
+every variable in one of the two tables, checked before a command, the test session or the GPU suite
+runs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 from gdn_cp import env
 from gdn_cp.cli import main
+from gdn_cp_testing import env as test_env
 
 ROOT = Path(__file__).resolve().parent.parent
 _NAME = re.compile(r"\bGDN_CP_[A-Z0-9_]*[A-Z0-9]\b")
@@ -19,7 +22,7 @@ _NAME = re.compile(r"\bGDN_CP_[A-Z0-9_]*[A-Z0-9]\b")
 def _names_used_in_the_repository() -> dict[str, str]:
     """Every GDN_CP_* name in the code, tests, benchmarks, CI and docs: name -> a file using it."""
     found = {}
-    for folder in ("gdn_cp", "tests", "benchmarks", "docker", ".ci", "docs"):
+    for folder in ("gdn_cp", "gdn_cp_testing", "tests", "benchmarks", "docker", ".ci", "docs"):
         for path in sorted((ROOT / folder).rglob("*")):
             if path.is_file() and path.suffix in (".py", ".sh", ".md", "", ".txt", ".yml", ".toml") \
                     and "__pycache__" not in path.parts:
@@ -30,35 +33,25 @@ def _names_used_in_the_repository() -> dict[str, str]:
     return found
 
 
-def test_every_variable_used_anywhere_is_in_the_table():
-    """A GDN_CP_* variable added to a script or test without a row in gdn_cp/env.py SETTINGS would be
-    refused by every gdn-cp command as "not a gdn-cp setting": add the row (who reads it, what it sets)."""
+def test_every_variable_used_anywhere_is_in_a_table():
+    """A GDN_CP_* variable added to a script or test without a row in gdn_cp/env.py (what the library
+    reads) or gdn_cp_testing/env.py (what the tests and benchmarks read) would be refused by the test
+    session and the GPU suite as "not a gdn-cp setting": add the row (who reads it, what it sets)."""
     used = _names_used_in_the_repository()
-    for typo in ("GDN_CP_CHUNKWISE_PAHT", "GDN_CP_STAGE"):  # this file's example typos
+    for typo in ("GDN_CP_CHUNKWISE_PAHT", "GDN_CP_STAGE", "GDN_CP_BOGUS"):  # this file's example typos
         used.pop(typo, None)
-    missing = {name: where for name, where in used.items() if name not in env.SETTINGS}
-    assert missing == {}, f"add these to gdn_cp.env.SETTINGS: {missing}"
-    unused = sorted(set(env.SETTINGS) - set(used))
+    missing = {name: where for name, where in used.items() if name not in test_env.ALL_SETTINGS}
+    assert missing == {}, f"add these to gdn_cp.env.SETTINGS or gdn_cp_testing.env.SETTINGS: {missing}"
+    unused = sorted(set(test_env.ALL_SETTINGS) - set(used))
     assert unused == [], f"rows nobody reads any more: {unused}"
+    assert {s.read_by for s in env.SETTINGS.values()} == {"gdn_cp"}  # the library's table: the library's alone
+    assert {s.read_by for s in test_env.SETTINGS.values()} == {"tests", "benchmarks"}
 
 
 @pytest.mark.parametrize("name,bad,accepts", [
     ("GDN_CP_CHUNKWISE_PATH", "bogus", "use one of auto, native, generic"),
-    ("GDN_CP_TEST_DIST_BACKEND", "mpi", "use one of gloo, nccl"),
-    ("GDN_CP_TEST_PG_TIMEOUT", "soon", "use a number of seconds > 0"),
-    ("GDN_CP_TEST_PG_TIMEOUT", "-5", "use a number of seconds > 0"),
-    ("GDN_CP_TEST_PG_TIMEOUT", "1e-9", "at least 1"),  # issue #32: accepted, then failed inside gloo
-    ("GDN_CP_TEST_FAST_AUTOTUNE", "yes", "use one of 0, 1"),
+    ("GDN_CP_CHUNKWISE_SWAP", "middle", "use one of auto, hidden, core"),
     ("GDN_CP_CHUNKWISE_PAHT", "generic", "is not a gdn-cp setting (a typo?); did you mean GDN_CP_CHUNKWISE_PATH "),
-    # read by the tests and the benchmarks only, checked by every command all the same (issue #25)
-    ("GDN_CP_FUZZ_EXAMPLES", "abc", "use a whole number >= 1"),
-    ("GDN_CP_FUZZ_EXAMPLES", "1_000", "use a whole number >= 1"),
-    ("GDN_CP_STACK", "bogus", "use one of fla042, fla060"),
-    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, args, warm"),
-    ("GDN_CP_SUITE_TIMEOUT", "7m", "use a whole number >= 1"),
-    ("GDN_CP_GPU_TP_DTYPES", "float16", "use a comma-separated list of bfloat16, float32"),
-    ("GDN_CP_ALLOW_SKIP_MEGATRON", "yes", "use one of 0, 1"),
-    ("GDN_CP_README_COMMAND", "torchrun x", "use a JSON list of strings"),
 ])
 def test_bad_settings_stop_every_command_before_it_starts(monkeypatch, capsys, name, bad, accepts):
     """One line on stderr naming the variable, its value and what it accepts; exit 2; nothing on
@@ -75,16 +68,54 @@ def test_bad_settings_stop_every_command_before_it_starts(monkeypatch, capsys, n
         assert f"{name}" in cap.err and accepts in cap.err and len(cap.err.strip().splitlines()) == 1, cap.err
 
 
+def test_the_tests_variables_are_not_the_commands_business(monkeypatch, capsys):
+    """A variable only the tests or benchmarks read (or a name close to none of the library's) does not
+    stop a gdn-cp command: the test session and the GPU suite check those."""
+    monkeypatch.setenv("GDN_CP_STACK", "bogus")
+    monkeypatch.setenv("GDN_CP_BOGUS", "1")
+    assert main(["patch", "check", "/nope"]) == 2  # fails on the path, not on the environment
+    err = capsys.readouterr().err
+    assert "GDN_CP_" not in err and "/nope" in err, err
+
+
+@pytest.mark.parametrize("name,bad,accepts", [
+    ("GDN_CP_TEST_DIST_BACKEND", "mpi", "use one of gloo, nccl"),
+    ("GDN_CP_TEST_PG_TIMEOUT", "soon", "use a number of seconds > 0"),
+    ("GDN_CP_TEST_PG_TIMEOUT", "-5", "use a number of seconds > 0"),
+    ("GDN_CP_TEST_PG_TIMEOUT", "1e-9", "at least 1"),  # issue #32: accepted, then failed inside gloo
+    ("GDN_CP_TEST_FAST_AUTOTUNE", "yes", "use one of 0, 1"),
+    ("GDN_CP_CHUNKWISE_PAHT", "generic", "is not a gdn-cp setting (a typo?); did you mean GDN_CP_CHUNKWISE_PATH "),
+    ("GDN_CP_BOGUS", "1", "is not a gdn-cp setting (a typo?)"),
+    # read by the tests and the benchmarks only (issue #25: said before anything else runs)
+    ("GDN_CP_FUZZ_EXAMPLES", "abc", "use a whole number >= 1"),
+    ("GDN_CP_FUZZ_EXAMPLES", "1_000", "use a whole number >= 1"),
+    ("GDN_CP_STACK", "bogus", "use one of fla042, fla060"),
+    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, args, warm"),
+    ("GDN_CP_SUITE_TIMEOUT", "7m", "use a whole number >= 1"),
+    ("GDN_CP_GPU_TP_DTYPES", "float16", "use a comma-separated list of bfloat16, float32"),
+    ("GDN_CP_ALLOW_SKIP_MEGATRON", "yes", "use one of 0, 1"),
+    ("GDN_CP_README_COMMAND", "torchrun x", "use a JSON list of strings"),
+])
+def test_bad_settings_stop_the_tests_and_the_gpu_suite(name, bad, accepts):
+    """What the test session and benchmarks/gpu_suite.sh check first: one line naming the variable, its
+    value and what it accepts, exit 2."""
+    r = subprocess.run([sys.executable, "-m", "gdn_cp_testing.env", "--check"], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**_clean_env(), name: bad})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r
+    assert f"{name}" in r.stderr and accepts in r.stderr, r.stderr
+
+
 def test_read_gives_defaults_and_checked_values(monkeypatch):
-    for name in env.SETTINGS:
+    for name in test_env.ALL_SETTINGS:
         monkeypatch.delenv(name, raising=False)
     assert env.read("GDN_CP_CHUNKWISE_PATH") == "auto"
-    assert env.read("GDN_CP_TEST_PG_TIMEOUT") == 180.0
+    assert test_env.read("GDN_CP_TEST_PG_TIMEOUT") == 180.0
     monkeypatch.setenv("GDN_CP_TEST_PG_TIMEOUT", "2.5")
-    assert env.read("GDN_CP_TEST_PG_TIMEOUT") == 2.5
+    assert test_env.read("GDN_CP_TEST_PG_TIMEOUT") == 2.5
     monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "")  # empty: the default
     assert env.read("GDN_CP_CHUNKWISE_PATH") == "auto"
     env.check_environment()
+    test_env.check_environment()
 
 
 def test_a_bad_setting_never_reaches_the_ranks_of_gdn_cp_run():
@@ -104,47 +135,49 @@ def _clean_env() -> dict:
 
 def test_every_setting_has_a_rule_or_says_it_is_free_form():
     """A value is checked by its rule; only paths and a script's arguments are free-form."""
-    free = sorted(n for n, s in env.SETTINGS.items() if s.parse is env._any_text)  # noqa: SLF001
+    free = sorted(n for n, s in test_env.ALL_SETTINGS.items() if s.parse is env.any_text)
     assert free == ["GDN_CP_BENCHMARKS", "GDN_CP_FLASHQLA_ARGS", "GDN_CP_GPU_RESULTS", "GDN_CP_LAYER_FULL_ARGS",
                     "GDN_CP_LAYER_FULL_B_ARGS", "GDN_CP_LEVERS_ARGS", "GDN_CP_MEGATRON_SDIST", "GDN_CP_MLM", "GDN_CP_SLIM",
                     "GDN_CP_TE", "GDN_CP_TL", "GDN_CP_TMP", "GDN_CP_TRAIN_MLM_ARGS", "GDN_CP_WARM_ARGS"], free
-    for name, setting in env.SETTINGS.items():  # every default passes its own rule
+    for name, setting in test_env.ALL_SETTINGS.items():  # every default passes its own rule
         if setting.default:
             setting.parse(setting.default)
 
 
 @pytest.mark.parametrize("value", ["tests", "warm+tests layer_full", "warm+tests+args syncs", "levers"])
 def test_the_stage_lists_the_readme_and_the_suite_use_are_accepted(value):
-    assert env.read("GDN_CP_STAGES", {"GDN_CP_STAGES": value})
+    assert test_env.read("GDN_CP_STAGES", {"GDN_CP_STAGES": value})
 
 
 def test_the_suite_stages_are_the_stages_of_gpu_suite_sh():
     text = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
     body = text[text.index("run_stage() {"):text.index("RC=0")]
-    assert tuple(re.findall(r"^    (\w+)\)$", body, re.M)) == env.SUITE_STAGES
+    assert tuple(re.findall(r"^    (\w+)\)$", body, re.M)) == test_env.SUITE_STAGES
 
 
-def test_an_unknown_name_gets_a_short_line_with_the_closest_names(monkeypatch, capsys):
+def test_an_unknown_name_gets_a_short_line_with_the_closest_names(monkeypatch):
     monkeypatch.setenv("GDN_CP_STAGE", "tests")
-    assert main(["doctor"]) == 2
-    err = capsys.readouterr().err
-    assert "did you mean GDN_CP_STAGES?" in err and "GDN_CP_CHUNKWISE_PATH" not in err and len(err) < 300, err
+    with pytest.raises(ValueError) as err:
+        test_env.check_environment()
+    text = str(err.value)
+    assert "did you mean GDN_CP_STAGES?" in text and "GDN_CP_CHUNKWISE_PATH" not in text and len(text) < 300, text
 
 
-def test_python_dash_m_gdn_cp_env_lists_and_checks():
-    r = subprocess.run([sys.executable, "-m", "gdn_cp.env"], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                       env=_clean_env())
-    assert r.returncode == 0 and len(r.stdout.splitlines()) == len(env.SETTINGS), r
+def test_python_dash_m_lists_and_checks():
+    for module, settings in (("gdn_cp.env", env.SETTINGS), ("gdn_cp_testing.env", test_env.ALL_SETTINGS)):
+        r = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env=_clean_env())
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == len(settings), r
     r = subprocess.run([sys.executable, "-m", "gdn_cp.env", "--check"], capture_output=True, text=True, timeout=120,
-                       cwd=ROOT, env={**_clean_env(), "GDN_CP_STACK": "bogus"})
-    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "GDN_CP_STACK='bogus'" in r.stderr
+                       cwd=ROOT, env={**_clean_env(), "GDN_CP_CHUNKWISE_SWAP": "bogus"})
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "GDN_CP_CHUNKWISE_SWAP='bogus'" in r.stderr
 
 
 def test_gpu_suite_checks_the_environment_before_anything_else():
     lines = [line for line in (ROOT / "benchmarks" / "gpu_suite.sh").read_text().splitlines()
              if line.strip() and not line.lstrip().startswith("#")]
     assert lines[:3] == ['set -uo pipefail', 'cd "$(dirname "$0")/.." || exit 1',
-                         'python3 -m gdn_cp.env --check || exit 2'], lines[:3]
+                         'python3 -m gdn_cp_testing.env --check || exit 2'], lines[:3]
 
 
 def test_a_bad_setting_stops_the_test_session_naming_it():

@@ -18,8 +18,8 @@ import torch
 from benchmarks import layer_full, measure, plot_layer_full
 from benchmarks import layer_full_math as lfm
 from benchmarks.measure import spans_from_trace
-from gdn_cp.testing.metrics import rel_l2
-from gdn_cp.testing.packings import zigzag_rows
+from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp_testing.packings import zigzag_rows
 from tests.conftest import start_smoke_run
 from tests.megatron.conftest import patched_megatron  # noqa: F401 - the fixture, for the switch test
 
@@ -191,7 +191,7 @@ def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
     import gdn_cp.megatron.gdn as glue
     from benchmarks import layer_full_rank as lfr
     from gdn_cp.ops import get_backend
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
 
     calls = [0]
 

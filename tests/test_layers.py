@@ -1,7 +1,8 @@
 """The package keeps its layer order: every import of gdn_cp goes to the importer's layer or below
-(layout -> comm -> ops -> modes -> megatron -> testing -> cli; checks and env at the bottom; the patch
-tool above megatron and below the command line, so nothing on the forward path imports it). Read
-from the source (function-level imports included), so it costs no import."""
+(layout -> comm -> ops -> modes -> megatron -> cli; checks and env at the bottom; the patch tool above
+megatron and below the command line, so nothing on the forward path imports it), and nothing in it
+imports the test machinery (gdn_cp_testing, tests, benchmarks), which is not shipped. Read from the
+source (function-level imports included), so it costs no import."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gdn_cp"
-ORDER = ("checks", "env", "layout", "comm", "ops", "modes", "megatron", "patch", "testing", "cli")
+ORDER = ("checks", "env", "layout", "comm", "ops", "modes", "megatron", "patch", "cli")
+NOT_SHIPPED = ("gdn_cp_testing", "tests", "benchmarks")
 FLOOR = {"checks": 0, "env": 0, **{name: i for i, name in enumerate(ORDER[2:], start=1)}}
 
 
@@ -23,7 +25,7 @@ def _layer(module: str) -> str | None:
 
 
 def _imports(path: Path) -> list[str]:
-    """The gdn_cp modules ``path`` imports, relative imports resolved."""
+    """The modules ``path`` imports, relative imports resolved."""
     package = list(path.relative_to(ROOT).with_suffix("").parts[:-1])  # an __init__'s is its own folder
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -33,7 +35,7 @@ def _imports(path: Path) -> list[str]:
             base = package[: len(package) - (node.level - 1)] if node.level else []
             target = ".".join([*base, *(node.module.split(".") if node.module else [])])
             found += [target] if node.module else [f"{target}.{a.name}" for a in node.names]
-    return [m for m in found if m == "gdn_cp" or m.startswith("gdn_cp.")]
+    return found
 
 
 @pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
@@ -41,8 +43,15 @@ def test_imports_go_down(path):
     source = _layer(".".join(path.relative_to(ROOT).with_suffix("").parts))
     if source is None:  # gdn_cp/__init__.py
         return
-    up = [m for m in _imports(path) if _layer(m) is not None and FLOOR[_layer(m)] > FLOOR[source]]
+    imported = [m for m in _imports(path) if m == "gdn_cp" or m.startswith("gdn_cp.")]
+    up = [m for m in imported if _layer(m) is not None and FLOOR[_layer(m)] > FLOOR[source]]
     assert not up, f"{path.relative_to(ROOT)} ({source}) imports from a higher layer: {up}"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_nothing_shipped_imports_the_test_machinery(path):
+    found = [m for m in _imports(path) if m.split(".")[0] in NOT_SHIPPED]
+    assert not found, f"{path.relative_to(ROOT)} imports {found}, which the wheel does not ship"
 
 
 def test_the_order_names_every_part_of_the_package():

@@ -101,7 +101,7 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     from gdn_cp.modes.swap import choose_swap_point
     from gdn_cp.ops import reference
     from gdn_cp.ops.gates import check_log_decay
-    from gdn_cp.testing.stand_ins import StandInGroup, stand_in_gdn
+    from gdn_cp_testing.stand_ins import StandInGroup, stand_in_gdn
 
     shape = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
     config = types.SimpleNamespace(linear_cp_mode="headwise", linear_num_key_heads=4, linear_num_value_heads=6,
@@ -413,7 +413,7 @@ def test_the_training_command_is_the_run_that_matched_cp1():
     import json
 
     from benchmarks.train_megatron_lm import matrix
-    from gdn_cp.testing.megatron.lm import megatron_lm_args
+    from gdn_cp_testing.megatron.lm import megatron_lm_args
 
     from tests.megatron.test_training_args import readme_training_command
 
@@ -546,7 +546,7 @@ def test_each_result_file_has_the_machine_and_versions_the_docs_say_it_has():
 
 
 def test_every_gdn_cp_name_the_docs_and_results_give_exists():
-    """Dotted names (``gdn_cp.testing.packings.packed_boundaries``) in the pages and in the result files
+    """Dotted names (``gdn_cp.cli.job_data.packed_boundaries``) in the pages and in the result files
     import (issue #32: route_build.json named gdn_cp.demo.packed_boundaries, moved since)."""
     import importlib
 

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from .. import __version__, env, patch
 from ..megatron.config import AUTO, explain_linear_cp_modes
 from ..megatron.pins import PINS
+from .versions import dist_version
 
 __all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "fla_stack_verdict",
            "flashqla_verdict", "run_doctor"]
@@ -86,15 +87,6 @@ def _at_least(version: str, floor: tuple) -> bool:
             break
         parts.append(int(digits))
     return not parts or tuple(parts) >= floor
-
-
-def _dist_version(*dists: str) -> Optional[str]:
-    for dist in dists:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _version(dist: str) -> str:
@@ -172,8 +164,8 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
         },
         "gpus": gpus,
         "gpu_note": gpu_note,
-        "fla_stack_verdict": fla_stack_verdict(_dist_version("fla-core", "flash-linear-attention"),
-                                               _dist_version("triton")),
+        "fla_stack_verdict": fla_stack_verdict(dist_version("fla-core", "flash-linear-attention"),
+                                               dist_version("triton")),
         "environment": {n: os.environ[n] for n in sorted(os.environ) if n.startswith(env.PREFIX)},
     }
     report["flashqla_verdict"] = flashqla_verdict(report["versions"]["flash-qla"], report["versions"]["tilelang"])

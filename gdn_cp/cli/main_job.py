@@ -1,7 +1,8 @@
 """The main job (``gdn-cp run``): a real context-parallel run of the GDN core, checked against CP=1.
 
-For each CP size it spawns ``cp`` ranks (:class:`gdn_cp.testing.ranks.RankPool`: CPU gloo by
-default; NCCL with one rank per GPU when there are enough GPUs), and on every rank:
+For each CP size it spawns ``cp`` ranks (:func:`gdn_cp.cli.launch.run_ranks`: CPU gloo by default;
+NCCL with one rank per GPU when there are enough GPUs, gloo ranks sharing one GPU otherwise), and
+on every rank:
 
 1. builds the routes of a realistic packed micro-batch and runs zigzag -> contiguous -> zigzag,
    checking that the round trip is bit-exact and that the cached plan is reused;
@@ -29,11 +30,9 @@ from ..checks import as_int
 from ..modes import GDNShape
 from ..modes.spec import MODE_NAMES, get_mode, head_problem
 from ..ops.registry import BACKEND_NAMES, ORACLE, BACKENDS, backend_spec, choose_backend_name, get_backend
-from ..testing.inputs import core_inputs, core_leaves
-from ..testing.metrics import max_rel
-from ..testing.packings import packed_boundaries
-from ..testing.ranks import RankError, RankPool
-from ..testing.tolerances import cp_vs_cp1_tolerance
+from .accuracy import cp_vs_cp1_tolerance, max_rel
+from .job_data import core_inputs, core_leaves, packed_boundaries
+from .launch import RankError, run_ranks
 from .output import count
 
 __all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "estimate_rank_bytes", "run_job"]
@@ -232,13 +231,16 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
 
 
 def _native_cp_context(cfg: JobConfig) -> tuple[bool, str]:
-    """Whether the ranks' chunkwise would run the backend's native cp context (their groups are NCCL,
-    or gloo on CUDA with FLA's collectives adapted by the rank pool), and why not."""
+    """Whether the ranks' chunkwise would run the backend's native cp context (NCCL groups: one rank per
+    GPU), and why not."""
     problem = getattr(get_backend(cfg.backend), "native_cp_problem", None)
     if problem is None:
         others = "; ".join(f"{s.title}'s needs --backend {s.name} on {s.native_cp}"
                            for s in BACKENDS.values() if s.native_cp is not None)
         return False, f"the {cfg.backend} backend has none ({others})"
+    if cfg.dist_backend != "nccl":
+        return False, (f"--dist-backend {cfg.dist_backend}: FLA's cp context runs on NCCL groups (one rank per GPU); "
+                       "gloo ranks take gdn-cp's own exchange")
     why = problem()
     return why is None, why or ""
 
@@ -291,7 +293,6 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     from ..comm import all_gather_rows, route_all_to_all
     from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
     from ..modes import CallContext, Settings, gdn_core, prepare_mode
-    from ..testing.packings import zigzag_rows
 
     rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
     report: dict = {"rank": rank}
@@ -305,7 +306,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     report["route_build_ms"] = (time.perf_counter() - t0) * 1e3
     report["route_summary"] = z2c.summary() if rank == 0 else ""
     report["cu"] = cu
-    own = zigzag_rows(cu, cp, rank, device)
+    own = plan.natural_order().on(device)[2]  # the global rows this rank holds, in its (zigzag) order
     rows = own.to(torch.float64).unsqueeze(1)
     back = route_all_to_all(route_all_to_all(rows, z2c, c2z, group), c2z, z2c, group)
     report["round_trip_exact"] = bool(torch.equal(back, rows))
@@ -436,11 +437,8 @@ def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[s
         modes = tuple(m for m in cfg.modes_to_run if m not in skipped)
         echo(f"\n== cp={cp}: spawning {count(cp, 'rank')} ({cfg.dist_backend}, {cfg.device})")
         try:
-            # fla_on_gloo: on one GPU (gloo ranks) FLA's cp context runs too, its collectives adapted
-            # by gdn_cp.testing (a run on NCCL needs no adapter)
-            with RankPool(cp, device=cfg.device, backend=cfg.dist_backend, test_shims=False,
-                          timeout_s=timeout_s, fla_on_gloo=True) as pool:
-                reports = pool.run(_rank_job, cp, cfg, modes)
+            reports = run_ranks(cp, _rank_job, cp, cfg, modes, device=cfg.device, backend=cfg.dist_backend,
+                                timeout_s=timeout_s)
         except RankError as err:
             echo(f"cp={cp} failed:\n{err}")
             result.failures.append(f"cp={cp}: {count(len(err.failures), 'rank')} failed (above)")

@@ -9,9 +9,9 @@ comma-separated for every flag that takes one (``--cp 2,4 --modes headwise,chunk
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from .. import env
 from .args import comma_items, int_list, int_range
 from .output import CommandError, exit_epilog
 from ..modes.spec import MODE_NAMES
@@ -125,7 +125,7 @@ def run_command(args) -> int:
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     cfg = auto_config(**overrides)
-    pool_backend = env.read(POOL_BACKEND_ENV)
+    pool_backend = os.environ.get(POOL_BACKEND_ENV, "")  # the tests' setting (gdn_cp_testing.env), not gdn-cp's
     if pool_backend and pool_backend != cfg.dist_backend:  # issue #32: was ignored without a word
         print(f"gdn-cp run: note: {POOL_BACKEND_ENV}={pool_backend} chooses the backend of the test rank pools; "
               f"gdn-cp run takes --dist-backend (this run: {cfg.dist_backend})", file=sys.stderr, flush=True)

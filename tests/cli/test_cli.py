@@ -125,7 +125,7 @@ def test_a_closed_pipe_ends_every_command_quietly(monkeypatch, capsys, name):
 
     from gdn_cp.cli import selftest
 
-    monkeypatch.setattr(main_job, "RankPool", lambda *a, **k: pytest.fail("spawned after its output was gone"))
+    monkeypatch.setattr(main_job, "run_ranks", lambda *a, **k: pytest.fail("spawned after its output was gone"))
     # the selftest's report, without its seconds of kernels (its wording is tested below)
     monkeypatch.setattr(selftest, "run_selftest", lambda gpu: selftest.SelftestReport(True, gpu, {}, []))
     monkeypatch.setattr(sys, "stdout", _ClosedPipe())
@@ -185,7 +185,7 @@ def test_the_package_root_shows_the_layers():
     root = ROOT / "gdn_cp"
     folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
     files = sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix == ".py")
-    assert folders == ["cli", "comm", "layout", "megatron", "modes", "ops", "patch", "testing"]
+    assert folders == ["cli", "comm", "layout", "megatron", "modes", "ops", "patch"]
     assert files == ["__init__.py", "checks.py", "env.py"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"gdn-cp": "gdn_cp.cli:main"}

@@ -160,7 +160,7 @@ def test_doctor_says_whether_the_installed_fla_stack_was_tested(monkeypatch):
     assert "refuses or miscomputes the GDN backward on Hopper" in doctor.fla_stack_verdict("0.5.2", "3.6.0")
     assert doctor.fla_stack_verdict(None, "3.9.0").startswith("not installed")
     versions = {"fla-core": "0.6.0", "triton": "3.5.0"}
-    monkeypatch.setattr(doctor, "_dist_version", lambda *names: next((versions[n] for n in names if n in versions), None))
+    monkeypatch.setattr(doctor, "dist_version", lambda *names: next((versions[n] for n in names if n in versions), None))
     code, out = _run()
     assert "FLA + Triton: fla 0.6.0 + triton 3.5.0: untested" in out, out
 

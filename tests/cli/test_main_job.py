@@ -83,7 +83,7 @@ def test_named_mode_that_cannot_run_is_refused_before_spawning(monkeypatch, caps
     def no_spawn(*a, **k):
         raise AssertionError("spawned ranks for a job that cannot run")
 
-    monkeypatch.setattr(main_job, "RankPool", no_spawn)
+    monkeypatch.setattr(main_job, "run_ranks", no_spawn)
     assert main(["run", "--modes", "headwise", "--cp", "2,8"]) == 2
     cap = capsys.readouterr()
     assert cap.out == "" and len(cap.err.strip().splitlines()) == 1, cap
@@ -99,7 +99,7 @@ def test_what_every_rank_would_refuse_is_refused_before_spawning(monkeypatch, ca
     ranks, printed a traceback per rank (43 lines) and exited 1. The parent says it: one line, exit 2."""
     from gdn_cp.cli import main_job
 
-    monkeypatch.setattr(main_job, "RankPool", lambda *a, **k: pytest.fail("spawned ranks that would all refuse"))
+    monkeypatch.setattr(main_job, "run_ranks", lambda *a, **k: pytest.fail("spawned ranks that would all refuse"))
     monkeypatch.setenv("GDN_CP_CHUNKWISE_PATH", "native")
     assert main(["run", *argv]) == 2
     cap = capsys.readouterr()
@@ -123,7 +123,7 @@ def test_fla_refusals_are_said_by_the_parent(monkeypatch):
     from gdn_cp.cli import main_job
     from gdn_cp.ops.fla import detect
 
-    fla = dict(backend="fla", device="cuda", modes=("chunkwise",))
+    fla = dict(backend="fla", device="cuda", dist_backend="nccl", modes=("chunkwise",))
     with pytest.raises(ValueError, match=r"^--backend fla --head-dim 8: head_k_dim=8 is outside what FLA"):
         main_job._check_what_every_rank_checks(JobConfig(**fla, **SMALL))  # noqa: SLF001
     big = dict(SMALL, shape=GDNShape(num_k_heads=3, num_v_heads=6, head_k_dim=16, head_v_dim=16))
@@ -164,7 +164,7 @@ def test_heads_are_flags_and_in_the_header(monkeypatch):
         run_job(JobConfig(cp_sizes=(8,), modes=("headwise",)), echo=lines.append)
     assert lines == []
     header = []
-    monkeypatch.setattr(main_job, "RankPool", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(main_job, "run_ranks", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         run_job(JobConfig(cp_sizes=(2,), num_sequences=1), echo=header.append)
     assert "4 key / 8 value heads of dim 32" in header[0] and "1 packed sequence," in header[0], header[0]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from gdn_cp.comm import all_gather_rows, head_to_seq, route_all_to_all, seq_to_head
 from gdn_cp.layout import CONTIGUOUS, ZIGZAG, RouteCache
 from tests.layout.test_routes import naive_rows
-from gdn_cp.testing.packings import named_packings
+from gdn_cp_testing.packings import named_packings
 
 
 def _round_trip_case(ctx):
@@ -85,7 +85,7 @@ def test_route_rejects_wrong_rows_before_communicating():
 
 
 def _bytes_case(ctx):
-    from gdn_cp.testing.probes import all_to_all_bytes
+    from gdn_cp_testing.probes import all_to_all_bytes
 
     rank, world = ctx.rank, ctx.world_size
     plan = RouteCache().plan(torch.tensor(named_packings(world)["straddling"]), world, rank)
@@ -97,7 +97,7 @@ def _bytes_case(ctx):
 
 
 def test_the_byte_probe_counts_what_a_route_sends(rank_pool):
-    """The tests' all-to-all byte count (gdn_cp.testing.probes) sees a route's whole send buffer."""
+    """The tests' all-to-all byte count (gdn_cp_testing.probes) sees a route's whole send buffer."""
     for sent, t_local in rank_pool(2).run(_bytes_case):
         assert (sent.bytes, sent.calls) == (t_local * 5 * 4, 1)
 
@@ -164,7 +164,7 @@ def _many_case(ctx):
     """route_all_to_all_many moves tensors of mixed dtypes and shapes bit for bit where separate
     routes put them, in one all-to-all per direction, and its gradients are theirs."""
     from gdn_cp.comm import route_all_to_all_many
-    from gdn_cp.testing.probes import all_to_all_bytes
+    from gdn_cp_testing.probes import all_to_all_bytes
 
     rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD

@@ -19,7 +19,7 @@ import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from gdn_cp import env
+from gdn_cp_testing import env
 
 _FUZZ_EXAMPLES = env.read("GDN_CP_FUZZ_EXAMPLES") or 0  # a bad value: a ValueError naming the variable
 

@@ -5,7 +5,7 @@ multiple of 2*cp, a rank out of range) or hostile (wrong types, signs, sizes, de
 the documented rules alone whether the call must succeed, and then checks the call: refused with a
 ValueError / TypeError naming the argument, or accepted with a result checked independently
 (routes by a simulated all-to-all of every rank on global row ids, against Megatron's zigzag split
-written out per token in :func:`gdn_cp.testing.packings.zigzag_rows`).
+written out per token in :func:`gdn_cp_testing.packings.zigzag_rows`).
 
 The functions whose output is O(tokens) (index tensors) are fuzzed with bounded valid sizes: a
 valid request for 2**62 rows is refused by the allocator, not by gdn-cp.
@@ -36,7 +36,8 @@ from gdn_cp.layout import (
     sbhd_cu_seqlens,
     validate_cu_seqlens,
 )
-from gdn_cp.testing.packings import cumsum0, zigzag_rows
+from gdn_cp.cli.job_data import cumsum0
+from gdn_cp_testing.packings import zigzag_rows
 
 from .common import (
     HUGE_INTS,

@@ -15,7 +15,7 @@ value-block width FlashQLA picks from sequences x heads) combination, so the sha
 value heads 4 / 8 (headwise takes 2 / 4 at cp=2 and 1 / 2 at cp=4), head dim 128, and the realistic
 16 / 32. Keep ``TILELANG_CACHE_DIR`` between runs (benchmarks/gpu_suite.sh does).
 
-Tolerances (relative L2; gdn_cp.testing.tolerances), the FLA backend's: bf16 vs the fp64 reference
+Tolerances (relative L2; gdn_cp.cli.accuracy), the FLA backend's: bf16 vs the fp64 reference
 <= 1e-2; cp=N vs CP=1 <= 2e-3 outputs, <= 1e-2 gradients, or within 5e-3 of CP=1 and as close to fp64
 as CP=1 is (FlashQLA's own split of long sequences, auto_cp, cuts them at other rows per CP size).
 Measured errors are appended as JSON lines to ``$GDN_CP_GPU_RESULTS``.
@@ -31,10 +31,10 @@ import torch
 
 from gdn_cp.ops import GDNShape
 from gdn_cp.ops.flashqla import flashqla_problem
-from gdn_cp.testing.inputs import fla_core_inputs
-from gdn_cp.testing.metrics import max_rel, rel_l2
-from gdn_cp.testing.results import JsonlRecorder
-from gdn_cp.testing.tolerances import FLA_VS_FP64_REL_L2 as TOLERANCES
+from gdn_cp_testing.inputs import fla_core_inputs
+from gdn_cp.cli.accuracy import max_rel, rel_l2
+from gdn_cp_testing.results import JsonlRecorder
+from gdn_cp.cli.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
 
 from .test_fla_backend import _judge
 
@@ -71,7 +71,7 @@ def _grads(t: dict) -> dict:
 
 
 def _rows(case: str, cp: int, rank: int) -> torch.Tensor:
-    from gdn_cp.testing.packings import zigzag_rows
+    from gdn_cp_testing.packings import zigzag_rows
 
     cu, split, batch = CASES[case]
     if batch is None:
@@ -253,7 +253,7 @@ def _rank_realistic(rctx, inp: dict, cu: list, cp: int, path: str):
     from gdn_cp.layout import RouteCache
     from gdn_cp.modes import gdn_core
     from gdn_cp.ops import get_backend
-    from gdn_cp.testing.packings import zigzag_rows
+    from gdn_cp_testing.packings import zigzag_rows
 
     group = rctx.group(cp)
     r = dist.get_rank(group)

@@ -42,7 +42,7 @@ def test_other_cp_size_or_rank_misses():
 
 
 def test_directions_cached_separately_and_reused():
-    from gdn_cp.testing.probes import plan_builds
+    from gdn_cp_testing.probes import plan_builds
 
     cache = RouteCache()
     plan = cache.plan(torch.tensor([0, 8, 24]), 2, 1)

@@ -16,7 +16,7 @@ from gdn_cp.layout import (
     build_thd_route,
     validate_cu_seqlens,
 )
-from gdn_cp.testing.packings import named_packings
+from gdn_cp_testing.packings import named_packings
 
 CPS = [1, 2, 4, 8]
 DIRECTIONS = [(ZIGZAG, CONTIGUOUS), (CONTIGUOUS, ZIGZAG)]
@@ -220,7 +220,7 @@ def test_chunkwise_plan_tail_first_cut(cp, name):
 # -- whole-row splits (Megatron's --dataloader-inter-document-masking) --------------------------
 
 from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW, CPPlan  # noqa: E402
-from gdn_cp.testing.packings import document_packings, zigzag_rows  # noqa: E402
+from gdn_cp_testing.packings import document_packings, zigzag_rows  # noqa: E402
 
 
 def naive_whole_row_rows(layout, cu, cp):

@@ -63,7 +63,7 @@ def test_config_refuses_an_activation_other_than_silu():
 
 @pytest.mark.megatron
 def test_transformer_config_refuses_gelu(patched_megatron):
-    from gdn_cp.testing.megatron.layer import install_cpu_shims, make_config
+    from gdn_cp_testing.megatron.layer import install_cpu_shims, make_config
 
     install_cpu_shims()
     with pytest.raises(ValueError) as ei:
@@ -78,8 +78,8 @@ def _first_call(ctx):
     """A hybrid model's GDN layer with gelu (its config accepts it): every call refused, SBHD and THD,
     at CP=1 (SBHD: the stock path below the hand-over) and CP=world, before in_proj and before any
     collective; the same layer with SiLU runs."""
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, thd_params
-    from gdn_cp.testing.packings import thd_case
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, thd_params
+    from gdn_cp_testing.packings import thd_case
 
     out = {}
     for cp, group in ((1, rank_groups()["self"]), (ctx.world_size, rank_groups()["world"])):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from gdn_cp.layout import PER_DOCUMENT
-from gdn_cp.testing.megatron.batches import packed_batch, random_lengths
+from gdn_cp_testing.megatron.batches import packed_batch, random_lengths
 
 VOCAB = 64
 
@@ -171,7 +171,7 @@ def test_padded_cut_request_reads_megatron_lms_args():
     import types
 
     from gdn_cp.megatron.document_padding import padded_cut_request
-    from gdn_cp.testing.megatron.batches import PADDED_CUT_ARGS
+    from gdn_cp_testing.megatron.batches import PADDED_CUT_ARGS
 
     assert padded_cut_request(None) is None
     assert padded_cut_request(types.SimpleNamespace(**PADDED_CUT_ARGS)) == 1
@@ -193,7 +193,7 @@ def _megatron_cut_cases(ctx) -> dict:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from gdn_cp.megatron.thd_split import recorded_split
-    from gdn_cp.testing.megatron.batches import PADDED_CUT_ARGS, megatron_lm_args
+    from gdn_cp_testing.megatron.batches import PADDED_CUT_ARGS, megatron_lm_args
 
     out = {}
     for cp in (2, 4):

@@ -9,7 +9,7 @@ import types
 import pytest
 
 from gdn_cp.megatron.gdn import gated_delta_net_forward
-from gdn_cp.testing.stand_ins import StandInGroup, handed_over, stand_in_gdn
+from gdn_cp_testing.stand_ins import StandInGroup, handed_over, stand_in_gdn
 
 _STATIC = StandInGroup(4, 1)
 

@@ -1,8 +1,8 @@
 """End to end, the path a Megatron-LM user runs: megatron-core 0.19.2's ``GPTModel`` and
-``HybridModel`` with GDN layers (local modules, ``gdn_cp.testing.megatron.model``), every
+``HybridModel`` with GDN layers (local modules, ``gdn_cp_testing.megatron.model``), every
 micro-batch cut by Megatron's own ``get_batch_on_this_cp_rank`` in each strategy its data-loader
 flags select, ``PackedSeqParams`` built as ``pretrain_gpt.forward_step`` builds them
-(``gdn_cp.testing.megatron.batches``), at CP=2 and CP=4 in every ``linear_cp_mode``, on 4 gloo CPU
+(``gdn_cp_testing.megatron.batches``), at CP=2 and CP=4 in every ``linear_cp_mode``, on 4 gloo CPU
 ranks (the session's pool), fp64, deterministic mode (gdn-cp's reference backend).
 
 Compared with CP=1 on the same weights and micro-batch (max_rel <= 1e-10): every token's loss
@@ -36,9 +36,9 @@ from functools import partial
 import pytest
 import torch
 
-from gdn_cp.testing.megatron.batches import thd_get_partitioned_indices
-from gdn_cp.testing.packings import zigzag_rows
-from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL, STOCK_CORE_VS_FP64_MAX_REL
+from gdn_cp_testing.megatron.batches import thd_get_partitioned_indices
+from gdn_cp_testing.packings import zigzag_rows
+from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL, STOCK_CORE_VS_FP64_MAX_REL
 
 pytestmark = pytest.mark.megatron
 
@@ -99,8 +99,8 @@ def _batches(cp: int, pair: int) -> dict:
     different ones). Whole-row rows: documents of any length on CP=2 group 0, and all divisible
     by 2*cp elsewhere (the rows a per-document reading would take without an error). Padded rows:
     documents of any length."""
-    from gdn_cp.testing.megatron.batches import packed_batch, random_lengths
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE
+    from gdn_cp_testing.megatron.batches import packed_batch, random_lengths
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE
 
     unit = 2 * cp
     mbs = 1 if (cp == 2 and pair == 0) else 2
@@ -124,8 +124,8 @@ def _compare(got, want, cut) -> dict:
     """Errors of one rank's ``(per-token losses, {name: grad})`` against CP=1's: the losses at the
     rank's real rows, the gradients summed over the micro-batch's group; ``pads``: 0 when every pad
     row (``cut.rows`` -1) has loss mask 0 and label 0, else inf."""
-    from gdn_cp.testing.megatron.model import sum_grads
-    from gdn_cp.testing.metrics import max_rel
+    from gdn_cp_testing.megatron.model import sum_grads
+    from gdn_cp.cli.accuracy import max_rel
 
     loss, grads = got
     want_loss, want_grads = want
@@ -143,7 +143,7 @@ def _compare(got, want, cut) -> dict:
 
 def _swap_setting(mode: str):
     """``(linear_cp_mode, context)``: ``chunkwise@core`` forces the chunkwise swap at the core."""
-    from gdn_cp.testing.probes import env_setting
+    from gdn_cp_testing.probes import env_setting
 
     if mode != "chunkwise@core":
         return mode, nullcontext()
@@ -154,9 +154,9 @@ def _cp1_answer(model, batch, strategy: str, seq_length: int):
     """The CP=1 answer on the whole micro-batch, cut (i.e. not cut) by Megatron's function at CP=1
     as ``get_batch`` does; fp64 SBHD runs gdn-cp's path (stock computes its deterministic core in
     fp32). A failure is returned as its message (the cases of that batch then report it)."""
-    from gdn_cp.testing.megatron.batches import cut_for_rank
-    from gdn_cp.testing.megatron.layer import gdn_cp_forward, rank_groups
-    from gdn_cp.testing.megatron.model import run_model
+    from gdn_cp_testing.megatron.batches import cut_for_rank
+    from gdn_cp_testing.megatron.layer import gdn_cp_forward, rank_groups
+    from gdn_cp_testing.megatron.model import run_model
 
     try:
         cut = cut_for_rank(batch, strategy, cp_group=rank_groups()["self"], seq_length=seq_length)
@@ -171,9 +171,9 @@ def _run_modes(kind, group, static_cfg, batches, want, cut_kwargs) -> dict:
     and run every batch, compare with ``want``. Returns ``{mode: {"refused": message} | {"swap":
     points, name: errors or "Error: message"}}`` (errors carry ``psp``: (local_cp_size, cp_group
     is None) of the PackedSeqParams the model got)."""
-    from gdn_cp.testing.megatron.batches import cut_for_rank
-    from gdn_cp.testing.megatron.model import build_model, model_config, run_model
-    from gdn_cp.testing.probes import swap_points
+    from gdn_cp_testing.megatron.batches import cut_for_rank
+    from gdn_cp_testing.megatron.model import build_model, model_config, run_model
+    from gdn_cp_testing.probes import swap_points
 
     out = {}
     for mode in MODES:
@@ -204,9 +204,9 @@ def _run_modes(kind, group, static_cfg, batches, want, cut_kwargs) -> dict:
 
 def _strategy_cases(ctx, kind: str, cp: int) -> dict:
     """SBHD, per-document, whole-row and padded micro-batches at static CP=cp, every mode."""
-    from gdn_cp.testing.megatron.batches import install_te_partition_stand_in
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import build_model, model_config
+    from gdn_cp_testing.megatron.batches import install_te_partition_stand_in
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import build_model, model_config
 
     install_te_partition_stand_in()
     group = ctx.group(cp)
@@ -221,8 +221,8 @@ def _hybrid_batches(ctx) -> dict:
     """``--hybrid-context-parallel`` sub-samples (whole rows, documents of any length, the
     ``cu_seqlens_padded`` copy Megatron's own hybrid-CP batch test adds): ``local_cp_size`` 1 (a
     sample per rank), 2 (a sample per pair of ranks), 4 (one sample over the world)."""
-    from gdn_cp.testing.megatron.batches import packed_batch, random_lengths
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE
+    from gdn_cp_testing.megatron.batches import packed_batch, random_lengths
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE
 
     out = {}
     for k, length in ((1, 24), (2, 32), (4, 48)):
@@ -237,9 +237,9 @@ def _hybrid_batches(ctx) -> dict:
 def _hybrid_cp_cases(ctx, kind: str) -> dict:
     """Hybrid CP: static CP group = the world (``context_parallel_size=4``,
     ``hybrid_context_parallel=True``), each sub-sample split over its own group, every mode."""
-    from gdn_cp.testing.megatron.batches import install_te_partition_stand_in
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import build_model, model_config
+    from gdn_cp_testing.megatron.batches import install_te_partition_stand_in
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import build_model, model_config
 
     install_te_partition_stand_in()
     alone = rank_groups()["self"]
@@ -327,9 +327,9 @@ def _attention_cases(ctx, cp: int) -> dict:
     padded rows (documents of odd lengths: the patched cut for --dataloader-inter-document-masking),
     per-document rows (--sft) and, as the negative control, stock's whole-row cut of rows whose
     documents all divide by 2*cp (which the attention reads as a per-document cut, as TE does)."""
-    from gdn_cp.testing.megatron.batches import install_te_partition_stand_in, packed_batch, random_lengths
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config
+    from gdn_cp_testing.megatron.batches import install_te_partition_stand_in, packed_batch, random_lengths
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE, build_model, model_config
 
     install_te_partition_stand_in()
     group, pair = ctx.group(cp), ctx.rank // cp
@@ -380,10 +380,10 @@ def _cp1_packed_vs_documents(ctx) -> dict:
     inter-document masking never does) cut by Megatron's function as get_batch cuts it, against
     each document alone through stock megatron-core's own GatedDeltaNet code (SBHD, batch 1):
     every token's loss, and the packed gradient against the sum of the documents' gradients."""
-    from gdn_cp.testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
-    from gdn_cp.testing.megatron.layer import rank_groups, stock_forward
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
-    from gdn_cp.testing.metrics import max_rel
+    from gdn_cp_testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
+    from gdn_cp_testing.megatron.layer import rank_groups, stock_forward
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
+    from gdn_cp.cli.accuracy import max_rel
 
     install_te_partition_stand_in()
     alone = rank_groups()["self"]
@@ -455,9 +455,9 @@ SPLIT_CASES = {
 def _split_cases(ctx) -> dict:
     """GPTModel at CP=2 (both pairs of ranks, the same micro-batches): ``{(case, mode): errors or
     "Error: message"}``."""
-    from gdn_cp.testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
+    from gdn_cp_testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
 
     install_te_partition_stand_in()
     group, alone = ctx.group(2), rank_groups()["self"]
@@ -535,9 +535,9 @@ def _padded_mutation_cases(ctx) -> dict:
     (``right``), the pads left in the loss (loss mask 1 at every pad row) and the pads put before
     every document."""
     from gdn_cp.megatron import document_padding
-    from gdn_cp.testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
+    from gdn_cp_testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
 
     install_te_partition_stand_in()
     base = build_model("gpt", model_config("gpt", 1, "headwise"), rank_groups()["self"], seed=SEED)
@@ -601,8 +601,8 @@ TRAIN_RUNS = {  # name -> (kind, strategy, [(cp, mode)]); the first run is the C
 
 
 def _train_micro_batches(strategy: str, cp: int, cp_group, step: int) -> list:
-    from gdn_cp.testing.megatron.batches import cut_for_rank, packed_batch, random_lengths
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE
+    from gdn_cp_testing.megatron.batches import cut_for_rank, packed_batch, random_lengths
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE
 
     out = []
     for mb in range(MICRO_BATCHES):
@@ -617,9 +617,9 @@ def _train_micro_batches(strategy: str, cp: int, cp_group, step: int) -> list:
 def _train_cases(ctx, name: str) -> dict:
     """Every run of ``TRAIN_RUNS[name]`` on the whole world (DP = 4 / cp replicas, all on the same
     micro-batches): ``{(cp, mode): train_steps result}``."""
-    from gdn_cp.testing.megatron.batches import install_te_partition_stand_in
-    from gdn_cp.testing.megatron.model import build_model, model_config
-    from gdn_cp.testing.megatron.training import megatron_parallel_state, train_steps
+    from gdn_cp_testing.megatron.batches import install_te_partition_stand_in
+    from gdn_cp_testing.megatron.model import build_model, model_config
+    from gdn_cp_testing.megatron.training import megatron_parallel_state, train_steps
 
     install_te_partition_stand_in()
     kind, strategy, runs = TRAIN_RUNS[name]
@@ -642,7 +642,7 @@ def _train_cases(ctx, name: str) -> dict:
 def test_training_steps_equal_cp1(patched_megatron, rank_pool, name):
     """3 Adam steps of 2 micro-batches each: the loss of every step, the final parameters (max_rel
     over each tensor) equal CP=1's; the gradient norm (megatron computes it in fp32) to 1e-6."""
-    from gdn_cp.testing.metrics import max_rel
+    from gdn_cp.cli.accuracy import max_rel
 
     results = rank_pool(WORLD).run(_train_cases, name, timeout_s=240)
     kind, strategy, runs = TRAIN_RUNS[name]
@@ -668,8 +668,8 @@ def test_training_steps_equal_cp1(patched_megatron, rank_pool, name):
 def _parallel_state_entries(ctx):
     """Enter megatron_parallel_state for topologies seen before and new: per entry (tp, cp, the
     groups' identities and sizes, this rank's threads); outside it nothing is initialized."""
-    from gdn_cp.testing.megatron.training import megatron_parallel_state
-    from gdn_cp.testing.ranks import thread_census
+    from gdn_cp_testing.megatron.training import megatron_parallel_state
+    from gdn_cp_testing.ranks import thread_census
 
     out = []
     for tp, cp in ((1, 2), (2, 2), (1, 2), (2, 2), (1, 4), (2, 2), (1, 2)):

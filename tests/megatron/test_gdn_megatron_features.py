@@ -19,22 +19,12 @@ import io
 import pytest
 import torch
 
-from gdn_cp.testing.inputs import hidden_inputs
-from gdn_cp.testing.megatron.layer import (
-    DIMS,
-    build_gdn,
-    install_cpu_shims,
-    make_config,
-    rank_groups,
-    run_layer,
-    stock_forward,
-    stock_vs_patched,
-    thd_params,
-)
-from gdn_cp.testing.megatron.parity import HIDDEN, MODES, parity_case, sbhd_len
-from gdn_cp.testing.metrics import max_rel
-from gdn_cp.testing.packings import thd_case, zigzag_rows
-from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp_testing.inputs import hidden_inputs
+from gdn_cp_testing.megatron.layer import DIMS, build_gdn, install_cpu_shims, make_config, rank_groups, run_layer, stock_forward, stock_vs_patched, thd_params
+from gdn_cp_testing.megatron.parity import HIDDEN, MODES, parity_case, sbhd_len
+from gdn_cp.cli.accuracy import max_rel
+from gdn_cp_testing.packings import thd_case, zigzag_rows
+from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 pytestmark = pytest.mark.megatron
 
@@ -198,7 +188,7 @@ def test_dynamic_cp(patched_megatron, rank_pool):
 # ------------------------------------------------------------------------------------------
 def _route_cache(ctx):
     from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
-    from gdn_cp.testing.probes import plan_builds
+    from gdn_cp_testing.probes import plan_builds
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -258,7 +248,7 @@ def test_route_cache(patched_megatron, rank_pool):
 def _recompute(ctx):
     from megatron.core import tensor_parallel
 
-    from gdn_cp.testing.probes import plan_builds
+    from gdn_cp_testing.probes import plan_builds
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -439,7 +429,7 @@ def test_stock_vs_patched_headwise(patched_megatron, rank_pool):
 def _thd_cp1_and_dispatch(ctx):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from gdn_cp.testing.stand_ins import handed_over
+    from gdn_cp_testing.stand_ins import handed_over
 
     def dispatches(module, psp):
         return handed_over(module, torch.zeros(4, 1, HIDDEN), psp) is not None

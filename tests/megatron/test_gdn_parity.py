@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn_cp.testing.megatron.parity import MODES, parity_case
-from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp_testing.megatron.parity import MODES, parity_case
+from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 
 def _all_cases(ctx, dtypes):

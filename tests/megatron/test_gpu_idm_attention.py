@@ -3,7 +3,7 @@ Megatron's (patched) ``get_batch_on_this_cp_rank`` pads and cuts per document eq
 
 The model: megatron-core 0.19.2's ``HybridModel`` with Megatron's own TE stack spec
 (``hybrid_layer_specs.hybrid_stack_spec``), pattern ``G-*-`` (GDN, MLP, TE attention, MLP), bf16, the
-FLA backend, seeded weights (``gdn_cp.testing.megatron.model``, kind ``hybrid_te``), with and without
+FLA backend, seeded weights (``gdn_cp_testing.megatron.model``, kind ``hybrid_te``), with and without
 RoPE. Micro-batches of documents of odd lengths (two samples, flattened as ``pretrain_gpt.get_batch``
 flattens them), cut at CP=2 and 4 (gloo ranks sharing one GPU: TE attention's CP through all-to-all)
 in every ``linear_cp_mode``; ``PackedSeqParams`` as ``forward_step`` builds them (the padded
@@ -27,9 +27,9 @@ from functools import partial
 import pytest
 import torch
 
-from gdn_cp.testing.megatron.parity import GPU_CFG
-from gdn_cp.testing.results import JsonlRecorder
-from gdn_cp.testing.tolerances import MEGATRON_BF16_REL_L2 as BF16_TOL
+from gdn_cp_testing.megatron.parity import GPU_CFG
+from gdn_cp_testing.results import JsonlRecorder
+from gdn_cp.cli.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 
@@ -62,8 +62,8 @@ def _on(batch: dict, device) -> dict:
 def _errors(got, want, cut) -> dict:
     """Relative L2 of the rank's real-token losses and of every gradient summed over the group;
     ``pads``: 0 when every pad row has loss mask 0 and label 0, else inf."""
-    from gdn_cp.testing.megatron.model import sum_grads
-    from gdn_cp.testing.metrics import rel_l2
+    from gdn_cp_testing.megatron.model import sum_grads
+    from gdn_cp.cli.accuracy import rel_l2
 
     loss, grads = got
     want_loss, want_grads = want
@@ -80,9 +80,9 @@ def _errors(got, want, cut) -> dict:
 
 def _te_cases(ctx) -> dict:
     """``{(position embedding, cp, mode, strategy): errors or "Error: message"}`` on this rank."""
-    from gdn_cp.testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
+    from gdn_cp_testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
 
     install_te_partition_stand_in()  # TE's own tex where TransformerEngine is present
     device = torch.device("cuda", torch.cuda.current_device())

@@ -30,10 +30,10 @@ import importlib.util
 import pytest
 import torch
 
-from gdn_cp.testing.megatron.parity import GPU_CFG, MODES, parity_case
-from gdn_cp.testing.metrics import rel_l2
-from gdn_cp.testing.results import JsonlRecorder
-from gdn_cp.testing.tolerances import MEGATRON_BF16_REL_L2 as BF16_TOL
+from gdn_cp_testing.megatron.parity import GPU_CFG, MODES, parity_case
+from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp_testing.results import JsonlRecorder
+from gdn_cp.cli.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 
@@ -131,10 +131,10 @@ def test_gpu_parity_bf16(gpu_pools, patched_megatron, world, spec, backend):
 
 
 def _stock_vs_patched(ctx):
-    from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_vs_patched
-    from gdn_cp.testing.megatron.parity import sbhd_len
-    from gdn_cp.testing.packings import zigzag_rows
+    from gdn_cp_testing.inputs import hidden_inputs
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, stock_vs_patched
+    from gdn_cp_testing.megatron.parity import sbhd_len
+    from gdn_cp_testing.packings import zigzag_rows
 
     group = rank_groups()["world"]
     s = sbhd_len(ctx.world_size)
@@ -174,9 +174,9 @@ def _gpu_path_cases(ctx, path: str, spec: str = "local", backend: str = "fla"):
     from gdn_cp.layout import plan_for_sbhd
     from gdn_cp.modes import CallContext, GDNShape, Settings, prepare_mode
     from gdn_cp.ops import get_backend
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.parity import sbhd_len
-    from gdn_cp.testing.probes import env_setting
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.parity import sbhd_len
+    from gdn_cp_testing.probes import env_setting
 
     out = {}
     base = _backend_cfg(backend)

@@ -53,7 +53,7 @@ def _local_gpt(config, pg):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from gdn_cp.testing.megatron.model import MAX_SEQUENCE_LENGTH, VOCAB_SIZE, gdn_layer_spec
+    from gdn_cp_testing.megatron.model import MAX_SEQUENCE_LENGTH, VOCAB_SIZE, gdn_layer_spec
 
     layers = [gdn_layer_spec(), gdn_layer_spec(), get_gpt_layer_local_spec(normalization="RMSNorm")]
     return GPTModel(config, TransformerBlockSubmodules(layer_specs=layers), vocab_size=VOCAB_SIZE,
@@ -66,7 +66,7 @@ def _local_hybrid(config, pg):
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from gdn_cp.testing.megatron.model import MAX_SEQUENCE_LENGTH, VOCAB_SIZE, hybrid_stack_spec
+    from gdn_cp_testing.megatron.model import MAX_SEQUENCE_LENGTH, VOCAB_SIZE, hybrid_stack_spec
 
     spec = hybrid_stack_spec()
     attention = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -102,8 +102,8 @@ def _weights_after_draws(ctx, kind: str, stock: bool = False) -> dict:
     """Per entry of :data:`DRAWS`: the model's parameters built after that many global draws, and a
     plain ``nn.Conv1d`` built right after the draws (what stock's conv1d was). ``stock``: built with
     :func:`_stock_conv1d_init`."""
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import install_model_stand_ins, model_config, model_pg_collection
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import install_model_stand_ins, model_config, model_pg_collection
 
     install_model_stand_ins("cpu")
     if stock:
@@ -156,8 +156,8 @@ def _mamba_weights_after_draws(ctx) -> dict:
     from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from gdn_cp.testing.megatron.layer import rank_groups
-    from gdn_cp.testing.megatron.model import install_model_stand_ins, model_config, model_pg_collection
+    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.model import install_model_stand_ins, model_config, model_pg_collection
 
     install_model_stand_ins("cpu")
     out = {}
@@ -204,7 +204,7 @@ def _te_models(pg) -> dict:
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
-    from gdn_cp.testing.megatron.layer import make_config
+    from gdn_cp_testing.megatron.layer import make_config
 
     sizes = dict(perform_initialization=True, use_cpu_initialization=False, deterministic_mode=False, hidden_size=128,
                  ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2, bf16=True)
@@ -220,8 +220,8 @@ def _te_models(pg) -> dict:
 def _te_weights_after_draws(ctx) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from gdn_cp.testing.megatron.layer import install_gpu_shims, rank_groups
-    from gdn_cp.testing.megatron.model import model_pg_collection
+    from gdn_cp_testing.megatron.layer import install_gpu_shims, rank_groups
+    from gdn_cp_testing.megatron.model import model_pg_collection
 
     install_gpu_shims()
     out = {}

@@ -1,4 +1,4 @@
-"""The Megatron-LM launcher (gdn_cp.testing.megatron.lm) on the CPU: its command lines pass
+"""The Megatron-LM launcher (gdn_cp_testing.megatron.lm) on the CPU: its command lines pass
 Megatron-LM's own parser and ``validate_args`` and give the model config each run means; the SFT
 stand-ins feed Megatron-LM's real ``SFTDataset``; the log parser reads Megatron's iteration lines;
 ``launch`` runs ranks, reads the last rank's log and ends a run whose rank fails; the benchmark's
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp.testing.megatron.lm import RunSpec, launch, megatron_lm_args, parse_training_log
+from gdn_cp_testing.megatron.lm import RunSpec, launch, megatron_lm_args, parse_training_log
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +61,7 @@ from megatron.training.argument_utils import core_transformer_config_from_args
 if not torch.cuda.is_available():
     margs.get_device_arch_version = lambda: 9
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-from gdn_cp.testing.megatron.lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
+from gdn_cp_testing.megatron.lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
 sys.path.insert(0, os.path.dirname(os.environ["GDN_CP_BENCHMARKS"]))  # the repository root: Megatron-LM runs from its checkout
 from benchmarks.train_megatron_lm import matrix
 
@@ -255,7 +255,7 @@ def test_dataset_helpers_are_built_once_before_runs_start(tmp_path, monkeypatch)
     """run_matrix builds Megatron's C++ dataset helpers in each checkout (``make``) before it starts any
     run: runs started side by side on a fresh checkout would race to build them."""
     from benchmarks import train_megatron_lm as bench
-    from gdn_cp.testing.megatron.lm import RunResult
+    from gdn_cp_testing.megatron.lm import RunResult
 
     events = []
     for name in ("mlm", "stock"):
@@ -343,7 +343,7 @@ def test_the_tolerance_follows_the_noise_iteration_by_iteration():
 
 
 def test_error_tail_reads_the_exception_under_torchruns_prefixes():
-    from gdn_cp.testing.megatron.lm import _error_tail
+    from gdn_cp_testing.megatron.lm import _error_tail
 
     log = textwrap.dedent("""\
         INFO:megatron.core.timers:(min, max) time across ranks (ms):
@@ -360,7 +360,7 @@ def test_error_tail_reads_the_exception_under_torchruns_prefixes():
 def test_when_imported_patches_at_import_or_at_once(tmp_path, monkeypatch):
     """The launcher's shims wait for the module they patch (a rank imports Megatron only when its
     script does), and patch it before the importer gets it back."""
-    from gdn_cp.testing.megatron.lm import when_imported
+    from gdn_cp_testing.megatron.lm import when_imported
 
     (tmp_path / "gdncp_probe_pkg").mkdir()
     (tmp_path / "gdncp_probe_pkg" / "__init__.py").write_text("")

@@ -7,8 +7,8 @@ import torch
 
 from gdn_cp.modes import GDNShape, Settings
 from gdn_cp.modes.swap import choose_swap_point
-from gdn_cp.testing.megatron.parity import HIDDEN, parity_case
-from gdn_cp.testing.packings import thd_case
+from gdn_cp_testing.megatron.parity import HIDDEN, parity_case
+from gdn_cp_testing.packings import thd_case
 
 QWEN35_9B = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128)
 
@@ -49,7 +49,7 @@ def test_forcing_hidden_under_sequence_parallel_is_refused():
 
 
 def _both_points(ctx):
-    from gdn_cp.testing.probes import all_to_all_bytes, env_setting
+    from gdn_cp_testing.probes import all_to_all_bytes, env_setting
 
     rank, world = ctx.rank, ctx.world_size
     out, moved = {}, {}

@@ -24,8 +24,8 @@ from gdn_cp.megatron.thd_split import (
     recorded_split,
     resolve_thd_split,
 )
-from gdn_cp.testing.megatron.parity import MODES, parity_case
-from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp_testing.megatron.parity import MODES, parity_case
+from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 FP64 = TOL[torch.float64]
 
@@ -207,7 +207,7 @@ def test_gdn_only_models_keep_the_whole_row_cut(kw):
 
 
 def test_config_refuses_an_unknown_split(patched_megatron):
-    from gdn_cp.testing.megatron.layer import make_config
+    from gdn_cp_testing.megatron.layer import make_config
 
     assert make_config(2, "chunkwise", linear_cp_thd_split=WHOLE_ROW).linear_cp_thd_split == WHOLE_ROW
     assert make_config(2, "chunkwise").linear_cp_thd_split is None
@@ -224,7 +224,7 @@ def _whole_row_cases(ctx):
     naming the field and the whole-row fix)."""
     from gdn_cp.megatron.thd_split import record_split as record
 
-    import gdn_cp.testing.megatron.parity as mp
+    import gdn_cp_testing.megatron.parity as mp
 
     out = {"config": parity_case(ctx.rank, ctx.world_size, "thd_whole_row", torch.float64, MODES,
                                  cfg=dict(linear_cp_thd_split=WHOLE_ROW))}
@@ -266,8 +266,8 @@ def test_whole_row_thd_equals_cp1(patched_megatron, rank_pool):
 def _unset_split_cases(ctx):
     """THD rows cut per document at CP=world, every mode, ``linear_cp_thd_split`` unset and no
     record: each rank's error and the collectives run before it."""
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, thd_params
-    from gdn_cp.testing.packings import thd_case
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, thd_params
+    from gdn_cp_testing.packings import thd_case
 
     cu_pad, cu_act = thd_case(ctx.world_size)
     out = {}
@@ -298,9 +298,9 @@ def _hybrid_cp_no_group(ctx):
     static CP group of the whole world: the no-CP path (each rank its own full sub-sample)."""
     import torch.distributed as dist
 
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
-    from gdn_cp.testing.metrics import max_rel
-    from gdn_cp.testing.inputs import hidden_inputs
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
+    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp_testing.inputs import hidden_inputs
 
     groups = rank_groups()
     cu = [0, 5, 5, 12]  # odd lengths: nothing is cut

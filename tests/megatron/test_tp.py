@@ -5,14 +5,14 @@ session's 4-rank pool; deterministic mode, i.e. gdn-cp's reference backend and s
 Rank grid as Megatron lays it out (TP fastest): TP groups {0,1} and {2,3}; at TP=2 x CP=2 the CP
 groups are {0,2} and {1,3}; at TP=2 x CP=1 the two TP groups are data-parallel replicas that get
 different data. Each TP rank holds its part of the full weights, split as 0.19.2 splits them
-(``gdn_cp.testing.megatron.tp``). Compared on every rank: the output and the hidden_states gradient
+(``gdn_cp_testing.megatron.tp``). Compared on every rank: the output and the hidden_states gradient
 on its rows, and every parameter gradient after what Megatron does before the optimizer (the TP
 step of finalize_model_grads, the sum over CP, the TP parts gathered to full shape). fp64 <= 1e-10,
 fp32 <= 1e-5 (fp32 SBHD at CP=1 runs the stock code path on both sides).
 
 Sequence parallelism: Megatron's local torch norm refuses it ("sequence parallel not supported by
 torch LayerNorm") and TransformerEngine cannot be installed here, so with SP the layer's out_norm is
-``gdn_cp.testing.megatron.layer.SequenceParallelRMSNorm``: torch's RMSNorm with its weight tagged
+``gdn_cp_testing.megatron.layer.SequenceParallelRMSNorm``: torch's RMSNorm with its weight tagged
 ``sequence_parallel`` as TransformerEngine's norms tag theirs.
 """
 
@@ -23,8 +23,8 @@ import contextlib
 import pytest
 import torch
 
-from gdn_cp.testing.megatron.parity import MODES, tp_grid_case, tp_parity_case
-from gdn_cp.testing.tolerances import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp_testing.megatron.parity import MODES, tp_grid_case, tp_parity_case
+from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 pytestmark = pytest.mark.megatron
 
@@ -58,10 +58,10 @@ def _compared(results) -> set[str]:
 # 0. the tests' TP split of the full weights is megatron-core 0.19.2's own
 # ------------------------------------------------------------------------------------------
 def _checkpoint_layout(ctx):
-    """Each TP rank's parameters (split by gdn_cp.testing.megatron.tp) against the full weights, at
+    """Each TP rank's parameters (split by gdn_cp_testing.megatron.tp) against the full weights, at
     the offsets megatron's sharded_state_dict gives every (sub-)tensor: ``{key: equal}``."""
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups
-    from gdn_cp.testing.megatron.tp import tp_cp_groups
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups
+    from gdn_cp_testing.megatron.tp import tp_cp_groups
 
     tp_group, single, _ = tp_cp_groups(2, 1)
 
@@ -143,7 +143,7 @@ def test_tp_comparison_catches_the_out_norm_gradient(patched_megatron, rank_pool
 # 2. dynamic CP at TP=2; heads that divide TP but not TP*CP; the chunkwise swap points
 # ------------------------------------------------------------------------------------------
 def _dynamic_tp(ctx):
-    from gdn_cp.testing.megatron.tp import tp_cp_groups
+    from gdn_cp_testing.megatron.tp import tp_cp_groups
 
     tp_group, single, _ = tp_cp_groups(2, 1)
     _, pair, _ = tp_cp_groups(2, 2)
@@ -170,9 +170,9 @@ def test_dynamic_cp_at_tp2(patched_megatron, rank_pool):
 def _tp_only_heads(ctx):
     import torch.distributed as dist
 
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, thd_params
-    from gdn_cp.testing.megatron.tp import sp_slice, tp_cp_groups
-    from gdn_cp.testing.packings import thd_case, zigzag_rows
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, thd_params
+    from gdn_cp_testing.megatron.tp import sp_slice, tp_cp_groups
+    from gdn_cp_testing.packings import thd_case, zigzag_rows
 
     res = {"parity": _grid(ctx, [(2, 2, False), (2, 2, True)], (torch.float64,), cfg=TP_ONLY_HEADS,
                            modes=("chunkwise", "all_gather"))}
@@ -201,7 +201,7 @@ def _tp_only_heads(ctx):
 
 
 def test_heads_dividing_tp_but_not_tp_times_cp(patched_megatron, rank_pool):
-    from gdn_cp.testing.megatron.layer import make_config
+    from gdn_cp_testing.megatron.layer import make_config
 
     results = rank_pool(WORLD).run(_tp_only_heads, timeout_s=180)
     parity = [r["parity"] for r in results]
@@ -220,10 +220,10 @@ def test_heads_dividing_tp_but_not_tp_times_cp(patched_megatron, rank_pool):
 def _swap_points_tp(ctx):
     import torch.distributed as dist
 
-    from gdn_cp.testing.probes import all_to_all_bytes, env_setting
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, thd_params
-    from gdn_cp.testing.megatron.tp import sp_slice, tp_cp_groups
-    from gdn_cp.testing.packings import thd_case, zigzag_rows
+    from gdn_cp_testing.probes import all_to_all_bytes, env_setting
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, thd_params
+    from gdn_cp_testing.megatron.tp import sp_slice, tp_cp_groups
+    from gdn_cp_testing.packings import thd_case, zigzag_rows
 
     tp_group, cp_group, _ = tp_cp_groups(2, 2)
     res, moved = {}, {}
@@ -258,9 +258,9 @@ def _swap_points_tp(ctx):
 def test_chunkwise_swap_points_at_tp2(patched_megatron, rank_pool):
     from gdn_cp.modes import GDNShape
     from gdn_cp.modes.swap import choose_swap_point
-    from gdn_cp.testing.megatron.layer import DIMS
-    from gdn_cp.testing.megatron.parity import HIDDEN
-    from gdn_cp.testing.packings import thd_case
+    from gdn_cp_testing.megatron.layer import DIMS
+    from gdn_cp_testing.megatron.parity import HIDDEN
+    from gdn_cp_testing.packings import thd_case
 
     results = rank_pool(WORLD).run(_swap_points_tp, timeout_s=180)
     parity = [r[0] for r in results]
@@ -298,11 +298,11 @@ def _finalize_case(ctx, *, stock: bool, sp: bool, layout: str, cp: int, normaliz
         finalize_model_grads,
     )
 
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward
-    from gdn_cp.testing.megatron.parity import case_inputs, cp1_answer, thd_split_cfg
-    from gdn_cp.testing.megatron.tp import gather_tp_grads, sp_slice
-    from gdn_cp.testing.megatron.training import megatron_parallel_state
-    from gdn_cp.testing.metrics import max_rel
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward
+    from gdn_cp_testing.megatron.parity import case_inputs, cp1_answer, thd_split_cfg
+    from gdn_cp_testing.megatron.tp import gather_tp_grads, sp_slice
+    from gdn_cp_testing.megatron.training import megatron_parallel_state
+    from gdn_cp.cli.accuracy import max_rel
 
     # stock 0.19.2's deterministic core is fp32 (SBHD at CP=1 runs it); gdn-cp's path runs fp64
     dtype = torch.float32 if layout == "sbhd" and cp == 1 else torch.float64
@@ -375,10 +375,10 @@ def test_out_norm_gradient_after_finalize_model_grads(patched_megatron, rank_poo
 def _hook_once(ctx):
     """Steps on one TP=2 layer (stock CP=1 SBHD path twice, gdn-cp's path twice, THD): the out_norm
     gradient sum is installed once, so every step's gradient is the same full gradient."""
-    from gdn_cp.testing.inputs import hidden_inputs
-    from gdn_cp.testing.megatron.layer import build_gdn, gdn_cp_forward, make_config, run_layer, thd_params
-    from gdn_cp.testing.megatron.tp import tp_cp_groups
-    from gdn_cp.testing.packings import thd_case
+    from gdn_cp_testing.inputs import hidden_inputs
+    from gdn_cp_testing.megatron.layer import build_gdn, gdn_cp_forward, make_config, run_layer, thd_params
+    from gdn_cp_testing.megatron.tp import tp_cp_groups
+    from gdn_cp_testing.packings import thd_case
 
     tp_group, single, _ = tp_cp_groups(2, 1)
     module = build_gdn(make_config(1, "chunkwise", torch.float64, tensor_model_parallel_size=2), single,
@@ -406,9 +406,9 @@ def test_out_norm_gradient_sum_is_installed_once(patched_megatron, rank_pool):
 def _bad_dynamic_at_tp2(ctx):
     import torch.distributed as dist
 
-    from gdn_cp.testing.megatron.layer import build_gdn, make_config, thd_params
-    from gdn_cp.testing.megatron.tp import tp_cp_groups
-    from gdn_cp.testing.packings import thd_case
+    from gdn_cp_testing.megatron.layer import build_gdn, make_config, thd_params
+    from gdn_cp_testing.megatron.tp import tp_cp_groups
+    from gdn_cp_testing.packings import thd_case
 
     tp_group, single, _ = tp_cp_groups(2, 1)
     _, pair, _ = tp_cp_groups(2, 2)
@@ -445,7 +445,7 @@ def test_bad_dynamic_cp_at_tp2_fails_before_any_collective(patched_megatron, ran
 
 
 def test_tp_configs_that_cannot_work_are_refused(patched_megatron):
-    from gdn_cp.testing.megatron.layer import install_cpu_shims, make_config
+    from gdn_cp_testing.megatron.layer import install_cpu_shims, make_config
 
     install_cpu_shims()
     with pytest.raises(ValueError, match="sequence parallelism without tensor parallelism"):

@@ -12,8 +12,8 @@ import gdn_cp.modes.chunkwise as chunkwise
 from gdn_cp.layout import RouteCache
 from gdn_cp.modes import CallContext, GDNShape, Settings, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
-from gdn_cp.testing.inputs import core_inputs
-from gdn_cp.testing.packings import zigzag_rows
+from gdn_cp.cli.job_data import core_inputs
+from gdn_cp_testing.packings import zigzag_rows
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 PATH_ENV = "GDN_CP_CHUNKWISE_PATH"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gdn_cp.ops import GDNShape, get_backend
 from gdn_cp.ops.flashqla import detect, kernels
 from gdn_cp.ops.registry import AUTO, BACKEND_CHOICES, BACKENDS, ORACLE, resolve_backend
-from gdn_cp.testing.metrics import rel_l2
+from gdn_cp.cli.accuracy import rel_l2
 
 from . import fake_flashqla
 
@@ -262,8 +262,9 @@ def _rank_modes(ctx):
     from gdn_cp.layout import RouteCache
     from gdn_cp.modes import gdn_core
     from gdn_cp.modes.spec import MODE_NAMES
-    from gdn_cp.testing.inputs import core_inputs, cp1_core_answer
-    from gdn_cp.testing.packings import zigzag_rows
+    from gdn_cp.cli.job_data import core_inputs
+    from gdn_cp_testing.inputs import cp1_core_answer
+    from gdn_cp_testing.packings import zigzag_rows
 
     fake_flashqla.install()
     try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp.testing.ranks import RankError, RankPool, check_pool_request
+from gdn_cp_testing.ranks import RankError, RankPool, check_pool_request
 
 GUARD_S = 90  # far above what any case here needs; only a hang reaches it
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +97,7 @@ def _groups_made_once(ctx):
     import torch
     import torch.distributed as dist
 
-    from gdn_cp.testing.ranks import process_group, shared_process_groups, thread_census
+    from gdn_cp_testing.ranks import process_group, shared_process_groups, thread_census
 
     pair = [0, 1] if ctx.rank < 2 else [2, 3]
     assert process_group(pair) is ctx.group(2) and process_group(range(4)) is dist.group.WORLD

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from gdn_cp.layout import build_natural_order
-from gdn_cp.testing.metrics import max_rel, rel_l2, worst
-from gdn_cp.testing.packings import named_packings, packed_boundaries, thd_case, zigzag_rows
-from gdn_cp.testing.probes import env_setting, swap_points
-from gdn_cp.testing.results import JsonlRecorder, write_json
+from gdn_cp.cli.accuracy import max_rel, rel_l2, worst
+from gdn_cp_testing.packings import named_packings, thd_case, zigzag_rows
+from gdn_cp.cli.job_data import packed_boundaries
+from gdn_cp_testing.probes import env_setting, swap_points
+from gdn_cp_testing.results import JsonlRecorder, write_json
 
 
 @pytest.mark.parametrize("metric", [max_rel, rel_l2])
@@ -116,7 +117,7 @@ def test_fast_autotune_takes_the_first_config_that_runs(monkeypatch):
     not fit (inf) is skipped, the first that runs is taken, later ones are never compiled, and
     autotune results are not cached. The class is restored afterwards."""
     autotuner = pytest.importorskip("triton.runtime.autotuner")
-    from gdn_cp.testing.ranks import maybe_fast_autotune
+    from gdn_cp_testing.ranks import maybe_fast_autotune
 
     cls = autotuner.Autotuner
     timings = {"too_big": float("inf"), "fits": 2.0, "faster": 1.0}

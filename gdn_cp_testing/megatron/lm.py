@@ -13,7 +13,7 @@ optimizer and the training loop. What this module adds, in the rank process only
   issues its bucket collectives inside ``torch.distributed._coalescing_manager``, which gloo cannot
   coalesce for CUDA tensors: here they are issued one by one (the same reductions, in the same
   order). FLA's cp context gathers into ``[world, n, ...]`` outputs, which gloo rejects: they are
-  viewed flat (:func:`gdn_cp.testing.ranks.adapt_fla_collectives_for_gloo`). TE attention under CP
+  viewed flat (:func:`gdn_cp_testing.ranks.adapt_fla_collectives_for_gloo`). TE attention under CP
   then needs ``--cp-comm-type a2a`` (p2p sends CUDA tensors point to point, which gloo cannot);
 * **``--sft``**: Megatron-LM's SFT dataset reads JSONL through HuggingFace ``datasets`` and tokenizes
   conversations with a HuggingFace chat tokenizer, neither of which the test machines have. The
@@ -23,7 +23,7 @@ optimizer and the training loop. What this module adds, in the rank process only
   masked (``-100``). ``SFTDataset`` itself packs, pads every conversation to a multiple of 2*cp and
   builds ``cu_seqlens``, as in a real SFT run;
 * ``GDN_CP_TEST_FAST_AUTOTUNE=1``: FLA's autotuners take their first working config
-  (:func:`gdn_cp.testing.ranks.maybe_fast_autotune`); numerics stay valid, timings do not.
+  (:func:`gdn_cp_testing.ranks.maybe_fast_autotune`); numerics stay valid, timings do not.
 
 Per-iteration ``lm loss`` and ``grad norm`` are read from the log Megatron prints (``--log-interval
 1``); a rank that fails ends the run within seconds (its peers are killed) with its last lines kept.
@@ -47,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+_CLONE = str(Path(__file__).resolve().parents[2])  # the clone's root: gdn_cp_testing is not installed
 
 __all__ = [
     "DATA_FLAGS",
@@ -388,10 +390,11 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
         env.update(RANK=str(rank), WORLD_SIZE=str(spec.world), LOCAL_RANK="0" if one_gpu else str(rank),
                    LOCAL_WORLD_SIZE="1" if one_gpu else str(spec.world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
-                   GDN_CP_MLM_ONE_GPU="1" if one_gpu else "0", PYTHONFAULTHANDLER="1")
+                   GDN_CP_MLM_ONE_GPU="1" if one_gpu else "0", PYTHONFAULTHANDLER="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (_CLONE, env.get("PYTHONPATH", "")) if p))
         log = open(log_dir / f"{spec.name}.rank{rank}.log", "w", encoding="utf-8")
         logs.append(log)
-        cmd = [python, "-m", "gdn_cp.testing.megatron.lm", "--checkout", str(checkout), "--script", spec.script,
+        cmd = [python, "-m", "gdn_cp_testing.megatron.lm", "--checkout", str(checkout), "--script", spec.script,
                "--", *args]
         procs.append(subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
@@ -454,7 +457,7 @@ class _Issued:
 @contextlib.contextmanager
 def _one_by_one(group=None, device=None, async_ops=False):
     if async_ops:
-        raise RuntimeError("gdn_cp.testing.megatron.lm: overlapped grad reduction (async collectives inside "
+        raise RuntimeError("gdn_cp_testing.megatron.lm: overlapped grad reduction (async collectives inside "
                            "_coalescing_manager) is not supported on gloo ranks sharing one GPU; leave "
                            "--overlap-grad-reduce off")
     yield _Issued()
@@ -523,14 +526,14 @@ def when_imported(name: str, patch) -> None:
 def install_rank_shims(argv: Sequence[str]) -> list[str]:
     """Install what this rank needs (module docstring); returns what was installed, for the log."""
     done = []
-    from ..ranks import maybe_fast_autotune
+    from gdn_cp_testing.ranks import maybe_fast_autotune
 
     if maybe_fast_autotune():
         done.append("FLA autotune: first working config (GDN_CP_TEST_FAST_AUTOTUNE=1)")
-    from ...env import read as env_setting
+    from gdn_cp_testing.env import read as env_setting
 
     if env_setting("GDN_CP_MLM_ONE_GPU") == "1":
-        from ..ranks import adapt_fla_collectives_for_gloo
+        from gdn_cp_testing.ranks import adapt_fla_collectives_for_gloo
 
         when_imported("megatron.core.distributed.param_and_grad_buffer",
                       lambda buffers: setattr(buffers, "_coalescing_manager", _one_by_one))
@@ -543,16 +546,16 @@ def install_rank_shims(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m gdn_cp.testing.megatron.lm --checkout DIR --script pretrain_hybrid.py -- ARGS``:
+    """``python -m gdn_cp_testing.megatron.lm --checkout DIR --script pretrain_hybrid.py -- ARGS``:
     one rank of a run (``launch`` starts these)."""
     import argparse
     import runpy
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
-        raise SystemExit("usage: python -m gdn_cp.testing.megatron.lm --checkout DIR --script NAME -- ARGS")
+        raise SystemExit("usage: python -m gdn_cp_testing.megatron.lm --checkout DIR --script NAME -- ARGS")
     cut = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m gdn_cp.testing.megatron.lm",
+    parser = argparse.ArgumentParser(prog="python -m gdn_cp_testing.megatron.lm",
                                      description="One rank of a Megatron-LM training run (test-only launcher).")
     parser.add_argument("--checkout", required=True, help="a patched Megatron-LM checkout")
     parser.add_argument("--script", required=True, choices=SCRIPTS)

@@ -1,7 +1,7 @@
 """The Megatron parity case: the patched GatedDeltaNet under CP (and TP, sequence parallelism:
 :func:`tp_parity_case`) against the same module at CP=1 (TP=1) on the same full weights.
 
-Run inside every rank of a CP group (a :class:`gdn_cp.testing.ranks.RankPool` case). Shared by the
+Run inside every rank of a CP group (a :class:`gdn_cp_testing.ranks.RankPool` case). Shared by the
 CPU tests (fp64/fp32, reference backend), the GPU tests (bf16, FLA) and benchmarks that must time
 correct code.
 """
@@ -13,11 +13,11 @@ from functools import partial
 
 import torch
 
-from ...modes.spec import MODE_NAMES
-from ..inputs import hidden_inputs
-from ..metrics import max_rel
-from ..packings import document_packings, thd_case, zigzag_rows
-from .layer import DIMS, build_gdn, gdn_cp_forward, make_config, rank_groups, run_layer, thd_params
+from gdn_cp.modes.spec import MODE_NAMES
+from gdn_cp_testing.inputs import hidden_inputs
+from gdn_cp.cli.accuracy import max_rel
+from gdn_cp_testing.packings import document_packings, thd_case, zigzag_rows
+from gdn_cp_testing.megatron.layer import DIMS, build_gdn, gdn_cp_forward, make_config, rank_groups, run_layer, thd_params
 
 __all__ = [
     "GPU_CFG", "HIDDEN", "MODES", "SBHD_BATCH", "case_inputs", "compare", "cp1_answer", "parity_case", "sbhd_len",
@@ -108,9 +108,9 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     CP group (config context_parallel_size = its size). ``dynamic=True``: the modules keep the
     static WORLD group (context_parallel_size = world) and the micro-batch's PackedSeqParams carries
     ``cp_group`` and ``local_cp_size`` (dynamic CP). ``cfg`` overrides TransformerConfig fields.
-    ``device`` / ``metric``: the GPU tests pass "cuda" and :func:`gdn_cp.testing.metrics.rel_l2`.
+    ``device`` / ``metric``: the GPU tests pass "cuda" and :func:`gdn_cp.cli.accuracy.rel_l2`.
     ``sbhd_batch``: B of the SBHD case (default 2; 1 makes every rank's rows one zigzag-cut stream).
-    ``spec``: the layer's submodules (:data:`gdn_cp.testing.megatron.layer.SPECS`; ``te``: Megatron's
+    ``spec``: the layer's submodules (:data:`gdn_cp_testing.megatron.layer.SPECS`; ``te``: Megatron's
     own TransformerEngine spec).
     """
     import torch.distributed as dist
@@ -146,7 +146,7 @@ def tp_parity_case(layout, dtype, modes, *, tp_group, cp_group, static_cp_group=
     """One layout and dtype at TP x CP on this rank against TP=1 CP=1 on the same full weights.
     Returns ``{mode: {quantity: error}}`` like :func:`parity_case`.
 
-    ``tp_group`` / ``cp_group``: this rank's groups (:func:`gdn_cp.testing.megatron.tp.tp_cp_groups`);
+    ``tp_group`` / ``cp_group``: this rank's groups (:func:`gdn_cp_testing.megatron.tp.tp_cp_groups`);
     ``cp_group`` is the group the micro-batch is split over. ``static_cp_group`` (default
     ``cp_group``): the modules' static CP group; when it differs, the micro-batch brings
     ``cp_group`` in its PackedSeqParams (dynamic CP). ``sequence_parallel``: hidden_states and the
@@ -155,13 +155,13 @@ def tp_parity_case(layout, dtype, modes, *, tp_group, cp_group, static_cp_group=
 
     Compared, per rank: the output and the hidden_states gradient on this rank's rows, and every
     parameter gradient after what Megatron does before the optimizer: the TP step of
-    finalize_model_grads (:func:`gdn_cp.testing.megatron.tp.finalize_tp_step`), the sum over CP
+    finalize_model_grads (:func:`gdn_cp_testing.megatron.tp.finalize_tp_step`), the sum over CP
     (Megatron's DP-CP all-reduce) and, for TP-sharded parameters, the gather of the TP parts to
     full shape. Replicated parameters are compared on every TP rank as they are.
     """
     import torch.distributed as dist
 
-    from .tp import finalize_tp_step, gather_tp_grads, sp_slice
+    from gdn_cp_testing.megatron.tp import finalize_tp_step, gather_tp_grads, sp_slice
 
     groups = rank_groups()
     static_cp_group = cp_group if static_cp_group is None else static_cp_group
@@ -196,10 +196,10 @@ def tp_parity_case(layout, dtype, modes, *, tp_group, cp_group, static_cp_group=
 
 def tp_grid_case(grid, dtypes, modes=MODES, layouts=("sbhd", "thd"), **kw) -> dict:
     """:func:`tp_parity_case` for every ``(tp, cp, sequence_parallel)`` of ``grid``, layout and dtype,
-    on Megatron's rank grid (:func:`gdn_cp.testing.megatron.tp.tp_cp_groups`; data-parallel
+    on Megatron's rank grid (:func:`gdn_cp_testing.megatron.tp.tp_cp_groups`; data-parallel
     replicas get different data). Returns ``{(tp, cp, sp, layout, str(dtype)): {mode: errors}}``;
     ``kw`` goes to :func:`tp_parity_case` (cfg, device, metric, bias, ...)."""
-    from .tp import tp_cp_groups
+    from gdn_cp_testing.megatron.tp import tp_cp_groups
 
     out = {}
     for tp, cp, sp in grid:

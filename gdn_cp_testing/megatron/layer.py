@@ -30,7 +30,7 @@ The 0.19.2 local spec has ``in_proj=None`` for GDN (no layer-norm-fused linear w
 submodules are built by hand (ColumnParallelLinear / the local RMSNorm / RowParallelLinear), and
 weights come from a seeded generator, identical on every rank and for every CP size. Under TP
 (``build_gdn(..., tp_group=...)``) each rank gets its part of the same full weights
-(:mod:`gdn_cp.testing.megatron.tp`). Under sequence parallelism Megatron's local norm refuses to
+(:mod:`gdn_cp_testing.megatron.tp`). Under sequence parallelism Megatron's local norm refuses to
 build ("sequence parallel not supported by torch LayerNorm"), so ``out_norm`` is then
 :class:`SequenceParallelRMSNorm`: torch's RMSNorm with its weight tagged ``sequence_parallel``,
 as TransformerEngine's and Apex's norms tag theirs.
@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..metrics import max_rel
+from gdn_cp.cli.accuracy import max_rel
 
 __all__ = [
     "DIMS",
@@ -144,11 +144,11 @@ def rank_groups() -> dict:
     """This rank's process groups by role: ``self`` (size 1: the TP group, and the CP group of CP=1
     baselines), ``world`` and ``pair`` (ranks {2i, 2i+1}: dynamic-CP sub-groups; even worlds only).
 
-    In a :class:`gdn_cp.testing.ranks.RankPool` rank these are the pool's groups; elsewhere they
+    In a :class:`gdn_cp_testing.ranks.RankPool` rank these are the pool's groups; elsewhere they
     are created on first call (every rank must call it, in the same order)."""
     import torch.distributed as dist
 
-    from ..ranks import current_rank, process_group
+    from gdn_cp_testing.ranks import current_rank, process_group
 
     if _GROUPS:
         return _GROUPS
@@ -282,7 +282,7 @@ def _load_tp_part(module, config, tp_rank: int, **build):
     """Copy this TP rank's part of the full weights (those of the same layer at TP=1) into ``module``."""
     import dataclasses
 
-    from .tp import shard_for_tp, tp_splits
+    from gdn_cp_testing.megatron.tp import shard_for_tp, tp_splits
 
     full_config = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False,
                                       context_parallel_size=1)

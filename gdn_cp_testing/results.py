@@ -1,7 +1,7 @@
 """Machine-readable results: what a number was measured on, JSON files and JSON-lines records.
 
-* :func:`machine_info`, :func:`stack_versions`, :func:`now_iso`: the context every result row
-  carries (a timing or an error without the machine and versions cannot be compared later);
+* :func:`machine_info`, :func:`stack_versions` (``gdn-cp selftest``'s, :mod:`gdn_cp.cli.versions`),
+  :func:`now_iso`: the context every result row carries (a timing or an error without the machine and versions cannot be compared later);
 * :func:`write_json`: one JSON document, replaced atomically (a killed run leaves the old file or
   the new one, never half of one);
 * :class:`JsonlRecorder`: appends one JSON object per line (GPU test records, incremental runs);
@@ -11,12 +11,13 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
 from pathlib import Path
 from typing import Any, Optional
+
+from gdn_cp.cli.versions import stack_versions
 
 __all__ = ["JsonlRecorder", "load_average", "machine_info", "now_iso", "stack_versions", "write_json"]
 
@@ -68,55 +69,6 @@ def machine_info() -> dict[str, Any]:
         "machine": platform.machine(),
         "load_average_1_5_15": load_average(),
     }
-
-
-def _dist_version(*names: str) -> Optional[str]:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def _fla_version() -> Optional[str]:
-    try:  # gdn-cp's detector also finds a source checkout without package metadata
-        from gdn_cp.ops.fla import fla_version
-
-        return fla_version()
-    except ImportError:
-        return _dist_version("fla-core", "flash-linear-attention")
-
-
-def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
-    """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, FLA, FlashQLA and
-    TileLang, megatron-core, gdn-cp, the GPUs. Read from package metadata: nothing heavy is imported."""
-    import torch
-
-    import gdn_cp
-
-    out: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "cuda": torch.version.cuda,
-        "triton": _dist_version("triton"),
-        "fla": _fla_version(),
-        "flash_qla": _dist_version("flash-qla") or _dist_version("flash_qla"),
-        "tilelang": _dist_version("tilelang"),
-        "megatron_core": _dist_version("megatron-core"),
-        "gdn_cp": getattr(gdn_cp, "__version__", None),
-        "gpu": None,
-        "gpu_count": 0,
-        "capability": None,
-    }
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name(0)
-        out["gpu_count"] = torch.cuda.device_count()
-        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    if extra:
-        out.update(extra)
-    return out
 
 
 def write_json(path, obj) -> Path:

@@ -11,7 +11,7 @@ GatedDeltaNet, built from local modules (no TransformerEngine), run as Megatron-
   TransformerLayer without MLP; ``mlp_layer``: an ``MLPLayer`` with a local pre-MLP norm) and the
   pattern :data:`HYBRID_PATTERN`. Megatron's stock hybrid stack spec is TransformerEngine-only.
 * ``hybrid_attn``: the ``hybrid`` stack spec plus an ``attention_layer`` of local modules whose core
-  attention is :class:`gdn_cp.testing.megatron.attention.ThdCpAttention` (TransformerEngine's THD
+  attention is :class:`gdn_cp_testing.megatron.attention.ThdCpAttention` (TransformerEngine's THD
   attention under CP, re-derived in torch for the CPU), pattern :data:`TE_HYBRID_PATTERN`.
 * ``hybrid_te`` (GPU, TransformerEngine): ``HybridModel`` with Megatron's own stack spec
   (``megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec``: TE linears and norms, TE
@@ -25,7 +25,7 @@ identical weights.
 
 Stand-ins, for test processes only (:func:`install_model_stand_ins`; never in a training job):
 
-* :func:`gdn_cp.testing.megatron.layer.install_cpu_shims` on the CPU (see there);
+* :func:`gdn_cp_testing.megatron.layer.install_cpu_shims` on the CPU (see there);
 * ``HybridStack`` builds its final norm as ``TENorm`` whatever the spec says (0.19.2,
   ``hybrid_block.py``), which raises without TransformerEngine: ``hybrid_block.TENorm`` becomes
   Megatron's local norm (``LocalSpecProvider().layer_norm``: torch's RMSNorm / LayerNorm as the
@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from .layer import _submodules, install_cpu_shims, install_gpu_shims, make_config, set_params
+from gdn_cp_testing.megatron.layer import _submodules, install_cpu_shims, install_gpu_shims, make_config, set_params
 
 __all__ = [
     "FFN_HIDDEN",
@@ -132,7 +132,7 @@ def gdn_layer_spec(with_mlp: bool = True):
 def hybrid_stack_spec(with_attention: bool = False):
     """A HybridStack ModuleSpec from local modules: ``gdn_layer`` (:func:`gdn_layer_spec` without
     MLP) and ``mlp_layer`` (an MLPLayer: local RMSNorm -> Megatron's local MLP -> residual); with
-    ``with_attention``, ``attention_layer`` too (:func:`gdn_cp.testing.megatron.attention.attention_layer_spec`)."""
+    ``with_attention``, ``attention_layer`` too (:func:`gdn_cp_testing.megatron.attention.attention_layer_spec`)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -148,7 +148,7 @@ def hybrid_stack_spec(with_attention: bool = False):
     ))
     extra = {}
     if with_attention:
-        from .attention import attention_layer_spec
+        from gdn_cp_testing.megatron.attention import attention_layer_spec
 
         extra["attention_layer"] = attention_layer_spec()
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
@@ -157,7 +157,7 @@ def hybrid_stack_spec(with_attention: bool = False):
 
 def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float64, **overrides):
     """The TransformerConfig of a ``kind`` model (:data:`MODEL_KINDS`) at static CP size ``cp``:
-    the GDN shape of :data:`gdn_cp.testing.megatron.layer.DIMS`, MLP hidden :data:`FFN_HIDDEN`,
+    the GDN shape of :data:`gdn_cp_testing.megatron.layer.DIMS`, MLP hidden :data:`FFN_HIDDEN`,
     no dropout, deterministic mode (gdn-cp's reference backend). ``overrides`` go to the config."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
@@ -176,7 +176,7 @@ def model_pg_collection(cp_group, dp_cp_group=None):
     metadata HybridModel asks for."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from .layer import rank_groups
+    from gdn_cp_testing.megatron.layer import rank_groups
 
     alone = rank_groups()["self"]
     pg = ProcessGroupCollection()
@@ -223,7 +223,7 @@ def _name_seed(seed: int, name: str) -> int:
 
 def set_model_params(model, seed: int) -> None:
     """Every parameter from a generator seeded by ``seed`` and its name: each GatedDeltaNet by
-    :func:`gdn_cp.testing.megatron.layer.set_params` (seeded by ``seed`` and its layer number),
+    :func:`gdn_cp_testing.megatron.layer.set_params` (seeded by ``seed`` and its layer number),
     norms near 1, linear weights ``N(0, 1/fan_in)``, the embedding ``N(0, 0.25)``, anything else
     (biases) ``N(0, 0.01)``."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet

@@ -88,13 +88,13 @@ def megatron_parallel_state(context_parallel_size: int, tensor_model_parallel_si
     only drops the references (torch keeps every group, and a gloo group its threads, until it is
     destroyed): a rank pool that initialized per case grew to 1,168 threads per rank. So the state
     is made once per topology and process, then re-installed, and its groups are those of
-    :func:`gdn_cp.testing.ranks.shared_process_groups` (one per rank set, shared with the pool's
+    :func:`gdn_cp_testing.ranks.shared_process_groups` (one per rank set, shared with the pool's
     and the other topologies'). On exit the state found on entry is put back; each entry gets a
     fresh global memory buffer, as ``initialize_model_parallel`` makes one."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..ranks import shared_process_groups
+    from gdn_cp_testing.ranks import shared_process_groups
 
     names = _state_names(parallel_state)
     outside = {n: getattr(parallel_state, n) for n in names}
@@ -130,7 +130,7 @@ def loss_func_like_pretrain_gpt(loss_mask: torch.Tensor, output_tensor: torch.Te
 
 
 def _forward_step(data_iterator, model):
-    """``pretrain_gpt.forward_step`` on an iterator of :class:`gdn_cp.testing.megatron.batches.Cut`
+    """``pretrain_gpt.forward_step`` on an iterator of :class:`gdn_cp_testing.megatron.batches.Cut`
     (batch already cut by Megatron's get_batch_on_this_cp_rank, PackedSeqParams built as
     forward_step builds them)."""
     cut = next(data_iterator)

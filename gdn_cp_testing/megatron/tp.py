@@ -42,10 +42,10 @@ _GROUPS: dict = {}
 def tp_cp_groups(tp: int, cp: int):
     """``(tp_group, cp_group, dp_rank)`` of this rank for a TP x CP grid over the whole world
     (see the module docstring for the layout). Every rank must call it with the same sizes, in
-    the same order (groups are created collectively on first use, one per rank set: :func:`gdn_cp.testing.ranks.process_group`)."""
+    the same order (groups are created collectively on first use, one per rank set: :func:`gdn_cp_testing.ranks.process_group`)."""
     import torch.distributed as dist
 
-    from ..ranks import process_group
+    from gdn_cp_testing.ranks import process_group
 
     key = (tp, cp)
     if key not in _GROUPS:
@@ -103,7 +103,7 @@ def tp_splits(module) -> dict[str, Optional[TPSplit]]:
         if sharded and (split is None or getattr(p, "partition_dim", None) != split.dim):
             raise ValueError(
                 f"parameter {name} is TP-sharded (partition_dim={getattr(p, 'partition_dim', None)}) but "
-                f"gdn_cp.testing.megatron.tp.tp_splits has {split}; add its layout to the table"
+                f"gdn_cp_testing.megatron.tp.tp_splits has {split}; add its layout to the table"
             )
         out[name] = split if sharded else None
     return out

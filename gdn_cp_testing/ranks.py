@@ -61,8 +61,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..checks import as_int
-from ..env import read as env_setting
+from gdn_cp.checks import as_int
+from gdn_cp_testing.env import read as env_setting
 
 __all__ = [
     "adapt_fla_collectives_for_gloo",
@@ -207,7 +207,7 @@ def maybe_fast_autotune() -> bool:
     return True
 
 
-_FLA_GLOO_SHIM = ("gdn_cp.testing.ranks (test shim: FLA's [world, n, ...] all_gather_into_tensor outputs viewed "
+_FLA_GLOO_SHIM = ("gdn_cp_testing.ranks (test shim: FLA's [world, n, ...] all_gather_into_tensor outputs viewed "
                   "flat for gloo; one GPU, ranks staged through the host)")
 
 
@@ -242,7 +242,7 @@ def _install_fla_gloo_adapter() -> None:
 
 def adapt_fla_collectives_for_gloo() -> None:
     """Test-only, for processes whose gloo ranks share one GPU outside a :class:`RankPool` (e.g. the
-    Megatron-LM launcher, :mod:`gdn_cp.testing.megatron.lm`): FLA's ``[world, n, ...]``
+    Megatron-LM launcher, :mod:`gdn_cp_testing.megatron.lm`): FLA's ``[world, n, ...]``
     ``all_gather_into_tensor`` outputs viewed flat, and the FLA backend told so (logged), so the
     native chunkwise path runs there as in a pool."""
     _install_fla_gloo_adapter()

@@ -31,7 +31,7 @@ __all__ = ["ThdCpAttention", "attention_layer_spec"]
 
 
 def _zigzag_rows(cu: np.ndarray, cp: int, rank: int) -> np.ndarray:
-    from ...layout.spans import expand_spans, zigzag_rank_spans
+    from gdn_cp.layout.spans import expand_spans, zigzag_rank_spans
 
     spans = zigzag_rank_spans(cu, cp, rank)
     return expand_spans(spans.start, spans.length).numpy()
@@ -51,7 +51,7 @@ class ThdCpAttention(torch.nn.Module):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from ...comm import all_gather_rows
+        from gdn_cp.comm import all_gather_rows
 
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             raise ValueError("ThdCpAttention takes packed (THD) rows only: pass PackedSeqParams(qkv_format='thd')")

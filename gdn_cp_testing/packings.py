@@ -1,4 +1,5 @@
-"""Packed micro-batches (global padded boundaries ``cu``) for tests, ``gdn-cp run`` and benchmarks.
+"""Packed micro-batches (global padded boundaries ``cu``) for tests and benchmarks (``gdn-cp run``'s
+own is :func:`gdn_cp.cli.job_data.packed_boundaries`).
 
 A packing is a list of Python ints ``[0, c_1, ..., T_global]``; sequence i holds global rows
 ``[cu[i], cu[i+1])``; equal neighbours are empty padding slots. Megatron's per-document zigzag split
@@ -11,27 +12,13 @@ whole-row split (:func:`document_packings`) needs only the row divisible by ``2*
 
 from __future__ import annotations
 
-import random
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = [
-    "cumsum0",
-    "document_packings",
-    "named_packings",
-    "packed_boundaries",
-    "thd_case",
-    "zigzag_rows",
-]
+from gdn_cp.cli.job_data import cumsum0
 
-
-def cumsum0(lengths: Iterable[int]) -> list[int]:
-    """``[0, l0, l0+l1, ...]``: boundaries from sequence lengths."""
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return cu
+__all__ = ["document_packings", "named_packings", "thd_case", "zigzag_rows"]
 
 
 def named_packings(cp: int) -> dict[str, list[int]]:
@@ -62,24 +49,6 @@ def document_packings(cp: int) -> dict[str, list[int]]:
         "document_per_part": cumsum0([u // 2] * 2 * u),  # a boundary inside every part
         "long_then_short": cumsum0([9 * u - 1, 0, 1, u]),  # an empty slot; a one-row document
     }
-
-
-def packed_boundaries(num_sequences: int, t_global: int, cp: int, seed: int) -> list[int]:
-    """A realistic micro-batch: ``num_sequences`` mixed lengths (short and long), each a multiple
-    of ``2*cp``, summing to ``t_global`` (a multiple of ``2*cp``), with two empty padding slots."""
-    if num_sequences < 1:
-        raise ValueError(f"num_sequences={num_sequences} must be >= 1")
-    if t_global <= 0 or t_global % (2 * cp):
-        raise ValueError(f"t_global={t_global} must be a positive multiple of 2*cp={2 * cp}")
-    rng = random.Random(seed)
-    unit = 2 * cp
-    units = t_global // unit
-    weights = [rng.choice([1, 1, 2, 3, 8, 20]) * rng.random() + 0.05 for _ in range(num_sequences)]
-    lengths = [max(0, int(units * w / sum(weights))) for w in weights]
-    for i in rng.sample(range(num_sequences), k=min(2, num_sequences)):
-        lengths[i] = 0  # empty padding slots
-    lengths[max(range(num_sequences), key=lambda i: lengths[i])] += units - sum(lengths)
-    return cumsum0(n * unit for n in lengths)
 
 
 def thd_case(cp: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,125 @@
+"""The ranks of ``gdn-cp run``: spawn ``world`` processes, one process group, one function, its
+answers, and never a hang.
+
+Each rank is a fresh ``spawn``-ed process (forking after torch ran can hang) with one torch thread,
+joins a process group over a file in a private folder (``gloo`` on the CPU or on ranks sharing one
+GPU, ``nccl`` with one GPU per rank), calls ``fn(rank_context, *args)`` and sends back what it
+returned or its traceback. The parent waits on every rank's pipe and process at once: a rank that
+raises or dies ends the run at once, the others are given a moment (they may be waiting in a
+collective for the dead one) and then stopped, and :class:`RankError` carries every rank's
+traceback; past ``timeout_s`` every rank is stopped. The test suites' rank pool, with its shims and
+reuse across cases, is the tests' own (``gdn_cp_testing.ranks``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing import connection, get_context
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["RankContext", "RankError", "run_ranks"]
+
+_GRACE_S = 10.0  # how long the other ranks may take to fail after one did
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What the function gets in every rank: its rank, the world size, its device."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+class RankError(RuntimeError):
+    """Ranks failed: ``failures`` maps a rank to its traceback (or how it ended)."""
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        super().__init__(f"{len(failures)} rank(s) failed:\n" + "\n".join(
+            f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())))
+
+
+def _rank_main(rank: int, world: int, backend: str, device_type: str, init_file: str, conn, fn, args) -> None:
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if device_type == "cuda":
+            device = torch.device("cuda", rank if backend == "nccl" else 0)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        try:
+            conn.send(("ok", fn(RankContext(rank, world, device), *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        conn.send(("error", traceback.format_exc()))
+
+
+def run_ranks(world: int, fn: Callable[..., Any], *args, device: str = "cpu", backend: str = "gloo",
+              timeout_s: float = 900.0) -> list:
+    """``[fn(ctx, *args) for each rank]``, run in ``world`` spawned ranks; :class:`RankError` when
+    any rank raised, died or ran past ``timeout_s`` (every rank is stopped then). ``fn`` and
+    ``args`` must pickle (a module-level function)."""
+    ctx = get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="gdn_cp_run_") as folder:
+        init_file = os.path.join(folder, "init")
+        pipes, procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_rank_main, args=(rank, world, backend, device, init_file, child, fn, args),
+                               daemon=True)
+            proc.start()
+            child.close()
+            pipes.append(parent)
+            procs.append(proc)
+        results, failures = _collect(pipes, procs, timeout_s)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+    if failures:
+        raise RankError(failures)
+    return [results[rank] for rank in range(world)]
+
+
+def _collect(pipes, procs, timeout_s: float) -> tuple[dict, dict]:
+    """Every rank's answer, waiting on pipes and process sentinels together until each has answered
+    or ended, a failure's grace is over, or the time limit passed."""
+    results, failures = {}, {}
+    deadline = time.monotonic() + timeout_s
+    waiting = set(range(len(procs)))
+    while waiting:
+        now = time.monotonic()
+        if now >= deadline:
+            why = "another rank failed" if failures else f"past the time limit of {timeout_s:.0f} s"
+            failures.update({r: f"stopped without an answer ({why})" for r in waiting})
+            break
+        ready = connection.wait([pipes[r] for r in waiting] + [procs[r].sentinel for r in waiting],
+                                timeout=deadline - now)
+        for rank in sorted(waiting):
+            if pipes[rank] in ready or pipes[rank].poll():
+                try:
+                    status, value = pipes[rank].recv()
+                except EOFError:
+                    status, value = "error", f"ended without an answer (exit code {procs[rank].exitcode})"
+                (results if status == "ok" else failures)[rank] = value
+                waiting.discard(rank)
+            elif procs[rank].sentinel in ready:
+                procs[rank].join(1.0)
+                failures[rank] = f"died (exit code {procs[rank].exitcode}) without an answer"
+                waiting.discard(rank)
+        if failures and waiting:  # the others may wait in a collective for a dead rank: give them a moment
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+    return results, failures

@@ -1,0 +1,62 @@
+"""The versions that decide a result (Python, torch, CUDA, Triton, FLA, megatron-core, gdn-cp, the
+GPUs), read from package metadata without importing anything heavy: what ``gdn-cp selftest`` reports,
+what ``gdn-cp doctor`` reads a distribution's version with, and what every result row of the tests
+and benchmarks carries."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from typing import Any, Optional
+
+__all__ = ["dist_version", "stack_versions"]
+
+
+def dist_version(*names: str) -> Optional[str]:
+    """The installed version of the first of ``names`` (distribution names) that is installed, or None."""
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _fla_version() -> Optional[str]:
+    try:  # gdn-cp's detector also finds a source checkout without package metadata
+        from gdn_cp.ops.fla import fla_version
+
+        return fla_version()
+    except ImportError:
+        return dist_version("fla-core", "flash-linear-attention")
+
+
+def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
+    """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, FLA, FlashQLA and
+    TileLang, megatron-core, gdn-cp, the GPUs. Read from package metadata: nothing heavy is imported."""
+    import torch
+
+    import gdn_cp
+
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda": torch.version.cuda,
+        "triton": dist_version("triton"),
+        "fla": _fla_version(),
+        "flash_qla": dist_version("flash-qla") or dist_version("flash_qla"),
+        "tilelang": dist_version("tilelang"),
+        "megatron_core": dist_version("megatron-core"),
+        "gdn_cp": getattr(gdn_cp, "__version__", None),
+        "gpu": None,
+        "gpu_count": 0,
+        "capability": None,
+    }
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu_count"] = torch.cuda.device_count()
+        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    if extra:
+        out.update(extra)
+    return out
