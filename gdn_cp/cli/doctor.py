@@ -158,7 +158,7 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
             "flash-linear-attention": _version("flash-linear-attention"),
             "fla-core": _version("fla-core"),
             "triton": _version("triton"),
-            "flash-qla": _dist_version("flash-qla", "flash_qla") or "not installed",
+            "flash-qla": dist_version("flash-qla", "flash_qla") or "not installed",
             "tilelang": _version("tilelang"),
             "transformer-engine": _te_version(),
         },

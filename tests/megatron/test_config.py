@@ -1,6 +1,7 @@
 """linear_cp_mode at the Megatron boundary: the one check, auto resolution and the TransformerConfig
 hook (pure Python: no Megatron, no GPU needed; configs are stand-in namespaces with the fields)."""
 
+import functools
 import logging
 import sys
 import types
@@ -320,7 +321,9 @@ def test_names_come_from_the_registry(monkeypatch):
     from gdn_cp.modes import spec
 
     extra = spec.ModeSpec(name="ring", divides_by_cp=False, runner=lambda: None, cost="test mode", auto_rank=-1)
+    cfgmod._settings.cache_clear()  # settings are checked once per distinct value: forget those checked before
     monkeypatch.setitem(spec.MODES, "ring", extra)
+    monkeypatch.setattr(cfgmod, "_settings", functools.lru_cache(maxsize=8)(cfgmod._settings.__wrapped__))
     monkeypatch.setattr(cfgmod, "MODE_NAMES", (*MODE_NAMES, "ring"))
     monkeypatch.setattr(cfgmod, "MODE_CHOICES", (*MODE_NAMES, "ring", "auto"))
     assert check_linear_cp_mode("ring", num_key_heads=3, num_value_heads=6, tp=1, cp=2) == "ring"
@@ -333,15 +336,15 @@ def test_each_gdn_layer_logs_the_mode_it_runs_once(caplog):
     """Issue #32: at start-up every GDN layer says, once at INFO, which linear_cp_mode it runs (with TP,
     CP and its heads); its later calls log nothing more at INFO, a new CP size (dynamic CP) at DEBUG."""
     from gdn_cp.megatron import gdn
-    from gdn_cp.megatron.pins.core_0_19_2 import LayerAdapter
 
     caplog.set_level(logging.DEBUG, logger="gdn_cp")
-    layers = [LayerAdapter(types.SimpleNamespace(config=types.SimpleNamespace(linear_cp_mode="chunkwise"), tp_size=1,
-                                                 num_key_heads=4, num_value_heads=8, layer_number=n)) for n in (1, 3)]
+    from gdn_cp_testing.stand_ins import stand_in_gdn
+
+    layers = [gdn.layer_state(stand_in_gdn(layer_number=n)) for n in (1, 3)]
     for _ in range(3):
         for layer in layers:
-            assert gdn._checked_mode(layer, 2) == "chunkwise"
-    gdn._checked_mode(layers[0], 4)
+            gdn._check_mode(layer, "chunkwise", 2)
+    gdn._check_mode(layers[0], "chunkwise", 4)
     info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == gdn.logger.name]
     assert info == [f"GatedDeltaNet layer {n} runs linear_cp_mode=chunkwise (TP=1, CP=2, linear_num_key_heads=4, "
                     "linear_num_value_heads=8)" for n in (1, 3)], info

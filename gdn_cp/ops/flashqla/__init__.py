@@ -34,6 +34,7 @@ from .kernels import (
     check_head_dims,
     chunk_gated_delta_rule,
     conv_choice,
+    FlashQLAFunctions,
     flashqla_api,
     fused_gated_rms_norm,
     fused_norm_choice,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "check_head_dims",
     "chunk_gated_delta_rule",
     "conv_choice",
+    "FlashQLAFunctions",
     "flashqla_api",
     "fused_gated_rms_norm",
     "fused_norm_choice",
@@ -63,8 +65,16 @@ def auto_cp_setting() -> bool:
     return env.read(AUTO_CP_ENV) == "1"
 
 
+@dataclass(frozen=True)
+class FlashQLAFunctions:
+    """The FlashQLA functions gdn-cp calls (``build_cp_context``: None where it has no inter-card context)."""
+
+    chunk_gated_delta_rule: Callable[..., Any]
+    build_cp_context: Optional[Callable[..., Any]]
+
+
 @functools.lru_cache(maxsize=1)
-def flashqla_api() -> dict[str, Any]:
+def flashqla_api() -> FlashQLAFunctions:
     """FlashQLA's functions (imported on first use); RuntimeError with the fix when it cannot run."""
     problem = flashqla_problem()
     if problem is not None:
@@ -72,10 +82,8 @@ def flashqla_api() -> dict[str, Any]:
                            "(pip install -e '.[flashqla]'), or use linear_cp_backend='fla' / 'reference'.")
     log_stack_once()
     chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
-    return {
-        "chunk_gated_delta_rule": importlib.import_module("flash_qla").chunk_gated_delta_rule,
-        "build_cp_context": getattr(chunk, "build_cp_context", None) if features().inter_card_cp else None,
-    }
+    return FlashQLAFunctions(importlib.import_module("flash_qla").chunk_gated_delta_rule,
+                             getattr(chunk, "build_cp_context", None) if features().inter_card_cp else None)
 
 
 def check_head_dims(head_k_dim: int, head_v_dim: int) -> None:
@@ -244,7 +252,7 @@ def chunk_gated_delta_rule(
                    else v.new_zeros(n_all, Hv, Dk, Dv, dtype=torch.float32))
     cu_ne, keep = cu.nonempty()
     h0 = kept_initial_states(initial_state, keep, n_all)
-    fn, auto_cp = flashqla_api()["chunk_gated_delta_rule"], auto_cp_setting()
+    fn, auto_cp = flashqla_api().chunk_gated_delta_rule, auto_cp_setting()
     cu_dev = cu_ne.on(q.device, torch.int32)
     q1, k1, g1, b1 = q.unsqueeze(0), k.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0)
 

@@ -95,7 +95,7 @@ def _cp_context(cache: dict | None, cu: Boundaries, group, num_v_heads: int, dev
     if entry is not None and entry.boundaries is cu and entry.group is group and entry.key == key:
         return entry.ctx
     cu_ne, _ = cu.nonempty()
-    ctx = flashqla_api()["build_cp_context"](
+    ctx = flashqla_api().build_cp_context(
         cu_ne.on(device, torch.int32), enable_inter=True, enable_intra=auto_cp, group=group,
         num_v_heads=num_v_heads, chunk_size=features().chunk_size, cu_seqlens_cpu=cu_ne.cpu().clone(),
         is_train=is_train)
@@ -162,7 +162,7 @@ def inter_card_core(
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm)
         return o
     ctx = _cp_context(cache, cu, group, hv, qkv.device)
-    fn = flashqla_api()["chunk_gated_delta_rule"]
+    fn = flashqla_api().chunk_gated_delta_rule
     q1, k1, g1, b1 = q.unsqueeze(0), k.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0)
 
     def call(v_block, _h0):
