@@ -12,6 +12,7 @@ import torch
 from ..comm import all_gather_rows
 from .common import local_core, stack_gates, unstack_gates
 from .context import CallContext, Mode
+from .spec import MODES
 
 __all__ = ["AllGather"]
 
@@ -19,6 +20,7 @@ __all__ = ["AllGather"]
 class AllGather(Mode):
     """all_gather decides nothing per call: gather, the CP=1 core on every row, keep this rank's."""
 
+    spec = MODES["all_gather"]
     path = "all_gather"
 
     def core(self, ctx: CallContext, qkv, g, beta, conv_weight, conv_bias) -> torch.Tensor:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -48,6 +48,7 @@ from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
 from .common import split_qkv
 from .context import CallContext, Mode
+from .spec import MODES
 from .packing import sbhd_to_thd, thd_to_sbhd
 from .swap import choose_swap_point
 
@@ -131,6 +132,7 @@ class Chunkwise(Mode):
     ``hidden`` or ``core``; None where nothing moves (the zigzag core) or there is no layer.
     """
 
+    spec: ClassVar = MODES["chunkwise"]
     path: str
     native: Optional[NativeCPCore]
     zigzag: Optional[NativeCPCore]

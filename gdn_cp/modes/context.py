@@ -83,9 +83,10 @@ class Segment(Protocol):
 
 
 class Mode:
-    """One call's way through a CP mode (see the module docstring). Subclasses set ``path`` (how
-    logs and reports name the way: ``headwise``, ``native``, ``native-zigzag``, ``generic``, ...)
-    and define :meth:`core`; :meth:`run` computes on the zigzag rows where they are."""
+    """One call's way through a CP mode (see the module docstring). Subclasses name their registry
+    entry (``spec``: a :class:`~gdn_cp.modes.spec.ModeSpec`), set ``path`` (how logs and reports name
+    the way: ``headwise``, ``native``, ``native-zigzag``, ``generic``, ...) and define :meth:`core`;
+    :meth:`run` computes on the zigzag rows where they are."""
 
     path: str
 

@@ -13,22 +13,27 @@ from ..layout.plan import CPPlan
 from ..ops.contract import Backend, check_backend
 from ..ops.gates import check_log_decay, log_decay_ok
 from ..ops.shape import GDNShape
+from .all_gather import AllGather
+from .chunkwise import Chunkwise
 from .common import Local
 from .context import CallContext, Mode
+from .headwise import Headwise
 from .settings import Settings
 from .spec import MODES, ModeSpec, get_mode
 
-__all__ = ["check_core_inputs", "gdn_core", "prepare_mode"]
+__all__ = ["MODE_CLASSES", "check_core_inputs", "gdn_core", "prepare_mode"]
 
+MODE_CLASSES: dict[ModeSpec, type[Mode]] = {cls.spec: cls for cls in (Headwise, Chunkwise, AllGather)}
+"""Each registry entry's class (the class names its entry)."""
 LOCAL = Local()
 
 
 def prepare_mode(ctx: CallContext) -> Mode:
     """The mode that runs ``ctx``: :class:`~gdn_cp.modes.common.Local` without CP, else the settings'
-    mode, prepared for this call (host-side; ValueError where a setting cannot be honoured)."""
+    mode's class, prepared for this call (host-side; ValueError where a setting cannot be honoured)."""
     if ctx.group is None:
         return LOCAL
-    return get_mode(ctx.settings.mode).runner().prepare(ctx)
+    return MODE_CLASSES[get_mode(ctx.settings.mode)].prepare(ctx)
 
 
 def _check_tensor(name: str, t, device: torch.device | None = None) -> None:

@@ -14,6 +14,7 @@ from ..comm import head_to_seq, seq_to_head
 from ..ops.shape import GDNShape
 from .common import local_core, stack_gates, unstack_gates
 from .context import CallContext, Mode
+from .spec import MODES
 
 __all__ = ["Headwise"]
 
@@ -42,6 +43,7 @@ class Headwise(Mode):
     """headwise decides nothing per call: seq -> head all-to-all, the CP=1 core on 1/cp of the
     heads, head -> seq."""
 
+    spec = MODES["headwise"]
     path = "headwise"
 
     def core(self, ctx: CallContext, qkv, g, beta, conv_weight, conv_bias) -> torch.Tensor:

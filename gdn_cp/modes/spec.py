@@ -1,9 +1,9 @@
 """The CP mode registry: every rule about a ``linear_cp_mode`` lives here, in one entry per mode.
 
 Torch-free and Megatron-free, so the patched ``TransformerConfig``, the CLI, ``doctor``, the
-modes, tests and benchmarks all read the same table. A new mode is one file under
-``gdn_cp/modes/`` (a :class:`~gdn_cp.modes.context.Mode` subclass) plus one :class:`ModeSpec`
-entry below, whose ``runner`` imports that class on first use.
+modes, tests and benchmarks all read the same table. A new mode is one :class:`ModeSpec` entry
+below plus one file under ``gdn_cp/modes/``: a :class:`~gdn_cp.modes.context.Mode` subclass that
+names its entry (``spec``), listed in :data:`gdn_cp.modes.core.MODE_CLASSES`.
 
 Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` divisible by
 ``head_divisor(tp, cp)`` (``TP*CP`` for headwise, ``TP`` for the others).
@@ -12,10 +12,7 @@ Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
-
-if TYPE_CHECKING:
-    from .context import Mode
+from typing import Any, Optional
 
 __all__ = [
     "AUTO",
@@ -35,16 +32,13 @@ AUTO = "auto"
 class ModeSpec:
     """One CP mode.
 
-    ``divides_by_cp``: heads must divide TP*CP (True) or TP only (False). ``runner``: imports the
-    mode's class on first use (a plain import statement, which readers and tools follow; the class
-    decides a call's way through the mode and runs it). ``cost``: one line for ``doctor`` and
-    logs. ``auto_rank``: order in which ``auto`` prefers legal modes (lower first; the reasons are
-    in :mod:`gdn_cp.megatron.config`).
+    ``divides_by_cp``: heads must divide TP*CP (True) or TP only (False). ``cost``: one line for
+    ``doctor`` and logs. ``auto_rank``: order in which ``auto`` prefers legal modes (lower first;
+    the reasons are in :mod:`gdn_cp.megatron.config`).
     """
 
     name: str
     divides_by_cp: bool
-    runner: Callable[[], type[Mode]]
     cost: str
     auto_rank: int
 
@@ -56,45 +50,24 @@ class ModeSpec:
         return f"TP*CP={tp}*{cp}={tp * cp}" if self.divides_by_cp else f"TP={tp}"
 
 
-def _headwise() -> type[Mode]:
-    from .headwise import Headwise
-
-    return Headwise
-
-
-def _chunkwise() -> type[Mode]:
-    from .chunkwise import Chunkwise
-
-    return Chunkwise
-
-
-def _all_gather() -> type[Mode]:
-    from .all_gather import AllGather
-
-    return AllGather
-
-
 MODES: dict[str, ModeSpec] = {
     spec.name: spec
     for spec in (
         ModeSpec(
             name="headwise",
             divides_by_cp=True,
-            runner=_headwise,
             cost="two all-to-alls of every activation; full sequence on 1/cp of the heads",
             auto_rank=1,
         ),
         ModeSpec(
             name="chunkwise",
             divides_by_cp=False,
-            runner=_chunkwise,
             cost="CP=1 work on T/cp tokens plus a route all-to-all and a small halo/state exchange",
             auto_rank=0,
         ),
         ModeSpec(
             name="all_gather",
             divides_by_cp=False,
-            runner=_all_gather,
             cost="cp x the compute and O(T) activation memory (the fallback of last resort)",
             auto_rank=2,
         ),

@@ -320,7 +320,7 @@ def test_names_come_from_the_registry(monkeypatch):
     """A mode added to the registry is legal for the config, the check, auto and doctor alike."""
     from gdn_cp.modes import spec
 
-    extra = spec.ModeSpec(name="ring", divides_by_cp=False, runner=lambda: None, cost="test mode", auto_rank=-1)
+    extra = spec.ModeSpec(name="ring", divides_by_cp=False, cost="test mode", auto_rank=-1)
     cfgmod._settings.cache_clear()  # settings are checked once per distinct value: forget those checked before
     monkeypatch.setitem(spec.MODES, "ring", extra)
     monkeypatch.setattr(cfgmod, "_settings", functools.lru_cache(maxsize=8)(cfgmod._settings.__wrapped__))

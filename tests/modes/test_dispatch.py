@@ -24,10 +24,13 @@ SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 
 @pytest.mark.parametrize("name", MODE_NAMES)
 def test_every_registered_mode_prepares_a_core(name):
-    """The registry entry's class is imported directly from the mode's file, and its prepare() gives a
-    Mode whose core is callable the way gdn_core calls it."""
+    """Every registry entry has its class, from the mode's own file, naming the entry; its prepare()
+    gives a Mode whose core is callable the way gdn_core calls it."""
+    from gdn_cp.modes.core import MODE_CLASSES
+
     spec = MODES[name]
-    runner = spec.runner()
+    runner = MODE_CLASSES[spec]
+    assert set(MODE_CLASSES) == set(MODES.values()) and runner.spec is spec
     assert issubclass(runner, Mode) and runner.__module__ == f"gdn_cp.modes.{name}"
     args, plan = _args([0, 8], cp=2)
     ctx = CallContext(settings=Settings(mode=name), shape=SHAPE, plan=plan, group=object(), backend=reference)
