@@ -391,7 +391,7 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
                    LOCAL_WORLD_SIZE="1" if one_gpu else str(spec.world), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
                    GDN_CP_MLM_ONE_GPU="1" if one_gpu else "0", PYTHONFAULTHANDLER="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (_CLONE, env.get("PYTHONPATH", "")) if p))
+                   PYTHONPATH=os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), _CLONE) if p))
         log = open(log_dir / f"{spec.name}.rank{rank}.log", "w", encoding="utf-8")
         logs.append(log)
         cmd = [python, "-m", "gdn_cp_testing.megatron.lm", "--checkout", str(checkout), "--script", spec.script,
