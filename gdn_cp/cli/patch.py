@@ -104,6 +104,15 @@ def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
             )
         else:
             a.set_defaults(expect=None)
+        if action == "revert":
+            a.add_argument(
+                "--from-backups",
+                action="store_true",
+                help=f"also restore files that changed since gdn-cp patched them (another gdn-cp version's "
+                f"patch, after an upgrade) from their *{patch.BACKUP_SUFFIX} backups; edits made to them are lost",
+            )
+        else:
+            a.set_defaults(from_backups=False)
         a.set_defaults(func=run_patch_command, prog=f"gdn-cp patch {action}")
     return p
 
@@ -129,7 +138,7 @@ def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) ->
         if args.patch_action == "apply":
             result = patch.apply_patch(root)
         else:
-            result = patch.revert_patch(root)
+            result = patch.revert_patch(root, from_backups=args.from_backups)
     except patch.PatchError as e:
         raise CommandError(str(e), EXIT_FOUND_PROBLEM) from None
     print(result.message, file=out)
@@ -150,9 +159,13 @@ def _check(root, expect: Optional[str], out: TextIO) -> int:
         return 0
     if state in (patch.PRISTINE, patch.PATCHED):
         return 0
-    hint = (
-        "" if state == patch.PARTIAL
-        else f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
-        "commit, then apply"
-    )
+    modified = [t for t, s in files.items() if s == patch.MODIFIED]
+    if state == patch.PARTIAL:
+        hint = ""
+    elif modified and set(patch.pristine_backups(root, files, patch.load_manifest())) == set(modified):
+        hint = (f"; {', '.join(modified)} changed since gdn-cp patched them (their originals are backed up beside "
+                f"them): `gdn-cp patch revert --from-backups {root}`, then apply")
+    else:
+        hint = (f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
+                "commit, then apply")
     raise CommandError(f"megatron-core at {root}: {patch.describe_state(state)}{hint}", EXIT_FOUND_PROBLEM)

@@ -42,6 +42,7 @@ from .tree import (
     find_megatron_root,
     megatron_version,
     overall_state,
+    pristine_backups,
 )
 
 PATCH_NAME = get_pin().patch_folder  # the default pin's folder, e.g. "megatron-core-0.19.2"
@@ -51,5 +52,5 @@ __all__ = [
     "PatchError", "MegatronNotFound", "PatchTarget", "Manifest", "PatchResult", "PatchedTree",
     "patch_dir", "load_manifest", "find_megatron_root", "megatron_version", "detect_pin", "describe_state",
     "describe_tree", "check_patch", "overall_state", "apply_patch", "revert_patch", "ensure_patched",
-    "git_exclude_file", "build_patch_files",
+    "git_exclude_file", "build_patch_files", "pristine_backups",
 ]

@@ -30,6 +30,7 @@ from .tree import (
     find_megatron_root,
     foreign_error,
     overall_state,
+    pristine_backups,
     resolve_pin,
     target_path,
     tree_states,
@@ -117,23 +118,33 @@ def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> P
     return PatchResult(r, "applied", files, tuple(t.target for t in manifest.files), msg)
 
 
-def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> PatchResult:
+def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None, *, from_backups: bool = False) -> PatchResult:
     """Restore the byte-identical pristine files at ``root`` (default: the importable megatron).
 
     Works from a fully or partially patched tree; a pristine tree is a no-op
-    (``action == "already_pristine"``). Foreign modifications: :class:`PatchError`, nothing changed.
+    (``action == "already_pristine"``). Foreign modifications: :class:`PatchError`, nothing changed;
+    with ``from_backups`` a modified file whose gdn-cp backup is the release's original (another gdn-cp
+    version's patch, or edits of a patched file: they are lost) is restored from that backup.
     Removes the backups and the ``info/exclude`` lines that ``apply_patch`` added.
     """
     r = find_megatron_root(root)
     pin, manifest = resolve_pin(r, pin)
     states = tree_states(r, manifest)
     overall = overall_state(states)
-    if overall in (MODIFIED, MISSING):
+    # a file gdn-cp patched that changed since (another gdn-cp version's patch): back to its backed-up original
+    backups = pristine_backups(r, states, manifest) if overall == MODIFIED and from_backups else {}
+    if overall in (MODIFIED, MISSING) and set(backups) != {t for t, s in states.items() if s == MODIFIED}:
         raise foreign_error(r, states, manifest, "revert")
 
     contents: dict[Path, bytes] = {}
     originals: dict[Path, bytes] = {}
     for t in manifest.files:
+        if t.target in backups:
+            _logger.warning("%s changed since gdn-cp patched it (another gdn-cp version's patch, or edits): "
+                            "restoring the release's original from its backup", t.target)
+            path = target_path(r, t)
+            contents[path], originals[path] = backups[t.target], path.read_bytes()
+            continue
         if states[t.target] != PATCHED:
             continue
         path = target_path(r, t)

@@ -19,6 +19,7 @@ from ..megatron.pins.manifest import sha256_hex
 
 __all__ = [
     "PRISTINE", "PATCHED", "MODIFIED", "MISSING", "PARTIAL", "BACKUP_SUFFIX", "MegatronNotFound", "PathLike",
+    "pristine_backups",
     "find_megatron_root", "megatron_version", "detect_pin", "resolve_pin", "check_patch", "overall_state",
     "describe_state", "describe_tree", "find_git", "is_checkout", "foreign_error", "target_path", "file_state",
     "tree_states",
@@ -251,6 +252,24 @@ def _restore_in_checkout(root: Path, edited: str, pin: str) -> str:
     )
 
 
+def pristine_backups(root: Path, states: Mapping[str, str], manifest: Manifest) -> dict[str, bytes]:
+    """For each modified target whose gdn-cp backup (``*.gdn_cp.orig``) is the release's file (sha256):
+    that original. A file gdn-cp patched and something changed since: most often another gdn-cp
+    version's patch (an upgrade of gdn-cp), which ``revert`` undoes from these backups."""
+    found = {}
+    for t in manifest.files:
+        if states.get(t.target) != MODIFIED:
+            continue
+        backup = target_path(root, t).with_name(target_path(root, t).name + BACKUP_SUFFIX)
+        try:
+            data = backup.read_bytes()
+        except FileNotFoundError:
+            continue
+        if sha256_hex(data) == t.sha256_pristine:
+            found[t.target] = data
+    return found
+
+
 def foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, verb: str) -> PatchError:
     """Target files that are neither the release's nor the patched ones. When the other targets are
     the release's, these are local edits of the pinned release (a Megatron-LM checkout reporting
@@ -266,6 +285,15 @@ def foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, ver
     )
     edited = " ".join(t for t, s in states.items() if s in (MODIFIED, MISSING))
     reinstall = f"reinstall megatron-core=={pin} ({get_pin(pin).install_command(reinstall=True)})"
+    modified = [t for t, s in states.items() if s == MODIFIED]
+    if modified and not any(s == MISSING for s in states.values()) and set(pristine_backups(root, states, manifest)) == set(modified):
+        why = (f"gdn-cp patched these files and kept the release's originals beside them ({BACKUP_SUFFIX}), and they "
+               f"have changed since: another gdn-cp version's patch (an upgrade of gdn-cp), or edits of the patched files")
+        return PatchError(
+            f"cannot {verb} the patch in {root}: " + "; ".join(bad) + f". {found}; {why}. Fix: `gdn-cp patch revert "
+            f"--from-backups {root}` restores the originals from those backups (edits made to the patched files are "
+            f"lost), then `gdn-cp patch apply {root}`. Nothing was changed."
+        )
     if any(s in (PRISTINE, PATCHED) for s in states.values()):
         why = (
             f"the other target files are the megatron-core {pin} release's, so these are local edits of "

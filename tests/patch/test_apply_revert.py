@@ -211,3 +211,27 @@ def test_rename_failure_rolls_back(layout, monkeypatch):
         apply_patch(layout.root)
     assert calls[0] == "transformer_config.py"  # the first file had been replaced already
     assert layout.digest() == layout.pristine and layout.stray() == []
+
+
+@pytest.mark.megatron
+def test_a_tree_another_gdn_cp_version_patched_is_reverted_from_its_backups(layout, capsys):
+    """Upgrading gdn-cp: the files carry another version's patch (not this one's), with the release's
+    originals backed up beside them. apply refuses and names revert; revert restores the originals."""
+    apply_patch(layout.root)
+    for t in (CFG, GDN):  # what another version's patch would look like: patched, then changed
+        layout.path(t).write_bytes(layout.path(t).read_bytes() + b"# another gdn-cp version\n")
+    assert check_patch(layout.root)[CFG] == MODIFIED
+    before = layout.digest()
+    with pytest.raises(PatchError, match=r"another gdn-cp version's patch.*gdn-cp patch revert --from-backups"):
+        apply_patch(layout.root)
+    with pytest.raises(PatchError, match="--from-backups"):  # edits are never thrown away unasked
+        revert_patch(layout.root)
+    assert layout.digest() == before
+    from gdn_cp.cli import main as cli_main
+
+    assert cli_main(["patch", "check", str(layout.root)]) == 1
+    assert "gdn-cp patch revert --from-backups" in capsys.readouterr().err  # the command that fixes it
+    res = revert_patch(layout.root, from_backups=True)
+    assert res.action == "reverted" and set(res.changed) == set(TARGETS)
+    assert layout.digest() == layout.pristine
+    assert apply_patch(layout.root).action == "applied"
