@@ -12,8 +12,12 @@ this package imports neither FlashQLA, TileLang nor FLA.
 
 from . import detect, kernels, native_cp
 from .detect import (
+    AUTO_CP_ENV,
     CAPABILITIES,
     CHUNK_GDR_ARGS,
+    auto_cp_setting,
+    conv_choice,
+    fused_norm_choice,
     FlashQLAFeatures,
     features,
     flashqla_problem,
@@ -24,20 +28,16 @@ from .detect import (
     tilelang_version,
 )
 from .kernels import (
-    AUTO_CP_ENV,
     FLASHQLA_DTYPES,
     FLASHQLA_HEAD_DIM,
-    auto_cp_setting,
     causal_conv1d,
     check_core,
     check_dtype,
     check_head_dims,
     chunk_gated_delta_rule,
-    conv_choice,
     FlashQLAFunctions,
     flashqla_api,
     fused_gated_rms_norm,
-    fused_norm_choice,
     run_in_value_blocks,
 )
 from .native_cp import check_native_rows, inter_card_core, native_cp_core, native_cp_problem

@@ -21,6 +21,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from ... import env
+
 __all__ = [
     "CHUNK_GDR_ARGS",
     "CAPABILITIES",
@@ -28,6 +30,10 @@ __all__ = [
     "features",
     "flashqla_problem",
     "flashqla_version",
+    "AUTO_CP_ENV",
+    "auto_cp_setting",
+    "conv_choice",
+    "fused_norm_choice",
     "log_stack_once",
     "probe",
     "stack_report",
@@ -143,6 +149,44 @@ def flashqla_problem() -> Optional[str]:
     return features().problem
 
 
+AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
+
+
+def auto_cp_setting() -> bool:
+    """FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on
+    one GPU, with the pieces' states corrected afterwards; FlashQLA's default, and where its speed
+    at few heads comes from): ``GDN_CP_FLASHQLA_AUTO_CP`` (default 1; 0 turns it off)."""
+    return env.read(AUTO_CP_ENV) == "1"
+
+
+def conv_choice() -> tuple[Callable, str]:
+    """``(causal_conv1d, what it is)``: FLA's conv kernel where FLA imports, else gdn-cp's plain-torch
+    conv; decided once per process (the stack report says which)."""
+    from ..fla.detect import fla_import_error, fla_version
+
+    why = fla_import_error()
+    if why is None:
+        from ..fla.kernels import causal_conv1d as fla_conv
+
+        return fla_conv, f"FLA {fla_version()}'s causal_conv1d (FlashQLA has no conv)"
+    from ..reference.conv import causal_conv1d as reference_conv
+
+    return reference_conv, f"gdn-cp's plain-torch conv (FlashQLA has no conv; FLA does not import here: {why})"
+
+
+def fused_norm_choice() -> tuple[Optional[Callable], str]:
+    """``(FLA's fused gated RMSNorm or None, what the layer's gated norm is)``, decided once."""
+    from ..fla.detect import fla_import_error
+
+    if fla_import_error() is None:
+        from ..fla.norm import fused_gated_rms_norm as fla_norm
+
+        fn = fla_norm()
+        if fn is not None:
+            return fn, "FLA's fused RMSNorm * silu(z) (rms_norm_gated) where out_norm is plain RMSNorm"
+    return None, "the layer's own out_norm, then * act(z) (no fused kernel without FLA)"
+
+
 def stack_report() -> dict:
     """The FlashQLA stack of this process and what gdn-cp uses of it, for logs, ``doctor`` and
     ``selftest``: ``{"stack": "flash-qla 0.1.3 + tilelang 0.1.15", "problem": ..., "choices": {...}}``."""
@@ -152,7 +196,6 @@ def stack_report() -> dict:
     if found.problem is not None:
         report["choices"]["kernels"] = f"not usable: {found.problem}"
         return report
-    from .kernels import auto_cp_setting, conv_choice, fused_norm_choice
 
     c = report["choices"]
     c["gated delta rule"] = ("flash_qla.chunk_gated_delta_rule: q/k at the key heads (GVA in the kernel), head dims "

@@ -24,27 +24,22 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ... import env
 from ...layout.boundaries import host_boundaries
 from ..shape import GDNShape, value_heads_per_key_head
 from ..varlen import all_final_states, kept_initial_states
-from .detect import features, flashqla_problem, log_stack_once
+from .detect import auto_cp_setting, conv_choice, features, flashqla_problem, fused_norm_choice, log_stack_once
 
 __all__ = [
-    "AUTO_CP_ENV",
     "FLASHQLA_DTYPES",
     "FLASHQLA_HEAD_DIM",
-    "auto_cp_setting",
     "causal_conv1d",
     "check_core",
     "check_dtype",
     "check_head_dims",
     "chunk_gated_delta_rule",
-    "conv_choice",
     "FlashQLAFunctions",
     "flashqla_api",
     "fused_gated_rms_norm",
-    "fused_norm_choice",
     "run_in_value_blocks",
 ]
 
@@ -54,15 +49,7 @@ FLASHQLA_HEAD_DIM = 128
 """The key and value head dim FlashQLA's kernels take (a value head dim that is a multiple of it
 runs as one call per block)."""
 FLASHQLA_DTYPES = (torch.bfloat16, torch.float16)
-AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
 _DEVICE_TYPES = ("cuda",)  # the device types the kernels take (a CPU stand-in in tests widens it)
-
-
-def auto_cp_setting() -> bool:
-    """FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on
-    one GPU, with the pieces' states corrected afterwards; FlashQLA's default, and where its speed
-    at few heads comes from): ``GDN_CP_FLASHQLA_AUTO_CP`` (default 1; 0 turns it off)."""
-    return env.read(AUTO_CP_ENV) == "1"
 
 
 @dataclass(frozen=True)
@@ -127,20 +114,6 @@ def require_device(name: str, t: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
-def conv_choice() -> tuple[Callable, str]:
-    """``(causal_conv1d, what it is)``: FLA's conv kernel where FLA imports, else gdn-cp's plain-torch
-    conv; decided once per process (the stack report says which)."""
-    from ..fla.detect import fla_import_error, fla_version
-
-    why = fla_import_error()
-    if why is None:
-        from ..fla.kernels import causal_conv1d as fla_conv
-
-        return fla_conv, f"FLA {fla_version()}'s causal_conv1d (FlashQLA has no conv)"
-    from ..reference.conv import causal_conv1d as reference_conv
-
-    return reference_conv, f"gdn-cp's plain-torch conv (FlashQLA has no conv; FLA does not import here: {why})"
-
 
 def causal_conv1d(
     x: torch.Tensor,
@@ -157,19 +130,6 @@ def causal_conv1d(
 
 
 @functools.lru_cache(maxsize=1)
-def fused_norm_choice() -> tuple[Optional[Callable], str]:
-    """``(FLA's fused gated RMSNorm or None, what the layer's gated norm is)``, decided once."""
-    from ..fla.detect import fla_import_error
-
-    if fla_import_error() is None:
-        from ..fla.norm import fused_gated_rms_norm as fla_norm
-
-        fn = fla_norm()
-        if fn is not None:
-            return fn, "FLA's fused RMSNorm * silu(z) (rms_norm_gated) where out_norm is plain RMSNorm"
-    return None, "the layer's own out_norm, then * act(z) (no fused kernel without FLA)"
-
-
 def fused_gated_rms_norm() -> Optional[Callable]:
     """The contract's optional fused gated norm: FLA's, where FLA has it (FlashQLA has none)."""
     return fused_norm_choice()[0]
