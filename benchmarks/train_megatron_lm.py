@@ -141,11 +141,6 @@ def rel_diffs(a, b) -> list[float]:
     return [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
 
 
-def rel_diff(a, b) -> float:
-    """Largest per-iteration ``|a - b| / |b|`` (inf if a value is missing or the lengths differ)."""
-    return max(rel_diffs(a, b))
-
-
 PRINT_FLOOR = {"loss": 1e-5, "grad_norm": 2e-3}
 """Differences below these cannot be read from Megatron's log: it prints the loss with 7 significant
 digits and the grad norm with 3 decimals (about 1 at these sizes)."""

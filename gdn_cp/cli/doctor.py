@@ -11,7 +11,6 @@ whether each is legal and what ``auto`` picks, with reasons.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import sys
 from typing import Callable, Optional
@@ -90,10 +89,7 @@ def _at_least(version: str, floor: tuple) -> bool:
 
 
 def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
+    return dist_version(dist) or "not installed"
 
 
 # TransformerEngine's distributions: the meta package, its CUDA builds, its torch extension

@@ -5,21 +5,12 @@ and benchmarks carries."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import platform
 from typing import Any, Optional
 
+from ..ops.installed import dist_version
+
 __all__ = ["dist_version", "stack_versions"]
-
-
-def dist_version(*names: str) -> Optional[str]:
-    """The installed version of the first of ``names`` (distribution names) that is installed, or None."""
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _fla_version() -> Optional[str]:

@@ -90,7 +90,7 @@ def test_doctor_says_whether_transformer_engine_is_there(monkeypatch):
             raise importlib.metadata.PackageNotFoundError(dist)
         return real(dist)
 
-    monkeypatch.setattr(doctor.importlib.metadata, "version", version)
+    monkeypatch.setattr(importlib.metadata, "version", version)  # what every version lookup reads
     assert "  transformer-engine       not installed" in _run()[1]
     installed["transformer-engine-cu13"] = "2.20.2"
     assert "  transformer-engine       2.20.2 (transformer-engine-cu13)" in _run()[1]

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from ..installed import dist_version
 
 __all__ = [
     "FLAFeatures",
@@ -145,11 +146,9 @@ def features() -> FLAFeatures:
 @functools.lru_cache(maxsize=1)
 def fla_version() -> str | None:
     """Installed FLA version string (from package metadata; FLA is not imported), or None."""
-    for dist in ("fla-core", "flash-linear-attention"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    version = dist_version("fla-core", "flash-linear-attention")
+    if version is not None:
+        return version
     if importlib.util.find_spec("fla") is None:
         return None
     try:  # a source checkout on sys.path without metadata
@@ -271,20 +270,13 @@ def _kernel_backend_text(backends: list[dict]) -> str:
                                      "behind it)" if off else "")
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def stack_report() -> dict:
     """The FLA stack of this process and what gdn-cp uses of it, for logs, ``doctor`` and ``selftest``.
 
     ``{"stack": "fla 0.6.0 + triton 3.7.1", "fla": ..., "triton": ..., "choices": {name: text}}``;
     imports FLA (through :func:`features`) unless it is not installed."""
     found = features()
-    fla, triton = fla_version(), _dist_version("triton")
+    fla, triton = fla_version(), dist_version("triton")
     report = {"stack": f"fla {fla} + triton {triton}", "fla": fla, "triton": triton, "choices": {}}
     if found.import_error is not None:
         report["choices"]["kernels"] = f"not usable: {found.import_error}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import logging
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ... import env
+from ..installed import dist_version
 
 __all__ = [
     "CHUNK_GDR_ARGS",
@@ -66,23 +66,14 @@ class FlashQLAFeatures:
     chunk_size: Optional[int] = None
 
 
-def _dist_version(*names: str) -> Optional[str]:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def flashqla_version() -> Optional[str]:
     """The installed flash-qla's version (package metadata; nothing imported), or None."""
-    return _dist_version("flash-qla", "flash_qla")
+    return dist_version("flash-qla", "flash_qla")
 
 
 def tilelang_version() -> Optional[str]:
     """The installed TileLang's version (package metadata; nothing imported), or None."""
-    return _dist_version("tilelang")
+    return dist_version("tilelang")
 
 
 def _cuda_capability() -> tuple[Optional[tuple[int, int]], Optional[str]]:
