@@ -566,7 +566,7 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
                    idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit,
                    kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"),
                    copy_kernels_ms=p.get("copy_ms"), copy_kernels_per_iter=p.get("copy_kernels"),
-                   copy_kernels_top_ms=p.get("copy_top_ms"))
+                   copy_kernels_top_ms=p.get("copy_top_ms"), classes_ms=p.get("classes_ms"))
         row["profile"] = {"note": "per rank, ms per iteration over the same profiled iterations: compute + nccl + "
                                   "memcpy + idle = wall (exclusive; *_total = overlapping sums); the flat fields "
                                   "are the rank with the most compute", "per_rank": per_rank}
