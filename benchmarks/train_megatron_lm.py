@@ -4,12 +4,13 @@ loss and grad norm.
 Runs ``pretrain_hybrid.py`` (pattern ``G-G-*-``: GDN, MLP, TE attention; and GDN-only ``G-G-``) and
 ``pretrain_gpt.py`` (``--experimental-attention-variant gated_delta_net``, 3 GDN layers + 1 attention
 layer) from a patched Megatron-LM checkout through :mod:`gdn_cp_testing.megatron.lm`: bf16 (fp32 rows:
-group ``fp32``), TransformerEngine specs, no dropout, 50 iterations, lr 6e-4 (warm-up 5, cosine to 6e-5), at
-the sizes of :class:`~gdn_cp_testing.megatron.lm.RunSpec` (sequence 4096, micro-batch 2, global batch 4,
-hidden 1024, FFN 2048, GDN 4 key / 12 value heads of dim 128, 8 attention heads in 4 groups): above the
-sizes where Megatron-LM's JIT warm-up leaves the global CUDA generator at a CP-independent offset
-(../shared/DESIGN.md; docs/megatron.md "Initial weights and CP"). CP=1 over NCCL, CP=2 / 4 as gloo ranks
-sharing one GPU (or one rank per GPU over NCCL where there are enough GPUs).
+group ``fp32``), TransformerEngine specs, no dropout, 50 iterations, lr 6e-4 (constant after 5 warm-up
+iterations: still learning at the end), at the sizes of :class:`~gdn_cp_testing.megatron.lm.RunSpec`
+(sequence 4096, micro-batch 2, global batch 4, hidden 1024, FFN 2048, GDN 4 key / 12 value heads of dim
+128, 8 attention heads in 4 groups): above the sizes where Megatron-LM's JIT warm-up leaves the global
+CUDA generator at a CP-independent offset (../shared/DESIGN.md; docs/megatron.md "Initial weights and CP").
+CP=1 over NCCL, CP=2 / 4 as gloo ranks sharing one GPU (or one rank per GPU over NCCL where there are
+enough GPUs).
 
 **Data** (:mod:`gdn_cp_testing.megatron.byte_text`): the Python standard library's source of the machine
 that runs the benchmark, byte-level tokens (``NullTokenizer``, ``--vocab-size 258``), one document per
@@ -401,6 +402,10 @@ def prepare_data(data_dir: Path, todo: list, *, source=None, max_bytes: int = by
     return provenance | {"sft": {"path": str(path), "rows": rows, "seq_length": seq, "sha256": _sha256(path)}}
 
 
+RESUME_SAME = ("python", "torch", "triton", "fla", "flash_qla", "megatron_core", "gdn_cp", "gpu")
+"""Versions a resumed file's rows must share with this call's."""
+
+
 def load_resume(path) -> dict:
     """An earlier results file to go on from; ValueError when it is not one."""
     try:
@@ -432,9 +437,15 @@ def run_matrix(args) -> dict:
         raise ValueError(f"--resume {args.resume}: its rows trained on data with .bin sha256 "
                          f"{earlier['data'].get('bin_sha256')}, this machine's text gives {data['bin_sha256']} "
                          f"(Python {earlier['data'].get('python')} there, {data['python']} here): run without --resume")
+    stack = versions()
+    if earlier:
+        changed = {k: (earlier["versions"].get(k), stack.get(k)) for k in RESUME_SAME
+                   if earlier.get("versions", {}).get(k) != stack.get(k)}
+        if changed:
+            raise ValueError(f"--resume {args.resume}: its rows ran on another stack ({', '.join(f'{k}: {a} there, {b} here' for k, (a, b) in changed.items())}): run without --resume")
     for tree in {checkout, *([Path(args.stock_checkout)] if args.stock_checkout else [])}:
         build_dataset_helpers(tree)  # once, before runs start side by side (they would race to build them)
-    doc = {"benchmark": "train_megatron_lm", "date": now_iso(), "machine": machine_info(), "versions": versions(),
+    doc = {"benchmark": "train_megatron_lm", "date": now_iso(), "machine": machine_info(), "versions": stack,
            "checkout": str(checkout), "rule": RULE, "data": data, "groups": list(args.groups),
            "resumed_from": {"file": str(args.resume), "date": earlier["date"], "rows": len(kept)} if earlier else None,
            "rows": kept}

@@ -120,7 +120,7 @@ class RunSpec:
     gdn_heads: tuple = (4, 12)  # (key heads, value heads): a ratio other than 2
     gdn_head_dim: int = 128
     attention_heads: tuple = (8, 4)  # (query heads, query groups): head dim hidden / 8
-    lr: float = 6e-4  # cosine to lr / 10 over the run: byte-level code is still being learnt at iteration 50
+    lr: float = 6e-4  # constant after the warm-up: byte-level code is still being learnt at iteration 50
     lr_warmup: int = 5
     backend: Optional[str] = None  # --linear-cp-backend (None: no flag, the config's default "auto")
     site: Optional[str] = None  # a folder put first on the ranks' PYTHONPATH (e.g. an unpacked FlashQLA site)
@@ -196,7 +196,7 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         "--seq-length", str(spec.seq_length), "--max-position-embeddings", str(spec.seq_length),
         "--micro-batch-size", str(spec.micro_batch), "--global-batch-size", str(spec.global_batch),
         "--context-parallel-size", str(spec.cp),
-        *PRECISIONS[spec.precision], "--lr", f"{spec.lr:g}", "--min-lr", f"{spec.lr / 10:g}", "--lr-decay-style", "cosine",
+        *PRECISIONS[spec.precision], "--lr", f"{spec.lr:g}", "--lr-decay-style", "constant",
         "--lr-warmup-iters", str(spec.lr_warmup),
         "--weight-decay", "0.01", "--clip-grad", "1.0",
         "--train-iters", str(spec.iterations), "--seed", str(spec.seed),

@@ -92,7 +92,7 @@ for spec, ref in matrix([g for g in GROUPS if g != "flashqla"]):
                 "recompute": [args.recompute_granularity, args.recompute_modules], "pad": args.null_tokenizer_pad_id,
                 "warmup": args.seq_length // args.context_parallel_size * args.micro_batch_size * args.ffn_hidden_size,
                 "gdn_heads": [c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim], "ref": ref,
-                "iterations": args.train_iters, "lr": [args.lr, args.min_lr, args.lr_warmup_iters],
+                "iterations": args.train_iters, "lr": [args.lr, args.lr_decay_style, args.lr_warmup_iters],
                 "vocab": args.vocab_size, "data_path": args.data_path, "cache": args.data_cache_path,
                 "mock": args.mock_data, "sft": args.sft, "params_dtype": str(c.params_dtype), "bf16": args.bf16,
                 "samples": args.train_iters * args.global_batch_size}
@@ -125,7 +125,7 @@ def dataset_config(args):
 
 
 out["text_runs"] = {}
-for name in os.environ["GDN_CP_TEXT_RUNS"].split(","):
+for name in TEXT_RUN_NAMES:  # set by the fixture, above this script
     args = parsed_args[name]
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         train = BlendedMegatronDatasetBuilder(GPTDataset, [args.train_iters * args.global_batch_size, 0, 0],
@@ -186,9 +186,9 @@ def parsed(patched_megatron, tmp_path_factory):
         if not hasattr(typing_extensions, "override"):
             pytest.skip("Python < 3.12 and typing_extensions without override: megatron.training cannot import")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               GDN_CP_BENCHMARKS=str(REPO / "benchmarks"), GDN_CP_TMP=str(tmp_path_factory.mktemp("sft")),
-               GDN_CP_TEXT_RUNS=",".join(n for names in TEXT_RUNS.values() for n in names))
-    r = subprocess.run([sys.executable, "-c", _PARSE], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+               GDN_CP_BENCHMARKS=str(REPO / "benchmarks"), GDN_CP_TMP=str(tmp_path_factory.mktemp("sft")))
+    script = f"TEXT_RUN_NAMES = {[n for names in TEXT_RUNS.values() for n in names]!r}\n" + _PARSE
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
     return json.loads(lines[0][len("RESULT"):])
@@ -212,7 +212,7 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
         # the byte-level text (or the SFT set cut from it), 50 iterations that the text outlasts, each run its
         # own index cache (runs side by side would race on one)
         assert not run["mock"] and run["vocab"] == 258 and run["iterations"] == 50, (name, run)
-        assert run["lr"] == [6e-4, 6e-5, 5], (name, run)
+        assert run["lr"] == [6e-4, "constant", 5], (name, run)
         assert run["data_path"] == [str(Path(parsed["text"]["path_prefix"]).with_name("sft.jsonl"))
                                     if run["sft"] else parsed["text"]["path_prefix"]], (name, run)
         assert run["cache"].endswith(f"/cache/{name}"), (name, run)
@@ -298,6 +298,7 @@ def test_launch_reads_the_last_ranks_log(tmp_path):
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         assert os.environ["LOCAL_RANK"] == "0" and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
         assert "--distributed-backend" in sys.argv and "--cp-comm-type" in sys.argv
+        assert sys.argv[sys.argv.index("--data-path") + 1].endswith("/data/stdlib_bytes")
         assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == "/nonexistent/site-tl"  # RunSpec.site first
         if rank == world - 1:  # the one-GPU shim lands when the script imports Megatron's DDP buffers
             from megatron.core.distributed import param_and_grad_buffer
@@ -305,8 +306,9 @@ def test_launch_reads_the_last_ranks_log(tmp_path):
             for it in range(1, 21):
                 print(f" iteration {it:8d}/      20 | lm loss: {9 - it / 10:.6E} | grad norm: {1 + it / 100:.3f} |")
         """
-    spec = RunSpec("fake", cp=2, mode="chunkwise", site="/nonexistent/site-tl")
+    spec = RunSpec("fake", cp=2, mode="chunkwise", site="/nonexistent/site-tl", iterations=20)
     res = launch(spec, checkout=_fake_checkout(tmp_path / "mlm", body), log_dir=tmp_path / "logs", gpus=0,
+                 data_dir=tmp_path / "data",
                  timeout_s=900)  # generous: an interpreter importing megatron on a loaded 2-core machine
     assert res.status == "ok", res.error
     assert res.losses == [round(9 - it / 10, 6) for it in range(1, 21)] and res.grad_norms[-1] == 1.2
@@ -320,7 +322,7 @@ def test_launch_ends_a_run_when_a_rank_fails(tmp_path):
             raise ValueError("--dataloader-inter-document-masking with attention layers at context_parallel_size=2")
         time.sleep(600)  # rank 0 would wait for its peer forever
         """
-    res = launch(RunSpec("fail", cp=2, mode="auto"), checkout=_fake_checkout(tmp_path / "mlm", body),
+    res = launch(RunSpec("fail", cp=2, mode="auto"), checkout=_fake_checkout(tmp_path / "mlm", body), data_dir=tmp_path,
                  log_dir=tmp_path / "logs", gpus=0, timeout_s=900, failure_grace_s=1.0)
     # the sleeping rank is killed after the grace (1 s here, 5 s by default; plus reaping), not left to its
     # 600 s; measured from the failure, so a loaded machine's slow interpreter start does not count

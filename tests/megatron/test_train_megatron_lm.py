@@ -283,7 +283,12 @@ def test_a_budget_cut_says_not_run_and_a_second_call_resumes_it(tmp_path, fake_r
     assert [name for name, _, _ in launched] == ["hybrid_cp2_chunkwise"]  # only what did not finish
     assert {r["name"]: r["verdict"] for r in second["rows"]}["hybrid_cp2_chunkwise"] == "matches CP=1"
     assert second["resumed_from"]["rows"] == len(status) - 1 and not bench.not_as_required(second["rows"])
-    # rows of other data are not mixed in: another text, another .bin
+    # rows of another stack are not mixed in, nor rows of other data (another text, another .bin)
+    earlier = json.loads((tmp_path / "out2.json").read_text())
+    earlier["versions"]["fla"] = "0.0.1"
+    (tmp_path / "other.json").write_text(json.dumps(earlier))
+    with pytest.raises(ValueError, match="its rows ran on another stack \\(fla: 0.0.1 there"):
+        bench.run_matrix(_args(tmp_path, only=only, resume=str(tmp_path / "other.json"), out=str(tmp_path / "o4.json")))
     (tmp_path / "stdlib" / "mod0.py").write_text("x = 1\n")
     with pytest.raises(ValueError, match="its rows trained on data with .bin sha256"):
         bench.run_matrix(_args(tmp_path, only=only, resume=str(tmp_path / "out.json"), out=str(tmp_path / "o3.json")))
