@@ -27,9 +27,10 @@ reported, never required to match. Files written before this rule (no ``rule`` k
 (:data:`LEGACY_RULE`).
 
 **Groups** (``--groups``, run in this order; a noise pair is the CP=1 run again with
-``--no-bias-swiglu-fusion``). Wall time estimated for one H200 with 16 cores, 14 ranks side by side, from
-run 2026-12-02e's logs (20 iterations: start-up and first two iterations 50-85 s, then 0.1-0.2 s per
-iteration at CP=1 and 0.7-2 s at CP=2 / 4; :func:`estimate_s`, ``--dry-run`` prints the plan):
+``--no-bias-swiglu-fusion``). Wall time of the runs (preparation not counted: add ~10-60 s) estimated for
+one H200 with 16 cores, 14 ranks side by side, from run 2026-12-02e's logs (20 iterations: start-up and
+first two iterations 50-85 s, then 0.1-0.2 s per iteration at CP=1 and 0.7-2 s at CP=2 / 4;
+:func:`estimate_s`; ``--dry-run`` prints the plan):
 
 * ``main`` (18 runs, ~520 s): both scripts' CP=1 run and noise pair; CP=2 and CP=4 in every mode
   (chunkwise, headwise, all_gather); stock megatron-core 0.19.2 at CP=2 from an unpatched copy of the
@@ -51,10 +52,10 @@ iteration at CP=1 and 0.7-2 s at CP=2 / 4; :func:`estimate_s`, ``--dry-run`` pri
 
 A run whose CP=1 reference is in no selected group (nor in ``--resume``'s file) brings it along.
 
-**Budget**: Megatron's C++ dataset helpers are built once per checkout first (runs side by side would
-race to build them). Runs start in matrix order under ``--max-ranks``, each only when its estimate fits
-the time left of ``--budget-s`` (else ``not run (budget)``); runs still going at the budget's end are
-killed. The JSON (``--out``) is rewritten after every run. ``--resume FILE.json`` keeps FILE's finished
+**Budget** (``--budget-s``, counted from the start: the benchmark ends within it): first the data, and
+Megatron's C++ dataset helpers once per checkout (runs side by side would race to build them; ~20 s each
+on a fresh checkout). Runs start in matrix order under ``--max-ranks``, each only when its estimate fits
+the time left (else ``not run (budget)``); runs still going at the budget's end are killed. The JSON (``--out``) is rewritten after every run. ``--resume FILE.json`` keeps FILE's finished
 rows (the same data: its ``.bin`` sha256 must be this one's) and runs the rest, so a second device call
 finishes what the first could not, into one file. ``--plot FILE.json`` draws ``FILE.png`` and prints the
 table, on any machine.
@@ -418,12 +419,26 @@ def load_resume(path) -> dict:
     return doc
 
 
+def check_resume(earlier: dict, data: dict, stack: dict, path) -> None:
+    """ValueError unless ``earlier``'s rows trained on the same text (``.bin`` sha256) and stack
+    (:data:`RESUME_SAME`) as this call's: rows of two data sets or stacks are never judged together."""
+    if earlier["data"].get("bin_sha256") != data["bin_sha256"]:
+        raise ValueError(f"--resume {path}: its rows trained on data with .bin sha256 {earlier['data'].get('bin_sha256')}, "
+                         f"this machine's text gives {data['bin_sha256']} (Python {earlier['data'].get('python')} there, "
+                         f"{data['python']} here): run without --resume")
+    changed = [f"{k}: {earlier.get('versions', {}).get(k)} there, {stack.get(k)} here" for k in RESUME_SAME
+               if earlier.get("versions", {}).get(k) != stack.get(k)]
+    if changed:
+        raise ValueError(f"--resume {path}: its rows ran on another stack ({'; '.join(changed)}): run without --resume")
+
+
 def _not_run(spec: RunSpec, ref: str, status: str) -> dict:
     return {**spec.describe(), "status": status, "losses": [], "grad_norms": [], "reference": ref, "error": "",
             "estimate_s": round(estimate_s(spec))}
 
 
 def run_matrix(args) -> dict:
+    t0 = time.monotonic()  # --budget-s counts from here: the data and the helpers (~10-60 s) are in it
     checkout = Path(args.checkout)
     work = Path(args.work or tempfile.mkdtemp(prefix="gdn_cp_mlm_"))
     data_dir = work / "data"
@@ -432,24 +447,16 @@ def run_matrix(args) -> dict:
     todo = [(s, ref) for s, ref in matrix(args.groups, args.flashqla_site)
             if (not args.only or any(k in s.name for k in args.only)) and s.name not in {r["name"] for r in kept}]
     todo = with_references(todo, [r["name"] for r in kept], args.flashqla_site)
-    data = prepare_data(data_dir, todo, source=args.text_source, max_bytes=args.text_bytes)
-    if earlier and earlier["data"].get("bin_sha256") != data["bin_sha256"]:
-        raise ValueError(f"--resume {args.resume}: its rows trained on data with .bin sha256 "
-                         f"{earlier['data'].get('bin_sha256')}, this machine's text gives {data['bin_sha256']} "
-                         f"(Python {earlier['data'].get('python')} there, {data['python']} here): run without --resume")
-    stack = versions()
+    data, stack = prepare_data(data_dir, todo, source=args.text_source, max_bytes=args.text_bytes), versions()
     if earlier:
-        changed = {k: (earlier["versions"].get(k), stack.get(k)) for k in RESUME_SAME
-                   if earlier.get("versions", {}).get(k) != stack.get(k)}
-        if changed:
-            raise ValueError(f"--resume {args.resume}: its rows ran on another stack ({', '.join(f'{k}: {a} there, {b} here' for k, (a, b) in changed.items())}): run without --resume")
+        check_resume(earlier, data, stack, args.resume)
     for tree in {checkout, *([Path(args.stock_checkout)] if args.stock_checkout else [])}:
         build_dataset_helpers(tree)  # once, before runs start side by side (they would race to build them)
     doc = {"benchmark": "train_megatron_lm", "date": now_iso(), "machine": machine_info(), "versions": stack,
            "checkout": str(checkout), "rule": RULE, "data": data, "groups": list(args.groups),
            "resumed_from": {"file": str(args.resume), "date": earlier["date"], "rows": len(kept)} if earlier else None,
            "rows": kept}
-    t0 = time.monotonic()
+    doc["prepared_s"] = round(time.monotonic() - t0, 1)
     pool = cf.ThreadPoolExecutor(max_workers=len(todo) or 1)
     pending, running, used = list(todo), [], 0
 
@@ -610,7 +617,7 @@ def dry_run(args) -> int:
         print(f"{spec.name:30s} {spec.world:2d} ranks  {when:18s}  ref {ref or '-'}")
     ends = [s["end_s"] for s in steps if s["end_s"] is not None]
     print(f"{len(ends)} of {len(steps)} runs within --budget-s {args.budget_s:.0f}, last ends at ~{max(ends, default=0)} s "
-          f"(--max-ranks {args.max_ranks})")
+          f"(--max-ranks {args.max_ranks}; a real call spends ~10-60 s of the budget on the data and the helpers first)")
     return 0
 
 

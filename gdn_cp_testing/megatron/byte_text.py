@@ -142,7 +142,9 @@ def build(out_dir, *, source=None, max_bytes: int = MAX_BYTES, prefix: str = PRE
             n_docs += 1
     builder.finalize(get_idx_path(path_prefix))
     provenance = {
-        "path_prefix": path_prefix, "source": str(root), "python": platform.python_version(),
+        # the library read is this Python's unless a source folder was given
+        "path_prefix": path_prefix, "source": str(root),
+        "python": platform.python_version() if source is None else "unknown (source given)",
         "python_implementation": platform.python_implementation(), "files": len(files), "documents": n_docs,
         "bytes": n_bytes, "tokens": n_bytes + n_docs, "vocab_size": VOCAB, "eod": EOD, "max_bytes": max_bytes,
         "files_sha256": hashlib.sha256("\n".join(files).encode()).hexdigest(),

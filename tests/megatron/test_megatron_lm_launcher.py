@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -253,6 +255,7 @@ def test_the_same_text_reaches_every_cp_size(parsed):
     several documents whose lengths the padded cut must pad."""
     text, runs = parsed["text"], parsed["text_runs"]
     assert text["vocab_size"] == 258 and text["eod"] == 257 and text["tokens"] == text["bytes"] + text["documents"]
+    assert text["python"] == platform.python_version() and text["source"] == sysconfig.get_paths()["stdlib"]
     assert 3_000_000 < text["bytes"] <= 4_000_000 and text["files"] > 100 and text["documents"] > 5 * text["files"]
     for flag, names in TEXT_RUNS.items():
         first = runs[names[0]]
