@@ -223,15 +223,22 @@ run_stage() {
       python3 -m benchmarks.warm_kernels --backend flashqla --timeout "${GDN_CP_WARM_TIMEOUT:-360}" \
         ${GDN_CP_WARM_ARGS:---cp 2} ;;
     train_mlm)
-      # Megatron-LM's own pretrain_hybrid.py / pretrain_gpt.py, CP > 1 against CP=1 (needs TE and the checkout)
-      [ -f "$MLM_DIR/pretrain_hybrid.py" ] || { echo "train_mlm needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false; } &&
-      # shellcheck disable=SC2086
-      # FlashQLA (.site-tl) only on the PYTHONPATH of group flashqla's runs: the others keep auto's choice without it
-      PYTHONPATH=${PYTHONPATH//$TL_SITE:/} timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" \
-        python3 -m benchmarks.train_megatron_lm \
-        --checkout "$MLM_DIR" --stock-checkout "$MLM_STOCK" --out "$OUT/train_megatron_lm.json" --work /tmp/mlm_work \
-        --budget-s "${GDN_CP_TRAIN_MLM_TIMEOUT:-420}" $([ -f "$TL_SITE/.unpacked" ] && echo --flashqla-site "$TL_SITE") \
-        ${GDN_CP_TRAIN_MLM_ARGS:-}
+      # Megatron-LM's own pretrain_hybrid.py / pretrain_gpt.py, CP > 1 against CP=1 (needs TE and the checkout).
+      # Data: nothing to carry. The benchmark builds its text before the runs (seconds): this machine's Python
+      # standard library as byte-level tokens, an indexed dataset in /tmp/mlm_work/data, provenance (Python
+      # version, files, tokens, .bin sha256) in the JSON. GDN_CP_TRAIN_MLM_ARGS picks what this call runs
+      # (--groups main | fp32,more | ...; --resume FILE.json: an earlier call's JSON, carried as a repository file).
+      if [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
+        echo "train_mlm needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false
+      else
+        # FlashQLA (.site-tl) only on the PYTHONPATH of group flashqla's runs: the others keep auto's choice without it
+        # shellcheck disable=SC2046,SC2086
+        PYTHONPATH=${PYTHONPATH//$TL_SITE:/} timeout --signal=INT "$(( ${GDN_CP_TRAIN_MLM_TIMEOUT:-420} + 90 ))" \
+          python3 -m benchmarks.train_megatron_lm \
+          --checkout "$MLM_DIR" --stock-checkout "$MLM_STOCK" --out "$OUT/train_megatron_lm.json" --work /tmp/mlm_work \
+          --budget-s "${GDN_CP_TRAIN_MLM_TIMEOUT:-420}" $([ -f "$TL_SITE/.unpacked" ] && echo --flashqla-site "$TL_SITE") \
+          ${GDN_CP_TRAIN_MLM_ARGS:-}
+      fi
       local trc=$?
       tar -czf "$OUT/train_mlm_logs.tar.gz" -C /tmp/mlm_work logs 2>/dev/null
       (exit $trc) ;;
