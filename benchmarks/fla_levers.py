@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 
 from .common import machine_info, now_iso, write_json
 from .measure import GIB, quantile, timed_steps

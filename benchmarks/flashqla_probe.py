@@ -205,7 +205,7 @@ def run_backend(backend, t: dict, cu: list[int], *, dtype=None) -> dict:
 
 
 def rel_errors(got: dict, want: dict) -> dict:
-    from gdn_cp.cli.accuracy import rel_l2
+    from gdn_cp.ops.accuracy import rel_l2
 
     return {k: float(f"{rel_l2(got[k], want[k]):.3e}") for k in want if k in got}
 
@@ -316,7 +316,7 @@ def _backend_step(backend, leaves: dict, t: dict, cu: list[int]) -> None:
 
 def case_summary(args) -> list[dict]:
     """[M | S_ext] of a slice one sequence covers (continuing on both sides)."""
-    from gdn_cp.modes.chunkwise import _transition_summary
+    from gdn_cp.modes.chunkwise import transition_summary
     from gdn_cp.ops import get_backend, reference
     from gdn_cp.ops.fla import fla_available
 
@@ -328,7 +328,7 @@ def case_summary(args) -> list[dict]:
     rows = []
 
     def judge(name, got, seconds, **extra):
-        from gdn_cp.cli.accuracy import rel_l2
+        from gdn_cp.ops.accuracy import rel_l2
 
         rows.append({"T": T, "how": name, **REALISTIC, "M_rel_l2": float(f"{rel_l2(got[..., :dk], want[..., :dk]):.3e}"),
                      "S_ext_rel_l2": float(f"{rel_l2(got[..., dk:], want[..., dk:]):.3e}"), **seconds, **extra})
@@ -343,8 +343,8 @@ def case_summary(args) -> list[dict]:
         n0 = len(COMPILES)
         try:
             with torch.no_grad():
-                got = _transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend, torch.float32, True)
-                res = timed(lambda: _transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend,
+                got = transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend, torch.float32, True)
+                res = timed(lambda: transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend,
                                                         torch.float32, True))
             judge(name, got, res, compiles=COMPILES[n0:])
         except Exception as err:  # noqa: BLE001

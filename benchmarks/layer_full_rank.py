@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice

@@ -1,5 +1,5 @@
 """Seeded inputs for the FLA kernels and the Megatron layer, and the CP=1 answer of the core (the
-core's own inputs are the main job's: :mod:`gdn_cp.cli.job_data`).
+core's own inputs are the main job's: :mod:`gdn_cp.modes.inputs`).
 
 Everything is drawn from a ``torch.Generator`` on the CPU (the same numbers on every rank, every
 device and every CP size) and then cast and moved, so a CP run and its CP=1 reference see
@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.cli.job_data import core_leaves
+from gdn_cp.modes.inputs import core_leaves
 
 __all__ = ["cp1_core_answer", "fla_core_inputs", "hidden_inputs"]
 

@@ -18,7 +18,7 @@ import torch
 from benchmarks import layer_full, measure, plot_layer_full
 from benchmarks import layer_full_math as lfm
 from benchmarks.measure import spans_from_trace
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 from gdn_cp_testing.packings import zigzag_rows
 from tests.conftest import start_smoke_run
 from tests.megatron.conftest import patched_megatron  # noqa: F401 - the fixture, for the switch test

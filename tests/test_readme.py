@@ -546,7 +546,7 @@ def test_each_result_file_has_the_machine_and_versions_the_docs_say_it_has():
 
 
 def test_every_gdn_cp_name_the_docs_and_results_give_exists():
-    """Dotted names (``gdn_cp.cli.job_data.packed_boundaries``) in the pages and in the result files
+    """Dotted names (``gdn_cp.layout.packings.packed_boundaries``) in the pages and in the result files
     import (issue #32: route_build.json named gdn_cp.demo.packed_boundaries, moved since)."""
     import importlib
 

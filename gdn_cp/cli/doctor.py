@@ -18,7 +18,7 @@ from typing import Callable, Optional
 from .. import __version__, env, patch
 from ..megatron.config import AUTO, explain_linear_cp_modes
 from ..megatron.pins import PINS
-from .versions import dist_version
+from ..ops.installed import dist_version
 
 __all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "fla_stack_verdict",
            "flashqla_verdict", "run_doctor"]

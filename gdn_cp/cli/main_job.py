@@ -27,11 +27,12 @@ from typing import Callable, Optional
 import torch
 
 from ..checks import as_int
+from ..layout.packings import packed_boundaries
 from ..modes import GDNShape
+from ..modes.inputs import core_inputs, core_leaves
 from ..modes.spec import MODE_NAMES, get_mode, head_problem
+from ..ops.accuracy import cp_vs_cp1_tolerance, max_rel
 from ..ops.registry import BACKEND_NAMES, ORACLE, BACKENDS, backend_spec, choose_backend_name, get_backend
-from .accuracy import cp_vs_cp1_tolerance, max_rel
-from .job_data import core_inputs, core_leaves, packed_boundaries
 from .launch import RankError, run_ranks
 from .output import count
 

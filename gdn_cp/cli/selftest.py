@@ -14,7 +14,7 @@ lists it as not checked, and why). ``gdn-cp selftest`` runs the GPU check where 
 CPU one; ``--gpu`` insists on the GPU check (exit 2, before anything runs, where it cannot).
 
 The case builders here are shared with ``tests/gpu``; the error metrics, tolerances and version
-report come from :mod:`gdn_cp.cli.accuracy` and :mod:`gdn_cp.cli.versions`.
+report come from :mod:`gdn_cp.ops.accuracy` and :mod:`gdn_cp.ops.versions`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .accuracy import FLA_VS_FP64_REL_L2, max_rel, rel_l2, worst
-from .versions import stack_versions
+from ..ops.accuracy import FLA_VS_FP64_REL_L2, max_rel, rel_l2, worst
+from ..ops.versions import stack_versions
 
 __all__ = [
     "CaseResult",

@@ -52,7 +52,7 @@ from .spec import MODES
 from .packing import sbhd_to_thd, thd_to_sbhd
 from .swap import choose_swap_point
 
-__all__ = ["Chunkwise", "gather_halo", "initial_state_from_summaries", "is_one_zigzag_stream"]
+__all__ = ["Chunkwise", "gather_halo", "initial_state_from_summaries", "is_one_zigzag_stream", "transition_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +230,7 @@ def _keep_in_graph(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x + (like.sum() * 0).to(x.dtype)
 
 
-def _transition_summary(q, k, v, g, beta, cu, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
+def transition_summary(q, k, v, g, beta, cu, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
     """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of rows (one sequence, boundaries ``cu``) that
     continue a sequence on both sides.
 
@@ -323,7 +323,7 @@ def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group
 
     o_tail = None
     if cw.last_is_first:
-        summary = _transition_summary(q, k, v, g, beta, cw.local_cu, backend, state_dtype, shape.qk_l2norm)
+        summary = transition_summary(q, k, v, g, beta, cw.local_cu, backend, state_dtype, shape.qk_l2norm)
     elif cw.tail_cu is not None:
         o_tail, finals = scan(*rows(cw.tail_split, None), cu_seqlens=cw.tail_cu, output_final_state=True)
         summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), finals[-1].to(state_dtype)], -1)

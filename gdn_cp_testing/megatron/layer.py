@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 
 __all__ = [
     "DIMS",

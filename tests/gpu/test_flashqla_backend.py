@@ -15,7 +15,7 @@ value-block width FlashQLA picks from sequences x heads) combination, so the sha
 value heads 4 / 8 (headwise takes 2 / 4 at cp=2 and 1 / 2 at cp=4), head dim 128, and the realistic
 16 / 32. Keep ``TILELANG_CACHE_DIR`` between runs (benchmarks/gpu_suite.sh does).
 
-Tolerances (relative L2; gdn_cp.cli.accuracy), the FLA backend's: bf16 vs the fp64 reference
+Tolerances (relative L2; gdn_cp.ops.accuracy), the FLA backend's: bf16 vs the fp64 reference
 <= 1e-2; cp=N vs CP=1 <= 2e-3 outputs, <= 1e-2 gradients, or within 5e-3 of CP=1 and as close to fp64
 as CP=1 is (FlashQLA's own split of long sequences, auto_cp, cuts them at other rows per CP size).
 Measured errors are appended as JSON lines to ``$GDN_CP_GPU_RESULTS``.
@@ -32,9 +32,9 @@ import torch
 from gdn_cp.ops import GDNShape
 from gdn_cp.ops.flashqla import flashqla_problem
 from gdn_cp_testing.inputs import fla_core_inputs
-from gdn_cp.cli.accuracy import max_rel, rel_l2
+from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.results import JsonlRecorder
-from gdn_cp.cli.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
+from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
 
 from .test_fla_backend import _judge
 

@@ -171,7 +171,7 @@ def _te_stand_in_cases(ctx):
     import gdn_cp.megatron.gdn as glue
     from gdn_cp_testing.inputs import hidden_inputs
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     records = []
     handler = logging.Handler()
@@ -268,8 +268,8 @@ def test_fla_fused_gated_norm_equals_te_rmsnorm_gpu(zero_centered_gamma):
     te = _require_te_gpu()
     from gdn_cp.megatron.pins.core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
     from gdn_cp.ops.fla import fused_gated_rms_norm
-    from gdn_cp.cli.accuracy import rel_l2
-    from gdn_cp.cli.accuracy import FLA_VS_FP64_REL_L2
+    from gdn_cp.ops.accuracy import rel_l2
+    from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2
 
     tol = FLA_VS_FP64_REL_L2["bfloat16"]
     n, d, dev = 4096, 128, torch.device("cuda")
@@ -315,7 +315,7 @@ def _te_layer_cases(ctx, zero_centered_gamma):
     from gdn_cp_testing.inputs import hidden_inputs
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
     from gdn_cp_testing.megatron.parity import GPU_CFG
-    from gdn_cp.cli.accuracy import rel_l2
+    from gdn_cp.ops.accuracy import rel_l2
 
     records = []
     handler = logging.Handler()
@@ -363,7 +363,7 @@ def _te_layer_cases(ctx, zero_centered_gamma):
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
 def test_layer_with_te_rmsnorm_takes_the_fused_norm_gpu(patched_megatron, rank_pool, zero_centered_gamma):
     _require_te_gpu()
-    from gdn_cp.cli.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
+    from gdn_cp.ops.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
 
     for rank, res in enumerate(rank_pool(2, device="cuda").run(_te_layer_cases, zero_centered_gamma)):
         assert any("fused RMSNorm" in m for m in res["log"]), res["log"]

@@ -22,9 +22,9 @@ import torch
 from gdn_cp_testing.inputs import hidden_inputs
 from gdn_cp_testing.megatron.layer import DIMS, build_gdn, install_cpu_shims, make_config, rank_groups, run_layer, stock_forward, stock_vs_patched, thd_params
 from gdn_cp_testing.megatron.parity import HIDDEN, MODES, parity_case, sbhd_len
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 from gdn_cp_testing.packings import thd_case, zigzag_rows
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 pytestmark = pytest.mark.megatron
 

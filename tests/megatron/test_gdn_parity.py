@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from gdn_cp_testing.megatron.parity import MODES, parity_case
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 
 def _all_cases(ctx, dtypes):

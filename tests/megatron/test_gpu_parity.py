@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from gdn_cp_testing.megatron.parity import GPU_CFG, MODES, parity_case
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 from gdn_cp_testing.results import JsonlRecorder
-from gdn_cp.cli.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
+from gdn_cp.ops.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 

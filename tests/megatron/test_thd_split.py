@@ -25,7 +25,7 @@ from gdn_cp.megatron.thd_split import (
     resolve_thd_split,
 )
 from gdn_cp_testing.megatron.parity import MODES, parity_case
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 FP64 = TOL[torch.float64]
 
@@ -299,7 +299,7 @@ def _hybrid_cp_no_group(ctx):
     import torch.distributed as dist
 
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
     from gdn_cp_testing.inputs import hidden_inputs
 
     groups = rank_groups()

@@ -16,11 +16,11 @@ import gdn_cp.modes.chunkwise as chunkwise_module
 from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW, RouteCache, plan_for_sbhd
 from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd
 from gdn_cp.ops import get_backend
-from gdn_cp.cli.job_data import core_inputs
+from gdn_cp.modes.inputs import core_inputs
 from gdn_cp_testing.inputs import cp1_core_answer
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 from gdn_cp_testing.packings import document_packings, zigzag_rows
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL
 from gdn_cp.modes.spec import MODE_NAMES
 
 MODES = MODE_NAMES

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gdn_cp.ops.reference import causal_conv1d
 from gdn_cp.ops.reference.naive import naive_causal_conv1d
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 
 
 # Empty sequences (front, middle, back), sequences shorter than W and longer.
