@@ -49,7 +49,7 @@ def stand_in_gdn(*, cp_group=None, tp_size: int = 1, tp_group=None, act_fn=F.sil
 
 class Handed(Exception):
     """Raised in place of the mode: the forward got this far. ``args``: ``(state, group, hidden_states,
-    packed_seq_params)`` as the forward passed them to its call context."""
+    batch)`` as the forward passed them to its call context (``batch``: the PackedSeqParams' fields)."""
 
 
 def handed_over(module, hidden_states: Optional[torch.Tensor] = None, packed_seq_params=None):

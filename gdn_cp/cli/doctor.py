@@ -166,8 +166,9 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
     }
     report["flashqla_verdict"] = flashqla_verdict(report["versions"]["flash-qla"], report["versions"]["tilelang"])
     if report["gpus"]:  # FLA's and FlashQLA's kernels import only with CUDA: probing them on a CPU machine says nothing
-        from ..ops.fla import FLA_COLLECTIVE_BACKENDS, stack_report
-        from ..ops.flashqla import stack_report as flashqla_stack_report
+        from ..ops.fla.detect import stack_report
+        from ..ops.fla.native_cp import FLA_COLLECTIVE_BACKENDS
+        from ..ops.flashqla.detect import stack_report as flashqla_stack_report
         from ..ops.registry import resolve_backend
 
         report["fla_stack"] = stack_report()

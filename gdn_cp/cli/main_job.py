@@ -194,22 +194,18 @@ def _check_memory(cfg: JobConfig) -> None:
 def _check_what_every_rank_checks(cfg: JobConfig) -> None:
     """What every rank would refuse on its own, said here once, before anything is spawned (a
     refusal inside the ranks is one traceback per rank and exit status 1): the backend's head dims
-    (its ``check_head_dims``), and the chunkwise halo/state path the setting asks for (``native``:
+    and dtypes (its spec's), and the chunkwise halo/state path the setting asks for (``native``:
     the backend's cp context, which the reference backend does not have; the rows per rank that
     context needs: its ``check_native_rows``)."""
-    shape = cfg.shape
-    check_head_dims = getattr(get_backend(cfg.backend), "check_head_dims", None)
-    if check_head_dims is not None:
-        try:
-            check_head_dims(shape.head_k_dim, shape.head_v_dim)
-        except ValueError as err:
-            raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
-    check_core = getattr(get_backend(cfg.backend), "check_core", None)  # the dtypes its kernels take
-    if check_core is not None:
-        try:
-            check_core(shape, getattr(torch, cfg.dtype))
-        except ValueError as err:
-            raise ValueError(f"--backend {cfg.backend} --dtype {cfg.dtype}: {err}") from None
+    shape, spec = cfg.shape, backend_spec(cfg.backend)
+    try:
+        spec.check_head_dims(shape.head_k_dim, shape.head_v_dim)
+    except ValueError as err:
+        raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
+    try:
+        spec.check_dtype(cfg.dtype)
+    except ValueError as err:
+        raise ValueError(f"--backend {cfg.backend} --dtype {cfg.dtype}: {err}") from None
     sizes = [cp for cp in cfg.cp_sizes
              if cp > 1 and "chunkwise" in cfg.modes_to_run and "chunkwise" not in _skips(cfg, cp)]
     if not sizes:
@@ -234,15 +230,14 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
 def _native_cp_context(cfg: JobConfig) -> tuple[bool, str]:
     """Whether the ranks' chunkwise would run the backend's native cp context (NCCL groups: one rank per
     GPU), and why not."""
-    problem = getattr(get_backend(cfg.backend), "native_cp_problem", None)
-    if problem is None:
+    if backend_spec(cfg.backend).native_cp is None:
         others = "; ".join(f"{s.title}'s needs --backend {s.name} on {s.native_cp}"
                            for s in BACKENDS.values() if s.native_cp is not None)
         return False, f"the {cfg.backend} backend has none ({others})"
     if cfg.dist_backend != "nccl":
         return False, (f"--dist-backend {cfg.dist_backend}: FLA's cp context runs on NCCL groups (one rank per GPU); "
                        "gloo ranks take gdn-cp's own exchange")
-    why = problem()
+    why = get_backend(cfg.backend).native_cp_problem()
     return why is None, why or ""
 
 

@@ -100,7 +100,7 @@ def fla_unavailable_reason() -> str | None:
     """Why the FLA check cannot run here (no CUDA GPU, FLA does not import), or None when it can."""
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA GPU"
-    from ..ops.fla import fla_available, fla_import_error
+    from ..ops.fla.detect import fla_available, fla_import_error
 
     return None if fla_available() else str(fla_import_error())
 
@@ -326,8 +326,9 @@ def _run_case(name: str, fn: Callable[[], dict], tolerance: float) -> CaseResult
 
 def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
     """Run the backend checks; returns a report (``report.ok``; ``str(report)`` says what failed)."""
-    from gdn_cp.ops import reference
+    from ..ops.registry import get_backend
 
+    reference = get_backend("reference")
     versions = stack_versions()
     cases: list[CaseResult] = []
     notes = known_hazards(versions) if gpu else []
@@ -343,15 +344,16 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                               notes=notes, not_checked=[f"the FLA backend ({why}): `gdn-cp selftest --gpu` checks "
                                                         "it where torch sees a CUDA GPU and FLA imports"])
 
-    from gdn_cp.ops import fla as fla_backend
+    from ..ops.fla import detect as fla_detect
 
     not_checked: list[str] = []
     if not torch.cuda.is_available():
         cases.append(CaseResult(name="fla/cuda", ok=False, error="CUDA is not available to torch "
                                 f"{torch.__version__}; the FLA backend needs a CUDA GPU"))
-    elif not fla_backend.fla_available():
-        cases.append(CaseResult(name="fla/import", ok=False, error=str(fla_backend.fla_import_error())))
+    elif not fla_detect.fla_available():
+        cases.append(CaseResult(name="fla/import", ok=False, error=str(fla_detect.fla_import_error())))
     else:
+        fla_backend = get_backend("fla")
         dev = torch.device("cuda", torch.cuda.current_device())
         for dtype in (torch.float32, torch.bfloat16):
             dname = str(dtype).replace("torch.", "")
@@ -372,11 +374,11 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                     f"te/gated_norm/bfloat16{'/zero_centered_gamma' if zcg else ''}",
                     lambda zcg=zcg: te_gated_norm_case(te, fla_backend, zero_centered_gamma=zcg, device=dev, seed=seed),
                     FLA_VS_FP64_REL_L2["bfloat16"]))
-        if not fla_backend.has_cp_context():
+        if not fla_detect.has_cp_context():
             notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
                          "the FLA backend")
     _flashqla_cases(cases, not_checked, seed)
-    stack = fla_backend.stack_report() if torch.cuda.is_available() else {}
+    stack = fla_detect.stack_report() if torch.cuda.is_available() else {}
     return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes,
                           not_checked=not_checked, stack=stack)
 
@@ -388,9 +390,9 @@ def _flashqla_cases(cases: list, not_checked: list, seed: int) -> None:
     """The FlashQLA backend (bf16, head dims 128: what it takes) against the reference in fp64, where it
     runs here (an sm_90+ GPU with flash-qla and TileLang); else listed as not checked, with why. Its
     first call compiles TileLang kernels (minutes on a fresh machine without TILELANG_CACHE_DIR)."""
-    from gdn_cp.ops import reference
-    from gdn_cp.ops.registry import BACKENDS, get_backend
+    from ..ops.registry import BACKENDS, get_backend
 
+    reference = get_backend("reference")
     why = BACKENDS["flashqla"].problem()
     if why is not None:
         not_checked.append(f"the FlashQLA backend ({why})")

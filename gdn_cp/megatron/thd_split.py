@@ -51,7 +51,7 @@ from typing import Any, Optional
 
 from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
-from ..modes.settings import THD_SPLIT_FIELD, check_thd_split_setting
+from ..modes.settings import THD_SPLIT_FIELD, Settings, check_thd_split_setting
 
 __all__ = [
     "THD_SPLIT_FIELD",
@@ -306,7 +306,10 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
       (pipeline parallelism, MoE, MTP, FP8 / FP4), each with the reason.
 
     ValueError when ``--linear-cp-thd-split`` contradicts the cut (``whole_row`` for a model with
-    attention layers at CP > 1 included)."""
+    attention layers at CP > 1 included). First of all, ``--linear-cp-mode`` and ``--linear-cp-backend``
+    are checked against gdn-cp's registries, with the config's messages (the patched fields are plain
+    strings: the patch names no mode and no backend, so argparse takes any)."""
+    Settings(mode=getattr(args, "linear_cp_mode", "auto"), backend=getattr(args, "linear_cp_backend", "auto"))
     check_megatron_lm_model(args)
     given = check_thd_split_setting(getattr(args, THD_SPLIT_FIELD, None), "--linear-cp-thd-split")
     flags = {

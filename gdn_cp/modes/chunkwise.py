@@ -82,7 +82,7 @@ def _native_core(ctx: CallContext) -> Optional[NativeCPCore]:
     if setting == "native" and native is None:
         raise ValueError(
             f"chunkwise path 'native' ({CHUNKWISE_PATH_ENV} or gdn_core's chunkwise_path) but the "
-            f"{getattr(backend, '__name__', type(backend).__name__)} backend has no native CP core for this "
+            f"{backend.spec.title} backend has no native CP core for this "
             "group (FLA's cp context needs a CUDA device, FLA >= 0.4.2 and an NCCL group); set 'auto' or 'generic'"
         )
     why = ("the backend's cp context" if native is not None else
@@ -97,8 +97,7 @@ def _zigzag_core(ctx: CallContext) -> Optional[NativeCPCore]:
     stream and the backend has one (FLA >= 0.6), else None (logged once per outcome)."""
     if not is_one_zigzag_stream(ctx.plan):
         return None
-    make = getattr(ctx.backend, "native_zigzag_cp_core", None)
-    zigzag = None if make is None else make(ctx.group)
+    zigzag = ctx.backend.native_zigzag_cp_core(ctx.group)
     _log_once(("zigzag", ctx.settings.chunkwise_path, zigzag is not None),
               "chunkwise halo/state exchange: %s path (setting %s; %s)",
               "native-zigzag" if zigzag is not None else "native-contiguous", ctx.settings.chunkwise_path,
@@ -317,9 +316,8 @@ def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group
         part = slice(a, b)
         return q[part], k[part], v[part], g[part], beta[part]
 
-    summarize = getattr(backend, "chunk_state_summary", None)
-    if summarize is not None:
-        return _scan_after_parallel_summary(rows, cw, scan, summarize, group, shape, state_dtype, v)
+    if backend.chunk_state_summary is not None:
+        return _scan_after_parallel_summary(rows, cw, scan, backend.chunk_state_summary, group, shape, state_dtype, v)
 
     o_tail = None
     if cw.last_is_first:

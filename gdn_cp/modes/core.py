@@ -156,9 +156,7 @@ def gdn_core(
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None (no CP), got {type(group).__name__}")
     world = 1 if group is None else group_size(group)
     check_core_inputs(qkv, g, beta, conv_weight, conv_bias, shape, plan, world)
-    check_core = getattr(backend, "check_core", None)  # the kernels' own limits (head dims, dtypes)
-    if check_core is not None:
-        check_core(shape, qkv.dtype)
+    backend.check_shape(shape, qkv.dtype)  # the kernels' own limits (head dims, dtypes)
     if world > 1:
         _check_heads(spec, shape, world)
     ctx = CallContext(settings=settings, shape=shape, plan=plan, group=group if world > 1 else None, backend=backend)

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from gdn_cp.ops import GDNShape
-from gdn_cp.ops.flashqla import flashqla_problem
+from gdn_cp.ops.flashqla.detect import flashqla_problem
 from gdn_cp_testing.inputs import fla_core_inputs
 from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.results import JsonlRecorder
@@ -107,7 +107,7 @@ def _baseline(case: str, dims=None, cu=None):
     if key in _BASELINES:
         return _BASELINES[key]
     from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla import fla_available
+    from gdn_cp.ops.fla.detect import fla_available
 
     shape = GDNShape(**dims)
     cu = CASES[case][0] if cu is None else cu
@@ -216,7 +216,7 @@ def _gather(results, key: str, cp: int, start: int, t_global: int) -> dict:
 def test_modes_match_cp1(cuda_pool, path, cp):
     """generic: headwise, all_gather and chunkwise (gdn-cp's exchange); native: chunkwise on FlashQLA's
     inter-card context (skipped where it cannot run: FlashQLA < 0.1.3, or FLA's cp context missing)."""
-    from gdn_cp.ops.flashqla import native_cp_problem
+    from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
     if path == "native" and native_cp_problem() is not None:
         pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
@@ -270,7 +270,7 @@ def _rank_realistic(rctx, inp: dict, cu: list, cp: int, path: str):
 def test_realistic_shape_chunkwise_cp2(cuda_pool, path):
     """16 key / 32 value heads, head dim 128, T=8192 in one sequence: chunkwise at cp=2 against FlashQLA
     at CP=1, FLA at CP=1 and the fp64 reference."""
-    from gdn_cp.ops.flashqla import native_cp_problem
+    from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
     if path == "native" and native_cp_problem() is not None:
         pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
@@ -323,7 +323,7 @@ def _rank_syncs(rctx, inp: dict, cp: int, path: str):
 def test_second_call_makes_no_sync(cuda_pool, path):
     """gdn-cp's rule: after the first layer of a micro-batch, a layer call makes no device->host sync.
     FlashQLA's caches (boundaries-derived tensors, keyed on the tensor object, 4 entries) must hit."""
-    from gdn_cp.ops.flashqla import native_cp_problem
+    from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
     if path == "native" and native_cp_problem() is not None:
         pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.megatron import backend as glue
+from gdn_cp.megatron import layer as glue
 from gdn_cp.megatron.config import configure_linear_cp_mode
 from gdn_cp.ops import get_backend
 
@@ -26,16 +26,16 @@ def _config(backend="auto", *, dims=(128, 128), dtype=torch.bfloat16, determinis
 
 
 def _layer(backend="auto", *, dims=(128, 128), dtype=torch.bfloat16, deterministic=False):
-    """``(settings, layer)`` of a layer call: its checked settings and the adapter's view of the layer."""
+    """``(settings, layer)`` of a layer: its checked settings and the adapter's view of the layer."""
     from gdn_cp.modes import Settings
 
-    settings = Settings(mode="chunkwise", backend=backend, deterministic=deterministic)
+    settings = Settings.from_environment(mode="chunkwise", backend=backend, deterministic=deterministic)
     return settings, types.SimpleNamespace(head_dims=dims, activation_dtype=dtype, layer_number=3)
 
 
 @pytest.fixture
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(glue, "_CHOSEN", {})
+    monkeypatch.setattr(glue, "_LOGGED_CHOICES", set())
 
 
 def test_config_default_is_auto_and_a_typo_fails():
@@ -83,7 +83,7 @@ def fake_installed():
 
 
 def test_forward_resolves_auto_per_device_and_logs_once(fresh_choices, fake_installed, caplog):
-    with caplog.at_level(logging.INFO, logger="gdn_cp.megatron.backend"):
+    with caplog.at_level(logging.INFO, logger="gdn_cp.megatron.layer"):
         assert glue.choose_backend(*_layer(), torch.device("cpu")) is get_backend("reference")
         assert glue.choose_backend(*_layer(), torch.device("cuda")) is get_backend("flashqla")
         assert glue.choose_backend(*_layer(), torch.device("cuda")) is get_backend("flashqla")

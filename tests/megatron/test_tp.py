@@ -117,7 +117,7 @@ def test_tp_cp_sp_equal_tp1_cp1(patched_megatron, rank_pool):
 
 def _without_tp_grad_sum(ctx):
     """The same comparison with gdn-cp's out_norm TP gradient sum switched off (stock 0.19.2)."""
-    import gdn_cp.megatron.gdn as glue
+    import gdn_cp.megatron.layer as glue
 
     saved = glue.install_tp_grad_sum
     glue.install_tp_grad_sum = lambda layer: []

@@ -8,6 +8,8 @@ reference backend.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,20 +40,16 @@ def thd_boundaries(cp):
     return cu
 
 
-class ScanOnlyBackend:
+def scan_only_backend():
     """The reference kernels without ``chunk_state_summary``: chunkwise then takes its state
     summaries from scans (tail first, mid while the gather travels), as with FLA on gloo."""
-
-    def __init__(self):
-        ref = get_backend("reference")
-        self.causal_conv1d, self.chunk_gated_delta_rule = ref.causal_conv1d, ref.chunk_gated_delta_rule
-        self.native_cp_core = ref.native_cp_core
+    return replace(get_backend("reference"), chunk_state_summary=None)
 
 
 def _run_modes(ctx, layout, dtype, modes=MODES, mutate=None, shape=SHAPE, scan_only=False):
     rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD
-    backend = ScanOnlyBackend() if scan_only else get_backend("reference")
+    backend = scan_only_backend() if scan_only else get_backend("reference")
     out = {}
     if layout in ("thd", "thd_whole_row"):
         whole_row = layout == "thd_whole_row"

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from gdn_cp.layout import Boundaries
-from gdn_cp.ops import fla as fla_backend
-from gdn_cp.ops.fla import check_chunkwise_layout, fla_available, fla_version, has_cp_context, native_cp
+from gdn_cp.ops import get_backend
+from gdn_cp.ops.fla import native_cp
+from gdn_cp.ops.fla.detect import FLAFeatures, fla_available, fla_version, has_cp_context
+from gdn_cp.ops.fla.kernels import FLAFunctions
+from gdn_cp.ops.fla.native_cp import check_chunkwise_layout
+
+fla_backend = get_backend("fla")  # the kernels' module loads (torch), FLA itself on a kernel's first call
 
 CONV_W = 4
 # T_global = 512 (128 rows per rank at cp=4): an empty segment; seq 3 = [126, 300) has 2 (= W-2)
@@ -65,7 +70,7 @@ def test_cpu_tensors_are_refused_with_a_fix():
 
 def test_head_dim_limits():
     with pytest.raises(ValueError, match=r"head_k_dim=512.*\[16, 256\]"):
-        fla_backend.check_head_dims(512, 64)
+        fla_backend.spec.check_head_dims(512, 64)
 
 
 def test_cp_context_cache_provenance(monkeypatch):
@@ -77,8 +82,8 @@ def test_cp_context_cache_provenance(monkeypatch):
         built.append((cu.tolist(), cu_seqlens_cpu.tolist(), conv1d_kernel_size))
         return object()
 
-    monkeypatch.setattr(native_cp, "fla_api", lambda: fla_backend.FLAFunctions(None, None, fake_build))
-    monkeypatch.setattr(native_cp, "features", lambda: fla_backend.FLAFeatures(
+    monkeypatch.setattr(native_cp, "fla_api", lambda: FLAFunctions(None, None, fake_build))
+    monkeypatch.setattr(native_cp, "features", lambda: FLAFeatures(
         None, None, kernel_size_arg="conv1d_kernel_size", takes_cu_seqlens_cpu=True))
     cache: dict = {}
     cpu, grp = torch.device("cpu"), object()

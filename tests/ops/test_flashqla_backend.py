@@ -203,7 +203,7 @@ def test_no_rows_and_only_empty_sequences(fake):
 @pytest.mark.parametrize("change, match", [
     (dict(dk=64), r"head_k_dim=64, head_v_dim=128: FlashQLA's kernels take head dims of 128 only"),
     (dict(dv=192), r"head_v_dim=192"),
-    (dict(dtype=torch.float32), r"bfloat16 or float16 q, k, v only"),
+    (dict(dtype=torch.float32), r"bfloat16 / float16 activations only, not float32\. Fix:"),
     (dict(v_dtype=torch.float16), r"q, k, v must share one dtype"),
 ])
 def test_refusals_name_the_fix_before_any_kernel(fake, change, match):
@@ -217,12 +217,12 @@ def test_refusals_name_the_fix_before_any_kernel(fake, change, match):
     assert not fake.CALLS
     if "v_dtype" not in change:
         with pytest.raises(ValueError, match=match):
-            get_backend("flashqla").check_core(shape, change.get("dtype", torch.bfloat16))
+            get_backend("flashqla").check_shape(shape, change.get("dtype", torch.bfloat16))
 
 
 def test_cpu_tensors_are_refused_without_the_stand_in():
     t, _, _ = _gdr_inputs([0, 40])
-    with pytest.raises(ValueError, match="runs TileLang kernels on CUDA tensors only"):
+    with pytest.raises(ValueError, match=r"TileLang kernels run on NVIDIA sm_90\+ GPUs only"):
         get_backend("flashqla").chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=[0, 40])
 
 
@@ -231,7 +231,9 @@ def test_transition_summary_through_value_blocks(fake):
     values ``[0 | v]`` (Dk + Dv = 256 wide: two FlashQLA calls) from ``[I | 0]``: the reference's
     tree-composed summary, to fp32 rounding."""
     from gdn_cp.modes.chunkwise import transition_summary
-    from gdn_cp.ops import reference
+    from gdn_cp.ops import get_backend
+
+    reference = get_backend("reference")
 
     cu = [0, 150]
     t, _, _ = _gdr_inputs(cu)

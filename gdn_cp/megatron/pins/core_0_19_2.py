@@ -32,9 +32,8 @@ ops/basic/rmsnorm.py; read at 2.19 and 2.20.0.dev0, same files) computes ``x * r
 eps) * (weight + 1 if zero_centered_gamma else weight)`` over the last dims ``weight.shape``, has
 no bias, and keeps ``sequence_parallel`` as a tag on its weight for Megatron.
 
-Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
-``cu_seqlens_q_padded`` / ``cu_seqlens_q``, ``cp_group``, ``local_cp_size``) are read in
-:mod:`gdn_cp.megatron.gdn` directly.
+``PackedSeqParams`` fields used (:func:`read_packed_seq_params`): ``qkv_format``, ``cu_seqlens_q_padded``
+/ ``cu_seqlens_q``, ``cp_group`` and ``local_cp_size`` (dynamic CP).
 """
 
 from __future__ import annotations
@@ -44,7 +43,8 @@ from typing import Any, Callable, Optional
 
 __all__ = [
     "VERSION", "STOCK_MODE", "STOCK_BACKEND", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
-    "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
+    "PackedSeqFields", "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
+    "read_packed_seq_params",
 ]
 
 VERSION = "0.19.2"
@@ -116,6 +116,37 @@ def read_config(config) -> ConfigFields:
 
 
 _ABSENT = object()
+
+
+@dataclass(frozen=True)
+class PackedSeqFields:
+    """The ``PackedSeqParams`` fields gdn-cp reads, as they are (checked where they are used).
+
+    ``params``: the ``PackedSeqParams`` itself (None: there is none; gdn-cp keeps its per-micro-batch
+    caches on it); ``thd``: packed input (``qkv_format == "thd"``); ``cu_seqlens``: the boundaries the rows were cut
+    with (``cu_seqlens_q_padded``, else ``cu_seqlens_q``; None: neither), ``cu_name`` the field it came
+    from; ``cp_group`` / ``local_cp_size``: the micro-batch's dynamic CP group and its size (None: unset)."""
+
+    params: Any
+    thd: bool
+    cu_seqlens: Any
+    cu_name: str
+    cp_group: Any
+    local_cp_size: Any
+
+
+_NO_PACKED_SEQ = PackedSeqFields(None, False, None, "cu_seqlens_q_padded", None, None)
+
+
+def read_packed_seq_params(params) -> PackedSeqFields:
+    """The fields of a micro-batch's ``PackedSeqParams`` (None: SBHD input, no dynamic CP)."""
+    if params is None:
+        return _NO_PACKED_SEQ
+    cu, name = getattr(params, "cu_seqlens_q_padded", None), "cu_seqlens_q_padded"
+    if cu is None:
+        cu, name = getattr(params, "cu_seqlens_q", None), "cu_seqlens_q"
+    return PackedSeqFields(params, getattr(params, "qkv_format", None) == "thd", cu, name,
+                           getattr(params, "cp_group", None), getattr(params, "local_cp_size", None))
 
 
 def set_linear_cp_mode(config, mode: str) -> None:
@@ -232,6 +263,11 @@ class LayerAdapter:
     def activation(self):
         """The activation the layer computes with (``act_fn``, from ``config.activation_func``)."""
         return self.layer.act_fn
+
+    @staticmethod
+    def packed_seq(params) -> PackedSeqFields:
+        """A micro-batch's ``PackedSeqParams`` fields (:func:`read_packed_seq_params`)."""
+        return read_packed_seq_params(params)
 
     # -- parallel sizes and groups ------------------------------------------------------------
     @property

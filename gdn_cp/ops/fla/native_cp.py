@@ -33,10 +33,12 @@ import torch
 
 from ...comm import group_backend, group_size
 from ...layout.boundaries import Boundaries, check_cp, host_boundaries
+from ..kernel_args import check_core_args
 from ..shape import GDNShape
 from . import detect
 from .detect import features, fla_version, has_cp_context, has_zigzag_layout
-from .kernels import causal_conv1d, check_head_dims, chunk_gated_delta_rule, fla_api, kv_heads_for_kernel, require_cuda
+from .kernels import causal_conv1d, chunk_gated_delta_rule, fla_api, kv_heads_for_kernel
+from .spec import SPEC
 
 __all__ = [
     "FLA_COLLECTIVE_BACKENDS",
@@ -197,28 +199,6 @@ def _cp_context(cache: dict | None, cu: Boundaries, group, conv_kernel_size: int
     return ctx
 
 
-def _check_core_inputs(qkv, g, beta, conv_weight, shape: GDNShape) -> int:
-    """The tensor checks both cores share (before any collective); returns the conv width W."""
-    for name, t in (("qkv", qkv), ("g", g), ("beta", beta), ("conv_weight", conv_weight)):
-        require_cuda(name, t)
-    if qkv.dim() != 2:
-        raise ValueError(f"qkv must be [T_c, C] (THD, batch folded into tokens, B == 1); got {tuple(qkv.shape)}")
-    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
-    check_head_dims(dk, dv)
-    t_c, c = qkv.shape
-    if c != shape.conv_dim:
-        raise ValueError(
-            f"qkv has {c} channels but [q|k|v] needs 2*{hk}*{dk} + {hv}*{dv} = {shape.conv_dim}. "
-            "Fix: pass the GDNShape of this (TP-local) layer."
-        )
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != c:
-        raise ValueError(f"conv_weight must be [C={c}, W]; got {tuple(conv_weight.shape)}")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (t_c, hv):
-            raise ValueError(f"{name} must be [T_c={t_c}, Hv={hv}]; got {tuple(t.shape)}")
-    return conv_weight.shape[1]
-
-
 def context_conv(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, *,
                  cu_seqlens_global: Boundaries, group, cache: dict | None = None) -> torch.Tensor:
     """FLA's causal conv (SiLU) of this rank's contiguous rows ``qkv [T_c, C]`` with FLA's cp context
@@ -293,7 +273,7 @@ def cp_context_core(
     Boundaries object on every call, e.g. a plan's, to reuse the cp context kept in ``cache``).
     Everything is checked before the first collective. Returns o [T_c, Hv, Dv].
     """
-    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
+    w = check_core_args(SPEC, qkv, g, beta, conv_weight, shape)
     cp_size = 1 if group is None else group_size(group)
     cu = check_chunkwise_layout(
         cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0],
@@ -358,7 +338,7 @@ def zigzag_context_core(
     (the state and the conv restart there). Tensors as in :func:`cp_context_core`. Everything is
     checked before the first collective. Returns o [T_local, Hv, Dv] in the same rows.
     """
-    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
+    w = check_core_args(SPEC, qkv, g, beta, conv_weight, shape)
     cp_size = 1 if group is None else group_size(group)
     cu = check_zigzag_stream(cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0])
     if cp_size == 1:

@@ -20,7 +20,6 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ... import env
 from ..installed import dist_version
 
 __all__ = [
@@ -30,8 +29,6 @@ __all__ = [
     "features",
     "flashqla_problem",
     "flashqla_version",
-    "AUTO_CP_ENV",
-    "auto_cp_setting",
     "conv_choice",
     "fused_norm_choice",
     "log_stack_once",
@@ -140,16 +137,6 @@ def flashqla_problem() -> Optional[str]:
     return features().problem
 
 
-AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
-
-
-def auto_cp_setting() -> bool:
-    """FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on
-    one GPU, with the pieces' states corrected afterwards; FlashQLA's default, and where its speed
-    at few heads comes from): ``GDN_CP_FLASHQLA_AUTO_CP`` (default 1; 0 turns it off)."""
-    return env.read(AUTO_CP_ENV) == "1"
-
-
 @functools.lru_cache(maxsize=1)  # no arguments: one answer per process (never cache on tensors)
 def conv_choice() -> tuple[Callable, str]:
     """``(causal_conv1d, what it is)``: FLA's conv kernel where FLA imports, else gdn-cp's plain-torch
@@ -192,7 +179,7 @@ def stack_report() -> dict:
     c = report["choices"]
     c["gated delta rule"] = ("flash_qla.chunk_gated_delta_rule: q/k at the key heads (GVA in the kernel), head dims "
                              "128 (a value head dim that is a multiple of 128 as 128-wide calls), bf16/fp16, "
-                             f"auto_cp={auto_cp_setting()} (its split of long sequences inside one GPU)")
+                             "auto_cp (its split of long sequences inside one GPU) as GDN_CP_FLASHQLA_AUTO_CP says (default on)")
     c["conv"] = conv_choice()[1]
     c["chunkwise"] = ("native: FlashQLA's inter-card cp context (state exchange) with FLA's cp context for the conv"
                       if found.inter_card_cp else

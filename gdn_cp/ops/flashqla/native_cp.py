@@ -22,6 +22,7 @@ chunkwise routes zigzag rows to the contiguous slices first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -30,17 +31,12 @@ from ...comm import group_size
 from ...layout.boundaries import Boundaries
 from ..fla import detect as fla_detect
 from ..fla import native_cp as fla_native
+from ..kernel_args import check_core_args
 from ..shape import GDNShape
+from . import kernels
 from .detect import features, flashqla_version
-from .kernels import (
-    auto_cp_setting,
-    causal_conv1d,
-    check_core,
-    chunk_gated_delta_rule,
-    flashqla_api,
-    require_device,
-    run_in_value_blocks,
-)
+from .kernels import causal_conv1d, chunk_gated_delta_rule, flashqla_api, run_in_value_blocks
+from .spec import SPEC
 
 __all__ = ["check_native_rows", "inter_card_core", "native_cp_core", "native_cp_problem"]
 
@@ -62,12 +58,13 @@ def native_cp_problem() -> str | None:
     return None
 
 
-def native_cp_core(group):
-    """:func:`inter_card_core` when FlashQLA's inter-card context and FLA's cp context (the conv) can
-    run on ``group``, else None (then chunkwise exchanges halos and state summaries itself)."""
-    if group is None or native_cp_problem() is not None:
+def native_cp_core(group, *, auto_cp: bool = True):
+    """:func:`inter_card_core` (with FlashQLA's ``auto_cp``) when FlashQLA's inter-card context and FLA's
+    cp context (the conv) can run on ``group``, else None (then chunkwise exchanges halos and state
+    summaries itself)."""
+    if group is None or native_cp_problem() is not None or not fla_native.runs_on(group):
         return None
-    return inter_card_core if fla_native.runs_on(group) else None
+    return partial(inter_card_core, auto_cp=auto_cp)
 
 
 def check_native_rows(cu_seqlens_global: Sequence[int], cp_size: int, conv_kernel_size: int) -> None:
@@ -85,11 +82,11 @@ class _ContextEntry:
     ctx: Any
 
 
-def _cp_context(cache: dict | None, cu: Boundaries, group, num_v_heads: int, device: torch.device):
+def _cp_context(cache: dict | None, cu: Boundaries, group, num_v_heads: int, device: torch.device, auto_cp: bool):
     """FlashQLA's inter-card context for these boundaries (without empty sequences), kept in
     ``cache`` (a plan's ``backend_cache``) for the life of the plan. Built from host values: no
     device sync."""
-    auto_cp, is_train = auto_cp_setting(), torch.is_grad_enabled()
+    is_train = torch.is_grad_enabled()
     key = (num_v_heads, device, is_train, auto_cp)
     entry = None if cache is None else cache.get(_CACHE_KEY)
     if entry is not None and entry.boundaries is cu and entry.group is group and entry.key == key:
@@ -104,25 +101,6 @@ def _cp_context(cache: dict | None, cu: Boundaries, group, num_v_heads: int, dev
     return ctx
 
 
-def _check_core_inputs(qkv, g, beta, conv_weight, shape: GDNShape) -> int:
-    """The tensor checks (before any collective); returns the conv width W."""
-    for name, t in (("qkv", qkv), ("g", g), ("beta", beta), ("conv_weight", conv_weight)):
-        require_device(name, t)
-    if qkv.dim() != 2:
-        raise ValueError(f"qkv must be [T_c, C] (THD, batch folded into tokens, B == 1); got {tuple(qkv.shape)}")
-    check_core(shape, qkv.dtype)
-    t_c, c = qkv.shape
-    if c != shape.conv_dim:
-        raise ValueError(f"qkv has {c} channels but [q|k|v] needs {shape.conv_dim}. Fix: pass the GDNShape of "
-                         "this (TP-local) layer.")
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != c:
-        raise ValueError(f"conv_weight must be [C={c}, W]; got {tuple(conv_weight.shape)}")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (t_c, shape.num_v_heads):
-            raise ValueError(f"{name} must be [T_c={t_c}, Hv={shape.num_v_heads}]; got {tuple(t.shape)}")
-    return conv_weight.shape[1]
-
-
 def inter_card_core(
     qkv: torch.Tensor,
     g: torch.Tensor,
@@ -135,13 +113,14 @@ def inter_card_core(
     group,
     cache: dict | None = None,
     scale: float | None = None,
+    auto_cp: bool = True,
 ) -> torch.Tensor:
     """Conv (SiLU, FLA's cp context) + FlashQLA's gated delta rule (its inter-card cp context) on this
     rank's contiguous slice ``qkv [T_c, C]`` (channels ``[q | k | v]`` before the conv), ``g, beta
     [T_c, Hv]``, ``conv_weight [C, W]``; ``cu_seqlens_global``: the global boundaries (pass the same
     Boundaries object on every call, e.g. a plan's, so that both contexts kept in ``cache`` are
     reused). Everything is checked before the first collective. Returns ``o [T_c, Hv, Dv]``."""
-    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
+    w = check_core_args(SPEC, qkv, g, beta, conv_weight, shape, kernels.DEVICE_TYPES)
     cp_size = 1 if group is None else group_size(group)
     cu = fla_native.check_chunkwise_layout(
         cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0],
@@ -159,15 +138,16 @@ def inter_card_core(
     q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(t_c, hk, dk), k.reshape(t_c, hk, dk), v.reshape(t_c, hv, dv)
     if cp_size == 1:
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm,
+                                      auto_cp=auto_cp)
         return o
-    ctx = _cp_context(cache, cu, group, hv, qkv.device)
+    ctx = _cp_context(cache, cu, group, hv, qkv.device, auto_cp)
     fn = flashqla_api().chunk_gated_delta_rule
     q1, k1, g1, b1 = q.unsqueeze(0), k.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0)
 
     def call(v_block, _h0):
         o, _ = fn(q=q1, k=k1, v=v_block.unsqueeze(0), g=g1, beta=b1, scale=scale, use_qk_l2norm_in_kernel=shape.qk_l2norm,
-                  cu_seqlens=ctx.cu_seqlens, auto_cp=auto_cp_setting(), cp_context=ctx)
+                  cu_seqlens=ctx.cu_seqlens, auto_cp=auto_cp, cp_context=ctx)
         return o.squeeze(0), None
 
     o, _ = run_in_value_blocks(call, v, None, False)
