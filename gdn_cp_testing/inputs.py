@@ -22,7 +22,7 @@ __all__ = ["cp1_core_answer", "fla_core_inputs", "hidden_inputs"]
 def cp1_core_answer(inputs: dict, shape, cu: Sequence[int], backend="reference"):
     """CP=1 output ``[T, Hv, Dv]`` and gradients ``{name: grad}`` of the core on the whole packed
     stream: the reference every CP mode is compared with."""
-    from gdn_cp.modes.common import local_core
+    from gdn_cp.modes.local import local_core
     from gdn_cp.ops import get_backend
 
     leaves = core_leaves(inputs)

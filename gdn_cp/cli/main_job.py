@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from ..checks import as_int
+from ..comm import nccl_available
 from ..layout.packings import packed_boundaries
 from ..modes import GDNShape
 from ..modes.inputs import core_inputs, core_leaves
@@ -79,7 +80,7 @@ def auto_config(**overrides) -> JobConfig:
                                                 dtype=cfg.dtype)
     if "dist_backend" not in overrides:
         enough = torch.cuda.device_count() >= max(cfg.cp_sizes, default=1)
-        choice["dist_backend"] = "nccl" if enough and torch.distributed.is_nccl_available() else "gloo"
+        choice["dist_backend"] = "nccl" if enough and nccl_available() else "gloo"
     logger.info("CUDA found (%d GPU(s)): %s", torch.cuda.device_count(), choice)
     return JobConfig(**{**cfg.__dict__, **choice})
 
@@ -121,7 +122,7 @@ def check_job(cfg: JobConfig) -> None:
     if cfg.dist_backend == "nccl":
         if cfg.device != "cuda":
             raise ValueError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on the CPU")
-        if not torch.distributed.is_nccl_available():
+        if not nccl_available():
             raise ValueError(f"--dist-backend nccl: this torch {torch.__version__} has no NCCL; "
                              "use --dist-backend gloo")
         gpus, need = torch.cuda.device_count(), max(cfg.cp_sizes)
@@ -284,13 +285,11 @@ def _sync(device: torch.device) -> None:
 
 def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     """One rank of a cp-sized run: round trip, CP=1 answer, then each mode. A JSON-able report."""
-    import torch.distributed as dist
-
-    from ..comm import all_gather_rows, route_all_to_all
+    from ..comm import all_gather_rows, barrier, group_backend, route_all_to_all, world_group
     from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
     from ..modes import CallContext, Settings, gdn_core, prepare_mode
 
-    rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
+    rank, device, group = ctx.rank, ctx.device, world_group()
     report: dict = {"rank": rank}
     t_global = cfg.tokens_per_rank * cp
     cu = packed_boundaries(cfg.num_sequences, t_global, cp, cfg.seed)
@@ -320,7 +319,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     per_mode = {}
     for mode in modes:
         leaves = core_leaves(data, own)
-        dist.barrier(group)
+        barrier(group)
         _sync(device)
         t0 = time.perf_counter()
         o = gdn_core(leaves["qkv"], leaves["g"], leaves["beta"], leaves["conv_weight"], leaves["conv_bias"],
@@ -340,7 +339,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     if "chunkwise" in modes:
         call = CallContext(settings=Settings.from_environment(mode="chunkwise"), shape=cfg.shape, plan=plan,
                            group=group, backend=backend)
-        report["chunkwise_path"] = f"{prepare_mode(call).path} ({dist.get_backend(group)} group)"
+        report["chunkwise_path"] = f"{prepare_mode(call).path} ({group_backend(group)} group)"
     return report
 
 

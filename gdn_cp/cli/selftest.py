@@ -270,12 +270,13 @@ def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: 
     """The backend's fused gated norm, with the weight and eps gdn-cp reads from TransformerEngine's
     RMSNorm (``gdn_cp.megatron.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
     norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it; bf16: y, dx, dz, dweight."""
-    from ..megatron.pins.core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
+    from ..megatron.pins import load_adapter
 
+    release = load_adapter()  # how gdn-cp reads TransformerEngine's RMSNorm in the pinned release
     n, d = 300, 64
     norm = te.RMSNorm(d, eps=1e-5, zero_centered_gamma=zero_centered_gamma, params_dtype=torch.bfloat16,
                       device=device)
-    problem = fused_rms_norm_problem(norm, d)
+    problem = release.fused_rms_norm_problem(norm, d)
     if problem is not None:
         raise RuntimeError(f"gdn-cp does not take this TransformerEngine RMSNorm for the fused norm: {problem}")
     gen = torch.Generator().manual_seed(seed)
@@ -291,7 +292,7 @@ def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: 
         return {"y": y.detach(), "dx": x.grad, "dz": z.grad, "dweight": norm.weight.grad.clone()}
 
     fused = backend.fused_gated_rms_norm()
-    got = run(lambda x, z: fused(x, z, fused_rms_norm_weight(norm), fused_rms_norm_eps(norm)))
+    got = run(lambda x, z: fused(x, z, release.fused_rms_norm_weight(norm), release.fused_rms_norm_eps(norm)))
     want = run(lambda x, z: (norm(x) * F.silu(z.float())).to(x.dtype))
     return {k: (got[k], want[k]) for k in got}
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..modes.core import prepare_mode
+from ..modes.entry import prepare_mode
 from .call import call_context, cp_group, should_dispatch
 from .layer import layer_state
 from .segment import LayerSegment

@@ -40,7 +40,7 @@ class LayerState:
     buffer or submodule, so ``state_dict`` and module hooks never see it): what its first call read,
     and what was checked or built once for it."""
 
-    adapter: Any  # pins.core_<version>.LayerAdapter
+    adapter: Any  # pins.megatron_core_<version>.LayerAdapter
     shape: GDNShape  # the TP-local head shape (the grouped-heads rule checked once, here)
     settings: Settings  # the config's fields and the environment, read and checked once
     hybrid_context_parallel: bool  # config.hybrid_context_parallel (the THD cut's fallback)

@@ -46,7 +46,7 @@ from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
 from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
-from .common import conv_split
+from .local import conv_split
 from .context import CallContext, Mode
 from .spec import MODES
 from .packing import sbhd_to_thd, thd_to_sbhd

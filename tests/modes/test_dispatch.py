@@ -29,7 +29,7 @@ SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 def test_every_registered_mode_prepares_a_core(name):
     """Every registry entry has its class, from the mode's own file, naming the entry; its prepare()
     gives a Mode whose core is callable the way gdn_core calls it."""
-    from gdn_cp.modes.core import MODE_CLASSES
+    from gdn_cp.modes.entry import MODE_CLASSES
 
     spec = MODES[name]
     runner = MODE_CLASSES[spec]

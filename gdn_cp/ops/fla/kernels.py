@@ -15,9 +15,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..installed import log_stack_once
 from ..kernel_args import boundaries_of, check_gdr_args, check_initial_state, require_device
 from ..varlen import varlen_gated_delta_rule
-from .detect import features, fla_import_error, fla_own_gated_delta_rule, has_cp_context, log_stack_once
+from .detect import features, fla_import_error, fla_own_gated_delta_rule, has_cp_context, stack_report
 from .spec import SPEC
 
 __all__ = ["causal_conv1d", "chunk_gated_delta_rule", "FLAFunctions", "fla_api", "kv_heads_for_kernel"]
@@ -41,7 +42,7 @@ def fla_api() -> FLAFunctions:
             f"FLA backend unavailable: {err}. Fix: install flash-linear-attention (>= 0.4.2) with a "
             "Triton it supports on a CUDA machine, or use gdn_cp.ops.reference."
         )
-    log_stack_once()
+    log_stack_once("FLA", stack_report)
     from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
 
     build_cp_context = None
@@ -62,7 +63,7 @@ def kv_heads_for_kernel(x: torch.Tensor, ratio: int) -> torch.Tensor:
     """q or k ``[T, Hk, D]`` as this FLA's chunk_gated_delta_rule takes it: unchanged where it
     takes grouped value heads (FLA >= 0.5: value head h reads key head h // ratio inside the
     kernel, the same rule), else repeated to ``[T, Hv, D]`` (:func:`expand_kv_groups`). Which
-    one is logged once with the stack (:func:`gdn_cp.ops.fla.detect.log_stack_once`)."""
+    one is logged once with the stack (:func:`gdn_cp.ops.installed.log_stack_once`)."""
     return x if features().grouped_value_heads else expand_kv_groups(x, ratio)
 
 

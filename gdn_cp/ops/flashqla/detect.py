@@ -16,7 +16,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -31,13 +30,11 @@ __all__ = [
     "flashqla_version",
     "conv_choice",
     "fused_norm_choice",
-    "log_stack_once",
     "probe",
     "stack_report",
     "tilelang_version",
 ]
 
-logger = logging.getLogger(__name__)
 
 CAPABILITIES = {(9, 0): "sm_90", (10, 0): "sm_100", (10, 3): "sm_103", (12, 0): "sm_120", (12, 1): "sm_121"}
 """The compute capabilities FlashQLA 0.1.3 has kernels for (``flash_qla.ops.gated_delta_rule.chunk``
@@ -186,16 +183,3 @@ def stack_report() -> dict:
                       "generic only: this FlashQLA has no inter-card cp context (FlashQLA >= 0.1.3)")
     c["gated norm"] = fused_norm_choice()[1]
     return report
-
-
-_LOGGED_STACK: list = []
-
-
-def log_stack_once() -> None:
-    """Log :func:`stack_report` once per process (when the backend first runs a kernel)."""
-    if _LOGGED_STACK:
-        return
-    _LOGGED_STACK.append(True)
-    report = stack_report()
-    logger.info("FlashQLA stack: %s; %s", report["stack"],
-                "; ".join(f"{name}: {text}" for name, text in report["choices"].items()))

@@ -23,9 +23,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..installed import log_stack_once
 from ..kernel_args import boundaries_of, check_gdr_args, check_initial_state
 from ..varlen import varlen_gated_delta_rule
-from .detect import conv_choice, features, flashqla_problem, fused_norm_choice, log_stack_once
+from .detect import conv_choice, features, flashqla_problem, fused_norm_choice, stack_report
 from .spec import FLASHQLA_HEAD_DIM, SPEC
 
 __all__ = [
@@ -58,7 +59,7 @@ def flashqla_api() -> FlashQLAFunctions:
     if problem is not None:
         raise RuntimeError(f"FlashQLA backend unavailable: {problem}. Fix: install it on an sm_90+ GPU machine "
                            "(pip install -e '.[flashqla]'), or use linear_cp_backend='fla' / 'reference'.")
-    log_stack_once()
+    log_stack_once("FlashQLA", stack_report)
     chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
     return FlashQLAFunctions(importlib.import_module("flash_qla").chunk_gated_delta_rule,
                              getattr(chunk, "build_cp_context", None) if features().inter_card_cp else None)
