@@ -417,7 +417,7 @@ class _Case:
         state = layer_state(self.module)
         call = CallContext(settings=state.settings, shape=state.shape, plan=RouteCache().plan([0, 2 * self.group.size()],
                            self.group.size(), self.group.rank()), group=self.group,
-                           backend=state.backend(_STATE["device"]))
+                           backend=state.backend)
         if not prepare_mode(call).path.startswith("native"):
             return "generic"
         return call.backend.name  # whose exchange runs: "fla" or "flashqla"
@@ -457,7 +457,7 @@ class _Case:
         do = _randn((n, shape.num_v_heads, shape.head_v_dim), seed + 14, dtype, device)
         weight = m.conv1d.weight
         bias = m.conv1d.bias if m.conv_bias else None
-        backend = layer_state(m).backend(device)
+        backend = layer_state(m).backend
         call = CallContext(settings=settings, shape=shape, plan=plan, group=group, backend=backend)
         way = prepare_mode(call)
 
@@ -529,7 +529,7 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
         if case.case not in STOCK_CASES:  # the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
             from gdn_cp.megatron.layer import layer_state
 
-            out["gdn_cp_backend"] = layer_state(case.module).backend(device).name
+            out["gdn_cp_backend"] = layer_state(case.module).backend.name
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
             out["check"] = _check_vs_stock(case, y)
         elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:

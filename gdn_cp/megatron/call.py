@@ -216,4 +216,4 @@ def call_context(state: LayerState, group, hidden_states: torch.Tensor, batch) -
     facts = LayerFacts(label=state.label, hidden_size=hidden_states.shape[-1], tp=layer.tp_size,
                        sequence_parallel=layer.sp_size > 1, act_bytes=hidden_states.element_size())
     return CallContext(settings=state.settings, shape=state.shape, plan=plan, group=group if cp > 1 else None,
-                       backend=state.backend(hidden_states.device), layer=facts)
+                       backend=state.backend, layer=facts)

@@ -1,14 +1,14 @@
 """Config time: the hook the patched ``TransformerConfig.__post_init__`` calls, ``auto`` resolved once,
-a named ``linear_cp_backend`` checked against this machine, and ``gdn-cp doctor``'s table of modes.
+and ``gdn-cp doctor``'s table of modes (the rules it applies, shared with the layers: :mod:`.rules`).
 
 * :func:`configure_linear_cp_mode` (the hook): every gdn-cp setting of the config and the environment
   checked (:func:`gdn_cp.megatron.rules.read_settings`), ``"auto"`` resolved once, before any model is
   built (logged with the reason; the field then holds the concrete mode) and, for a config that builds
   GDN layers, the heads checked against TP / CP (replacing stock 0.19.2's "heads divisible by TP*CP"
   assertion) and the activation (:mod:`gdn_cp.megatron.rules`, which a layer's first call applies too);
-* :func:`check_linear_cp_backend`: a named backend that cannot run here (not installed, no GPU, head
-  dims or a dtype its kernels refuse, ``deterministic_mode``) fails when the config is built, with the
-  field, the value, why and the fix; ``auto`` stays ``auto`` (it depends on the device the layer runs on);
+  a named ``linear_cp_backend`` that cannot run here (not installed, no GPU, head dims or a dtype its
+  kernels refuse, ``deterministic_mode``) fails then, with the field, the value, why and the fix; ``auto``
+  stays ``auto`` (it depends on the device the layer runs on);
 * users may call :func:`resolve_linear_cp_mode` themselves; ``gdn-cp doctor`` calls
   :func:`explain_linear_cp_modes`.
 
@@ -38,19 +38,14 @@ import logging
 from typing import Any, Optional
 
 from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODES, head_problem, unknown_mode_error
-from gdn_cp.ops.registry import AUTO as AUTO_BACKEND
-from gdn_cp.ops.registry import AUTO_ORDER, ORACLE, resolve_backend
 
+from .backend import check_linear_cp_backend
 from .pins import load_adapter
 from .rules import any_mode_legal, check_gdn_activation, check_linear_cp_mode, checked_sizes, legal_list, read_settings
 
 __all__ = [
     "AUTO",
-    "BACKEND_FIELD",
     "MODE_CHOICES",
-    "backend_fix",
-    "check_linear_cp_backend",
-    "dtype_name",
     "configure_linear_cp_mode",
     "explain_linear_cp_modes",
     "resolve_linear_cp_mode",
@@ -59,7 +54,6 @@ __all__ = [
 _logger = logging.getLogger(__name__)
 
 _LOGGED: set = set()  # (requested, resolved, heads, tp, cp) already logged at INFO by this process
-BACKEND_FIELD = "linear_cp_backend"
 
 
 def _auto_choice(k: int, v: int, tp: int, cp: int) -> tuple[str, str]:
@@ -122,39 +116,6 @@ def resolve_linear_cp_mode(
     return mode
 
 
-def backend_fix() -> str:
-    """The fix a refused ``linear_cp_backend`` names."""
-    return (f"set {BACKEND_FIELD}='{AUTO_BACKEND}' (the first of {AUTO_ORDER} that runs here and takes the layer) or "
-            f"'{ORACLE}' (plain torch, any device and dtype); Megatron-LM: --linear-cp-backend")
-
-
-def dtype_name(dtype) -> Optional[str]:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (the registry's dtype names); None stays None."""
-    return None if dtype is None else str(dtype).replace("torch.", "")
-
-
-def check_linear_cp_backend(requested: str, *, builds_gdn: bool, deterministic: bool,
-                            head_dims: Optional[tuple[int, int]], dtype: Any) -> None:
-    """The config-time check of a named ``linear_cp_backend`` (``requested``: a checked
-    ``Settings.backend``; ValueError with the fix): where the config builds GDN layers (or may: a
-    hybrid model), it must run on this machine's device (the GPU where torch sees one) for these head
-    dims (``linear_key_head_dim``, ``linear_value_head_dim``) and ``dtype`` (``params_dtype``, the
-    activations' dtype in Megatron's mixed precision)."""
-    where = "TransformerConfig."
-    if requested == AUTO_BACKEND or not builds_gdn:
-        return
-    import torch
-
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        resolve_backend(requested, device_type, deterministic=deterministic, head_dims=head_dims,
-                        dtype=dtype_name(dtype))
-    except ValueError as err:
-        raise ValueError(f"{where}{BACKEND_FIELD}={requested!r} (device {device_type}, head dims {head_dims}, "
-                         f"params_dtype {dtype_name(dtype)}, deterministic_mode={deterministic}): {err}. "
-                         f"Fix: {backend_fix()}.") from None
-
-
 def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = None) -> str:
     """The patched ``TransformerConfig.__post_init__`` hook; returns the mode the field holds.
 
@@ -178,7 +139,7 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
     * any other config builds no GDN layer: only the settings are checked (a typo still fails);
       nothing is resolved, checked against the heads or logged.
 
-    A named ``linear_cp_backend`` must also run here (:func:`check_linear_cp_backend`).
+    A named ``linear_cp_backend`` must also run here (:func:`gdn_cp.megatron.backend.check_linear_cp_backend`).
     """
     adapter = load_adapter()
     f = adapter.read_config(config)

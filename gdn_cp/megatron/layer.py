@@ -3,22 +3,20 @@
 On the first call: the layer's release adapter (:mod:`gdn_cp.megatron.pins`), the SiLU check (a hybrid
 model's config never sees its pattern, so its GDN layers are checked here), gdn-cp's settings (the
 config's fields and the environment, read and checked once: :func:`gdn_cp.megatron.rules.read_settings`),
-the TP-local head shape and out_norm's TP gradient sum (:mod:`gdn_cp.megatron.tp_grads`). Later calls read
-none of it again; :func:`reset_settings` makes a layer read the config and the environment again (tests
-and benchmarks that change them between calls). The backend is chosen once per layer and device type
-(:func:`choose_backend`), and what a call checked or built for the layer is kept here too.
+out_norm's TP gradient sum (:mod:`gdn_cp.megatron.tp_grads`), the TP-local head shape and the backend for
+the layer's device (:func:`gdn_cp.megatron.backend.choose_backend`). Later calls read none of it again; :func:`reset_settings`
+makes a layer read the config and the environment again (tests and benchmarks that change them between
+calls). What a call checked or built for the layer is kept here too.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..ops.registry import get_backend, resolve_backend
 from ..ops.shape import GDNShape
-from .config import BACKEND_FIELD, backend_fix, dtype_name
 from .pins.lookup import adapter_class
+from .backend import choose_backend
 from .rules import check_gdn_activation, read_settings
 from .tp_grads import install_tp_grad_sum
 
@@ -26,12 +24,9 @@ if TYPE_CHECKING:
     from ..modes.settings import Settings
     from ..ops.contract import Backend
 
-__all__ = ["STATE_ATTR", "LayerState", "choose_backend", "layer_state", "reset_settings"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["STATE_ATTR", "LayerState", "layer_state", "reset_settings"]
 
 STATE_ATTR = "_gdn_cp"  # the LayerState in each GatedDeltaNet's __dict__
-_LOGGED_CHOICES: set = set()  # (requested, device type, deterministic, head dims, dtype): logged at INFO once
 
 
 @dataclass
@@ -44,7 +39,7 @@ class LayerState:
     shape: GDNShape  # the TP-local head shape (the grouped-heads rule checked once, here)
     settings: Settings  # the config's fields and the environment, read and checked once
     hybrid_context_parallel: bool  # config.hybrid_context_parallel (the THD cut's fallback)
-    backends: dict = field(default_factory=dict)  # device type -> Backend
+    backend: Backend  # the per-rank kernels, chosen for the layer's device
     legal_modes: set = field(default_factory=set)  # (mode, tp, cp) found legal for the heads
     disjoint_groups: dict = field(default_factory=dict)  # id(CP group) -> group, checked against TP
     sbhd_plans: dict = field(default_factory=dict)  # (S, B, cp, rank) -> CPPlan
@@ -53,13 +48,6 @@ class LayerState:
     @property
     def label(self) -> str:
         return f"GatedDeltaNet layer {self.adapter.layer_number}"
-
-    def backend(self, device) -> Backend:
-        """The backend this layer runs on ``device``'s type (:func:`choose_backend`, once per type)."""
-        backend = self.backends.get(device.type)
-        if backend is None:
-            backend = self.backends[device.type] = choose_backend(self.settings, self.adapter, device)
-        return backend
 
 
 def layer_state(module) -> LayerState:
@@ -71,10 +59,12 @@ def layer_state(module) -> LayerState:
         check_gdn_activation(adapter.activation, owner=f"GatedDeltaNet (layer {adapter.layer_number}): config.")
         fields = adapter.config_fields
         settings = read_settings(fields)
+        backend = choose_backend(settings, adapter, adapter.device)
         install_tp_grad_sum(adapter)
         (num_k, num_v), (dk, dv) = adapter.local_heads, adapter.head_dims
         shape = GDNShape(num_k_heads=num_k, num_v_heads=num_v, head_k_dim=dk, head_v_dim=dv, qk_l2norm=adapter.qk_l2norm)
-        state = module.__dict__[STATE_ATTR] = LayerState(adapter, shape, settings, fields.hybrid_context_parallel)
+        state = module.__dict__[STATE_ATTR] = LayerState(adapter, shape, settings, fields.hybrid_context_parallel,
+                                                         backend)
     return state
 
 
@@ -86,25 +76,3 @@ def reset_settings(model) -> int:
     for m in layers:
         del m.__dict__[STATE_ATTR]
     return len(layers)
-
-
-def choose_backend(settings: Settings, layer, device) -> Backend:
-    """The backend a layer runs: :func:`gdn_cp.ops.registry.resolve_backend` of its ``settings``
-    (``backend``, ``deterministic``, ``backend_settings``) for ``layer`` (the pin's ``LayerAdapter``: its
-    head dims and activations' dtype) on ``device`` (where its activations are); logged at INFO once per
-    process and answer. ValueError (before any collective) for a named backend that cannot run here;
-    never a switch to another backend on its own."""
-    requested, deterministic = settings.backend, settings.deterministic
-    dtype = dtype_name(layer.activation_dtype)
-    try:
-        name, why = resolve_backend(requested, device.type, deterministic=deterministic, head_dims=layer.head_dims,
-                                    dtype=dtype)
-    except ValueError as err:
-        raise ValueError(f"GatedDeltaNet (layer {layer.layer_number}): config.{BACKEND_FIELD}={requested!r} on "
-                         f"{device.type}, head dims {layer.head_dims}, {dtype}: {err}. Fix: {backend_fix()}.") from None
-    key = (requested, device.type, deterministic, layer.head_dims, dtype)
-    if key not in _LOGGED_CHOICES:
-        _LOGGED_CHOICES.add(key)
-        logger.info("gdn-cp %s: requested=%s resolved=%s (device %s, head dims %s, %s, deterministic_mode=%s): %s",
-                    BACKEND_FIELD, requested, name, device.type, layer.head_dims, dtype, deterministic, why)
-    return get_backend(name, settings.backend_settings)

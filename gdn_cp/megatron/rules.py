@@ -1,7 +1,8 @@
 """The rules a ``TransformerConfig`` and a GatedDeltaNet layer are both held to: the mode against the
-heads, TP and CP; SiLU; gdn-cp's settings read from the config's fields and the environment. The
-config-time hook (:mod:`.config`) applies them when the config is built, a layer (:mod:`.layer`) on its
-first call (a hybrid model's config never sees its GDN layers; a dynamic CP group brings another size).
+heads, TP and CP; SiLU; gdn-cp's settings read from the config's fields and the environment (the
+backend's rule: :mod:`.backend`). The config-time hook (:mod:`.config`) applies them when the config is
+built, a layer (:mod:`.layer`) on its first call (a hybrid model's config never sees its GDN layers) and
+a call (:mod:`.call`) for its CP group's size (a dynamic CP group brings another size).
 
 The mode names and head rules live in :mod:`gdn_cp.modes.spec` (the registry); this module applies
 them to Megatron's fields. Imports neither Megatron nor torch (the activation probe and the settings

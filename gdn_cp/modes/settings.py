@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | ``mode`` | ``TransformerConfig.linear_cp_mode`` (``gdn_core(mode=...)``) | a mode of :mod:`.spec`, or ``auto`` (resolved when the config is built) |
 | ``thd_split`` | ``TransformerConfig.linear_cp_thd_split`` | None, ``per_document``, ``whole_row`` |
-| ``backend`` | ``TransformerConfig.linear_cp_backend`` (absent: ``auto``) | ``auto`` or a backend of :mod:`gdn_cp.ops.registry` (resolved once per layer and device: :func:`gdn_cp.megatron.layer.choose_backend`) |
+| ``backend`` | ``TransformerConfig.linear_cp_backend`` (absent: ``auto``) | ``auto`` or a backend of :mod:`gdn_cp.ops.registry` (resolved once per layer, for its device: :func:`gdn_cp.megatron.backend.choose_backend`) |
 | ``deterministic`` | ``TransformerConfig.deterministic_mode`` | True: the plain-torch reference backend |
 | ``chunkwise_path`` | ``GDN_CP_CHUNKWISE_PATH`` (``gdn_core(chunkwise_path=...)``) | ``auto``, ``native``, ``generic`` |
 | ``chunkwise_swap`` | ``GDN_CP_CHUNKWISE_SWAP`` | ``auto``, ``hidden``, ``core`` |

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.megatron import layer as glue
+from gdn_cp.megatron import backend as glue
 from gdn_cp.megatron.config import configure_linear_cp_mode
 from gdn_cp.ops import get_backend
 
@@ -83,7 +83,7 @@ def fake_installed():
 
 
 def test_forward_resolves_auto_per_device_and_logs_once(fresh_choices, fake_installed, caplog):
-    with caplog.at_level(logging.INFO, logger="gdn_cp.megatron.layer"):
+    with caplog.at_level(logging.INFO, logger="gdn_cp.megatron.backend"):
         assert glue.choose_backend(*_layer(), torch.device("cpu")) is get_backend("reference")
         assert glue.choose_backend(*_layer(), torch.device("cuda")) is get_backend("flashqla")
         assert glue.choose_backend(*_layer(), torch.device("cuda")) is get_backend("flashqla")

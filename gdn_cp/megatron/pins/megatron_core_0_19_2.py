@@ -320,6 +320,11 @@ class LayerAdapter:
         return self.layer.conv1d.weight.dtype
 
     @property
+    def device(self):
+        """Where the layer's parameters, and so its activations, are."""
+        return self.layer.conv1d.weight.device
+
+    @property
     def qk_l2norm(self) -> bool:
         return bool(self.layer.use_qk_l2norm)
 
