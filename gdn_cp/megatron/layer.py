@@ -3,10 +3,10 @@
 On the first call: the layer's release adapter (:mod:`gdn_cp.megatron.pins`), the SiLU check (a hybrid
 model's config never sees its pattern, so its GDN layers are checked here), gdn-cp's settings (the
 config's fields and the environment, read and checked once: :func:`gdn_cp.megatron.rules.read_settings`),
-out_norm's TP gradient sum (:mod:`gdn_cp.megatron.tp_grads`), the TP-local head shape and the backend for
-the layer's device (:func:`gdn_cp.megatron.backend.choose_backend`). Later calls read none of it again; :func:`reset_settings`
-makes a layer read the config and the environment again (tests and benchmarks that change them between
-calls). What a call checked or built for the layer is kept here too.
+the backend for the layer's device (:func:`gdn_cp.megatron.backend.choose_backend`), out_norm's TP
+gradient sum (:mod:`gdn_cp.megatron.tp_grads`) and the TP-local head shape. Later calls read none of it
+again; :func:`reset_settings` makes a layer read the config and the environment again (tests and
+benchmarks that change them between calls). What a call checked or built for the layer is kept here too.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..ops.shape import GDNShape
-from .pins.lookup import adapter_class
 from .backend import choose_backend
+from .pins.lookup import adapter_class
 from .rules import check_gdn_activation, read_settings
 from .tp_grads import install_tp_grad_sum
 

@@ -1,7 +1,7 @@
 """The backend registry: one line per per-rank math backend.
 
 Torch-free (the command line builds its ``--backend`` flag from it). A backend is one folder under
-``gdn_cp/ops/`` (its ``SPEC`` and ``load()``: :mod:`gdn_cp.ops.contract`) and its line in
+``gdn_cp/ops/`` (its ``SPEC`` and ``load(settings)``: :mod:`gdn_cp.ops.contract`) and its line in
 :data:`PACKAGES`; the Megatron glue, ``gdn-cp run``, the tolerances and the tests read it from here.
 """
 
