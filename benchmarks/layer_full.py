@@ -777,7 +777,7 @@ def _summary(row: dict, phase: str) -> str:
 def _versions(args) -> dict:
     from .common import versions
 
-    from gdn_cp.ops.fla import fla_version
+    from gdn_cp.ops.fla.detect import fla_version
 
     return versions({"torch_cuda": torch.version.cuda, "fla": fla_version(), "triton": rank_side._version("triton"),
                      "megatron_core": rank_side._version("megatron-core")})

@@ -1,10 +1,10 @@
 """The library's ``GDN_CP_*`` environment variables, in one table, read and checked in one place.
 
 Torch-free and imports nothing of gdn_cp, so every layer may read its settings here. The table holds
-what the library reads (:data:`SETTINGS`: the chunkwise exchange path and the layout swap point, read
-into :class:`gdn_cp.modes.settings.Settings`; FlashQLA's auto_cp, read by its backend); each entry
-says how a value is checked. The tests' and
-benchmarks' variables have their own table in the same form (``gdn_cp_testing.env``, not shipped).
+what the library reads (:data:`SETTINGS`: the chunkwise exchange path and the layout swap point, and
+FlashQLA's auto_cp, which its backend's spec names; all read into :class:`gdn_cp.modes.settings.Settings`
+where a call comes in); each entry says how a value is checked. The tests' and benchmarks' variables
+have their own table in the same form (``gdn_cp_testing.env``, not shipped).
 
 * :func:`read` returns the checked value of one setting (its default when unset or empty);
   a bad value is a ValueError that names the variable, the value and what it accepts.
@@ -78,7 +78,7 @@ SETTINGS: dict[str, EnvSetting] = {
                    one_of(*SWAP_POINTS)),
         EnvSetting("GDN_CP_FLASHQLA_AUTO_CP", "gdn_cp", "1",
                    "the FlashQLA backend's auto_cp (FlashQLA's own split of long sequences inside one GPU): 1 on "
-                   "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.auto_cp_setting", one_of("0", "1")),
+                   "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.spec.AUTO_CP_ENV", one_of("0", "1")),
     )
 }
 

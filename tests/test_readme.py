@@ -94,21 +94,24 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     from gdn_cp.layout import validate_cu_seqlens
     from gdn_cp.layout.plan import RouteCache, plan_for_sbhd
     from gdn_cp import patch
-    from gdn_cp.megatron import gdn
-    from gdn_cp.megatron.config import check_linear_cp_mode, configure_linear_cp_mode, resolve_linear_cp_mode
+    from gdn_cp.megatron import call, gdn
+    from gdn_cp.megatron.config import configure_linear_cp_mode, resolve_linear_cp_mode
+    from gdn_cp.megatron.rules import check_linear_cp_mode
     from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split
     from gdn_cp.modes import GDNShape, Settings, gdn_core
     from gdn_cp.modes.swap import choose_swap_point
-    from gdn_cp.ops import reference
+    from gdn_cp.ops import get_backend
     from gdn_cp.ops.gates import check_log_decay
     from gdn_cp_testing.stand_ins import StandInGroup, stand_in_gdn
+
+    reference = get_backend("reference")
 
     shape = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
     config = types.SimpleNamespace(linear_cp_mode="headwise", linear_num_key_heads=4, linear_num_value_heads=6,
                                    tensor_model_parallel_size=1, context_parallel_size=1,
                                    experimental_attention_variant="gated_delta_net")
     tp_group, cp_group = StandInGroup(2), StandInGroup(4)
-    monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
+    monkeypatch.setattr(call, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
     from gdn_cp.megatron.document_padding import pad_and_cut
 
@@ -472,7 +475,13 @@ def test_the_training_figures_are_the_result_files():
 # ------------------------------------------------------------------------------------------
 def test_the_docs_list_every_flag_the_patch_adds_with_its_values_and_default():
     """Issue #32: `--linear-cp-mode` could not be found with `--help`; each ``linear_cp_*`` field of the
-    patched TransformerConfig is a row of docs/megatron.md's flag table, with its values and default."""
+    patched TransformerConfig is a row of docs/megatron.md's flag table, with its values (gdn-cp's
+    registries': the patch names none) and default."""
+    from gdn_cp.layout.boundaries import THD_SPLITS
+    from gdn_cp.modes.spec import MODE_CHOICES
+    from gdn_cp.ops.registry import BACKEND_CHOICES
+
+    choices = {"linear_cp_mode": MODE_CHOICES, "linear_cp_backend": BACKEND_CHOICES, "linear_cp_thd_split": THD_SPLITS}
     text = next((patch_dir() / t.patch).read_text() for t in load_manifest().files if t.target.endswith(
         "transformer_config.py"))
     fields = re.findall(r"^\+    (linear_cp_\w+): (.*) = (\S+)$", text, re.M)
@@ -483,8 +492,9 @@ def test_the_docs_list_every_flag_the_patch_adds_with_its_values_and_default():
     assert sorted(rows) == sorted("--" + name.replace("_", "-") for name, _, _ in fields), rows
     for name, annotation, default in fields:
         row = rows["--" + name.replace("_", "-")]
-        values = re.findall(r'"(\w+)"', annotation)
-        assert f"| {', '.join(f'`{v}`' for v in values)} |" in row, (row, values)
+        assert "Literal" not in annotation, annotation  # the patch knows no registry
+        values = row.split("|")[2]
+        assert sorted(re.findall(r"`(\w+)`", values)) == sorted(choices[name]), (row, choices[name])
         assert (f"| `{default.strip(chr(34))}` |" in row) if default != "None" else "| none" in row, (row, default)
 
 
@@ -547,7 +557,7 @@ def test_each_result_file_has_the_machine_and_versions_the_docs_say_it_has():
 
 
 def test_every_gdn_cp_name_the_docs_and_results_give_exists():
-    """Dotted names (``gdn_cp.cli.job_data.packed_boundaries``) in the pages and in the result files
+    """Dotted names (``gdn_cp.layout.packings.packed_boundaries``) in the pages and in the result files
     import (issue #32: route_build.json named gdn_cp.demo.packed_boundaries, moved since)."""
     import importlib
 

@@ -17,8 +17,8 @@ from typing import Callable, Optional
 
 from .. import __version__, env, patch
 from ..megatron.config import AUTO, explain_linear_cp_modes
-from ..megatron.pins import PINS
-from .versions import dist_version
+from ..megatron.pins import PINS, get_pin
+from ..ops.installed import dist_version
 
 __all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "fla_stack_verdict",
            "flashqla_verdict", "run_doctor"]
@@ -63,17 +63,14 @@ def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:
             "check it with `gdn-cp selftest --gpu` on the GPU machine")
 
 
-MEGATRON_PYTHON = (3, 12)
-"""The oldest Python megatron-core 0.19.2 installs on (its Requires-Python; its wheels are for 3.12)."""
-
-
 def python_verdict(version: tuple) -> str:
-    """This Python's version, and on one older than megatron-core's floor, what that means."""
+    """This Python's version, and on one older than the pinned megatron-core's floor, what that means."""
     text = ".".join(map(str, version))
-    if tuple(version[:2]) >= MEGATRON_PYTHON:
+    pin = get_pin()
+    if tuple(version[:2]) >= pin.python_floor:
         return text
-    floor = ".".join(map(str, MEGATRON_PYTHON))
-    return (f"{text} (megatron-core 0.19.2 declares Python >= {floor}: pip refuses it here; use a {floor} "
+    floor = ".".join(map(str, pin.python_floor))
+    return (f"{text} (megatron-core {pin.version} declares Python >= {floor}: pip refuses it here; use a {floor} "
             f"environment, or install its sources as docs/megatron.md says for 3.11)")
 
 
@@ -166,8 +163,9 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
     }
     report["flashqla_verdict"] = flashqla_verdict(report["versions"]["flash-qla"], report["versions"]["tilelang"])
     if report["gpus"]:  # FLA's and FlashQLA's kernels import only with CUDA: probing them on a CPU machine says nothing
-        from ..ops.fla import FLA_COLLECTIVE_BACKENDS, stack_report
-        from ..ops.flashqla import stack_report as flashqla_stack_report
+        from ..ops.fla.detect import stack_report
+        from ..ops.fla.native_cp import FLA_COLLECTIVE_BACKENDS
+        from ..ops.flashqla.detect import stack_report as flashqla_stack_report
         from ..ops.registry import resolve_backend
 
         report["fla_stack"] = stack_report()

@@ -27,11 +27,13 @@ from typing import Callable, Optional
 import torch
 
 from ..checks import as_int
+from ..comm import nccl_available
+from ..layout.packings import packed_boundaries
 from ..modes import GDNShape
+from ..modes.inputs import core_inputs, core_leaves
 from ..modes.spec import MODE_NAMES, get_mode, head_problem
+from ..ops.accuracy import cp_vs_cp1_tolerance, max_rel
 from ..ops.registry import BACKEND_NAMES, ORACLE, BACKENDS, backend_spec, choose_backend_name, get_backend
-from .accuracy import cp_vs_cp1_tolerance, max_rel
-from .job_data import core_inputs, core_leaves, packed_boundaries
 from .launch import RankError, run_ranks
 from .output import count
 
@@ -78,7 +80,7 @@ def auto_config(**overrides) -> JobConfig:
                                                 dtype=cfg.dtype)
     if "dist_backend" not in overrides:
         enough = torch.cuda.device_count() >= max(cfg.cp_sizes, default=1)
-        choice["dist_backend"] = "nccl" if enough and torch.distributed.is_nccl_available() else "gloo"
+        choice["dist_backend"] = "nccl" if enough and nccl_available() else "gloo"
     logger.info("CUDA found (%d GPU(s)): %s", torch.cuda.device_count(), choice)
     return JobConfig(**{**cfg.__dict__, **choice})
 
@@ -120,7 +122,7 @@ def check_job(cfg: JobConfig) -> None:
     if cfg.dist_backend == "nccl":
         if cfg.device != "cuda":
             raise ValueError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on the CPU")
-        if not torch.distributed.is_nccl_available():
+        if not nccl_available():
             raise ValueError(f"--dist-backend nccl: this torch {torch.__version__} has no NCCL; "
                              "use --dist-backend gloo")
         gpus, need = torch.cuda.device_count(), max(cfg.cp_sizes)
@@ -193,22 +195,18 @@ def _check_memory(cfg: JobConfig) -> None:
 def _check_what_every_rank_checks(cfg: JobConfig) -> None:
     """What every rank would refuse on its own, said here once, before anything is spawned (a
     refusal inside the ranks is one traceback per rank and exit status 1): the backend's head dims
-    (its ``check_head_dims``), and the chunkwise halo/state path the setting asks for (``native``:
+    and dtypes (its spec's), and the chunkwise halo/state path the setting asks for (``native``:
     the backend's cp context, which the reference backend does not have; the rows per rank that
     context needs: its ``check_native_rows``)."""
-    shape = cfg.shape
-    check_head_dims = getattr(get_backend(cfg.backend), "check_head_dims", None)
-    if check_head_dims is not None:
-        try:
-            check_head_dims(shape.head_k_dim, shape.head_v_dim)
-        except ValueError as err:
-            raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
-    check_core = getattr(get_backend(cfg.backend), "check_core", None)  # the dtypes its kernels take
-    if check_core is not None:
-        try:
-            check_core(shape, getattr(torch, cfg.dtype))
-        except ValueError as err:
-            raise ValueError(f"--backend {cfg.backend} --dtype {cfg.dtype}: {err}") from None
+    shape, spec = cfg.shape, backend_spec(cfg.backend)
+    try:
+        spec.check_head_dims(shape.head_k_dim, shape.head_v_dim)
+    except ValueError as err:
+        raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
+    try:
+        spec.check_dtype(cfg.dtype)
+    except ValueError as err:
+        raise ValueError(f"--backend {cfg.backend} --dtype {cfg.dtype}: {err}") from None
     sizes = [cp for cp in cfg.cp_sizes
              if cp > 1 and "chunkwise" in cfg.modes_to_run and "chunkwise" not in _skips(cfg, cp)]
     if not sizes:
@@ -233,15 +231,14 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
 def _native_cp_context(cfg: JobConfig) -> tuple[bool, str]:
     """Whether the ranks' chunkwise would run the backend's native cp context (NCCL groups: one rank per
     GPU), and why not."""
-    problem = getattr(get_backend(cfg.backend), "native_cp_problem", None)
-    if problem is None:
+    if backend_spec(cfg.backend).native_cp is None:
         others = "; ".join(f"{s.title}'s needs --backend {s.name} on {s.native_cp}"
                            for s in BACKENDS.values() if s.native_cp is not None)
         return False, f"the {cfg.backend} backend has none ({others})"
     if cfg.dist_backend != "nccl":
         return False, (f"--dist-backend {cfg.dist_backend}: FLA's cp context runs on NCCL groups (one rank per GPU); "
                        "gloo ranks take gdn-cp's own exchange")
-    why = problem()
+    why = get_backend(cfg.backend).native_cp_problem()
     return why is None, why or ""
 
 
@@ -288,13 +285,11 @@ def _sync(device: torch.device) -> None:
 
 def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     """One rank of a cp-sized run: round trip, CP=1 answer, then each mode. A JSON-able report."""
-    import torch.distributed as dist
-
-    from ..comm import all_gather_rows, route_all_to_all
+    from ..comm import all_gather_rows, barrier, group_backend, route_all_to_all, world_group
     from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
     from ..modes import CallContext, Settings, gdn_core, prepare_mode
 
-    rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
+    rank, device, group = ctx.rank, ctx.device, world_group()
     report: dict = {"rank": rank}
     t_global = cfg.tokens_per_rank * cp
     cu = packed_boundaries(cfg.num_sequences, t_global, cp, cfg.seed)
@@ -324,7 +319,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     per_mode = {}
     for mode in modes:
         leaves = core_leaves(data, own)
-        dist.barrier(group)
+        barrier(group)
         _sync(device)
         t0 = time.perf_counter()
         o = gdn_core(leaves["qkv"], leaves["g"], leaves["beta"], leaves["conv_weight"], leaves["conv_bias"],
@@ -344,7 +339,7 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     if "chunkwise" in modes:
         call = CallContext(settings=Settings.from_environment(mode="chunkwise"), shape=cfg.shape, plan=plan,
                            group=group, backend=backend)
-        report["chunkwise_path"] = f"{prepare_mode(call).path} ({dist.get_backend(group)} group)"
+        report["chunkwise_path"] = f"{prepare_mode(call).path} ({group_backend(group)} group)"
     return report
 
 

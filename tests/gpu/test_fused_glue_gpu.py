@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 from gdn_cp.layout import Boundaries
 from gdn_cp.ops.fused import glue
 from gdn_cp_testing.results import JsonlRecorder

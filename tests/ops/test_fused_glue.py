@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gdn_cp.layout import Boundaries
-from gdn_cp.modes.common import conv_split, split_qkv
+from gdn_cp.modes.local import conv_split, split_qkv
 from gdn_cp.ops import GDNShape, get_backend
 from gdn_cp.ops.fused import conv_silu_split, gates
 from gdn_cp.ops.reference.gated_delta_rule import l2norm
