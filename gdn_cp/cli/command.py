@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="gdn-cp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"gdn-cp {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"gdn-cp {__version__}",
+                        help="print gdn-cp's version and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     # the same -v on every command; SUPPRESS keeps a command's parser from resetting one given before it
     common = argparse.ArgumentParser(add_help=False)

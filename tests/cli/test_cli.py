@@ -192,5 +192,8 @@ def test_the_package_root_shows_the_layers():
 
 
 def test_python_dash_m_runs_the_command():
-    r = subprocess.run([sys.executable, "-m", "gdn_cp.cli", "--version"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.startswith("gdn-cp "), r
+    import gdn_cp
+
+    for flag in ("--version", "-V"):  # issue #41: -V was refused
+        r = subprocess.run([sys.executable, "-m", "gdn_cp.cli", flag], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == f"gdn-cp {gdn_cp.__version__}\n", r
