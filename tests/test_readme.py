@@ -382,7 +382,39 @@ def test_install_deps_refuses_outside_a_virtual_environment(tmp_path, where, exp
     if where == "base":
         assert r.stderr.count("\n") == 1 and "is not a virtual environment" in r.stderr and "--any-env" in r.stderr
     else:  # issue #32: a minute of silence; one progress line per step, the first before its install
-        assert re.fullmatch(r"tests/install_deps.sh: \[1/4\] torch 2\.13\.0, gdn-cp .+ \(\d+ s so far\)\n", r.stdout), r.stdout
+        assert re.fullmatch(r"tests/install_deps.sh: \[1/4\] torch 2\.13\.0 from the configured index .+ gdn-cp .+ "
+                            r"\(\d+ s so far\)\n", r.stdout), r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--cpu-torch", None])
+def test_install_deps_takes_torchs_cpu_build_where_asked(tmp_path, flag):
+    """Issue #41: on Python 3.12 the script pinned torch==2.13.0 from the default index, on Linux PyPI's CUDA
+    build (a 4.8 GB environment on a machine without a GPU), with no way to ask for the CPU one. With
+    --cpu-torch (the README's test command names it) torch comes from PyTorch's CPU index first, alone
+    (that index has no pytest); the rest then keeps it. A stand-in Python answers the script's checks (no
+    torch installed yet) and records each pip call instead of running it."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.system() != "Linux":
+        pytest.skip("the CPU index is taken on Linux, where PyPI's torch is a CUDA build")
+    assert "--cpu-torch" in _one_line(README[README.index("## The two commands"):README.index("## Install and patch")])
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then case "$2" in *find_spec*) echo none; exit 0;; esac; '
+                    f'exec "{sys.executable}" "$@"; fi\necho "$*" >> "{calls}"\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(ROOT / "tests" / "install_deps.sh"), *([flag] if flag else [])], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHON": str(fake)})
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    pips = [line.split() for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+    cpu = ["-m", "pip", "install", "-q", "torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
+    rest = ["-m", "pip", "install", "-q", "torch==2.13.0", "-e", ".[test]", "packaging>=24.2", "numpy"]
+    assert pips[:2] == ([cpu, rest] if flag else [rest, pips[1]]), pips
+    assert not flag and not any("--index-url" in p for p in pips) or flag
+    assert "tests/install_deps.sh: installed torch none build" in r.stdout  # says which build (none: the stand-in)
 
 
 def test_the_training_curve_table_is_its_result_file_and_names_the_machine():
