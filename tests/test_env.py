@@ -74,7 +74,9 @@ def test_the_tests_variables_are_not_the_commands_business(monkeypatch, capsys):
     stop a gdn-cp command: the test session and the GPU suite check those."""
     monkeypatch.setenv("GDN_CP_STACK", "bogus")
     monkeypatch.setenv("GDN_CP_BOGUS", "1")
-    assert main(["patch", "check", "/nope"]) == 2  # fails on the path, not on the environment
+    with pytest.raises(SystemExit) as exit_:  # fails on the path (an argument error), not on the environment
+        main(["patch", "check", "/nope"])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "GDN_CP_" not in err and "/nope" in err, err
 

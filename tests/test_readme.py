@@ -291,10 +291,16 @@ def _readme_commands() -> list[list[str]]:
     return found
 
 
-def test_every_gdn_cp_command_in_the_readme_parses(capsys):
+def test_every_gdn_cp_command_in_the_readme_parses(capsys, tmp_path, monkeypatch):
     commands = _readme_commands()
     assert len(commands) > 10 and ["run"] in commands
     parser = build_parser()
+    monkeypatch.chdir(tmp_path)  # the paths the commands name exist where a user runs them (a PATH must exist)
+    for argv in commands:
+        if argv[:1] == ["patch"] and "/nope" not in argv:
+            for word in argv[2:]:
+                if not word.startswith("-") and word not in ("patched", "pristine"):
+                    (tmp_path / word).mkdir(exist_ok=True)
     for argv in commands:
         if "/nope" in argv:  # the exit-status examples: said to exit 2, checked below
             continue

@@ -19,7 +19,7 @@ from .. import __version__, env
 from ..checks import MAX_CP_SIZE, MAX_TP_SIZE
 from ..megatron.pins import PINS
 from ..modes.spec import MODE_NAMES
-from .args import int_list, int_range
+from .args import existing_path, int_list, int_range
 from .output import EXIT_STATUS, EXIT_USAGE, CommandError, exit_epilog, print_error
 from .patch import add_patch_commands
 from .route import add_route_command
@@ -43,13 +43,6 @@ warnings of the log; run: only the failures and the verdict) go before or after 
 
 _VERBOSE_HELP = "also print the DEBUG log (gdn-cp run: every rank's THD cut, route, mode and backend)"
 _QUIET_HELP = "print only warnings of the log (gdn-cp run: only the failures and the verdict)"
-
-
-def _existing_path(text: str) -> str:
-    if not os.path.exists(os.path.expanduser(text)):
-        raise argparse.ArgumentTypeError(f"{text} does not exist; pass a Megatron-LM checkout, a site-packages "
-                                         "folder or the megatron package folder")
-    return text
 
 
 def _cmd_doctor(args) -> int:
@@ -83,7 +76,7 @@ def _add_doctor_command(sub, parents) -> None:
                    default=None, help=f"tensor-parallel size for --heads, in [1, {MAX_TP_SIZE}] (default 1)")
     p.add_argument("--cp", type=int_range(1, MAX_CP_SIZE, high_why=" (the largest CP group gdn-cp plans for)"),
                    default=None, help=f"context-parallel size for --heads, in [1, {MAX_CP_SIZE}] (default 1)")
-    p.add_argument("--path", type=_existing_path, default=None,
+    p.add_argument("--path", type=existing_path, default=None,
                    help="Megatron-LM checkout or site-packages (default: the importable megatron)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object (with its problems)")
     p.set_defaults(func=_cmd_doctor)
