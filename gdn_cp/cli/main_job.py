@@ -21,7 +21,6 @@ ran passed.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -261,23 +260,13 @@ def _check_native_rows(cfg: JobConfig, cp: int) -> None:
 
 def _check_named_modes(cfg: JobConfig) -> None:
     """A mode named in ``--modes`` must run at every CP size with these heads (TP=1): said here,
-    before anything is spawned, instead of after the ranks of the sizes that can run it."""
-    if cfg.modes is None:
-        return
-    k, v = cfg.shape.num_k_heads, cfg.shape.num_v_heads
-    bad = [(mode, cp) for mode in cfg.modes for cp in cfg.cp_sizes
-           if head_problem(mode, num_key_heads=k, num_value_heads=v, tp=1, cp=cp) is not None]
-    if not bad:
-        return
-    mode, _ = bad[0]
-    sizes = [cp for m, cp in bad if m == mode]
-    need = math.lcm(*cfg.cp_sizes)
-    raise ValueError(
-        f"--modes {mode} cannot run at --cp {','.join(map(str, sizes))} with --heads {k},{v}: {mode} needs both "
-        f"head counts divisible by {get_mode(mode).divisor_text(1, sizes[0])}; pass --heads {need},{2 * need} "
-        f"(divisible by every --cp size), leave {mode} out of --modes (without --modes it is listed as skipped "
-        "where it cannot run), or use other --cp sizes"
-    )
+    before anything is spawned (:func:`gdn_cp.cli.run.named_modes_problem`, which ``gdn-cp run`` also
+    asks before torch is imported)."""
+    from .run import named_modes_problem
+
+    problem = named_modes_problem(cfg.modes, cfg.cp_sizes, cfg.shape.num_k_heads, cfg.shape.num_v_heads)
+    if problem:
+        raise ValueError(problem)
 
 
 # ------------------------------------------------------------------------------------------

@@ -58,20 +58,23 @@ def route_text(args) -> str:
     """Everything ``gdn-cp route`` prints, built (and so checked) before any of it is printed.
     ValueError / TypeError naming the flag when the input cannot be split."""
     from ..checks import MAX_CP_SIZE, size_limit_problem
-    from ..layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
-    from ..layout.chunkwise import MAX_CONV_WIDTH
 
     too_large = size_limit_problem(args.cp, MAX_CP_SIZE, "CP group")
     if too_large:
         raise ValueError(f"--cp {args.cp} is {too_large}")
-    if args.conv_width > MAX_CONV_WIDTH:
-        raise ValueError(f"--conv-width {args.conv_width} is larger than gdn-cp plans for (at most {MAX_CONV_WIDTH})")
-    cu = validate_cu_seqlens(args.cu, args.cp, name="--cu")
     if args.rank is not None and args.rank >= args.cp:
         raise ValueError(f"--rank {args.rank} is not a rank of --cp {args.cp}; use a rank in [0, {args.cp - 1}]")
     if args.rank is None and args.cp > ROUTE_ALL_RANKS_MAX:
         raise ValueError(f"--cp {args.cp}: every rank is printed only up to --cp {ROUTE_ALL_RANKS_MAX}; "
                          "pass --rank r to print one")
+    # the checks above need no torch (they answer at once); the boundaries' and the plans' need gdn_cp.layout
+    from ..layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_thd_route, validate_cu_seqlens
+    from ..layout.chunkwise import MAX_CONV_WIDTH
+
+    if args.conv_width > MAX_CONV_WIDTH:
+        raise ValueError(f"--conv-width {args.conv_width} is larger than gdn-cp plans for (at most {MAX_CONV_WIDTH}); "
+                         f"use --conv-width {MAX_CONV_WIDTH} or less (Megatron's GDN: 4)")
+    cu = validate_cu_seqlens(args.cu, args.cp, name="--cu")
     both = [(ZIGZAG, CONTIGUOUS), (CONTIGUOUS, ZIGZAG)]
     directions = both if args.direction == "both" else [tuple(args.direction.split("->"))]
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]

@@ -1,8 +1,9 @@
 """``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.cli.main_job`).
 
-Every flag is checked by argparse (the error names the flag); what depends on the machine (CUDA,
-NCCL, FLA) and what every rank would refuse (the chunkwise path setting, FLA's head dims) is checked
-by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
+Every flag is checked by argparse (the error names the flag), and the flags together (a mode named in
+``--modes`` that cannot split the heads at a ``--cp`` size) before torch is imported; what depends on the
+machine (CUDA, NCCL, FLA, memory) and what every rank would refuse (the chunkwise path setting, FLA's head
+dims) is checked by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
 comma-separated for every flag that takes one (``--cp 2,4 --modes headwise,chunkwise``).
 """
 
@@ -11,13 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
+from typing import Optional
 
 from .. import env
 from .args import comma_items, int_list, int_range
 from .output import CommandError, exit_epilog, print_warning
-from ..modes.spec import MODE_NAMES
+from ..modes.spec import MODE_NAMES, get_mode, head_problem
 from ..ops.registry import BACKEND_NAMES
 
 __all__ = ["add_run_command"]
@@ -122,12 +125,34 @@ def add_run_command(sub, parents=()) -> None:
     p.set_defaults(func=run_command)
 
 
+def named_modes_problem(modes: Optional[tuple[str, ...]], cp_sizes: tuple[int, ...], k: int, v: int) -> Optional[str]:
+    """The error of a mode named in ``--modes`` that cannot split ``k`` key / ``v`` value heads at one of the
+    ``--cp`` sizes (TP=1), naming the fixes; None when every named mode runs at every size (or none is
+    named: each is then skipped and listed where it cannot run). Torch-free."""
+    if modes is None:
+        return None
+    bad = [(mode, cp) for mode in modes for cp in cp_sizes
+           if head_problem(mode, num_key_heads=k, num_value_heads=v, tp=1, cp=cp) is not None]
+    if not bad:
+        return None
+    mode, _ = bad[0]
+    sizes = [cp for m, cp in bad if m == mode]
+    need = math.lcm(*cp_sizes)
+    return (f"--modes {mode} cannot run at --cp {','.join(map(str, sizes))} with --heads {k},{v}: {mode} needs both "
+            f"head counts divisible by {get_mode(mode).divisor_text(1, sizes[0])}; pass --heads {need},{2 * need} "
+            f"(divisible by every --cp size), leave {mode} out of --modes (without --modes it is listed as skipped "
+            "where it cannot run), or use other --cp sizes")
+
+
 def run_command(args) -> int:
+    k, v = args.heads
+    problem = named_modes_problem(args.modes, tuple(args.cp), k, v)
+    if problem:  # said before torch is imported (seconds on a busy machine)
+        raise CommandError(problem)
     from ..modes import GDNShape
     from .main_job import auto_config, run_job
     from .progress import Progress
 
-    k, v = args.heads
     overrides = {
         "cp_sizes": tuple(args.cp),
         "modes": args.modes,
