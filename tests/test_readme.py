@@ -608,3 +608,31 @@ def test_every_gdn_cp_name_the_docs_and_results_give_exists():
         else:
             missing.append(name)
     assert missing == [], missing
+
+
+def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
+    """README's "per rank" figures (issue #41: said without how they were taken): the TE-spec rows of
+    benchmarks/results/layer_full_cp1.json, a CP=1 process on each rank's slice of a CP=2 split."""
+    import json
+
+    rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_cp1.json").read_text())
+            if r.get("spec") == "te" and r["T"] == 32768 and r["status"] == "ok"]
+    assert rows and {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
+
+    def row(case, rank, norm):
+        (found,) = [r for r in rows if r["case"] == case and r["slice_rank"] == rank and r["norm_path"].startswith(norm)]
+        return found
+
+    ratios = [row("patched_slice", k, "fused")["median_ms"] / row("stock_slice", k, "stock")["median_ms"]
+              for k in (0, 1)]
+    memory = {round(row("patched_slice", k, "fused")["peak_gib"] / row("stock_slice", k, "stock")["peak_gib"], 3)
+              for k in (0, 1)}
+    unfused = {round(row("patched_slice", k, "unfused")["median_ms"] / row("patched_slice", k, "fused")["median_ms"], 2)
+               for k in (0, 1)}
+    text = _one_line(README)
+    span = f"{min(ratios):.3f}-{max(ratios):.3f}x"
+    assert f"**Per rank, with Megatron's TransformerEngine spec**: {span} of stock's time at 32K tokens" in text
+    assert f"| {span} stock's time, {memory.pop():.3f}x its peak memory; {unfused.pop():.2f}x slower with gdn-cp's " \
+           "fused gated norm off |" in text and not memory and not unfused
+    assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
+            "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
