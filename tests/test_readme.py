@@ -636,3 +636,22 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
            "fused gated norm off |" in text and not memory and not unfused
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
             "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
+
+
+def test_the_package_says_what_it_is():
+    """Issue #41: no LICENSE although pyproject declares Apache-2.0, no CHANGELOG. The LICENSE is the
+    Apache License 2.0's text, the CHANGELOG's newest release is gdn_cp.__version__, and the torch floor
+    pyproject declares is the one the docs give (megatron-core 0.19.2's)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text and len(license_text) > 10000  # the whole text
+    releases = re.findall(r"^## (\d+\.\d+\.\d+)\b", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == gdn_cp.__version__, releases
+    (torch,) = [d for d in project["dependencies"] if d.startswith("torch")]
+    floor = torch.split(">=")[1]
+    for name in ("README.md", "docs/megatron.md"):
+        assert f"pip keeps any torch >= {floor}" in _one_line(DOCS[name]), name
