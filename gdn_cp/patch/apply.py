@@ -59,7 +59,8 @@ def _diff(text: str, t: PatchTarget, pin: str, *, reverse: bool = False) -> str:
         patch_text = (patch_dir(pin) / t.patch).read_text(encoding="utf-8")
         return apply_unified_diff(text, patch_text, reverse=reverse, name=t.target)
     except DiffError as e:
-        raise PatchError(f"{e} Nothing was changed.") from None
+        raise PatchError(f"{e} The files' sha256 matched, so gdn-cp's own patch files are damaged: reinstall gdn-cp "
+                         "(pip install -e <clone>). Nothing was changed.") from None
 
 
 def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None, *, dry_run: bool = False) -> PatchResult:
