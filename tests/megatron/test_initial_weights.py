@@ -223,16 +223,21 @@ def _te_weights_after_draws(ctx) -> dict:
     from gdn_cp_testing.megatron.layer import install_gpu_shims, rank_groups
     from gdn_cp_testing.megatron.model import model_pg_collection
 
+    from gdn_cp_testing.megatron.training import megatron_parallel_state
+
     install_gpu_shims()
     out = {}
-    for n in DRAWS:
-        torch.manual_seed(SEED)
-        # Megatron-LM's _set_random_seed (one rank: TP / EP rank 0), then its JIT warm-up:
-        model_parallel_cuda_manual_seed(SEED, tp_rank=0, ep_rank=0, etp_rank=0)
-        torch.rand(n, device="cuda")
-        models = _te_models(model_pg_collection(rank_groups()["self"]))
-        out[n] = {f"{kind}.{k}": v.detach().float().cpu().clone()
-                  for kind, m in models.items() for k, v in m.named_parameters()}
+    # Megatron's parallel state as Megatron-LM's initialize_megatron leaves it (one rank: TP = PP = CP = 1):
+    # the seeding and TE's modules read its groups (tensor, pipeline, expert) without a pg_collection
+    with megatron_parallel_state(1):
+        for n in DRAWS:
+            torch.manual_seed(SEED)
+            # Megatron-LM's _set_random_seed, then its JIT warm-up's draws from the global CUDA generator:
+            model_parallel_cuda_manual_seed(SEED)
+            torch.rand(n, device="cuda")
+            models = _te_models(model_pg_collection(rank_groups()["self"]))
+            out[n] = {f"{kind}.{k}": v.detach().float().cpu().clone()
+                      for kind, m in models.items() for k, v in m.named_parameters()}
     return out
 
 

@@ -249,6 +249,26 @@ def test_conv_and_gated_norm_without_fla_are_gdn_cps(fake):
     assert "plain-torch conv" in report["choices"]["conv"] and report["problem"] is None
 
 
+def test_conv_runs_on_every_call(fake):
+    """The conv is computed on every call, never cached on its arguments: a list ``cu_seqlens`` (what
+    ``gdn-cp selftest`` passes) is taken, a grad-mode call after a no-grad one on the same tensors gets a
+    ``grad_fn``, and an in-place change of the input changes the output (a ``functools`` cache on the
+    conv once kept the last activation alive and answered with its stale output)."""
+    torch.manual_seed(0)
+    reference = get_backend("reference").causal_conv1d
+    x = torch.randn(12, 6, requires_grad=True)
+    w, b, cu = torch.randn(6, 4), torch.randn(6), [0, 5, 12]
+    with torch.no_grad():
+        first = kernels.causal_conv1d(x, w, b, cu_seqlens=cu)
+    second = kernels.causal_conv1d(x, w, b, cu_seqlens=cu)
+    assert first.grad_fn is None and second.grad_fn is not None
+    with torch.no_grad():
+        x.mul_(2.0)
+    third = kernels.causal_conv1d(x, w, b, cu_seqlens=cu)
+    assert not torch.allclose(third, second)
+    torch.testing.assert_close(third, reference(x, w, b, cu_seqlens=cu))
+
+
 # ------------------------------------------------------------------------------------------
 # every mode at cp=2 on gloo ranks, with the stand-in
 # ------------------------------------------------------------------------------------------

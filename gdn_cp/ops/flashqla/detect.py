@@ -150,6 +150,7 @@ def auto_cp_setting() -> bool:
     return env.read(AUTO_CP_ENV) == "1"
 
 
+@functools.lru_cache(maxsize=1)  # no arguments: one answer per process (never cache on tensors)
 def conv_choice() -> tuple[Callable, str]:
     """``(causal_conv1d, what it is)``: FLA's conv kernel where FLA imports, else gdn-cp's plain-torch
     conv; decided once per process (the stack report says which)."""

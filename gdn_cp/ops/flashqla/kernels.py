@@ -113,8 +113,6 @@ def require_device(name: str, t: torch.Tensor) -> None:
 # what FlashQLA does not have: the causal conv and the fused gated norm
 # --------------------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=1)
-
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
