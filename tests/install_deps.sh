@@ -37,17 +37,15 @@ if [ "$ANY_ENV" != 1 ] && ! "$PY" -c 'import sys; sys.exit(0 if sys.prefix != sy
 fi
 cd "$(dirname "$0")/.."
 
-# one progress line per step (about a minute in all on 2 cores with a fast index); two pip calls (each
+# one progress line per step (about a minute in all on 2 cores with a fast index); two pip calls (three with
+# --cpu-torch where torch is not there yet; each
 # start costs seconds): what resolves normally, then what must not pull dependencies
 START=$SECONDS
 step() { echo "tests/install_deps.sh: [$1/4] $2 ($(( SECONDS - START )) s so far)"; }
 # torch's version and build, read from its version.py without importing torch ("2.13.0+cpu CPU",
 # "2.13.0 CUDA 13.0"; "none" when there is none)
 torch_build() {
-  "$PY" -c 'import importlib.util as u, pathlib as p
-s = u.find_spec("torch"); v = {}
-s and exec((p.Path(s.origin).parent / "version.py").read_text(), v)
-print(v["__version__"] + " " + ("CUDA " + v["cuda"] if v.get("cuda") else "ROCm" if v.get("hip") else "CPU") if s else "none")'
+  "$PY" -c 'import importlib.util as u, pathlib as p; s = u.find_spec("torch"); v = {}; s and exec((p.Path(s.origin).parent / "version.py").read_text(), v); print(v["__version__"] + " " + ("CUDA " + v["cuda"] if v.get("cuda") else "ROCm" if v.get("hip") else "CPU") if s else "none")'
 }
 DEPS="gdn-cp (editable) with its test extras (pytest, hypothesis, hadolint, shellcheck), packaging, numpy"
 if [ "$CPU_TORCH" = 1 ]; then

@@ -216,9 +216,14 @@ def main_job_columns():
 
 
 @pytest.mark.slow
-def test_each_line_prints_when_its_mode_is_done_not_when_the_ranks_end(monkeypatch):
-    """Issue #41: `gdn-cp run` printed nothing for ~100 s after "spawning 2 ranks", then everything at once.
-    Each mode's line is printed while the ranks still run (before run_ranks returns), with its time."""
+def test_each_line_prints_when_its_mode_is_done_and_verbose_shows_every_ranks_log(monkeypatch, caplog):
+    """Issue #41: `gdn-cp run` printed nothing for ~100 s after "spawning 2 ranks", then everything at once;
+    `-v` changed nothing visible (spawned ranks inherit no logging setup). Each mode's line is printed while
+    the ranks still run (before run_ranks returns), and with rank_log_level the ranks' records reach this
+    process's loggers, each prefixed with its rank: the THD cut, the route, the mode and backend, and the
+    library's own (the chunkwise exchange path). One run for both (spawning costs seconds)."""
+    import logging
+
     from gdn_cp.cli import main_job
 
     returned = []
@@ -230,12 +235,21 @@ def test_each_line_prints_when_its_mode_is_done_not_when_the_ranks_end(monkeypat
         return out
 
     monkeypatch.setattr(main_job, "run_ranks", watched)
+    caplog.set_level(logging.DEBUG)
     lines = []
-    result = run_job(JobConfig(cp_sizes=(2,), **SMALL), echo=lambda line: lines.append((line, bool(returned))))
+    result = run_job(JobConfig(cp_sizes=(2,), **SMALL), echo=lambda line: lines.append((line, bool(returned))),
+                     rank_log_level=logging.DEBUG)
     assert result.exit_code == 0, lines
     rows = {line.split()[0]: done for line, done in lines if line.startswith(("chunkwise ", "all_gather "))}
     assert rows == {"chunkwise": False, "all_gather": False}, lines
     assert [done for line, done in lines if line.startswith("cached plan reused")] == [True]
+    messages = [r.getMessage() for r in caplog.records]
+    for rank in (0, 1):
+        assert any(m.startswith(f"rank {rank}: cp=2: THD cut per_document") and "zigzag->contiguous sends" in m
+                   for m in messages), messages
+        for mode in ("chunkwise", "all_gather"):
+            assert f"rank {rank}: cp=2: {mode} mode on the reference backend (gloo group, cpu)" in messages, messages
+        assert any(m.startswith(f"rank {rank}: chunkwise halo/state exchange: generic path") for m in messages)
 
 
 def test_quiet_prints_only_the_failures_and_the_verdict(monkeypatch, capsys):
@@ -284,28 +298,6 @@ def test_the_seed_chooses_the_packing():
     args = build_parser().parse_args(["run", "--seed", "5"])
     assert args.seed == 5 and build_parser().parse_args(["run"]).seed == 0
     assert packed_boundaries(37, 2048, 2, 0) != packed_boundaries(37, 2048, 2, 5)
-
-
-@pytest.mark.slow
-def test_verbose_shows_every_ranks_cut_route_mode_and_backend(caplog):
-    """Issue #41: `-v` changed nothing visible in `gdn-cp run`: spawned ranks inherit no logging setup. With
-    rank_log_level the ranks' records reach this process's loggers, each prefixed with its rank."""
-    import logging
-
-    caplog.set_level(logging.DEBUG)
-    result = run_job(JobConfig(cp_sizes=(2,), modes=("chunkwise",), **SMALL), echo=lambda line: None,
-                     rank_log_level=logging.DEBUG)
-    assert result.exit_code == 0
-    messages = [r.getMessage() for r in caplog.records]
-    for rank in (0, 1):
-        assert any(m.startswith(f"rank {rank}: cp=2: THD cut per_document") and "zigzag->contiguous sends" in m
-                   for m in messages), messages
-        assert f"rank {rank}: cp=2: chunkwise mode on the reference backend (gloo group, cpu)" in messages, messages
-        assert any(m.startswith(f"rank {rank}: chunkwise halo/state exchange: generic path") for m in messages)
-    caplog.clear()
-    run_job(JobConfig(cp_sizes=(2,), modes=("chunkwise",), **SMALL), echo=lambda line: None,
-            rank_log_level=logging.WARNING)
-    assert not [r for r in caplog.records if r.getMessage().startswith("rank ")]
 
 
 @pytest.mark.slow

@@ -53,6 +53,9 @@ def test_a_bar_on_a_terminal_after_its_delay_with_the_lines_around_it(monkeypatc
 
 
 def _talk(ctx, n):
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks joined (a rank that returns at once would close the group under the other's join)
     logging.getLogger("gdn_cp.test_talk").debug("debug from %d", ctx.rank)
     logging.getLogger("gdn_cp.test_talk").warning("warning from %d", ctx.rank)
     for i in range(n):
