@@ -655,3 +655,37 @@ def test_the_package_says_what_it_is():
     floor = torch.split(">=")[1]
     for name in ("README.md", "docs/megatron.md"):
         assert f"pip keeps any torch >= {floor}" in _one_line(DOCS[name]), name
+
+
+def test_the_sync_and_route_build_figures_are_their_result_files():
+    """README's "0 in every mode (stock: 5 in the forward)" and "Stock makes 5 per forward" are
+    benchmarks/results/syncs.json; "0.108 ms against stock's per-token 23.2 ms" (T=1M, 64 sequences,
+    cp=8) is route_build.json's plan + index and per-token times (issue #41: every figure from a file)."""
+    import json
+
+    syncs = json.loads((ROOT / "benchmarks" / "results" / "syncs.json").read_text())["cp"]
+    ours = {n for per_cp in syncs.values() for mode, c in per_cp.items() if not mode.startswith("stock")
+            for n in (c["forward"], c["backward"])}
+    stock = {per_cp["stock headwise"]["forward"] for per_cp in syncs.values() if "stock headwise" in per_cp}
+    assert ours == {0} and len(stock) == 1, (ours, stock)
+    text = _one_line(README)
+    assert f"| 0 in every mode (stock: {stock.pop()} in the forward) |" in text
+    assert f"Stock makes {max(per_cp['stock headwise']['forward'] for per_cp in syncs.values())} per forward" in text
+    build = json.loads((ROOT / "benchmarks" / "results" / "route_build.json").read_text())["results"]
+    (row,) = [r for r in build if (r["T_global"], r["num_sequences"], r["cp"]) == (1 << 20, 64, 8)]
+    assert (f"| route build, T=1M, 64 sequences, cp=8 | {row['plan_index_ms']:.3f} ms against stock's per-token "
+            f"{row['per_token_ms']:.1f} ms |") in text
+
+
+def test_the_fla060_per_rank_figure_is_its_result_file():
+    """README's "0.852-0.872x stock's time on the same stack at 32K" (local modules, FLA 0.6): gdn-cp over
+    stock on the same rows, whole (CP=1) and each rank's slice, in layer_full_cp1_fla060.json."""
+    import json
+
+    rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_cp1_fla060.json").read_text())
+            if r["T"] == 32768 and r["status"] == "ok"]
+    ms = {(r["case"].split("_")[0], r["case"].split("_")[1], r.get("slice_rank")): r["median_ms"] for r in rows}
+    ratios = [ms[("patched", kind, rank)] / ms[("stock", kind, rank)]
+              for kind, rank in (("cp1", None), ("slice", 0), ("slice", 1))]
+    assert (f"| per rank, local modules, FLA 0.6 | {min(ratios):.3f}-{max(ratios):.3f}x stock's time on the same "
+            "stack at 32K |") in _one_line(README)
