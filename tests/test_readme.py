@@ -689,3 +689,18 @@ def test_the_fla060_per_rank_figure_is_its_result_file():
               for kind, rank in (("cp1", None), ("slice", 0), ("slice", 1))]
     assert (f"| per rank, local modules, FLA 0.6 | {min(ratios):.3f}-{max(ratios):.3f}x stock's time on the same "
             "stack at 32K |") in _one_line(README)
+
+
+def test_the_pad_cost_figures_are_their_result_file():
+    """docs/megatron.md's pad shares at CP=8 and 32K tokens a row (TP 1) per document mix, and README's
+    "0.1-4.2% more tokens at CP=8" (their range), are benchmarks/results/pad_cost.json's."""
+    import json
+
+    rows = json.loads((ROOT / "benchmarks" / "results" / "pad_cost.json").read_text())["rows"]
+    share = {r["mix"]: 100 * r["pad_fraction"] for r in rows if (r["cp"], r["seq"], r["tp_sp"]) == (8, 32768, 1)}
+    assert set(share) == {"mock", "web", "short", "long"}, share
+    doc = _one_line(MEGATRON_DOC)
+    assert (f"at CP=8 and 32K tokens a row, {share['mock']:.2f}% of the tokens for Megatron-LM's mock data" in doc
+            and f"{share['web']:.2f}% for a web-like mix" in doc and f"{share['short']:.1f}% for short documents"
+            in doc and f"{share['long']:.1f}% for long ones" in doc), share
+    assert f"costs {min(share.values()):.1f}-{max(share.values()):.1f}% more tokens at CP=8" in _one_line(README)
