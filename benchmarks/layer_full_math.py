@@ -53,8 +53,9 @@ PACKINGS = ("mixed8", "long1", "short64", "sbhd")
 SPECS = ("local", "te")
 # gdn-cp levers a patched row can run with switched off (benchmark-side, in the rank process; never
 # a library flag), each beside the row with every lever on, in the same run, rows and weights:
-# ``fused_norm``: the layer's own out_norm * act(z) instead of FLA's fused gated RMSNorm.
-LEVERS = ("fused_norm",)
+# ``fused_norm``: the layer's own out_norm * act(z) instead of FLA's fused gated RMSNorm;
+# ``compiled_glue``: gdn-cp's fused glue (conv + split + l2 norm, gates) run eagerly, not compiled.
+LEVERS = ("fused_norm", "compiled_glue")
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
 _MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)
@@ -196,18 +197,25 @@ def _exchange_bytes(path: str, cu: Sequence[int], cp: int, rank: int, dims: GDND
       ``[Hv, Dk, Dk+Dv]`` fp32 state summary per rank (backward: reduce-scatter);
     - ``fla`` (FLA's cp_context, NCCL): the W-1 conv tail rows to the next rank (backward: to the
       previous one), and an all-gather of one ``[Hv, Dk, Dk+Dv]`` fp32 block per rank, forward and
-      backward.
+      backward;
+    - ``flashqla`` (FlashQLA's inter-card context for the scan, FLA's for the conv): the same conv
+      tails, and one all-gather per direction of a block packed from ``[Hv, Dk, Dv]`` (forward: the
+      last sequence's final state from zero; backward: the first one's state gradient) and ``[Hv, Dk,
+      Dk]`` (its transition matrix), in the activations' dtype (``chunk/cp/preprocess.py``: ``pack_hm``).
     """
     state = dims.num_v_heads * dims.head_k_dim * (dims.head_k_dim + dims.head_v_dim) * 4
     tail = (dims.conv_width - 1) * dims.conv_dim * act_bytes
     if path == "fla":
         return tail * (rank < cp - 1) + tail * (rank > 0) + 2 * (cp - 1) * state
+    if path == "flashqla":
+        packed = dims.num_v_heads * dims.head_k_dim * (dims.head_k_dim + dims.head_v_dim) * act_bytes
+        return tail * (rank < cp - 1) + tail * (rank > 0) + 2 * (cp - 1) * packed
     if path == "generic":
         layout_cu = list(cu)
         if not build_chunkwise_plan(layout_cu, cp, rank, dims.conv_width).any_straddle:
             return 0
         return 2 * (cp - 1) * tail + 2 * (cp - 1) * state
-    raise ValueError(f"chunkwise exchange path must be 'generic' or 'fla', got {path!r}")
+    raise ValueError(f"chunkwise exchange path must be 'generic', 'fla' or 'flashqla', got {path!r}")
 
 
 def bytes_per_token(case: str, *, layout: str, cu: Sequence[int], cp: int, dims: GDNDims, act_bytes: int,

@@ -47,7 +47,7 @@ from gdn_cp.cli.accuracy import rel_l2
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
-from .measure import GIB, copy_kernels, spans_from_trace, split_busy_time, timed_steps
+from .measure import GIB, copy_kernels, kernel_classes, spans_from_trace, split_busy_time, timed_steps
 TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank
 _STATE: dict = {}
 
@@ -261,7 +261,20 @@ def fused_norm_off(modules):
             _clear_norm_choice(m)
 
 
-LEVER_SWITCHES = {"fused_norm": fused_norm_off}
+@contextlib.contextmanager
+def compiled_glue_off(modules):
+    """Benchmark-only switch: gdn-cp's fused glue (the conv + SiLU + q/k/v split + l2 norm step and the
+    gates, :mod:`gdn_cp.ops.fused`) runs eagerly instead of compiled: what torch.compile's fusion buys."""
+    from gdn_cp.ops.fused import glue
+
+    glue.set_compile(False)
+    try:
+        yield
+    finally:
+        glue.set_compile(True)
+
+
+LEVER_SWITCHES = {"fused_norm": fused_norm_off, "compiled_glue": compiled_glue_off}
 
 
 def _modules_of(module) -> dict:
@@ -402,7 +415,9 @@ class _Case:
         call = CallContext(settings=settings, shape=state.shape, plan=RouteCache().plan([0, 2 * self.group.size()],
                            self.group.size(), self.group.rank()), group=self.group,
                            backend=choose_backend(settings, state.adapter, _STATE["device"]))
-        return "fla" if prepare_mode(call).path.startswith("native") else "generic"
+        if not prepare_mode(call).path.startswith("native"):
+            return "generic"
+        return "flashqla" if "flashqla" in getattr(call.backend, "__name__", "") else "fla"  # whose exchange runs
 
     # -- the core alone ------------------------------------------------------------------------
     def core_step(self, seed: int):
@@ -641,7 +656,8 @@ def _profiled(step, n: int, device) -> dict:
             "kernels": {c: len(s) // n for c, s in spans.items()},
             "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top],
             "copy_ms": copies["us"] / 1e3 / n, "copy_kernels": copies["count"] // n,
-            "copy_top_ms": [[name, us / 1e3 / n] for name, us in copies["top"]]}
+            "copy_top_ms": [[name, us / 1e3 / n] for name, us in copies["top"]],
+            "classes_ms": kernel_classes(by_name, split["idle"], n)}
 
 
 # ---------------------------------------------------------------------------------------------

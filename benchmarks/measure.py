@@ -214,6 +214,45 @@ def spans_from_trace(trace) -> tuple[dict, dict]:
     return spans, by_name
 
 
+# Kernel classes of a layer's profile, in the order a kernel is matched (first match wins), so that a row
+# says where its time goes against the floor (the GEMMs): what each class's names look like in a CUDA trace
+# of megatron-core's GatedDeltaNet on FLA / FlashQLA / TransformerEngine.
+KERNEL_CLASSES = (
+    ("communication", ("nccl",)),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm100_")),
+    ("conv", ("causal_conv", "conv1d")),
+    ("gdn", ("chunk_", "gdr", "kkt", "solve_tril", "recompute_w_u", "fused_recurrent", "cumsum", "prepare_h",
+             "wy_", "l2norm", "group_reduce", "main_kernel", "tilelang", "delta_rule")),
+    ("norm", ("rms", "layer_norm", "layernorm", "_norm")),
+    ("compiled glue", ("triton_",)),  # torch.compile's kernels: gdn-cp's fused conv / split / l2 norm / gates
+    ("elementwise + copies", ()),  # everything else: elementwise, copy, cat, fill, reduce
+)
+CLASS_NAMES = tuple(c for c, _ in KERNEL_CLASSES) + ("memcpy", "idle")
+
+
+def kernel_class(key: str) -> str:
+    """The class of one ``spans_from_trace`` key (``"compute: <kernel name>"``, ``"nccl: ..."``,
+    ``"memcpy: ..."``)."""
+    cat, _, name = key.partition(": ")
+    if cat == "memcpy":
+        return "memcpy"
+    name = name.lower()
+    for cls, marks in KERNEL_CLASSES:
+        if not marks or any(m in name for m in marks):
+            return cls
+    return KERNEL_CLASSES[-1][0]
+
+
+def kernel_classes(by_name: dict, idle_us: float, iters: int) -> dict:
+    """ms per iteration by :data:`CLASS_NAMES` class (kernel durations summed by class; ``idle`` from
+    the profile split), every class present (0.0 where none ran)."""
+    out = {c: 0.0 for c in CLASS_NAMES}
+    for key, us in by_name.items():
+        out[kernel_class(key)] += us / 1e3 / iters
+    out["idle"] = idle_us / 1e3 / iters
+    return out
+
+
 # What a copy kernel looks like in a CUDA trace: torch's copy / cat / contiguous kernels (the lever
 # "fewer copies around in_proj and the gate split" can save at most their time).
 _COPY_MARKERS = ("copy", "catarraybatched", "cat_kernel")

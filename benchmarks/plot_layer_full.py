@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .common import save_figure, write_json
 from .layer_full_math import CASES as CP_CASES
+from .measure import CLASS_NAMES
 from .layer_full_math import CP1_CASES, case_key, run_key
 
 logger = logging.getLogger("benchmarks.plot_layer_full")
@@ -67,6 +68,32 @@ def _ordered(keys) -> list[str]:
     return sorted(set(keys), key=lambda k: (order.get(_base(k), len(order)), k))
 PARTS = (("compute_ms", "compute", "tab:blue"), ("comm_wait_ms", "NCCL (comm/wait)", "tab:orange"),
          ("memcpy_ms", "memcpy/memset", "tab:green"), ("idle_ms", "idle", "lightgray"))
+CLASS_COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "conv": "tab:red", "gdn": "tab:green",
+                "norm": "tab:olive", "compiled glue": "tab:pink", "elementwise + copies": "tab:purple",
+                "memcpy": "tab:brown", "idle": "lightgray"}
+
+
+def class_table(rows) -> str:
+    """Where each profiled row's time goes by kernel class (``layer_full_math``'s profile:
+    ``classes_ms``, ms per iteration of the critical rank), against its floor: the GEMMs. Empty
+    without such rows."""
+    have = [r for r in rows if r.get("status") == "ok" and r.get("classes_ms")]
+    if not have:
+        return ""
+    lines = ["**Where the time goes, by kernel class** (ms per iteration of the profiled iterations, critical rank; "
+             "the GEMMs are the floor: the projections; `gdn` = the gated delta rule's kernels, FLA's or FlashQLA's; "
+             "`compiled glue` = torch.compile's kernels: gdn-cp's fused conv + split + l2 norm and gates)\n",
+             "| stack | spec | T | packing | case | median | " + " | ".join(CLASS_NAMES) + " | median / GEMM |",
+             "|---|---|---|---|---|---:|" + "---:|" * (len(CLASS_NAMES) + 1)]
+    for r in sorted(have, key=lambda r: (_stack(r), r.get("spec") or "local", r["T"], r["packing"], case_key(r))):
+        cls = r["classes_ms"]
+        gemm = cls.get("gemm") or 0.0
+        lines.append(f"| {_stack(r)} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {r['packing']} | "
+                     f"{_label(case_key(r))} | {r['median_ms']:.2f} | "
+                     + " | ".join(f"{cls.get(c, 0.0):.2f}" for c in CLASS_NAMES)
+                     + f" | {'-' if not gemm else format(r['median_ms'] / gemm, '.2f')} |")
+    lines.append("")
+    return "\n".join(lines)
 
 
 def load_rows(paths) -> list[dict]:
@@ -114,6 +141,9 @@ def markdown_tables(rows) -> str:
     summary = per_rank_summary(rows)
     if summary:
         parts.append(summary)
+    classes = class_table(rows)
+    if classes:
+        parts.append(classes)
     for (device, gpus, backend, cp, dtype, stack), by_tp in sorted(_groups(rows).items(), key=str):
         any_row = next(iter(next(iter(by_tp.values())).values()))
         gpu = any_row.get("rank_info", {}).get("gpu") or any_row.get("machine", {}).get("cpu_model")
@@ -294,10 +324,16 @@ def plot_rows(rows, path) -> bool:
             bars = [(name, c, by_p[name][c]) for name in names for c in cases if c in by_p[name]]
             xs = list(range(len(bars)))
             bottoms = [0.0] * len(bars)
-            for key, label, color in PARTS:
-                vals = [r.get(key) or 0.0 for _, _, r in bars]
-                ax.bar(xs, vals, 0.8, bottom=bottoms, color=color, label=label)
-                bottoms = [b + v for b, v in zip(bottoms, vals)]
+            if all(r.get("classes_ms") for _, _, r in bars):  # by kernel class: the distance to the GEMM floor
+                for cls in CLASS_NAMES:
+                    vals = [r["classes_ms"].get(cls, 0.0) for _, _, r in bars]
+                    ax.bar(xs, vals, 0.8, bottom=bottoms, color=CLASS_COLORS[cls], label=cls)
+                    bottoms = [b + v for b, v in zip(bottoms, vals)]
+            else:
+                for key, label, color in PARTS:
+                    vals = [r.get(key) or 0.0 for _, _, r in bars]
+                    ax.bar(xs, vals, 0.8, bottom=bottoms, color=color, label=label)
+                    bottoms = [b + v for b, v in zip(bottoms, vals)]
             labels = [f"{name}\n{c.replace('chunkwise_', 'cw_').replace('stock_headwise', 'stock')}"
                       for name, c, _ in bars]
             ax.set_xticks(xs)

@@ -413,6 +413,9 @@ def test_bytes_per_token_qwen_shape():
     assert hidden["exchange_per_rank"] == [(tail + 2 * state) / 16384] * 2
     assert hidden["bytes_per_token"] == 16384 + (tail + 2 * state) / 16384
     assert b("cp1_slice")["bytes_per_token"] == 0
+    # FlashQLA's scan exchange: one block of [Hv, Dk, Dv] + [Hv, Dk, Dk] in bf16 per rank and direction
+    packed = 32 * 128 * 256 * 2
+    assert b("chunkwise_hidden", chunkwise_path="flashqla")["exchange_per_rank"] == [(tail + 2 * packed) / 16384] * 2
 
 
 def test_iteration_stats_take_the_slowest_rank_per_iteration():
@@ -465,3 +468,36 @@ def test_megatron_trees_pristine_and_patched(tmp_path):
     assert patch.overall_state(patch.check_patch(trees["stock"])) == patch.PRISTINE
     assert patch.overall_state(patch.check_patch(trees["patched"])) == patch.PATCHED
     assert patch.overall_state(patch.check_patch(root)) in (patch.PRISTINE, patch.PATCHED)  # untouched
+
+
+def test_kernel_classes_sort_a_gdn_layers_kernels():
+    """Each kernel a GatedDeltaNet layer launches lands in its class (GEMMs are the floor, the rest is
+    what gdn-cp can remove); every class is reported; idle comes from the profile split."""
+    by_name = {
+        "compute: nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coo": 5000.0,
+        "compute: chunk_gated_delta_rule_fwd_kernel_h_blockdim64": 800.0,
+        "compute: fused_gdr_fwd_kernel": 400.0,
+        "compute: causal_conv1d_fwd_kernel": 300.0,
+        "compute: layer_norm_gated_fwd_kernel": 200.0,
+        "compute: triton_per_fused_add_mul_rsqrt_silu_split_0": 150.0,
+        "compute: void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": 100.0,
+        "compute: void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>": 50.0,
+        "nccl: ncclDevKernel_AllGather_RING_LL": 30.0,
+        "memcpy: Memcpy DtoD (Device -> Device)": 10.0,
+    }
+    cls = measure.kernel_classes(by_name, idle_us=400.0, iters=2)
+    assert set(cls) == set(measure.CLASS_NAMES)
+    want = {"gemm": 2.5, "gdn": 0.6, "conv": 0.15, "norm": 0.1, "compiled glue": 0.075, "elementwise + copies": 0.075,
+            "communication": 0.015, "memcpy": 0.005, "idle": 0.2}
+    assert cls == pytest.approx(want, rel=1e-12)
+
+
+def test_class_table_reads_each_rows_classes():
+    from benchmarks import plot_layer_full
+
+    classes = {c: 0.0 for c in measure.CLASS_NAMES} | {"gemm": 8.2, "gdn": 1.5, "idle": 0.7}
+    row = {"status": "ok", "T": 32768, "packing": "mixed8", "case": "patched_slice", "slice_rank": 0, "cp": 1,
+           "median_ms": 12.3, "classes_ms": classes, "spec": "local", "stack": "fla 0.4.2 + flash-qla 0.1.3"}
+    text = plot_layer_full.class_table([row])
+    assert "| 12.30 | 0.00 | 8.20 | 0.00 | 1.50 |" in text  # median, communication, gemm, conv, gdn
+    assert text.rstrip().endswith(f"| {12.3 / 8.2:.2f} |")

@@ -126,6 +126,17 @@ class Boundaries(tuple):
             self._views[key] = host_to_device(self.cpu(dtype), device)
         return self._views[key]
 
+    def positions(self, device) -> torch.Tensor:
+        """int32 ``[T]`` on ``device``: each row's offset from the first row of its sequence (what a
+        causal conv masks its taps with). Made on the host from the boundaries, copied once per device
+        (never read back)."""
+        key = ("positions", str(torch.device(device)))
+        if key not in self._views:
+            cu = self._array
+            rows = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], np.diff(cu))
+            self._views[key] = host_to_device(torch.from_numpy(rows.astype(np.int32)), device)
+        return self._views[key]
+
     def nonempty(self) -> tuple["Boundaries", tuple[int, ...]]:
         """These boundaries without empty sequences, and the indices of the sequences kept."""
         if self._nonempty is None:

@@ -36,7 +36,6 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..checks import as_int
 from ..comm import group_ranks
@@ -46,6 +45,7 @@ from ..modes.context import CallContext, LayerFacts, Projected
 from ..modes.core import prepare_mode
 from ..modes.packing import sbhd_to_thd, thd_to_sbhd
 from ..modes.settings import THD_SPLIT_FIELD, Settings
+from ..ops.fused import gates
 from ..ops.shape import GDNShape
 from . import config as _config
 from .backend import choose_backend
@@ -304,8 +304,8 @@ class LayerSegment:
         qkv, gate, beta, alpha = torch.split(
             rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads], dim=-1
         )
-        g = -layer.A_log.exp() * F.softplus(alpha.float() + layer.dt_bias)  # [T, Hv] fp32, as stock
-        return Projected(qkv, g, beta.sigmoid(), gate.reshape(rows.shape[0], shape.num_v_heads, shape.head_v_dim))
+        g, beta = gates(alpha, beta, layer.A_log, layer.dt_bias)  # [T, Hv]: g fp32, as stock; fused on CUDA
+        return Projected(qkv, g, beta, gate.reshape(rows.shape[0], shape.num_v_heads, shape.head_v_dim))
 
     def finish(self, o: torch.Tensor, gate: torch.Tensor, batch: int):
         """``o, z [T, Hv, Dv]`` -> gated norm (the backend's fused kernel where it fits; under

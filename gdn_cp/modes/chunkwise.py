@@ -27,7 +27,7 @@ plan, and logs each outcome once:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import ClassVar, Optional
 
@@ -46,7 +46,7 @@ from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
 from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
-from .common import split_qkv
+from .common import conv_split
 from .context import CallContext, Mode
 from .spec import MODES
 from .packing import sbhd_to_thd, thd_to_sbhd
@@ -190,13 +190,12 @@ class Chunkwise(Mode):
         if straddles and cw.conv_width > 1:
             index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
             halo = gather_halo(qkv_c, cw, index, group)
-        x = backend.causal_conv1d(qkv_c, conv_weight, conv_bias, cu_seqlens=cw.local_cu, halo=halo, activation="silu")
-        q, k, v = split_qkv(x, shape, shape.num_k_heads, shape.num_v_heads)
+        q, k, v = conv_split(qkv_c, conv_weight, conv_bias, shape=shape, cu_seqlens=cw.local_cu, halo=halo)
         if not straddles:
-            o_c, _ = backend.chunk_gated_delta_rule(q, k, v, g_c, beta_c, cu_seqlens=cw.local_cu,
-                                                    use_qk_l2norm=shape.qk_l2norm)
+            o_c, _ = backend.chunk_gated_delta_rule(q, k, v, g_c, beta_c, cu_seqlens=cw.local_cu, use_qk_l2norm=False)
             return o_c
-        return _scan_with_carried_state(q, k, v, g_c, beta_c, cw, backend, group, shape)
+        # q and k came out of conv_split normalized: the scans take them as they are
+        return _scan_with_carried_state(q, k, v, g_c, beta_c, cw, backend, group, replace(shape, qk_l2norm=False))
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:

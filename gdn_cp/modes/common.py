@@ -13,10 +13,12 @@ from typing import Sequence
 
 import torch
 
+from ..layout.boundaries import host_boundaries
+from ..ops.fused import conv_silu_split
 from ..ops.shape import GDNShape
 from .context import CallContext, Mode
 
-__all__ = ["Local", "local_core", "split_qkv", "stack_gates", "unstack_gates"]
+__all__ = ["Local", "conv_split", "local_core", "split_qkv", "stack_gates", "unstack_gates"]
 
 
 def stack_gates(g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -43,6 +45,22 @@ def split_qkv(x: torch.Tensor, shape: GDNShape, k_heads: int, v_heads: int):
     )
 
 
+def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], halo=None,
+               k_heads: int | None = None, v_heads: int | None = None):
+    """Conv (SiLU) of pre-conv rows ``qkv [T, C]``, split into contiguous ``q, k [T, k_heads, Dk]``
+    and ``v [T, v_heads, Dv]``, q and k l2-normalized when the layer asks (``shape.qk_l2norm``): one
+    fused step (:func:`gdn_cp.ops.fused.conv_silu_split`, compiled on CUDA), so the kernels take q
+    and k as they are (``use_qk_l2norm=False``). ``halo [W-1, C]``: the rows before row 0 in row
+    0's sequence (chunkwise), or None."""
+    cu = host_boundaries(cu_seqlens, qkv.shape[0])
+    return conv_silu_split(
+        qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo,
+        k_heads=shape.num_k_heads if k_heads is None else k_heads,
+        v_heads=shape.num_v_heads if v_heads is None else v_heads,
+        head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim, qk_l2norm=shape.qk_l2norm,
+    )
+
+
 def local_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], backend,
                k_heads: int | None = None, v_heads: int | None = None) -> torch.Tensor:
     """Conv (SiLU) then gated delta rule on rows already in sequence order: the CP=1 core.
@@ -51,11 +69,9 @@ def local_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seql
     Boundaries keep their device copies). Returns ``o [T, v_heads, Dv]``. ``k_heads`` / ``v_heads``
     default to all heads (headwise passes its share).
     """
-    k_heads = shape.num_k_heads if k_heads is None else k_heads
-    v_heads = shape.num_v_heads if v_heads is None else v_heads
-    x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu_seqlens, activation="silu")
-    q, k, v = split_qkv(x, shape, k_heads, v_heads)
-    o, _ = backend.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=shape.qk_l2norm)
+    q, k, v = conv_split(qkv, conv_weight, conv_bias, shape=shape, cu_seqlens=cu_seqlens, k_heads=k_heads,
+                         v_heads=v_heads)
+    o, _ = backend.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=False)
     return o
 
 

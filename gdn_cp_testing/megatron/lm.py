@@ -18,12 +18,16 @@ optimizer and the training loop. What this module adds, in the rank process only
 * **``--sft``**: Megatron-LM's SFT dataset reads JSONL through HuggingFace ``datasets`` and tokenizes
   conversations with a HuggingFace chat tokenizer, neither of which the test machines have. The
   stand-ins read the JSONL this module writes (:func:`write_sft_set`: every message's content is a
-  space-separated list of token ids) and tokenize a conversation as Megatron's SFT tokenizer
-  would for such ids: the ids of every message in order, the targets of non-assistant messages
-  masked (``-100``). ``SFTDataset`` itself packs, pads every conversation to a multiple of 2*cp and
-  builds ``cu_seqlens``, as in a real SFT run;
+  space-separated list of token ids, byte-level slices of the benchmark's text) and tokenize a
+  conversation as Megatron's SFT tokenizer would for such ids: the ids of every message in order, the
+  targets of non-assistant messages masked (``-100``). ``SFTDataset`` itself packs, pads every
+  conversation to a multiple of 2*cp and builds ``cu_seqlens``, as in a real SFT run;
 * ``GDN_CP_TEST_FAST_AUTOTUNE=1``: FLA's autotuners take their first working config
   (:func:`gdn_cp_testing.ranks.maybe_fast_autotune`); numerics stay valid, timings do not.
+
+The other runs read the Python standard library's source as byte-level tokens, an indexed dataset built by
+:mod:`.byte_text` into the run's data folder (``--data-path``), each run with its own ``--data-cache-path``
+(Megatron writes its sample indices there: runs side by side would race on one cache).
 
 Per-iteration ``lm loss`` and ``grad norm`` are read from the log Megatron prints (``--log-interval
 1``); a rank that fails ends the run within seconds (its peers are killed) with its last lines kept.
@@ -47,6 +51,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from .byte_text import PAD, PREFIX, VOCAB
 
 _CLONE = str(Path(__file__).resolve().parents[2])  # the clone's root: gdn_cp_testing is not installed
 
@@ -87,7 +93,6 @@ PRECISIONS = {"bf16": ["--bf16"], "fp32": []}
 only) show the CP=1 match with bf16 rounding out of the way."""
 
 SCRIPTS = ("pretrain_hybrid.py", "pretrain_gpt.py")
-VOCAB = 1024  # NullTokenizer: eod = VOCAB - 1; SFT pads with VOCAB - 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +112,7 @@ class RunSpec:
     pattern: str = "G-G-*-"
     gpt_layers: int = 4
     gpt_attention_freq: int = 4
-    iterations: int = 20
+    iterations: int = 50
     seq_length: int = 4096
     micro_batch: int = 2
     global_batch: int = 4
@@ -115,7 +120,8 @@ class RunSpec:
     gdn_heads: tuple = (4, 12)  # (key heads, value heads): a ratio other than 2
     gdn_head_dim: int = 128
     attention_heads: tuple = (8, 4)  # (query heads, query groups): head dim hidden / 8
-    lr: float = 3e-4
+    lr: float = 6e-4  # constant after the warm-up: byte-level code is still being learnt at iteration 50
+    lr_warmup: int = 5
     backend: Optional[str] = None  # --linear-cp-backend (None: no flag, the config's default "auto")
     site: Optional[str] = None  # a folder put first on the ranks' PYTHONPATH (e.g. an unpacked FlashQLA site)
     seed: int = 1234
@@ -141,7 +147,7 @@ class RunSpec:
         if self.stock and self.mode is not None:
             raise ValueError(f"RunSpec.mode={self.mode!r} with stock=True: stock Megatron-LM has no --linear-cp-mode; "
                              "leave mode None")
-        for name in ("seq_length", "micro_batch", "global_batch", "hidden", "gdn_head_dim"):
+        for name in ("iterations", "seq_length", "micro_batch", "global_batch", "hidden", "gdn_head_dim"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"RunSpec.{name}={getattr(self, name)!r} must be a positive int")
         if self.global_batch % self.micro_batch:
@@ -162,8 +168,8 @@ class RunSpec:
 
 def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: bool = False) -> list[str]:
     """The script's command line for ``spec`` (its sizes: hidden, FFN 2 x hidden, GDN key / value heads and
-    head dim, attention heads in groups; SwiGLU + RMSNorm as GDN needs, no dropout, bf16 or fp32, mock data
-    or the SFT set in ``data_dir``).
+    head dim, attention heads in groups; SwiGLU + RMSNorm as GDN needs, no dropout, bf16 or fp32; the
+    byte-level text :mod:`.byte_text` built in ``data_dir``, or the SFT set :func:`write_sft_set` wrote there).
 
     ``one_gpu``: ranks share one GPU (gloo; TE attention's CP exchange through all-to-all)."""
     # query heads in groups: TE's all-to-all CP exchange (ranks sharing one GPU) splits the KV heads over
@@ -190,8 +196,8 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         "--seq-length", str(spec.seq_length), "--max-position-embeddings", str(spec.seq_length),
         "--micro-batch-size", str(spec.micro_batch), "--global-batch-size", str(spec.global_batch),
         "--context-parallel-size", str(spec.cp),
-        *PRECISIONS[spec.precision], "--lr", f"{spec.lr:g}", "--min-lr", f"{spec.lr / 10:g}", "--lr-decay-style", "cosine",
-        "--lr-warmup-iters", "2",
+        *PRECISIONS[spec.precision], "--lr", f"{spec.lr:g}", "--lr-decay-style", "constant",
+        "--lr-warmup-iters", str(spec.lr_warmup),
         "--weight-decay", "0.01", "--clip-grad", "1.0",
         "--train-iters", str(spec.iterations), "--seed", str(spec.seed),
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
@@ -206,30 +212,43 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         args += ["--linear-cp-mode", spec.mode]
     if one_gpu and spec.world > 1:
         args += ["--distributed-backend", "gloo", "--cp-comm-type", "a2a"]
+    if data_dir is None:
+        raise ValueError(f"RunSpec.data={spec.data!r} needs data_dir: the folder where byte_text.build wrote "
+                         f"{PREFIX}.bin / .idx and write_sft_set wrote sft.jsonl")
+    data = Path(data_dir)
+    # each run its own index cache: Megatron writes its sample indices there, runs side by side would race
+    cache = ["--data-cache-path", str(data / "cache" / spec.name)]
     if spec.data == "sft":
-        if data_dir is None:
-            raise ValueError("RunSpec.data='sft' needs data_dir (where write_sft_set wrote sft.jsonl)")
         # --calculate-per-token-loss: SFT loss masks differ between CP ranks; without it each rank averages
         # over its own tokens and the gradient is not CP=1's (validate_args refuses that, see thd_split)
-        args += ["--sft", "--data-path", str(Path(data_dir) / "sft.jsonl"), "--split", "100,0,0",
-                 "--null-tokenizer-pad-id", str(VOCAB - 2), "--calculate-per-token-loss"]
+        args += ["--sft", "--data-path", str(data / "sft.jsonl"), "--split", "100,0,0", *cache,
+                 "--null-tokenizer-pad-id", str(PAD), "--calculate-per-token-loss"]
     else:
-        args += ["--mock-data"] + DATA_FLAGS[spec.data]
+        args += ["--data-path", str(data / PREFIX), "--split", "100,0,0", *cache] + DATA_FLAGS[spec.data]
     return args + RECOMPUTE[spec.recompute] + list(spec.extra_args)
 
 
-def write_sft_set(path, *, rows: int = 64, seq_length: int = 2048, seed: int = 0) -> Path:
+def write_sft_set(path, *, text: bytes, rows: int = 64, seq_length: int = 2048, seed: int = 0) -> Path:
     """A JSONL SFT set for the stand-ins: ``rows`` lines, each a packed list of conversations
-    (system, user, assistant; 2-5 of them, of 60-700 tokens) whose contents are space-separated token
-    ids in [0, VOCAB - 2). Lengths vary so that documents straddle CP ranks and need padding to
-    2*cp; every row leaves 64 tokens free, so no conversation is truncated at any CP size up to 8
-    (the same tokens train at CP=1 and CP > 1). Returns the file."""
+    (system, user, assistant; 2-5 of them, of 60-700 tokens) whose contents are consecutive slices of
+    ``text`` as byte-level token ids (0..255; the pad id, :data:`PAD`, never occurs), written as
+    space-separated ids. Lengths vary so that documents straddle CP ranks and need padding to 2*cp;
+    every row leaves 64 tokens free, so no conversation is truncated at any CP size up to 8 (the same
+    tokens train at CP=1 and CP > 1). Give ``rows`` >= iterations x global batch: SFTDataset repeats
+    rows when it runs out. Returns the file."""
+    if not text:
+        raise ValueError("write_sft_set(text=b''): pass the text to cut the conversations from "
+                         "(byte_text.corpus_text())")
     rng = random.Random(seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    at = 0
 
     def ids(n):
-        return " ".join(str(rng.randrange(VOCAB - 2)) for _ in range(n))
+        nonlocal at
+        piece = [text[(at + i) % len(text)] for i in range(n)]  # wraps around the text's end
+        at = (at + n) % len(text)
+        return " ".join(map(str, piece))
 
     with path.open("w", encoding="utf-8") as f:
         for _ in range(rows):
@@ -383,6 +402,9 @@ def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float 
     t0 = time.monotonic()
     for rank in range(spec.world):
         env = dict(os.environ)
+        # one OpenMP thread per rank unless told otherwise, as torchrun does for several ranks on one machine
+        # (runs side by side: 14 ranks x one thread per core would oversubscribe the cores many times over)
+        env.setdefault("OMP_NUM_THREADS", "1")
         env.update(extra_env or {})
         env.update(dict(spec.env))
         if spec.site is not None:

@@ -103,10 +103,11 @@ def _boundaries_handed_to_backends(ctx):
 
 def test_backends_get_the_plans_boundaries_every_call(rank_pool):
     """No per-call lists: a backend sees the plan's Boundaries objects, so their device copies are
-    made once per micro-batch (FLA reads them from the cache on the object)."""
+    made once per micro-batch (FLA reads them from the cache on the object). The conv is gdn-cp's fused
+    step (it reads the row positions cached on the same objects); the backend gets the scans."""
     for rank, per_mode in enumerate(rank_pool(2).run(_boundaries_handed_to_backends)):
         for mode, rec in per_mode.items():
-            assert rec["calls"] >= 2 and rec["all_boundaries"] and rec["same_objects"], (rank, mode, rec)
+            assert rec["calls"] >= 1 and rec["all_boundaries"] and rec["same_objects"], (rank, mode, rec)
 
 
 def _empty_packing(ctx):

@@ -1,0 +1,150 @@
+"""The per-token glue around the GDN core, each step written once in plain torch and compiled.
+
+Between in_proj and the core kernel a GDN layer does small things over big tensors: the gates
+(``g = -exp(A_log) * softplus(alpha + dt_bias)``, ``beta = sigmoid(beta)``), the causal conv of
+q|k|v with SiLU, the split of the conv's channels into q, k, v heads, and the l2 norm of q and k.
+Run op by op, each is a pass over memory (measured on one H200 at 16K rows, Qwen3.5-9B's shape:
+FLA's conv 1.36 ms forward + backward and ~2.8 ms of elementwise, copy and cat kernels beside
+~8.2 ms of GEMMs). Here each step is one plain-torch function that ``torch.compile`` turns into
+a few fused kernels on CUDA (forward and backward: the conv's taps, SiLU, the split into
+contiguous q / k / v and the l2 norm in one pass; its backward writes the input gradient and
+reduces the tap gradients). On other devices the same functions run eagerly: the CPU tests run
+the exact math the GPU compiles.
+
+Shapes: ``x [T, C]`` pre-conv channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` (any row stride:
+in the layer it is a view of in_proj's output), ``weight [C, W]``, ``bias [C]``, ``positions [T]``
+int32 (each row's offset from its sequence's first row: :meth:`gdn_cp.layout.Boundaries.positions`),
+``halo [W-1, C]`` (the rows before row 0 in row 0's sequence, zeros where there are none).
+Everything is trusted: the boundary that made the call checked it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["L2NORM_EPS", "compile_enabled", "conv_silu_split", "gates", "set_compile"]
+
+logger = logging.getLogger(__name__)
+
+L2NORM_EPS = 1e-6
+"""FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
+
+_COMPILE = {"enabled": True}
+
+
+def set_compile(enabled: bool) -> None:
+    """Compile the glue on CUDA (default) or run it eagerly there too (benchmarks time both; the math
+    is the same)."""
+    _COMPILE["enabled"] = bool(enabled)
+
+
+def compile_enabled() -> bool:
+    return _COMPILE["enabled"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64; fp32, bf16 and fp16 are computed in fp32 (as FLA's conv and l2norm)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """``alpha, beta [T, Hv]`` (views of in_proj's output), ``a_log, dt_bias [Hv]`` ->
+    ``(g [T, Hv] fp32 log decay, beta [T, Hv] in beta's dtype)``, exactly stock's expression."""
+    g = -a_log.exp() * F.softplus(alpha.float() + dt_bias)
+    return g, beta.sigmoid()
+
+
+def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _conv_silu_split(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
+                     head_v_dim: int, qk_l2norm: bool, eps: float):
+    """``y = silu(bias + sum_j weight[:, j] * x[t - (W-1) + j])`` per sequence (taps before a
+    sequence's first row read zeros, except into ``halo`` for the sequence that starts at row 0),
+    then ``q, k [T, heads, Dk]`` (l2-normalized when ``qk_l2norm``) and ``v [T, heads, Dv]``,
+    each contiguous and in x's dtype."""
+    t, c = x.shape
+    w = weight.shape[1]
+    dtype = _compute_dtype(x.dtype)
+    xc = x.to(dtype)
+    front = xc.new_zeros(w - 1, c) if halo is None else halo.to(dtype)
+    padded = torch.cat([front, xc], dim=0)  # row r is token r - (W-1)
+    pos = positions
+    if halo is not None:  # the sequence that starts at row 0 continues into the halo: never masked
+        rows = torch.arange(t, device=positions.device, dtype=positions.dtype)
+        pos = torch.where(positions == rows, torch.full_like(positions, w), positions)
+    pos = pos.unsqueeze(-1)
+    taps = weight.to(dtype)
+    y = None if bias is None else bias.to(dtype)
+    for j in range(w):
+        shift = w - 1 - j  # tap j reads x[t - shift]
+        term = padded[j:j + t]
+        if shift:
+            term = torch.where(pos >= shift, term, 0.0)
+        term = taps[:, j] * term
+        y = term if y is None else y + term
+    y = F.silu(y)
+    key_dim = k_heads * head_k_dim
+    q, k, v = torch.split(y, [key_dim, key_dim, v_heads * head_v_dim], dim=-1)
+    q, k, v = q.reshape(t, k_heads, head_k_dim), k.reshape(t, k_heads, head_k_dim), v.reshape(t, v_heads, head_v_dim)
+    if qk_l2norm:
+        q, k = _l2norm(q, eps), _l2norm(k, eps)
+    return q.to(x.dtype).contiguous(), k.to(x.dtype).contiguous(), v.to(x.dtype).contiguous()
+
+
+class _CompiledOnCuda:
+    """``fn`` compiled (once per process, dynamic in the row count) where its first tensor is on a
+    CUDA device and compiling is on; eager elsewhere and for empty inputs."""
+
+    def __init__(self, fn: Callable, row_args: int):
+        self.fn, self.row_args, self._compiled = fn, row_args, None
+
+    def __call__(self, *args):
+        first = args[0]
+        if first.device.type != "cuda" or not compile_enabled() or first.shape[0] == 0:
+            return self.fn(*args)
+        if self._compiled is None:
+            logger.info("compiling gdn-cp's fused %s with torch.compile (once per process and shape)",
+                        self.fn.__name__.lstrip("_"))
+            self._compiled = torch.compile(self.fn, fullgraph=True)
+        for t in args[:self.row_args]:  # every micro-batch has its own row count: no recompiles
+            if isinstance(t, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return self._compiled(*args)
+
+
+_gates_fused = _CompiledOnCuda(_gates, row_args=2)
+_conv_fused = _CompiledOnCuda(_conv_silu_split, row_args=1)
+
+
+def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    """``(g [T, Hv] fp32, sigmoid(beta) [T, Hv])`` from in_proj's ``alpha, beta [T, Hv]`` and the
+    layer's ``A_log, dt_bias [Hv]``: ``g = -exp(A_log) * softplus(alpha + dt_bias)``, stock's expression,
+    fused forward and backward on CUDA."""
+    return _gates_fused(alpha, beta, a_log, dt_bias)
+
+
+def conv_silu_split(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    halo: Optional[torch.Tensor],
+    *,
+    k_heads: int,
+    v_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    qk_l2norm: bool,
+    eps: float = L2NORM_EPS,
+):
+    """Causal conv + SiLU of ``x [T, C]`` (C = 2*k_heads*Dk + v_heads*Dv), split into contiguous
+    ``q, k [T, k_heads, Dk]`` (l2-normalized over Dk when ``qk_l2norm``) and ``v [T, v_heads, Dv]`` in
+    x's dtype, computed in fp32 (fp64 for fp64). ``positions [T]`` int32 row offsets within each
+    sequence; ``halo [W-1, C]`` or None (module docstring)."""
+    return _conv_fused(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)

@@ -1,0 +1,99 @@
+"""The fused glue compiled on CUDA (gdn_cp.ops.fused: torch.compile of the conv + SiLU + q/k/v split + l2
+norm step and of the gates) against the same functions run eagerly and against FLA-free fp64 math:
+bf16 at a real layer's width (Qwen3.5-9B's 16 key / 32 value heads of dim 128), a strided input (a view
+of in_proj's output), packed sequences, with and without a halo, forward and backward; a new row count
+compiles nothing new (one graph per variant, dynamic in T).
+
+Marked ``gpu``; skipped without CUDA (the CPU tests of the same math: tests/ops/test_fused_glue.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.layout import Boundaries
+from gdn_cp.ops.fused import glue
+from gdn_cp_testing.results import JsonlRecorder
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.compile's Triton "
+                                                                       "kernels); the CPU tests: tests/ops/test_fused_glue.py")
+_record = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS").record
+
+HK, HV, D, W = 16, 32, 128, 4
+C = 2 * HK * D + HV * D
+KW = dict(k_heads=HK, v_heads=HV, head_k_dim=D, head_v_dim=D, qk_l2norm=True)
+
+
+def _inputs(cu, halo, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = cu[-1]
+    rows = torch.randn(t, C + 4160, device="cuda", generator=g).bfloat16().requires_grad_(True)  # + z, beta, alpha
+    weight = (0.5 * torch.randn(C, W, device="cuda", generator=g)).bfloat16().requires_grad_(True)
+    bias = (0.1 * torch.randn(C, device="cuda", generator=g)).bfloat16().requires_grad_(True)
+    h = torch.randn(W - 1, C, device="cuda", generator=g).bfloat16().requires_grad_(True) if halo else None
+    return rows, weight, bias, h
+
+
+def _run(fn, rows, weight, bias, h, cu, seed):
+    pos = Boundaries(cu).positions(rows.device)
+    leaves = [rows, weight, bias] + ([h] if h is not None else [])
+    out = fn(rows[:, :C], weight, bias, pos, h, **KW)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    douts = [torch.randn(o.shape, device="cuda", generator=g).bfloat16() for o in out]
+    grads = torch.autograd.grad(out, leaves, douts)
+    return [o.float() for o in out], [x.float() for x in grads]
+
+
+@needs_cuda
+@pytest.mark.parametrize("halo", [False, True])
+def test_compiled_conv_split_equals_eager_and_fp64(halo):
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    errors = {}
+    for i, cu in enumerate(([0, 1000, 1000, 3000, 4096], [0, 2500, 6144])):  # a second T: no new graph
+        rows, weight, bias, h = _inputs(cu, halo, seed=i)
+        glue.set_compile(True)
+        before = counters["stats"]["unique_graphs"]
+        got_out, got_grad = _run(glue.conv_silu_split, rows, weight, bias, h, cu, i)
+        new_graphs = counters["stats"]["unique_graphs"] - before
+        glue.set_compile(False)
+        try:
+            eager_out, eager_grad = _run(glue.conv_silu_split, rows, weight, bias, h, cu, i)
+        finally:
+            glue.set_compile(True)
+        leaves64 = [x.detach().double().requires_grad_(True) for x in (rows, weight, bias) + ((h,) if halo else ())]
+        pos = Boundaries(cu).positions("cuda")
+        out64 = glue._conv_silu_split(leaves64[0][:, :C], leaves64[1], leaves64[2], pos, leaves64[3] if halo else None,
+                                      HK, HV, D, D, True, 1e-6)
+        g = torch.Generator(device="cuda").manual_seed(i + 1)
+        douts = [torch.randn(o.shape, device="cuda", generator=g).bfloat16().double() for o in out64]
+        grads64 = torch.autograd.grad(out64, leaves64, douts)
+        names = ["q", "k", "v", "d_rows", "d_weight", "d_bias"] + (["d_halo"] if halo else [])
+        for name, a, b, ref in zip(names, got_out + got_grad, eager_out + eager_grad, list(out64) + list(grads64)):
+            errors[(i, name)] = (rel_l2(a, b), rel_l2(a.double(), ref))
+        if i == 1:
+            assert new_graphs == 0, f"a new row count compiled {new_graphs} new graph(s): the glue recompiles per micro-batch"
+    _record("fused_glue_conv", halo=halo, errors={f"{i}:{n}": e for (i, n), e in errors.items()})
+    bad = {k: e for k, e in errors.items() if not (e[0] < 1e-2 and e[1] < 1e-2)}
+    assert not bad, f"compiled vs eager, compiled vs fp64 (rel. L2): {bad}"
+
+
+@needs_cuda
+def test_compiled_gates_equal_stocks_expression():
+    torch.manual_seed(0)
+    rows = torch.randn(4096, 12352, device="cuda").bfloat16().requires_grad_(True)
+    a_log = torch.rand(HV, device="cuda").bfloat16().requires_grad_(True)
+    dt_bias = torch.randn(HV, device="cuda").bfloat16().requires_grad_(True)
+    _, _, beta_raw, alpha = torch.split(rows, [C, HV * D, HV, HV], dim=-1)
+    g, beta = glue.gates(alpha, beta_raw, a_log, dt_bias)
+    want_g = -a_log.exp() * F.softplus(alpha.float() + dt_bias)
+    dg, db = torch.randn_like(g), torch.randn_like(beta)
+    got = torch.autograd.grad((g, beta), (rows, a_log, dt_bias), (dg, db))
+    want = torch.autograd.grad((want_g, beta_raw.sigmoid()), (rows, a_log, dt_bias), (dg, db))
+    errs = {"g": rel_l2(g, want_g), "beta": rel_l2(beta.float(), beta_raw.sigmoid().float())}
+    errs.update({f"d_{n}": rel_l2(a.float(), b.float()) for n, a, b in zip(("rows", "a_log", "dt_bias"), got, want)})
+    _record("fused_glue_gates", errors=errs)
+    assert all(e < 1e-2 for e in errs.values()), errs
