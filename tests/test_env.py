@@ -197,8 +197,11 @@ def test_a_bad_setting_stops_the_test_session_naming_it():
 def test_the_library_knows_the_names_of_the_tests_table():
     """gdn_cp.env.CLONE_NAMES (what a wheel ships, so the command can tell the tests' names from names
     nothing reads) is the tests' and benchmarks' table, reader by reader."""
-    assert {n: r for r, names in env.CLONE_NAMES.items() for n in names} == {
-        n: s.read_by for n, s in test_env.SETTINGS.items()}
+    shipped = {n: r for r, names in env.CLONE_NAMES.items() for n in names}
+    table = {n: s.read_by for n, s in test_env.SETTINGS.items()}
+    assert shipped == table, ("a row of gdn_cp_testing.env.SETTINGS needs its name in gdn_cp.env.CLONE_NAMES too (by "
+                              f"reader): add {sorted(set(table.items()) - set(shipped.items()))}, remove "
+                              f"{sorted(set(shipped.items()) - set(table.items()))}")
     assert not set(env.SETTINGS) & {n for names in env.CLONE_NAMES.values() for n in names}
 
 
