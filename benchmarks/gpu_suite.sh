@@ -178,7 +178,7 @@ run_stage() {
   local stage=$1; shift
   local T1; T1=$(date +%s)
   case $stage in
-    tests|tests_core|tests_megatron)
+    tests|tests_core|tests_megatron|flashqla_tests)
       # the GPU tests: tests_core = tests/gpu (the FLA backend, the fused glue compiled, the FlashQLA backend
       # where .site-tl is unpacked), tests_megatron = tests/megatron (the Megatron layer's parity on both specs,
       # TE attention on the padded cut, initial weights, the fused gated norm), tests = both in one session.
@@ -188,6 +188,8 @@ run_stage() {
       local WHERE=(tests/gpu tests/megatron)
       [ "$stage" = tests_core ] && WHERE=(tests/gpu)
       [ "$stage" = tests_megatron ] && WHERE=(tests/megatron)
+      # the FlashQLA backend's GPU tests: its own (every mode, CP=1/2/4) and the Megatron layer parity on it
+      [ "$stage" = flashqla_tests ] && WHERE=(tests/gpu/test_flashqla_backend.py tests/megatron/test_gpu_parity.py -k flashqla)
       local OUTCOMES=/tmp/gdn_cp_outcomes_$stage.jsonl
       rm -f "$OUTCOMES"
       # GDN_CP_TESTS_FAST_AUTOTUNE: the first-config knob for this stage only (benchmark stages beside it
@@ -226,11 +228,6 @@ run_stage() {
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_FLASHQLA_TIMEOUT:-540} + 30 ))" python3 -m benchmarks.flashqla_probe \
         --out "$OUT/flashqla_probe.jsonl" --time-limit "${GDN_CP_FLASHQLA_TIMEOUT:-540}" ${GDN_CP_FLASHQLA_ARGS:-} ;;
-    flashqla_tests)
-      # the FlashQLA backend's GPU tests: its own (every mode, CP=1/2/4) and the Megatron layer parity on it
-      GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
-      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_flashqla_backend.py \
-        tests/megatron/test_gpu_parity.py -m gpu -k flashqla -p no:cacheprovider -rA --durations=15 "$@" ;;
     flashqla_warm)
       # FlashQLA's kernel variants of the benchmarks' shapes, compiled side by side (GDN_CP_WARM_ARGS: --cp, --tokens)
       # shellcheck disable=SC2086

@@ -93,7 +93,7 @@ def test_the_tests_variables_are_not_the_commands_business(monkeypatch, capsys):
     ("GDN_CP_FUZZ_EXAMPLES", "abc", "use a whole number >= 1"),
     ("GDN_CP_FUZZ_EXAMPLES", "1_000", "use a whole number >= 1"),
     ("GDN_CP_STACK", "bogus", "use one of fla042, fla060"),
-    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, tests_core, tests_megatron, args"),
+    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, tests_core, tests_megatron, flashqla_tests"),
     ("GDN_CP_SUITE_TIMEOUT", "7m", "use a whole number >= 1"),
     ("GDN_CP_GPU_TP_DTYPES", "float16", "use a comma-separated list of bfloat16, float32"),
     ("GDN_CP_ALLOW_SKIP_MEGATRON", "yes", "use one of 0, 1"),
