@@ -440,7 +440,7 @@ def test_run_flags(data):
             flags[flag] = data.draw(st.sampled_from(choices))
     seen = []
 
-    def fake_run_job(cfg, echo):
+    def fake_run_job(cfg, echo, **kw):
         check_job(cfg)  # what run_job does first; then it would spawn ranks
         seen.append(cfg)
         return types.SimpleNamespace(exit_code=0)
