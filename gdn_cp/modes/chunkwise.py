@@ -189,12 +189,14 @@ class Chunkwise(Mode):
         if straddles and cw.conv_width > 1:
             index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
             halo = gather_halo(qkv_c, cw, index, group)
-        q, k, v = conv_split(qkv_c, conv_weight, conv_bias, shape=shape, cu_seqlens=cw.local_cu, halo=halo)
+        x = conv_split(qkv_c, conv_weight, conv_bias, shape=shape, cu_seqlens=cw.local_cu, backend=backend, halo=halo)
         if not straddles:
-            o_c, _ = backend.chunk_gated_delta_rule(q, k, v, g_c, beta_c, cu_seqlens=cw.local_cu, use_qk_l2norm=False)
+            o_c, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g_c, beta_c, cu_seqlens=cw.local_cu,
+                                                    use_qk_l2norm=x.kernel_l2norm)
             return o_c
-        # q and k came out of conv_split normalized: the scans take them as they are
-        return _scan_with_carried_state(q, k, v, g_c, beta_c, cw, backend, group, replace(shape, qk_l2norm=False))
+        # where conv_split normalized q and k, the scans take them as they are
+        return _scan_with_carried_state(x.q, x.k, x.v, g_c, beta_c, cw, backend, group,
+                                        replace(shape, qk_l2norm=x.kernel_l2norm))
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:

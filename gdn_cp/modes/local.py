@@ -10,16 +10,20 @@ checked where the call came in (:mod:`gdn_cp.modes.context`).
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from typing import NamedTuple, Sequence
 
 import torch
 
 from ..layout.boundaries import host_boundaries
-from ..ops.fused import conv_silu_split
+from ..ops.fused import compile_off_reason, compiles, conv_silu_split
 from ..ops.shape import GDNShape
 from .context import CallContext, Mode
 
-__all__ = ["Local", "conv_split", "local_core", "split_qkv", "stack_gates", "unstack_gates"]
+__all__ = ["ConvSplit", "Local", "conv_split", "local_core", "split_qkv", "stack_gates", "unstack_gates",
+           "uses_backend_conv"]
+
+logger = logging.getLogger(__name__)
 
 
 def stack_gates(g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
@@ -46,20 +50,53 @@ def split_qkv(x: torch.Tensor, shape: GDNShape, k_heads: int, v_heads: int):
     )
 
 
-def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], halo=None,
-               k_heads: int | None = None, v_heads: int | None = None):
-    """Conv (SiLU) of pre-conv rows ``qkv [T, C]``, split into contiguous ``q, k [T, k_heads, Dk]``
-    and ``v [T, v_heads, Dv]``, q and k l2-normalized when the layer asks (``shape.qk_l2norm``): one
-    fused step (:func:`gdn_cp.ops.fused.conv_silu_split`, compiled on CUDA), so the kernels take q
-    and k as they are (``use_qk_l2norm=False``). ``halo [W-1, C]``: the rows before row 0 in row
-    0's sequence (chunkwise), or None."""
+class ConvSplit(NamedTuple):
+    """What :func:`conv_split` hands the scan: contiguous ``q, k [T, k_heads, Dk]``, ``v [T, v_heads, Dv]``,
+    and whether the kernel must still l2-normalize q and k (``use_qk_l2norm``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kernel_l2norm: bool
+
+
+def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], backend, halo=None,
+               k_heads: int | None = None, v_heads: int | None = None) -> ConvSplit:
+    """Conv (SiLU) of pre-conv rows ``qkv [T, C]``, split into q, k, v heads, q and k l2-normalized when
+    the layer asks (``shape.qk_l2norm``). ``halo [W-1, C]``: the rows before row 0 in row 0's sequence
+    (chunkwise), or None.
+
+    Where torch.compile runs (CUDA, dynamo on): one fused step (:func:`gdn_cp.ops.fused.conv_silu_split`),
+    the l2 norm in it. On a GPU without it, the backend's conv kernel, the split, and the l2 norm left to
+    the scan kernel (the plain-torch fused step op by op would be slower than that). Elsewhere (the CPU):
+    the fused step's plain-torch math. The same values either way (the same rounding points)."""
     cu = host_boundaries(cu_seqlens, qkv.shape[0])
-    return conv_silu_split(
-        qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo,
-        k_heads=shape.num_k_heads if k_heads is None else k_heads,
-        v_heads=shape.num_v_heads if v_heads is None else v_heads,
-        head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim, qk_l2norm=shape.qk_l2norm,
-    )
+    k_heads = shape.num_k_heads if k_heads is None else k_heads
+    v_heads = shape.num_v_heads if v_heads is None else v_heads
+    if uses_backend_conv(qkv.device):
+        _log_glue_once("the backend's conv kernel, then the split (torch.compile is off: %s)" % compile_off_reason())
+        x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, halo=halo, activation="silu")
+        return ConvSplit(*split_qkv(x, shape, k_heads, v_heads), kernel_l2norm=shape.qk_l2norm)
+    if qkv.device.type != "cpu":
+        _log_glue_once("gdn-cp's fused conv + SiLU + split + l2 norm, compiled with torch.compile")
+    q, k, v = conv_silu_split(qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo, k_heads=k_heads,
+                              v_heads=v_heads, head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
+                              qk_l2norm=shape.qk_l2norm)
+    return ConvSplit(q, k, v, kernel_l2norm=False)
+
+
+def uses_backend_conv(device: torch.device) -> bool:
+    """Whether :func:`conv_split` takes the backend's conv kernel (a GPU where the glue cannot be compiled)."""
+    return device.type != "cpu" and not compiles()
+
+
+_LOGGED: set = set()
+
+
+def _log_glue_once(what: str) -> None:
+    if what not in _LOGGED:
+        _LOGGED.add(what)
+        logger.info("GatedDeltaNet glue: %s", what)
 
 
 def local_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], backend,
@@ -70,9 +107,9 @@ def local_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seql
     Boundaries keep their device copies). Returns ``o [T, v_heads, Dv]``. ``k_heads`` / ``v_heads``
     default to all heads (headwise passes its share).
     """
-    q, k, v = conv_split(qkv, conv_weight, conv_bias, shape=shape, cu_seqlens=cu_seqlens, k_heads=k_heads,
-                         v_heads=v_heads)
-    o, _ = backend.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=False)
+    x = conv_split(qkv, conv_weight, conv_bias, shape=shape, cu_seqlens=cu_seqlens, backend=backend,
+                   k_heads=k_heads, v_heads=v_heads)
+    o, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=x.kernel_l2norm)
     return o
 
 

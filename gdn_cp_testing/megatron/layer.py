@@ -11,7 +11,10 @@ belong in test and benchmark processes only, never in a training job):
   FLA's formula): deterministic mode uses torch conv and ``torch_chunk_gated_delta_rule`` but still
   calls FLA's l2norm, and the constructor refuses to run without FLA;
 * ``torch._dynamo.config.disable = True``: ``jit_fuser`` is torch.compile (30+ s cold on 2 cores);
-  on a GPU this is the only change (:func:`install_gpu_shims`);
+  on a GPU nothing is changed (:func:`install_gpu_shims`): dynamo stays on, as in training, so that
+  stock's ``jit_fuser`` functions and gdn-cp's fused glue are compiled as a user's run compiles them
+  (with dynamo off, gdn-cp's glue takes the backend's conv kernel instead: seen 2026-12-03, every GPU
+  layer benchmark and test had run with dynamo off);
 * Megatron's checkpoint helpers save and restore the CUDA RNG state: on the CPU they get the CPU
   generator's state instead;
 * ``torch.cuda.current_stream()`` -> a stream that waits for nothing (Megatron's
@@ -124,8 +127,8 @@ def install_cpu_shims() -> None:
 
 
 def install_gpu_shims() -> None:
-    """On a GPU only dynamo is turned off (jit_fuser compiles otherwise: slow, and not under test)."""
-    torch._dynamo.config.disable = True
+    """On a GPU nothing needs a stand-in, and dynamo stays on: the fused glue and Megatron's ``jit_fuser``
+    compile as in training (the module docstring says why this is not the CPU's choice)."""
 
 
 def assert_patched() -> None:

@@ -17,6 +17,7 @@ from gdn_cp.ops.reference.gated_delta_rule import l2norm
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6)
 W = 4
+REFERENCE = get_backend("reference")
 
 
 def _op_by_op(x, weight, bias, cu, halo, shape, qk_l2norm):
@@ -38,13 +39,14 @@ def test_conv_silu_split_equals_the_ops_one_by_one(cu, halo, qk_l2norm):
     weight, bias = torch.randn(c, W, dtype=torch.float64), torch.randn(c, dtype=torch.float64)
     h = torch.randn(W - 1, c, dtype=torch.float64) if halo else None
     leaves = [a.requires_grad_(True) for a in (rows, weight, bias) + ((h,) if halo else ())]
-    got = conv_split(rows[:, 3:3 + c], weight, bias, shape=shape, cu_seqlens=Boundaries(cu), halo=h)
-    assert all(o.is_contiguous() for o in got)
+    *got, kernel_l2norm = conv_split(rows[:, 3:3 + c], weight, bias, shape=shape, cu_seqlens=Boundaries(cu), halo=h,
+                                     backend=REFERENCE)
+    assert all(o.is_contiguous() for o in got) and not kernel_l2norm
     want = _op_by_op(rows[:, 3:3 + c], weight, bias, cu, h, shape, qk_l2norm)
     douts = [torch.randn_like(o) for o in want]
     grads_got = torch.autograd.grad(got, leaves, douts)
     grads_want = torch.autograd.grad(want, leaves, douts)
-    for a, b in zip(got + grads_got, want + grads_want):
+    for a, b in zip(tuple(got) + grads_got, tuple(want) + grads_want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
@@ -69,7 +71,7 @@ def test_positions_of_packed_rows():
 
 def test_no_rows():
     x = torch.zeros(0, SHAPE.conv_dim, dtype=torch.bfloat16)
-    q, k, v = conv_split(x, torch.randn(SHAPE.conv_dim, W), None, shape=SHAPE, cu_seqlens=[0, 0])
+    q, k, v, _ = conv_split(x, torch.randn(SHAPE.conv_dim, W), None, shape=SHAPE, cu_seqlens=[0, 0], backend=REFERENCE)
     assert (q.shape, k.shape, v.shape) == ((0, 2, 8), (0, 2, 8), (0, 4, 6)) and q.dtype == torch.bfloat16
 
 
@@ -86,10 +88,10 @@ def test_bf16_rounds_where_the_ops_one_by_one_round(halo):
     leaves = [t.requires_grad_(True) for t in leaves]
     h = leaves[3] if halo else None
     cu = [0, 17, 40]
-    got = conv_split(leaves[0], leaves[1], leaves[2], shape=SHAPE, cu_seqlens=cu, halo=h)
+    got = conv_split(leaves[0], leaves[1], leaves[2], shape=SHAPE, cu_seqlens=cu, halo=h, backend=REFERENCE)[:3]
     want = _op_by_op(leaves[0], leaves[1], leaves[2], cu, h, SHAPE, True)
     douts = [torch.randn_like(o) for o in want]
-    for a, b in zip(got + torch.autograd.grad(got, leaves, douts), want + torch.autograd.grad(want, leaves, douts)):
+    for a, b in zip(tuple(got) + torch.autograd.grad(got, leaves, douts), tuple(want) + torch.autograd.grad(want, leaves, douts)):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -114,3 +116,41 @@ def test_gates_are_stocks_expression():
     assert g.dtype == torch.float32 and beta.dtype == torch.bfloat16
     torch.testing.assert_close(g, want_g, rtol=0, atol=0)
     torch.testing.assert_close(beta, beta_raw.sigmoid(), rtol=0, atol=0)
+
+
+def test_without_compile_on_a_gpu_the_backends_conv_runs_and_the_kernel_normalizes(monkeypatch):
+    """Where the glue cannot be compiled on a GPU (dynamo disabled), conv_split takes the backend's conv and
+    leaves the l2 norm to the scan kernel (the plain-torch fused step op by op would be slower than that):
+    the core's output and gradients are the same either way (fp64)."""
+    from gdn_cp.modes import local
+    from gdn_cp.ops.fused import glue
+
+    class Recording:
+        calls = 0
+
+        def causal_conv1d(self, *a, **kw):
+            Recording.calls += 1
+            return REFERENCE.causal_conv1d(*a, **kw)
+
+        def chunk_gated_delta_rule(self, *a, **kw):
+            return REFERENCE.chunk_gated_delta_rule(*a, **kw)
+
+    torch.manual_seed(5)
+    cu, c = [0, 9, 9, 30], SHAPE.conv_dim
+    leaves = [torch.randn(30, c, dtype=torch.float64), -torch.rand(30, 4, dtype=torch.float64),
+              torch.rand(30, 4, dtype=torch.float64), torch.randn(c, W, dtype=torch.float64)]
+    leaves = [t.requires_grad_(True) for t in leaves]
+
+    def core():
+        o = local.local_core(*leaves, None, shape=SHAPE, cu_seqlens=cu, backend=Recording())
+        return [o] + list(torch.autograd.grad(o.sum(), leaves))
+
+    fused = core()
+    assert Recording.calls == 0
+    monkeypatch.setattr(local, "uses_backend_conv", lambda device: True)
+    by_backend = core()
+    assert Recording.calls == 1
+    for a, b in zip(fused, by_backend):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+    assert not glue.compiles() and "dynamo is disabled" in glue.compile_off_reason()

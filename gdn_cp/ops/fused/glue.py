@@ -26,7 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["L2NORM_EPS", "compile_enabled", "conv_silu_split", "gates", "set_compile"]
+__all__ = ["L2NORM_EPS", "compile_enabled", "compile_off_reason", "compiles", "conv_silu_split", "gates",
+           "set_compile"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,22 @@ def set_compile(enabled: bool) -> None:
 
 def compile_enabled() -> bool:
     return _COMPILE["enabled"]
+
+
+def compile_off_reason() -> Optional[str]:
+    """Why the glue is not compiled on CUDA (None when it is): switched off here, or dynamo is disabled
+    (``TORCHDYNAMO_DISABLE=1`` / ``torch._dynamo.config.disable``: then ``torch.compile`` returns the
+    function as it is)."""
+    if not compile_enabled():
+        return "switched off (gdn_cp.ops.fused.set_compile(False))"
+    if torch._dynamo.config.disable:
+        return "dynamo is disabled (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)"
+    return None
+
+
+def compiles() -> bool:
+    """Whether the fused glue runs compiled on CUDA in this process now."""
+    return compile_off_reason() is None
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -108,7 +125,7 @@ class _CompiledOnCuda:
 
     def __call__(self, *args):
         first = args[0]
-        if first.device.type != "cuda" or not compile_enabled() or first.shape[0] == 0:
+        if first.device.type != "cuda" or not compiles() or first.shape[0] == 0:
             return self.fn(*args)
         if self._compiled is None:
             logger.info("compiling gdn-cp's fused %s with torch.compile (once per process and shape)",
