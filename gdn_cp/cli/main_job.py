@@ -32,7 +32,7 @@ from ..comm import nccl_available
 from ..layout.packings import packed_boundaries
 from ..modes import GDNShape
 from ..modes.inputs import core_inputs, core_leaves
-from ..modes.spec import MODE_NAMES, get_mode, head_problem
+from ..modes.spec import MODE_NAMES, head_problem
 from ..ops.accuracy import cp_vs_cp1_tolerance, max_rel
 from ..ops.registry import BACKEND_NAMES, ORACLE, BACKENDS, backend_spec, choose_backend_name, get_backend
 from .launch import RankError, run_ranks
@@ -257,9 +257,9 @@ def _check_native_rows(cfg: JobConfig, cp: int) -> None:
 
 def _check_named_modes(cfg: JobConfig) -> None:
     """A mode named in ``--modes`` must run at every CP size with these heads (TP=1): said here,
-    before anything is spawned (:func:`gdn_cp.cli.run.named_modes_problem`, which ``gdn-cp run`` also
+    before anything is spawned (:func:`gdn_cp.cli.job_modes.named_modes_problem`, which ``gdn-cp run`` also
     asks before torch is imported)."""
-    from .run import named_modes_problem
+    from .job_modes import named_modes_problem
 
     problem = named_modes_problem(cfg.modes, cfg.cp_sizes, cfg.shape.num_k_heads, cfg.shape.num_v_heads)
     if problem:

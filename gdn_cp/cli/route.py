@@ -128,7 +128,7 @@ def route_text(args) -> str:
                          f"{count(peers, 'rank')} ({count(transfers, 'transfer')})")
         lines.append(f"rank {rank}: " + "; ".join(parts) + f"; {count(len(cw.local_cu) - 1, 'chunkwise piece')}")
     if not full:
-        lines.append(f"(--rank r: one rank's transfers and chunkwise plan; --all: every rank's)")
+        lines.append("(--rank r: one rank's transfers and chunkwise plan; --all: every rank's)")
     return "\n".join(lines)
 
 
