@@ -153,8 +153,15 @@ def padded_cut_refusals(args: Any) -> list[tuple[str, str]]:
 
 def enable_variable_seq_lengths(args: Any) -> bool:
     """Set Megatron's ``args.variable_seq_lengths`` when ``args`` has pipeline stages (the padded rows change
-    length between micro-batches, so the stages must exchange shapes); returns whether it did."""
-    if _int(args, "pipeline_model_parallel_size") > 1:
-        args.variable_seq_lengths = True
-        return True
-    return False
+    length between micro-batches, so the stages must exchange shapes); returns whether it did.
+
+    megatron-core 0.19's ``TransformerConfig`` refuses ``variable_seq_lengths`` with the ``allgather`` token
+    dispatcher, its default, in every model, MoE or not: a model without experts (no ``--num-experts``), which
+    dispatches nothing, gets ``args.moe_token_dispatcher_type = "alltoall"`` with it (a model with experts and
+    ``allgather`` is refused before: :func:`padded_cut_refusals`)."""
+    if _int(args, "pipeline_model_parallel_size") <= 1:
+        return False
+    args.variable_seq_lengths = True
+    if getattr(args, "num_experts", None) is None and getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+        args.moe_token_dispatcher_type = "alltoall"
+    return True

@@ -39,6 +39,7 @@ Stand-ins, for test processes only (:func:`install_model_stand_ins`; never in a 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from typing import Optional
 
@@ -53,6 +54,8 @@ __all__ = [
     "MODEL_KINDS",
     "VOCAB_SIZE",
     "build_model",
+    "copy_stage_params",
+    "global_layer_name",
     "gdn_layer_spec",
     "hybrid_stack_spec",
     "install_model_stand_ins",
@@ -187,18 +190,21 @@ def model_pg_collection(cp_group, dp_cp_group=None):
 
 
 def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: int = 0, device="cpu",
-                position_embedding_type: str = "none"):
+                position_embedding_type: str = "none", pre_process: bool = True, post_process: bool = True):
     """A ``kind`` model (:data:`MODEL_KINDS`) with seeded weights (:func:`set_model_params`),
     cast to ``config.params_dtype`` as a whole. ``pg_collection`` defaults to
     :func:`model_pg_collection` of ``cp_group``. ``position_embedding_type``: ``none`` (GDN needs no
-    positions) or, for a model with attention layers, ``rope``."""
+    positions) or, for a model with attention layers, ``rope``. ``pre_process`` / ``post_process``: a
+    pipeline stage's (the first stage has the embedding, the last the output layer); its layers and their
+    weights are those of its stage (:func:`copy_stage_params` gives a stage the full model's)."""
     install_model_stand_ins(device)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     pg = model_pg_collection(cp_group) if pg_collection is None else pg_collection
     common = dict(vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH,
-                  position_embedding_type=position_embedding_type, pg_collection=pg)
+                  position_embedding_type=position_embedding_type, pg_collection=pg, pre_process=pre_process,
+                  post_process=post_process)
     if kind == "gpt":
         model = GPTModel(config, gdn_layer_spec(), **common)
     elif kind == "hybrid":
@@ -215,6 +221,21 @@ def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: i
     model.to(device=device, dtype=config.params_dtype)
     set_model_params(model, seed)
     return model
+
+
+def global_layer_name(name: str, layer_offset: int) -> str:
+    """A pipeline stage's parameter ``name`` as the whole model names it: its ``decoder.layers.{i}`` is layer
+    ``i + layer_offset`` of the whole model (the stage's first layer is the model's ``layer_offset``-th)."""
+    return re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+
+
+def copy_stage_params(stage, whole, layer_offset: int) -> None:
+    """Every parameter of the pipeline stage model ``stage`` from the same parameter of the whole model
+    ``whole`` (:func:`global_layer_name`); KeyError naming a parameter the whole model lacks."""
+    source = dict(whole.named_parameters())
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            p.copy_(source[global_layer_name(name, layer_offset)])
 
 
 def _name_seed(seed: int, name: str) -> int:

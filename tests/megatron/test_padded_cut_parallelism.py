@@ -55,6 +55,10 @@ def test_lifted_combinations_get_the_padded_cut(name, kw, shapes):
     args = _args(**kw)
     assert configure_megatron_lm_args(args) == PER_DOCUMENT and args.linear_cp_thd_split == PER_DOCUMENT, name
     assert args.variable_seq_lengths is shapes, name
+    # Megatron's TransformerConfig refuses variable_seq_lengths with the allgather dispatcher (its default) in any
+    # model: a dense model (which dispatches nothing) gets alltoall with it; a MoE model keeps what it asked for
+    asked = kw.get("moe_token_dispatcher_type", "allgather")
+    assert args.moe_token_dispatcher_type == ("alltoall" if shapes and "num_experts" not in kw else asked), name
 
 
 @pytest.mark.parametrize("kw,flags,reason", [
