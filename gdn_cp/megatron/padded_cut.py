@@ -94,8 +94,9 @@ def pad_sensitive_router_flags(args: Any) -> list[tuple[str, str]]:
     if getattr(args, "num_experts", None) is None:
         return []
     found = []
-    if any(float(c) > 0 for c in _coeffs(getattr(args, "moe_aux_loss_coeff", None))):
-        found.append((f"--moe-aux-loss-coeff {getattr(args, 'moe_aux_loss_coeff')}",
+    aux = _coeffs(getattr(args, "moe_aux_loss_coeff", None))
+    if any(float(c) > 0 for c in aux):
+        found.append((f"--moe-aux-loss-coeff {' '.join(map(str, aux))}",
                       "the load-balancing loss averages the routing over every token, pads included"))
     z = getattr(args, "moe_z_loss_coeff", None)
     if z is not None and float(z) > 0:

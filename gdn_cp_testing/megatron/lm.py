@@ -14,7 +14,9 @@ optimizer and the training loop. What this module adds, in the rank process only
   coalesce for CUDA tensors: here they are issued one by one (the same reductions, in the same
   order). FLA's cp context gathers into ``[world, n, ...]`` outputs, which gloo rejects: they are
   viewed flat (:func:`gdn_cp_testing.ranks.adapt_fla_collectives_for_gloo`). TE attention under CP
-  then needs ``--cp-comm-type a2a`` (p2p sends CUDA tensors point to point, which gloo cannot);
+  then needs ``--cp-comm-type a2a`` (p2p sends CUDA tensors point to point, which gloo cannot).
+  Megatron's own point-to-point transfers (pipeline stages' activations and shapes, MTP's roll under CP)
+  go through the host (:mod:`.host_p2p`);
 * **``--sft``**: Megatron-LM's SFT dataset reads JSONL through HuggingFace ``datasets`` and tokenizes
   conversations with a HuggingFace chat tokenizer, neither of which the test machines have. The
   stand-ins read the JSONL this module writes (:func:`write_sft_set`: every message's content is a
@@ -186,9 +188,11 @@ class RunSpec:
                              f"ep={self.ep}")
         if self.ep > 1 and self.num_experts is None:
             raise ValueError(f"RunSpec.ep={self.ep} without num_experts: expert parallelism needs MoE (E) layers")
-        layers = len(self.pattern) if self.model == "hybrid" else self.gpt_layers
-        if layers % self.pp:
-            raise ValueError(f"RunSpec.pp={self.pp} must divide the model's {layers} layers (the stages split them evenly)")
+        segments = self.pattern.split("|") if self.model == "hybrid" else [""] * self.gpt_layers
+        layers = len("".join(segments)) if self.model == "hybrid" else self.gpt_layers
+        if (len(segments) if len(segments) > 1 else layers) % self.pp:
+            raise ValueError(f"RunSpec.pp={self.pp} must divide the model's {layers} layers (the stages split them "
+                             f"evenly), or its pattern's {len(segments)} '|' segments")
         if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
             raise ValueError(f"RunSpec.mtp_layers={self.mtp_layers!r} must be an int >= 0")
         if self.fp8 is not None and (self.fp8 not in ("hybrid", "e4m3") or self.precision != "bf16"):
@@ -624,10 +628,14 @@ def install_rank_shims(argv: Sequence[str]) -> list[str]:
     if env_setting("GDN_CP_MLM_ONE_GPU") == "1":
         from gdn_cp_testing.ranks import adapt_fla_collectives_for_gloo
 
+        from . import host_p2p
+
         when_imported("megatron.core.distributed.param_and_grad_buffer",
                       lambda buffers: setattr(buffers, "_coalescing_manager", _one_by_one))
         adapt_fla_collectives_for_gloo()
-        done.append("ranks share one GPU: gloo, DDP bucket collectives one by one, FLA gathers viewed flat")
+        host_p2p.install()
+        done.append("ranks share one GPU: gloo, DDP bucket collectives one by one, FLA gathers viewed flat, "
+                    "point-to-point transfers of CUDA tensors through the host")
     if "--sft" in argv:
         _install_sft_stand_ins()
         done.append("--sft: JSONL reader and token-id conversations (no HF datasets / chat tokenizer here)")

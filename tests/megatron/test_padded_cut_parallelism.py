@@ -69,7 +69,7 @@ def test_lifted_combinations_get_the_padded_cut(name, kw, shapes):
     (dict(MOE, moe_aux_loss_coeff=0.01), "--moe-aux-loss-coeff 0.01",
      "the load-balancing loss averages the routing over every token, pads included"),
     (dict(MOE, moe_aux_loss_coeff=[0.0, 1e-3], moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss"]),
-     "--moe-aux-loss-coeff [0.0, 0.001]", "load-balancing loss"),
+     "--moe-aux-loss-coeff 0.0 0.001", "load-balancing loss"),
     (dict(MOE, moe_z_loss_coeff=1e-3), "--moe-z-loss-coeff 0.001", "the z-loss averages over every token"),
     (dict(MOE, moe_router_enable_expert_bias=True), "--moe-router-enable-expert-bias", "token counts that include"),
     (dict(MOE, moe_expert_capacity_factor=1.0), "--moe-expert-capacity-factor 1.0", "pads take expert capacity"),
