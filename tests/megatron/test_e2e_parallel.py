@@ -91,12 +91,12 @@ def test_host_staged_p2p_delivers_what_gloo_delivers(rank_pool):
 # ------------------------------------------------------------------------------------------
 # pipeline parallelism through megatron-core's schedule
 # ------------------------------------------------------------------------------------------
-def _micro_batch(step: int, mb: int) -> dict:
+def _micro_batch(step: int, mb: int, unit: int = 1) -> dict:
     from gdn_cp_testing.megatron.batches import packed_batch, random_lengths
     from gdn_cp_testing.megatron.model import VOCAB_SIZE
 
     seed = 10 * step + mb
-    return packed_batch([random_lengths(S, 3, seed + 1, 1)], S, vocab_size=VOCAB_SIZE, seed=seed)
+    return packed_batch([random_lengths(S, 3, seed + 1, unit)], S, vocab_size=VOCAB_SIZE, seed=seed)
 
 
 def _stage_cuts(strategy: str, cp_group, first: bool, last: bool, step: int) -> list:
@@ -106,22 +106,32 @@ def _stage_cuts(strategy: str, cp_group, first: bool, last: bool, step: int) -> 
 
     out = []
     for mb in range(MICRO_BATCHES):
-        batch = _micro_batch(step, mb)
+        # per_document (Megatron-LM --sft): documents that divide by 2*cp (cp <= 4), cut per document unpadded
+        batch = _micro_batch(step, mb, 8 if strategy == "per_document" else 1)
         if not first:
             batch["tokens"] = batch["position_ids"] = None
         if not last:
             batch["labels"] = batch["loss_mask"] = None
         cut = get_batch_like_pretrain_gpt(batch, cp_group=cp_group, inter_document_masking=True,
-                                          padded=strategy == "padded")
+                                          padded=strategy == "padded", sft=strategy == "per_document")
         out.append(Cut(cut, packed_seq_params_like_pretrain_gpt(cut, S), None, cp_group))
     return out
 
 
-PP_RUNS = {  # name -> (kind, strategy, [(pp, cp, mode)]); the first run is the reference
+PP_RUNS = {  # name -> (kind, strategy, [(pp, cp, mode) or (pp, cp, mode, ep)]); the first run is the reference
     "hybrid_attn_padded": ("hybrid_attn", "padded", [(1, 1, "headwise"), (2, 1, "headwise"), (2, 2, "chunkwise"),
                                                      (2, 2, "headwise"), (2, 2, "all_gather")]),
     "gpt_whole_row": ("gpt", "whole_row", [(1, 1, "headwise"), (2, 2, "chunkwise")]),
+    # experts on padded rows: Megatron's router without the features that count every token (its default)
+    "hybrid_moe_padded": ("hybrid_moe", "padded", [(1, 1, "headwise", 1), (1, 1, "headwise", 2),
+                                                   (1, 2, "chunkwise", 2), (1, 2, "all_gather", 2),
+                                                   (1, 4, "chunkwise", 2), (2, 2, "chunkwise", 2)]),
+    # ... and with a load-balancing loss, which counts the pads: what gdn-cp refuses (must differ from CP=1)
+    "hybrid_moe_padded_aux": ("hybrid_moe", "padded", [(1, 1, "headwise", 1), (1, 2, "chunkwise", 2)]),
+    # the same loss on rows that need no pads (documents dividing by 2*cp, cut per document): equals CP=1
+    "hybrid_moe_aux": ("hybrid_moe", "per_document", [(1, 1, "headwise", 1), (1, 2, "chunkwise", 2)]),
 }
+CONFIG = {"hybrid_moe_padded_aux": dict(moe_aux_loss_coeff=0.1), "hybrid_moe_aux": dict(moe_aux_loss_coeff=0.1)}
 
 
 def _pp_train_cases(ctx, name: str, only=None) -> dict:
@@ -137,41 +147,44 @@ def _pp_train_cases(ctx, name: str, only=None) -> dict:
     kind, strategy, runs = PP_RUNS[name]
     runs = [r for r in runs if only is None or r in only]
     heads = HEADS if kind.startswith("hybrid") else {}
+    heads = {**heads, **CONFIG.get(name, {})}
     whole = build_model(kind, model_config(kind, 1, "headwise", **heads), rank_groups()["self"], seed=SEED)
     uninstall = host_p2p.install(stage_all=True)  # the schedule's P2P through the host, as on one GPU
     out = {}
     try:
-        for pp, cp, mode in runs:
-            with megatron_parallel_state(cp, pipeline_model_parallel_size=pp) as ps:
+        for run in runs:
+            pp, cp, mode, ep = (*run, 1)[:4]
+            with megatron_parallel_state(cp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep) as ps:
                 first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
                 # what the patched validate_args sets for padded rows under PP (gdn_cp.megatron.padded_cut)
                 shapes = dict(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall") \
                     if pp > 1 and strategy == "padded" else {}
                 config = model_config(kind, cp, mode, calculate_per_token_loss=True, pipeline_model_parallel_size=pp,
-                                      pipeline_dtype=torch.float64, **shapes, **heads)
+                                      expert_model_parallel_size=ep, pipeline_dtype=torch.float64, **shapes, **heads)
                 offset = ps.get_pipeline_model_parallel_rank() * (config.num_layers // pp)
+                experts = (config.num_moe_experts or 0) // ep * ps.get_expert_model_parallel_rank()
 
-                def build(pg, config=config, first=first, last=last, offset=offset):
+                def build(pg, config=config, first=first, last=last, offset=offset, experts=experts):
                     stage = build_model(kind, config, pg_collection=pg, seed=SEED, pre_process=first, post_process=last)
-                    copy_stage_params(stage, whole, offset)
+                    copy_stage_params(stage, whole, offset, experts)
                     return stage
 
                 try:
                     got = train_steps(build, partial(_stage_cuts, strategy, ps.get_context_parallel_group(), first, last),
                                       STEPS, seq_length=S)
-                    got["params"] = {global_layer_name(n, offset): p for n, p in got["params"].items()}
-                    out[(pp, cp, mode)] = got
+                    got["params"] = {global_layer_name(n, offset, experts): p for n, p in got["params"].items()}
+                    out[run] = got
                 except Exception as e:  # noqa: BLE001 - reported by the parent
                     import traceback
 
-                    out[(pp, cp, mode)] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-                    print(f"rank {ctx.rank} pp={pp} cp={cp} {mode}: {out[(pp, cp, mode)]}", flush=True)
+                    out[run] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+                    print(f"rank {ctx.rank} {run}: {out[run]}", flush=True)
     finally:
         uninstall()
     return out
 
 
-@pytest.mark.parametrize("name", sorted(PP_RUNS))
+@pytest.mark.parametrize("name", sorted(n for n in PP_RUNS if n != "hybrid_moe_padded_aux"))
 def test_pipeline_parallel_training_equals_cp1(patched_megatron, rank_pool, name):
     """3 Adam steps of 2 micro-batches through megatron-core's pipeline schedule: the loss of every step,
     the final parameters of every stage (each against the same parameter of the PP=1 x CP=1 model) and the
@@ -188,17 +201,17 @@ def test_pipeline_parallel_training_equals_cp1(patched_megatron, rank_pool, name
         for run in runs[1:]:
             got = per_run[run]
             if not isinstance(got, dict):
-                bad.append(f"rank {rank} {name} pp={run[0]} cp={run[1]} {run[2]}: {got}")
+                bad.append(f"rank {rank} {name} {run}: {got}")
                 continue
             loss = max(abs(a - b) / abs(b) for a, b in zip(got["loss"], ref["loss"]))
             norm = max(abs(a - b) / abs(b) for a, b in zip(got["grad_norm"], ref["grad_norm"]))
             params = max(max_rel(p, ref["params"][n]) for n, p in got["params"].items())
             if not (loss <= TOL and params <= TOL and norm <= 1e-6 and set(got["params"]) <= set(ref["params"])):
-                bad.append(f"rank {rank} {name} pp={run[0]} cp={run[1]} {run[2]}: loss {loss:.3g}, params {params:.3g}, "
+                bad.append(f"rank {rank} {name} {run}: loss {loss:.3g}, params {params:.3g}, "
                            f"grad norm {norm:.3g} (losses {got['loss']} vs {ref['loss']})")
     assert not bad, "\n".join(bad)
-    for run in runs[1:]:  # each stage holds its own layers, and together every parameter
-        if run[0] > 1:
+    for run in runs[1:]:  # each stage (and expert-parallel rank) holds its own part, and together every parameter
+        if run[0] > 1 or (run + (1,))[3] > 1:
             names = set().union(*(set(r[run]["params"]) for r in results))
             assert names == set(results[0][runs[0]]["params"]), (run, names)
 
@@ -259,3 +272,18 @@ def test_mtp_roll_on_the_padded_cut_equals_cp1(patched_megatron, rank_pool):
                          for row, label, m in zip(rows.tolist(), labels.tolist(), mask.tolist()))
     assert wrong > 0  # stock's whole-row cut gives MTP other targets
     print(f"MTP roll on the whole-row cut: {wrong} rows with another target than CP=1's")
+
+
+def test_a_router_loss_counts_the_pads(patched_megatron, rank_pool):
+    """Why the padded cut refuses pad-counting router features: with a load-balancing loss (Megatron-LM
+    ``--moe-aux-loss-coeff``) the router averages over the pads too, and EP=2 x CP=2 on padded rows trains
+    another model than CP=1; the same run without the loss (``hybrid_moe_padded``), and the same loss on rows
+    that need no pads (``hybrid_moe_aux``), equal CP=1 (test_pipeline_parallel_training_equals_cp1)."""
+    results = rank_pool(WORLD).run(_pp_train_cases, "hybrid_moe_padded_aux", timeout_s=400)
+    _, _, runs = PP_RUNS["hybrid_moe_padded_aux"]
+    for rank, per_run in enumerate(results):
+        ref, got = per_run[runs[0]], per_run[runs[1]]
+        assert isinstance(ref, dict) and isinstance(got, dict), (rank, ref, got)
+        params = max(abs(float((p - ref["params"][n]).abs().max())) for n, p in got["params"].items())
+        assert params > 1e-6, (rank, params)  # far above the 1e-10 the runs without it match within
+    print(f"router load-balancing loss on padded rows: parameters {params:.3g} off CP=1 after {STEPS} steps")
