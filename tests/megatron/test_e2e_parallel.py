@@ -13,6 +13,9 @@ session's pool), with every point-to-point transfer staged through the host as o
   of the batch, as Megatron-LM's ``get_batch`` does: tokens on the first stage, labels on the last; the
   padded rows change length from micro-batch to micro-batch, so the stages exchange shapes:
   ``variable_seq_lengths``), and the GDN-only GPT model on the whole-row cut;
+* **experts**: a hybrid ``GE*-`` model (Megatron's MoE of local experts, router top-2, alltoall dispatcher) at
+  EP=2 x CP=2 / 4 and PP=2 x EP=2 x CP=2 on padded rows equals EP=1 x CP=1; with a router load-balancing loss
+  it does not on padded rows (the pads are counted: what gdn-cp refuses) and does on rows that need no pads;
 * **MTP's roll** (``multi_token_prediction.roll_tensor``, Megatron's own, with packed sequences): on the
   padded per-document cut at CP=2 and CP=4 every real row gets the label and loss mask it gets at CP=1
   and every pad row loss mask 0, and on stock's whole-row cut it does not (why a model with MTP layers gets
@@ -91,12 +94,16 @@ def test_host_staged_p2p_delivers_what_gloo_delivers(rank_pool):
 # ------------------------------------------------------------------------------------------
 # pipeline parallelism through megatron-core's schedule
 # ------------------------------------------------------------------------------------------
-def _micro_batch(step: int, mb: int, unit: int = 1) -> dict:
+def _micro_batch(step: int, mb: int, strategy: str) -> dict:
+    """``per_document`` (Megatron-LM --sft): documents that divide by 2*cp (cp <= 4); otherwise
+    (--dataloader-inter-document-masking) documents of any length. (No SBHD rows: the CPU stand-in of TE's
+    attention takes packed rows only.)"""
     from gdn_cp_testing.megatron.batches import packed_batch, random_lengths
     from gdn_cp_testing.megatron.model import VOCAB_SIZE
 
     seed = 10 * step + mb
-    return packed_batch([random_lengths(S, 3, seed + 1, unit)], S, vocab_size=VOCAB_SIZE, seed=seed)
+    docs = [random_lengths(S, 3, seed + 1, 8 if strategy == "per_document" else 1)]
+    return packed_batch(docs, S, vocab_size=VOCAB_SIZE, seed=seed)
 
 
 def _stage_cuts(strategy: str, cp_group, first: bool, last: bool, step: int) -> list:
@@ -106,8 +113,7 @@ def _stage_cuts(strategy: str, cp_group, first: bool, last: bool, step: int) -> 
 
     out = []
     for mb in range(MICRO_BATCHES):
-        # per_document (Megatron-LM --sft): documents that divide by 2*cp (cp <= 4), cut per document unpadded
-        batch = _micro_batch(step, mb, 8 if strategy == "per_document" else 1)
+        batch = _micro_batch(step, mb, strategy)
         if not first:
             batch["tokens"] = batch["position_ids"] = None
         if not last:
