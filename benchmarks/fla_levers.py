@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 
 from .common import machine_info, now_iso, write_json
 from .measure import GIB, quantile, timed_steps
@@ -116,7 +116,9 @@ def gdn_way(name: str, inp: dict, fn, ratio: int):
 
 def gdn_fp64(inp: dict, ratio: int):
     """The same math in fp64 with gdn-cp's reference backend (per-sequence scan)."""
-    from gdn_cp.ops import reference
+    from gdn_cp.ops import get_backend
+
+    reference = get_backend("reference")
 
     leaves = {k: inp[k].detach().double().requires_grad_(True) for k in LEAVES}
     g = -leaves["A_log"].exp() * F.softplus(leaves["alpha"] + leaves["dt_bias"])

@@ -205,7 +205,7 @@ def run_backend(backend, t: dict, cu: list[int], *, dtype=None) -> dict:
 
 
 def rel_errors(got: dict, want: dict) -> dict:
-    from gdn_cp.cli.accuracy import rel_l2
+    from gdn_cp.ops.accuracy import rel_l2
 
     return {k: float(f"{rel_l2(got[k], want[k]):.3e}") for k in want if k in got}
 
@@ -228,7 +228,7 @@ def _versions() -> dict:
 
 def case_versions(args) -> list[dict]:
     from gdn_cp.ops.fla.detect import gdn_kernel_backends
-    from gdn_cp.ops.flashqla import features, stack_report
+    from gdn_cp.ops.flashqla.detect import features, stack_report
 
     cache = os.environ.get("TILELANG_CACHE_DIR")
     files = sum(len(f) for _, _, f in os.walk(cache)) if cache and os.path.isdir(cache) else None
@@ -239,7 +239,7 @@ def case_versions(args) -> list[dict]:
 
 def _accuracy(cu: list[int], dims: dict, *, with_fla: bool = True, seed: int = 0) -> dict:
     from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla import fla_available
+    from gdn_cp.ops.fla.detect import fla_available
 
     t = gdr_inputs(cu, **dims, seed=seed)
     ref = run_backend(get_backend("reference"), t, cu, dtype=torch.float32)  # fp32 math on the bf16-rounded inputs
@@ -264,7 +264,7 @@ def case_auto_cp_off(args) -> list[dict]:
 
 def case_timing(args) -> list[dict]:
     from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla import fla_available
+    from gdn_cp.ops.fla.detect import fla_available
     from gdn_cp.ops.fla.detect import fla_own_gated_delta_rule
 
     rows = []
@@ -316,9 +316,11 @@ def _backend_step(backend, leaves: dict, t: dict, cu: list[int]) -> None:
 
 def case_summary(args) -> list[dict]:
     """[M | S_ext] of a slice one sequence covers (continuing on both sides)."""
-    from gdn_cp.modes.chunkwise import _transition_summary
-    from gdn_cp.ops import get_backend, reference
-    from gdn_cp.ops.fla import fla_available
+    from gdn_cp.modes.chunkwise import transition_summary
+    from gdn_cp.ops import get_backend
+    from gdn_cp.ops.fla.detect import fla_available
+
+    reference = get_backend("reference")
 
     T = args.realistic_t
     cu = [0, T]
@@ -328,7 +330,7 @@ def case_summary(args) -> list[dict]:
     rows = []
 
     def judge(name, got, seconds, **extra):
-        from gdn_cp.cli.accuracy import rel_l2
+        from gdn_cp.ops.accuracy import rel_l2
 
         rows.append({"T": T, "how": name, **REALISTIC, "M_rel_l2": float(f"{rel_l2(got[..., :dk], want[..., :dk]):.3e}"),
                      "S_ext_rel_l2": float(f"{rel_l2(got[..., dk:], want[..., dk:]):.3e}"), **seconds, **extra})
@@ -343,8 +345,8 @@ def case_summary(args) -> list[dict]:
         n0 = len(COMPILES)
         try:
             with torch.no_grad():
-                got = _transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend, torch.float32, True)
-                res = timed(lambda: _transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend,
+                got = transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend, torch.float32, True)
+                res = timed(lambda: transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, backend,
                                                         torch.float32, True))
             judge(name, got, res, compiles=COMPILES[n0:])
         except Exception as err:  # noqa: BLE001
@@ -390,7 +392,7 @@ def _fused_gdr_h_summary(t: dict, cu: list[int]) -> torch.Tensor:
 
 def case_varlen8(args) -> list[dict]:
     from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla import fla_available
+    from gdn_cp.ops.fla.detect import fla_available
 
     cu = [0]
     for n in VARLEN_LENGTHS:
@@ -409,14 +411,13 @@ def case_varlen8(args) -> list[dict]:
 def case_head_dims(args) -> list[dict]:
     import importlib
 
-    from gdn_cp.ops import GDNShape
-    from gdn_cp.ops.flashqla import check_core
+    from gdn_cp.ops import GDNShape, get_backend
 
     rows = []
     for d in (64, 128):
         row = {"head_dim": d}
         try:
-            check_core(GDNShape(num_k_heads=REALISTIC["hk"], num_v_heads=REALISTIC["hv"], head_k_dim=d, head_v_dim=d),
+            get_backend("flashqla").check_shape(GDNShape(num_k_heads=REALISTIC["hk"], num_v_heads=REALISTIC["hv"], head_k_dim=d, head_v_dim=d),
                        torch.bfloat16)
             row["gdn_cp"] = "takes it"
         except ValueError as err:
@@ -454,7 +455,7 @@ def case_fla_dispatch(args) -> list[dict]:
     import importlib
 
     from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla import fla_available, fla_version
+    from gdn_cp.ops.fla.detect import fla_available, fla_version
     from gdn_cp.ops.fla.detect import fla_own_gated_delta_rule, gdn_kernel_backends
 
     if not fla_available():
@@ -539,7 +540,7 @@ def main(argv=None) -> int:
     if DEVICE == "cuda" and not torch.cuda.is_available():
         rows.add({"case": "versions", "error": f"torch {torch.__version__} sees no CUDA GPU: nothing to probe"})
         return 1
-    from gdn_cp.ops.flashqla import flashqla_problem
+    from gdn_cp.ops.flashqla.detect import flashqla_problem
 
     problem = flashqla_problem()
     args.compile_hook = hook_tilelang_compiles() if problem is None else "not hooked (FlashQLA cannot run)"

@@ -135,6 +135,7 @@ if ls .tl_cache/tl_cache.tar.gz.part* >/dev/null 2>&1 && [ ! -f "$TILELANG_CACHE
 fi
 
 export TRITON_CACHE_DIR=$ROOT/.triton_cache/live-$STACK
+export TORCHINDUCTOR_CACHE_DIR=$TRITON_CACHE_DIR/inductor  # torch.compile's (the fused glue), saved with it
 export FLA_CACHE_RESULTS=1 PYTHONUNBUFFERED=1
 export GDN_CP_GPU_RESULTS=$OUT/gpu_results.jsonl
 mkdir -p "$TRITON_CACHE_DIR"
@@ -177,13 +178,28 @@ run_stage() {
   local stage=$1; shift
   local T1; T1=$(date +%s)
   case $stage in
-    tests)
+    tests|tests_core|tests_megatron|flashqla_tests)
+      # the GPU tests: tests_core = tests/gpu (the FLA backend, the fused glue compiled, the FlashQLA backend
+      # where .site-tl is unpacked), tests_megatron = tests/megatron (the Megatron layer's parity on both specs,
+      # TE attention on the padded cut, initial weights, the fused gated norm), tests = both in one session.
+      # Each test's outcome is written as it ends (gdn_cp_testing.outcomes), so the stage's summary line
+      # (passed / failed / skipped / not reached) is printed even after a time-out.
       local ARGS=("$@"); [ ${#ARGS[@]} -eq 0 ] && ARGS=(-q)
+      local WHERE=(tests/gpu tests/megatron)
+      [ "$stage" = tests_core ] && WHERE=(tests/gpu)
+      [ "$stage" = tests_megatron ] && WHERE=(tests/megatron)
+      # the FlashQLA backend's GPU tests: its own (every mode, CP=1/2/4) and the Megatron layer parity on it
+      [ "$stage" = flashqla_tests ] && WHERE=(tests/gpu/test_flashqla_backend.py tests/megatron/test_gpu_parity.py -k flashqla)
+      local OUTCOMES=/tmp/gdn_cp_outcomes_$stage.jsonl
+      rm -f "$OUTCOMES"
       # GDN_CP_TESTS_FAST_AUTOTUNE: the first-config knob for this stage only (benchmark stages beside it
       # must autotune for real)
-      GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
-      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu tests/megatron \
-        -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}" ;;
+      GDN_CP_TEST_OUTCOMES=$OUTCOMES GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
+      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest "${WHERE[@]}" \
+        -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}"
+      local prc=$?
+      python3 -m gdn_cp_testing.outcomes "$OUTCOMES" "== stage $stage tests"
+      (exit $prc) ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
     warm)
@@ -212,11 +228,6 @@ run_stage() {
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_FLASHQLA_TIMEOUT:-540} + 30 ))" python3 -m benchmarks.flashqla_probe \
         --out "$OUT/flashqla_probe.jsonl" --time-limit "${GDN_CP_FLASHQLA_TIMEOUT:-540}" ${GDN_CP_FLASHQLA_ARGS:-} ;;
-    flashqla_tests)
-      # the FlashQLA backend's GPU tests: its own (every mode, CP=1/2/4) and the Megatron layer parity on it
-      GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
-      timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest tests/gpu/test_flashqla_backend.py \
-        tests/megatron/test_gpu_parity.py -m gpu -k flashqla -p no:cacheprovider -rA --durations=15 "$@" ;;
     flashqla_warm)
       # FlashQLA's kernel variants of the benchmarks' shapes, compiled side by side (GDN_CP_WARM_ARGS: --cp, --tokens)
       # shellcheck disable=SC2086
@@ -249,50 +260,60 @@ run_stage() {
   return $rc
 }
 
+# save the Triton cache (split for the 16 MiB-per-file limit on what comes back). Only what a cache
+# hit reads goes in: the kernel binaries (*.cubin), their metadata and group files (*.json) and the
+# launcher modules (*.so); the intermediate IR (ttir, ttgir, llir, ptx, source) is 3/4 of the bytes;
+# and torch.compile's own cache (inductor/: the fused glue's kernels and graphs). Saved after every
+# stage group, so a call killed later keeps what the earlier groups compiled.
+# GDN_CP_SAVE_CACHE=0: none (a second suite beside this one saves its own).
+save_caches() {
+  if [ "${GDN_CP_SAVE_CACHE:-1}" != 0 ]; then
+    local TAR=/tmp/triton_cache_$STACK.tar.gz SIZE MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
+    rm -f "$OUT"/cache.tar.gz.part*
+    (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' -o -path './inductor/*' \) \
+      -print0 | tar -czf "$TAR" --null -T -)
+    SIZE=$(stat -c %s "$TAR")
+    if [ "$SIZE" -gt "$MAX" ]; then
+      echo "triton cache is $((SIZE / 1048576)) MiB compressed: keeping autotune results only"
+      (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$TAR" --null -T -)
+      SIZE=$(stat -c %s "$TAR")
+    fi
+    split -b 15m -d "$TAR" "$OUT/cache.tar.gz.part"
+    echo "triton cache saved: $((SIZE / 1024)) KiB in $(ls "$OUT"/cache.tar.gz.part* | wc -l) part(s); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
+  fi
+  # TileLang's kernel cache (FlashQLA's compiled kernels), split like the Triton cache
+  if [ "${GDN_CP_SAVE_TL_CACHE:-1}" != 0 ] && [ -n "$(find "$TILELANG_CACHE_DIR" -type f ! -name .restored -print -quit)" ]; then
+    rm -f "$OUT"/tl_cache.tar.gz.part*
+    (cd "$TILELANG_CACHE_DIR" && tar -czf /tmp/tl_cache.tar.gz --exclude=.restored .)
+    split -b 15m -d /tmp/tl_cache.tar.gz "$OUT/tl_cache.tar.gz.part"
+    echo "tilelang cache saved: $(( $(stat -c %s /tmp/tl_cache.tar.gz) / 1024 )) KiB in $(ls "$OUT"/tl_cache.tar.gz.part* | wc -l) part(s), $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
+  fi
+}
+
 RC=0
 for group in ${GDN_CP_STAGES:-tests}; do
   if [ "$group" = "${group//+/}" ]; then
     run_stage "$group" "$@" || RC=$?
-    continue
+  else
+    PIDS=()
+    for stage in ${group//+/ }; do
+      run_stage "$stage" "$@" > "$OUT/stage_$stage.log" 2>&1 &
+      PIDS+=($!)
+    done
+    for pid in "${PIDS[@]}"; do
+      wait "$pid" || RC=$?
+    done
+    for stage in ${group//+/ }; do
+      echo "== side-by-side stage $stage: $OUT/stage_$stage.log, last lines:"; tail -n 40 "$OUT/stage_$stage.log"
+    done
   fi
-  PIDS=()
-  for stage in ${group//+/ }; do
-    run_stage "$stage" "$@" > "$OUT/stage_$stage.log" 2>&1 &
-    PIDS+=($!)
-  done
-  for pid in "${PIDS[@]}"; do
-    wait "$pid" || RC=$?
-  done
-  for stage in ${group//+/ }; do
-    echo "== side-by-side stage $stage: $OUT/stage_$stage.log, last lines:"; tail -n 40 "$OUT/stage_$stage.log"
-  done
+  save_caches
 done
-
-# save the Triton cache (split for the 16 MiB-per-file limit on what comes back). Only what a cache
-# hit reads goes in: the kernel binaries (*.cubin), their metadata and group files (*.json) and the
-# launcher modules (*.so); the intermediate IR (ttir, ttgir, llir, ptx, source) is 3/4 of the bytes.
-# GDN_CP_SAVE_CACHE=0: none (a second suite beside this one saves its own).
-if [ "${GDN_CP_SAVE_CACHE:-1}" != 0 ]; then
-  TAR=/tmp/triton_cache_$STACK.tar.gz
-  rm -f "$OUT"/cache.tar.gz.part*
-  MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
-  (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' \) -print0 \
-    | tar -czf "$TAR" --null -T -)
-  SIZE=$(stat -c %s "$TAR")
-  if [ "$SIZE" -gt "$MAX" ]; then
-    echo "triton cache is $((SIZE / 1048576)) MiB compressed: keeping autotune results only"
-    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$TAR" --null -T -)
-    SIZE=$(stat -c %s "$TAR")
-  fi
-  split -b 15m -d "$TAR" "$OUT/cache.tar.gz.part"
-  echo "triton cache saved: $((SIZE / 1024)) KiB in $(ls "$OUT"/cache.tar.gz.part* | wc -l) part(s); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
-fi
-# save TileLang's kernel cache (FlashQLA's compiled kernels), split like the Triton cache
-if [ "${GDN_CP_SAVE_TL_CACHE:-1}" != 0 ] && [ -n "$(find "$TILELANG_CACHE_DIR" -type f ! -name .restored -print -quit)" ]; then
-  rm -f "$OUT"/tl_cache.tar.gz.part*
-  (cd "$TILELANG_CACHE_DIR" && tar -czf /tmp/tl_cache.tar.gz --exclude=.restored .)
-  split -b 15m -d /tmp/tl_cache.tar.gz "$OUT/tl_cache.tar.gz.part"
-  echo "tilelang cache saved: $(( $(stat -c %s /tmp/tl_cache.tar.gz) / 1024 )) KiB in $(ls "$OUT"/tl_cache.tar.gz.part* | wc -l) part(s), $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
+# at most 8 files come back from a device call: the stage logs and the training runs' logs in one tarball
+LOGS=$(cd "$OUT" && ls stage_*.log train_mlm_logs.tar.gz 2>/dev/null)
+if [ -n "$LOGS" ]; then
+  # shellcheck disable=SC2086
+  (cd "$OUT" && tar -czf logs.tar.gz $LOGS && rm -f $LOGS)
 fi
 echo "suite total $(( $(date +%s) - T0 ))s"
 exit "$RC"

@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CP size = ranks (default: GPUs on CUDA, 2 on the CPU); 1: the per-rank work on one GPU")
     g.add_argument("--slice-of-cp", type=int, default=None, metavar="N",
                    help="with --cp 1: also time each rank's contiguous slice of a CP=N run (one row per rank)")
+    g.add_argument("--slice-ranks", type=lambda t: [int(x) for x in t.split(",")], default=None, metavar="R,R",
+                   help="with --slice-of-cp N: time only these ranks' slices (default: every rank's), e.g. 0,3")
     g.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
     g.add_argument("--dtype", choices=("bfloat16", "float32", "float64"), default=None,
                    help="activations and weights (default bfloat16 on CUDA, float32 on the CPU)")
@@ -280,6 +282,10 @@ def resolve_args(args):
                              "times every rank's slice")
         if args.slice_of_cp < 2:
             raise SystemExit(f"--slice-of-cp must be >= 2 (the CP size whose slices to time), got {args.slice_of_cp}")
+    if args.slice_ranks is not None:
+        if args.slice_of_cp is None or any(not 0 <= r < args.slice_of_cp for r in args.slice_ranks):
+            raise SystemExit(f"--slice-ranks {','.join(map(str, args.slice_ranks))} must be ranks in [0, N) of "
+                             f"--slice-of-cp N (got N={args.slice_of_cp})")
     if args.cases is None:
         args.cases = list(CASES) if args.cp > 1 else [
             c for c in CP1_CASES if c not in SLICE_CASES or args.slice_of_cp is not None]
@@ -485,7 +491,7 @@ def plan_rows(args, run: dict) -> list[dict]:
             for case in args.cases:
                 if lever_off is not None and case in STOCK_CASES:
                     continue
-                for slice_rank in range(args.slice_of_cp) if case in SLICE_CASES else [None]:
+                for slice_rank in (args.slice_ranks or range(args.slice_of_cp)) if case in SLICE_CASES else [None]:
                     row = {
                         "unit": unit, "spec": spec, "lever_off": lever_off, "stack": stack,
                         "benchmark": "layer_full", "schema": SCHEMA, "date": run["date"], "run_id": run["run_id"],
@@ -771,7 +777,7 @@ def _summary(row: dict, phase: str) -> str:
 def _versions(args) -> dict:
     from .common import versions
 
-    from gdn_cp.ops.fla import fla_version
+    from gdn_cp.ops.fla.detect import fla_version
 
     return versions({"torch_cuda": torch.version.cuda, "fla": fla_version(), "triton": rank_side._version("triton"),
                      "megatron_core": rank_side._version("megatron-core")})

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
@@ -84,7 +84,9 @@ def _cpu_stock_kernels() -> None:
     on a GPU nothing is replaced."""
     import megatron.core.ssm.gated_delta_net.gdn as gdn_module
 
-    from gdn_cp.ops import reference as ref
+    from gdn_cp.ops import get_backend
+
+    ref = get_backend("reference")
 
     def boundaries(b, s, cu_seqlens):
         return [i * s for i in range(b + 1)] if cu_seqlens is None else [int(c) for c in cu_seqlens.tolist()]
@@ -193,7 +195,7 @@ def rank_setup(ctx, spec: dict) -> dict:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
                     capability=list(torch.cuda.get_device_capability(device)))
-    from gdn_cp.ops.fla import fla_available, fla_version
+    from gdn_cp.ops.fla.detect import fla_available, fla_version
 
     info.update(fla=fla_version(), fla_available=fla_available(), triton=_version("triton"),
                 fast_autotune=os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1")
@@ -230,7 +232,7 @@ def _count_fused_norm_calls() -> None:
 def _clear_norm_choice(module) -> None:
     """Forget the glue's per-layer gated-norm choice (its ``LayerState.gated_norms``), so the next
     forward decides again."""
-    from gdn_cp.megatron.gdn import layer_state
+    from gdn_cp.megatron.layer import layer_state
 
     layer_state(module).gated_norms.clear()
 
@@ -241,7 +243,7 @@ def fused_norm_off(modules):
     ``out_norm * act(z)`` instead of the fused gated RMSNorm, because its release adapter's
     ``plain_rms_gated_norm`` reports the norm as not plain. The layers' cached choice is dropped on
     entry and exit, so the rows before and after decide afresh."""
-    from gdn_cp.megatron.gdn import layer_state
+    from gdn_cp.megatron.layer import layer_state
 
     classes = {type(layer_state(m).adapter) for m in modules}
     own = {cls: cls.__dict__.get("plain_rms_gated_norm") for cls in classes}  # None: inherited
@@ -336,13 +338,17 @@ def _rows(case: str, layout: str, cu, cp: int, rank: int, device) -> torch.Tenso
 def _set_mode(case: str, layers: dict) -> None:
     """The patched layer's mode for ``case`` (config field), swap point and chunkwise path
     (``chunkwise_generic``: gdn-cp's own exchange; every other case: ``auto``), in this rank process's
-    environment: the forward reads all three on every call."""
+    environment; the layers read them again on their next call (``reset_settings``)."""
+    from gdn_cp.megatron.layer import reset_settings
+
     mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(case, "chunkwise")
     layers["layer"].config.linear_cp_mode = mode
     layers["layer1"].config.linear_cp_mode = mode
     os.environ["GDN_CP_CHUNKWISE_SWAP"] = {"chunkwise_hidden": "hidden", "chunkwise_core": "core",
                                            "chunkwise_generic": "hidden"}.get(case, "auto")
     os.environ["GDN_CP_CHUNKWISE_PATH"] = "generic" if case == "chunkwise_generic" else "auto"
+    for layer in (layers["layer"], layers["layer1"]):
+        reset_settings(layer)
 
 
 class _Case:
@@ -405,19 +411,16 @@ class _Case:
         if self.group is None:  # no CP: no exchange
             return "generic"
         from gdn_cp.layout import RouteCache
-        from gdn_cp.megatron.config import read_settings
-        from gdn_cp.megatron.backend import choose_backend
-        from gdn_cp.megatron.gdn import layer_state
+        from gdn_cp.megatron.layer import layer_state
         from gdn_cp.modes import CallContext, prepare_mode
 
         state = layer_state(self.module)
-        settings = read_settings(state.adapter.config_fields)
-        call = CallContext(settings=settings, shape=state.shape, plan=RouteCache().plan([0, 2 * self.group.size()],
+        call = CallContext(settings=state.settings, shape=state.shape, plan=RouteCache().plan([0, 2 * self.group.size()],
                            self.group.size(), self.group.rank()), group=self.group,
-                           backend=choose_backend(settings, state.adapter, _STATE["device"]))
+                           backend=state.backend)
         if not prepare_mode(call).path.startswith("native"):
             return "generic"
-        return "flashqla" if "flashqla" in getattr(call.backend, "__name__", "") else "fla"  # whose exchange runs
+        return call.backend.name  # whose exchange runs: "fla" or "flashqla"
 
     # -- the core alone ------------------------------------------------------------------------
     def core_step(self, seed: int):
@@ -427,9 +430,7 @@ class _Case:
         if self.case in STOCK_CASES:
             return None
         from gdn_cp.layout import RouteCache, plan_for_sbhd
-        from gdn_cp.megatron.config import read_settings
-        from gdn_cp.megatron.backend import choose_backend
-        from gdn_cp.megatron.gdn import layer_state
+        from gdn_cp.megatron.layer import layer_state
         from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 
         st = _STATE
@@ -445,7 +446,7 @@ class _Case:
             plan, group = plan_for_sbhd(self.cu[-1], 1, cp, rank), self.group
         else:
             plan, group = RouteCache().plan(torch.tensor(self.cu), cp, rank), self.group
-        settings = read_settings(layer_state(m).adapter.config_fields)
+        settings = layer_state(m).settings
         # chunkwise with its swap at hidden_states: its core takes rows already contiguous
         contiguous = self.case in ("chunkwise_hidden", "chunkwise_generic") and group is not None
         n = plan.t_local
@@ -456,7 +457,7 @@ class _Case:
         do = _randn((n, shape.num_v_heads, shape.head_v_dim), seed + 14, dtype, device)
         weight = m.conv1d.weight
         bias = m.conv1d.bias if m.conv_bias else None
-        backend = choose_backend(settings, layer_state(m).adapter, device)
+        backend = layer_state(m).backend
         call = CallContext(settings=settings, shape=shape, plan=plan, group=group, backend=backend)
         way = prepare_mode(call)
 
@@ -526,13 +527,9 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             except Exception as err:  # noqa: BLE001
                 out["fla_gdn_backend"] = f"unknown ({type(err).__name__}: {err})"
         if case.case not in STOCK_CASES:  # the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
-            from gdn_cp.megatron.backend import choose_backend
-            from gdn_cp.megatron.config import read_settings
-            from gdn_cp.megatron.gdn import layer_state
+            from gdn_cp.megatron.layer import layer_state
 
-            adapter = layer_state(case.module).adapter
-            backend = choose_backend(read_settings(adapter.config_fields), adapter, device)
-            out["gdn_cp_backend"] = backend.__name__.rsplit(".", 1)[-1]
+            out["gdn_cp_backend"] = layer_state(case.module).backend.name
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
             out["check"] = _check_vs_stock(case, y)
         elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:

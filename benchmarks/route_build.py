@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_natural_order, build_thd_route
-from gdn_cp.cli.job_data import packed_boundaries
+from gdn_cp.layout.packings import packed_boundaries
 
 from .measure import retain_freed_memory, time_call
 from .common import (
@@ -343,7 +343,7 @@ def run(args) -> dict:
             "seed": args.seed,
             "malloc": args.malloc,
             "malloc_retain_applied": malloc_retain,
-            "boundaries": "gdn_cp.cli.job_data.packed_boundaries(num_sequences, T_global, cp, seed), int32 CPU tensor",
+            "boundaries": "gdn_cp.layout.packings.packed_boundaries(num_sequences, T_global, cp, seed), int32 CPU tensor",
             "statistic": "median wall time per pass; the lowest median over passes is reported "
             "(*_cpu_ms: the calling thread's median CPU time in that pass, a contention check)",
         },

@@ -53,7 +53,7 @@ def _cfg(backend: str) -> dict:
 
 
 def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
-    from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
+    from gdn_cp.megatron.call import ROUTE_CACHE_ATTR
     from gdn_cp_testing.inputs import hidden_inputs
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
     from gdn_cp_testing.packings import thd_case, zigzag_rows

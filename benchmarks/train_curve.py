@@ -242,7 +242,7 @@ def train_run(ctx, run_name, cfg):
         return None
     group = groups["world"] if cp == world else groups["self"]
     assert group.size() == cp, (group.size(), cp)
-    os.environ["GDN_CP_CHUNKWISE_SWAP"] = swap or "auto"  # this rank process's layers read it on every call
+    os.environ["GDN_CP_CHUNKWISE_SWAP"] = swap or "auto"  # this rank process's layers read it on their first call
     seed, steps = cfg["seed"], cfg["steps"]
 
     config = make_config(cp, mode, torch.float32, hidden_size=cfg["hidden"], num_layers=cfg["layers"],
@@ -335,7 +335,7 @@ def rel_diffs(curve, ref) -> list[float]:
 
 def param_rel_diff(params, ref) -> tuple[float, str]:
     """(max over tensors of max |p - p_ref| / max |p_ref|, the name of that tensor)."""
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     worst, where = 0.0, ""
     for name, want in ref.items():

@@ -433,7 +433,11 @@ def judge(rows: list[dict], rule: str = RULE) -> dict:
                 r["verdict"] = "should have been refused"
             continue
         if r["status"] != "ok":
-            r["verdict"] = r["status"] if r["status"].startswith("not run") else f"did not run ({r['status']})"
+            if r["status"] == "refused":  # stopped before step 1 where nothing asked for a refusal: say why
+                why = (r.get("error") or "").partition("): ")[2].strip().splitlines()[:1]
+                r["verdict"] = f"failed before step 1 ({why[0][:80] if why else 'no error printed'})"
+            else:
+                r["verdict"] = r["status"] if r["status"].startswith("not run") else f"did not run ({r['status']})"
             continue
         base = by.get(_base(ref))
         if ref and (base is None or base["status"] != "ok"):

@@ -94,7 +94,7 @@ def _run_variant(spec: dict) -> None:
     seqs = spec.get("seqs", 2)
     cu = Boundaries([t * i // seqs for i in range(seqs + 1)])
     if spec["op"] == "norm":
-        from gdn_cp.ops.fla import fused_gated_rms_norm
+        from gdn_cp.ops.fla.norm import fused_gated_rms_norm
 
         fn = fused_gated_rms_norm()
         if fn is None:

@@ -1,10 +1,10 @@
 """The library's ``GDN_CP_*`` environment variables, in one table, read and checked in one place.
 
 Torch-free and imports nothing of gdn_cp, so every layer may read its settings here. The table holds
-what the library reads (:data:`SETTINGS`: the chunkwise exchange path and the layout swap point, read
-into :class:`gdn_cp.modes.settings.Settings`; FlashQLA's auto_cp, read by its backend); each entry
-says how a value is checked. The tests' and
-benchmarks' variables have their own table in the same form (``gdn_cp_testing.env``, not shipped).
+what the library reads (:data:`SETTINGS`: the chunkwise exchange path and the layout swap point, and
+FlashQLA's auto_cp, which its backend's spec names; all read into :class:`gdn_cp.modes.settings.Settings`
+where a call comes in); each entry says how a value is checked. The tests' and benchmarks' variables
+have their own table in the same form (``gdn_cp_testing.env``, not shipped).
 
 * :func:`read` returns the checked value of one setting (its default when unset or empty);
   a bad value is a ValueError that names the variable, the value and what it accepts.
@@ -15,8 +15,13 @@ benchmarks' variables have their own table in the same form (``gdn_cp_testing.en
   benchmarks' (``gdn-cp`` reads none of them): the test session and ``benchmarks/gpu_suite.sh`` check
   both tables, and refuse any name in neither (``python3 -m gdn_cp_testing.env --check``).
   ``python3 -m gdn_cp.env`` prints this table.
+* :data:`CLONE_NAMES` names the tests' and benchmarks' variables (their table, with its rules, is
+  ``gdn_cp_testing.env``, which a wheel does not ship), so that :func:`who_reads` can say of any
+  ``GDN_CP_*`` name whether gdn-cp, a clone's tests or benchmarks, or nothing reads it
+  (``gdn-cp doctor`` lists them so; ``gdn-cp run`` warns once about a name nothing reads).
 
-``tests/test_env.py`` fails when a ``GDN_CP_*`` name used anywhere in the repository is in neither table.
+``tests/test_env.py`` fails when a ``GDN_CP_*`` name used anywhere in the repository is in neither table,
+when :data:`CLONE_NAMES` is not the tests' table, and when docs/errors.md's list is not :data:`SETTINGS`.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["CHUNKWISE_PATHS", "CHUNKWISE_PATH_ENV", "CHUNKWISE_SWAP_ENV", "PREFIX", "SETTINGS", "SWAP_POINTS",
-           "EnvSetting", "any_text", "check_environment", "one_of", "read", "table", "unknown_name_message"]
+__all__ = ["CHUNKWISE_PATHS", "CHUNKWISE_PATH_ENV", "CHUNKWISE_SWAP_ENV", "CLONE_NAMES", "NOBODY", "PREFIX", "SETTINGS",
+           "SWAP_POINTS", "EnvSetting", "any_text", "check_environment", "one_of", "read", "set_names", "table",
+           "unknown_name_message", "unread_names", "who_reads"]
 
 PREFIX = "GDN_CP_"
 CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
@@ -78,9 +84,53 @@ SETTINGS: dict[str, EnvSetting] = {
                    one_of(*SWAP_POINTS)),
         EnvSetting("GDN_CP_FLASHQLA_AUTO_CP", "gdn_cp", "1",
                    "the FlashQLA backend's auto_cp (FlashQLA's own split of long sequences inside one GPU): 1 on "
-                   "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.auto_cp_setting", one_of("0", "1")),
+                   "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.spec.AUTO_CP_ENV", one_of("0", "1")),
     )
 }
+
+
+CLONE_NAMES: dict[str, tuple[str, ...]] = {
+    "tests": (
+        "GDN_CP_ALLOW_SKIP_MEGATRON", "GDN_CP_BENCHMARKS", "GDN_CP_FUZZ_EXAMPLES", "GDN_CP_GPU_RESULTS",
+        "GDN_CP_GPU_TP_DTYPES", "GDN_CP_MEGATRON_SDIST", "GDN_CP_MLM_ONE_GPU", "GDN_CP_README_COMMAND",
+        "GDN_CP_TEST_DIST_BACKEND", "GDN_CP_TEST_FAST_AUTOTUNE", "GDN_CP_TEST_OUTCOMES", "GDN_CP_TEST_PG_TIMEOUT",
+        "GDN_CP_TMP",
+    ),
+    "benchmarks": (
+        "GDN_CP_CACHE_MAX_MB", "GDN_CP_FLASHQLA_ARGS", "GDN_CP_FLASHQLA_TIMEOUT", "GDN_CP_LAYER_FULL_ARGS",
+        "GDN_CP_LAYER_FULL_B_ARGS", "GDN_CP_LAYER_FULL_B_TIMEOUT", "GDN_CP_LAYER_FULL_TIMEOUT", "GDN_CP_LEVERS_ARGS",
+        "GDN_CP_LEVERS_TIMEOUT", "GDN_CP_MLM", "GDN_CP_SAVE_CACHE", "GDN_CP_SAVE_TL_CACHE", "GDN_CP_SELFTEST_TIMEOUT",
+        "GDN_CP_SLIM", "GDN_CP_STACK", "GDN_CP_STAGES", "GDN_CP_SUITE_TIMEOUT", "GDN_CP_SYNCS_TIMEOUT", "GDN_CP_TE",
+        "GDN_CP_TESTS_FAST_AUTOTUNE", "GDN_CP_TL", "GDN_CP_TRAIN_MLM_ARGS", "GDN_CP_TRAIN_MLM_TIMEOUT",
+        "GDN_CP_WARM_ARGS", "GDN_CP_WARM_TIMEOUT",
+    ),
+}
+"""The names of the tests' and the benchmarks' variables (of a clone: ``gdn_cp_testing.env`` holds their
+rules; gdn-cp reads none of them), by reader. Only their names live here, so that the command can tell
+them from names that nothing reads (tests/test_env.py keeps them equal to that table)."""
+
+NOBODY = "nothing"
+"""What :func:`who_reads` says of a ``GDN_CP_*`` name in neither table."""
+
+
+def who_reads(name: str) -> str:
+    """Who reads the variable ``name``: ``gdn_cp`` (the library's table), ``tests`` or ``benchmarks``
+    (of a clone), or :data:`NOBODY`."""
+    if name in SETTINGS:
+        return SETTINGS[name].read_by
+    return next((reader for reader, names in CLONE_NAMES.items() if name in names), NOBODY)
+
+
+def set_names(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The ``GDN_CP_*`` variables set (non-empty or not) in ``environ``, sorted."""
+    env = os.environ if environ is None else environ
+    return sorted(n for n in env if n.startswith(PREFIX))
+
+
+def unread_names(environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The ``GDN_CP_*`` variables set in ``environ`` that nothing reads (neither gdn-cp nor a clone's tests
+    and benchmarks): a guessed name, a misspelling, a variable of another version."""
+    return [n for n in set_names(environ) if who_reads(n) == NOBODY]
 
 
 def _bad_value(setting: EnvSetting, text: str, why: str) -> ValueError:

@@ -10,7 +10,7 @@ repository root on ``sys.path``: pytest's root, ``python3 -m benchmarks.<name>``
 * :mod:`.inputs` / :mod:`.packings`: seeded inputs of the FLA kernels and the Megatron layer, the CP=1
   answer of the core, named packed micro-batches and Megatron's zigzag rows written out
   independently of :mod:`gdn_cp.layout` (the core's inputs and the main job's micro-batch are
-  :mod:`gdn_cp.cli.job_data`; errors and tolerances :mod:`gdn_cp.cli.accuracy`);
+  :mod:`gdn_cp.modes.inputs`; errors and tolerances :mod:`gdn_cp.ops.accuracy`);
 * :mod:`.results`: machine and versions, JSON files, JSON-lines records;
 * :mod:`.probes`: looks into a run that the library does not offer (swap points, all-to-all bytes,
   plan builds) and an environment setting for a block; :mod:`.stand_ins`: a GatedDeltaNet stand-in

@@ -61,8 +61,8 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "args", "warm", "syncs", "selftest", "levers", "layer_full", "layer_full_b", "flashqla",
-                "flashqla_tests", "flashqla_warm", "train_mlm")
+SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "args", "warm", "syncs", "selftest", "levers",
+                "layer_full", "layer_full_b", "flashqla", "flashqla_warm", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
@@ -107,6 +107,9 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_FUZZ_EXAMPLES", "tests", "",
                    "random examples per fuzz test (default: CI's derandomized few)", _positive_int("3000")),
         EnvSetting("GDN_CP_GPU_RESULTS", "tests", "", "JSON lines file the GPU tests append their results to"),
+        EnvSetting("GDN_CP_TEST_OUTCOMES", "tests", "",
+                   "JSON lines file the test session appends each test's outcome to as it finishes "
+                   "(gdn_cp_testing.outcomes: the GPU suite's per-stage summary, also after a time-out)"),
         EnvSetting("GDN_CP_GPU_TP_DTYPES", "tests", "bfloat16,float32", "dtypes of the GPU TP x CP tests",
                    _comma_list_of("bfloat16", "float32")),
         EnvSetting("GDN_CP_BENCHMARKS", "tests", "",

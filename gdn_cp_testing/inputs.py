@@ -1,5 +1,5 @@
 """Seeded inputs for the FLA kernels and the Megatron layer, and the CP=1 answer of the core (the
-core's own inputs are the main job's: :mod:`gdn_cp.cli.job_data`).
+core's own inputs are the main job's: :mod:`gdn_cp.modes.inputs`).
 
 Everything is drawn from a ``torch.Generator`` on the CPU (the same numbers on every rank, every
 device and every CP size) and then cast and moved, so a CP run and its CP=1 reference see
@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.cli.job_data import core_leaves
+from gdn_cp.modes.inputs import core_leaves
 
 __all__ = ["cp1_core_answer", "fla_core_inputs", "hidden_inputs"]
 
@@ -22,7 +22,7 @@ __all__ = ["cp1_core_answer", "fla_core_inputs", "hidden_inputs"]
 def cp1_core_answer(inputs: dict, shape, cu: Sequence[int], backend="reference"):
     """CP=1 output ``[T, Hv, Dv]`` and gradients ``{name: grad}`` of the core on the whole packed
     stream: the reference every CP mode is compared with."""
-    from gdn_cp.modes.common import local_core
+    from gdn_cp.modes.local import local_core
     from gdn_cp.ops import get_backend
 
     leaves = core_leaves(inputs)

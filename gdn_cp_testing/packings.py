@@ -1,5 +1,5 @@
 """Packed micro-batches (global padded boundaries ``cu``) for tests and benchmarks (``gdn-cp run``'s
-own is :func:`gdn_cp.cli.job_data.packed_boundaries`).
+own is :func:`gdn_cp.layout.packings.packed_boundaries`).
 
 A packing is a list of Python ints ``[0, c_1, ..., T_global]``; sequence i holds global rows
 ``[cu[i], cu[i+1])``; equal neighbours are empty padding slots. Megatron's per-document zigzag split
@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from gdn_cp.cli.job_data import cumsum0
+from gdn_cp.layout.packings import cumsum0
 
 __all__ = ["document_packings", "named_packings", "thd_case", "zigzag_rows"]
 

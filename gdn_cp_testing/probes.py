@@ -39,21 +39,22 @@ def env_setting(name: str, value: Optional[str]) -> Iterator[None]:
 def swap_points() -> Iterator[dict]:
     """``{layer label: {swap point, ...}}`` that chunkwise chose for the layer calls of the block
     (``"hidden"`` / ``"core"``; a call through the zigzag core moves nothing and adds none)."""
-    from gdn_cp.modes import chunkwise
+    from gdn_cp.modes.chunkwise import Chunkwise
 
     seen: dict = {}
-    original = chunkwise._swap_point
+    original = Chunkwise.__dict__["prepare"]
 
-    def recording(ctx):
-        point = original(ctx)
-        seen.setdefault(ctx.layer.label, set()).add(point)
-        return point
+    def recording(cls, ctx):
+        mode = original.__func__(cls, ctx)
+        if mode.swap is not None:
+            seen.setdefault(ctx.layer.label, set()).add(mode.swap)
+        return mode
 
-    chunkwise._swap_point = recording
+    Chunkwise.prepare = classmethod(recording)
     try:
         yield seen
     finally:
-        chunkwise._swap_point = original
+        Chunkwise.prepare = original
 
 
 @dataclass

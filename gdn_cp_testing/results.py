@@ -1,6 +1,6 @@
 """Machine-readable results: what a number was measured on, JSON files and JSON-lines records.
 
-* :func:`machine_info`, :func:`stack_versions` (``gdn-cp selftest``'s, :mod:`gdn_cp.cli.versions`),
+* :func:`machine_info`, :func:`stack_versions` (``gdn-cp selftest``'s, :mod:`gdn_cp.ops.versions`),
   :func:`now_iso`: the context every result row carries (a timing or an error without the machine and versions cannot be compared later);
 * :func:`write_json`: one JSON document, replaced atomically (a killed run leaves the old file or
   the new one, never half of one);
@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 from typing import Any, Optional
 
-from gdn_cp.cli.versions import stack_versions
+from gdn_cp.ops.versions import stack_versions
 
 __all__ = ["JsonlRecorder", "load_average", "machine_info", "now_iso", "stack_versions", "write_json"]
 

@@ -44,12 +44,13 @@ def stand_in_gdn(*, cp_group=None, tp_size: int = 1, tp_group=None, act_fn=F.sil
         out_norm=types.SimpleNamespace(named_parameters=lambda: []), tp_size=tp_size, sp_size=1, act_fn=act_fn, layer_number=layer_number, num_key_heads=heads[0],
         num_value_heads=heads[1], num_k_heads_local_tp=heads[0], num_v_heads_local_tp=heads[1],
         key_head_dim=head_dim, value_head_dim=head_dim, use_qk_l2norm=True,
+        conv1d=types.SimpleNamespace(weight=torch.zeros(1, 1, 4)),  # its parameters' dtype and device
     )
 
 
 class Handed(Exception):
     """Raised in place of the mode: the forward got this far. ``args``: ``(state, group, hidden_states,
-    packed_seq_params)`` as the forward passed them to its call context."""
+    batch)`` as the forward passed them to its call context (``batch``: the PackedSeqParams' fields)."""
 
 
 def handed_over(module, hidden_states: Optional[torch.Tensor] = None, packed_seq_params=None):

@@ -20,6 +20,17 @@ SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
 ROOT = Path(__file__).resolve().parent.parent
 
 _POOLS: dict[tuple[int, str], RankPool] = {}
+OUTCOMES_FILE = os.environ.get("GDN_CP_TEST_OUTCOMES") or None  # gdn_cp_testing.outcomes: each test as it ends
+
+
+def pytest_runtest_logreport(report):
+    """One line per test when its outcome is known: the call's, or a setup that failed or skipped."""
+    if not OUTCOMES_FILE or not (report.when == "call" or (report.when == "setup" and not report.passed)):
+        return
+    from gdn_cp_testing.outcomes import record
+
+    outcome = "error" if report.when == "setup" and report.failed else report.outcome
+    record(OUTCOMES_FILE, test=report.nodeid, outcome=outcome, seconds=round(report.duration, 2))
 
 
 @pytest.fixture(scope="session")
@@ -206,7 +217,12 @@ def pytest_configure(config):  # noqa: ARG001
 
 
 def pytest_collection_finish(session):
-    """Queue every smoke run that a selected test will wait for (see :class:`SmokeRun`)."""
+    """Record what was collected (``GDN_CP_TEST_OUTCOMES``), and queue every smoke run that a selected test
+    will wait for (see :class:`SmokeRun`)."""
+    if OUTCOMES_FILE:
+        from gdn_cp_testing.outcomes import record
+
+        record(OUTCOMES_FILE, collected=[item.nodeid for item in session.items])
     wanted = []
     for item in session.items:
         module = getattr(item, "module", None)

@@ -6,15 +6,26 @@
 # Outside a virtual environment it refuses (exit 2) before installing anything, since it would
 # patch the megatron-core of that environment; --any-env installs there anyway (e.g. a conda env).
 #
+# torch: `pip install torch==2.13.0` takes whatever build the configured index serves. On Linux PyPI
+# serves the CUDA build (several GB with its CUDA libraries: a 4.8 GB environment); --cpu-torch takes
+# the CPU build instead, from PyTorch's CPU index (CPU_TORCH_INDEX) on Linux, from the configured index
+# elsewhere (PyPI's macOS and Windows wheels are CPU builds), and keeps a CPU torch 2.13.0 already
+# installed. The tests need no GPU. Either way the script says which build it installed.
+#
 # megatron-core 0.19.2 declares Python >= 3.12 but its sources run on 3.11: there we build
 # its sdist with --ignore-requires-python. On 3.12+ it installs normally.
 set -euo pipefail
 PY=${PYTHON:-python3}
+TORCH=2.13.0
+CPU_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ANY_ENV=0
+CPU_TORCH=0
 for arg in "$@"; do
   case $arg in
     --any-env) ANY_ENV=1 ;;
-    *) echo "tests/install_deps.sh: error: unknown argument $arg; usage: bash tests/install_deps.sh [--any-env]" >&2
+    --cpu-torch) CPU_TORCH=1 ;;
+    *) echo "tests/install_deps.sh: error: unknown argument $arg; usage: bash tests/install_deps.sh [--cpu-torch]" \
+         "[--any-env]" >&2
        exit 2 ;;
   esac
 done
@@ -26,12 +37,33 @@ if [ "$ANY_ENV" != 1 ] && ! "$PY" -c 'import sys; sys.exit(0 if sys.prefix != sy
 fi
 cd "$(dirname "$0")/.."
 
-# one progress line per step (about a minute in all on 2 cores with a fast index); two pip calls (each
+# one progress line per step (about a minute in all on 2 cores with a fast index); two pip calls (three with
+# --cpu-torch where torch is not there yet; each
 # start costs seconds): what resolves normally, then what must not pull dependencies
 START=$SECONDS
 step() { echo "tests/install_deps.sh: [$1/4] $2 ($(( SECONDS - START )) s so far)"; }
-step 1 "torch 2.13.0, gdn-cp (editable) with its test extras (pytest, hypothesis, hadolint, shellcheck), packaging, numpy"
-"$PY" -m pip install -q torch==2.13.0 -e ".[test]" "packaging>=24.2" numpy
+# torch's version and build, read from its version.py without importing torch ("2.13.0+cpu CPU",
+# "2.13.0 CUDA 13.0"; "none" when there is none)
+torch_build() {
+  "$PY" -c 'import importlib.util as u, pathlib as p; s = u.find_spec("torch"); v = {}; s and exec((p.Path(s.origin).parent / "version.py").read_text(), v); print(v["__version__"] + " " + ("CUDA " + v["cuda"] if v.get("cuda") else "ROCm" if v.get("hip") else "CPU") if s else "none")'
+}
+DEPS="gdn-cp (editable) with its test extras (pytest, hypothesis, hadolint, shellcheck), packaging, numpy"
+if [ "$CPU_TORCH" = 1 ]; then
+  build=$(torch_build)
+  version=${build%% *}
+  if [ "${version%%+*}" = "$TORCH" ] && [ "${build##* }" = CPU ]; then
+    step 1 "torch $TORCH: the CPU build installed here ($build) is kept; $DEPS"
+  elif [ "$(uname -s)" = Linux ]; then
+    step 1 "torch $TORCH, its CPU build (--cpu-torch), from $CPU_TORCH_INDEX; then $DEPS"
+    "$PY" -m pip install -q "torch==$TORCH" --index-url "$CPU_TORCH_INDEX"
+  else
+    step 1 "torch $TORCH, its CPU build (--cpu-torch: the configured index serves CPU builds on $(uname -s)), $DEPS"
+  fi
+else
+  step 1 "torch $TORCH from the configured index (on Linux PyPI's is the CUDA build, several GB: --cpu-torch takes the CPU one), $DEPS"
+fi
+"$PY" -m pip install -q "torch==$TORCH" -e ".[test]" "packaging>=24.2" numpy
+echo "tests/install_deps.sh: installed torch $(torch_build) build"
 # megatron.core imports triton at import time; --no-deps keeps pip from touching torch.
 if "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
   step 2 "megatron-core 0.19.2 and triton (megatron.core imports it)"

@@ -82,7 +82,7 @@ def test_benchmark_copy_matches_megatron(benchmark_module):
     """The benchmark's per-token copy is the function megatron-core ships (when installed)."""
     common = pytest.importorskip("megatron.core.ssm.gated_delta_net.common")
     route_build = benchmark_module("route_build")
-    from gdn_cp.cli.job_data import packed_boundaries
+    from gdn_cp.layout.packings import packed_boundaries
 
     for nseq, t_global, cp in ((1, 4096, 2), (37, 8192, 4), (64, 16384, 8)):
         cu = torch.tensor(packed_boundaries(nseq, t_global, cp, seed=3), dtype=torch.int32)

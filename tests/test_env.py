@@ -38,8 +38,9 @@ def test_every_variable_used_anywhere_is_in_a_table():
     reads) or gdn_cp_testing/env.py (what the tests and benchmarks read) would be refused by the test
     session and the GPU suite as "not a gdn-cp setting": add the row (who reads it, what it sets)."""
     used = _names_used_in_the_repository()
-    for typo in ("GDN_CP_CHUNKWISE_PAHT", "GDN_CP_STAGE", "GDN_CP_BOGUS"):  # this file's example typos
-        used.pop(typo, None)
+    # the examples of typos and of names nothing reads (this file, docs/errors.md, gdn-cp run's warning)
+    for example in ("GDN_CP_CHUNKWISE_PAHT", "GDN_CP_STAGE", "GDN_CP_BOGUS", "GDN_CP_PG_TIMEOUT", "GDN_CP_DIST_BACKEND"):
+        used.pop(example, None)
     missing = {name: where for name, where in used.items() if name not in test_env.ALL_SETTINGS}
     assert missing == {}, f"add these to gdn_cp.env.SETTINGS or gdn_cp_testing.env.SETTINGS: {missing}"
     unused = sorted(set(test_env.ALL_SETTINGS) - set(used))
@@ -73,7 +74,9 @@ def test_the_tests_variables_are_not_the_commands_business(monkeypatch, capsys):
     stop a gdn-cp command: the test session and the GPU suite check those."""
     monkeypatch.setenv("GDN_CP_STACK", "bogus")
     monkeypatch.setenv("GDN_CP_BOGUS", "1")
-    assert main(["patch", "check", "/nope"]) == 2  # fails on the path, not on the environment
+    with pytest.raises(SystemExit) as exit_:  # fails on the path (an argument error), not on the environment
+        main(["patch", "check", "/nope"])
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "GDN_CP_" not in err and "/nope" in err, err
 
@@ -90,7 +93,7 @@ def test_the_tests_variables_are_not_the_commands_business(monkeypatch, capsys):
     ("GDN_CP_FUZZ_EXAMPLES", "abc", "use a whole number >= 1"),
     ("GDN_CP_FUZZ_EXAMPLES", "1_000", "use a whole number >= 1"),
     ("GDN_CP_STACK", "bogus", "use one of fla042, fla060"),
-    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, args, warm"),
+    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, tests_core, tests_megatron, flashqla_tests"),
     ("GDN_CP_SUITE_TIMEOUT", "7m", "use a whole number >= 1"),
     ("GDN_CP_GPU_TP_DTYPES", "float16", "use a comma-separated list of bfloat16, float32"),
     ("GDN_CP_ALLOW_SKIP_MEGATRON", "yes", "use one of 0, 1"),
@@ -138,7 +141,7 @@ def test_every_setting_has_a_rule_or_says_it_is_free_form():
     free = sorted(n for n, s in test_env.ALL_SETTINGS.items() if s.parse is env.any_text)
     assert free == ["GDN_CP_BENCHMARKS", "GDN_CP_FLASHQLA_ARGS", "GDN_CP_GPU_RESULTS", "GDN_CP_LAYER_FULL_ARGS",
                     "GDN_CP_LAYER_FULL_B_ARGS", "GDN_CP_LEVERS_ARGS", "GDN_CP_MEGATRON_SDIST", "GDN_CP_MLM", "GDN_CP_SLIM",
-                    "GDN_CP_TE", "GDN_CP_TL", "GDN_CP_TMP", "GDN_CP_TRAIN_MLM_ARGS", "GDN_CP_WARM_ARGS"], free
+                    "GDN_CP_TE", "GDN_CP_TEST_OUTCOMES", "GDN_CP_TL", "GDN_CP_TMP", "GDN_CP_TRAIN_MLM_ARGS", "GDN_CP_WARM_ARGS"], free
     for name, setting in test_env.ALL_SETTINGS.items():  # every default passes its own rule
         if setting.default:
             setting.parse(setting.default)
@@ -152,7 +155,8 @@ def test_the_stage_lists_the_readme_and_the_suite_use_are_accepted(value):
 def test_the_suite_stages_are_the_stages_of_gpu_suite_sh():
     text = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
     body = text[text.index("run_stage() {"):text.index("RC=0")]
-    assert tuple(re.findall(r"^    (\w+)\)$", body, re.M)) == test_env.SUITE_STAGES
+    stages = [name for case in re.findall(r"^    ([\w|]+)\)$", body, re.M) for name in case.split("|")]
+    assert tuple(stages) == test_env.SUITE_STAGES
 
 
 def test_an_unknown_name_gets_a_short_line_with_the_closest_names(monkeypatch):
@@ -188,3 +192,75 @@ def test_a_bad_setting_stops_the_test_session_naming_it():
                        env={**_clean_env(), "GDN_CP_FUZZ_EXAMPLES": "abc"})
     assert r.returncode == 4, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
     assert "GDN_CP_FUZZ_EXAMPLES='abc': use a whole number >= 1" in r.stderr and "invalid literal" not in r.stdout + r.stderr
+
+
+def test_the_library_knows_the_names_of_the_tests_table():
+    """gdn_cp.env.CLONE_NAMES (what a wheel ships, so the command can tell the tests' names from names
+    nothing reads) is the tests' and benchmarks' table, reader by reader."""
+    shipped = {n: r for r, names in env.CLONE_NAMES.items() for n in names}
+    table = {n: s.read_by for n, s in test_env.SETTINGS.items()}
+    assert shipped == table, ("a row of gdn_cp_testing.env.SETTINGS needs its name in gdn_cp.env.CLONE_NAMES too (by "
+                              f"reader): add {sorted(set(table.items()) - set(shipped.items()))}, remove "
+                              f"{sorted(set(shipped.items()) - set(table.items()))}")
+    assert not set(env.SETTINGS) & {n for names in env.CLONE_NAMES.values() for n in names}
+
+
+def test_doctor_says_who_reads_each_variable(monkeypatch, capsys):
+    """Issue #41: GDN_CP_PG_TIMEOUT and GDN_CP_DIST_BACKEND (guessed from the tests' GDN_CP_TEST_*) were
+    listed by doctor under "environment:" as if they were used. Each variable set now says who reads it."""
+    import json
+
+    for name in env.set_names():
+        monkeypatch.delenv(name)
+    variables = {"GDN_CP_CHUNKWISE_PATH": "generic", "GDN_CP_TEST_PG_TIMEOUT": "10", "GDN_CP_STACK": "fla042",
+                 "GDN_CP_PG_TIMEOUT": "0.0001", "GDN_CP_DIST_BACKEND": "nccl"}
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if line.startswith("  GDN_CP_")}
+    assert set(lines) == set(variables), out
+    assert lines["GDN_CP_CHUNKWISE_PATH"].endswith("gdn-cp's setting")
+    assert "the tests' (a clone's test suite reads it; gdn-cp does not)" in lines["GDN_CP_TEST_PG_TIMEOUT"]
+    assert "the benchmarks'" in lines["GDN_CP_STACK"]
+    for name in ("GDN_CP_PG_TIMEOUT", "GDN_CP_DIST_BACKEND"):
+        assert "read by nothing: unset it" in lines[name], lines[name]
+    assert main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    readers = {v["name"]: v["read_by"] for v in report["environment"]}
+    assert readers == {"GDN_CP_CHUNKWISE_PATH": "gdn_cp", "GDN_CP_TEST_PG_TIMEOUT": "tests",
+                       "GDN_CP_STACK": "benchmarks", "GDN_CP_PG_TIMEOUT": "nothing", "GDN_CP_DIST_BACKEND": "nothing"}
+
+
+def test_run_warns_once_about_names_nothing_reads(monkeypatch, capsys):
+    """One line on stderr for every GDN_CP_* name nothing reads (the run goes on, exit 0); none for a
+    library setting or a name of the tests."""
+    from gdn_cp.cli import main_job
+
+    for name in env.set_names():
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(main_job, "run_job", lambda cfg, **k: main_job.JobResult())
+    monkeypatch.setenv("GDN_CP_PG_TIMEOUT", "0.0001")
+    monkeypatch.setenv("GDN_CP_DIST_BACKEND", "nccl")
+    monkeypatch.setenv("GDN_CP_FUZZ_EXAMPLES", "5")
+    monkeypatch.setenv("GDN_CP_CHUNKWISE_SWAP", "core")
+    assert main(["run"]) == 0
+    err = capsys.readouterr().err
+    assert err == ("gdn-cp run: warning: nothing reads GDN_CP_DIST_BACKEND, GDN_CP_PG_TIMEOUT (neither a gdn-cp "
+                   "setting, `python3 -m gdn_cp.env`, nor a name of a clone's tests or benchmarks); this run takes its "
+                   "settings from its flags (gdn-cp run --help): unset them\n"), err
+    monkeypatch.delenv("GDN_CP_PG_TIMEOUT")
+    monkeypatch.delenv("GDN_CP_DIST_BACKEND")
+    assert main(["run"]) == 0 and capsys.readouterr().err == ""
+
+
+def _errors_doc_variables() -> dict[str, str]:
+    text = (ROOT / "docs" / "errors.md").read_text()
+    section = text[text.index("## Environment variables"):]
+    section = section[:section.find("\n## ", 1) if "\n## " in section[1:] else len(section)]
+    return dict(re.findall(r"^\| `(GDN_CP_\w+)` \| `([^`]*)` \|", section, re.M))
+
+
+def test_docs_errors_lists_every_library_variable_with_its_default():
+    """Issue #41: docs/errors.md named two of the library's three variables. Its table is gdn_cp.env's."""
+    assert _errors_doc_variables() == {name: s.default for name, s in env.SETTINGS.items()}

@@ -18,7 +18,7 @@ import torch
 from benchmarks import layer_full, measure, plot_layer_full
 from benchmarks import layer_full_math as lfm
 from benchmarks.measure import spans_from_trace
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 from gdn_cp_testing.packings import zigzag_rows
 from tests.conftest import start_smoke_run
 from tests.megatron.conftest import patched_megatron  # noqa: F401 - the fixture, for the switch test
@@ -184,11 +184,11 @@ def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
     """In a rank: the patched layer's forward on a backend that has a fused gated norm (the reference
     backend plus a counting torch stand-in for FLA's kernel): it is used with every lever on, not
     under ``layer_full_rank.fused_norm_off``, and used again after it; outputs agree."""
-    import types
+    from dataclasses import replace
 
     import torch.nn.functional as F
 
-    import gdn_cp.megatron.gdn as glue
+    import gdn_cp.megatron.layer as glue
     from benchmarks import layer_full_rank as lfr
     from gdn_cp.ops import get_backend
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
@@ -200,9 +200,7 @@ def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
         xf = x.float()
         return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * weight.float() * F.silu(z.float())).to(x.dtype)
 
-    backend = types.ModuleType("fused_norm_backend")
-    backend.__dict__.update({k: v for k, v in vars(get_backend("reference")).items() if not k.startswith("__")})
-    backend.fused_gated_rms_norm = lambda: fused
+    backend = replace(get_backend("reference"), fused_gated_rms_norm=lambda: fused)
     saved = glue.choose_backend
     glue.choose_backend = lambda settings, layer, device: backend
     try:

@@ -1,8 +1,9 @@
 """The package keeps its layer order: every import of gdn_cp goes to the importer's layer or below
 (layout -> comm -> ops -> modes -> megatron -> cli; checks and env at the bottom; the patch tool above
-megatron and below the command line, so nothing on the forward path imports it), and nothing in it
-imports the test machinery (gdn_cp_testing, tests, benchmarks), which is not shipped. Read from the
-source (function-level imports included), so it costs no import."""
+megatron and below the command line, so nothing on the forward path imports it), nothing in it
+imports the test machinery (gdn_cp_testing, tests, benchmarks), which is not shipped, and only comm/
+calls torch.distributed (``gdn-cp run``'s launcher, which starts the process groups, excepted). Read
+from the source (function-level imports included), so it costs no import."""
 
 from __future__ import annotations
 
@@ -58,3 +59,19 @@ def test_the_order_names_every_part_of_the_package():
     parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
              if p.name not in ("__init__.py", "__pycache__") and (p.is_dir() or p.suffix == ".py")}
     assert parts == set(ORDER)
+
+
+DISTRIBUTED_ALLOWED = ("gdn_cp/comm/", "gdn_cp/cli/launch.py")
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_comm_calls_torch_distributed(path):
+    rel = path.relative_to(ROOT).as_posix()
+    if rel.startswith(DISTRIBUTED_ALLOWED):
+        return
+    tree = ast.parse(path.read_text())
+    found = [m for m in _imports(path) if m == "torch.distributed" or m.startswith("torch.distributed.")]
+    found += [f"line {n.lineno}: torch.distributed.{n.attr}" for n in ast.walk(tree)
+              if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "distributed"
+              and isinstance(n.value.value, ast.Name) and n.value.value.id == "torch"]
+    assert not found, f"{rel} calls torch.distributed outside gdn_cp/comm/: {found}; add what it needs to gdn_cp.comm"

@@ -94,21 +94,24 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
     from gdn_cp.layout import validate_cu_seqlens
     from gdn_cp.layout.plan import RouteCache, plan_for_sbhd
     from gdn_cp import patch
-    from gdn_cp.megatron import gdn
-    from gdn_cp.megatron.config import check_linear_cp_mode, configure_linear_cp_mode, resolve_linear_cp_mode
+    from gdn_cp.megatron import call, gdn
+    from gdn_cp.megatron.config import configure_linear_cp_mode, resolve_linear_cp_mode
+    from gdn_cp.megatron.rules import check_linear_cp_mode
     from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split
     from gdn_cp.modes import GDNShape, Settings, gdn_core
     from gdn_cp.modes.swap import choose_swap_point
-    from gdn_cp.ops import reference
+    from gdn_cp.ops import get_backend
     from gdn_cp.ops.gates import check_log_decay
     from gdn_cp_testing.stand_ins import StandInGroup, stand_in_gdn
+
+    reference = get_backend("reference")
 
     shape = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
     config = types.SimpleNamespace(linear_cp_mode="headwise", linear_num_key_heads=4, linear_num_value_heads=6,
                                    tensor_model_parallel_size=1, context_parallel_size=1,
                                    experimental_attention_variant="gated_delta_net")
     tp_group, cp_group = StandInGroup(2), StandInGroup(4)
-    monkeypatch.setattr(gdn, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
+    monkeypatch.setattr(call, "group_ranks", lambda group: (0, 1) if group is tp_group else (0, 1, 2, 3))
 
     from gdn_cp.megatron.document_padding import pad_and_cut
 
@@ -291,10 +294,16 @@ def _readme_commands() -> list[list[str]]:
     return found
 
 
-def test_every_gdn_cp_command_in_the_readme_parses(capsys):
+def test_every_gdn_cp_command_in_the_readme_parses(capsys, tmp_path, monkeypatch):
     commands = _readme_commands()
     assert len(commands) > 10 and ["run"] in commands
     parser = build_parser()
+    monkeypatch.chdir(tmp_path)  # the paths the commands name exist where a user runs them (a PATH must exist)
+    for argv in commands:
+        if argv[:1] == ["patch"] and "/nope" not in argv:
+            for word in argv[2:]:
+                if not word.startswith("-") and word not in ("patched", "pristine"):
+                    (tmp_path / word).mkdir(exist_ok=True)
     for argv in commands:
         if "/nope" in argv:  # the exit-status examples: said to exit 2, checked below
             continue
@@ -382,7 +391,39 @@ def test_install_deps_refuses_outside_a_virtual_environment(tmp_path, where, exp
     if where == "base":
         assert r.stderr.count("\n") == 1 and "is not a virtual environment" in r.stderr and "--any-env" in r.stderr
     else:  # issue #32: a minute of silence; one progress line per step, the first before its install
-        assert re.fullmatch(r"tests/install_deps.sh: \[1/4\] torch 2\.13\.0, gdn-cp .+ \(\d+ s so far\)\n", r.stdout), r.stdout
+        assert re.fullmatch(r"tests/install_deps.sh: \[1/4\] torch 2\.13\.0 from the configured index .+ gdn-cp .+ "
+                            r"\(\d+ s so far\)\n", r.stdout), r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--cpu-torch", None])
+def test_install_deps_takes_torchs_cpu_build_where_asked(tmp_path, flag):
+    """Issue #41: on Python 3.12 the script pinned torch==2.13.0 from the default index, on Linux PyPI's CUDA
+    build (a 4.8 GB environment on a machine without a GPU), with no way to ask for the CPU one. With
+    --cpu-torch (the README's test command names it) torch comes from PyTorch's CPU index first, alone
+    (that index has no pytest); the rest then keeps it. A stand-in Python answers the script's checks (no
+    torch installed yet) and records each pip call instead of running it."""
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.system() != "Linux":
+        pytest.skip("the CPU index is taken on Linux, where PyPI's torch is a CUDA build")
+    assert "--cpu-torch" in _one_line(README[README.index("## The two commands"):README.index("## Install and patch")])
+    calls = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then case "$2" in *find_spec*) echo none; exit 0;; esac; '
+                    f'exec "{sys.executable}" "$@"; fi\necho "$*" >> "{calls}"\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(ROOT / "tests" / "install_deps.sh"), *([flag] if flag else [])], capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHON": str(fake)})
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    pips = [line.split() for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
+    cpu = ["-m", "pip", "install", "-q", "torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
+    rest = ["-m", "pip", "install", "-q", "torch==2.13.0", "-e", ".[test]", "packaging>=24.2", "numpy"]
+    assert pips[:2] == ([cpu, rest] if flag else [rest, pips[1]]), pips
+    assert not flag and not any("--index-url" in p for p in pips) or flag
+    assert "tests/install_deps.sh: installed torch none build" in r.stdout  # says which build (none: the stand-in)
 
 
 def test_the_training_curve_table_is_its_result_file_and_names_the_machine():
@@ -472,7 +513,13 @@ def test_the_training_figures_are_the_result_files():
 # ------------------------------------------------------------------------------------------
 def test_the_docs_list_every_flag_the_patch_adds_with_its_values_and_default():
     """Issue #32: `--linear-cp-mode` could not be found with `--help`; each ``linear_cp_*`` field of the
-    patched TransformerConfig is a row of docs/megatron.md's flag table, with its values and default."""
+    patched TransformerConfig is a row of docs/megatron.md's flag table, with its values (gdn-cp's
+    registries': the patch names none) and default."""
+    from gdn_cp.layout.boundaries import THD_SPLITS
+    from gdn_cp.modes.spec import MODE_CHOICES
+    from gdn_cp.ops.registry import BACKEND_CHOICES
+
+    choices = {"linear_cp_mode": MODE_CHOICES, "linear_cp_backend": BACKEND_CHOICES, "linear_cp_thd_split": THD_SPLITS}
     text = next((patch_dir() / t.patch).read_text() for t in load_manifest().files if t.target.endswith(
         "transformer_config.py"))
     fields = re.findall(r"^\+    (linear_cp_\w+): (.*) = (\S+)$", text, re.M)
@@ -483,8 +530,9 @@ def test_the_docs_list_every_flag_the_patch_adds_with_its_values_and_default():
     assert sorted(rows) == sorted("--" + name.replace("_", "-") for name, _, _ in fields), rows
     for name, annotation, default in fields:
         row = rows["--" + name.replace("_", "-")]
-        values = re.findall(r'"(\w+)"', annotation)
-        assert f"| {', '.join(f'`{v}`' for v in values)} |" in row, (row, values)
+        assert "Literal" not in annotation, annotation  # the patch knows no registry
+        values = row.split("|")[2]
+        assert sorted(re.findall(r"`(\w+)`", values)) == sorted(choices[name]), (row, choices[name])
         assert (f"| `{default.strip(chr(34))}` |" in row) if default != "None" else "| none" in row, (row, default)
 
 
@@ -547,7 +595,7 @@ def test_each_result_file_has_the_machine_and_versions_the_docs_say_it_has():
 
 
 def test_every_gdn_cp_name_the_docs_and_results_give_exists():
-    """Dotted names (``gdn_cp.cli.job_data.packed_boundaries``) in the pages and in the result files
+    """Dotted names (``gdn_cp.layout.packings.packed_boundaries``) in the pages and in the result files
     import (issue #32: route_build.json named gdn_cp.demo.packed_boundaries, moved since)."""
     import importlib
 
@@ -571,3 +619,99 @@ def test_every_gdn_cp_name_the_docs_and_results_give_exists():
         else:
             missing.append(name)
     assert missing == [], missing
+
+
+def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
+    """README's "per rank" figures (issue #41: said without how they were taken): the TE-spec rows of
+    benchmarks/results/layer_full_cp1.json, a CP=1 process on each rank's slice of a CP=2 split."""
+    import json
+
+    rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_cp1.json").read_text())
+            if r.get("spec") == "te" and r["T"] == 32768 and r["status"] == "ok"]
+    assert rows and {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
+
+    def row(case, rank, norm):
+        (found,) = [r for r in rows if r["case"] == case and r["slice_rank"] == rank and r["norm_path"].startswith(norm)]
+        return found
+
+    ratios = [row("patched_slice", k, "fused")["median_ms"] / row("stock_slice", k, "stock")["median_ms"]
+              for k in (0, 1)]
+    memory = {round(row("patched_slice", k, "fused")["peak_gib"] / row("stock_slice", k, "stock")["peak_gib"], 3)
+              for k in (0, 1)}
+    unfused = {round(row("patched_slice", k, "unfused")["median_ms"] / row("patched_slice", k, "fused")["median_ms"], 2)
+               for k in (0, 1)}
+    text = _one_line(README)
+    span = f"{min(ratios):.3f}-{max(ratios):.3f}x"
+    assert f"**Per rank, with Megatron's TransformerEngine spec**: {span} of stock's time at 32K tokens" in text
+    assert f"| {span} stock's time, {memory.pop():.3f}x its peak memory; {unfused.pop():.2f}x slower with gdn-cp's " \
+           "fused gated norm off |" in text and not memory and not unfused
+    assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
+            "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
+
+
+def test_the_package_says_what_it_is():
+    """Issue #41: no LICENSE although pyproject declares Apache-2.0, no CHANGELOG. The LICENSE is the
+    Apache License 2.0's text, the CHANGELOG's newest release is gdn_cp.__version__, and the torch floor
+    pyproject declares is the one the docs give (megatron-core 0.19.2's)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0"
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text and len(license_text) > 10000  # the whole text
+    releases = re.findall(r"^## (\d+\.\d+\.\d+)\b", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == gdn_cp.__version__, releases
+    (torch,) = [d for d in project["dependencies"] if d.startswith("torch")]
+    floor = torch.split(">=")[1]
+    for name in ("README.md", "docs/megatron.md"):
+        assert f"pip keeps any torch >= {floor}" in _one_line(DOCS[name]), name
+
+
+def test_the_sync_and_route_build_figures_are_their_result_files():
+    """README's "0 in every mode (stock: 5 in the forward)" and "Stock makes 5 per forward" are
+    benchmarks/results/syncs.json; "0.108 ms against stock's per-token 23.2 ms" (T=1M, 64 sequences,
+    cp=8) is route_build.json's plan + index and per-token times (issue #41: every figure from a file)."""
+    import json
+
+    syncs = json.loads((ROOT / "benchmarks" / "results" / "syncs.json").read_text())["cp"]
+    ours = {n for per_cp in syncs.values() for mode, c in per_cp.items() if not mode.startswith("stock")
+            for n in (c["forward"], c["backward"])}
+    stock = {per_cp["stock headwise"]["forward"] for per_cp in syncs.values() if "stock headwise" in per_cp}
+    assert ours == {0} and len(stock) == 1, (ours, stock)
+    text = _one_line(README)
+    assert f"| 0 in every mode (stock: {stock.pop()} in the forward) |" in text
+    assert f"Stock makes {max(per_cp['stock headwise']['forward'] for per_cp in syncs.values())} per forward" in text
+    build = json.loads((ROOT / "benchmarks" / "results" / "route_build.json").read_text())["results"]
+    (row,) = [r for r in build if (r["T_global"], r["num_sequences"], r["cp"]) == (1 << 20, 64, 8)]
+    assert (f"| route build, T=1M, 64 sequences, cp=8 | {row['plan_index_ms']:.3f} ms against stock's per-token "
+            f"{row['per_token_ms']:.1f} ms |") in text
+
+
+def test_the_fla060_per_rank_figure_is_its_result_file():
+    """README's "0.852-0.872x stock's time on the same stack at 32K" (local modules, FLA 0.6): gdn-cp over
+    stock on the same rows, whole (CP=1) and each rank's slice, in layer_full_cp1_fla060.json."""
+    import json
+
+    rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_cp1_fla060.json").read_text())
+            if r["T"] == 32768 and r["status"] == "ok"]
+    ms = {(r["case"].split("_")[0], r["case"].split("_")[1], r.get("slice_rank")): r["median_ms"] for r in rows}
+    ratios = [ms[("patched", kind, rank)] / ms[("stock", kind, rank)]
+              for kind, rank in (("cp1", None), ("slice", 0), ("slice", 1))]
+    assert (f"| per rank, local modules, FLA 0.6 | {min(ratios):.3f}-{max(ratios):.3f}x stock's time on the same "
+            "stack at 32K |") in _one_line(README)
+
+
+def test_the_pad_cost_figures_are_their_result_file():
+    """docs/megatron.md's pad shares at CP=8 and 32K tokens a row (TP 1) per document mix, and README's
+    "0.1-4.2% more tokens at CP=8" (their range), are benchmarks/results/pad_cost.json's."""
+    import json
+
+    rows = json.loads((ROOT / "benchmarks" / "results" / "pad_cost.json").read_text())["rows"]
+    share = {r["mix"]: 100 * r["pad_fraction"] for r in rows if (r["cp"], r["seq"], r["tp_sp"]) == (8, 32768, 1)}
+    assert set(share) == {"mock", "web", "short", "long"}, share
+    doc = _one_line(MEGATRON_DOC)
+    assert (f"at CP=8 and 32K tokens a row, {share['mock']:.2f}% of the tokens for Megatron-LM's mock data" in doc
+            and f"{share['web']:.2f}% for a web-like mix" in doc and f"{share['short']:.1f}% for short documents"
+            in doc and f"{share['long']:.1f}% for long ones" in doc), share
+    assert f"costs {min(share.values()):.1f}-{max(share.values()):.1f}% more tokens at CP=8" in _one_line(README)

@@ -10,10 +10,11 @@ silent join or drop. Each type raises ``argparse.ArgumentTypeError``, so argpars
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Callable, Optional
 
-__all__ = ["comma_items", "int_list", "int_range", "parse_int"]
+__all__ = ["comma_items", "existing_path", "int_list", "int_range", "parse_int"]
 
 _INT = re.compile(r"-?[0-9]+")
 
@@ -73,3 +74,13 @@ def int_list(low: Optional[int] = None, *, count: Optional[int] = None, unique: 
 
     parse.__name__ = "list"
     return parse
+
+
+def existing_path(text: str) -> str:
+    """An argparse type: a path that exists (``~`` expanded), for the flags and arguments that name where
+    megatron-core is; what it is inside is the command's to check."""
+    if not os.path.exists(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text} does not exist; pass a Megatron-LM checkout, a site-packages "
+                                         "folder holding megatron-core or the megatron package folder (or leave it "
+                                         "out: the megatron-core this Python imports)")
+    return text

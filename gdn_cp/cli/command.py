@@ -19,7 +19,7 @@ from .. import __version__, env
 from ..checks import MAX_CP_SIZE, MAX_TP_SIZE
 from ..megatron.pins import PINS
 from ..modes.spec import MODE_NAMES
-from .args import int_list, int_range
+from .args import existing_path, int_list, int_range
 from .output import EXIT_STATUS, EXIT_USAGE, CommandError, exit_epilog, print_error
 from .patch import add_patch_commands
 from .route import add_route_command
@@ -34,17 +34,15 @@ _DESCRIPTION = (f"gdn-cp: context parallelism ({', '.join(MODE_NAMES)}) for Gate
                 f"Megatron-Core {', '.join(PINS)}.")
 
 _EPILOG = f"""\
-`gdn-cp COMMAND --help` describes each command. -v (log at DEBUG level) goes before or after COMMAND.
+`gdn-cp COMMAND --help` describes each command. -v (also print the DEBUG log: run's ranks' too) and -q (only
+warnings of the log; run: only the failures and the verdict) go before or after COMMAND.
 
 {textwrap.fill(EXIT_STATUS, width=100)}
 """
 
 
-def _existing_path(text: str) -> str:
-    if not os.path.exists(os.path.expanduser(text)):
-        raise argparse.ArgumentTypeError(f"{text} does not exist; pass a Megatron-LM checkout, a site-packages "
-                                         "folder or the megatron package folder")
-    return text
+_VERBOSE_HELP = "also print the DEBUG log (gdn-cp run: every rank's THD cut, route, mode and backend)"
+_QUIET_HELP = "print only warnings of the log (gdn-cp run: only the failures and the verdict)"
 
 
 def _cmd_doctor(args) -> int:
@@ -52,7 +50,7 @@ def _cmd_doctor(args) -> int:
 
     heads = None if args.heads is None else tuple(args.heads)
     try:
-        return run_doctor(heads=heads, tp=args.tp, cp=args.cp, path=args.path)
+        return run_doctor(heads=heads, tp=args.tp, cp=args.cp, path=args.path, as_json=args.json)
     except ValueError as err:
         raise CommandError(str(err)) from None
 
@@ -67,7 +65,7 @@ def _add_doctor_command(sub, parents) -> None:
     p = sub.add_parser(
         "doctor", parents=parents, help="versions, patch state, GPUs, and which linear_cp_mode fits a head shape",
         description="Report gdn-cp / torch / megatron-core / FLA / Triton versions, GPUs, the GDN_CP_* environment "
-        "variables, the patch state of the importable megatron-core (or of --path), and, for --heads K,V "
+        "variables set (and who reads each: gdn-cp, a clone's tests or benchmarks, or nothing), the patch state of the importable megatron-core (or of --path), and, for --heads K,V "
         "(with --tp and --cp), which linear_cp_mode values are legal and what auto resolves to, with reasons. "
         "Runs without torch (and says so).",
         epilog=exit_epilog("the megatron-core files are partially patched, modified or missing, or no mode is "
@@ -78,8 +76,9 @@ def _add_doctor_command(sub, parents) -> None:
                    default=None, help=f"tensor-parallel size for --heads, in [1, {MAX_TP_SIZE}] (default 1)")
     p.add_argument("--cp", type=int_range(1, MAX_CP_SIZE, high_why=" (the largest CP group gdn-cp plans for)"),
                    default=None, help=f"context-parallel size for --heads, in [1, {MAX_CP_SIZE}] (default 1)")
-    p.add_argument("--path", type=_existing_path, default=None,
+    p.add_argument("--path", type=existing_path, default=None,
                    help="Megatron-LM checkout or site-packages (default: the importable megatron)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object (with its problems)")
     p.set_defaults(func=_cmd_doctor)
 
 
@@ -112,11 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="gdn-cp", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=f"gdn-cp {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
-    # the same -v on every command; SUPPRESS keeps a command's parser from resetting one given before it
+    parser.add_argument("-V", "--version", action="version", version=f"gdn-cp {__version__}",
+                        help="print gdn-cp's version and exit")
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
+    parser.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
+    # the same -v / -q on every command; SUPPRESS keeps a command's parser from resetting one given before it
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at DEBUG level")
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=_QUIET_HELP)
     parents = [common]
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
@@ -160,7 +162,12 @@ def _main(argv: list[str] | None) -> int:
         print_error(getattr(args, "prog", "gdn-cp"), f"unrecognized arguments: {' '.join(unknown)}; usage: "
                     f"{getattr(args, 'prog', 'gdn-cp')} --help")
         return EXIT_USAGE
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose and args.quiet:
+        print_error(getattr(args, "prog", "gdn-cp"), "-v and -q contradict each other: give one; usage: "
+                    f"{getattr(args, 'prog', 'gdn-cp')} --help")
+        return EXIT_USAGE
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         commands = ", ".join(parser._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
         print_error("gdn-cp", f"name a COMMAND ({commands}); usage: gdn-cp --help")

@@ -11,17 +11,18 @@ whether each is legal and what ``auto`` picks, with reasons.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Callable, Optional
 
 from .. import __version__, env, patch
 from ..megatron.config import AUTO, explain_linear_cp_modes
-from ..megatron.pins import PINS
-from .versions import dist_version
+from ..megatron.pins import PINS, get_pin
+from ..ops.installed import dist_version
 
-__all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "fla_stack_verdict",
-           "flashqla_verdict", "run_doctor"]
+__all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "environment_report",
+           "fla_stack_verdict", "flashqla_verdict", "problems", "run_doctor"]
 
 TESTED_FLA_STACKS = {
     "fla": ("0.6.0", "3.7.1"),
@@ -63,17 +64,14 @@ def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:
             "check it with `gdn-cp selftest --gpu` on the GPU machine")
 
 
-MEGATRON_PYTHON = (3, 12)
-"""The oldest Python megatron-core 0.19.2 installs on (its Requires-Python; its wheels are for 3.12)."""
-
-
 def python_verdict(version: tuple) -> str:
-    """This Python's version, and on one older than megatron-core's floor, what that means."""
+    """This Python's version, and on one older than the pinned megatron-core's floor, what that means."""
     text = ".".join(map(str, version))
-    if tuple(version[:2]) >= MEGATRON_PYTHON:
+    pin = get_pin()
+    if tuple(version[:2]) >= pin.python_floor:
         return text
-    floor = ".".join(map(str, MEGATRON_PYTHON))
-    return (f"{text} (megatron-core 0.19.2 declares Python >= {floor}: pip refuses it here; use a {floor} "
+    floor = ".".join(map(str, pin.python_floor))
+    return (f"{text} (megatron-core {pin.version} declares Python >= {floor}: pip refuses it here; use a {floor} "
             f"environment, or install its sources as docs/megatron.md says for 3.11)")
 
 
@@ -115,6 +113,25 @@ def _gpus() -> tuple[list[str], Optional[str]]:
     if not torch.cuda.is_available():
         return [], None
     return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], None
+
+
+_READERS = {
+    "gdn_cp": "gdn-cp's setting",
+    "tests": "the tests' (a clone's test suite reads it; gdn-cp does not)",
+    "benchmarks": "the benchmarks' (a clone's benchmarks/gpu_suite.sh reads it; gdn-cp does not)",
+}
+
+
+def environment_report(environ=None) -> list[dict]:
+    """Every ``GDN_CP_*`` variable set: its value and who reads it (:func:`gdn_cp.env.who_reads`), with a
+    note saying what that means (a name nothing reads: unset it)."""
+    environ = os.environ if environ is None else environ
+    rows = []
+    for name in env.set_names(environ):
+        reader = env.who_reads(name)
+        note = _READERS.get(reader) or "read by nothing: unset it (gdn-cp's settings: `python3 -m gdn_cp.env`)"
+        rows.append({"name": name, "value": environ[name], "read_by": reader, "note": note})
+    return rows
 
 
 def check_doctor_args(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, path=None):
@@ -162,12 +179,13 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
         "gpu_note": gpu_note,
         "fla_stack_verdict": fla_stack_verdict(dist_version("fla-core", "flash-linear-attention"),
                                                dist_version("triton")),
-        "environment": {n: os.environ[n] for n in sorted(os.environ) if n.startswith(env.PREFIX)},
+        "environment": environment_report(),
     }
     report["flashqla_verdict"] = flashqla_verdict(report["versions"]["flash-qla"], report["versions"]["tilelang"])
     if report["gpus"]:  # FLA's and FlashQLA's kernels import only with CUDA: probing them on a CPU machine says nothing
-        from ..ops.fla import FLA_COLLECTIVE_BACKENDS, stack_report
-        from ..ops.flashqla import stack_report as flashqla_stack_report
+        from ..ops.fla.detect import stack_report
+        from ..ops.fla.native_cp import FLA_COLLECTIVE_BACKENDS
+        from ..ops.flashqla.detect import stack_report as flashqla_stack_report
         from ..ops.registry import resolve_backend
 
         report["fla_stack"] = stack_report()
@@ -192,18 +210,40 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
     return report
 
 
+def problems(report: dict) -> list[str]:
+    """What makes the doctor exit 1: the patch in a foreign or partial state, no mode legal for the heads."""
+    found = []
+    patch_state = report["patch"]
+    if patch_state["state"] not in ("pristine", "patched", "unavailable"):
+        found.append(f"megatron-core at {patch_state['root']}: {patch_state['meaning']}")
+    if "modes" in report and not report["modes"][AUTO]["legal"]:
+        found.append("no linear_cp_mode is legal for these heads")
+    return found
+
+
 def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, path=None,
-               echo: Callable[[str], None] = print) -> int:
-    """Print the report; return 0 when all is well, 1 when the patch is in a foreign or partial state
-    or no mode is legal for ``heads``. Bad arguments: ValueError before anything is printed."""
+               echo: Callable[[str], None] = print, as_json: bool = False) -> int:
+    """Print the report (``as_json``: one JSON object, with ``problems``); return 0 when all is well, 1
+    when the patch is in a foreign or partial state or no mode is legal for ``heads``. Bad arguments:
+    ValueError before anything is printed."""
     report = collect_report(heads, tp, cp, path)
+    found = problems(report)
+    if as_json:
+        echo(json.dumps({**report, "problems": found}, indent=2, default=str))
+        return 1 if found else 0
     echo("versions:")
     for name, version in report["versions"].items():
         echo(f"  {name:<24} {version}")
     gpus = ", ".join(report["gpus"]) or report["gpu_note"] or "none (CPU: reference backend, gloo)"
     echo(f"GPUs: {gpus}")
-    settings = report["environment"]
-    echo("environment: " + (", ".join(f"{k}={v}" for k, v in settings.items()) or f"no {env.PREFIX}* variable set"))
+    variables = report["environment"]
+    if not variables:
+        echo(f"environment: no {env.PREFIX}* variable set")
+    else:
+        echo(f"environment ({env.PREFIX}* variables set, and who reads them):")
+        width = max(len(f"{v['name']}={v['value']}") for v in variables)
+        for v in variables:
+            echo(f"  {v['name'] + '=' + v['value']:<{width}}  {v['note']}")
     if "fla_stack" in report:
         stack = report["fla_stack"]
         echo(f"FLA stack: {stack['stack']} (what the FLA backend uses of it, chosen once per process and logged):")
@@ -239,11 +279,6 @@ def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, p
                 echo(f"  {mode:<10} {'legal  ' if info['legal'] else 'ILLEGAL'}  {info['reason']}")
         auto = report["modes"][AUTO]
         echo(f"  {AUTO:<10} -> {auto['resolved'] or 'nothing legal'}: {auto['reason']}")
-    problems = []
-    if patch["state"] not in ("pristine", "patched", "unavailable"):
-        problems.append(f"megatron-core at {patch['root']}: {patch['meaning']}")
-    if "modes" in report and not report["modes"][AUTO]["legal"]:
-        problems.append("no linear_cp_mode is legal for these heads")
-    for problem in problems:
+    for problem in found:
         echo(f"problem: {problem}")
-    return 1 if problems else 0
+    return 1 if found else 0

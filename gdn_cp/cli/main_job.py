@@ -9,7 +9,9 @@ on every rank:
 2. runs every mode's core forward + backward on that micro-batch and compares the output, the
    input gradients and the conv gradients (summed over ranks) with CP=1 on the same inputs.
 
-Each cp block is printed as soon as it finishes. Modes that cannot run at a CP size (headwise when
+Each line is printed as soon as every rank is done with its part (the ranks send each part as they
+finish it: the routes, the CP=1 reference, then one line per mode), and on a terminal a progress
+bar counts the steps (:mod:`gdn_cp.cli.progress`). Modes that cannot run at a CP size (headwise when
 the heads do not divide cp) are not started: they are listed as skipped, with the reason; a mode
 asked for by name (``--modes``) that cannot run at one of the CP sizes is refused by
 :func:`check_job`, before anything is spawned. The job passes when every check of everything that
@@ -19,7 +21,6 @@ ran passed.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -27,15 +28,17 @@ from typing import Callable, Optional
 import torch
 
 from ..checks import as_int
+from ..comm import nccl_available
+from ..layout.packings import packed_boundaries
 from ..modes import GDNShape
+from ..modes.inputs import core_inputs, core_leaves
 from ..modes.spec import MODE_NAMES, get_mode, head_problem
+from ..ops.accuracy import cp_vs_cp1_tolerance, max_rel
 from ..ops.registry import BACKEND_NAMES, ORACLE, BACKENDS, backend_spec, choose_backend_name, get_backend
-from .accuracy import cp_vs_cp1_tolerance, max_rel
-from .job_data import core_inputs, core_leaves, packed_boundaries
 from .launch import RankError, run_ranks
 from .output import count
 
-__all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "estimate_rank_bytes", "run_job"]
+__all__ = ["DTYPES", "JobConfig", "JobResult", "auto_config", "check_job", "estimate_rank_bytes", "job_steps", "run_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ def auto_config(**overrides) -> JobConfig:
                                                 dtype=cfg.dtype)
     if "dist_backend" not in overrides:
         enough = torch.cuda.device_count() >= max(cfg.cp_sizes, default=1)
-        choice["dist_backend"] = "nccl" if enough and torch.distributed.is_nccl_available() else "gloo"
+        choice["dist_backend"] = "nccl" if enough and nccl_available() else "gloo"
     logger.info("CUDA found (%d GPU(s)): %s", torch.cuda.device_count(), choice)
     return JobConfig(**{**cfg.__dict__, **choice})
 
@@ -120,7 +123,7 @@ def check_job(cfg: JobConfig) -> None:
     if cfg.dist_backend == "nccl":
         if cfg.device != "cuda":
             raise ValueError("--dist-backend nccl needs --device cuda; use --dist-backend gloo on the CPU")
-        if not torch.distributed.is_nccl_available():
+        if not nccl_available():
             raise ValueError(f"--dist-backend nccl: this torch {torch.__version__} has no NCCL; "
                              "use --dist-backend gloo")
         gpus, need = torch.cuda.device_count(), max(cfg.cp_sizes)
@@ -193,22 +196,18 @@ def _check_memory(cfg: JobConfig) -> None:
 def _check_what_every_rank_checks(cfg: JobConfig) -> None:
     """What every rank would refuse on its own, said here once, before anything is spawned (a
     refusal inside the ranks is one traceback per rank and exit status 1): the backend's head dims
-    (its ``check_head_dims``), and the chunkwise halo/state path the setting asks for (``native``:
+    and dtypes (its spec's), and the chunkwise halo/state path the setting asks for (``native``:
     the backend's cp context, which the reference backend does not have; the rows per rank that
     context needs: its ``check_native_rows``)."""
-    shape = cfg.shape
-    check_head_dims = getattr(get_backend(cfg.backend), "check_head_dims", None)
-    if check_head_dims is not None:
-        try:
-            check_head_dims(shape.head_k_dim, shape.head_v_dim)
-        except ValueError as err:
-            raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
-    check_core = getattr(get_backend(cfg.backend), "check_core", None)  # the dtypes its kernels take
-    if check_core is not None:
-        try:
-            check_core(shape, getattr(torch, cfg.dtype))
-        except ValueError as err:
-            raise ValueError(f"--backend {cfg.backend} --dtype {cfg.dtype}: {err}") from None
+    shape, spec = cfg.shape, backend_spec(cfg.backend)
+    try:
+        spec.check_head_dims(shape.head_k_dim, shape.head_v_dim)
+    except ValueError as err:
+        raise ValueError(f"--backend {cfg.backend} --head-dim {shape.head_k_dim}: {err}") from None
+    try:
+        spec.check_dtype(cfg.dtype)
+    except ValueError as err:
+        raise ValueError(f"--backend {cfg.backend} --dtype {cfg.dtype}: {err}") from None
     sizes = [cp for cp in cfg.cp_sizes
              if cp > 1 and "chunkwise" in cfg.modes_to_run and "chunkwise" not in _skips(cfg, cp)]
     if not sizes:
@@ -233,15 +232,14 @@ def _check_what_every_rank_checks(cfg: JobConfig) -> None:
 def _native_cp_context(cfg: JobConfig) -> tuple[bool, str]:
     """Whether the ranks' chunkwise would run the backend's native cp context (NCCL groups: one rank per
     GPU), and why not."""
-    problem = getattr(get_backend(cfg.backend), "native_cp_problem", None)
-    if problem is None:
+    if backend_spec(cfg.backend).native_cp is None:
         others = "; ".join(f"{s.title}'s needs --backend {s.name} on {s.native_cp}"
                            for s in BACKENDS.values() if s.native_cp is not None)
         return False, f"the {cfg.backend} backend has none ({others})"
     if cfg.dist_backend != "nccl":
         return False, (f"--dist-backend {cfg.dist_backend}: FLA's cp context runs on NCCL groups (one rank per GPU); "
                        "gloo ranks take gdn-cp's own exchange")
-    why = problem()
+    why = get_backend(cfg.backend).native_cp_problem()
     return why is None, why or ""
 
 
@@ -259,23 +257,13 @@ def _check_native_rows(cfg: JobConfig, cp: int) -> None:
 
 def _check_named_modes(cfg: JobConfig) -> None:
     """A mode named in ``--modes`` must run at every CP size with these heads (TP=1): said here,
-    before anything is spawned, instead of after the ranks of the sizes that can run it."""
-    if cfg.modes is None:
-        return
-    k, v = cfg.shape.num_k_heads, cfg.shape.num_v_heads
-    bad = [(mode, cp) for mode in cfg.modes for cp in cfg.cp_sizes
-           if head_problem(mode, num_key_heads=k, num_value_heads=v, tp=1, cp=cp) is not None]
-    if not bad:
-        return
-    mode, _ = bad[0]
-    sizes = [cp for m, cp in bad if m == mode]
-    need = math.lcm(*cfg.cp_sizes)
-    raise ValueError(
-        f"--modes {mode} cannot run at --cp {','.join(map(str, sizes))} with --heads {k},{v}: {mode} needs both "
-        f"head counts divisible by {get_mode(mode).divisor_text(1, sizes[0])}; pass --heads {need},{2 * need} "
-        f"(divisible by every --cp size), leave {mode} out of --modes (without --modes it is listed as skipped "
-        "where it cannot run), or use other --cp sizes"
-    )
+    before anything is spawned (:func:`gdn_cp.cli.run.named_modes_problem`, which ``gdn-cp run`` also
+    asks before torch is imported)."""
+    from .run import named_modes_problem
+
+    problem = named_modes_problem(cfg.modes, cfg.cp_sizes, cfg.shape.num_k_heads, cfg.shape.num_v_heads)
+    if problem:
+        raise ValueError(problem)
 
 
 # ------------------------------------------------------------------------------------------
@@ -287,15 +275,14 @@ def _sync(device: torch.device) -> None:
 
 
 def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
-    """One rank of a cp-sized run: round trip, CP=1 answer, then each mode. A JSON-able report."""
-    import torch.distributed as dist
-
-    from ..comm import all_gather_rows, route_all_to_all
+    """One rank of a cp-sized run: round trip, CP=1 answer, then each mode. Each part is sent to the
+    parent as it is done (``ctx.emit``: ``routes``, ``reference``, one ``mode`` each), so that its
+    line prints at once; the answer is what can only be said at the end."""
+    from ..comm import all_gather_rows, barrier, group_backend, route_all_to_all, world_group
     from ..layout import CONTIGUOUS, ZIGZAG, RouteCache
     from ..modes import CallContext, Settings, gdn_core, prepare_mode
 
-    rank, device, group = ctx.rank, ctx.device, dist.group.WORLD
-    report: dict = {"rank": rank}
+    rank, device, group = ctx.rank, ctx.device, world_group()
     t_global = cfg.tokens_per_rank * cp
     cu = packed_boundaries(cfg.num_sequences, t_global, cp, cfg.seed)
     cache = RouteCache()
@@ -303,13 +290,14 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
     t0 = time.perf_counter()
     plan = cache.plan(cu_t, cp, rank)
     z2c, c2z = plan.route(ZIGZAG, CONTIGUOUS), plan.route(CONTIGUOUS, ZIGZAG)
-    report["route_build_ms"] = (time.perf_counter() - t0) * 1e3
-    report["route_summary"] = z2c.summary() if rank == 0 else ""
-    report["cu"] = cu
+    build_ms = (time.perf_counter() - t0) * 1e3
+    logger.debug("cp=%d: THD cut %s (every packed sequence in 2*cp=%d zigzag parts), %d of %d rows here; %s",
+                 cp, plan.split, 2 * cp, plan.t_local, t_global, _leaving_text(z2c, rank))
     own = plan.natural_order().on(device)[2]  # the global rows this rank holds, in its (zigzag) order
     rows = own.to(torch.float64).unsqueeze(1)
     back = route_all_to_all(route_all_to_all(rows, z2c, c2z, group), c2z, z2c, group)
-    report["round_trip_exact"] = bool(torch.equal(back, rows))
+    ctx.emit({"kind": "routes", "cu": cu, "route_summary": z2c.summary() if rank == 0 else "",
+              "route_build_ms": build_ms, "round_trip_exact": bool(torch.equal(back, rows))})
 
     backend = get_backend(cfg.backend)
     data = core_inputs(t_global, cfg.shape, cfg.conv_width, getattr(torch, cfg.dtype), cfg.seed, device)
@@ -320,11 +308,17 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
                      shape=cfg.shape, mode="chunkwise", plan=cache.plan(cu, 1, 0), group=None, backend=backend)
     o_ref.backward(data["dout"])
     _sync(device)
-    report["cp1_s"] = time.perf_counter() - t0
-    per_mode = {}
+    reference = {"kind": "reference", "cp1_s": time.perf_counter() - t0}
+    if "chunkwise" in modes:
+        call = CallContext(settings=Settings.from_environment(mode="chunkwise"), shape=cfg.shape, plan=plan,
+                           group=group, backend=backend)
+        reference["chunkwise_path"] = f"{prepare_mode(call).path} ({group_backend(group)} group)"
+    ctx.emit(reference)
     for mode in modes:
+        logger.debug("cp=%d: %s mode on the %s backend (%s group, %s)", cp, mode, cfg.backend,
+                     group_backend(group), cfg.device)
         leaves = core_leaves(data, own)
-        dist.barrier(group)
+        barrier(group)
         _sync(device)
         t0 = time.perf_counter()
         o = gdn_core(leaves["qkv"], leaves["g"], leaves["beta"], leaves["conv_weight"], leaves["conv_bias"],
@@ -338,70 +332,134 @@ def _rank_job(ctx, cp: int, cfg: JobConfig, modes: tuple[str, ...]) -> dict:
         for k in ("conv_weight", "conv_bias"):  # replicated parameters: gradients sum over CP ranks
             total = all_gather_rows(leaves[k].grad.reshape(1, -1), group).sum(0)
             errs[k] = max_rel(total, full[k].grad.reshape(-1))
-        per_mode[mode] = {"errors": errs, "seconds": elapsed}
-    report["modes"] = per_mode
-    report["plan_hits_after_first"] = cache.plan(cu_t, cp, rank) is plan
-    if "chunkwise" in modes:
-        call = CallContext(settings=Settings.from_environment(mode="chunkwise"), shape=cfg.shape, plan=plan,
-                           group=group, backend=backend)
-        report["chunkwise_path"] = f"{prepare_mode(call).path} ({dist.get_backend(group)} group)"
-    return report
+        ctx.emit({"kind": "mode", "mode": mode, "errors": errs, "seconds": elapsed})
+    return {"plan_hits_after_first": cache.plan(cu_t, cp, rank) is plan}
+
+
+def _leaving_text(route, rank: int) -> str:
+    """``zigzag->contiguous sends 96 of 512 rows to 1 rank in 2 transfers`` (the route decision, logged)."""
+    out = [(peer, n) for peer, _g, n, _loc in route.send_transfers if peer != rank]
+    return (f"{route.source}->{route.target} sends {sum(n for _, n in out)} rows to "
+            f"{count(len({p for p, _ in out}), 'rank')} in {count(len(out), 'transfer')}")
 
 
 # ------------------------------------------------------------------------------------------
-# the parent: one cp size after the other, each block printed when it is done
+# the parent: one cp size after the other, each line printed when every rank has sent its part
 # ------------------------------------------------------------------------------------------
 @dataclass
 class JobResult:
     """What the job found. ``ok``: every check of what ran passed and nothing asked for by name was
-    skipped; ``skipped``: ``(cp, mode, reason)``; ``failures``: one line each."""
+    skipped; ``skipped``: ``(cp, mode, reason)``; ``failures``: one line each; ``runs``: one row per
+    (cp, mode) that ran (errors, seconds, ok); ``blocks``: per CP size, what its ranks said of the
+    routes and the CP=1 reference."""
 
     ok: bool = True
     ran: int = 0
     skipped: list[tuple[int, str, str]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    runs: list[dict] = field(default_factory=list)
+    blocks: dict[int, dict] = field(default_factory=dict)
+    tolerance: Optional[float] = None
 
     @property
     def exit_code(self) -> int:
         return 0 if self.ok else 1
 
+    @property
+    def verdict(self) -> str:
+        """``result: PASS...`` / ``result: FAIL...``: the line the run ends with."""
+        if not self.ok:
+            return f"result: FAIL ({count(len(self.failures), 'problem')} listed above)"
+        if self.skipped:
+            return (f"result: PASS: {count(self.ran, '(cp, mode) run')} that could run passed; "
+                    f"{len(self.skipped)} skipped (listed above)")
+        return f"result: PASS: {count(self.ran, '(cp, mode) run')} passed"
 
-def _print_block(cp: int, reports: list[dict], modes: tuple[str, ...], skipped: dict[str, str], tol: float,
-                 result: JobResult, echo: Callable[[str], None]) -> None:
-    r0 = reports[0]
-    lengths = [b - a for a, b in zip(r0["cu"][:-1], r0["cu"][1:])]
-    echo(f"packed micro-batch: {count(len(lengths), 'sequence')} (lengths {min(lengths)}..{max(lengths)}, "
-         f"{count(lengths.count(0), 'empty slot')}), T_global={r0['cu'][-1]}")
-    summary = r0["route_summary"].splitlines()
-    echo("\n".join(summary[:4]))
-    echo(f"  ... {count(max(0, len(summary) - 4), 'more send/recv transfer')}; route build "
-         f"{r0['route_build_ms']:.2f} ms")
-    exact = all(r["round_trip_exact"] for r in reports)
-    hits = all(r["plan_hits_after_first"] for r in reports)
-    echo(f"zigzag -> contiguous -> zigzag round trip bit-exact on all ranks: {exact}; cached plan reused: {hits}")
-    if not exact:
-        result.failures.append(f"cp={cp}: the zigzag -> contiguous -> zigzag round trip is not bit-exact")
-    if not hits:
-        result.failures.append(f"cp={cp}: the route cache did not reuse the plan")
-    echo(f"CP=1 reference forward+backward: {r0['cp1_s']:.3f} s")
-    if "chunkwise_path" in r0:
-        echo(f"halo/state exchange of chunkwise: {r0['chunkwise_path']} (native: the backend's cp context; "
-             "generic: gdn-cp's own)")
-    echo(f"{'mode':<11} " + " ".join(f"{h:>9}" for h in HEADERS) + f" {'time s':>8}  ok")
-    for mode in MODE_NAMES:
-        if mode in skipped:
-            echo(f"{mode:<11} skipped: {skipped[mode]}")
-        if mode not in modes:
-            continue
-        errs = {k: max(r["modes"][mode]["errors"][k] for r in reports) for k in COLUMNS}
-        secs = max(r["modes"][mode]["seconds"] for r in reports)
-        good = all(v <= tol for v in errs.values())  # NaN is never <= tol
-        result.ran += 1
+    def to_json(self, cfg: JobConfig) -> dict:
+        """The run as one JSON object (``gdn-cp run --json``)."""
+        config = {**cfg.__dict__, "shape": dict(cfg.shape.__dict__), "cp_sizes": list(cfg.cp_sizes),
+                  "modes": list(cfg.modes_to_run)}
+        return {"config": config, "tolerance": self.tolerance, "ok": self.ok, "verdict": self.verdict,
+                "runs": self.runs, "blocks": {str(cp): b for cp, b in self.blocks.items()},
+                "skipped": [{"cp": cp, "mode": mode, "reason": why} for cp, mode, why in self.skipped],
+                "failures": self.failures}
+
+
+class _Block:
+    """The report of one CP size, printed part by part as the ranks send them (``on_event``): a part
+    is printed once every rank has sent it, with the maximum over ranks."""
+
+    def __init__(self, cp: int, modes: tuple[str, ...], skipped: dict[str, str], tol: float, result: JobResult,
+                 say: Callable[[str], None], progress=None):
+        self.cp, self.modes, self.skipped, self.tol, self.result, self.say = cp, modes, skipped, tol, result, say
+        self.progress = progress
+        self._parts: dict[tuple, dict[int, dict]] = {}
+        self.info = result.blocks.setdefault(cp, {})
+
+    def on_event(self, rank: int, event: dict) -> None:
+        key = (event["kind"], event.get("mode"))
+        part = self._parts.setdefault(key, {})
+        part[rank] = event
+        if len(part) == self.cp:
+            getattr(self, f"_{event['kind']}")([part[r] for r in range(self.cp)])
+
+    def _routes(self, reports: list[dict]) -> None:
+        r0 = reports[0]
+        lengths = [b - a for a, b in zip(r0["cu"][:-1], r0["cu"][1:])]
+        self.say(f"packed micro-batch: {count(len(lengths), 'sequence')} (lengths {min(lengths)}..{max(lengths)}, "
+                 f"{count(lengths.count(0), 'empty slot')}), T_global={r0['cu'][-1]}")
+        summary = r0["route_summary"].splitlines()
+        self.say("\n".join(summary[:4]))
+        self.say(f"  ... {count(max(0, len(summary) - 4), 'more send/recv transfer')}; route build "
+                 f"{r0['route_build_ms']:.2f} ms")
+        exact = all(r["round_trip_exact"] for r in reports)
+        self.say(f"zigzag -> contiguous -> zigzag round trip bit-exact on all ranks: {exact}")
+        self.info.update(t_global=r0["cu"][-1], sequences=len(lengths), round_trip_exact=exact,
+                         route_build_ms=max(r["route_build_ms"] for r in reports))
+        if not exact:
+            self.result.failures.append(f"cp={self.cp}: the zigzag -> contiguous -> zigzag round trip is not bit-exact")
+
+    def _reference(self, reports: list[dict]) -> None:
+        r0 = reports[0]
+        cp1_s = max(r["cp1_s"] for r in reports)
+        self.info["cp1_s"] = cp1_s
+        self.say(f"CP=1 reference forward+backward: {cp1_s:.3f} s")
+        if "chunkwise_path" in r0:
+            self.info["chunkwise_path"] = r0["chunkwise_path"]
+            self.say(f"halo/state exchange of chunkwise: {r0['chunkwise_path']} (native: the backend's cp context; "
+                     "generic: gdn-cp's own)")
+        self.say(f"{'mode':<11} " + " ".join(f"{h:>9}" for h in HEADERS) + f" {'time s':>8}  ok")
+        for mode in MODE_NAMES:
+            if mode in self.skipped:
+                self.say(f"{mode:<11} skipped: {self.skipped[mode]}")
+        self._step(self.modes[0] if self.modes else "")
+
+    def _mode(self, reports: list[dict]) -> None:
+        mode = reports[0]["mode"]
+        errs = {k: max(r["errors"][k] for r in reports) for k in COLUMNS}
+        secs = max(r["seconds"] for r in reports)
+        good = all(v <= self.tol for v in errs.values())  # NaN is never <= tol
+        self.result.ran += 1
+        self.result.runs.append({"cp": self.cp, "mode": mode, "errors": errs, "seconds": secs, "ok": good})
         if not good:
-            bad = ", ".join(f"{k} {v:.1e}" for k, v in errs.items() if not v <= tol)
-            result.failures.append(f"cp={cp} {mode}: relative error over {tol:g}: {bad}")
+            bad = ", ".join(f"{k} {v:.1e}" for k, v in errs.items() if not v <= self.tol)
+            self.result.failures.append(f"cp={self.cp} {mode}: relative error over {self.tol:g}: {bad}")
         cols = " ".join(f"{errs[k]:>9.1e}" for k in COLUMNS)
-        echo(f"{mode:<11} {cols} {secs:>8.3f}  {'yes' if good else 'NO'}")
+        self.say(f"{mode:<11} {cols} {secs:>8.3f}  {'yes' if good else 'NO'}")
+        later = self.modes[self.modes.index(mode) + 1:]
+        self._step(later[0] if later else "")
+
+    def _step(self, next_mode: str) -> None:
+        if self.progress is not None:
+            self.progress.step(f"cp={self.cp} {next_mode}" if next_mode else "")
+
+    def finish(self, answers: list[dict]) -> None:
+        """What the ranks answered at the end: whether the route cache reused its plan."""
+        hits = all(a["plan_hits_after_first"] for a in answers)
+        self.info["plan_reused"] = hits
+        self.say(f"cached plan reused on every rank: {hits}")
+        if not hits:
+            self.result.failures.append(f"cp={self.cp}: the route cache did not reuse the plan")
 
 
 def _skips(cfg: JobConfig, cp: int) -> dict[str, str]:
@@ -415,40 +473,64 @@ def _skips(cfg: JobConfig, cp: int) -> dict[str, str]:
     return out
 
 
-def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[str], None] = print,
-            timeout_s: float = 900.0) -> JobResult:
-    """Run the job for every cp size (see the module docstring); print as it goes; return the result.
+def job_steps(cfg: JobConfig) -> int:
+    """How many steps the job's progress counts: per CP size, its CP=1 reference and each mode that runs."""
+    return sum(1 + len([m for m in cfg.modes_to_run if m not in _skips(cfg, cp)]) for cp in cfg.cp_sizes)
 
-    Raises ValueError (:func:`check_job`) before spawning anything when the job cannot run here.
+
+def run_job(cfg: JobConfig, tolerance: Optional[float] = None, echo: Callable[[str], None] = print,
+            timeout_s: float = 900.0, *, verdict_only: bool = False, progress=None,
+            rank_log_level: Optional[int] = None) -> JobResult:
+    """Run the job for every cp size (see the module docstring); print as it goes (each mode's line as
+    soon as its ranks are done with it); return the result.
+
+    ``verdict_only``: print only the failures and the verdict. ``progress``: a
+    :class:`gdn_cp.cli.progress.Progress` to print through and count steps on (its bar). ``rank_log_level``:
+    the ranks' log records at this level and above reach this process's loggers (DEBUG: each rank's
+    THD cut, route, mode and backend, and the library's own records). Raises ValueError
+    (:func:`check_job`) before spawning anything when the job cannot run here.
     """
     check_job(cfg)
     tol = cp_vs_cp1_tolerance(cfg.dtype, cfg.backend) if tolerance is None else tolerance
-    result = JobResult()
+    result = JobResult(tolerance=tol)
+    write = echo if progress is None else progress.line
+    say = (lambda line: None) if verdict_only else write
     shape = cfg.shape
-    echo(f"gdn-cp run: CP sizes {','.join(map(str, cfg.cp_sizes))}; modes {', '.join(cfg.modes_to_run)}; "
-         f"{count(cfg.num_sequences, 'packed sequence')}, {count(cfg.tokens_per_rank, 'token')} per rank; "
-         f"{shape.num_k_heads} key / {shape.num_v_heads} value heads of dim {shape.head_k_dim}; {cfg.dtype} on "
-         f"{cfg.device}, {cfg.backend} backend, {cfg.dist_backend} ranks")
-    echo(f"Each mode's columns are relative errors against CP=1 on the same inputs, max over ranks: "
-         f"max|CP - CP=1| / max|CP=1| of the output and of each gradient; allowed: <= {tol:g}.")
+    say(f"gdn-cp run: CP sizes {','.join(map(str, cfg.cp_sizes))}; modes {', '.join(cfg.modes_to_run)}; "
+        f"{count(cfg.num_sequences, 'packed sequence')}, {count(cfg.tokens_per_rank, 'token')} per rank; "
+        f"{shape.num_k_heads} key / {shape.num_v_heads} value heads of dim {shape.head_k_dim}; {cfg.dtype} on "
+        f"{cfg.device}, {cfg.backend} backend, {cfg.dist_backend} ranks; seed {cfg.seed}")
+    say(f"Each mode's columns are relative errors against CP=1 on the same inputs, max over ranks: "
+        f"max|CP - CP=1| / max|CP=1| of the output and of each gradient; allowed: <= {tol:g}.")
+    if progress is not None:
+        progress.start(job_steps(cfg), f"cp={cfg.cp_sizes[0]} CP=1 reference")
     for cp in cfg.cp_sizes:
         skipped = _skips(cfg, cp)
         result.skipped += [(cp, mode, why) for mode, why in skipped.items()]
         modes = tuple(m for m in cfg.modes_to_run if m not in skipped)
-        echo(f"\n== cp={cp}: spawning {count(cp, 'rank')} ({cfg.dist_backend}, {cfg.device})")
+        say(f"\n== cp={cp}: spawning {count(cp, 'rank')} ({cfg.dist_backend}, {cfg.device})")
+        if progress is not None:
+            progress.describe(f"cp={cp} CP=1 reference")
+        block = _Block(cp, modes, skipped, tol, result, say, progress)
         try:
-            reports = run_ranks(cp, _rank_job, cp, cfg, modes, device=cfg.device, backend=cfg.dist_backend,
-                                timeout_s=timeout_s)
+            answers = run_ranks(cp, _rank_job, cp, cfg, modes, device=cfg.device, backend=cfg.dist_backend,
+                                timeout_s=timeout_s, on_event=block.on_event, log_level=rank_log_level)
         except RankError as err:
-            echo(f"cp={cp} failed:\n{err}")
+            say(f"cp={cp} failed:\n{err}")
             result.failures.append(f"cp={cp}: {count(len(err.failures), 'rank')} failed (above)")
             continue
-        _print_block(cp, reports, modes, skipped, tol, result, echo)
-    _finish(cfg, result, echo)
+        block.finish(answers)
+    if progress is not None:
+        progress.close()
+    _finish(cfg, result, say, write)
     return result
 
 
-def _finish(cfg: JobConfig, result: JobResult, echo: Callable[[str], None]) -> None:
+def _finish(cfg: JobConfig, result: JobResult, say: Callable[[str], None],
+            verdict: Optional[Callable[[str], None]] = None) -> None:
+    """The end of the report: what was skipped (``say``), then what failed and the verdict (``verdict``,
+    printed even where the rest is not)."""
+    verdict = verdict or say
     asked = cfg.modes is not None
     for cp, mode, why in result.skipped:  # check_job refuses these before spawning; kept as a guard
         if asked:
@@ -456,16 +538,10 @@ def _finish(cfg: JobConfig, result: JobResult, echo: Callable[[str], None]) -> N
     if result.ran == 0 and not result.failures:
         result.failures.append("nothing ran: every mode was skipped at every CP size")
     result.ok = not result.failures
-    echo("")
+    say("")
     if not asked:
         for cp, mode, why in result.skipped:
-            echo(f"skipped: {mode} at cp={cp} ({why})")
+            say(f"skipped: {mode} at cp={cp} ({why})")
     for line in result.failures:
-        echo(f"failed: {line}")
-    if not result.ok:
-        echo(f"result: FAIL ({count(len(result.failures), 'problem')} listed above)")
-    elif result.skipped:
-        echo(f"result: PASS: {count(result.ran, '(cp, mode) run')} that could run passed; "
-             f"{len(result.skipped)} skipped (listed above)")
-    else:
-        echo(f"result: PASS: {count(result.ran, '(cp, mode) run')} passed")
+        verdict(f"failed: {line}")
+    verdict(result.verdict)

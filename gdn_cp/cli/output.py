@@ -12,7 +12,7 @@ import textwrap
 from typing import Optional
 
 __all__ = ["EXIT_FOUND_PROBLEM", "EXIT_OK", "EXIT_STATUS", "EXIT_USAGE", "CommandError", "count", "exit_epilog",
-           "print_error"]
+           "print_error", "print_warning"]
 
 EXIT_OK, EXIT_FOUND_PROBLEM, EXIT_USAGE = 0, 1, 2
 EXIT_STATUS = (
@@ -43,6 +43,11 @@ def print_error(prog: str, message: str) -> None:
     """``<prog>: error: <message>`` on stderr: argparse's own form, so every error of every
     command reads alike."""
     print(f"{prog}: error: {message}", file=sys.stderr)
+
+
+def print_warning(prog: str, message: str) -> None:
+    """``<prog>: warning: <message>`` on stderr: something the command goes on despite."""
+    print(f"{prog}: warning: {message}", file=sys.stderr, flush=True)
 
 
 def count(n: int, noun: str, plural: Optional[str] = None) -> str:

@@ -2,17 +2,22 @@
 
 ``gdn_cp.cli.command`` calls :func:`add_patch_commands` on its subparsers; the parsed
 ``args.func(args)`` returns the exit code or raises :class:`~gdn_cp.cli.output.CommandError`.
+``apply --dry-run`` / ``revert --dry-run`` make every check and every file of the action, write
+nothing, and print the files as unified diffs against the tree's.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import textwrap
+from pathlib import Path
 from typing import Optional, TextIO
 
 from .. import patch
 from ..megatron.pins import PINS, get_pin
+from .args import existing_path
 from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
 
 _RELEASES = ", ".join(PINS)
@@ -90,11 +95,18 @@ def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
         a.add_argument(
             "path",
             nargs="?",
+            type=existing_path,
             default=None,
             metavar="PATH",
             help="Megatron-LM checkout, site-packages folder or megatron package folder "
             "(default: the importable megatron)",
         )
+        if action in ("apply", "revert"):
+            a.add_argument("--dry-run", action="store_true",
+                           help=f"write nothing: make every check of `{action}` and print what it would change, "
+                           "as a unified diff per file")
+        else:
+            a.set_defaults(dry_run=False)
         if action == "check":
             a.add_argument(
                 "--expect",
@@ -135,14 +147,37 @@ def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) ->
     try:
         if args.patch_action == "check":
             return _check(root, args.expect, out)
-        if args.patch_action == "apply":
-            result = patch.apply_patch(root)
-        else:
-            result = patch.revert_patch(root, from_backups=args.from_backups)
+        if getattr(args, "dry_run", False):
+            return _dry_run(root, args.patch_action, args.from_backups, out)
+        result = _act(root, args.patch_action, args.from_backups)
     except patch.PatchError as e:
         raise CommandError(str(e), EXIT_FOUND_PROBLEM) from None
     print(result.message, file=out)
     _print_states(result.files, out)
+    return 0
+
+
+def _act(root: Path, action: str, from_backups: bool, dry_run: bool = False) -> "patch.PatchResult":
+    if action == "apply":
+        return patch.apply_patch(root, dry_run=dry_run)
+    return patch.revert_patch(root, from_backups=from_backups, dry_run=dry_run)
+
+
+def _dry_run(root: Path, action: str, from_backups: bool, out: TextIO) -> int:
+    """The action's every check, and the files it would write, printed as unified diffs against
+    ``root``'s; nothing is written. Refusals: the action's own."""
+    result = _act(root, action, from_backups, dry_run=True)
+    if not result.changed:
+        print(f"{result.message} (dry run: nothing was written)", file=out)
+        return 0
+    verb = "patch" if action == "apply" else "restore"
+    print(f"gdn-cp patch {action} --dry-run: would {verb} {len(result.changed)} files of megatron-core at {root} "
+          f"(nothing was written; `gdn-cp patch {action} {root}` writes them):", file=out)
+    for target in result.changed:
+        before = root.joinpath(*target.split("/")).read_text(encoding="utf-8").splitlines(keepends=True)
+        after = result.contents[target].decode("utf-8").splitlines(keepends=True)
+        text = "".join(difflib.unified_diff(before, after, f"a/{target}", f"b/{target}"))
+        print(text, end="" if text.endswith("\n") else "\n", file=out)
     return 0
 
 
@@ -154,18 +189,25 @@ def _check(root, expect: Optional[str], out: TextIO) -> int:
     print(f"state: {state}", file=out)
     if expect is not None:
         if state != expect:
-            raise CommandError(f"expected {expect}, found {state}: {patch.describe_state(state)}",
-                               EXIT_FOUND_PROBLEM)
+            fix = {(patch.PATCHED, patch.PRISTINE): f"; patch it: `gdn-cp patch apply {root}`",
+                   (patch.PRISTINE, patch.PATCHED): f"; restore it: `gdn-cp patch revert {root}`"}.get((expect, state))
+            raise CommandError(f"expected {expect}, found {state}: {patch.describe_state(state)}"
+                               f"{fix or _fix(root, files, state)}", EXIT_FOUND_PROBLEM)
         return 0
     if state in (patch.PRISTINE, patch.PATCHED):
         return 0
+    raise CommandError(f"megatron-core at {root}: {patch.describe_state(state)}{_fix(root, files, state)}",
+                       EXIT_FOUND_PROBLEM)
+
+
+def _fix(root, files: dict, state: str) -> str:
+    """What to do about a tree that is neither pristine nor patched (``; ...``; the partial state's words
+    say it already)."""
     modified = [t for t, s in files.items() if s == patch.MODIFIED]
-    if state == patch.PARTIAL:
-        hint = ""
-    elif modified and set(patch.pristine_backups(root, files, patch.load_manifest())) == set(modified):
-        hint = (f"; {', '.join(modified)} changed since gdn-cp patched them (their originals are backed up beside "
+    if state in (patch.PARTIAL, patch.PRISTINE, patch.PATCHED):
+        return ""
+    if modified and set(patch.pristine_backups(root, files, patch.load_manifest())) == set(modified):
+        return (f"; {', '.join(modified)} changed since gdn-cp patched them (their originals are backed up beside "
                 f"them): `gdn-cp patch revert --from-backups {root}`, then apply")
-    else:
-        hint = (f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
-                "commit, then apply")
-    raise CommandError(f"megatron-core at {root}: {patch.describe_state(state)}{hint}", EXIT_FOUND_PROBLEM)
+    return (f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
+            "commit, then apply")

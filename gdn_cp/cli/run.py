@@ -1,20 +1,26 @@
 """``gdn-cp run``: the command line of the main job (:mod:`gdn_cp.cli.main_job`).
 
-Every flag is checked by argparse (the error names the flag); what depends on the machine (CUDA,
-NCCL, FLA) and what every rank would refuse (the chunkwise path setting, FLA's head dims) is checked
-by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
+Every flag is checked by argparse (the error names the flag), and the flags together (a mode named in
+``--modes`` that cannot split the heads at a ``--cp`` size) before torch is imported; what depends on the
+machine (CUDA, NCCL, FLA, memory) and what every rank would refuse (the chunkwise path setting, FLA's head
+dims) is checked by :func:`gdn_cp.cli.main_job.check_job` before any rank is spawned. Lists are
 comma-separated for every flag that takes one (``--cp 2,4 --modes headwise,chunkwise``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import math
 import os
 import sys
+from typing import Optional
 
+from .. import env
 from .args import comma_items, int_list, int_range
-from .output import CommandError, exit_epilog
-from ..modes.spec import MODE_NAMES
+from .output import CommandError, exit_epilog, print_warning
+from ..modes.spec import MODE_NAMES, get_mode, head_problem
 from ..ops.registry import BACKEND_NAMES
 
 __all__ = ["add_run_command"]
@@ -28,6 +34,7 @@ MAX_SEQUENCES = 1 << 16
 MAX_TOKENS_PER_RANK = 1 << 20
 MAX_HEADS = 256
 MAX_HEAD_DIM = 512
+MAX_SEED = 2**63 - 1
 
 cp_sizes = int_list(1, unique=True)
 cp_sizes.__doc__ = "``--cp``: comma-separated CP sizes, each an integer >= 1."
@@ -77,9 +84,13 @@ def add_run_command(sub, parents=()) -> None:
         "run", parents=list(parents), help="the main job: a real CP run of the GDN core, checked against CP=1",
         description="Spawn cp ranks (CPU gloo by default; NCCL + FLA when there are enough GPUs), round-trip the "
         "routes of a packed micro-batch, then run each mode forward+backward and print, per mode, the relative "
-        "errors of the output and of every gradient against CP=1 on the same inputs. Without --modes, a mode "
-        "that cannot run at a CP size (headwise when the heads do not divide it) is skipped and listed; a mode "
-        "named in --modes must run at every --cp size (checked before anything is spawned).",
+        "errors of the output and of every gradient against CP=1 on the same inputs, each line as soon as the "
+        "ranks are done with it (on a terminal, a progress bar on stderr counts the steps of a run that takes "
+        "more than a few seconds). Without --modes, a mode that cannot run at a CP size (headwise when the heads "
+        "do not divide it) is skipped and listed; a mode named in --modes must run at every --cp size (checked "
+        "before anything is spawned). -v also prints every rank's log (its THD cut, route, mode, backend and "
+        "chunkwise exchange path); -q prints only the failures and the verdict. A GDN_CP_* variable that nothing "
+        "reads gets one warning (gdn-cp doctor says who reads each).",
         epilog=exit_epilog("a check failed (a relative error over the tolerance, a round trip that is not "
                            "bit-exact, a rank that failed)"))
     p.add_argument("--cp", type=_cp_sizes, default=(2, 4), metavar="LIST",
@@ -92,8 +103,8 @@ def add_run_command(sub, parents=()) -> None:
                    help=f"packed sequences per micro-batch, in [1, {MAX_SEQUENCES}] (default 37)")
     p.add_argument("--tokens-per-rank", type=even_tokens, default=1024,
                    help=f"T_global / cp, an even number in [2, {MAX_TOKENS_PER_RANK}] (default 1024). On the CPU every "
-                   "rank also computes CP=1 on all T_global tokens: a run that would not fit in the available memory "
-                   "is refused before it starts, with the estimate; 16384 at --cp 2 took 11 min on 2 cores")
+                   "rank also computes CP=1 on all T_global tokens, so time and memory grow with T_global: a run that "
+                   "would not fit in the available memory is refused before it starts, with the estimate")
     p.add_argument("--heads", type=head_counts, default=(4, 8), metavar="K,V",
                    help=f"key and value heads of the GDN core, V a multiple of K, at most {MAX_HEADS} (default 4,8)")
     p.add_argument("--head-dim", type=int_range(1, MAX_HEAD_DIM), default=32,
@@ -105,14 +116,43 @@ def add_run_command(sub, parents=()) -> None:
                    help="math backend (default: fla on CUDA when it imports, else reference)")
     p.add_argument("--dist-backend", choices=["gloo", "nccl"], default=None,
                    help="default: nccl with a GPU per rank, else gloo")
+    p.add_argument("--seed", type=int_range(0, MAX_SEED), default=0,
+                   help="seed of the packing (sequence lengths) and of the inputs, the same on every rank and CP size "
+                   "(default 0)")
+    p.add_argument("--json", action="store_true",
+                   help="print the run as one JSON object at the end (config, tolerance, one row per (cp, mode) with "
+                   "its errors and seconds, skipped, failures, verdict) instead of the report lines")
     p.set_defaults(func=run_command)
 
 
+def named_modes_problem(modes: Optional[tuple[str, ...]], cp_sizes: tuple[int, ...], k: int, v: int) -> Optional[str]:
+    """The error of a mode named in ``--modes`` that cannot split ``k`` key / ``v`` value heads at one of the
+    ``--cp`` sizes (TP=1), naming the fixes; None when every named mode runs at every size (or none is
+    named: each is then skipped and listed where it cannot run). Torch-free."""
+    if modes is None:
+        return None
+    bad = [(mode, cp) for mode in modes for cp in cp_sizes
+           if head_problem(mode, num_key_heads=k, num_value_heads=v, tp=1, cp=cp) is not None]
+    if not bad:
+        return None
+    mode, _ = bad[0]
+    sizes = [cp for m, cp in bad if m == mode]
+    need = math.lcm(*cp_sizes)
+    return (f"--modes {mode} cannot run at --cp {','.join(map(str, sizes))} with --heads {k},{v}: {mode} needs both "
+            f"head counts divisible by {get_mode(mode).divisor_text(1, sizes[0])}; pass --heads {need},{2 * need} "
+            f"(divisible by every --cp size), leave {mode} out of --modes (without --modes it is listed as skipped "
+            "where it cannot run), or use other --cp sizes")
+
+
 def run_command(args) -> int:
+    k, v = args.heads
+    problem = named_modes_problem(args.modes, tuple(args.cp), k, v)
+    if problem:  # said before torch is imported (seconds on a busy machine)
+        raise CommandError(problem)
     from ..modes import GDNShape
     from .main_job import auto_config, run_job
+    from .progress import Progress
 
-    k, v = args.heads
     overrides = {
         "cp_sizes": tuple(args.cp),
         "modes": args.modes,
@@ -120,20 +160,38 @@ def run_command(args) -> int:
         "tokens_per_rank": args.tokens_per_rank,
         "shape": GDNShape(num_k_heads=k, num_v_heads=v, head_k_dim=args.head_dim, head_v_dim=args.head_dim),
         "dtype": args.dtype,
+        "seed": args.seed,
     }
     for name in ("device", "backend", "dist_backend"):
         if getattr(args, name) is not None:
             overrides[name] = getattr(args, name)
     cfg = auto_config(**overrides)
-    pool_backend = os.environ.get(POOL_BACKEND_ENV, "")  # the tests' setting (gdn_cp_testing.env), not gdn-cp's
-    if pool_backend and pool_backend != cfg.dist_backend:  # issue #32: was ignored without a word
-        print(f"gdn-cp run: note: {POOL_BACKEND_ENV}={pool_backend} chooses the backend of the test rank pools; "
-              f"gdn-cp run takes --dist-backend (this run: {cfg.dist_backend})", file=sys.stderr, flush=True)
+    _warn_about_the_environment(cfg.dist_backend)
+    quiet, as_json = getattr(args, "quiet", False), args.json
+    echo = (lambda line: None) if as_json else (lambda line: print(line, flush=True))
     try:
-        result = run_job(cfg, echo=lambda line: print(line, flush=True))
+        with Progress(echo, bar=None if not quiet else False, unit="step") as progress:
+            result = run_job(cfg, echo=echo, verdict_only=quiet, progress=progress,
+                             rank_log_level=logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING)
     except ValueError as err:  # the job cannot run on this machine: said before anything was spawned
         raise CommandError(str(err)) from None
     except KeyboardInterrupt:
         print("\ngdn-cp run: interrupted; the ranks were stopped", file=sys.stderr)
         return 130
+    if as_json:
+        print(json.dumps(result.to_json(cfg), indent=2))
     return result.exit_code
+
+
+def _warn_about_the_environment(dist_backend: str) -> None:
+    """One line on stderr for ``GDN_CP_*`` variables nothing reads (a guessed name, e.g. GDN_CP_PG_TIMEOUT),
+    and one for the tests' pool backend variable, which a user may take for this run's."""
+    unread = env.unread_names()
+    if unread:
+        print_warning("gdn-cp run", f"nothing reads {', '.join(unread)} (neither a gdn-cp setting, `python3 -m "
+                      "gdn_cp.env`, nor a name of a clone's tests or benchmarks); this run takes its settings from its "
+                      "flags (gdn-cp run --help): unset " + ("it" if len(unread) == 1 else "them"))
+    pool_backend = os.environ.get(POOL_BACKEND_ENV, "")  # the tests' setting (gdn_cp_testing.env), not gdn-cp's
+    if pool_backend and pool_backend != dist_backend:  # issue #32: was ignored without a word
+        print(f"gdn-cp run: note: {POOL_BACKEND_ENV}={pool_backend} chooses the backend of the test rank pools; "
+              f"gdn-cp run takes --dist-backend (this run: {dist_backend})", file=sys.stderr, flush=True)

@@ -14,7 +14,7 @@ lists it as not checked, and why). ``gdn-cp selftest`` runs the GPU check where 
 CPU one; ``--gpu`` insists on the GPU check (exit 2, before anything runs, where it cannot).
 
 The case builders here are shared with ``tests/gpu``; the error metrics, tolerances and version
-report come from :mod:`gdn_cp.cli.accuracy` and :mod:`gdn_cp.cli.versions`.
+report come from :mod:`gdn_cp.ops.accuracy` and :mod:`gdn_cp.ops.versions`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .accuracy import FLA_VS_FP64_REL_L2, max_rel, rel_l2, worst
-from .versions import stack_versions
+from ..ops.accuracy import FLA_VS_FP64_REL_L2, max_rel, rel_l2, worst
+from ..ops.versions import stack_versions
 
 __all__ = [
     "CaseResult",
@@ -100,7 +100,7 @@ def fla_unavailable_reason() -> str | None:
     """Why the FLA check cannot run here (no CUDA GPU, FLA does not import), or None when it can."""
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA GPU"
-    from ..ops.fla import fla_available, fla_import_error
+    from ..ops.fla.detect import fla_available, fla_import_error
 
     return None if fla_available() else str(fla_import_error())
 
@@ -270,12 +270,13 @@ def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: 
     """The backend's fused gated norm, with the weight and eps gdn-cp reads from TransformerEngine's
     RMSNorm (``gdn_cp.megatron.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
     norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it; bf16: y, dx, dz, dweight."""
-    from ..megatron.pins.core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
+    from ..megatron.pins import load_adapter
 
+    release = load_adapter()  # how gdn-cp reads TransformerEngine's RMSNorm in the pinned release
     n, d = 300, 64
     norm = te.RMSNorm(d, eps=1e-5, zero_centered_gamma=zero_centered_gamma, params_dtype=torch.bfloat16,
                       device=device)
-    problem = fused_rms_norm_problem(norm, d)
+    problem = release.fused_rms_norm_problem(norm, d)
     if problem is not None:
         raise RuntimeError(f"gdn-cp does not take this TransformerEngine RMSNorm for the fused norm: {problem}")
     gen = torch.Generator().manual_seed(seed)
@@ -291,7 +292,7 @@ def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: 
         return {"y": y.detach(), "dx": x.grad, "dz": z.grad, "dweight": norm.weight.grad.clone()}
 
     fused = backend.fused_gated_rms_norm()
-    got = run(lambda x, z: fused(x, z, fused_rms_norm_weight(norm), fused_rms_norm_eps(norm)))
+    got = run(lambda x, z: fused(x, z, release.fused_rms_norm_weight(norm), release.fused_rms_norm_eps(norm)))
     want = run(lambda x, z: (norm(x) * F.silu(z.float())).to(x.dtype))
     return {k: (got[k], want[k]) for k in got}
 
@@ -326,8 +327,9 @@ def _run_case(name: str, fn: Callable[[], dict], tolerance: float) -> CaseResult
 
 def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
     """Run the backend checks; returns a report (``report.ok``; ``str(report)`` says what failed)."""
-    from gdn_cp.ops import reference
+    from ..ops.registry import get_backend
 
+    reference = get_backend("reference")
     versions = stack_versions()
     cases: list[CaseResult] = []
     notes = known_hazards(versions) if gpu else []
@@ -343,15 +345,16 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                               notes=notes, not_checked=[f"the FLA backend ({why}): `gdn-cp selftest --gpu` checks "
                                                         "it where torch sees a CUDA GPU and FLA imports"])
 
-    from gdn_cp.ops import fla as fla_backend
+    from ..ops.fla import detect as fla_detect
 
     not_checked: list[str] = []
     if not torch.cuda.is_available():
         cases.append(CaseResult(name="fla/cuda", ok=False, error="CUDA is not available to torch "
                                 f"{torch.__version__}; the FLA backend needs a CUDA GPU"))
-    elif not fla_backend.fla_available():
-        cases.append(CaseResult(name="fla/import", ok=False, error=str(fla_backend.fla_import_error())))
+    elif not fla_detect.fla_available():
+        cases.append(CaseResult(name="fla/import", ok=False, error=str(fla_detect.fla_import_error())))
     else:
+        fla_backend = get_backend("fla")
         dev = torch.device("cuda", torch.cuda.current_device())
         for dtype in (torch.float32, torch.bfloat16):
             dname = str(dtype).replace("torch.", "")
@@ -372,11 +375,11 @@ def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
                     f"te/gated_norm/bfloat16{'/zero_centered_gamma' if zcg else ''}",
                     lambda zcg=zcg: te_gated_norm_case(te, fla_backend, zero_centered_gamma=zcg, device=dev, seed=seed),
                     FLA_VS_FP64_REL_L2["bfloat16"]))
-        if not fla_backend.has_cp_context():
+        if not fla_detect.has_cp_context():
             notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
                          "the FLA backend")
     _flashqla_cases(cases, not_checked, seed)
-    stack = fla_backend.stack_report() if torch.cuda.is_available() else {}
+    stack = fla_detect.stack_report() if torch.cuda.is_available() else {}
     return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes,
                           not_checked=not_checked, stack=stack)
 
@@ -388,9 +391,9 @@ def _flashqla_cases(cases: list, not_checked: list, seed: int) -> None:
     """The FlashQLA backend (bf16, head dims 128: what it takes) against the reference in fp64, where it
     runs here (an sm_90+ GPU with flash-qla and TileLang); else listed as not checked, with why. Its
     first call compiles TileLang kernels (minutes on a fresh machine without TILELANG_CACHE_DIR)."""
-    from gdn_cp.ops import reference
-    from gdn_cp.ops.registry import BACKENDS, get_backend
+    from ..ops.registry import BACKENDS, get_backend
 
+    reference = get_backend("reference")
     why = BACKENDS["flashqla"].problem()
     if why is not None:
         not_checked.append(f"the FlashQLA backend ({why})")

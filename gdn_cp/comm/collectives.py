@@ -16,10 +16,14 @@ import torch.distributed as dist
 from ..layout.route import Route
 
 __all__ = [
+    "barrier",
     "group_size",
     "group_rank",
     "group_backend",
     "group_ranks",
+    "is_process_group",
+    "nccl_available",
+    "world_group",
     "sum_over_group",
     "route_all_to_all",
     "route_all_to_all_many",
@@ -34,6 +38,26 @@ __all__ = [
 # torch >= 2.13 names them *_single; older releases only have *_tensor.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def world_group():
+    """The process group of every rank of this job (``torch.distributed``'s default group)."""
+    return dist.group.WORLD
+
+
+def is_process_group(group) -> bool:
+    """Whether ``group`` is a ``torch.distributed`` process group."""
+    return isinstance(group, dist.ProcessGroup)
+
+
+def nccl_available() -> bool:
+    """Whether this torch build has NCCL."""
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def barrier(group) -> None:
+    """Every rank of ``group`` waits for the others (timing: a run starts together)."""
+    dist.barrier(group)
 
 
 def group_size(group) -> int:
@@ -235,26 +259,18 @@ def _head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     return recv.transpose(0, 1).contiguous()  # [T_local, world, *rest]
 
 
-class _SeqToHead(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """``there(x, group)``, whose backward is ``back(grad, group)``: the seq -> head and head -> seq
+    all-to-alls are each other's adjoint (each moves rows, and its inverse moves them back)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_head(x, group)
+    def forward(ctx, x, group, there, back):
+        ctx.group, ctx.back = group, back
+        return there(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _head_to_seq(grad, ctx.group), None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _head_to_seq(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_head(grad, ctx.group), None
+        return ctx.back(grad, ctx.group), None, None, None
 
 
 def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
@@ -266,7 +282,7 @@ def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     if x.dim() < 2 or x.shape[1] != world:
         raise ValueError(f"seq_to_head expects [T_local, cp={world}, ...], got shape {tuple(x.shape)}")
-    return _SeqToHead.apply(x, group)
+    return _Exchange.apply(x, group, _seq_to_head, _head_to_seq)
 
 
 def head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
@@ -274,7 +290,7 @@ def head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     if y.shape[0] % world:
         raise ValueError(f"head_to_seq expects cp*T_local rows (cp={world}), got shape {tuple(y.shape)}")
-    return _HeadToSeq.apply(y, group)
+    return _Exchange.apply(y, group, _head_to_seq, _seq_to_head)
 
 
 class _AllGatherRows(torch.autograd.Function):

@@ -1,15 +1,22 @@
-"""Megatron-Core glue: ``linear_cp_mode`` checks, resolution and the settings read from a
-``TransformerConfig`` (:mod:`.config`), the patched GatedDeltaNet forward (:mod:`.gdn`), the THD cut
-(:mod:`.thd_split`), out_norm's gradient sum over TP (:mod:`.tp_grads`), and the supported
-megatron-core releases with their adapters (:mod:`.pins`). Installing / checking / reverting the
-pinned patch is a tool of its own, off the forward path: :mod:`gdn_cp.patch`.
+"""Megatron-Core glue. What the pinned patch calls is :mod:`.hooks`, and only that. Behind it:
 
-Importing this package imports no torch (:mod:`.config` and :mod:`.pins` are torch-free; the patch
-tool and the command line read them).
+* config time (:mod:`.config`): the ``TransformerConfig`` hook, ``auto`` resolved once, a named backend
+  checked against the machine; the rules a config and a layer share (:mod:`.rules`);
+* the patched GatedDeltaNet forward (:mod:`.gdn`): the layer's state, read on its first call
+  (:mod:`.layer`; ``reset_settings`` makes layers read them again), one call's checks and context (:mod:`.call`), the per-token work the mode runs
+  (:mod:`.segment`);
+* the THD cut (:mod:`.thd_split`), documents padded and cut per document (:mod:`.document_padding`),
+  out_norm's gradient sum over TP (:mod:`.tp_grads`), and the supported megatron-core releases with
+  everything read from them (:mod:`.pins`).
+
+Installing / checking / reverting the pinned patch is a tool of its own, off the forward path:
+:mod:`gdn_cp.patch`. Importing this package imports no torch (:mod:`.config`, :mod:`.rules` and
+:mod:`.pins` are torch-free; the patch tool and the command line read them).
 """
 
 from __future__ import annotations
 
-from .config import check_linear_cp_mode, configure_linear_cp_mode, explain_linear_cp_modes, resolve_linear_cp_mode
+from .config import configure_linear_cp_mode, explain_linear_cp_modes, resolve_linear_cp_mode
+from .rules import check_linear_cp_mode
 
 __all__ = ["check_linear_cp_mode", "configure_linear_cp_mode", "explain_linear_cp_modes", "resolve_linear_cp_mode"]

@@ -38,38 +38,21 @@ micro-batch, in the data path (before the model runs).
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from ..layout import PAD_SOURCE, PER_DOCUMENT, pad_documents, padded_rank_sources, padded_row_multiple
 from ..layout.boundaries import check_cp, validate_cu_seqlens
 from .padded_cut import padded_rows_multiple
+from .pins import load_adapter
 from .thd_split import THD_SPLIT_FIELD, record_split
 
-__all__ = [
-    "PAD_VALUES", "SEQUENCE_KEYS", "cut_packed_rows", "megatron_lm_args", "pad_and_cut", "padded_cut_request",
-    "record_split",
-]
+_RELEASE = load_adapter()  # what the release's batches hold, and Megatron-LM's args
 
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-"""The ``[1, T]`` tensors of a flattened Megatron-LM batch that are cut (Megatron's own SEQUENCE_KEYS)."""
+__all__ = ["PAD_VALUES", "SEQUENCE_KEYS", "cut_packed_rows", "pad_and_cut", "padded_cut_request", "record_split"]
 
-PAD_VALUES = {"tokens": 0, "labels": 0, "loss_mask": 0, "position_ids": 0}
-"""What a pad row holds in each of :data:`SEQUENCE_KEYS` (Megatron's GPT dataset maps its pad token
-to 0 in tokens and labels and masks it out of the loss)."""
-
-
-def megatron_lm_args() -> Optional[Any]:
-    """The args of the Megatron-LM run in this process (``megatron.training.get_args()``), or None
-    when there is none: ``megatron.training`` never imported (megatron-core used on its own; it is
-    not imported here, it is Python >= 3.12 only and heavy), or its args not set yet."""
-    global_vars = sys.modules.get("megatron.training.global_vars")
-    if global_vars is None:
-        return None
-    try:
-        return global_vars.get_args()
-    except AssertionError:  # "args is not initialized"
-        return None
+SEQUENCE_KEYS, PAD_VALUES = _RELEASE.BATCH_SEQUENCE_KEYS, _RELEASE.BATCH_PAD_VALUES
+"""The ``[1, T]`` tensors of a flattened Megatron-LM batch that are cut, and what a pad row holds in each
+(the release's: :mod:`gdn_cp.megatron.pins`)."""
 
 
 def padded_cut_request(args: Any) -> Optional[int]:
@@ -97,15 +80,15 @@ def cut_packed_rows(batch: dict, cp_group) -> Optional[dict]:
     stock)."""
     if batch.get("cu_seqlens") is None:
         return None
-    local_multiple = padded_cut_request(megatron_lm_args())
+    local_multiple = padded_cut_request(_RELEASE.megatron_lm_args())
     if local_multiple is None:
         return None
-    import torch.distributed as dist
+    from ..comm import group_rank, group_size
 
-    cp = dist.get_world_size(cp_group)
+    cp = group_size(cp_group)
     if cp == 1:
         return None
-    return pad_and_cut(batch, cp, dist.get_rank(cp_group), local_multiple=local_multiple)
+    return pad_and_cut(batch, cp, group_rank(cp_group), local_multiple=local_multiple)
 
 
 def _sequence_length(batch: dict) -> int:

@@ -32,7 +32,8 @@ The cut itself (every document padded at its end to a multiple of 2*cp, then cut
   (:func:`quantized_row_multiple`, times the TP size under sequence parallelism:
   :func:`padded_rows_multiple`), by padding the row's last document further.
 
-Reads ``args`` with ``getattr`` only; imports neither torch nor Megatron.
+Reads ``args`` with ``getattr`` only, and the release's numbers from its adapter (:mod:`gdn_cp.megatron.pins`);
+imports neither torch nor Megatron.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ import math
 from typing import Any, Optional
 
 from ..checks import as_int
+from .pins import load_adapter
+
+_RELEASE = load_adapter()  # the release's token multiples of quantized GEMMs and its dispatcher rule
 
 __all__ = [
     "enable_variable_seq_lengths",
@@ -51,13 +55,6 @@ __all__ = [
     "quantized_row_multiple",
 ]
 
-FP8_ROW_MULTIPLE = {"mxfp8": 32}
-"""Rows a quantized GEMM's token count must be a multiple of, per ``--fp8-recipe`` (megatron-core 0.19's
-``get_fp8_align_size``: 32 for mxfp8, else :data:`FP8_DEFAULT_ROW_MULTIPLE`)."""
-FP8_DEFAULT_ROW_MULTIPLE = 16
-FP4_ROW_MULTIPLE = 32
-"""megatron-core 0.19's ``get_fp4_align_size`` (every FP4 recipe)."""
-
 
 def _int(args: Any, name: str, default: int = 1) -> int:
     value = as_int(getattr(args, name, None))
@@ -67,11 +64,12 @@ def _int(args: Any, name: str, default: int = 1) -> int:
 def quantized_row_multiple(args: Any) -> int:
     """How many rows a rank's token count must be a multiple of for ``args``' FP8 / FP4 GEMMs (1 without
     ``--fp8-format`` / ``--fp4-format``)."""
+    rows = _RELEASE.QUANTIZED_ROW_MULTIPLE
     multiple = 1
     if getattr(args, "fp8", None):
-        multiple = FP8_ROW_MULTIPLE.get(getattr(args, "fp8_recipe", None), FP8_DEFAULT_ROW_MULTIPLE)
+        multiple = rows["mxfp8"] if getattr(args, "fp8_recipe", None) == "mxfp8" else rows["fp8"]
     if getattr(args, "fp4", None):
-        multiple = math.lcm(multiple, FP4_ROW_MULTIPLE)
+        multiple = math.lcm(multiple, rows["fp4"])
     return multiple
 
 
@@ -163,6 +161,7 @@ def enable_variable_seq_lengths(args: Any) -> bool:
     if _int(args, "pipeline_model_parallel_size") <= 1:
         return False
     args.variable_seq_lengths = True
-    if getattr(args, "num_experts", None) is None and getattr(args, "moe_token_dispatcher_type", None) == "allgather":
+    if (_RELEASE.ALLGATHER_REFUSES_VARIABLE_SEQ_LENGTHS and getattr(args, "num_experts", None) is None
+            and getattr(args, "moe_token_dispatcher_type", None) == "allgather"):
         args.moe_token_dispatcher_type = "alltoall"
     return True

@@ -51,15 +51,17 @@ from typing import Any, Optional
 
 from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
-from ..modes.settings import THD_SPLIT_FIELD, check_thd_split_setting
+from ..modes.settings import THD_SPLIT_FIELD, Settings, check_thd_split_setting
 from .padded_cut import enable_variable_seq_lengths, mtp_needs_per_document, padded_cut_refusals
+from .pins import load_adapter
+
+_RELEASE = load_adapter()  # Megatron-LM's flags as its release reads them (the cut they make, its layer symbols)
 
 __all__ = [
     "THD_SPLIT_FIELD",
     "check_thd_split_setting",
     "check_megatron_lm_model",
     "configure_megatron_lm_args",
-    "megatron_lm_thd_split",
     "per_document_layers",
     "record_split",
     "recorded_split",
@@ -129,41 +131,6 @@ def resolve_thd_split(setting: Optional[str], *, hybrid_context_parallel: bool, 
     )
 
 
-def megatron_lm_thd_split(*, sft: bool, inter_document_masking: bool, hybrid_context_parallel: bool) -> Optional[str]:
-    """The THD cut Megatron-LM's ``get_batch`` (``pretrain_gpt.py`` / ``pretrain_hybrid.py``,
-    core_v0.19.x) makes for these flags, or None when it makes none (no packed rows):
-    ``use_per_sequence_balancing = --dataloader-inter-document-masking and not --sft`` cuts whole
-    rows, hybrid CP cuts each sub-sample's row whole, ``--sft`` cuts per document."""
-    if hybrid_context_parallel or (inter_document_masking and not sft):
-        return WHOLE_ROW
-    if sft or inter_document_masking:
-        return PER_DOCUMENT
-    return None
-
-
-# Megatron's hybrid layer symbols (megatron/core/models/hybrid/hybrid_layer_allocation.py, Symbols,
-# core_v0.19.x): "G" gated delta net, "-" MLP and "E" MoE act per token or know the whole-row cut;
-# these expect every document of a packed row cut in 2*cp parts on its own (TransformerEngine's THD
-# attention under CP; Mamba's CP reorders THD rows with thd_get_partitioned_indices). "|" and "/"
-# separate pipeline stages and MTP patterns.
-_HYBRID_GDN = "G"
-_HYBRID_PER_DOCUMENT = {"*": "attention", "D": "DSA attention", "+": "MLA attention", "M": "Mamba"}
-
-
-def _gpt_layer_pattern(args: Any) -> Optional[list]:
-    """pretrain_gpt.py's per-layer pattern for ``--experimental-attention-variant gated_delta_net``
-    (1: GDN, 0: standard attention), as megatron-core 0.19's ``get_linear_attention_pattern`` builds
-    it from ``--linear-attention-freq`` (int N: attention at every N-th layer; a list: as given), or
-    None when it cannot be known here."""
-    freq = getattr(args, "linear_attention_freq", None)
-    if isinstance(freq, list):
-        return list(freq)
-    freq, n = as_int(freq), as_int(getattr(args, "num_layers", None))
-    if freq is None or freq < 1 or n is None:
-        return None
-    return [0 if (i + 1) % freq == 0 else 1 for i in range(n)]
-
-
 def per_document_layers(args: Any) -> Optional[str]:
     """What in the Megatron-LM model of ``args`` expects every packed document cut into 2*cp parts
     on its own, as a phrase naming the flags that say so: attention layers and Mamba
@@ -187,7 +154,7 @@ def _per_document_mixers(args: Any) -> Optional[str]:
     attention)."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:
-        found = [f"{sym!r} {name}" for sym, name in _HYBRID_PER_DOCUMENT.items() if sym in pattern]
+        found = [f"{sym!r} {name}" for sym, name in _RELEASE.HYBRID_PER_DOCUMENT.items() if sym in pattern]
         return f"--hybrid-layer-pattern {pattern!r}: {', '.join(found)}" if found else None
     if getattr(args, "spec", None):
         return "--spec " + " ".join(map(str, args.spec)) + " (a custom layer spec: its layers are not known here)"
@@ -195,7 +162,7 @@ def _per_document_mixers(args: Any) -> Optional[str]:
     if variant != "gated_delta_net":
         kind = "DSA attention" if variant == "dsa" else "attention"
         return f"pretrain_gpt.py without --experimental-attention-variant gated_delta_net: every layer is {kind}"
-    layers = _gpt_layer_pattern(args)
+    layers = _RELEASE.gpt_layer_pattern(args)
     freq = getattr(args, "linear_attention_freq", None)
     if layers is None:
         return f"--linear-attention-freq {freq!r}: which layers are attention is not known here"
@@ -210,8 +177,8 @@ def _has_gdn_layers(args: Any) -> Optional[str]:
     """The flags that put gated delta net layers into the Megatron-LM model of ``args``, or None."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:
-        return f"--hybrid-layer-pattern {pattern!r} has gated delta net layers ({_HYBRID_GDN!r})" \
-            if _HYBRID_GDN in pattern else None
+        gdn = _RELEASE.HYBRID_GDN
+        return f"--hybrid-layer-pattern {pattern!r} has gated delta net layers ({gdn!r})" if gdn in pattern else None
     if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
         return "--experimental-attention-variant gated_delta_net builds gated delta net layers"
     return None
@@ -305,7 +272,10 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
       parallelism, sets ``args.variable_seq_lengths`` (the padded rows change length).
 
     ValueError when ``--linear-cp-thd-split`` contradicts the cut (``whole_row`` for a model with
-    attention layers at CP > 1 included)."""
+    attention layers at CP > 1 included). First of all, ``--linear-cp-mode`` and ``--linear-cp-backend``
+    are checked against gdn-cp's registries, with the config's messages (the patched fields are plain
+    strings: the patch names no mode and no backend, so argparse takes any)."""
+    Settings(mode=getattr(args, "linear_cp_mode", "auto"), backend=getattr(args, "linear_cp_backend", "auto"))
     check_megatron_lm_model(args)
     given = check_thd_split_setting(getattr(args, THD_SPLIT_FIELD, None), "--linear-cp-thd-split")
     flags = {
@@ -313,7 +283,7 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
         "inter_document_masking": bool(getattr(args, "dataloader_inter_document_masking", False)),
         "hybrid_context_parallel": bool(getattr(args, "hybrid_context_parallel", False)),
     }
-    made = megatron_lm_thd_split(**flags)
+    made = _RELEASE.megatron_lm_thd_split(**flags)
     if made is None:
         return given
     cp = as_int(getattr(args, "context_parallel_size", 1)) or 1

@@ -26,7 +26,7 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from ..ops.shape import GDNShape
     from .context import CallContext, LayerFacts, Mode, Projected, Segment
-    from .core import gdn_core, prepare_mode
+    from .entry import gdn_core, prepare_mode
     from .packing import sbhd_to_thd, thd_to_sbhd
     from .settings import Settings
 

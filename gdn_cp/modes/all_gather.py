@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import all_gather_rows
-from .common import local_core, stack_gates, unstack_gates
+from .local import local_core, stack_gates, unstack_gates
 from .context import CallContext, Mode
 from .spec import MODES
 

@@ -46,13 +46,13 @@ from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
 from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
-from .common import conv_split
+from .local import conv_split
 from .context import CallContext, Mode
 from .spec import MODES
 from .packing import sbhd_to_thd, thd_to_sbhd
 from .swap import choose_swap_point
 
-__all__ = ["Chunkwise", "gather_halo", "initial_state_from_summaries", "is_one_zigzag_stream"]
+__all__ = ["Chunkwise", "gather_halo", "initial_state_from_summaries", "is_one_zigzag_stream", "transition_summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _native_core(ctx: CallContext) -> Optional[NativeCPCore]:
     if setting == "native" and native is None:
         raise ValueError(
             f"chunkwise path 'native' ({CHUNKWISE_PATH_ENV} or gdn_core's chunkwise_path) but the "
-            f"{getattr(backend, '__name__', type(backend).__name__)} backend has no native CP core for this "
+            f"{backend.spec.title} backend has no native CP core for this "
             "group (FLA's cp context needs a CUDA device, FLA >= 0.4.2 and an NCCL group); set 'auto' or 'generic'"
         )
     why = ("the backend's cp context" if native is not None else
@@ -97,8 +97,7 @@ def _zigzag_core(ctx: CallContext) -> Optional[NativeCPCore]:
     stream and the backend has one (FLA >= 0.6), else None (logged once per outcome)."""
     if not is_one_zigzag_stream(ctx.plan):
         return None
-    make = getattr(ctx.backend, "native_zigzag_cp_core", None)
-    zigzag = None if make is None else make(ctx.group)
+    zigzag = ctx.backend.native_zigzag_cp_core(ctx.group)
     _log_once(("zigzag", ctx.settings.chunkwise_path, zigzag is not None),
               "chunkwise halo/state exchange: %s path (setting %s; %s)",
               "native-zigzag" if zigzag is not None else "native-contiguous", ctx.settings.chunkwise_path,
@@ -229,7 +228,7 @@ def _keep_in_graph(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x + (like.sum() * 0).to(x.dtype)
 
 
-def _transition_summary(q, k, v, g, beta, cu, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
+def transition_summary(q, k, v, g, beta, cu, backend, state_dtype, qk_l2norm: bool) -> torch.Tensor:
     """``[Hv, Dk, Dk+Dv]``: ``[M | S_ext]`` of rows (one sequence, boundaries ``cu``) that
     continue a sequence on both sides.
 
@@ -316,13 +315,12 @@ def _scan_with_carried_state(q, k, v, g, beta, cw: ChunkwisePlan, backend, group
         part = slice(a, b)
         return q[part], k[part], v[part], g[part], beta[part]
 
-    summarize = getattr(backend, "chunk_state_summary", None)
-    if summarize is not None:
-        return _scan_after_parallel_summary(rows, cw, scan, summarize, group, shape, state_dtype, v)
+    if backend.chunk_state_summary is not None:
+        return _scan_after_parallel_summary(rows, cw, scan, backend.chunk_state_summary, group, shape, state_dtype, v)
 
     o_tail = None
     if cw.last_is_first:
-        summary = _transition_summary(q, k, v, g, beta, cw.local_cu, backend, state_dtype, shape.qk_l2norm)
+        summary = transition_summary(q, k, v, g, beta, cw.local_cu, backend, state_dtype, shape.qk_l2norm)
     elif cw.tail_cu is not None:
         o_tail, finals = scan(*rows(cw.tail_split, None), cu_seqlens=cw.tail_cu, output_final_state=True)
         summary = torch.cat([torch.zeros(hv, dk, dk, dtype=state_dtype, device=v.device), finals[-1].to(state_dtype)], -1)

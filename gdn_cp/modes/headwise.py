@@ -12,7 +12,7 @@ import torch
 
 from ..comm import head_to_seq, seq_to_head
 from ..ops.shape import GDNShape
-from .common import local_core, stack_gates, unstack_gates
+from .local import local_core, stack_gates, unstack_gates
 from .context import CallContext, Mode
 from .spec import MODES
 

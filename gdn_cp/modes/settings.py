@@ -4,15 +4,16 @@
 | --- | --- | --- |
 | ``mode`` | ``TransformerConfig.linear_cp_mode`` (``gdn_core(mode=...)``) | a mode of :mod:`.spec`, or ``auto`` (resolved when the config is built) |
 | ``thd_split`` | ``TransformerConfig.linear_cp_thd_split`` | None, ``per_document``, ``whole_row`` |
-| ``backend`` | ``TransformerConfig.linear_cp_backend`` (absent: ``auto``) | ``auto`` or a backend of :mod:`gdn_cp.ops.registry` (resolved per call: :mod:`gdn_cp.megatron.backend`) |
+| ``backend`` | ``TransformerConfig.linear_cp_backend`` (absent: ``auto``) | ``auto`` or a backend of :mod:`gdn_cp.ops.registry` (resolved once per layer, for its device: :func:`gdn_cp.megatron.backend.choose_backend`) |
 | ``deterministic`` | ``TransformerConfig.deterministic_mode`` | True: the plain-torch reference backend |
 | ``chunkwise_path`` | ``GDN_CP_CHUNKWISE_PATH`` (``gdn_core(chunkwise_path=...)``) | ``auto``, ``native``, ``generic`` |
 | ``chunkwise_swap`` | ``GDN_CP_CHUNKWISE_SWAP`` | ``auto``, ``hidden``, ``core`` |
+| ``backend_settings`` | every backend's ``GDN_CP_*`` settings (its spec's ``settings``: ``GDN_CP_FLASHQLA_AUTO_CP``) | ``(variable, value)`` pairs, handed to ``gdn_cp.ops.get_backend`` |
 
 :class:`Settings` checks every field when it is made (ValueError / TypeError naming the field, the
-value and what it takes); whoever holds one trusts it. The patched Megatron forward reads it with
-:func:`gdn_cp.megatron.config.read_settings` (the config's fields and the environment, checked once
-per distinct value), :func:`gdn_cp.modes.gdn_core` from its arguments and the environment. Nothing
+value and what it takes); whoever holds one trusts it. The patched Megatron forward reads it once per
+layer with :func:`gdn_cp.megatron.rules.read_settings` (the config's fields and the environment, on the
+layer's first call), :func:`gdn_cp.modes.gdn_core` from its arguments and the environment. Nothing
 below them reads a setting anywhere else.
 """
 
@@ -25,7 +26,7 @@ from .. import env
 from ..env import CHUNKWISE_PATH_ENV, CHUNKWISE_PATHS, CHUNKWISE_SWAP_ENV, SWAP_POINTS
 from ..layout.boundaries import THD_SPLITS, WHOLE_ROW
 from ..ops.registry import AUTO as AUTO_BACKEND
-from ..ops.registry import BACKEND_CHOICES, unknown_backend_error
+from ..ops.registry import BACKEND_CHOICES, BACKENDS, backend_settings, unknown_backend_error
 from .spec import AUTO, MODES, unknown_mode_error
 
 __all__ = ["THD_SPLIT_FIELD", "Settings", "check_thd_split_setting"]
@@ -59,6 +60,7 @@ class Settings:
     deterministic: bool = False
     chunkwise_path: str = "auto"
     chunkwise_swap: str = "auto"
+    backend_settings: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, str) or (self.mode != AUTO and self.mode not in MODES):
@@ -70,11 +72,17 @@ class Settings:
             raise TypeError(f"deterministic_mode={self.deterministic!r} must be True or False")
         _one_of("chunkwise_path", self.chunkwise_path, CHUNKWISE_PATHS, CHUNKWISE_PATH_ENV)
         _one_of("chunkwise_swap", self.chunkwise_swap, SWAP_POINTS, CHUNKWISE_SWAP_ENV)
+        known = {var for spec in BACKENDS.values() for var in spec.settings}
+        if not isinstance(self.backend_settings, tuple) or any(
+                not isinstance(pair, tuple) or len(pair) != 2 or pair[0] not in known for pair in self.backend_settings):
+            raise ValueError(f"backend_settings={self.backend_settings!r} must be (variable, value) pairs of the "
+                             f"backends' settings ({', '.join(sorted(known))}): gdn_cp.ops.registry.backend_settings()")
 
     @classmethod
     def from_environment(cls, environ: Optional[Mapping[str, str]] = None, **fields) -> Settings:
-        """``Settings(**fields)`` with the chunkwise path and swap point the environment sets (a field
-        given here wins); a bad variable is a ValueError naming it."""
+        """``Settings(**fields)`` with the chunkwise path, the swap point and the backends' settings the
+        environment sets (a field given here wins); a bad variable is a ValueError naming it."""
         fields.setdefault("chunkwise_path", env.read(CHUNKWISE_PATH_ENV, environ))
         fields.setdefault("chunkwise_swap", env.read(CHUNKWISE_SWAP_ENV, environ))
+        fields.setdefault("backend_settings", backend_settings(environ))
         return cls(**fields)

@@ -3,7 +3,7 @@
 Torch-free and Megatron-free, so the patched ``TransformerConfig``, the CLI, ``doctor``, the
 modes, tests and benchmarks all read the same table. A new mode is one :class:`ModeSpec` entry
 below plus one file under ``gdn_cp/modes/``: a :class:`~gdn_cp.modes.context.Mode` subclass that
-names its entry (``spec``), listed in :data:`gdn_cp.modes.core.MODE_CLASSES`.
+names its entry (``spec``), listed in :data:`gdn_cp.modes.entry.MODE_CLASSES`.
 
 Head rule: a mode needs ``linear_num_key_heads`` and ``linear_num_value_heads`` divisible by
 ``head_divisor(tp, cp)`` (``TP*CP`` for headwise, ``TP`` for the others).

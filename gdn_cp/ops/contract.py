@@ -1,50 +1,99 @@
-"""What a per-rank math backend provides: the contract the modes call.
+"""What a per-rank math backend is, declared once: its facts (:class:`BackendSpec`) and its members
+(:class:`Backend`).
 
-Tensors are THD-packed rows without a batch dim. ``cu_seqlens`` are local boundaries of
-exactly the rows given, as host ints: a :class:`~gdn_cp.layout.Boundaries` (modes pass the
-plan's, so a backend finds its device copies cached on it) or a list / tuple of ints. A
-backend never reads device data back to the host.
+A backend is one folder under ``gdn_cp/ops/`` and one line in :mod:`gdn_cp.ops.registry`. The folder's
+``__init__.py`` hands on its ``SPEC`` (torch-free: the registry, the command line and the config check
+read it; kept in ``spec.py`` where its kernel modules read it too) and defines ``load(settings)``,
+which imports its kernel modules and returns its :class:`Backend` for the values of its ``GDN_CP_*``
+settings (never a kernel library: those load on a kernel's first call).
 
-A backend is any object with these members; ``gdn_cp.ops.reference``, ``gdn_cp.ops.fla`` and
-``gdn_cp.ops.flashqla`` are modules that satisfy it (``tests/ops/test_contract.py`` checks each).
+Tensors are THD-packed rows without a batch dim. ``cu_seqlens`` are local boundaries of exactly the
+rows given, as host ints: a :class:`~gdn_cp.layout.Boundaries` (modes pass the plan's, so a backend
+finds its device copies cached on it) or a list / tuple of ints. A backend never reads device data
+back to the host.
 
-Optional members (looked up with ``getattr``; a backend without them works, more slowly):
-
-- ``chunk_state_summary(k, v, g, beta, *, cu_seqlens, use_qk_l2norm) -> [N, Hv, Dk, Dk+Dv]``,
-  each sequence's affine state summary ``[M | S_ext]`` computed without a serial scan (the
-  reference backend has it). Chunkwise's own exchange then starts the summary all-gather before
-  scanning; without it the summary comes from a scan of the slice's last sequence.
-- ``native_zigzag_cp_core(group) -> NativeCPCore | None``: like ``native_cp_core`` but on this
-  rank's zigzag rows of the whole stream cut as one sequence (parts r and 2*cp-1-r), the
-  documents' boundaries as ``cu_seqlens_global``; chunkwise then moves no rows (FLA >= 0.6).
-- ``fused_gated_rms_norm() -> callable | None``: ``fn(x [N, D], z [N, D], weight [D], eps) ->
-  x / rms(x) * weight * silu(z)`` in one kernel (FLA); the Megatron glue uses it in place of the
-  layer's ``out_norm`` then ``* act(z)`` where that is exactly what the layer computes.
-- ``check_head_dims(head_k_dim, head_v_dim)``: ValueError where the kernels cannot take these
-  head dims (FLA, FlashQLA); ``gdn-cp run`` asks before it spawns ranks.
-- ``check_core(shape, dtype)``: ValueError where the kernels cannot take a layer of this
-  :class:`~gdn_cp.ops.shape.GDNShape` whose activations are ``dtype`` (FLA: head dims; FlashQLA:
-  head dims 128, bf16 / fp16); :func:`gdn_cp.modes.gdn_core` asks before any collective.
-- ``native_cp_problem() -> str | None``: why the native cores cannot run in this process (None
-  when they can, on a group they take); ``check_native_rows(cu_seqlens_global, cp, conv_width)``:
-  ValueError where they cannot take this packing. ``gdn-cp run`` asks both before it spawns.
-
-Which backends there are, and what gdn-cp needs to know of each outside its own files (devices,
-availability, precision, preference), is :mod:`gdn_cp.ops.registry`.
+Callers use the members as declared here and never look one up by name: an optional member that a
+backend does not offer holds its default, which says so (``None``, or a function answering None).
+Adding an optional member is one field of :class:`Backend` with its default.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
     import torch
 
     from .shape import GDNShape
 
-__all__ = ["Backend", "NativeCPCore", "check_backend"]
+__all__ = ["Backend", "BackendSpec", "NativeCPCore", "check_backend"]
 
-_BACKEND_MEMBERS = ("causal_conv1d", "chunk_gated_delta_rule", "native_cp_core")
+
+def _runs_here() -> Optional[str]:
+    return None
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A backend's facts, torch-free.
+
+    ``title``: how messages name it (``FLA``). ``devices``: the device
+    types its kernels run on; ``devices_why`` says why in a refusal. ``preference``: the order in which
+    ``auto`` tries the backends (lower first). ``problem``: why it cannot run in this Python (None when
+    it can; probed once, never raises). ``tf32_dots``: fp32 inputs are multiplied with TF32 dot products
+    (looser fp32 tolerances). ``dtypes``: the activation dtypes its kernels take (torch dtype names;
+    None: any float). ``head_dims``: why its kernels cannot take head dims ``(Dk, Dv)`` (None: they can;
+    the field None: any). ``narrow``: its kernels take so few layers that ``auto`` picks it only where
+    the layer's head dims and dtype are known. ``native_cp``: what its native context-parallel cores
+    need, for messages (None: it has none; chunkwise then always runs gdn-cp's own exchange on it).
+    ``settings``: the ``GDN_CP_*`` variables its kernels take (:mod:`gdn_cp.env`'s table), read and
+    checked with gdn-cp's other settings where a call comes in, and handed to its ``load``.
+    """
+
+    name: str
+    title: str
+    devices: tuple[str, ...]
+    devices_why: str
+    preference: int
+    problem: Callable[[], Optional[str]] = _runs_here
+    tf32_dots: bool = False
+    dtypes: Optional[tuple[str, ...]] = None
+    head_dims: Optional[Callable[[int, int], Optional[str]]] = None
+    narrow: bool = False
+    native_cp: Optional[str] = None
+    settings: tuple[str, ...] = ()
+
+    def dtype_problem(self, dtype) -> Optional[str]:
+        """Why its kernels cannot take activations of ``dtype`` (a torch dtype or its name; None: unknown)."""
+        name = None if dtype is None else str(dtype).replace("torch.", "")
+        if self.dtypes is None or name is None or name in self.dtypes:
+            return None
+        return f"{self.title} takes {' / '.join(self.dtypes)} activations only, not {name}"
+
+    def layer_problem(self, head_dims: Optional[tuple[int, int]], dtype) -> Optional[str]:
+        """Why its kernels cannot take a layer of ``head_dims`` ``(Dk, Dv)`` whose activations are
+        ``dtype``; None when they can. Unknown values (None) pass, except for a ``narrow`` backend."""
+        if self.narrow and (head_dims is None or None in head_dims or dtype is None):
+            return f"{self.title}: chosen where the layer's head dims and dtype are known (its kernels take few)"
+        if self.head_dims is not None and head_dims is not None and None not in head_dims:
+            why = self.head_dims(*head_dims)
+            if why is not None:
+                return why
+        return self.dtype_problem(dtype)
+
+    def check_head_dims(self, head_k_dim: int, head_v_dim: int) -> None:
+        """ValueError, with the fix, where its kernels cannot take these head dims."""
+        why = None if self.head_dims is None else self.head_dims(head_k_dim, head_v_dim)
+        if why is not None:
+            raise ValueError(why)
+
+    def check_dtype(self, dtype) -> None:
+        """ValueError, with the fix, where its kernels cannot take activations of ``dtype``."""
+        why = self.dtype_problem(dtype)
+        if why is not None:
+            raise ValueError(f"{why}. Fix: train in one of those (Megatron-LM --bf16), or linear_cp_backend='auto' "
+                             "(the first backend that takes the layer)")
 
 
 class NativeCPCore(Protocol):
@@ -72,52 +121,78 @@ class NativeCPCore(Protocol):
     ) -> torch.Tensor: ...
 
 
-@runtime_checkable
-class Backend(Protocol):
-    def causal_conv1d(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
-        *,
-        cu_seqlens: Sequence[int],
-        halo: Optional[torch.Tensor] = None,
-        activation: Optional[str] = "silu",
-    ) -> torch.Tensor:
-        """Depthwise causal conv ``x [T, C]``, ``weight [C, W]`` -> ``[T, C]``, restarting at
-        every boundary; ``halo [W-1, C]``: the rows before row 0 in row 0's sequence."""
-        ...
+def _no_core(group) -> None:
+    return None
 
-    def chunk_gated_delta_rule(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        *,
-        cu_seqlens: Sequence[int],
-        scale: Optional[float] = None,
-        initial_state: Optional[torch.Tensor] = None,
-        output_final_state: bool = False,
-        use_qk_l2norm: bool = True,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``q, k [T, Hk, Dk]``, ``v [T, Hv, Dv]``, ``g, beta [T, Hv]``, ``initial_state
-        [N, Hv, Dk, Dv]`` -> ``(o [T, Hv, Dv], final_state [N, Hv, Dk, Dv] | None)``."""
-        ...
 
-    def native_cp_core(self, group) -> Optional[NativeCPCore]:
-        """The backend's native context-parallel core for ``group``, or None: then the
-        chunkwise mode exchanges halos and state summaries itself through ``gdn_cp.comm``."""
-        ...
+def _nothing() -> None:
+    return None
+
+
+def _no_native_cp() -> str:
+    return "it has no native context-parallel core"
+
+
+def _any_rows(cu_seqlens_global: Sequence[int], cp_size: int, conv_kernel_size: int) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A backend's members: what the modes, the Megatron glue and ``gdn-cp run`` call.
+
+    Required (signatures as the reference backend's, ``gdn_cp.ops.reference``):
+
+    - ``causal_conv1d(x [T, C], weight [C, W], bias [C] | None, *, cu_seqlens, halo [W-1, C] | None,
+      activation "silu" | None) -> [T, C]``: depthwise causal conv restarting at every boundary;
+      ``halo``: the rows before row 0 in row 0's sequence;
+    - ``chunk_gated_delta_rule(q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], *, cu_seqlens, scale,
+      initial_state [N, Hv, Dk, Dv] | None, output_final_state, use_qk_l2norm) -> (o [T, Hv, Dv],
+      final_state [N, Hv, Dk, Dv] | None)``.
+
+    Optional (the default says "not offered"):
+
+    - ``native_cp_core(group) -> NativeCPCore | None``: its context-parallel core for ``group``, or
+      None: chunkwise then exchanges halos and state summaries itself through ``gdn_cp.comm``;
+    - ``native_zigzag_cp_core(group)``: the same on this rank's zigzag rows of the whole stream cut as
+      one sequence (parts r and 2*cp-1-r), the documents' boundaries as ``cu_seqlens_global``;
+      chunkwise then moves no rows (FLA >= 0.6);
+    - ``native_cp_problem() -> str | None``: why its native cores cannot run in this process (None
+      when they can, on a group they take); ``check_native_rows(cu_seqlens_global, cp, conv_width)``:
+      ValueError where they cannot take this packing. ``gdn-cp run`` asks both before it spawns;
+    - ``chunk_state_summary(k, v, g, beta, *, cu_seqlens, use_qk_l2norm) -> [N, Hv, Dk, Dk+Dv]`` or
+      None: each sequence's affine state summary ``[M | S_ext]`` without a serial scan (the reference
+      backend's); chunkwise's own exchange then starts the summary all-gather before scanning;
+    - ``fused_gated_rms_norm() -> fn | None``: ``fn(x [N, D], z [N, D], weight [D], eps) -> x / rms(x)
+      * weight * silu(z)`` in one kernel (FLA's); the Megatron glue uses it in place of the layer's
+      ``out_norm`` then ``* act(z)`` where that is exactly what the layer computes.
+    """
+
+    spec: BackendSpec
+    causal_conv1d: Callable[..., Any]
+    chunk_gated_delta_rule: Callable[..., Any]
+    native_cp_core: Callable[[Any], Optional[NativeCPCore]] = _no_core
+    native_zigzag_cp_core: Callable[[Any], Optional[NativeCPCore]] = _no_core
+    native_cp_problem: Callable[[], Optional[str]] = _no_native_cp
+    check_native_rows: Callable[[Sequence[int], int, int], None] = _any_rows
+    chunk_state_summary: Optional[Callable[..., Any]] = None
+    fused_gated_rms_norm: Callable[[], Optional[Callable]] = _nothing
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def check_shape(self, shape: GDNShape, dtype) -> None:
+        """ValueError, before any collective, where its kernels cannot take a layer of this
+        :class:`~gdn_cp.ops.shape.GDNShape` whose activations are ``dtype`` (a torch dtype)."""
+        self.spec.check_head_dims(shape.head_k_dim, shape.head_v_dim)
+        self.spec.check_dtype(dtype)
 
 
 def check_backend(backend, name: str = "backend") -> None:
-    """TypeError unless ``backend`` has the :class:`Backend` members (a cheap attribute check,
-    not ``isinstance`` on the protocol; ``gdn_cp.ops.get_backend(name)`` gives one)."""
-    missing = [m for m in _BACKEND_MEMBERS if not callable(getattr(backend, m, None))]
-    if missing:
+    """TypeError unless ``backend`` is a :class:`Backend` (``gdn_cp.ops.get_backend(name)`` gives one)."""
+    if not isinstance(backend, Backend):
         raise TypeError(
-            f"{name} must be a backend (gdn_cp.ops.get_backend('reference'), ('fla') or ('flashqla')), got "
-            f"{type(backend).__name__} {backend!r:.60} without {', '.join(missing)}"
+            f"{name} must be a gdn_cp.ops.Backend (gdn_cp.ops.get_backend('reference'), ('fla') or ('flashqla')), "
+            f"got {type(backend).__name__} {backend!r:.60}"
         )

@@ -1,133 +1,37 @@
-"""The backend registry: one entry per per-rank math backend, with everything gdn-cp needs to know of
-a backend outside its own files.
+"""The backend registry: one line per per-rank math backend.
 
-Torch-free (the command line builds its ``--backend`` flag from it). A new backend is one module
-or package under ``gdn_cp/ops/`` satisfying :class:`~gdn_cp.ops.contract.Backend` (with the
-optional members it has) plus one :class:`BackendSpec` entry below; the Megatron glue, ``gdn-cp
-run``, the tolerances and the tests read it from here.
+Torch-free (the command line builds its ``--backend`` flag from it). A backend is one folder under
+``gdn_cp/ops/`` (its ``SPEC`` and ``load(settings)``: :mod:`gdn_cp.ops.contract`) and its line in
+:data:`PACKAGES`; the Megatron glue, ``gdn-cp run``, the tolerances and the tests read it from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 from types import ModuleType
-from typing import Callable, Optional
+from typing import Any, Mapping, Optional
+
+from .. import env
+from . import fla, flashqla, reference
+from .contract import Backend, BackendSpec
 
 __all__ = [
-    "AUTO", "BACKEND_CHOICES", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ORACLE", "backend_problem", "backend_spec",
-    "choose_backend_name", "get_backend", "resolve_backend", "unknown_backend_error",
+    "AUTO", "BACKEND_CHOICES", "BackendSpec", "BACKENDS", "BACKEND_NAMES", "ORACLE", "backend_problem",
+    "backend_settings", "backend_spec", "choose_backend_name", "get_backend", "resolve_backend", "unknown_backend_error",
 ]
 
+PACKAGES: dict[str, ModuleType] = {package.SPEC.name: package for package in (
+    reference,
+    fla,
+    flashqla,
+)}
+"""Each backend's package (its ``SPEC`` and ``load(settings)``), by name."""
 
-@dataclass(frozen=True)
-class BackendSpec:
-    """One backend.
-
-    ``title``: how messages name it (``FLA``). ``module``: imports the backend on first use (a plain import statement, which readers and
-    tools follow; it may import torch, never a kernel library: those load on first call).
-    ``devices``: the device types its kernels run on, and ``devices_why`` says why in a refusal.
-    ``problem``: why it cannot run in this Python (None when it can; probed once, never raises).
-    ``tf32_dots``: fp32 inputs are multiplied with TF32 dot products (looser fp32 tolerances).
-    ``preference``: order in which ``auto`` chooses among the backends that run on a device and take
-    the layer (lower first). ``native_cp``: what its native context-parallel cores need, for messages
-    (None: it has none; then chunkwise always runs gdn-cp's own exchange on it).
-    """
-
-    name: str
-    title: str
-    module: Callable[[], ModuleType]
-    devices: tuple[str, ...]
-    devices_why: str
-    problem: Callable[[], Optional[str]]
-    tf32_dots: bool
-    preference: int
-    native_cp: Optional[str] = None
-    takes: Optional[Callable[[Optional[int], Optional[int], Optional[str]], Optional[str]]] = None
-    """``takes(head_k_dim, head_v_dim, dtype name)``: why its kernels cannot take a layer of these head
-    dims whose activations are of that dtype (None when they can; any argument may be None, unknown).
-    None: it takes anything."""
-
-
-def _reference() -> ModuleType:
-    from . import reference
-
-    return reference
-
-
-def _fla() -> ModuleType:
-    from . import fla
-
-    return fla
-
-
-def _fla_problem() -> Optional[str]:
-    from .fla.detect import fla_import_error  # FLA-free until asked; then probed once per process
-
-    return fla_import_error()
-
-
-def _fla_takes(head_k_dim: Optional[int], head_v_dim: Optional[int], dtype: Optional[str]) -> Optional[str]:
-    if head_k_dim is None or head_v_dim is None:
-        return None  # FLA's range is wide: checked again by its kernels (check_core) before any collective
-    from .fla.kernels import check_head_dims  # torch, not FLA
-
-    try:
-        check_head_dims(head_k_dim, head_v_dim)
-    except ValueError as err:
-        return str(err)
-    return None
-
-
-def _flashqla() -> ModuleType:
-    from . import flashqla
-
-    return flashqla
-
-
-def _flashqla_problem() -> Optional[str]:
-    from .flashqla.detect import flashqla_problem  # FlashQLA-free until asked; then probed once per process
-
-    return flashqla_problem()
-
-
-def _flashqla_takes(head_k_dim: Optional[int], head_v_dim: Optional[int], dtype: Optional[str]) -> Optional[str]:
-    if head_k_dim is None or head_v_dim is None or dtype is None:
-        return "FlashQLA takes head dims 128 and bf16 / fp16 only: chosen where the layer's head dims and dtype are known"
-    if dtype not in ("bfloat16", "float16"):
-        return f"FlashQLA takes bfloat16 / float16 activations only, not {dtype}"
-    from .flashqla.kernels import check_head_dims  # torch, not FlashQLA
-
-    try:
-        check_head_dims(head_k_dim, head_v_dim)
-    except ValueError as err:
-        return str(err)
-    return None
-
+BACKENDS: dict[str, BackendSpec] = {name: package.SPEC for name, package in PACKAGES.items()}
 
 ORACLE = "reference"
 """The plain-torch backend: any device, any float dtype; what ``deterministic_mode`` and the CPU use,
 and what the others are checked against."""
-
-BACKENDS: dict[str, BackendSpec] = {
-    spec.name: spec
-    for spec in (
-        BackendSpec(
-            name="reference", title="the reference backend", module=_reference, devices=("cpu", "cuda"), devices_why="plain torch",
-            problem=lambda: None, tf32_dots=False, preference=2,
-        ),
-        BackendSpec(
-            name="fla", title="FLA", module=_fla, devices=("cuda",), devices_why="FLA's kernels are CUDA-only",
-            problem=_fla_problem, tf32_dots=True, preference=1,
-            native_cp="a CUDA GPU with flash-linear-attention >= 0.4.2", takes=_fla_takes,
-        ),
-        BackendSpec(
-            name="flashqla", title="FlashQLA", module=_flashqla, devices=("cuda",),
-            devices_why="FlashQLA's TileLang kernels run on NVIDIA sm_90+ GPUs only",
-            problem=_flashqla_problem, tf32_dots=False, preference=0,
-            native_cp="an sm_90+ GPU with flash-qla >= 0.1.3 and FLA's cp context (the conv)", takes=_flashqla_takes,
-        ),
-    )
-}
 
 BACKEND_NAMES: tuple[str, ...] = tuple(BACKENDS)
 
@@ -146,9 +50,24 @@ def backend_spec(name) -> BackendSpec:
     return spec
 
 
-def get_backend(name: str):
-    """The backend called ``name`` (its module, imported on first use; a :class:`Backend`)."""
-    return backend_spec(name).module()
+def backend_settings(environ: Optional[Mapping[str, str]] = None) -> tuple[tuple[str, Any], ...]:
+    """Every backend's ``GDN_CP_*`` settings (their specs' ``settings``) as ``(variable, value)`` pairs,
+    read and checked now (a bad value: ValueError naming the variable)."""
+    return tuple((var, env.read(var, environ)) for spec in BACKENDS.values() for var in spec.settings)
+
+
+@functools.lru_cache(maxsize=None)  # a name and settings' values: one Backend each per process
+def _load(name: str, settings: tuple[tuple[str, Any], ...]) -> Backend:
+    return PACKAGES[name].load(dict(settings))
+
+
+def get_backend(name: str, settings: Optional[tuple[tuple[str, Any], ...]] = None) -> Backend:
+    """The backend called ``name`` for these values of its settings (:func:`backend_settings`, e.g. a
+    call's ``Settings.backend_settings``; None: read from the environment now). Its kernel modules are
+    imported on first use."""
+    spec = backend_spec(name)
+    values = dict(backend_settings() if settings is None else settings)
+    return _load(spec.name, tuple((var, values[var] if var in values else env.read(var, {})) for var in spec.settings))
 
 
 def unknown_backend_error(requested, where: str = "") -> ValueError:
@@ -167,13 +86,7 @@ def backend_problem(name: str, device_type: str, *, head_dims: Optional[tuple[in
     spec = backend_spec(name)
     if device_type not in spec.devices:
         return f"{spec.title} runs on {' or '.join(spec.devices)} only ({spec.devices_why}), not {device_type}"
-    problem = spec.problem()
-    if problem is not None:
-        return problem
-    if spec.takes is None:
-        return None
-    dk, dv = head_dims if head_dims is not None else (None, None)
-    return spec.takes(dk, dv, dtype)
+    return spec.problem() or spec.layer_problem(head_dims, dtype)
 
 
 def resolve_backend(requested: str, device_type: str, *, deterministic: bool = False,

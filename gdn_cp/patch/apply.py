@@ -47,10 +47,11 @@ class PatchResult:
     """What ``apply_patch`` / ``revert_patch`` did."""
 
     root: Path
-    action: str  # "applied" | "already_patched" | "reverted" | "already_pristine"
-    files: dict[str, str]  # target -> state afterwards
-    changed: tuple[str, ...]  # targets whose content was rewritten
+    action: str  # "applied" | "already_patched" | "reverted" | "already_pristine" | "would_apply" | "would_revert"
+    files: dict[str, str]  # target -> state afterwards (a dry run: as it is)
+    changed: tuple[str, ...]  # targets whose content was rewritten (a dry run: would be)
     message: str
+    contents: dict[str, bytes] = dataclasses.field(default_factory=dict, repr=False)  # target -> what was written
 
 
 def _diff(text: str, t: PatchTarget, pin: str, *, reverse: bool = False) -> str:
@@ -58,15 +59,17 @@ def _diff(text: str, t: PatchTarget, pin: str, *, reverse: bool = False) -> str:
         patch_text = (patch_dir(pin) / t.patch).read_text(encoding="utf-8")
         return apply_unified_diff(text, patch_text, reverse=reverse, name=t.target)
     except DiffError as e:
-        raise PatchError(f"{e} Nothing was changed.") from None
+        raise PatchError(f"{e} The files' sha256 matched, so gdn-cp's own patch files are damaged: reinstall gdn-cp "
+                         "(pip install -e <clone>). Nothing was changed.") from None
 
 
-def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> PatchResult:
+def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None, *, dry_run: bool = False) -> PatchResult:
     """Apply a pin's patch to the megatron-core at ``root`` (default: the importable one).
 
     ``pin``: default the release whose files the tree matches (by sha256). Every target must be
     pristine before anything is written; all files are replaced or none. Already patched: a
-    no-op (``action == "already_patched"``).
+    no-op (``action == "already_patched"``). ``dry_run``: every check and every new file made,
+    nothing written (``action == "would_apply"``, the new files in ``contents``).
     """
     r = find_megatron_root(root)
     pin, manifest = resolve_pin(r, pin)
@@ -104,6 +107,11 @@ def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> P
         originals[path] = original
         backups[path.with_name(path.name + BACKUP_SUFFIX)] = original
 
+    changed = tuple(t.target for t in manifest.files)
+    if dry_run:
+        return PatchResult(r, "would_apply", dict(states), changed, f"would patch megatron-core at {r} "
+                           f"({describe_tree(r, pin)}): {len(contents)} files; nothing was written.",
+                           {t.target: contents[target_path(r, t)] for t in manifest.files})
     atomic_replace_all(contents, originals, extra_files=backups)
     files = tree_states(r, manifest)
     if overall_state(files) != PATCHED:  # pragma: no cover - would mean a concurrent writer
@@ -115,17 +123,20 @@ def apply_patch(root: Optional[PathLike] = None, pin: Optional[str] = None) -> P
         f"kept as *{BACKUP_SUFFIX}{git_note}."
     )
     _logger.debug(msg)  # the message is returned (the CLI prints it): not logged twice
-    return PatchResult(r, "applied", files, tuple(t.target for t in manifest.files), msg)
+    return PatchResult(r, "applied", files, changed, msg, {t.target: contents[target_path(r, t)] for t in manifest.files})
 
 
-def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None, *, from_backups: bool = False) -> PatchResult:
+def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None, *, from_backups: bool = False,
+                 dry_run: bool = False) -> PatchResult:
     """Restore the byte-identical pristine files at ``root`` (default: the importable megatron).
 
     Works from a fully or partially patched tree; a pristine tree is a no-op
     (``action == "already_pristine"``). Foreign modifications: :class:`PatchError`, nothing changed;
     with ``from_backups`` a modified file whose gdn-cp backup is the release's original (another gdn-cp
     version's patch, or edits of a patched file: they are lost) is restored from that backup.
-    Removes the backups and the ``info/exclude`` lines that ``apply_patch`` added.
+    Removes the backups and the ``info/exclude`` lines that ``apply_patch`` added. ``dry_run``: every
+    check and every restored file made, nothing written or removed (``action == "would_revert"``, or
+    ``already_pristine``; the files in ``contents``).
     """
     r = find_megatron_root(root)
     pin, manifest = resolve_pin(r, pin)
@@ -169,6 +180,14 @@ def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None, *, 
         contents[path] = restored
         originals[path] = current
 
+    changed = tuple(t.target for t in manifest.files if target_path(r, t) in contents)
+    restored_files = {t.target: contents[target_path(r, t)] for t in manifest.files if target_path(r, t) in contents}
+    if dry_run:
+        if not contents:
+            return PatchResult(r, "already_pristine", dict(states), (), f"megatron-core at {r} is not patched; "
+                               "nothing to do.")
+        return PatchResult(r, "would_revert", dict(states), changed, f"would restore the pristine files at {r} "
+                           f"({describe_tree(r, pin)}): {len(contents)} files; nothing was written.", restored_files)
     if contents:
         atomic_replace_all(contents, originals)
     for t in manifest.files:  # backups are no longer needed once every file is pristine
@@ -182,10 +201,9 @@ def revert_patch(root: Optional[PathLike] = None, pin: Optional[str] = None, *, 
         msg = f"megatron-core at {r} is not patched; nothing to do."
         _logger.debug(msg)  # the message is returned (the CLI prints it): not logged twice
         return PatchResult(r, "already_pristine", files, (), msg)
-    changed = tuple(t.target for t in manifest.files if target_path(r, t) in contents)
     msg = f"restored the pristine files at {r} ({describe_tree(r, pin)})."
     _logger.debug(msg)  # the message is returned (the CLI prints it): not logged twice
-    return PatchResult(r, "reverted", files, changed, msg)
+    return PatchResult(r, "reverted", files, changed, msg, restored_files)
 
 
 # --------------------------------------------------------------------------------------------

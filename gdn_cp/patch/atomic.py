@@ -103,4 +103,5 @@ def atomic_replace_all(
                 + "; ".join(rollback_errors)
                 + ". Reinstall megatron-core to recover."
             ) from e
-        raise PatchError(f"renaming into place failed ({e}); the originals were restored.") from e
+        raise PatchError(f"renaming into place failed ({e}); the originals were restored. Check the disk (free space, "
+                         "permissions) and run the command again.") from e

@@ -49,7 +49,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from gdn_cp.checks import as_int
-from gdn_cp.cli.job_data import cumsum0
+from gdn_cp.layout.packings import cumsum0
 
 __all__ = [
     "BATCH_KEYS",

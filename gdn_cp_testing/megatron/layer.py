@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 
 __all__ = [
     "DIMS",
@@ -355,8 +355,8 @@ def thd_params(cu_padded: Sequence[int], cu_actual: Optional[Sequence[int]] = No
 @contextlib.contextmanager
 def stock_forward():
     """Run GatedDeltaNet.forward's untouched stock 0.19.2 code: the patch's hand-over (which looks
-    ``gated_delta_net_forward`` up on every call) returns None before gdn-cp does anything."""
-    import gdn_cp.megatron.gdn as glue
+    ``gated_delta_net_forward`` up in gdn-cp's hooks on every call) returns None before gdn-cp does anything."""
+    import gdn_cp.megatron.hooks as glue
 
     saved = glue.gated_delta_net_forward
     glue.gated_delta_net_forward = lambda *args, **kwargs: None

@@ -450,9 +450,26 @@ def _error_tail(text: str, lines: int = 12) -> str:
     return "\n".join(keep[-lines:])[-2000:]
 
 
-def launch(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float = 600.0,
-           gpus: Optional[int] = None, python: str = sys.executable, extra_env: Optional[dict] = None,
-           failure_grace_s: float = 5.0) -> RunResult:
+PORT_TAKEN = ("EADDRINUSE", "address already in use")
+"""What a rank's log says when the rendezvous port it was given was taken before it listened (runs started
+side by side pick free ports independently; seen 2026-12-03: a CP=4 run's rank 0 lost its port)."""
+
+
+def launch(spec: RunSpec, *, checkout, log_dir, attempts: int = 3, **kwargs) -> RunResult:
+    """:func:`launch_once`, started again on a new port (up to ``attempts`` times) when its rendezvous port
+    was taken by another run before rank 0 listened: a collision between runs, not the run's outcome."""
+    for attempt in range(attempts):
+        result = launch_once(spec, checkout=checkout, log_dir=log_dir, **kwargs)
+        if result.status == "ok" or result.losses or not any(m in result.error for m in PORT_TAKEN):
+            return result
+        logger.warning("%s: its rendezvous port was taken (attempt %d of %d): starting again on another port",
+                       spec.name, attempt + 1, attempts)
+    return result
+
+
+def launch_once(spec: RunSpec, *, checkout, log_dir, data_dir=None, timeout_s: float = 600.0,
+                gpus: Optional[int] = None, python: str = sys.executable, extra_env: Optional[dict] = None,
+                failure_grace_s: float = 5.0) -> RunResult:
     """Run ``spec`` to the end (or its first failure) and return what it logged.
 
     One rank per GPU over NCCL when there are enough GPUs (``gpus``, default: what torch sees),

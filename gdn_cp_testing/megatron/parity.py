@@ -15,7 +15,7 @@ import torch
 
 from gdn_cp.modes.spec import MODE_NAMES
 from gdn_cp_testing.inputs import hidden_inputs
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 from gdn_cp_testing.packings import document_packings, thd_case, zigzag_rows
 from gdn_cp_testing.megatron.layer import DIMS, build_gdn, gdn_cp_forward, make_config, rank_groups, run_layer, thd_params
 
@@ -108,7 +108,7 @@ def parity_case(rank, world, layout, dtype, modes, *, cfg=None, cp_group=None, d
     CP group (config context_parallel_size = its size). ``dynamic=True``: the modules keep the
     static WORLD group (context_parallel_size = world) and the micro-batch's PackedSeqParams carries
     ``cp_group`` and ``local_cp_size`` (dynamic CP). ``cfg`` overrides TransformerConfig fields.
-    ``device`` / ``metric``: the GPU tests pass "cuda" and :func:`gdn_cp.cli.accuracy.rel_l2`.
+    ``device`` / ``metric``: the GPU tests pass "cuda" and :func:`gdn_cp.ops.accuracy.rel_l2`.
     ``sbhd_batch``: B of the SBHD case (default 2; 1 makes every rank's rows one zigzag-cut stream).
     ``spec``: the layer's submodules (:data:`gdn_cp_testing.megatron.layer.SPECS`; ``te``: Megatron's
     own TransformerEngine spec).

@@ -192,5 +192,48 @@ def test_the_package_root_shows_the_layers():
 
 
 def test_python_dash_m_runs_the_command():
-    r = subprocess.run([sys.executable, "-m", "gdn_cp.cli", "--version"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout.startswith("gdn-cp "), r
+    import gdn_cp
+
+    for flag in ("--version", "-V"):  # issue #41: -V was refused
+        r = subprocess.run([sys.executable, "-m", "gdn_cp.cli", flag], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == f"gdn-cp {gdn_cp.__version__}\n", r
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--modes", "headwise", "--cp", "3"],          # the flags together: a mode that cannot split the heads
+    ["run", "--cp", "1_0"],                               # a flag argparse refuses
+    ["patch", "apply", "/nonexistent"],                  # a PATH that does not exist
+    ["doctor", "--tp", "2"],                              # --tp without --heads
+    ["route", "--cu", "0,8", "--cp", "2", "--rank", "5"],  # a rank that is not one
+])
+def test_argument_errors_answer_before_torch_is_imported(argv):
+    """Issue #41: errors found after parsing took 3-7 s on a busy machine, torch imported first. They
+    answer from the parsed flags alone (exit 2, one line that names the fix)."""
+    code = ("import sys\nfrom gdn_cp.cli import main\ntry:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    rc = e.code\nsys.exit(rc if 'torch' not in sys.modules else 99)\n")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, (r.returncode, r.stderr)
+    assert re.search(r"; (pass|use|add|leave|usage:) ", r.stderr), r.stderr  # names a fix (or the help that does)
+
+
+def test_route_json_is_the_plan_the_summary_describes(capsys):
+    """`gdn-cp route --json`: per rank, each route's transfers add up to its split sizes, and the rows that
+    leave the rank are the summary line's."""
+    import json
+
+    argv = ["route", "--cu", "0,8,24,24,56", "--cp", "2"]
+    assert main(argv) == 0
+    summary = capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cu"] == [0, 8, 24, 24, 56] and plan["t_local"] == 28 and [r["rank"] for r in plan["ranks"]] == [0, 1]
+    for rank in plan["ranks"]:
+        for route in rank["routes"]:
+            sent = [0] * plan["cp"]
+            for peer, _start, rows, _local in route["send_transfers"]:
+                sent[peer] += rows
+            assert sent == route["send_splits"], route
+            assert (f"{route['source']}->{route['target']} sends {route['rows_leaving']} of 28 rows"
+                    in summary.splitlines()[1 + rank["rank"]]), summary
+    assert main([*argv, "--json", "--rank", "1"]) == 0
+    assert [r["rank"] for r in json.loads(capsys.readouterr().out)["ranks"]] == [1]

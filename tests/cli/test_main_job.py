@@ -175,15 +175,129 @@ def test_counts_say_one_thing_not_one_things():
     from gdn_cp.cli import main_job
 
     lines = []
-    report = {"cu": [0, 8], "route_summary": "", "route_build_ms": 0.1, "round_trip_exact": True,
-              "plan_hits_after_first": True, "cp1_s": 0.1, "modes": {}}
     result = main_job.JobResult()
-    main_job._print_block(1, [report], (), {}, 1e-5, result, lines.append)
-    main_job._finish(JobConfig(cp_sizes=(1,)), result, lines.append)
+    block = main_job._Block(1, (), {}, 1e-5, result, lines.append)  # noqa: SLF001
+    block.on_event(0, {"kind": "routes", "cu": [0, 8], "route_summary": "", "route_build_ms": 0.1,
+                       "round_trip_exact": True})
+    block.on_event(0, {"kind": "reference", "cp1_s": 0.1})
+    block.finish([{"plan_hits_after_first": True}])
+    main_job._finish(JobConfig(cp_sizes=(1,)), result, lines.append)  # noqa: SLF001
     text = "\n".join(lines)
     assert "packed micro-batch: 1 sequence (lengths 8..8, 0 empty slots)" in text, text
     assert "result: FAIL (1 problem listed above)" in text, text
     assert "1 sequences" not in text and "problem(s)" not in text
+
+
+def _replaying_ranks(errors: float = 1e-7, seconds: float = 0.25):
+    """A stand-in for run_ranks that sends what real ranks send (ctx.emit), rank by rank, at once."""
+    def run_ranks(world, fn, cp, cfg, modes, *, on_event, **kw):
+        from gdn_cp.layout.packings import packed_boundaries
+
+        cu = packed_boundaries(cfg.num_sequences, cfg.tokens_per_rank * cp, cp, cfg.seed)
+        for kind in ("routes", "reference", *modes):
+            for rank in range(world):
+                if kind == "routes":
+                    on_event(rank, {"kind": kind, "cu": cu, "route_summary": "", "route_build_ms": 0.1,
+                                    "round_trip_exact": True})
+                elif kind == "reference":
+                    on_event(rank, {"kind": kind, "cp1_s": 0.5})
+                else:
+                    on_event(rank, {"kind": "mode", "mode": kind, "seconds": seconds + rank,
+                                    "errors": {k: errors * (rank + 1) for k in main_job_columns()}})
+        return [{"plan_hits_after_first": True}] * world
+
+    return run_ranks
+
+
+def main_job_columns():
+    from gdn_cp.cli.main_job import COLUMNS
+
+    return COLUMNS
+
+
+@pytest.mark.slow
+def test_each_line_prints_when_its_mode_is_done_and_verbose_shows_every_ranks_log(monkeypatch, caplog):
+    """Issue #41: `gdn-cp run` printed nothing for ~100 s after "spawning 2 ranks", then everything at once;
+    `-v` changed nothing visible (spawned ranks inherit no logging setup). Each mode's line is printed while
+    the ranks still run (before run_ranks returns), and with rank_log_level the ranks' records reach this
+    process's loggers, each prefixed with its rank: the THD cut, the route, the mode and backend, and the
+    library's own (the chunkwise exchange path). One run for both (spawning costs seconds)."""
+    import logging
+
+    from gdn_cp.cli import main_job
+
+    returned = []
+    real = main_job.run_ranks
+
+    def watched(*a, **k):
+        out = real(*a, **k)
+        returned.append(True)
+        return out
+
+    monkeypatch.setattr(main_job, "run_ranks", watched)
+    caplog.set_level(logging.DEBUG)
+    lines = []
+    result = run_job(JobConfig(cp_sizes=(2,), **SMALL), echo=lambda line: lines.append((line, bool(returned))),
+                     rank_log_level=logging.DEBUG)
+    assert result.exit_code == 0, lines
+    rows = {line.split()[0]: done for line, done in lines if line.startswith(("chunkwise ", "all_gather "))}
+    assert rows == {"chunkwise": False, "all_gather": False}, lines
+    assert [done for line, done in lines if line.startswith("cached plan reused")] == [True]
+    messages = [r.getMessage() for r in caplog.records]
+    for rank in (0, 1):
+        assert any(m.startswith(f"rank {rank}: cp=2: THD cut per_document") and "zigzag->contiguous sends" in m
+                   for m in messages), messages
+        for mode in ("chunkwise", "all_gather"):
+            assert f"rank {rank}: cp=2: {mode} mode on the reference backend (gloo group, cpu)" in messages, messages
+        assert any(m.startswith(f"rank {rank}: chunkwise halo/state exchange: generic path") for m in messages)
+
+
+def test_quiet_prints_only_the_failures_and_the_verdict(monkeypatch, capsys):
+    from gdn_cp.cli import main_job
+
+    monkeypatch.setattr(main_job, "run_ranks", _replaying_ranks())
+    argv = ["run", "--cp", "2", "--sequences", "5", "--tokens-per-rank", "16", "--heads", "3,6", "--head-dim", "8"]
+    assert main([*argv, "-q"]) == 0
+    assert capsys.readouterr().out == "result: PASS: 2 (cp, mode) runs that could run passed; 1 skipped (listed above)\n"
+    monkeypatch.setattr(main_job, "run_ranks", _replaying_ranks(errors=1.0))
+    assert main(["-q", *argv]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "result: FAIL (2 problems listed above)" and len(out) == 3, out
+    assert all(line.startswith("failed: cp=2 ") for line in out[:2]), out
+    assert main([*argv]) == 1 and "== cp=2: spawning 2 ranks" in capsys.readouterr().out  # without -q: the report
+    assert main([*argv, "-q", "-v"]) == 2 and "-v and -q contradict" in capsys.readouterr().err
+
+
+def test_json_is_the_run_as_one_object_with_the_seed(monkeypatch, capsys):
+    """`gdn-cp run --json --seed 3`: stdout is one JSON object: the config (seed included), one row per
+    (cp, mode) with its errors (max over ranks) and seconds, the skipped modes, the verdict."""
+    import json
+
+    from gdn_cp.cli import main_job
+
+    monkeypatch.setattr(main_job, "run_ranks", _replaying_ranks())
+    assert main(["run", "--json", "--seed", "3", "--cp", "2,3", "--sequences", "5", "--tokens-per-rank", "16",
+                 "--heads", "3,6", "--head-dim", "8"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["config"]["seed"] == 3 and report["config"]["cp_sizes"] == [2, 3] and report["ok"] is True
+    assert [(r["cp"], r["mode"]) for r in report["runs"]] == [(2, "chunkwise"), (2, "all_gather"),
+                                                              (3, "headwise"), (3, "chunkwise"), (3, "all_gather")]
+    row = report["runs"][0]
+    assert row["errors"]["out"] == pytest.approx(2e-7) and row["seconds"] == 1.25 and row["ok"] is True  # max of 2 ranks
+    assert report["skipped"] == [{"cp": 2, "mode": "headwise", "reason": report["skipped"][0]["reason"]}]
+    assert report["blocks"]["2"]["round_trip_exact"] is True and report["blocks"]["3"]["plan_reused"] is True
+    assert report["verdict"].startswith("result: PASS: 5 (cp, mode) runs")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--seed", "-1"])
+
+
+def test_the_seed_chooses_the_packing():
+    """--seed reaches the data: another seed, other sequence lengths (and inputs), the same on every rank."""
+    from gdn_cp.layout.packings import packed_boundaries
+
+    args = build_parser().parse_args(["run", "--seed", "5"])
+    assert args.seed == 5 and build_parser().parse_args(["run"]).seed == 0
+    assert packed_boundaries(37, 2048, 2, 0) != packed_boundaries(37, 2048, 2, 5)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from gdn_cp.cli import main
 from gdn_cp.cli.main_job import check_job
 from gdn_cp.modes.spec import MODE_NAMES
-from gdn_cp.cli.job_data import cumsum0
+from gdn_cp.layout.packings import cumsum0
 from gdn_cp_testing.packings import zigzag_rows
 
 from .common import HUGE_INTS, MAX_CP, MAX_TP, cli_int, cli_int_list, fuzz_settings
@@ -440,7 +440,7 @@ def test_run_flags(data):
             flags[flag] = data.draw(st.sampled_from(choices))
     seen = []
 
-    def fake_run_job(cfg, echo):
+    def fake_run_job(cfg, echo, **kw):
         check_job(cfg)  # what run_job does first; then it would spawn ranks
         seen.append(cfg)
         return types.SimpleNamespace(exit_code=0)

@@ -36,7 +36,7 @@ from gdn_cp.layout import (
     sbhd_cu_seqlens,
     validate_cu_seqlens,
 )
-from gdn_cp.cli.job_data import cumsum0
+from gdn_cp.layout.packings import cumsum0
 from gdn_cp_testing.packings import zigzag_rows
 
 from .common import (

@@ -22,10 +22,12 @@ from hypothesis import strategies as st
 from gdn_cp.layout import Boundaries, RouteCache
 from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd, thd_to_sbhd
 from gdn_cp.modes.spec import MODE_NAMES
-from gdn_cp.ops import BACKENDS, get_backend, reference, value_heads_per_key_head
+from gdn_cp.ops import BACKENDS, get_backend, value_heads_per_key_head
 from gdn_cp.ops.gates import check_log_decay
 from gdn_cp.ops.reference.naive import naive_causal_conv1d, naive_gated_delta_rule
-from gdn_cp.cli.job_data import cumsum0
+from gdn_cp.layout.packings import cumsum0
+
+reference = get_backend("reference")
 
 from .common import (
     Refused,

@@ -9,7 +9,7 @@ backend's input checks, which run anywhere, are in tests/ops/test_fla_checks.py)
 are appended as JSON lines to the file named by ``GDN_CP_GPU_RESULTS`` (the device suite writes it
 into $OUT; docs/performance.md quotes it).
 
-Tolerances (relative L2 = ||a-b|| / ||b||, i.e. normalized RMS; gdn_cp.cli.accuracy):
+Tolerances (relative L2 = ||a-b|| / ||b||, i.e. normalized RMS; gdn_cp.ops.accuracy):
   FLA vs fp64 reference: fp32 <= 5e-3, bf16 <= 1e-2 (outputs and gradients).
   chunkwise cp=N vs CP=1 (same backend): fp32 <= 1e-4; bf16 <= 2e-3 outputs, <= 1e-2 gradients.
 """
@@ -24,16 +24,19 @@ import torch
 
 from gdn_cp.layout import Boundaries
 from gdn_cp.ops import GDNShape
-from gdn_cp.ops import fla as fla_backend
-from gdn_cp.ops.fla import fla_available, native_cp
+from gdn_cp.ops import get_backend
+from gdn_cp.ops.fla import native_cp
+from gdn_cp.ops.fla.detect import fla_available
 from gdn_cp.cli.selftest import compare, conv_case, gdn_case
 from gdn_cp_testing.inputs import fla_core_inputs
-from gdn_cp.cli.accuracy import max_rel, rel_l2
+from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.ranks import maybe_fast_autotune
 from gdn_cp_testing.results import JsonlRecorder
-from gdn_cp.cli.accuracy import FLA_CP_CEILING_REL_L2 as CEILING
-from gdn_cp.cli.accuracy import FLA_CP_VS_CP1_REL_L2 as CP_TOL
-from gdn_cp.cli.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
+from gdn_cp.ops.accuracy import FLA_CP_CEILING_REL_L2 as CEILING
+from gdn_cp.ops.accuracy import FLA_CP_VS_CP1_REL_L2 as CP_TOL
+from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
+
+fla_backend = get_backend("fla")  # the kernels' module loads (torch), FLA itself on a kernel's first call
 
 FAST_AUTOTUNE = maybe_fast_autotune()  # opt-in, test-only: GDN_CP_TEST_FAST_AUTOTUNE=1
 
@@ -41,7 +44,7 @@ GPU_OK = torch.cuda.is_available() and fla_available()
 needs_gpu = pytest.mark.skipif(not GPU_OK, reason="needs CUDA + flash-linear-attention")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# CP_TOL / CEILING (gdn_cp.cli.accuracy): a tensor over CP_TOL still passes when CP is as
+# CP_TOL / CEILING (gdn_cp.ops.accuracy): a tensor over CP_TOL still passes when CP is as
 # accurate as CP=1 against fp64 (<= 1.1x CP=1's error + 1e-4) and within CEILING of CP=1; the record
 # keeps issue_targets_met=False for it. Measured on an H200 (run of 2026-11-29, docs/performance.md):
 # bf16 packed cp=4 output rel-L2 2.13e-3 against CP=1, both 4.2e-3 from fp64; fp32 packed cp=2 dg
@@ -182,7 +185,9 @@ def _baseline(case: str, dtype: str):
     """CP=1 on the FLA backend (and the fp64 reference composition) for a chunkwise case."""
     key = (case, dtype)
     if key not in _BASELINES:
-        from gdn_cp.ops import reference
+        from gdn_cp.ops import get_backend
+
+        reference = get_backend("reference")
 
         cu = ALL_CASES[case]
         inp = fla_core_inputs(cu[-1], **DIMS, width=CONV_W)
@@ -305,7 +310,9 @@ def test_chunkwise_bad_layout_fails_before_any_collective(cuda_pool, cu, local_r
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("op", ["conv", "gdn"])
 def test_fla_vs_reference_cp1(op, dtype):
-    from gdn_cp.ops import reference
+    from gdn_cp.ops import get_backend
+
+    reference = get_backend("reference")
 
     fn = conv_case if op == "conv" else gdn_case
     t0 = time.perf_counter()
@@ -406,7 +413,7 @@ def _gather_rows(results: list, key: str, cp: int, group_start: int, t_global: i
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("path", ["native", "generic"])
 def test_chunkwise_mode_paths_match_cp1(cuda_pool, path, cp):
-    from gdn_cp.ops.fla import has_zigzag_layout
+    from gdn_cp.ops.fla.detect import has_zigzag_layout
 
     dtype = "bfloat16"
     inputs = {case: _baseline(case, dtype)[0] for case in {c for c, _, _ in MODE_CASES}}

@@ -15,7 +15,7 @@ value-block width FlashQLA picks from sequences x heads) combination, so the sha
 value heads 4 / 8 (headwise takes 2 / 4 at cp=2 and 1 / 2 at cp=4), head dim 128, and the realistic
 16 / 32. Keep ``TILELANG_CACHE_DIR`` between runs (benchmarks/gpu_suite.sh does).
 
-Tolerances (relative L2; gdn_cp.cli.accuracy), the FLA backend's: bf16 vs the fp64 reference
+Tolerances (relative L2; gdn_cp.ops.accuracy), the FLA backend's: bf16 vs the fp64 reference
 <= 1e-2; cp=N vs CP=1 <= 2e-3 outputs, <= 1e-2 gradients, or within 5e-3 of CP=1 and as close to fp64
 as CP=1 is (FlashQLA's own split of long sequences, auto_cp, cuts them at other rows per CP size).
 Measured errors are appended as JSON lines to ``$GDN_CP_GPU_RESULTS``.
@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from gdn_cp.ops import GDNShape
-from gdn_cp.ops.flashqla import flashqla_problem
+from gdn_cp.ops.flashqla.detect import flashqla_problem
 from gdn_cp_testing.inputs import fla_core_inputs
-from gdn_cp.cli.accuracy import max_rel, rel_l2
+from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.results import JsonlRecorder
-from gdn_cp.cli.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
+from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
 
 from .test_fla_backend import _judge
 
@@ -91,7 +91,7 @@ def _plan(case: str, cp: int, rank: int):
 
 
 def _core_cp1(backend, t: dict, cu, shape=SHAPE):
-    from gdn_cp.modes.common import local_core  # the CP=1 core (its inputs trusted: the test made them)
+    from gdn_cp.modes.local import local_core  # the CP=1 core (its inputs trusted: the test made them)
 
     return local_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=shape, cu_seqlens=cu, backend=backend)
 
@@ -107,7 +107,7 @@ def _baseline(case: str, dims=None, cu=None):
     if key in _BASELINES:
         return _BASELINES[key]
     from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla import fla_available
+    from gdn_cp.ops.fla.detect import fla_available
 
     shape = GDNShape(**dims)
     cu = CASES[case][0] if cu is None else cu
@@ -216,7 +216,7 @@ def _gather(results, key: str, cp: int, start: int, t_global: int) -> dict:
 def test_modes_match_cp1(cuda_pool, path, cp):
     """generic: headwise, all_gather and chunkwise (gdn-cp's exchange); native: chunkwise on FlashQLA's
     inter-card context (skipped where it cannot run: FlashQLA < 0.1.3, or FLA's cp context missing)."""
-    from gdn_cp.ops.flashqla import native_cp_problem
+    from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
     if path == "native" and native_cp_problem() is not None:
         pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
@@ -270,7 +270,7 @@ def _rank_realistic(rctx, inp: dict, cu: list, cp: int, path: str):
 def test_realistic_shape_chunkwise_cp2(cuda_pool, path):
     """16 key / 32 value heads, head dim 128, T=8192 in one sequence: chunkwise at cp=2 against FlashQLA
     at CP=1, FLA at CP=1 and the fp64 reference."""
-    from gdn_cp.ops.flashqla import native_cp_problem
+    from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
     if path == "native" and native_cp_problem() is not None:
         pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")
@@ -323,7 +323,7 @@ def _rank_syncs(rctx, inp: dict, cp: int, path: str):
 def test_second_call_makes_no_sync(cuda_pool, path):
     """gdn-cp's rule: after the first layer of a micro-batch, a layer call makes no device->host sync.
     FlashQLA's caches (boundaries-derived tensors, keyed on the tensor object, 4 entries) must hit."""
-    from gdn_cp.ops.flashqla import native_cp_problem
+    from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
     if path == "native" and native_cp_problem() is not None:
         pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")

@@ -26,16 +26,16 @@ def _config(backend="auto", *, dims=(128, 128), dtype=torch.bfloat16, determinis
 
 
 def _layer(backend="auto", *, dims=(128, 128), dtype=torch.bfloat16, deterministic=False):
-    """``(settings, layer)`` of a layer call: its checked settings and the adapter's view of the layer."""
+    """``(settings, layer)`` of a layer: its checked settings and the adapter's view of the layer."""
     from gdn_cp.modes import Settings
 
-    settings = Settings(mode="chunkwise", backend=backend, deterministic=deterministic)
+    settings = Settings.from_environment(mode="chunkwise", backend=backend, deterministic=deterministic)
     return settings, types.SimpleNamespace(head_dims=dims, activation_dtype=dtype, layer_number=3)
 
 
 @pytest.fixture
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(glue, "_CHOSEN", {})
+    monkeypatch.setattr(glue, "_LOGGED_CHOICES", set())
 
 
 def test_config_default_is_auto_and_a_typo_fails():

@@ -1,7 +1,6 @@
 """linear_cp_mode at the Megatron boundary: the one check, auto resolution and the TransformerConfig
 hook (pure Python: no Megatron, no GPU needed; configs are stand-in namespaces with the fields)."""
 
-import functools
 import logging
 import sys
 import types
@@ -9,12 +8,9 @@ import types
 import pytest
 
 from gdn_cp.megatron import config as cfgmod
-from gdn_cp.megatron.config import (
-    check_linear_cp_mode,
-    configure_linear_cp_mode,
-    explain_linear_cp_modes,
-    resolve_linear_cp_mode,
-)
+from gdn_cp.megatron import rules
+from gdn_cp.megatron.config import configure_linear_cp_mode, explain_linear_cp_modes, resolve_linear_cp_mode
+from gdn_cp.megatron.rules import check_linear_cp_mode
 from gdn_cp.modes.spec import MODE_CHOICES, MODE_NAMES
 
 # (K, V, TP, CP); the expected legality is computed by _expected: headwise needs K and V
@@ -313,7 +309,7 @@ def test_imports_are_light():
     assert _imported_heavy("import gdn_cp.megatron, gdn_cp.patch, gdn_cp.megatron.pins, gdn_cp.cli.patch, gdn_cp.cli.doctor") == []
     registry = _imported_heavy("import gdn_cp.modes.spec")
     assert "megatron" not in registry
-    assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.megatron.pins.core_0_19_2") == registry
+    assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.megatron.pins.megatron_core_0_19_2") == registry
 
 
 def test_names_come_from_the_registry(monkeypatch):
@@ -321,11 +317,8 @@ def test_names_come_from_the_registry(monkeypatch):
     from gdn_cp.modes import spec
 
     extra = spec.ModeSpec(name="ring", divides_by_cp=False, cost="test mode", auto_rank=-1)
-    cfgmod._settings.cache_clear()  # settings are checked once per distinct value: forget those checked before
     monkeypatch.setitem(spec.MODES, "ring", extra)
-    monkeypatch.setattr(cfgmod, "_settings", functools.lru_cache(maxsize=8)(cfgmod._settings.__wrapped__))
-    monkeypatch.setattr(cfgmod, "MODE_NAMES", (*MODE_NAMES, "ring"))
-    monkeypatch.setattr(cfgmod, "MODE_CHOICES", (*MODE_NAMES, "ring", "auto"))
+    monkeypatch.setattr(rules, "MODE_NAMES", (*MODE_NAMES, "ring"))
     assert check_linear_cp_mode("ring", num_key_heads=3, num_value_heads=6, tp=1, cp=2) == "ring"
     assert configure_linear_cp_mode(_config("ring", 3, 6, 1, 2)) == "ring"
     assert resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=1, cp=2) == "ring"
@@ -335,19 +328,20 @@ def test_names_come_from_the_registry(monkeypatch):
 def test_each_gdn_layer_logs_the_mode_it_runs_once(caplog):
     """Issue #32: at start-up every GDN layer says, once at INFO, which linear_cp_mode it runs (with TP,
     CP and its heads); its later calls log nothing more at INFO, a new CP size (dynamic CP) at DEBUG."""
-    from gdn_cp.megatron import gdn
+    from gdn_cp.megatron import call
+    from gdn_cp.megatron.layer import layer_state
 
     caplog.set_level(logging.DEBUG, logger="gdn_cp")
     from gdn_cp_testing.stand_ins import stand_in_gdn
 
-    layers = [gdn.layer_state(stand_in_gdn(layer_number=n)) for n in (1, 3)]
+    layers = [layer_state(stand_in_gdn(layer_number=n)) for n in (1, 3)]
     for _ in range(3):
         for layer in layers:
-            gdn._check_mode(layer, "chunkwise", 2)
-    gdn._check_mode(layers[0], "chunkwise", 4)
-    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == gdn.logger.name]
+            call.check_mode(layer, 2)
+    call.check_mode(layers[0], 4)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.name == call.logger.name]
     assert info == [f"GatedDeltaNet layer {n} runs linear_cp_mode=chunkwise (TP=1, CP=2, linear_num_key_heads=4, "
                     "linear_num_value_heads=8)" for n in (1, 3)], info
-    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == gdn.logger.name]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == call.logger.name]
     assert debug == ["GatedDeltaNet layer 1 runs linear_cp_mode=chunkwise (TP=1, CP=4, linear_num_key_heads=4, "
                      "linear_num_value_heads=8)"], debug

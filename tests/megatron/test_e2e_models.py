@@ -38,7 +38,7 @@ import torch
 
 from gdn_cp_testing.megatron.batches import thd_get_partitioned_indices
 from gdn_cp_testing.packings import zigzag_rows
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL, STOCK_CORE_VS_FP64_MAX_REL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL, STOCK_CORE_VS_FP64_MAX_REL
 
 pytestmark = pytest.mark.megatron
 
@@ -125,7 +125,7 @@ def _compare(got, want, cut) -> dict:
     rank's real rows, the gradients summed over the micro-batch's group; ``pads``: 0 when every pad
     row (``cut.rows`` -1) has loss mask 0 and label 0, else inf."""
     from gdn_cp_testing.megatron.model import sum_grads
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     loss, grads = got
     want_loss, want_grads = want
@@ -383,7 +383,7 @@ def _cp1_packed_vs_documents(ctx) -> dict:
     from gdn_cp_testing.megatron.batches import cut_for_rank, install_te_partition_stand_in, packed_batch
     from gdn_cp_testing.megatron.layer import rank_groups, stock_forward
     from gdn_cp_testing.megatron.model import VOCAB_SIZE, build_model, model_config, run_model
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     install_te_partition_stand_in()
     alone = rank_groups()["self"]
@@ -642,7 +642,7 @@ def _train_cases(ctx, name: str) -> dict:
 def test_training_steps_equal_cp1(patched_megatron, rank_pool, name):
     """3 Adam steps of 2 micro-batches each: the loss of every step, the final parameters (max_rel
     over each tensor) equal CP=1's; the gradient norm (megatron computes it in fp32) to 1e-6."""
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     results = rank_pool(WORLD).run(_train_cases, name, timeout_s=240)
     kind, strategy, runs = TRAIN_RUNS[name]

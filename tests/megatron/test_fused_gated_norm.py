@@ -5,6 +5,8 @@ torch stand-in plays FLA's kernel on CPU gloo ranks (the real kernel runs in the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,42 +18,39 @@ def _gated_rms_norm(x, z, weight, eps):
     return y.to(x.dtype)
 
 
-class _FusedReference:
-    """The reference backend plus a fused gated norm that counts its calls."""
+_FUSED_CALLS = []
 
-    __name__ = "fused_reference"
-    calls = 0
 
-    def __getattr__(self, name):
-        from gdn_cp.ops import get_backend
+def _fused_reference():
+    """The reference backend plus a fused gated norm that counts its calls (in :data:`_FUSED_CALLS`)."""
+    from gdn_cp.ops import get_backend
 
-        return getattr(get_backend("reference"), name)
+    def fn(x, z, weight, eps):
+        _FUSED_CALLS.append(1)
+        return _gated_rms_norm(x, z, weight, eps)
 
-    def fused_gated_rms_norm(self):
-        def fn(x, z, weight, eps):
-            _FusedReference.calls += 1
-            return _gated_rms_norm(x, z, weight, eps)
-        return fn
+    return replace(get_backend("reference"), fused_gated_rms_norm=lambda: fn)
 
 
 def _with_fused_norm(ctx):
     import logging
 
-    import gdn_cp.megatron.gdn as glue
+    import gdn_cp.megatron.layer as glue
     from gdn_cp_testing.megatron.parity import parity_case
 
     records = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger(glue.__name__).addHandler(handler)
-    logging.getLogger(glue.__name__).setLevel(logging.INFO)
+    logging.getLogger("gdn_cp.megatron").addHandler(handler)
+    logging.getLogger("gdn_cp.megatron").setLevel(logging.INFO)
     original = glue.choose_backend
-    glue.choose_backend = lambda settings, layer, device: _FusedReference()
+    fused = _fused_reference()
+    glue.choose_backend = lambda settings, layer, device: fused
     try:
         errs = parity_case(ctx.rank, ctx.world_size, "thd", torch.float64, ("chunkwise", "headwise"))
     finally:
         glue.choose_backend = original
-    return {"errors": errs, "calls": _FusedReference.calls, "log": [m for m in records if "gated norm" in m]}
+    return {"errors": errs, "calls": len(_FUSED_CALLS), "log": [m for m in records if "gated norm" in m]}
 
 
 @pytest.mark.megatron
@@ -104,7 +103,7 @@ class _Subclass(RMSNorm):
 
 
 def test_te_rmsnorm_recognised_by_name_and_refused_with_the_reason():
-    from gdn_cp.megatron.pins import core_0_19_2 as pin
+    from gdn_cp.megatron.pins import megatron_core_0_19_2 as pin
 
     assert pin.TE_RMSNORM == (RMSNorm.__module__, RMSNorm.__qualname__)
     problem = pin.fused_rms_norm_problem
@@ -137,7 +136,7 @@ def test_te_rmsnorm_recognised_by_name_and_refused_with_the_reason():
 
 
 def test_zero_centered_weight_is_weight_plus_one_in_the_graph():
-    from gdn_cp.megatron.pins.core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_weight
+    from gdn_cp.megatron.pins.megatron_core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_weight
 
     norm = RMSNorm(8, eps=1e-6, zero_centered_gamma=True, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -168,16 +167,16 @@ def _te_stand_in_cases(ctx):
     out_norm: the layer's own norm again (the hook runs), and fused once removed."""
     import logging
 
-    import gdn_cp.megatron.gdn as glue
+    import gdn_cp.megatron.layer as glue
     from gdn_cp_testing.inputs import hidden_inputs
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     records = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger(glue.__name__).addHandler(handler)
-    logging.getLogger(glue.__name__).setLevel(logging.INFO)
+    logging.getLogger("gdn_cp.megatron").addHandler(handler)
+    logging.getLogger("gdn_cp.megatron").setLevel(logging.INFO)
     cu = [0, 7, 7, 20, 32]
     out = {}
     original = glue.choose_backend
@@ -193,12 +192,15 @@ def _te_stand_in_cases(ctx):
             module.out_norm = norm
             x, dout = hidden_inputs(cu[-1], 1, torch.float64, 21, module.config.hidden_size, "cpu")
             glue.choose_backend = original  # the reference backend: the layer's own TE-formula norm
+            glue.reset_settings(module)
             stock = run_layer(module, x, dout, thd_params(cu))
             module._apply_gated_norm = _exact_gated_norm(module)
             want = run_layer(module, x, dout, thd_params(cu))
             del module._apply_gated_norm
-            glue.choose_backend = lambda settings, layer, device: _FusedReference()
-            before = _FusedReference.calls
+            fused = _fused_reference()
+            glue.choose_backend = lambda settings, layer, device: fused
+            glue.reset_settings(module)
+            before = len(_FUSED_CALLS)
             got = run_layer(module, x, dout, thd_params(cu))
             errs = {"out": max_rel(got[0], want[0]), "grad:hidden_states": max_rel(got[1], want[1])}
             errs.update({f"grad:{n}": max_rel(got[2][n], want[2][n]) for n in want[2]})
@@ -206,14 +208,14 @@ def _te_stand_in_cases(ctx):
             stock_errs += [max_rel(got[2][n], stock[2][n]) for n in stock[2]]
             hook_calls = []
             handle = norm.register_forward_pre_hook(lambda m, args: hook_calls.append(1))
-            calls = _FusedReference.calls
+            calls = len(_FUSED_CALLS)
             hooked = run_layer(module, x, dout, thd_params(cu))
-            hooked_fused = _FusedReference.calls - calls
+            hooked_fused = len(_FUSED_CALLS) - calls
             handle.remove()
-            calls = _FusedReference.calls
+            calls = len(_FUSED_CALLS)
             run_layer(module, x, dout, thd_params(cu))
             out[zcg] = {"errors": errs, "stock": max(stock_errs), "fused_calls": calls - before, "hooked": (hooked_fused, len(hook_calls)),
-                        "hooked_out": max_rel(hooked[0], stock[0]), "unhooked_fused": _FusedReference.calls - calls}
+                        "hooked_out": max_rel(hooked[0], stock[0]), "unhooked_fused": len(_FUSED_CALLS) - calls}
     finally:
         glue.choose_backend = original
     out["log"] = [m for m in records if "gated norm" in m]
@@ -252,7 +254,7 @@ def _require_te_gpu():
         import transformer_engine.pytorch as te
     except Exception as e:  # noqa: BLE001 - any import failure: not usable here, with the reason
         pytest.skip(f"needs TransformerEngine (transformer_engine.pytorch does not import: {type(e).__name__}: {e})")
-    from gdn_cp.ops.fla import fused_gated_rms_norm
+    from gdn_cp.ops.fla.norm import fused_gated_rms_norm
 
     if fused_gated_rms_norm() is None:
         pytest.skip("this FLA has no fused gated RMSNorm (fla.modules.fused_norm_gate.rms_norm_gated)")
@@ -266,10 +268,10 @@ def test_fla_fused_gated_norm_equals_te_rmsnorm_gpu(zero_centered_gamma):
     against TE's own norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it, bf16, forward
     and backward (x, z and the weight's gradient); both also against the fp64 formula."""
     te = _require_te_gpu()
-    from gdn_cp.megatron.pins.core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
-    from gdn_cp.ops.fla import fused_gated_rms_norm
-    from gdn_cp.cli.accuracy import rel_l2
-    from gdn_cp.cli.accuracy import FLA_VS_FP64_REL_L2
+    from gdn_cp.megatron.pins.megatron_core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
+    from gdn_cp.ops.fla.norm import fused_gated_rms_norm
+    from gdn_cp.ops.accuracy import rel_l2
+    from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2
 
     tol = FLA_VS_FP64_REL_L2["bfloat16"]
     n, d, dev = 4096, 128, torch.device("cuda")
@@ -310,18 +312,18 @@ def _te_layer_cases(ctx, zero_centered_gamma):
 
     import transformer_engine.pytorch as te
 
-    import gdn_cp.megatron.gdn as glue
+    import gdn_cp.megatron.layer as glue
     from gdn_cp.ops import get_backend
     from gdn_cp_testing.inputs import hidden_inputs
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
     from gdn_cp_testing.megatron.parity import GPU_CFG
-    from gdn_cp.cli.accuracy import rel_l2
+    from gdn_cp.ops.accuracy import rel_l2
 
     records = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger(glue.__name__).addHandler(handler)
-    logging.getLogger(glue.__name__).setLevel(logging.INFO)
+    logging.getLogger("gdn_cp.megatron").addHandler(handler)
+    logging.getLogger("gdn_cp.megatron").setLevel(logging.INFO)
     cfg = make_config(1, "chunkwise", torch.bfloat16, **GPU_CFG)
     module = build_gdn(cfg, rank_groups()["self"], seed=3, device=ctx.device)
     dv = module.value_head_dim
@@ -335,21 +337,13 @@ def _te_layer_cases(ctx, zero_centered_gamma):
     x, dout = hidden_inputs(cu[-1], 1, torch.bfloat16, 7, cfg.hidden_size, ctx.device)
     fla = get_backend("fla")
 
-    class Unfused:  # the FLA backend without its fused gated norm: the layer's own TE norm * silu(z)
-        __name__ = "fla_without_fused_norm"
-
-        def __getattr__(self, name):
-            return getattr(fla, name)
-
-        def fused_gated_rms_norm(self):
-            return None
-
-    unfused = Unfused()
+    unfused = replace(fla, fused_gated_rms_norm=lambda: None)  # the layer's own TE norm * silu(z)
     original = glue.choose_backend
     try:
         glue.choose_backend = lambda settings, layer, device: unfused
         want = run_layer(module, x, dout, thd_params(cu, device=ctx.device))
         glue.choose_backend = lambda settings, layer, device: fla
+        glue.reset_settings(module)
         got = run_layer(module, x, dout, thd_params(cu, device=ctx.device))
     finally:
         glue.choose_backend = original
@@ -363,7 +357,7 @@ def _te_layer_cases(ctx, zero_centered_gamma):
 @pytest.mark.parametrize("zero_centered_gamma", [False, True])
 def test_layer_with_te_rmsnorm_takes_the_fused_norm_gpu(patched_megatron, rank_pool, zero_centered_gamma):
     _require_te_gpu()
-    from gdn_cp.cli.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
+    from gdn_cp.ops.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
 
     for rank, res in enumerate(rank_pool(2, device="cuda").run(_te_layer_cases, zero_centered_gamma)):
         assert any("fused RMSNorm" in m for m in res["log"]), res["log"]
@@ -384,5 +378,5 @@ def test_selftest_te_case_on_the_cpu_stand_in():
 
     te = types.SimpleNamespace(RMSNorm=make)
     for zcg in (False, True):
-        result = compare("te", te_gated_norm_case(te, _FusedReference(), zero_centered_gamma=zcg, device="cpu"), 1e-2)
+        result = compare("te", te_gated_norm_case(te, _fused_reference(), zero_centered_gamma=zcg, device="cpu"), 1e-2)
         assert result.ok and set(result.errors) == {"y", "dx", "dz", "dweight"}, result.line()

@@ -22,9 +22,9 @@ import torch
 from gdn_cp_testing.inputs import hidden_inputs
 from gdn_cp_testing.megatron.layer import DIMS, build_gdn, install_cpu_shims, make_config, rank_groups, run_layer, stock_forward, stock_vs_patched, thd_params
 from gdn_cp_testing.megatron.parity import HIDDEN, MODES, parity_case, sbhd_len
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 from gdn_cp_testing.packings import thd_case, zigzag_rows
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 pytestmark = pytest.mark.megatron
 
@@ -62,7 +62,8 @@ def _cache_plan(psp):
 def _odd_heads(ctx):
     import torch.distributed as dist
 
-    import gdn_cp.megatron.config as cfgmod
+    import gdn_cp.megatron.call as cfgmod
+    from gdn_cp.megatron.layer import reset_settings
 
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
@@ -84,6 +85,7 @@ def _odd_heads(ctx):
     if rank == 0:
         for bad in ("headwise", "auto", "blockwise"):
             module.config.linear_cp_mode = bad
+            reset_settings(module)  # the layer reads its config again on its next call
             try:
                 module(x, None, packed_seq_params=thd_params(cu_pad, cu_act))
                 errors[bad] = None
@@ -97,6 +99,7 @@ def _odd_heads(ctx):
     cfgmod.check_linear_cp_mode = lambda mode, **kw: (calls.append(mode), original(mode, **kw))[1]
     try:
         module.config.linear_cp_mode = "chunkwise"
+        reset_settings(module)
         for _ in range(2):
             module(x, None, packed_seq_params=thd_params(cu_pad, cu_act))
     finally:
@@ -187,7 +190,7 @@ def test_dynamic_cp(patched_megatron, rank_pool):
 # 4. route cache on PackedSeqParams
 # ------------------------------------------------------------------------------------------
 def _route_cache(ctx):
-    from gdn_cp.megatron.gdn import ROUTE_CACHE_ATTR
+    from gdn_cp.megatron.call import ROUTE_CACHE_ATTR
     from gdn_cp_testing.probes import plan_builds
 
     rank, world = ctx.rank, ctx.world_size
@@ -296,7 +299,7 @@ def _route_state(module, psp, built):
     if psp is not None:
         cache, _ = _cache_plan(psp)
         return ("thd", cache.hits, cache.misses, built.total)
-    from gdn_cp.megatron.gdn import layer_state
+    from gdn_cp.megatron.layer import layer_state
 
     plans = layer_state(module).sbhd_plans
     return ("sbhd", len(plans), built.total, tuple(id(p) for p in plans.values()))

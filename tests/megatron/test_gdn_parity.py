@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from gdn_cp_testing.megatron.parity import MODES, parity_case
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 
 def _all_cases(ctx, dtypes):
@@ -64,27 +64,27 @@ def test_gdn_cp_equals_cp1(patched_megatron, rank_pool, world):
 # the comparison above can fail
 # ------------------------------------------------------------------------------------------
 def _mutated(ctx, which):
-    import gdn_cp.megatron.gdn as glue
+    import gdn_cp.megatron.segment as glue
     import gdn_cp.modes.chunkwise as chunkwise_module
 
-    saved = (chunkwise_module.initial_state_from_summaries, glue.LayerSegment.__init__)
+    saved = (chunkwise_module.initial_state_from_summaries, glue.LayerSegment.__dict__["conv_bias"])
     try:
         if which == "drop_incoming_state":
             orig = chunkwise_module.initial_state_from_summaries
             chunkwise_module.initial_state_from_summaries = lambda *a, **k: orig(*a, **k) * 0
             modes = ("chunkwise",)
         else:  # "conv_bias_not_trained": the core gets the layer's conv bias cut off from its graph
-            orig_init = glue.LayerSegment.__init__
+            orig_bias = glue.LayerSegment.__dict__["conv_bias"]
 
-            def init(self, *args, **kwargs):
-                orig_init(self, *args, **kwargs)
-                self.conv_bias = None if self.conv_bias is None else self.conv_bias.detach()
+            def conv_bias(self):
+                bias = orig_bias.fget(self)
+                return None if bias is None else bias.detach()
 
-            glue.LayerSegment.__init__ = init
+            glue.LayerSegment.conv_bias = property(conv_bias)
             modes = ("all_gather",)
         return parity_case(ctx.rank, ctx.world_size, "thd", torch.float64, modes)
     finally:
-        chunkwise_module.initial_state_from_summaries, glue.LayerSegment.__init__ = saved
+        chunkwise_module.initial_state_from_summaries, glue.LayerSegment.conv_bias = saved
 
 
 @pytest.mark.megatron

@@ -29,7 +29,7 @@ import torch
 
 from gdn_cp_testing.megatron.parity import GPU_CFG
 from gdn_cp_testing.results import JsonlRecorder
-from gdn_cp.cli.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
+from gdn_cp.ops.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 
@@ -63,7 +63,7 @@ def _errors(got, want, cut) -> dict:
     """Relative L2 of the rank's real-token losses and of every gradient summed over the group;
     ``pads``: 0 when every pad row has loss mask 0 and label 0, else inf."""
     from gdn_cp_testing.megatron.model import sum_grads
-    from gdn_cp.cli.accuracy import rel_l2
+    from gdn_cp.ops.accuracy import rel_l2
 
     loss, grads = got
     want_loss, want_grads = want

@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from gdn_cp_testing.megatron.parity import GPU_CFG, MODES, parity_case
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 from gdn_cp_testing.results import JsonlRecorder
-from gdn_cp.cli.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
+from gdn_cp.ops.accuracy import MEGATRON_BF16_REL_L2 as BF16_TOL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.megatron]
 
@@ -81,7 +81,7 @@ def _backend_cfg(backend: str) -> dict:
 
 def _require_backend(backend: str) -> None:
     if backend == "flashqla":
-        from gdn_cp.ops.flashqla import flashqla_problem
+        from gdn_cp.ops.flashqla.detect import flashqla_problem
 
         why = flashqla_problem()
         if why is not None:
@@ -214,12 +214,12 @@ def _gpu_path_cases(ctx, path: str, spec: str = "local", backend: str = "fla"):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("path", ["native", "generic"])
 def test_gpu_parity_chunkwise_paths(gpu_pools, patched_megatron, path, world, spec, backend):
-    from gdn_cp.ops.fla import has_zigzag_layout
+    from gdn_cp.ops.fla.detect import has_zigzag_layout
 
     _require_spec(spec)
     _require_backend(backend)
     if backend == "flashqla" and path == "native":
-        from gdn_cp.ops.flashqla import native_cp_problem
+        from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
         if native_cp_problem() is not None:
             pytest.skip(f"FlashQLA's native chunkwise core: {native_cp_problem()}")

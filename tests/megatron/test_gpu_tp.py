@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from gdn_cp_testing.megatron.parity import GPU_CFG, MODES, tp_grid_case
-from gdn_cp.cli.accuracy import max_rel, rel_l2
+from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.results import JsonlRecorder
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL, MEGATRON_BF16_REL_L2, MEGATRON_FP32_REL_L2
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL, MEGATRON_BF16_REL_L2, MEGATRON_FP32_REL_L2
 
 pytestmark = pytest.mark.megatron
 

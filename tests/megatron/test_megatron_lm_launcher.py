@@ -430,3 +430,24 @@ def test_when_imported_patches_at_import_or_at_once(tmp_path, monkeypatch):
     assert sys.modules["gdncp_probe_pkg.mod"].g == 1 and sys.meta_path == finders
     for name in ("gdncp_probe_pkg", "gdncp_probe_pkg.mod"):
         sys.modules.pop(name, None)
+
+
+def test_a_run_whose_port_was_taken_starts_again(monkeypatch, tmp_path):
+    """Runs side by side pick free ports independently; a rank 0 that lost its port to another run is a
+    collision, not the run's outcome: the launcher starts the run again on a new port (seen on the GPU:
+    ``DistNetworkError ... EADDRINUSE``); any other failure is returned as it is."""
+    from gdn_cp_testing.megatron import lm
+
+    import dataclasses
+    import types
+
+    taken = lm.RunResult(spec=None, status="refused", losses=[], grad_norms=[], wall_s=1.0,
+                         error="rank 0 (exit code 1): torch.distributed.DistNetworkError: ... EADDRINUSE, "
+                               "message: address already in use")
+    ok = dataclasses.replace(taken, status="ok", losses=[1.0], error="")
+    other = dataclasses.replace(taken, error="rank 0 (exit code 1): ValueError: --flag")
+    for answers, want, calls in (([taken, ok], ok, 2), ([taken, taken, taken], taken, 3), ([other, ok], other, 1)):
+        seen = []
+        monkeypatch.setattr(lm, "launch_once", lambda spec, **kw: seen.append(1) or answers[len(seen) - 1])
+        spec = types.SimpleNamespace(name="hybrid_cp4_all_gather")
+        assert lm.launch(spec, checkout=tmp_path, log_dir=tmp_path) is want and len(seen) == calls

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -84,3 +85,103 @@ def test_layer_class_pin_single_and_by_hash(monkeypatch, tmp_path):
     gdn.write_bytes(b"# something else\n")
     with pytest.raises(ValueError, match="not the patched file of any megatron-core release"):
         pins.pin_of_layer_class(Layer)
+
+
+# ------------------------------------------------------------------------------------------
+# a new release: a pin row, its patch folder and its adapter (docs/architecture.md, "A new
+# megatron-core release"), and nothing else
+# ------------------------------------------------------------------------------------------
+_NEW = "9.9.9"
+
+
+def _code_of(path: Path) -> list[str]:
+    """The import names and string constants of a module's code (docstrings left out)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            found.append(node.value)
+        elif isinstance(node, ast.ImportFrom):
+            found += [node.module or ""] + [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return found
+
+
+def test_only_the_pins_name_a_release_in_code():
+    """Every release-specific read (the config's and the layer's fields, PackedSeqParams, Megatron-LM's
+    flags and batches, TE's RMSNorm, the Python floor) goes through ``gdn_cp/megatron/pins/``: no other
+    module of gdn_cp names a megatron-core release in its code or imports a release's adapter."""
+    names = [re.escape(pin.version.rsplit(".", 1)[0]) for pin in pins.PINS.values()]  # "0.19": any 0.19.x
+    names += [re.escape(ref) for pin in pins.PINS.values() for ref in pin.matching_refs]
+    release = re.compile(r"megatron_core_\d|\b(?:" + "|".join(names) + r")\b")
+    named = {}
+    for path in sorted((REPO / "gdn_cp").rglob("*.py")):
+        if "pins" in path.relative_to(REPO / "gdn_cp").parts:
+            continue
+        hits = [s for s in _code_of(path) if release.search(s)]
+        if hits:
+            named[str(path.relative_to(REPO))] = hits
+    assert named == {}, named
+
+
+def _fake_release(tmp_path, monkeypatch):
+    """Megatron-core ``9.9.9`` added the documented way: (1) its patch folder, made by
+    ``build_patch_files`` from a pristine and a patched copy of its target files, (2) its adapter
+    module (here the 0.19.2 one, with its own ``LayerAdapter`` class), (3) its row in the pin table.
+    Returns ``(pin, tree)``: ``tree`` a pristine 9.9.9 megatron tree."""
+    from gdn_cp.megatron.pins import manifest
+    from gdn_cp.patch import build_patch_files
+
+    targets = [t.target for t in pins.load_manifest().files]
+    trees = {kind: tmp_path / kind for kind in ("pristine", "patched", "tree")}
+    for kind, root in trees.items():
+        for target in targets:
+            path = root / target
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"# {target} of megatron-core {_NEW}\n" + ("# gdn-cp's hook\n" if kind == "patched" else ""))
+        info = root / "megatron/core/package_info.py"
+        info.write_text("MAJOR = 9\nMINOR = 9\nPATCH = 9\nPRE_RELEASE = ''\n")
+    patches = tmp_path / "patches"
+    shutil.copytree(Path(str(pins.patch_dir())), patches / pins.get_pin().patch_folder)
+    base = pins.load_adapter()
+    adapter = types.ModuleType(f"gdn_cp.megatron.pins.megatron_core_{_NEW.replace('.', '_')}")
+    adapter.__dict__.update({k: v for k, v in vars(base).items() if not k.startswith("__")})
+    adapter.VERSION = _NEW
+    adapter.LayerAdapter = type("LayerAdapter", (base.LayerAdapter,), {"__slots__": ()})
+    pin = pins.Pin(_NEW, f"megatron-core-{_NEW}", adapter, python_floor=(3, 13))
+    monkeypatch.setitem(pins.PINS, _NEW, pin)  # (3) the row
+    monkeypatch.setattr(manifest, "source_patches", lambda: patches)
+    build_patch_files(trees["pristine"], trees["patched"], targets, pin=_NEW, out_dir=patches / pin.patch_folder)  # (1)
+    return pin, trees["tree"]
+
+
+def test_a_new_release_is_its_pin_row_patch_folder_and_adapter(tmp_path, monkeypatch):
+    from gdn_cp.cli.doctor import collect_report
+    from gdn_cp.megatron.layer import layer_state
+    from gdn_cp.patch import PATCHED, apply_patch, check_patch, detect_pin
+    from gdn_cp_testing.stand_ins import stand_in_gdn
+
+    pin, tree = _fake_release(tmp_path, monkeypatch)
+    assert pins.load_manifest(_NEW).megatron_core_version == _NEW and pins.get_pin(_NEW) is pin
+    # the patch tool finds the release by its files' hashes, and patches it
+    assert detect_pin(tree) is pin
+    apply_patch(tree)
+    assert set(check_patch(tree).values()) == {PATCHED} and detect_pin(tree) is pin
+    # a layer of the patched release gets its adapter (its gdn.py, by hash)
+    module = types.ModuleType("fake_release_gdn")
+    module.__file__ = str(tree / "megatron/core/ssm/gated_delta_net/gdn.py")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    layer_cls = type("GatedDeltaNet", (), {"__module__": module.__name__})
+    layer = layer_cls()
+    layer.__dict__.update(vars(stand_in_gdn()))
+    assert lookup.pin_of_layer_class(layer_cls) is pin
+    assert type(layer_state(layer).adapter) is pin.adapter.LayerAdapter
+    # the install command and doctor read the row
+    assert "--ignore-requires-python" in pin.install_command((3, 12)) and f"megatron-core=={_NEW}" in pin.install_command()
+    assert collect_report()["versions"]["megatron-core pins"] == f"{pins.PINNED_VERSION}, {_NEW}"

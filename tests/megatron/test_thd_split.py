@@ -17,15 +17,10 @@ import torch
 
 from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW
 from gdn_cp.megatron import thd_split
-from gdn_cp.megatron.thd_split import (
-    configure_megatron_lm_args,
-    megatron_lm_thd_split,
-    record_split,
-    recorded_split,
-    resolve_thd_split,
-)
+from gdn_cp.megatron.pins import load_adapter
+from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split, recorded_split, resolve_thd_split
 from gdn_cp_testing.megatron.parity import MODES, parity_case
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 FP64 = TOL[torch.float64]
 
@@ -83,7 +78,7 @@ def test_resolution_order_and_contradiction():
 def test_megatron_lm_flags_decide_the_split(sft, idm, hcp, want):
     """pretrain_gpt.py (core_v0.19.x): use_per_sequence_balancing = inter-document masking and not
     sft; hybrid CP cuts each sub-sample whole; --sft alone cuts per document."""
-    assert megatron_lm_thd_split(sft=sft, inter_document_masking=idm, hybrid_context_parallel=hcp) == want
+    assert load_adapter().megatron_lm_thd_split(sft=sft, inter_document_masking=idm, hybrid_context_parallel=hcp) == want
     args = types.SimpleNamespace(sft=sft, dataloader_inter_document_masking=idm, hybrid_context_parallel=hcp,
                                  linear_cp_thd_split=None)
     assert configure_megatron_lm_args(args) == want and args.linear_cp_thd_split == want
@@ -296,7 +291,7 @@ def _hybrid_cp_no_group(ctx):
     import torch.distributed as dist
 
     from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, run_layer, thd_params
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
     from gdn_cp_testing.inputs import hidden_inputs
 
     groups = rank_groups()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from gdn_cp_testing.megatron.parity import MODES, tp_grid_case, tp_parity_case
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL as TOL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL
 
 pytestmark = pytest.mark.megatron
 
@@ -117,7 +117,7 @@ def test_tp_cp_sp_equal_tp1_cp1(patched_megatron, rank_pool):
 
 def _without_tp_grad_sum(ctx):
     """The same comparison with gdn-cp's out_norm TP gradient sum switched off (stock 0.19.2)."""
-    import gdn_cp.megatron.gdn as glue
+    import gdn_cp.megatron.layer as glue
 
     saved = glue.install_tp_grad_sum
     glue.install_tp_grad_sum = lambda layer: []
@@ -302,7 +302,7 @@ def _finalize_case(ctx, *, stock: bool, sp: bool, layout: str, cp: int, normaliz
     from gdn_cp_testing.megatron.parity import case_inputs, cp1_answer, thd_split_cfg
     from gdn_cp_testing.megatron.tp import gather_tp_grads, sp_slice
     from gdn_cp_testing.megatron.training import megatron_parallel_state
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     # stock 0.19.2's deterministic core is fp32 (SBHD at CP=1 runs it); gdn-cp's path runs fp64
     dtype = torch.float32 if layout == "sbhd" and cp == 1 else torch.float64

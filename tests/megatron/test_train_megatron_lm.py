@@ -128,6 +128,8 @@ def test_legacy_rule_follows_the_noise_iteration_by_iteration():
             row("m_cp2_crashed", "refused:--flag", cp=2, status="refused", losses=[], error="RuntimeError: other"),
             row("m_cp2_ran", "refused:--flag", cp=2, losses=[8.0] * 4, **base),
             row("m_cp2_lost", "m_cp1", cp=2, status="refused", losses=[]),
+            row("m_cp2_oom", "m_cp1", cp=2, status="refused", losses=[],
+                error="rank 1 (exit code 1): RuntimeError: Triton Error [CUDA]: out of memory\nmore"),
             row("m_cp2_budget", "m_cp1", cp=2, status="not run (budget)", losses=[])]
     tol = bench.judge(rows, bench.LEGACY_RULE)["bf16"]
     assert tol["loss"] == pytest.approx([3.75e-5, 3.75e-5, 3e-2, 3e-1]) and tol["judged"] == ["loss", "grad_norm"]
@@ -136,7 +138,8 @@ def test_legacy_rule_follows_the_noise_iteration_by_iteration():
         "m_cp2_drifts": "matches CP=1", "m_cp2_starts_away": "stock: differs from CP=1",
         "m_cp2_refused": "refused before step 1 (as required)",
         "m_cp2_crashed": "stopped before step 1, but not by the refusal naming --flag",
-        "m_cp2_ran": "should have been refused", "m_cp2_lost": "did not run (refused)",
+        "m_cp2_ran": "should have been refused", "m_cp2_lost": "failed before step 1 (no error printed)",
+        "m_cp2_oom": "failed before step 1 (RuntimeError: Triton Error [CUDA]: out of memory)",
         "m_cp2_budget": "not run (budget)"}
     assert rows[3]["first_iteration_over"] == 1 and rows[3]["loss_rel_diff_it1"] == pytest.approx(1.25e-3)
     # each precision its own noise: an fp32 run inside bf16's noise is outside fp32's

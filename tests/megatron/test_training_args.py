@@ -1,5 +1,7 @@
-"""Megatron-LM's training command line with the patch: ``--linear-cp-mode`` lists the modes, a typo
-fails at parse time, and ``--linear-cp-mode auto`` reaches the model config as a concrete mode;
+"""Megatron-LM's training command line with the patch: ``--linear-cp-mode`` and ``--linear-cp-backend``
+take gdn-cp's names (the patched fields are plain strings, so the patch names no mode and no backend),
+a typo fails in ``validate_args`` with gdn-cp's message naming every choice, and ``--linear-cp-mode
+auto`` reaches the model config as a concrete mode;
 ``validate_args`` sets ``--linear-cp-thd-split`` from the data flags that choose the THD cut
 (``--dataloader-inter-document-masking``, ``--sft``) and the model's layers (``per_document``, the
 padded cut, for ``--dataloader-inter-document-masking`` at CP > 1 in a model with attention layers,
@@ -8,8 +10,8 @@ with ``--calculate-per-token-loss``) and refuses a contradicting value, a GDN mo
 refuses a non-SiLU activation too.
 
 megatron-core 0.19.2 builds these flags from the TransformerConfig fields
-(``megatron/training/argument_utils.py``: a ``Literal[...]`` type becomes argparse ``choices``,
-the field's docstring the help). ``megatron.training`` needs Python >= 3.12 (``typing.override``);
+(``megatron/training/argument_utils.py``: the field's type gives argparse's type, the field's docstring
+the help). ``megatron.training`` needs Python >= 3.12 (``typing.override``);
 on older Pythons the script gives ``typing`` the identical run-time decorator from
 ``typing_extensions`` first (it only sets ``__override__``), so the real argument code runs here too.
 The GPU machine (Python 3.12) runs it without that shim.
@@ -58,8 +60,9 @@ from megatron.training.arguments import add_megatron_arguments
 from megatron.training.argument_utils import core_transformer_config_from_args
 
 parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+from gdn_cp.modes.spec import MODE_CHOICES
 (flag,) = [a for a in parser._actions if "--linear-cp-mode" in a.option_strings]
-out = {"choices": list(flag.choices), "default": flag.default, "help": flag.help}
+out = {"choices": flag.choices, "default": flag.default, "help": flag.help}
 # `--help` itself fails on stock 0.19.2 (a '%' in --moe-paged-stash-buffer-size-factor-cuda's help
 # breaks argparse's formatting): format this flag's entry the way --help would.
 formatter = parser._get_formatter()
@@ -78,7 +81,7 @@ def build(extra):
     except ValueError as e:
         return {"parsed": args.linear_cp_mode, "error": str(e)}
 
-out["modes"] = {m: build(["--linear-cp-mode", m, "--context-parallel-size", "2"]) for m in flag.choices}
+out["modes"] = {m: build(["--linear-cp-mode", m, "--context-parallel-size", "2"]) for m in MODE_CHOICES}
 out["auto_odd_heads"] = build("--linear-cp-mode auto --context-parallel-size 4 --linear-num-key-heads 2 "
                               "--linear-num-value-heads 4".split())
 out["auto_nothing_legal"] = build("--linear-cp-mode auto --tensor-model-parallel-size 2 --linear-num-key-heads 3 "
@@ -131,19 +134,22 @@ out["readme"] = {"thd_split": args.linear_cp_thd_split, "mode": config.linear_cp
                  "cp": config.context_parallel_size, "pattern": args.hybrid_layer_pattern, "num_layers": args.num_layers,
                  "activation": config.activation_func.__name__, "normalization": config.normalization}
 (split_flag,) = [a for a in parser._actions if "--linear-cp-thd-split" in a.option_strings]
-out["thd_split_choices"] = [list(split_flag.choices), split_flag.default]
+out["thd_split_choices"] = [split_flag.choices, split_flag.default]
 (backend_flag,) = [a for a in parser._actions if "--linear-cp-backend" in a.option_strings]
-out["backend_choices"] = [list(backend_flag.choices), backend_flag.default]
+out["backend_choices"] = [backend_flag.choices, backend_flag.default]
 args = parser.parse_args(model + ["--linear-cp-backend", "reference"])
 args.params_dtype = torch.float32
 out["backend_config"] = core_transformer_config_from_args(args).linear_cp_backend
-typo = io.StringIO()
-with contextlib.redirect_stderr(typo):
+out["typo"] = {}
+for flag_name, value in (("--linear-cp-mode", "head_wise"), ("--linear-cp-backend", "triton")):
+    args = parser.parse_args(model + data + [flag_name, value, "--context-parallel-size", "2"])  # argparse takes it
+    args.world_size, args.rank = 2, 0
     try:
-        parser.parse_args(model + ["--linear-cp-mode", "head_wise"])
-        out["typo"] = "accepted"
-    except SystemExit as e:
-        out["typo"] = [e.code, typo.getvalue()[-300:]]
+        with contextlib.redirect_stdout(io.StringIO()):
+            margs.validate_args(args, {})
+        out["typo"][flag_name] = "accepted"
+    except ValueError as e:
+        out["typo"][flag_name] = str(e)
 print("RESULT" + json.dumps(out))
 """
 
@@ -163,12 +169,17 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
 
     from gdn_cp.ops.registry import BACKEND_CHOICES
 
-    # --linear-cp-backend comes from the patched field's Literal, the registry's choices
-    assert out["backend_choices"] == [list(BACKEND_CHOICES), "auto"] and out["backend_config"] == "reference", out
-    assert tuple(out["choices"]) == MODE_CHOICES and out["default"] == "auto"
-    assert "--linear-cp-mode {" + ",".join(MODE_CHOICES) + "}" in out["help_entry"], out["help_entry"]
-    assert all(f'"{m}"' in out["help"] for m in MODE_CHOICES), out["help"]  # the field's docstring
-    assert out["typo"][0] == 2 and "invalid choice: 'head_wise'" in out["typo"][1], out["typo"]
+    # the patched fields name no mode and no backend: argparse takes any string, gdn-cp's registries check it
+    assert out["backend_choices"] == [None, "auto"] and out["backend_config"] == "reference", out
+    assert out["choices"] is None and out["default"] == "auto"
+    assert "--linear-cp-mode LINEAR_CP_MODE" in out["help_entry"], out["help_entry"]
+    assert "gdn-cp's modes" in out["help"] and '"auto"' in out["help"], out["help"]  # the field's docstring
+    choices = ", ".join(repr(c) for c in MODE_CHOICES)
+    assert out["typo"]["--linear-cp-mode"].startswith(f"linear_cp_mode='head_wise' is not a known mode; set it to one "
+                                                      f"of {choices}"), out["typo"]
+    backends = ", ".join(repr(c) for c in BACKEND_CHOICES)
+    assert out["typo"]["--linear-cp-backend"].startswith(f"TransformerConfig.linear_cp_backend='triton' is not a "
+                                                         f"backend; set it to one of {backends}"), out["typo"]
 
     # explicit modes pass through; auto arrives at the config as the mode it resolves to, the same
     # on every machine: chunkwise wherever it is legal
@@ -181,7 +192,7 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     assert "linear_cp_mode='auto': no mode is legal" in error and "linear_num_key_heads=3" in error and "Fix:" in error
 
     # --linear-cp-thd-split: set from the data flags by validate_args, into the model config
-    assert out["thd_split_choices"] == [["per_document", "whole_row"], None]
+    assert out["thd_split_choices"] == [None, None]
     split = out["thd_split"]
     assert split["none"] == [None, None]  # no packed rows: nothing to say
     assert split["inter_document_masking"] == ["whole_row", "whole_row"]  # a GDN-only model: the whole-row cut

@@ -4,6 +4,8 @@ fails before any collective, naming the fix."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ import gdn_cp.modes.chunkwise as chunkwise
 from gdn_cp.layout import RouteCache
 from gdn_cp.modes import CallContext, GDNShape, Settings, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
-from gdn_cp.cli.job_data import core_inputs
+from gdn_cp.modes.inputs import core_inputs
 from gdn_cp_testing.packings import zigzag_rows
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
@@ -24,27 +26,17 @@ def _no_setting(monkeypatch):
     monkeypatch.delenv(PATH_ENV, raising=False)
 
 
-class _FakeBackend:
-    """The reference kernels plus a native CP core that only records that it ran."""
+def _native_core(group):
+    """A native CP core that only answers zeros (prepare never calls it)."""
+    def core(qkv, g, beta, *rest, **kw):
+        return qkv.new_zeros(qkv.shape[0], SHAPE.num_v_heads, SHAPE.head_v_dim)
 
-    __name__ = "fake"
+    return core
 
-    def __init__(self):
-        self.ref = get_backend("reference")
-        self.native_calls = 0
 
-    def causal_conv1d(self, *a, **k):
-        return self.ref.causal_conv1d(*a, **k)
-
-    def chunk_gated_delta_rule(self, *a, **k):
-        return self.ref.chunk_gated_delta_rule(*a, **k)
-
-    def native_cp_core(self, group):
-        def core(qkv, g, beta, *rest, **kw):
-            self.native_calls += 1
-            return qkv.new_zeros(qkv.shape[0], SHAPE.num_v_heads, SHAPE.head_v_dim)
-
-        return core
+def _fake_backend():
+    """The reference kernels plus a native CP core."""
+    return replace(get_backend("reference"), native_cp_core=_native_core)
 
 
 def _context(plan, backend, path="auto", group=None):
@@ -70,7 +62,7 @@ def test_bad_settings_name_the_choices(monkeypatch):
 
 def test_prepare_picks_native_only_where_it_exists():
     plan = RouteCache().plan([0, 16, 32], 2, 0)
-    fake, ref = _FakeBackend(), get_backend("reference")
+    fake, ref = _fake_backend(), get_backend("reference")
     assert prepare_mode(_context(plan, fake)).path == "native"
     generic = prepare_mode(_context(plan, ref))
     assert (generic.path, generic.native) == ("generic", None)
@@ -100,19 +92,19 @@ def test_native_without_a_native_core_fails_before_any_collective(rank_pool):
         assert message is not None and "no native CP core" in message and collectives == 0, (message, collectives)
 
 
-class _FakeZigzagBackend(_FakeBackend):
-    """Also a native zigzag core that records the rows it was given (FLA >= 0.6's zigzag cp context)."""
+def _fake_zigzag_backend():
+    """``(the fake backend with a native zigzag core too, the rows and boundaries that core was given)``
+    (FLA >= 0.6's zigzag cp context)."""
+    calls = []
 
-    def __init__(self):
-        super().__init__()
-        self.zigzag_calls = []
-
-    def native_zigzag_cp_core(self, group):
+    def zigzag_core(group):
         def core(qkv, g, beta, *rest, cu_seqlens_global, **kw):
-            self.zigzag_calls.append((qkv, tuple(cu_seqlens_global)))
+            calls.append((qkv, tuple(cu_seqlens_global)))
             return qkv.new_ones(qkv.shape[0], SHAPE.num_v_heads, SHAPE.head_v_dim)
 
         return core
+
+    return replace(_fake_backend(), native_zigzag_cp_core=zigzag_core), calls
 
 
 @pytest.mark.parametrize("cu, split, one_stream", [
@@ -129,16 +121,16 @@ def test_one_zigzag_stream(cu, split, one_stream):
 def test_zigzag_core_takes_one_stream_as_it_is():
     """Rows that are one zigzag-cut stream go to the backend's zigzag core unmoved (the stand-in group
     would fail any collective), with the documents' boundaries; other rows take the routes."""
-    fake = _FakeZigzagBackend()
+    fake, zigzag_calls = _fake_zigzag_backend()
     plan = RouteCache().plan([0, 3, 20, 32], 2, 0, split="whole_row")
     inp = core_inputs(plan.t_local, SHAPE, 4, torch.float64, seed=0)
     ctx = _context(plan, fake)
     mode = prepare_mode(ctx)
     assert (mode.path, mode.swap) == ("native-zigzag", None)
     o = mode.core(ctx, inp["qkv"], inp["g"], inp["beta"], inp["conv_weight"], None)
-    assert torch.equal(o, torch.ones_like(o)) and fake.zigzag_calls[0][0] is inp["qkv"]
-    assert fake.zigzag_calls[0][1] == (0, 3, 20, 32)
+    assert torch.equal(o, torch.ones_like(o)) and zigzag_calls[0][0] is inp["qkv"]
+    assert zigzag_calls[0][1] == (0, 3, 20, 32)
     per_doc = RouteCache().plan([0, 8, 32], 2, 0)
     assert prepare_mode(_context(per_doc, fake)).path == "native"
     assert prepare_mode(_context(plan, fake, "generic")).path == "generic"  # generic never takes a native core
-    assert prepare_mode(_context(plan, _FakeBackend())).path == "native"  # no zigzag core: routed
+    assert prepare_mode(_context(plan, _fake_backend())).path == "native"  # no zigzag core: routed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,11 @@ import torch.distributed as dist
 from gdn_cp.layout import Boundaries, RouteCache
 from gdn_cp.modes import CallContext, GDNShape, Mode, Settings, gdn_core, prepare_mode
 from gdn_cp.modes.spec import MODE_NAMES, MODES
-from gdn_cp.ops import reference
-from gdn_cp.cli.job_data import core_inputs
+from gdn_cp.ops import get_backend
+from gdn_cp.modes.inputs import core_inputs
 from gdn_cp_testing.packings import zigzag_rows
+
+reference = get_backend("reference")
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 
@@ -26,7 +29,7 @@ SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
 def test_every_registered_mode_prepares_a_core(name):
     """Every registry entry has its class, from the mode's own file, naming the entry; its prepare()
     gives a Mode whose core is callable the way gdn_core calls it."""
-    from gdn_cp.modes.core import MODE_CLASSES
+    from gdn_cp.modes.entry import MODE_CLASSES
 
     spec = MODES[name]
     runner = MODE_CLASSES[spec]
@@ -63,22 +66,19 @@ def test_bad_mode_and_setting_fail_before_anything_runs():
         gdn_core(*args, shape=SHAPE, mode="chunkwise", plan=plan, group=None, backend=reference, chunkwise_path="fast")
 
 
-class RecordingBackend:
-    """The reference backend, recording every ``cu_seqlens`` it is handed."""
+def recording_backend():
+    """``(the reference backend recording every cu_seqlens it is handed, that list)``."""
+    seen = []
 
-    def __init__(self):
-        self.seen = []
-
-    def causal_conv1d(self, *args, cu_seqlens, **kwargs):
-        self.seen.append(cu_seqlens)
+    def causal_conv1d(*args, cu_seqlens, **kwargs):
+        seen.append(cu_seqlens)
         return reference.causal_conv1d(*args, cu_seqlens=cu_seqlens, **kwargs)
 
-    def chunk_gated_delta_rule(self, *args, cu_seqlens, **kwargs):
-        self.seen.append(cu_seqlens)
+    def chunk_gated_delta_rule(*args, cu_seqlens, **kwargs):
+        seen.append(cu_seqlens)
         return reference.chunk_gated_delta_rule(*args, cu_seqlens=cu_seqlens, **kwargs)
 
-    def native_cp_core(self, group):
-        return None
+    return replace(reference, causal_conv1d=causal_conv1d, chunk_gated_delta_rule=chunk_gated_delta_rule), seen
 
 
 def _boundaries_handed_to_backends(ctx):
@@ -90,9 +90,9 @@ def _boundaries_handed_to_backends(ctx):
     for mode in MODE_NAMES:
         calls = []
         for _ in range(2):
-            backend = RecordingBackend()
+            backend, seen = recording_backend()
             gdn_core(*args, shape=SHAPE, mode=mode, plan=plan, group=dist.group.WORLD, backend=backend)
-            calls.append(backend.seen)
+            calls.append(seen)
         out[mode] = {
             "all_boundaries": all(isinstance(c, Boundaries) for c in calls[0] + calls[1]),
             "same_objects": [id(c) for c in calls[0]] == [id(c) for c in calls[1]],

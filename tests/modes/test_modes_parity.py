@@ -8,6 +8,8 @@ reference backend.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,11 +18,11 @@ import gdn_cp.modes.chunkwise as chunkwise_module
 from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW, RouteCache, plan_for_sbhd
 from gdn_cp.modes import GDNShape, gdn_core, sbhd_to_thd
 from gdn_cp.ops import get_backend
-from gdn_cp.cli.job_data import core_inputs
+from gdn_cp.modes.inputs import core_inputs
 from gdn_cp_testing.inputs import cp1_core_answer
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 from gdn_cp_testing.packings import document_packings, zigzag_rows
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL
 from gdn_cp.modes.spec import MODE_NAMES
 
 MODES = MODE_NAMES
@@ -38,20 +40,16 @@ def thd_boundaries(cp):
     return cu
 
 
-class ScanOnlyBackend:
+def scan_only_backend():
     """The reference kernels without ``chunk_state_summary``: chunkwise then takes its state
     summaries from scans (tail first, mid while the gather travels), as with FLA on gloo."""
-
-    def __init__(self):
-        ref = get_backend("reference")
-        self.causal_conv1d, self.chunk_gated_delta_rule = ref.causal_conv1d, ref.chunk_gated_delta_rule
-        self.native_cp_core = ref.native_cp_core
+    return replace(get_backend("reference"), chunk_state_summary=None)
 
 
 def _run_modes(ctx, layout, dtype, modes=MODES, mutate=None, shape=SHAPE, scan_only=False):
     rank, world = ctx.rank, ctx.world_size
     group = dist.group.WORLD
-    backend = ScanOnlyBackend() if scan_only else get_backend("reference")
+    backend = scan_only_backend() if scan_only else get_backend("reference")
     out = {}
     if layout in ("thd", "thd_whole_row"):
         whole_row = layout == "thd_whole_row"

@@ -25,7 +25,9 @@ _NAMES = ("flash_qla", "flash_qla.ops", "flash_qla.ops.gated_delta_rule", "flash
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False, state_v_first=False,
                            auto_cp=True, enable_fwd_cp_cache=True, cp_context=None, force_intra_cp=False):
-    from gdn_cp.ops import reference
+    from gdn_cp.ops import get_backend
+
+    reference = get_backend("reference")
 
     assert q.dtype == k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
     assert q.dtype in (torch.bfloat16, torch.float16), "FlashQLA only supports bfloat16 and float16."
@@ -76,8 +78,8 @@ def install() -> None:
     for name, module in _package().items():
         _SAVED.setdefault(name, sys.modules.get(name))
         sys.modules[name] = module
-    _SAVED.setdefault("devices", kernels._DEVICE_TYPES)
-    kernels._DEVICE_TYPES = ("cuda", "cpu")
+    _SAVED.setdefault("devices", kernels.DEVICE_TYPES)
+    kernels.DEVICE_TYPES = ("cuda", "cpu")
     detect.features.cache_clear()
     _SAVED.setdefault("probe", detect.probe)
     fake = detect.FlashQLAFeatures(None, (9, 0), inter_card_cp=True, chunk_size=64)
@@ -96,7 +98,7 @@ def uninstall() -> None:
         else:
             sys.modules[name] = old
     if "devices" in _SAVED:
-        kernels._DEVICE_TYPES = _SAVED.pop("devices")
+        kernels.DEVICE_TYPES = _SAVED.pop("devices")
     if "probe" in _SAVED:
         detect.probe = _SAVED.pop("probe")
     detect.features.cache_clear()

@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from gdn_cp.layout import Boundaries
-from gdn_cp.ops import fla as fla_backend
-from gdn_cp.ops.fla import check_chunkwise_layout, fla_available, fla_version, has_cp_context, native_cp
+from gdn_cp.ops import get_backend
+from gdn_cp.ops.fla import native_cp
+from gdn_cp.ops.fla.detect import FLAFeatures, fla_available, fla_version, has_cp_context
+from gdn_cp.ops.fla.kernels import FLAFunctions
+from gdn_cp.ops.fla.native_cp import check_chunkwise_layout
+
+fla_backend = get_backend("fla")  # the kernels' module loads (torch), FLA itself on a kernel's first call
 
 CONV_W = 4
 # T_global = 512 (128 rows per rank at cp=4): an empty segment; seq 3 = [126, 300) has 2 (= W-2)
@@ -65,32 +70,39 @@ def test_cpu_tensors_are_refused_with_a_fix():
 
 def test_head_dim_limits():
     with pytest.raises(ValueError, match=r"head_k_dim=512.*\[16, 256\]"):
-        fla_backend.check_head_dims(512, 64)
+        fla_backend.spec.check_head_dims(512, 64)
 
 
 def test_cp_context_cache_provenance(monkeypatch):
-    """The FLA CP context is reused for the same boundaries object, group, kernel size and
-    device, and rebuilt when any of them changes; empty sequences never reach FLA."""
-    built = []
+    """The FLA CP context is reused for the same boundaries object, group, kernel size, device and rows,
+    and rebuilt when any of them changes; the rows' layout is checked when it is built (once per plan:
+    a hit trusts it), before any collective; empty sequences never reach FLA."""
+    built, checked = [], []
 
     def fake_build(cu, group, conv1d_kernel_size=None, cu_seqlens_cpu=None):
         built.append((cu.tolist(), cu_seqlens_cpu.tolist(), conv1d_kernel_size))
         return object()
 
-    monkeypatch.setattr(native_cp, "fla_api", lambda: fla_backend.FLAFunctions(None, None, fake_build))
-    monkeypatch.setattr(native_cp, "features", lambda: fla_backend.FLAFeatures(
+    monkeypatch.setattr(native_cp, "fla_api", lambda: FLAFunctions(None, None, fake_build))
+    monkeypatch.setattr(native_cp, "features", lambda: FLAFeatures(
         None, None, kernel_size_arg="conv1d_kernel_size", takes_cu_seqlens_cpu=True))
+    monkeypatch.setattr(native_cp, "group_size", lambda group: 2)
+    real_check = native_cp.check_chunkwise_layout
+    monkeypatch.setattr(native_cp, "check_chunkwise_layout", lambda *a, **k: (checked.append(a), real_check(*a, **k))[1])
     cache: dict = {}
     cpu, grp = torch.device("cpu"), object()
     cu = Boundaries([0, 5, 5, 16])
-    a = native_cp._cp_context(cache, cu, grp, 4, cpu)
-    assert built == [([0, 5, 16], [0, 5, 16], 4)]
-    assert native_cp._cp_context(cache, cu, grp, 4, cpu) is a and len(built) == 1
+    a = native_cp._cp_context(cache, cu, grp, 4, cpu, 8)
+    assert built == [([0, 5, 16], [0, 5, 16], 4)] and len(checked) == 1
+    assert native_cp._cp_context(cache, cu, grp, 4, cpu, 8) is a and len(built) == 1 and len(checked) == 1
     same_values = Boundaries([0, 5, 5, 16])
-    b = native_cp._cp_context(cache, same_values, grp, 4, cpu)  # a new micro-batch's boundaries
+    b = native_cp._cp_context(cache, same_values, grp, 4, cpu, 8)  # a new micro-batch's boundaries
     assert b is not a and len(built) == 2
-    assert native_cp._cp_context(cache, same_values, object(), 4, cpu) is not b and len(built) == 3
-    native_cp._cp_context(cache, same_values, grp, 3, cpu)
+    assert native_cp._cp_context(cache, same_values, object(), 4, cpu, 8) is not b and len(built) == 3
+    native_cp._cp_context(cache, same_values, grp, 3, cpu, 8)
+    assert len(built) == 4 and len(checked) == 4
+    with pytest.raises(ValueError, match="this rank holds 7 rows but cu_seqlens_global ends at 16"):
+        native_cp._cp_context(cache, same_values, grp, 3, cpu, 7)  # other rows: checked again, refused
     assert len(built) == 4
 
 

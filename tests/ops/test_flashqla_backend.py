@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gdn_cp.ops import GDNShape, get_backend
 from gdn_cp.ops.flashqla import detect, kernels
 from gdn_cp.ops.registry import AUTO, BACKEND_CHOICES, BACKENDS, ORACLE, resolve_backend
-from gdn_cp.cli.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2
 
 from . import fake_flashqla
 
@@ -203,7 +203,7 @@ def test_no_rows_and_only_empty_sequences(fake):
 @pytest.mark.parametrize("change, match", [
     (dict(dk=64), r"head_k_dim=64, head_v_dim=128: FlashQLA's kernels take head dims of 128 only"),
     (dict(dv=192), r"head_v_dim=192"),
-    (dict(dtype=torch.float32), r"bfloat16 or float16 q, k, v only"),
+    (dict(dtype=torch.float32), r"bfloat16 / float16 activations only, not float32\. Fix:"),
     (dict(v_dtype=torch.float16), r"q, k, v must share one dtype"),
 ])
 def test_refusals_name_the_fix_before_any_kernel(fake, change, match):
@@ -217,12 +217,12 @@ def test_refusals_name_the_fix_before_any_kernel(fake, change, match):
     assert not fake.CALLS
     if "v_dtype" not in change:
         with pytest.raises(ValueError, match=match):
-            get_backend("flashqla").check_core(shape, change.get("dtype", torch.bfloat16))
+            get_backend("flashqla").check_shape(shape, change.get("dtype", torch.bfloat16))
 
 
 def test_cpu_tensors_are_refused_without_the_stand_in():
     t, _, _ = _gdr_inputs([0, 40])
-    with pytest.raises(ValueError, match="runs TileLang kernels on CUDA tensors only"):
+    with pytest.raises(ValueError, match=r"TileLang kernels run on NVIDIA sm_90\+ GPUs only"):
         get_backend("flashqla").chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=[0, 40])
 
 
@@ -230,12 +230,14 @@ def test_transition_summary_through_value_blocks(fake):
     """Chunkwise's summary ``[M | S_ext]`` of a slice that continues on both sides comes from one scan of
     values ``[0 | v]`` (Dk + Dv = 256 wide: two FlashQLA calls) from ``[I | 0]``: the reference's
     tree-composed summary, to fp32 rounding."""
-    from gdn_cp.modes.chunkwise import _transition_summary
-    from gdn_cp.ops import reference
+    from gdn_cp.modes.chunkwise import transition_summary
+    from gdn_cp.ops import get_backend
+
+    reference = get_backend("reference")
 
     cu = [0, 150]
     t, _, _ = _gdr_inputs(cu)
-    got = _transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, get_backend("flashqla"), torch.float32, True)
+    got = transition_summary(t["q"], t["k"], t["v"], t["g"], t["beta"], cu, get_backend("flashqla"), torch.float32, True)
     want = reference.chunk_state_summary(t["k"], t["v"], t["g"], t["beta"], cu_seqlens=cu)[0]
     assert rel_l2(got[..., :128], want[..., :128]) < 1e-5 and rel_l2(got[..., 128:], want[..., 128:]) < 1e-5
     assert [c["V"] for c in fake.CALLS] == [128, 128] and all(c["h0"] for c in fake.CALLS)
@@ -282,7 +284,7 @@ def _rank_modes(ctx):
     from gdn_cp.layout import RouteCache
     from gdn_cp.modes import gdn_core
     from gdn_cp.modes.spec import MODE_NAMES
-    from gdn_cp.cli.job_data import core_inputs
+    from gdn_cp.modes.inputs import core_inputs
     from gdn_cp_testing.inputs import cp1_core_answer
     from gdn_cp_testing.packings import zigzag_rows
 

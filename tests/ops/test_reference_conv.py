@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn_cp.ops.reference import causal_conv1d
+from gdn_cp.ops.reference.conv import causal_conv1d
 from gdn_cp.ops.reference.naive import naive_causal_conv1d
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 
 
 # Empty sequences (front, middle, back), sequences shorter than W and longer.

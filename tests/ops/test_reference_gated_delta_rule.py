@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gdn_cp.ops.reference import chunk_gated_delta_rule, l2norm
+from gdn_cp.ops.reference.gated_delta_rule import chunk_gated_delta_rule, l2norm
 from gdn_cp.ops.reference.naive import naive_gated_delta_rule
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.accuracy import max_rel
 
 
 # With chunk_size=16: empty sequences (front, middle, back), shorter than a chunk, exactly one chunk,

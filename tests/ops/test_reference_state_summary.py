@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn_cp.ops.reference import chunk_gated_delta_rule, chunk_state_summary
-from gdn_cp.cli.accuracy import max_rel
+from gdn_cp.ops.reference.gated_delta_rule import chunk_gated_delta_rule, chunk_state_summary
+from gdn_cp.ops.accuracy import max_rel
 
 from .test_reference_gated_delta_rule import CU, make
 

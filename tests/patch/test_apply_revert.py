@@ -106,7 +106,7 @@ def test_modified_after_patching_blocks_revert(layout):
     apply_patch(layout.root)
     cfg = layout.path(CFG)
     patched = cfg.read_bytes()
-    cfg.write_bytes(patched.replace(b'"auto"] = "auto"', b'"auto"] = "chunkwise"'))  # a user's edit
+    cfg.write_bytes(patched.replace(b'linear_cp_mode: str = "auto"', b'linear_cp_mode: str = "chunkwise"'))  # a user's edit
     assert cfg.read_bytes() != patched
     before = layout.digest()
     assert check_patch(layout.root)[CFG] == MODIFIED

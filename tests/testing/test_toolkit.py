@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gdn_cp.layout import build_natural_order
-from gdn_cp.cli.accuracy import max_rel, rel_l2, worst
+from gdn_cp.ops.accuracy import max_rel, rel_l2, worst
 from gdn_cp_testing.packings import named_packings, thd_case, zigzag_rows
-from gdn_cp.cli.job_data import packed_boundaries
+from gdn_cp.layout.packings import packed_boundaries
 from gdn_cp_testing.probes import env_setting, swap_points
 from gdn_cp_testing.results import JsonlRecorder, write_json
 
@@ -101,7 +101,7 @@ def test_probes(monkeypatch):
 
     shape = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
     plan = RouteCache().plan([0, 8, 32], 2, 0)
-    original = chunkwise._swap_point
+    original = chunkwise.Chunkwise.__dict__["prepare"]
     with swap_points() as seen:
         for swap, label in (("core", "a"), ("hidden", "a"), ("auto", "b")):
             layer = LayerFacts(label=label, hidden_size=32, tp=1, sequence_parallel=False, act_bytes=4)
@@ -109,7 +109,7 @@ def test_probes(monkeypatch):
                               group=object(), backend=get_backend("reference"), layer=layer)
             prepare_mode(ctx)
     assert seen == {"a": {"core", "hidden"}, "b": {"hidden"}}  # auto: 2*32*4 B/token < the core tensors' 416
-    assert chunkwise._swap_point is original
+    assert chunkwise.Chunkwise.__dict__["prepare"] is original
 
 
 def test_fast_autotune_takes_the_first_config_that_runs(monkeypatch):

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
-from . import core_0_19_2
+from . import megatron_core_0_19_2
 
 __all__ = ["Pin", "PINS", "PINNED_VERSION", "get_pin", "load_adapter"]
 
@@ -20,13 +20,16 @@ class Pin:
     ``adapter``: the module implementing the adapter interface for this release (imported here:
     adapters import neither torch nor Megatron at import time). ``matching_refs``: Megatron-LM git
     refs whose target files were checked to equal the release's (their ``package_info.py`` may
-    report another version string; the patch tool goes by file hashes).
+    report another version string; the patch tool goes by file hashes). ``python_floor``: the oldest
+    Python the release installs on (its Requires-Python), which its install command and ``gdn-cp
+    doctor`` name.
     """
 
     version: str
     patch_folder: str
     adapter: ModuleType
     matching_refs: tuple[str, ...] = ()
+    python_floor: tuple[int, int] = (3, 12)
 
     @property
     def requirement(self) -> str:
@@ -36,15 +39,15 @@ class Pin:
     def install_command(self, python_version: tuple[int, int] | None = None, *, reinstall: bool = False) -> str:
         """The pip command that installs this release on ``python_version`` (default: this Python).
 
-        megatron-core 0.19.x declares Python >= 3.12, although its sources run on 3.11; there
-        the plain ``pip install`` fails, so the command builds the sdist past that declaration
+        megatron-core 0.19.x declares Python >= 3.12 (:attr:`python_floor`), although its sources run
+        on 3.11; there the plain ``pip install`` fails, so the command builds the sdist past that declaration
         (and adds triton, which megatron.core imports), as ``tests/install_deps.sh`` does.
         ``reinstall``: replace an installed copy whose files were changed (pip leaves an installed
         release of the same version alone otherwise); its dependencies are left as they are.
         """
         major_minor = tuple(sys.version_info[:2]) if python_version is None else tuple(python_version)[:2]
         again = "--force-reinstall --no-deps " if reinstall else ""
-        if major_minor >= (3, 12):
+        if major_minor >= self.python_floor:
             return f"python -m pip install {again}{self.requirement}"
         again = "--force-reinstall " if reinstall else ""
         return (
@@ -59,7 +62,7 @@ PINS: dict[str, Pin] = {
         Pin(
             version="0.19.2",
             patch_folder="megatron-core-0.19.2",
-            adapter=core_0_19_2,
+            adapter=megatron_core_0_19_2,
             # checked by sha256 on a Megatron-LM snapshot: both report 0.19.1 in package_info.py
             matching_refs=("core_r0.19.0", "core_v0.19.0"),
         ),
@@ -84,5 +87,5 @@ def get_pin(version: str | None = None) -> Pin:
 
 
 def load_adapter(version: str | None = None) -> ModuleType:
-    """The adapter module of a pin (``pins.core_<version>``)."""
+    """The adapter module of a pin (``pins.megatron_core_<version>``)."""
     return get_pin(version).adapter

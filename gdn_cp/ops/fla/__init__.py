@@ -1,56 +1,34 @@
-"""FLA backend (CUDA): flash-linear-attention's causal conv and chunked gated delta rule.
+"""FLA backend (CUDA): flash-linear-attention's causal conv and chunked gated delta rule, FLA's cp
+context as its native CP cores (contiguous, and zigzag on FLA >= 0.6), FLA's fused gated RMSNorm as
+its gated norm.
 
-Satisfies :class:`gdn_cp.ops.contract.Backend`, with FLA's cp context as its native CP cores
-(contiguous, and zigzag on FLA >= 0.6) and FLA's fused gated RMSNorm as its gated norm.
-Importing this package does not import FLA.
+Importing this package imports neither torch nor FLA: it declares the backend (:data:`SPEC`, from
+:mod:`.spec`), and :func:`load` imports its modules (FLA itself loads on a kernel's first call):
 
+- :mod:`.spec`: its facts (devices, the head dims its kernels take);
 - :mod:`.detect`: what the installed FLA offers (probed once per process);
 - :mod:`.kernels`: the CP=1 kernels behind the backend contract;
 - :mod:`.native_cp`: the chunkwise cores with FLA's cp context;
 - :mod:`.norm`: the fused gated RMSNorm.
 """
 
-from . import detect, kernels, native_cp, norm
-from .detect import (
-    FLAFeatures,
-    detect_fla_cp,
-    features,
-    fla_available,
-    fla_import_error,
-    fla_own_gated_delta_rule,
-    fla_version,
-    gdn_kernel_backends,
-    has_cp_context,
-    has_zigzag_layout,
-    log_stack_once,
-    own_kernel,
-    probe,
-    stack_report,
-)
-from .kernels import (
-    FLA_MAX_HEAD_K_DIM,
-    FLA_MIN_HEAD_DIM,
-    FLAFunctions,
-    causal_conv1d,
-    check_core,
-    check_head_dims,
-    chunk_gated_delta_rule,
-    fla_api,
-    kv_heads_for_kernel,
-)
-from .native_cp import (
-    FLA_COLLECTIVE_BACKENDS,
-    check_chunkwise_layout,
-    check_native_rows,
-    check_zigzag_stream,
-    context_conv,
-    cp_context_core,
-    native_cp_core,
-    native_cp_problem,
-    native_zigzag_cp_core,
-    runs_on,
-    zigzag_context_core,
-)
-from .norm import fused_gated_rms_norm, gated_rms_norm
+from __future__ import annotations
 
-__all__ = [*detect.__all__, *kernels.__all__, *native_cp.__all__, *norm.__all__]
+from typing import Any, Mapping
+
+from ..contract import Backend
+from .spec import SPEC
+
+__all__ = ["SPEC", "load"]
+
+
+def load(settings: Mapping[str, Any]) -> Backend:
+    """The backend's members (it takes no setting)."""
+    from . import kernels, native_cp, norm
+
+    return Backend(
+        SPEC, causal_conv1d=kernels.causal_conv1d, chunk_gated_delta_rule=kernels.chunk_gated_delta_rule,
+        native_cp_core=native_cp.native_cp_core, native_zigzag_cp_core=native_cp.native_zigzag_cp_core,
+        native_cp_problem=native_cp.native_cp_problem, check_native_rows=native_cp.check_native_rows,
+        fused_gated_rms_norm=norm.fused_gated_rms_norm,
+    )

@@ -18,7 +18,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -35,13 +34,11 @@ __all__ = [
     "gdn_kernel_backends",
     "has_cp_context",
     "has_zigzag_layout",
-    "log_stack_once",
     "own_kernel",
     "probe",
     "stack_report",
 ]
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -296,16 +293,3 @@ def stack_report() -> dict:
         c["cp context"] = ("contiguous; zigzag (no layout all-to-all) on rows that are one zigzag-cut stream"
                            if found.zigzag_layout else "contiguous only (zigzag rows are routed to it)")
     return report
-
-
-_LOGGED_STACK: list = []
-
-
-def log_stack_once() -> None:
-    """Log :func:`stack_report` once per process (the first time a kernel is resolved)."""
-    if _LOGGED_STACK:
-        return
-    _LOGGED_STACK.append(True)
-    report = stack_report()
-    logger.info("FLA stack: %s; %s", report["stack"],
-                "; ".join(f"{name}: {text}" for name, text in report["choices"].items()))

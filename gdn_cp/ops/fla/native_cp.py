@@ -27,16 +27,19 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import torch
 
 from ...comm import group_backend, group_size
 from ...layout.boundaries import Boundaries, check_cp, host_boundaries
+from ..kernel_args import check_core_args
 from ..shape import GDNShape
 from . import detect
 from .detect import features, fla_version, has_cp_context, has_zigzag_layout
-from .kernels import causal_conv1d, check_head_dims, chunk_gated_delta_rule, fla_api, kv_heads_for_kernel, require_cuda
+from .kernels import causal_conv1d, chunk_gated_delta_rule, fla_api, kv_heads_for_kernel
+from .spec import SPEC
 
 __all__ = [
     "FLA_COLLECTIVE_BACKENDS",
@@ -168,22 +171,32 @@ def check_chunkwise_layout(
 
 @dataclass(frozen=True)
 class _CPContextEntry:
-    boundaries: Boundaries
-    conv_kernel_size: int
-    group: Any
-    device: torch.device
+    source: Any  # the caller's boundaries object (held: its id cannot be reused meanwhile)
+    key: tuple  # (group, conv kernel size, device, rows per rank)
     ctx: Any
 
 
-def _cp_context(cache: dict | None, cu: Boundaries, group, conv_kernel_size: int, device: torch.device,
+def _checked_rows(layout: str, cu_seqlens_global, cp_size: int, conv_kernel_size: int, rows: int) -> Boundaries:
+    """The rows' layout checked for FLA's cp context (host ints, no comm): :func:`check_chunkwise_layout`
+    or :func:`check_zigzag_stream`."""
+    if layout == "zigzag":
+        return check_zigzag_stream(cu_seqlens_global, cp_size, conv_kernel_size, local_rows=rows)
+    return check_chunkwise_layout(cu_seqlens_global, cp_size, conv_kernel_size, local_rows=rows,
+                                  allow_short_tails=cp_size == 1 or features().clamps_halo)
+
+
+def _cp_context(cache: dict | None, cu_seqlens_global, group, conv_kernel_size: int, device: torch.device, rows: int,
                 layout: str = "contiguous"):
-    """FLA's cp context for these boundaries, group, kernel size and layout, from ``cache`` when it
-    holds it."""
+    """FLA's cp context for these boundaries, group, kernel size and layout, from ``cache`` when it holds
+    it (a plan's ``backend_cache``: the boundaries were checked when it was built, so the plan is trusted
+    on every later call of the micro-batch); built otherwise, after the rows' layout is checked, before
+    any collective."""
     key = _CACHE_KEY if layout == "contiguous" else _ZIGZAG_CACHE_KEY
+    want = (group, conv_kernel_size, device, rows)
     entry = None if cache is None else cache.get(key)
-    if (entry is not None and entry.boundaries is cu and entry.group is group
-            and entry.conv_kernel_size == conv_kernel_size and entry.device == device):
+    if entry is not None and entry.source is cu_seqlens_global and entry.key[0] is group and entry.key[1:] == want[1:]:
         return entry.ctx
+    cu = _checked_rows(layout, cu_seqlens_global, group_size(group), conv_kernel_size, rows)
     found = features()
     cu_ne, _ = cu.nonempty()  # empty sequences hold no rows; FLA's context never sees them
     kwargs: dict[str, Any] = {found.kernel_size_arg: conv_kernel_size}
@@ -193,40 +206,18 @@ def _cp_context(cache: dict | None, cu: Boundaries, group, conv_kernel_size: int
         kwargs["layout"] = layout
     ctx = fla_api().build_cp_context(cu_ne.on(device), group, **kwargs)
     if cache is not None:
-        cache[key] = _CPContextEntry(cu, conv_kernel_size, group, device, ctx)
+        cache[key] = _CPContextEntry(cu_seqlens_global, want, ctx)
     return ctx
 
 
-def _check_core_inputs(qkv, g, beta, conv_weight, shape: GDNShape) -> int:
-    """The tensor checks both cores share (before any collective); returns the conv width W."""
-    for name, t in (("qkv", qkv), ("g", g), ("beta", beta), ("conv_weight", conv_weight)):
-        require_cuda(name, t)
-    if qkv.dim() != 2:
-        raise ValueError(f"qkv must be [T_c, C] (THD, batch folded into tokens, B == 1); got {tuple(qkv.shape)}")
-    hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
-    check_head_dims(dk, dv)
-    t_c, c = qkv.shape
-    if c != shape.conv_dim:
-        raise ValueError(
-            f"qkv has {c} channels but [q|k|v] needs 2*{hk}*{dk} + {hv}*{dv} = {shape.conv_dim}. "
-            "Fix: pass the GDNShape of this (TP-local) layer."
-        )
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != c:
-        raise ValueError(f"conv_weight must be [C={c}, W]; got {tuple(conv_weight.shape)}")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (t_c, hv):
-            raise ValueError(f"{name} must be [T_c={t_c}, Hv={hv}]; got {tuple(t.shape)}")
-    return conv_weight.shape[1]
-
-
 def context_conv(qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None, *,
-                 cu_seqlens_global: Boundaries, group, cache: dict | None = None) -> torch.Tensor:
+                 cu_seqlens_global: Sequence[int], group, cache: dict | None = None) -> torch.Tensor:
     """FLA's causal conv (SiLU) of this rank's contiguous rows ``qkv [T_c, C]`` with FLA's cp context
-    for ``cu_seqlens_global`` (checked by :func:`check_chunkwise_layout`): the halo comes from the
-    ranks before, inside FLA's kernels. Returns ``[T_c, C]``. For backends without a conv of their own
-    (FlashQLA's native core)."""
+    for ``cu_seqlens_global`` (checked by :func:`check_chunkwise_layout` when the context is built): the
+    halo comes from the ranks before, inside FLA's kernels. Returns ``[T_c, C]``. For backends without a
+    conv of their own (FlashQLA's native core)."""
     _require_cp_context()
-    ctx = _cp_context(cache, cu_seqlens_global, group, conv_weight.shape[1], qkv.device)
+    ctx = _cp_context(cache, cu_seqlens_global, group, conv_weight.shape[1], qkv.device, qkv.shape[0])
     return _conv_with_context(ctx, qkv, conv_weight, conv_bias)
 
 
@@ -273,37 +264,33 @@ def _require_cp_context() -> None:
         )
 
 
-def cp_context_core(
-    qkv: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    *,
-    shape: GDNShape,
-    cu_seqlens_global: Sequence[int],
-    group,
-    cache: dict | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Conv (SiLU) + gated delta rule on this rank's contiguous slice, with FLA's native CP.
-
-    qkv [T_c, C] holds channels [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)] before the conv; g, beta
-    [T_c, Hv]; conv_weight [C, W]. ``cu_seqlens_global``: global boundaries (pass the same
-    Boundaries object on every call, e.g. a plan's, to reuse the cp context kept in ``cache``).
-    Everything is checked before the first collective. Returns o [T_c, Hv, Dv].
-    """
-    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
-    cp_size = 1 if group is None else group_size(group)
-    cu = check_chunkwise_layout(
-        cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0],
-        allow_short_tails=cp_size == 1 or features().clamps_halo,
-    )
-    if cp_size == 1:
+def _native_core(layout: str, qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens_global, group,
+                 cache: dict | None = None, scale: float | None = None) -> torch.Tensor:
+    """Conv (SiLU) + gated delta rule on this rank's rows with FLA's cp context of ``layout``: the tensors
+    checked on every call, the rows' layout when the context is built (once per plan), all before the
+    first collective."""
+    w = check_core_args(SPEC, qkv, g, beta, conv_weight, shape)
+    if group is None or group_size(group) == 1:
+        cu = _checked_rows(layout, cu_seqlens_global, 1, w, qkv.shape[0])
         return _local_core(qkv, g, beta, conv_weight, conv_bias, shape, cu, scale)
     _require_cp_context()
-    ctx = _cp_context(cache, cu, group, w, qkv.device)
+    if layout == "zigzag" and not has_zigzag_layout():
+        raise RuntimeError(
+            f"FLA {fla_version()}: build_cp_context takes no layout= (FLA >= 0.6 does). Fix: upgrade FLA, "
+            "or let chunkwise route the rows to the contiguous layout (cp_context_core)."
+        )
+    ctx = _cp_context(cache, cu_seqlens_global, group, w, qkv.device, qkv.shape[0], layout)
     return _run_with_context(ctx, qkv, g, beta, conv_weight, conv_bias, shape, scale)
+
+
+cp_context_core = partial(_native_core, "contiguous")
+cp_context_core.__doc__ = """Conv (SiLU) + gated delta rule on this rank's contiguous slice, with FLA's native CP
+(a :class:`~gdn_cp.ops.contract.NativeCPCore`).
+
+qkv [T_c, C] holds channels [q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)] before the conv; g, beta [T_c, Hv];
+conv_weight [C, W]. ``cu_seqlens_global``: global boundaries (pass the same object on every call,
+e.g. a plan's, to reuse the cp context kept in ``cache``). Everything is checked before the first
+collective. Returns o [T_c, Hv, Dv]."""
 
 
 def check_zigzag_stream(cu_seqlens_global: Sequence[int], cp_size: int, conv_kernel_size: int, *,
@@ -337,37 +324,11 @@ def check_zigzag_stream(cu_seqlens_global: Sequence[int], cp_size: int, conv_ker
     return cu
 
 
-def zigzag_context_core(
-    qkv: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    *,
-    shape: GDNShape,
-    cu_seqlens_global: Sequence[int],
-    group,
-    cache: dict | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Conv (SiLU) + gated delta rule on this rank's zigzag rows of the whole stream, with FLA's
-    zigzag cp context (FLA >= 0.6): no layout all-to-all.
+zigzag_context_core = partial(_native_core, "zigzag")
+zigzag_context_core.__doc__ = """Conv (SiLU) + gated delta rule on this rank's zigzag rows of the whole stream,
+with FLA's zigzag cp context (FLA >= 0.6): no layout all-to-all.
 
-    Rows: part r then part 2*cp-1-r of the global packed stream cut into 2*cp equal parts
-    (``[T_local, ...]``, T_local = T_global/cp), the documents' boundaries ``cu_seqlens_global``
-    (the state and the conv restart there). Tensors as in :func:`cp_context_core`. Everything is
-    checked before the first collective. Returns o [T_local, Hv, Dv] in the same rows.
-    """
-    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
-    cp_size = 1 if group is None else group_size(group)
-    cu = check_zigzag_stream(cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0])
-    if cp_size == 1:
-        return _local_core(qkv, g, beta, conv_weight, conv_bias, shape, cu, scale)
-    _require_cp_context()
-    if not has_zigzag_layout():
-        raise RuntimeError(
-            f"FLA {fla_version()}: build_cp_context takes no layout= (FLA >= 0.6 does). Fix: upgrade FLA, "
-            "or let chunkwise route the rows to the contiguous layout (cp_context_core)."
-        )
-    ctx = _cp_context(cache, cu, group, w, qkv.device, layout="zigzag")
-    return _run_with_context(ctx, qkv, g, beta, conv_weight, conv_bias, shape, scale)
+Rows: part r then part 2*cp-1-r of the global packed stream cut into 2*cp equal parts
+(``[T_local, ...]``, T_local = T_global/cp), the documents' boundaries ``cu_seqlens_global`` (the
+state and the conv restart there). Tensors as in :func:`cp_context_core`. Everything is checked
+before the first collective. Returns o [T_local, Hv, Dv] in the same rows."""

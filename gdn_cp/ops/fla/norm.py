@@ -16,8 +16,9 @@ from typing import Callable, Optional
 
 import torch
 
+from ..kernel_args import require_device
 from .detect import features
-from .kernels import require_cuda
+from .spec import SPEC
 
 __all__ = ["fused_gated_rms_norm", "gated_rms_norm"]
 
@@ -31,7 +32,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """``x, z [N, D]`` (any strides; FLA copies what is not contiguous), ``weight [D]`` -> ``[N, D]``
     in x's dtype: ``x / sqrt(mean(x^2) + eps) * weight * silu(z)``, computed in fp32."""
     for name, t in (("x", x), ("z", z), ("weight", weight)):
-        require_cuda(name, t)
+        require_device(SPEC, name, t)
     if x.dim() != 2 or z.shape != x.shape:
         raise ValueError(f"x and z must both be [N, D]; got x {tuple(x.shape)}, z {tuple(z.shape)}")
     if tuple(weight.shape) != (x.shape[1],):

@@ -16,11 +16,9 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from ... import env
 from ..installed import dist_version
 
 __all__ = [
@@ -30,17 +28,13 @@ __all__ = [
     "features",
     "flashqla_problem",
     "flashqla_version",
-    "AUTO_CP_ENV",
-    "auto_cp_setting",
     "conv_choice",
     "fused_norm_choice",
-    "log_stack_once",
     "probe",
     "stack_report",
     "tilelang_version",
 ]
 
-logger = logging.getLogger(__name__)
 
 CAPABILITIES = {(9, 0): "sm_90", (10, 0): "sm_100", (10, 3): "sm_103", (12, 0): "sm_120", (12, 1): "sm_121"}
 """The compute capabilities FlashQLA 0.1.3 has kernels for (``flash_qla.ops.gated_delta_rule.chunk``
@@ -140,16 +134,6 @@ def flashqla_problem() -> Optional[str]:
     return features().problem
 
 
-AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
-
-
-def auto_cp_setting() -> bool:
-    """FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on
-    one GPU, with the pieces' states corrected afterwards; FlashQLA's default, and where its speed
-    at few heads comes from): ``GDN_CP_FLASHQLA_AUTO_CP`` (default 1; 0 turns it off)."""
-    return env.read(AUTO_CP_ENV) == "1"
-
-
 @functools.lru_cache(maxsize=1)  # no arguments: one answer per process (never cache on tensors)
 def conv_choice() -> tuple[Callable, str]:
     """``(causal_conv1d, what it is)``: FLA's conv kernel where FLA imports, else gdn-cp's plain-torch
@@ -192,23 +176,10 @@ def stack_report() -> dict:
     c = report["choices"]
     c["gated delta rule"] = ("flash_qla.chunk_gated_delta_rule: q/k at the key heads (GVA in the kernel), head dims "
                              "128 (a value head dim that is a multiple of 128 as 128-wide calls), bf16/fp16, "
-                             f"auto_cp={auto_cp_setting()} (its split of long sequences inside one GPU)")
+                             "auto_cp (its split of long sequences inside one GPU) as GDN_CP_FLASHQLA_AUTO_CP says (default on)")
     c["conv"] = conv_choice()[1]
     c["chunkwise"] = ("native: FlashQLA's inter-card cp context (state exchange) with FLA's cp context for the conv"
                       if found.inter_card_cp else
                       "generic only: this FlashQLA has no inter-card cp context (FlashQLA >= 0.1.3)")
     c["gated norm"] = fused_norm_choice()[1]
     return report
-
-
-_LOGGED_STACK: list = []
-
-
-def log_stack_once() -> None:
-    """Log :func:`stack_report` once per process (when the backend first runs a kernel)."""
-    if _LOGGED_STACK:
-        return
-    _LOGGED_STACK.append(True)
-    report = stack_report()
-    logger.info("FlashQLA stack: %s; %s", report["stack"],
-                "; ".join(f"{name}: {text}" for name, text in report["choices"].items()))

@@ -22,25 +22,21 @@ chunkwise routes zigzag rows to the contiguous slices first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Sequence
 
 import torch
 
 from ...comm import group_size
-from ...layout.boundaries import Boundaries
+from ...layout.boundaries import host_boundaries
 from ..fla import detect as fla_detect
 from ..fla import native_cp as fla_native
+from ..kernel_args import check_core_args
 from ..shape import GDNShape
+from . import kernels
 from .detect import features, flashqla_version
-from .kernels import (
-    auto_cp_setting,
-    causal_conv1d,
-    check_core,
-    chunk_gated_delta_rule,
-    flashqla_api,
-    require_device,
-    run_in_value_blocks,
-)
+from .kernels import causal_conv1d, chunk_gated_delta_rule, flashqla_api, run_in_value_blocks
+from .spec import SPEC
 
 __all__ = ["check_native_rows", "inter_card_core", "native_cp_core", "native_cp_problem"]
 
@@ -62,12 +58,13 @@ def native_cp_problem() -> str | None:
     return None
 
 
-def native_cp_core(group):
-    """:func:`inter_card_core` when FlashQLA's inter-card context and FLA's cp context (the conv) can
-    run on ``group``, else None (then chunkwise exchanges halos and state summaries itself)."""
-    if group is None or native_cp_problem() is not None:
+def native_cp_core(group, *, auto_cp: bool = True):
+    """:func:`inter_card_core` (with FlashQLA's ``auto_cp``) when FlashQLA's inter-card context and FLA's
+    cp context (the conv) can run on ``group``, else None (then chunkwise exchanges halos and state
+    summaries itself)."""
+    if group is None or native_cp_problem() is not None or not fla_native.runs_on(group):
         return None
-    return inter_card_core if fla_native.runs_on(group) else None
+    return partial(inter_card_core, auto_cp=auto_cp)
 
 
 def check_native_rows(cu_seqlens_global: Sequence[int], cp_size: int, conv_kernel_size: int) -> None:
@@ -79,48 +76,29 @@ def check_native_rows(cu_seqlens_global: Sequence[int], cp_size: int, conv_kerne
 
 @dataclass(frozen=True)
 class _ContextEntry:
-    boundaries: Boundaries
+    boundaries: Any  # the caller's boundaries object (held: its id cannot be reused meanwhile)
     group: Any
     key: tuple  # (num_v_heads, device, is_train, auto_cp)
     ctx: Any
 
 
-def _cp_context(cache: dict | None, cu: Boundaries, group, num_v_heads: int, device: torch.device):
-    """FlashQLA's inter-card context for these boundaries (without empty sequences), kept in
-    ``cache`` (a plan's ``backend_cache``) for the life of the plan. Built from host values: no
-    device sync."""
-    auto_cp, is_train = auto_cp_setting(), torch.is_grad_enabled()
+def _cp_context(cache: dict | None, cu_seqlens_global, group, num_v_heads: int, device: torch.device, auto_cp: bool):
+    """FlashQLA's inter-card context for these boundaries (without empty sequences; their layout was
+    checked by FLA's context, built first), kept in ``cache`` (a plan's ``backend_cache``) for the life of
+    the plan. Built from host values: no device sync."""
+    is_train = torch.is_grad_enabled()
     key = (num_v_heads, device, is_train, auto_cp)
     entry = None if cache is None else cache.get(_CACHE_KEY)
-    if entry is not None and entry.boundaries is cu and entry.group is group and entry.key == key:
+    if entry is not None and entry.boundaries is cu_seqlens_global and entry.group is group and entry.key == key:
         return entry.ctx
-    cu_ne, _ = cu.nonempty()
+    cu_ne, _ = host_boundaries(cu_seqlens_global, name="cu_seqlens_global").nonempty()
     ctx = flashqla_api().build_cp_context(
         cu_ne.on(device, torch.int32), enable_inter=True, enable_intra=auto_cp, group=group,
         num_v_heads=num_v_heads, chunk_size=features().chunk_size, cu_seqlens_cpu=cu_ne.cpu().clone(),
         is_train=is_train)
     if cache is not None:
-        cache[_CACHE_KEY] = _ContextEntry(cu, group, key, ctx)
+        cache[_CACHE_KEY] = _ContextEntry(cu_seqlens_global, group, key, ctx)
     return ctx
-
-
-def _check_core_inputs(qkv, g, beta, conv_weight, shape: GDNShape) -> int:
-    """The tensor checks (before any collective); returns the conv width W."""
-    for name, t in (("qkv", qkv), ("g", g), ("beta", beta), ("conv_weight", conv_weight)):
-        require_device(name, t)
-    if qkv.dim() != 2:
-        raise ValueError(f"qkv must be [T_c, C] (THD, batch folded into tokens, B == 1); got {tuple(qkv.shape)}")
-    check_core(shape, qkv.dtype)
-    t_c, c = qkv.shape
-    if c != shape.conv_dim:
-        raise ValueError(f"qkv has {c} channels but [q|k|v] needs {shape.conv_dim}. Fix: pass the GDNShape of "
-                         "this (TP-local) layer.")
-    if conv_weight.dim() != 2 or conv_weight.shape[0] != c:
-        raise ValueError(f"conv_weight must be [C={c}, W]; got {tuple(conv_weight.shape)}")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (t_c, shape.num_v_heads):
-            raise ValueError(f"{name} must be [T_c={t_c}, Hv={shape.num_v_heads}]; got {tuple(t.shape)}")
-    return conv_weight.shape[1]
 
 
 def inter_card_core(
@@ -135,39 +113,41 @@ def inter_card_core(
     group,
     cache: dict | None = None,
     scale: float | None = None,
+    auto_cp: bool = True,
 ) -> torch.Tensor:
     """Conv (SiLU, FLA's cp context) + FlashQLA's gated delta rule (its inter-card cp context) on this
     rank's contiguous slice ``qkv [T_c, C]`` (channels ``[q | k | v]`` before the conv), ``g, beta
     [T_c, Hv]``, ``conv_weight [C, W]``; ``cu_seqlens_global``: the global boundaries (pass the same
     Boundaries object on every call, e.g. a plan's, so that both contexts kept in ``cache`` are
-    reused). Everything is checked before the first collective. Returns ``o [T_c, Hv, Dv]``."""
-    w = _check_core_inputs(qkv, g, beta, conv_weight, shape)
+    reused). The tensors are checked on every call, the rows' layout when FLA's context is built (once
+    per plan), all before the first collective. Returns ``o [T_c, Hv, Dv]``."""
+    w = check_core_args(SPEC, qkv, g, beta, conv_weight, shape, kernels.DEVICE_TYPES)
     cp_size = 1 if group is None else group_size(group)
-    cu = fla_native.check_chunkwise_layout(
-        cu_seqlens_global, cp_size, w, local_rows=qkv.shape[0],
-        allow_short_tails=cp_size == 1 or fla_detect.features().clamps_halo)
     hk, hv, dk, dv = shape.num_k_heads, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim
     t_c = qkv.shape[0]
     if cp_size == 1:
+        cu = fla_native.check_chunkwise_layout(cu_seqlens_global, 1, w, local_rows=t_c)
         x = causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, activation="silu")
     else:
         problem = native_cp_problem()
         if problem is not None:
             raise RuntimeError(f"FlashQLA's native chunkwise core cannot run: {problem}. Fix: chunkwise path "
                                "'generic' (GDN_CP_CHUNKWISE_PATH), or linear_cp_backend='fla'.")
-        x = fla_native.context_conv(qkv, conv_weight, conv_bias, cu_seqlens_global=cu, group=group, cache=cache)
+        x = fla_native.context_conv(qkv, conv_weight, conv_bias, cu_seqlens_global=cu_seqlens_global, group=group,
+                                    cache=cache)
     q, k, v = torch.split(x, [hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.reshape(t_c, hk, dk), k.reshape(t_c, hk, dk), v.reshape(t_c, hv, dv)
     if cp_size == 1:
-        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm)
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm,
+                                      auto_cp=auto_cp)
         return o
-    ctx = _cp_context(cache, cu, group, hv, qkv.device)
+    ctx = _cp_context(cache, cu_seqlens_global, group, hv, qkv.device, auto_cp)
     fn = flashqla_api().chunk_gated_delta_rule
     q1, k1, g1, b1 = q.unsqueeze(0), k.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0)
 
     def call(v_block, _h0):
         o, _ = fn(q=q1, k=k1, v=v_block.unsqueeze(0), g=g1, beta=b1, scale=scale, use_qk_l2norm_in_kernel=shape.qk_l2norm,
-                  cu_seqlens=ctx.cu_seqlens, auto_cp=auto_cp_setting(), cp_context=ctx)
+                  cu_seqlens=ctx.cu_seqlens, auto_cp=auto_cp, cp_context=ctx)
         return o.squeeze(0), None
 
     o, _ = run_in_value_blocks(call, v, None, False)

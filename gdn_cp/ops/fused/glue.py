@@ -51,15 +51,17 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
-    """``alpha, beta [T, Hv]`` (views of in_proj's output), ``a_log, dt_bias [Hv]`` ->
-    ``(g [T, Hv] fp32 log decay, beta [T, Hv] in beta's dtype)``, exactly stock's expression."""
-    g = -a_log.exp() * F.softplus(alpha.float() + dt_bias)
+def _gates(alpha: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, dt_bias: torch.Tensor):
+    """``alpha, beta [T, Hv]`` (views of in_proj's output), ``decay = -exp(A_log)``, ``dt_bias [Hv]`` ->
+    ``(g [T, Hv] fp32 log decay, beta [T, Hv] in beta's dtype)``, stock's expression."""
+    g = decay * F.softplus(alpha.float() + dt_bias)
     return g, beta.sigmoid()
 
 
-def _l2norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+def _l2norm(x: torch.Tensor, dtype: torch.dtype, eps: float) -> torch.Tensor:
+    """FLA's l2norm: ``x`` (in the activations' dtype) normalized in fp32 (fp64 for fp64), rounded once."""
+    xc = x.to(_compute_dtype(dtype))
+    return (xc * torch.rsqrt((xc * xc).sum(-1, keepdim=True) + eps)).to(dtype)
 
 
 def _conv_silu_split(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
@@ -88,20 +90,20 @@ def _conv_silu_split(x, weight, bias, positions, halo, k_heads: int, v_heads: in
             term = torch.where(pos >= shift, term, 0.0)
         term = taps[:, j] * term
         y = term if y is None else y + term
-    y = F.silu(y)
+    y = F.silu(y).to(x.dtype)  # the conv's output in the activations' dtype, as FLA's conv (and stock) round it
     key_dim = k_heads * head_k_dim
     q, k, v = torch.split(y, [key_dim, key_dim, v_heads * head_v_dim], dim=-1)
     q, k, v = q.reshape(t, k_heads, head_k_dim), k.reshape(t, k_heads, head_k_dim), v.reshape(t, v_heads, head_v_dim)
     if qk_l2norm:
-        q, k = _l2norm(q, eps), _l2norm(k, eps)
-    return q.to(x.dtype).contiguous(), k.to(x.dtype).contiguous(), v.to(x.dtype).contiguous()
+        q, k = _l2norm(q, x.dtype, eps), _l2norm(k, x.dtype, eps)
+    return q.contiguous(), k.contiguous(), v.contiguous()
 
 
 class _CompiledOnCuda:
     """``fn`` compiled (once per process, dynamic in the row count) where its first tensor is on a
     CUDA device and compiling is on; eager elsewhere and for empty inputs."""
 
-    def __init__(self, fn: Callable, row_args: int):
+    def __init__(self, fn: Callable, row_args: tuple[int, ...]):
         self.fn, self.row_args, self._compiled = fn, row_args, None
 
     def __call__(self, *args):
@@ -112,21 +114,20 @@ class _CompiledOnCuda:
             logger.info("compiling gdn-cp's fused %s with torch.compile (once per process and shape)",
                         self.fn.__name__.lstrip("_"))
             self._compiled = torch.compile(self.fn, fullgraph=True)
-        for t in args[:self.row_args]:  # every micro-batch has its own row count: no recompiles
-            if isinstance(t, torch.Tensor):
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+        for i in self.row_args:  # every micro-batch has its own row count: no recompiles
+            torch._dynamo.maybe_mark_dynamic(args[i], 0)
         return self._compiled(*args)
 
 
-_gates_fused = _CompiledOnCuda(_gates, row_args=2)
-_conv_fused = _CompiledOnCuda(_conv_silu_split, row_args=1)
+_gates_fused = _CompiledOnCuda(_gates, row_args=(0, 1))
+_conv_fused = _CompiledOnCuda(_conv_silu_split, row_args=(0, 3))  # x [T, C], positions [T]
 
 
 def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
     """``(g [T, Hv] fp32, sigmoid(beta) [T, Hv])`` from in_proj's ``alpha, beta [T, Hv]`` and the
-    layer's ``A_log, dt_bias [Hv]``: ``g = -exp(A_log) * softplus(alpha + dt_bias)``, stock's expression,
-    fused forward and backward on CUDA."""
-    return _gates_fused(alpha, beta, a_log, dt_bias)
+    layer's ``A_log, dt_bias [Hv]``: ``g = -exp(A_log) * softplus(alpha + dt_bias)``, stock's expression
+    and rounding (``-exp(A_log)`` in A_log's dtype, one tiny op; the rest fused forward and backward on CUDA)."""
+    return _gates_fused(alpha, beta, -a_log.exp(), dt_bias)
 
 
 def conv_silu_split(
@@ -145,6 +146,7 @@ def conv_silu_split(
 ):
     """Causal conv + SiLU of ``x [T, C]`` (C = 2*k_heads*Dk + v_heads*Dv), split into contiguous
     ``q, k [T, k_heads, Dk]`` (l2-normalized over Dk when ``qk_l2norm``) and ``v [T, v_heads, Dv]`` in
-    x's dtype, computed in fp32 (fp64 for fp64). ``positions [T]`` int32 row offsets within each
+    x's dtype, computed in fp32 (fp64 for fp64) and rounded where FLA's conv and l2norm round: the same
+    values as the ops one by one. ``positions [T]`` int32 row offsets within each
     sequence; ``halo [W-1, C]`` or None (module docstring)."""
     return _conv_fused(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)

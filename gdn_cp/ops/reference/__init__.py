@@ -1,12 +1,27 @@
-"""Plain-torch backend: CPU or GPU, any float dtype, varlen THD. The oracle and the CPU path."""
+"""Plain-torch backend: CPU or GPU, any float dtype, varlen THD. The oracle and the CPU path.
 
-from .conv import causal_conv1d
-from .gated_delta_rule import chunk_gated_delta_rule, chunk_state_summary, l2norm
+Importing this package imports no torch: it declares the backend (:data:`SPEC`), and :func:`load`
+imports its kernels (:mod:`.conv`, :mod:`.gated_delta_rule`). :mod:`.naive` holds the fp64
+token-by-token oracles they are checked against.
+"""
 
-__all__ = ["causal_conv1d", "chunk_gated_delta_rule", "chunk_state_summary", "l2norm", "native_cp_core"]
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..contract import Backend, BackendSpec
+
+__all__ = ["SPEC", "load"]
+
+SPEC = BackendSpec(name="reference", title="the reference backend", devices=("cpu", "cuda"),
+                   devices_why="plain torch", preference=2)
 
 
-def native_cp_core(group) -> None:
-    """None: no native context-parallel kernel here; the chunkwise mode exchanges halos and
-    state summaries itself through ``gdn_cp.comm``."""
-    return None
+def load(settings: Mapping[str, Any]) -> Backend:
+    """The backend's members (it takes no setting): its conv, its chunked scan, and its state summaries
+    composed in a tree."""
+    from .conv import causal_conv1d
+    from .gated_delta_rule import chunk_gated_delta_rule, chunk_state_summary
+
+    return Backend(SPEC, causal_conv1d=causal_conv1d, chunk_gated_delta_rule=chunk_gated_delta_rule,
+                   chunk_state_summary=chunk_state_summary)

@@ -78,6 +78,24 @@ def _check(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
         )
 
 
+def _check_scan_args(k, v, g, beta) -> tuple[int, int, int, int, int]:
+    """k ``[T, Hk, Dk]``, v ``[T, Hv, Dv]`` (Hv a multiple of Hk), g, beta ``[T, Hv]``: floating-point,
+    their shapes agree. Returns ``(T, Hk, Dk, Hv, Dv)``."""
+    _check("k", k, 3, "[T, Hk, Dk]")
+    _check("v", v, 3, "[T, Hv, Dv]")
+    _check("g", g, 2, "[T, Hv]")
+    _check("beta", beta, 2, "[T, Hv]")
+    T, Hk, Dk = k.shape
+    _, Hv, Dv = v.shape
+    if v.shape[0] != T:
+        raise ValueError(f"v must have T={T} tokens like k, got shape {tuple(v.shape)}")
+    value_heads_per_key_head(Hk, Hv)
+    for name, t in (("g", g), ("beta", beta)):
+        if t.shape != (T, Hv):
+            raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
+    return T, Hk, Dk, Hv, Dv
+
+
 def _check_chunk_size(chunk_size) -> None:
     if as_int(chunk_size) is None or not 1 <= chunk_size <= MAX_CHUNK_SIZE:
         raise ValueError(
@@ -173,18 +191,7 @@ def chunk_state_summary(
     state of a scan from ``[I | 0]`` with values ``[0 | v]``, but every chunk's map is formed at
     once and the maps are composed in a tree (depth O(log chunks)) instead of one after another.
     """
-    _check("k", k, 3, "[T, Hk, Dk]")
-    _check("v", v, 3, "[T, Hv, Dv]")
-    _check("g", g, 2, "[T, Hv]")
-    _check("beta", beta, 2, "[T, Hv]")
-    T, Hk, Dk = k.shape
-    _, Hv, Dv = v.shape
-    if v.shape[0] != T:
-        raise ValueError(f"v must have T={T} tokens like k, got shape {tuple(v.shape)}")
-    value_heads_per_key_head(Hk, Hv)
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (T, Hv):
-            raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
+    T, Hk, Dk, Hv, Dv = _check_scan_args(k, v, g, beta)
     _check_chunk_size(chunk_size)
     cu = host_boundaries(cu_seqlens, T)
     dtype, device = compute_dtype(v.dtype), k.device
@@ -241,19 +248,9 @@ def chunk_gated_delta_rule(
     """
     _check("q", q, 3, "[T, Hk, Dk]")
     _check("k", k, 3, "[T, Hk, Dk]")
-    _check("v", v, 3, "[T, Hv, Dv]")
-    _check("g", g, 2, "[T, Hv]")
-    _check("beta", beta, 2, "[T, Hv]")
-    T, Hk, Dk = q.shape
-    _, Hv, Dv = v.shape
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {tuple(q.shape)} [T, Hk, Dk], got {tuple(k.shape)}")
-    if v.shape[0] != T:
-        raise ValueError(f"v must have T={T} tokens like q, got shape {tuple(v.shape)}")
-    value_heads_per_key_head(Hk, Hv)
-    for name, t in (("g", g), ("beta", beta)):
-        if t.shape != (T, Hv):
-            raise ValueError(f"{name} must be [T, Hv] = [{T}, {Hv}], got shape {tuple(t.shape)}")
+    T, Hk, Dk, Hv, Dv = _check_scan_args(k, v, g, beta)
     cu = host_boundaries(cu_seqlens, T)
     N = len(cu) - 1
     if initial_state is not None:

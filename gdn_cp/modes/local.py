@@ -1,4 +1,5 @@
-"""What every mode shares: gate packing, the CP=1 core, and the mode of a call without CP.
+"""The local (CP=1) core, the mode of a call without CP (:class:`Local`), and what the other modes share
+of the core: the fused conv + split, gate packing.
 
 Tensors are THD-packed rank-local rows (token dim first, no batch dim):
 ``qkv [T, C]`` with channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` before the conv,

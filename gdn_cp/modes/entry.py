@@ -1,6 +1,6 @@
-""":func:`gdn_core`, the public entry point of the modes: every check of its arguments, a
-:class:`~gdn_cp.modes.context.CallContext`, then the core of the mode that :func:`prepare_mode`
-prepared for the call."""
+"""The modes' two entries: :func:`prepare_mode` (the class of the settings' mode, :data:`MODE_CLASSES`,
+prepared for a call) and :func:`gdn_core`, the public call of the GDN core alone: every check of its
+arguments, a :class:`~gdn_cp.modes.context.CallContext`, then the core of the mode prepared for it."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from typing import Optional
 
 import torch
 
-from ..comm import all_ranks_true, group_size
+from ..comm import all_ranks_true, group_size, is_process_group
 from ..layout.plan import CPPlan
 from ..ops.contract import Backend, check_backend
 from ..ops.gates import check_log_decay, log_decay_ok
 from ..ops.shape import GDNShape
 from .all_gather import AllGather
 from .chunkwise import Chunkwise
-from .common import Local
+from .local import Local
 from .context import CallContext, Mode
 from .headwise import Headwise
 from .settings import Settings
@@ -29,7 +29,7 @@ LOCAL = Local()
 
 
 def prepare_mode(ctx: CallContext) -> Mode:
-    """The mode that runs ``ctx``: :class:`~gdn_cp.modes.common.Local` without CP, else the settings'
+    """The mode that runs ``ctx``: :class:`~gdn_cp.modes.local.Local` without CP, else the settings'
     mode's class, prepared for this call (host-side; ValueError where a setting cannot be honoured)."""
     if ctx.group is None:
         return LOCAL
@@ -152,13 +152,11 @@ def gdn_core(
     settings = Settings.from_environment(mode=spec.name, **({} if chunkwise_path is None else
                                                             {"chunkwise_path": chunkwise_path}))
     check_backend(backend)
-    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+    if group is not None and not is_process_group(group):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None (no CP), got {type(group).__name__}")
     world = 1 if group is None else group_size(group)
     check_core_inputs(qkv, g, beta, conv_weight, conv_bias, shape, plan, world)
-    check_core = getattr(backend, "check_core", None)  # the kernels' own limits (head dims, dtypes)
-    if check_core is not None:
-        check_core(shape, qkv.dtype)
+    backend.check_shape(shape, qkv.dtype)  # the kernels' own limits (head dims, dtypes)
     if world > 1:
         _check_heads(spec, shape, world)
     ctx = CallContext(settings=settings, shape=shape, plan=plan, group=group if world > 1 else None, backend=backend)

@@ -32,19 +32,23 @@ ops/basic/rmsnorm.py; read at 2.19 and 2.20.0.dev0, same files) computes ``x * r
 eps) * (weight + 1 if zero_centered_gamma else weight)`` over the last dims ``weight.shape``, has
 no bias, and keeps ``sequence_parallel`` as a tag on its weight for Megatron.
 
-Not here yet: the ``PackedSeqParams`` fields the forward reads (``qkv_format``,
-``cu_seqlens_q_padded`` / ``cu_seqlens_q``, ``cp_group``, ``local_cp_size``) are read in
-:mod:`gdn_cp.megatron.gdn` directly.
+``PackedSeqParams`` fields used (:func:`read_packed_seq_params`): ``qkv_format``, ``cu_seqlens_q_padded``
+/ ``cu_seqlens_q``, ``cp_group`` and ``local_cp_size`` (dynamic CP).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ...checks import as_int
+
 __all__ = [
     "VERSION", "STOCK_MODE", "STOCK_BACKEND", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
-    "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
+    "PackedSeqFields", "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
+    "read_packed_seq_params", "BATCH_PAD_VALUES", "BATCH_SEQUENCE_KEYS", "HYBRID_GDN", "HYBRID_PER_DOCUMENT",
+    "gpt_layer_pattern", "megatron_lm_args", "megatron_lm_thd_split",
 ]
 
 VERSION = "0.19.2"
@@ -116,6 +120,37 @@ def read_config(config) -> ConfigFields:
 
 
 _ABSENT = object()
+
+
+@dataclass(frozen=True)
+class PackedSeqFields:
+    """The ``PackedSeqParams`` fields gdn-cp reads, as they are (checked where they are used).
+
+    ``params``: the ``PackedSeqParams`` itself (None: there is none; gdn-cp keeps its per-micro-batch
+    caches on it); ``thd``: packed input (``qkv_format == "thd"``); ``cu_seqlens``: the boundaries the rows were cut
+    with (``cu_seqlens_q_padded``, else ``cu_seqlens_q``; None: neither), ``cu_name`` the field it came
+    from; ``cp_group`` / ``local_cp_size``: the micro-batch's dynamic CP group and its size (None: unset)."""
+
+    params: Any
+    thd: bool
+    cu_seqlens: Any
+    cu_name: str
+    cp_group: Any
+    local_cp_size: Any
+
+
+_NO_PACKED_SEQ = PackedSeqFields(None, False, None, "cu_seqlens_q_padded", None, None)
+
+
+def read_packed_seq_params(params) -> PackedSeqFields:
+    """The fields of a micro-batch's ``PackedSeqParams`` (None: SBHD input, no dynamic CP)."""
+    if params is None:
+        return _NO_PACKED_SEQ
+    cu, name = getattr(params, "cu_seqlens_q_padded", None), "cu_seqlens_q_padded"
+    if cu is None:
+        cu, name = getattr(params, "cu_seqlens_q", None), "cu_seqlens_q"
+    return PackedSeqFields(params, getattr(params, "qkv_format", None) == "thd", cu, name,
+                           getattr(params, "cp_group", None), getattr(params, "local_cp_size", None))
 
 
 def set_linear_cp_mode(config, mode: str) -> None:
@@ -233,6 +268,11 @@ class LayerAdapter:
         """The activation the layer computes with (``act_fn``, from ``config.activation_func``)."""
         return self.layer.act_fn
 
+    @staticmethod
+    def packed_seq(params) -> PackedSeqFields:
+        """A micro-batch's ``PackedSeqParams`` fields (:func:`read_packed_seq_params`)."""
+        return read_packed_seq_params(params)
+
     # -- parallel sizes and groups ------------------------------------------------------------
     @property
     def static_cp_group(self):
@@ -278,6 +318,11 @@ class LayerAdapter:
         """The dtype of the layer's activations: its parameters' (Megatron's mixed precision keeps the
         model in bf16 / fp16; the core's own check sees the real one before any collective)."""
         return self.layer.conv1d.weight.dtype
+
+    @property
+    def device(self):
+        """Where the layer's parameters, and so its activations, are."""
+        return self.layer.conv1d.weight.device
 
     @property
     def qk_l2norm(self) -> bool:
@@ -383,3 +428,70 @@ class LayerAdapter:
     def register_norm_out_recompute(self, out) -> None:
         """Drop the norm output once ``out`` exists and recompute it in backward (as stock)."""
         self.layer.norm_out_checkpoint.discard_output_and_register_recompute(out)
+
+
+# -- Megatron-LM's training scripts of this release (core_v0.19.x): its args, its batches ------------
+
+def megatron_lm_thd_split(*, sft: bool, inter_document_masking: bool, hybrid_context_parallel: bool) -> Optional[str]:
+    """The THD cut (gdn_cp.layout's name) Megatron-LM's ``get_batch`` (``pretrain_gpt.py`` /
+    ``pretrain_hybrid.py``, core_v0.19.x) makes for these flags, or None when it makes none (no packed rows):
+    ``use_per_sequence_balancing = --dataloader-inter-document-masking and not --sft`` cuts whole
+    rows, hybrid CP cuts each sub-sample's row whole, ``--sft`` cuts per document."""
+    if hybrid_context_parallel or (inter_document_masking and not sft):
+        return "whole_row"
+    if sft or inter_document_masking:
+        return "per_document"
+    return None
+
+
+# Megatron's hybrid layer symbols (megatron/core/models/hybrid/hybrid_layer_allocation.py, Symbols,
+# core_v0.19.x): "G" gated delta net, "-" MLP and "E" MoE act per token or know the whole-row cut;
+# these expect every document of a packed row cut in 2*cp parts on its own (TransformerEngine's THD
+# attention under CP; Mamba's CP reorders THD rows with thd_get_partitioned_indices). "|" and "/"
+# separate pipeline stages and MTP patterns.
+HYBRID_GDN = "G"
+HYBRID_PER_DOCUMENT = {"*": "attention", "D": "DSA attention", "+": "MLA attention", "M": "Mamba"}
+
+
+def gpt_layer_pattern(args: Any) -> Optional[list]:
+    """pretrain_gpt.py's per-layer pattern for ``--experimental-attention-variant gated_delta_net``
+    (1: GDN, 0: standard attention), as megatron-core 0.19's ``get_linear_attention_pattern`` builds
+    it from ``--linear-attention-freq`` (int N: attention at every N-th layer; a list: as given), or
+    None when it cannot be known here."""
+    freq = getattr(args, "linear_attention_freq", None)
+    if isinstance(freq, list):
+        return list(freq)
+    freq, n = as_int(freq), as_int(getattr(args, "num_layers", None))
+    if freq is None or freq < 1 or n is None:
+        return None
+    return [0 if (i + 1) % freq == 0 else 1 for i in range(n)]
+
+
+BATCH_SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+"""The ``[1, T]`` tensors of a flattened Megatron-LM batch that are cut (Megatron's own SEQUENCE_KEYS)."""
+
+BATCH_PAD_VALUES = {"tokens": 0, "labels": 0, "loss_mask": 0, "position_ids": 0}
+"""What a pad row holds in each of :data:`BATCH_SEQUENCE_KEYS` (Megatron's GPT dataset maps its pad token
+to 0 in tokens and labels and masks it out of the loss)."""
+
+
+QUANTIZED_ROW_MULTIPLE = {"fp8": 16, "mxfp8": 32, "fp4": 32}
+"""Rows a quantized GEMM's token count is padded to in megatron-core 0.19 (``fp8_utils.get_fp8_align_size``:
+32 for the mxfp8 recipe, else 16; ``fp4_utils.get_fp4_align_size``: 32)."""
+
+ALLGATHER_REFUSES_VARIABLE_SEQ_LENGTHS = True
+"""megatron-core 0.19's ``TransformerConfig`` refuses ``variable_seq_lengths`` with
+``moe_token_dispatcher_type="allgather"`` (its default) in every model, with experts or without."""
+
+
+def megatron_lm_args() -> Optional[Any]:
+    """The args of the Megatron-LM run in this process (``megatron.training.get_args()``), or None
+    when there is none: ``megatron.training`` never imported (megatron-core used on its own; it is
+    not imported here, it is Python >= 3.12 only and heavy), or its args not set yet."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is None:
+        return None
+    try:
+        return global_vars.get_args()
+    except AssertionError:  # "args is not initialized"
+        return None

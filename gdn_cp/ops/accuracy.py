@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ..ops.registry import backend_spec
+from .registry import backend_spec
 
 __all__ = [
     "CP_VS_CP1_MAX_REL",

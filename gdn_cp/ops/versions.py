@@ -1,26 +1,16 @@
 """The versions that decide a result (Python, torch, CUDA, Triton, FLA, megatron-core, gdn-cp, the
-GPUs), read from package metadata without importing anything heavy: what ``gdn-cp selftest`` reports,
-what ``gdn-cp doctor`` reads a distribution's version with, and what every result row of the tests
-and benchmarks carries."""
+GPUs), read from package metadata without importing anything heavy: what ``gdn-cp selftest`` reports
+and what every result row of the tests and benchmarks carries."""
 
 from __future__ import annotations
 
 import platform
 from typing import Any, Optional
 
-from ..ops.installed import dist_version
+from .fla.detect import fla_version
+from .installed import dist_version
 
-__all__ = ["dist_version", "stack_versions"]
-
-
-def _fla_version() -> Optional[str]:
-    try:  # gdn-cp's detector also finds a source checkout without package metadata
-        from gdn_cp.ops.fla import fla_version
-
-        return fla_version()
-    except ImportError:
-        return dist_version("fla-core", "flash-linear-attention")
-
+__all__ = ["stack_versions"]
 
 def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
     """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, FLA, FlashQLA and
@@ -35,7 +25,7 @@ def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         "cuda": torch.version.cuda,
         "triton": dist_version("triton"),
-        "fla": _fla_version(),
+        "fla": fla_version(),  # also finds a source checkout without package metadata
         "flash_qla": dist_version("flash-qla") or dist_version("flash_qla"),
         "tilelang": dist_version("tilelang"),
         "megatron_core": dist_version("megatron-core"),

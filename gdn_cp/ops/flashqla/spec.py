@@ -1,0 +1,41 @@
+"""The FlashQLA backend's facts (torch-free): devices, head dims, dtypes, what its native core needs."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from ..contract import BackendSpec
+
+__all__ = ["AUTO_CP_ENV", "FLASHQLA_HEAD_DIM", "SPEC", "head_dims_problem"]
+
+AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
+"""FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on one GPU,
+with the pieces' states corrected afterwards; FlashQLA's default, and where its speed at few heads
+comes from): 1 (default) on, 0 off. Read with gdn-cp's other settings, handed to :func:`load`."""
+
+FLASHQLA_HEAD_DIM = 128
+"""The key and value head dim FlashQLA's kernels take (a value head dim that is a multiple of it
+runs as one call per block)."""
+
+
+def head_dims_problem(head_k_dim: int, head_v_dim: int) -> Optional[str]:
+    """Why FlashQLA's kernels cannot take these head dims, with the fix; None when they can."""
+    if head_k_dim != FLASHQLA_HEAD_DIM or head_v_dim % FLASHQLA_HEAD_DIM or head_v_dim < FLASHQLA_HEAD_DIM:
+        return (f"head_k_dim={head_k_dim}, head_v_dim={head_v_dim}: FlashQLA's kernels take head dims of "
+                f"{FLASHQLA_HEAD_DIM} only (a value head dim that is a multiple of {FLASHQLA_HEAD_DIM} runs in blocks). "
+                "Fix: linear_cp_backend='fla' (FLA takes key head dims 16..256), or 'auto' (FlashQLA where it fits).")
+    return None
+
+
+def _problem() -> Optional[str]:
+    from .detect import flashqla_problem  # FlashQLA-free until asked; then probed once per process
+
+    return flashqla_problem()
+
+
+SPEC = BackendSpec(
+    name="flashqla", title="FlashQLA", devices=("cuda",),
+    devices_why="FlashQLA's TileLang kernels run on NVIDIA sm_90+ GPUs only", preference=0, problem=_problem,
+    dtypes=("bfloat16", "float16"), head_dims=head_dims_problem, narrow=True,
+    native_cp="an sm_90+ GPU with flash-qla >= 0.1.3 and FLA's cp context (the conv)", settings=(AUTO_CP_ENV,),
+)
