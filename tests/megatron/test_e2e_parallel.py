@@ -30,7 +30,7 @@ from functools import partial
 import pytest
 import torch
 
-from gdn_cp.cli.accuracy import CP_VS_CP1_MAX_REL
+from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL
 
 pytestmark = pytest.mark.megatron
 
@@ -195,7 +195,7 @@ def test_pipeline_parallel_training_equals_cp1(patched_megatron, rank_pool, name
     """3 Adam steps of 2 micro-batches through megatron-core's pipeline schedule: the loss of every step,
     the final parameters of every stage (each against the same parameter of the PP=1 x CP=1 model) and the
     gradient norm (fp32 in megatron) equal the reference's."""
-    from gdn_cp.cli.accuracy import max_rel
+    from gdn_cp.ops.accuracy import max_rel
 
     results = rank_pool(WORLD).run(_pp_train_cases, name, timeout_s=400)
     kind, strategy, runs = PP_RUNS[name]
