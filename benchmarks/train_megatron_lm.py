@@ -49,6 +49,16 @@ first two iterations 50-85 s, then 0.1-0.2 s per iteration at CP=1 and 0.7-2 s a
 * ``flashqla`` (3 runs): the hybrid model on FlashQLA's kernels (``--linear-cp-backend flashqla``) at CP=2
   (chunkwise, headwise) against CP=1 on FlashQLA; ``--flashqla-site`` puts an unpacked FlashQLA site first
   on those runs' PYTHONPATH only.
+* ``parallel`` (30 runs, ~1700 s; its factors are guesses: :data:`PARALLEL_FACTORS`): issue 42, the
+  parallelism Qwen3-Next trains with, on ``pretrain_hybrid.py`` with :data:`PARALLEL_PATTERN` (GDN, MoE,
+  attention and MLP layers; 4 experts, top-2), each CP > 1 run against the same layout at CP=1: PP=2 x CP=2
+  (every mode; and CP=4, 8 ranks), EP=2 x CP=2 (at CP=1 the 2 expert-parallel ranks are 2 data-parallel
+  ones), one MTP depth (``/*E``) at CP=2 and 4, FP8 (``--fp8-format hybrid``) at CP=2 judged on FP8's own
+  noise pair (the bf16 rows on theirs, ``par_mtp_cp1_noise``); each with ``--dataloader-inter-document-masking --calculate-per-token-loss`` (the padded
+  per-document cut at CP > 1); refused before step 1: a router load-balancing loss with that cut (it would
+  count the pads) and virtual pipeline stages with it; a load-balancing loss without the flag (allowed).
+  In priority order for a call that cannot run them all (:func:`_parallel`): one call of ~420 s runs about
+  half, ``--resume`` the rest.
 
 A run whose CP=1 reference is in no selected group (nor in ``--resume``'s file) brings it along.
 
@@ -100,7 +110,7 @@ STOCK = "stock:"
 """A stock megatron-core run (an unpatched checkout) compared with this CP=1 run: reported, never required
 to match (at these sizes stock's conv1d starts from another draw than CP=1's)."""
 
-GROUPS = ("main", "fp32", "more", "flashqla")
+GROUPS = ("main", "fp32", "more", "flashqla", "parallel")
 MODES = ("chunkwise", "headwise", "all_gather")
 _H, _P, _G = dict(model="hybrid"), dict(model="gpt"), dict(model="hybrid", pattern="G-G-")
 
@@ -152,6 +162,60 @@ def _flashqla(site: Optional[str]) -> list[tuple[RunSpec, str]]:
             (RunSpec("hybrid_flashqla_cp2_headwise", **Q, cp=2, mode="headwise"), "hybrid_flashqla_cp1")]
 
 
+PARALLEL_PATTERN = "GEG*E-"
+"""``pretrain_hybrid.py``'s pattern of group ``parallel``: GDN, MoE, GDN, attention, MoE, MLP (the layer kinds a
+Qwen3-Next-style model interleaves; 4 experts, top-2)."""
+AUX_LOSS = ("--moe-aux-loss-coeff", "0.01")
+"""A load-balancing loss over every routed token (Megatron's default coefficient is 0)."""
+VPP_PATTERN = "GE|G*|E-|G-"
+"""Four pipeline segments: at ``--pipeline-model-parallel-size 2``, two virtual stages per rank."""
+
+
+def _parallel() -> list[tuple[RunSpec, str]]:
+    # priority for a call that cannot run them all (~420 s, 14 ranks: about 11-13 runs): first one CP > 1 run per
+    # parallelism of issue 42 (pipeline, experts, MTP, FP8) with its CP=1 run; then each with inter-document
+    # masking (the model has attention layers: the padded per-document cut) and the refusals; then the other
+    # modes and CP=4; last the 8-rank runs
+    Q, idm = dict(model="hybrid", pattern=PARALLEL_PATTERN, num_experts=4), dict(data="inter_document_masking")
+    M = dict(Q, mtp_layers=1, mtp_pattern="*E")  # one MTP depth of attention + MoE, as Qwen3-Next's
+    F = dict(Q, fp8="hybrid", gdn_heads=(4, 8))  # GDN in_proj / out_proj dims multiples of 16, as FP8 GEMMs want
+    # EP folds over DP x CP: at CP=1 the 2 expert-parallel ranks are 2 data-parallel ones
+    rows = [(RunSpec("par_pp2_cp1", **Q, pp=2), ""),
+            (RunSpec("par_pp2_cp2_chunkwise", **Q, pp=2, cp=2, mode="chunkwise"), "par_pp2_cp1"),
+            (RunSpec("par_ep2_cp1", **Q, ep=2, dp=2), ""),
+            (RunSpec("par_ep2_cp2", **Q, ep=2, cp=2, mode="auto"), "par_ep2_cp1"),
+            (RunSpec("par_mtp_cp1", **M), ""),
+            # the bf16 noise pair of these layouts (run 2026-12-03b: pairs of the dense models drifted 0.9-2.2% apart by
+            # iteration 50, so a call of this group alone needs its own)
+            (RunSpec("par_mtp_cp1_noise", **M, extra_args=NOISE), "par_mtp_cp1"),
+            (RunSpec("par_mtp_cp2", **M, cp=2, mode="auto"), "par_mtp_cp1"),
+            (RunSpec("par_fp8_cp1", **F), ""),
+            (RunSpec("par_fp8_cp1_noise", **F, extra_args=NOISE), "par_fp8_cp1"),
+            (RunSpec("par_fp8_cp2", **F, cp=2, mode="auto"), "par_fp8_cp1")]
+    rows += [(RunSpec("par_pp2_idm_cp1", **Q, **idm, pp=2), ""),
+             (RunSpec("par_pp2_idm_cp2", **Q, **idm, pp=2, cp=2, mode="auto"), "par_pp2_idm_cp1"),
+             (RunSpec("par_ep2_idm_cp1", **Q, **idm, ep=2, dp=2), ""),
+             (RunSpec("par_ep2_idm_cp2", **Q, **idm, ep=2, cp=2, mode="auto"), "par_ep2_idm_cp1"),
+             (RunSpec("par_mtp_idm_cp1", **M, **idm), ""),
+             (RunSpec("par_mtp_idm_cp2", **M, **idm, cp=2, mode="auto"), "par_mtp_idm_cp1"),
+             (RunSpec("par_fp8_idm_cp1", **F, **idm), ""),
+             (RunSpec("par_fp8_idm_cp2", **F, **idm, cp=2, mode="auto"), "par_fp8_idm_cp1")]
+    # refused before step 1, naming the reason: a router loss that would count the pads; virtual pipeline stages
+    rows += [(RunSpec("par_ep2_aux_idm_cp2", **Q, **idm, ep=2, cp=2, mode="auto", extra_args=AUX_LOSS),
+              REFUSED + "--moe-aux-loss-coeff 0.01"),
+             (RunSpec("par_pp2_vpp_idm_cp2", **dict(Q, pattern=VPP_PATTERN), **idm, pp=2, cp=2, mode="auto"),
+              REFUSED + "with 2 virtual stages per rank")]
+    rows += [(RunSpec(f"par_pp2_cp2_{m}", **Q, pp=2, cp=2, mode=m), "par_pp2_cp1") for m in MODES[1:]]
+    rows += [(RunSpec("par_mtp_cp4", **M, cp=4, mode="auto"), "par_mtp_cp1"),
+             (RunSpec("par_mtp_idm_cp4", **M, **idm, cp=4, mode="auto"), "par_mtp_idm_cp1")]
+    # the router's load-balancing loss under CP (no padding: allowed), then PP=2 x CP=4 (8 ranks) in every mode
+    rows += [(RunSpec("par_ep2_aux_cp1", **Q, ep=2, dp=2, extra_args=AUX_LOSS), ""),
+             (RunSpec("par_ep2_aux_cp2", **Q, ep=2, cp=2, mode="auto", extra_args=AUX_LOSS), "par_ep2_aux_cp1")]
+    rows += [(RunSpec(f"par_pp2_cp4_{m}", **Q, pp=2, cp=4, mode=m), "par_pp2_cp1") for m in MODES]
+    rows += [(RunSpec("par_pp2_idm_cp4", **Q, **idm, pp=2, cp=4, mode="auto"), "par_pp2_idm_cp1")]
+    return rows
+
+
 def matrix(groups=("main",), flashqla_site: Optional[str] = None) -> list[tuple[RunSpec, str]]:
     """``[(spec, reference name)]`` of ``groups`` (the module docstring), in priority order: the groups
     in :data:`GROUPS`' order, CP=1 runs first within a group, then the runs that take the most ranks. The
@@ -160,7 +224,8 @@ def matrix(groups=("main",), flashqla_site: Optional[str] = None) -> list[tuple[
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
         raise ValueError(f"groups={unknown!r}: use {', '.join(GROUPS)}")
-    made = {"main": _main, "fp32": _fp32, "more": _more, "flashqla": lambda: _flashqla(flashqla_site)}
+    made = {"main": _main, "fp32": _fp32, "more": _more, "flashqla": lambda: _flashqla(flashqla_site),
+            "parallel": _parallel}
     return [entry for g in GROUPS if g in groups for entry in made[g]()]
 
 
@@ -196,11 +261,29 @@ ITERATION_S = {1: 0.2, 2: 0.9, 4: 1.0}
 0.8-1.0 s; all_gather 1.5x)."""
 
 
-def estimate_s(spec: RunSpec) -> float:
-    """Seconds ``spec`` takes on one H200 shared by ~14 ranks (the module docstring)."""
+PARALLEL_FACTORS = {"pp": 1.5, "experts": 1.3, "mtp": 1.2, "fp8": 1.0, "start_s": 15.0}
+"""Group ``parallel``'s guesses until a run measures them (none has: the rows need the GPU): per-iteration
+time x1.5 with pipeline stages (activations through the host between stages sharing one GPU), x1.3 with
+experts, x1.2 with MTP; 15 s more start-up with experts (TE's grouped GEMM)."""
+
+
+REFUSED_S = 60.0
+"""A run that must stop in ``validate_args``: its ranks import Megatron-LM and stop (seconds on an idle machine;
+up to a minute beside 14 busy ranks)."""
+
+
+def estimate_s(spec: RunSpec, ref: str = "") -> float:
+    """Seconds ``spec`` takes on one H200 shared by ~14 ranks (the module docstring; group ``parallel``:
+    :data:`PARALLEL_FACTORS`); :data:`REFUSED_S` when ``ref`` says it must be refused."""
+    if ref.startswith(REFUSED):
+        return REFUSED_S
     kind = "hybrid" if spec.model == "hybrid" and "*" in spec.pattern else "gpt"
     per_iteration = ITERATION_S.get(spec.cp, 0.3 * spec.cp) * (1.5 if spec.mode == "all_gather" else 1.0)
-    return START_S[kind] + 20.0 * (spec.cp == 1 and kind == "hybrid") + spec.iterations * per_iteration
+    f = PARALLEL_FACTORS
+    per_iteration *= ((f["pp"] if spec.pp > 1 else 1.0) * (f["experts"] if spec.num_experts else 1.0)
+                      * (f["mtp"] if spec.mtp_layers else 1.0) * (f["fp8"] if spec.fp8 else 1.0))
+    start = START_S[kind] + 20.0 * (spec.cp == 1 and kind == "hybrid") + (f["start_s"] if spec.num_experts else 0.0)
+    return start + spec.iterations * per_iteration
 
 
 def plan(todo: list, *, max_ranks: int, budget_s: float) -> list[dict]:
@@ -210,8 +293,8 @@ def plan(todo: list, *, max_ranks: int, budget_s: float) -> list[dict]:
     import heapq
 
     out, running, used, now = [], [], 0, 0.0
-    for spec, _ in todo:
-        est = estimate_s(spec)
+    for spec, ref in todo:
+        est = estimate_s(spec, ref)
         if spec.world > max_ranks:
             out.append({"name": spec.name, "world": spec.world, "start_s": None, "end_s": None})
             continue
@@ -248,6 +331,13 @@ digits and the grad norm with 3 decimals (about 1 at these sizes)."""
 QUANTITIES = {"loss": "losses", "grad_norm": "grad_norms"}
 
 
+def numerics(row: dict) -> str:
+    """The numerics class a row is judged in, against the noise pairs of its own class: its precision
+    (``bf16``, ``fp32``), with ``+fp8`` for FP8 GEMMs (``bf16+fp8``: judged by the bf16 rule on FP8's own
+    noise pairs). Rows written before the FP8 field are ``bf16`` / ``fp32``."""
+    return row.get("precision", "bf16") + ("+fp8" if row.get("fp8") else "")
+
+
 def rel_diffs(a, b) -> list[float]:
     """Per-iteration ``|a - b| / |b|`` (``[inf]`` if a value is missing or the lengths differ)."""
     if not a or not b or len(a) != len(b) or None in a or None in b:
@@ -270,7 +360,7 @@ def _noise(rows: list[dict], precision: str) -> tuple[dict, dict]:
     noise = {"loss": 0.0, "grad_norm": 0.0, "pairs": []}
     envelope: dict[str, list[float]] = {"loss": [], "grad_norm": []}
     for r in rows:
-        if r.get("precision", "bf16") != precision or not r["name"].endswith("_noise") or r["status"] != "ok":
+        if numerics(r) != precision or not r["name"].endswith("_noise") or r["status"] != "ok":
             continue
         ref = by.get(r["reference"], {})
         if ref.get("status") != "ok":
@@ -297,7 +387,7 @@ def tolerance(rows: list[dict], precision: str = "bf16", rule: str = RULE) -> di
     if rule not in (RULE, LEGACY_RULE):
         raise ValueError(f"rule={rule!r}: use {RULE!r} or {LEGACY_RULE!r} (files without a 'rule' key)")
     envelope, noise = _noise(rows, precision)
-    n = max([len(r.get("losses") or []) for r in rows if r.get("precision", "bf16") == precision] + [1])
+    n = max([len(r.get("losses") or []) for r in rows if numerics(r) == precision] + [1])
 
     def three_x(q: str) -> list[float]:
         env = envelope[q] + [envelope[q][-1] if envelope[q] else 0.0] * n
@@ -332,7 +422,7 @@ def judge(rows: list[dict], rule: str = RULE) -> dict:
     ``grad_norm_rel_diff``), at iteration 1 (``..._it1``: the initial weights and the data path alone),
     the first iteration over the tolerance in a judged quantity (``first_iteration_over``) and in the
     grad norm (``grad_norm_first_over``). Returns the tolerance per precision (:func:`tolerance`)."""
-    tols = {p: tolerance(rows, p, rule) for p in sorted({r.get("precision", "bf16") for r in rows})}
+    tols = {p: tolerance(rows, p, rule) for p in sorted({numerics(r) for r in rows})}
     by = {r["name"]: r for r in rows}
     for r in rows:
         ref = r["reference"]
@@ -363,7 +453,7 @@ def judge(rows: list[dict], rule: str = RULE) -> dict:
                 if not r["learning"]["ok"]:
                     r["verdict"] = "reference, not learning at the end"
             continue
-        tol = tols[r.get("precision", "bf16")]
+        tol = tols[numerics(r)]
         over = {}
         for q, key in QUANTITIES.items():
             diffs = rel_diffs(r[key], base[key])
@@ -438,7 +528,7 @@ def check_resume(earlier: dict, data: dict, stack: dict, path) -> None:
 
 def _not_run(spec: RunSpec, ref: str, status: str) -> dict:
     return {**spec.describe(), "status": status, "losses": [], "grad_norms": [], "reference": ref, "error": "",
-            "estimate_s": round(estimate_s(spec))}
+            "estimate_s": round(estimate_s(spec, ref))}
 
 
 def run_matrix(args) -> dict:
@@ -475,12 +565,12 @@ def run_matrix(args) -> dict:
             spec, ref = pending.pop(0)
             if spec.stock and not args.stock_checkout:
                 doc["rows"].append(_not_run(spec, ref, "not run (no --stock-checkout)"))
-            elif estimate_s(spec) > left:
+            elif estimate_s(spec, ref) > left:
                 doc["rows"].append(_not_run(spec, ref, "not run (budget)"))
             else:
                 used += spec.world
                 logger.info("start %s (cp=%d, %d ranks in use, ~%.0f s, %.0f s left)", spec.name, spec.cp, used,
-                            estimate_s(spec), left)
+                            estimate_s(spec, ref), left)
                 fut = pool.submit(launch, spec, checkout=Path(args.stock_checkout) if spec.stock else checkout,
                                   log_dir=work / "logs", data_dir=data_dir,
                                   timeout_s=min(args.run_timeout_s, max(left - 5, 30)))
@@ -499,7 +589,7 @@ def run_matrix(args) -> dict:
                 row = fut.result().to_json()
             except Exception as e:  # noqa: BLE001 - the launcher itself failed: say so, go on
                 row = {**spec.describe(), "status": "failed", "losses": [], "grad_norms": [], "error": repr(e)}
-            row["reference"], row["estimate_s"] = ref, round(estimate_s(spec))
+            row["reference"], row["estimate_s"] = ref, round(estimate_s(spec, ref))
             doc["rows"].append(row)
             logger.info("done %s: %s in %.0f s%s", spec.name, row["status"], row.get("wall_s", 0),
                         f" ({row['error'][-300:]})" if row["status"] != "ok" else "")
@@ -537,7 +627,7 @@ def table(doc: dict, tols: dict) -> str:
     lines += [f"tolerance {p} (rule {doc.get('rule', LEGACY_RULE)}, judged: {', '.join(t['judged'])}): loss "
               f"{span(t['loss'])}; grad norm {span(t['grad_norm'])}; noise pairs: loss {t['noise']['loss']:.1e}, "
               f"grad norm {t['noise']['grad_norm']:.1e}" for p, t in tols.items()]
-    lines.append(f"{'run':30s} {'cp':>2s} {'mode':10s} {'data':24s} {'prec':4s} {'loss 1 -> last':>17s} "
+    lines.append(f"{'run':30s} {'cp':>2s} {'mode':10s} {'data':24s} {'numerics':9s} {'loss 1 -> last':>17s} "
                  f"{'loss it1':>8s} {'loss max':>8s} {'gnorm it1':>9s} {'gnorm max':>9s} {'over':>4s} {'ms/it':>6s}  verdict")
     for r in doc["rows"]:
         losses = r.get("losses") or []
@@ -545,7 +635,7 @@ def table(doc: dict, tols: dict) -> str:
         ms = step_ms(r)
         lines.append(f"{r['name']:30s} {r['cp']:>2d} {str(r['mode'] or '-'):10s} "
                      f"{r['data'] + ('+' + r['recompute'] if r['recompute'] != 'none' else ''):24s} "
-                     f"{r.get('precision', 'bf16'):4s} {first_last:>17s} {_e(r.get('loss_rel_diff_it1')):>8s} "
+                     f"{numerics(r):9s} {first_last:>17s} {_e(r.get('loss_rel_diff_it1')):>8s} "
                      f"{_e(r.get('loss_rel_diff')):>8s} {_e(r.get('grad_norm_rel_diff_it1')):>9s} "
                      f"{_e(r.get('grad_norm_rel_diff')):>9s} {str(r.get('first_iteration_over') or '-'):>4s} "
                      f"{(f'{ms:.0f}' if ms is not None else '-'):>6s}  {r.get('verdict', r['status'])}")
@@ -564,7 +654,7 @@ def plot_panels(doc: dict, tols: dict) -> list[dict]:
         base = by.get(ref)
         if r["status"] != "ok" or not ref or base is None or base["status"] != "ok" or len(r["losses"]) != len(base["losses"]):
             continue
-        precision = base.get("precision", "bf16")
+        precision = numerics(base)
         panel = panels.setdefault(ref, {"reference": ref, "precision": precision, "losses": base["losses"],
                                         "tolerance": tols[precision]["loss"][:len(base["losses"])], "runs": []})
         label = f"{r['name'].replace(ref.replace('_cp1', ''), '').strip('_')} (cp={r['cp']})"

@@ -207,7 +207,7 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
         "2*cp and cuts it in 2*cp parts (...), which cannot run with ...: ...":
             lambda: configure_megatron_lm_args(types.SimpleNamespace(
                 hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
-                context_parallel_size=2, calculate_per_token_loss=True, pipeline_model_parallel_size=2)),
+                context_parallel_size=2, calculate_per_token_loss=True, pipeline_model_parallel_size=3)),
         "--linear-cp-thd-split whole_row with --dataloader-inter-document-masking at --context-parallel-size ...: "
         "this model has layers that expect every document cut into 2*cp parts ...":
             lambda: configure_megatron_lm_args(types.SimpleNamespace(

@@ -10,7 +10,8 @@ model has attention or Mamba layers, or the user asked for it), :func:`pad_and_c
 
 * every document's length rounded up to a multiple of 2*cp with pad rows at its end (fewer than
   2*cp per document), the last document further when each rank's rows must be a multiple of the TP
-  size (sequence parallelism); :mod:`gdn_cp.layout.padding`;
+  size (sequence parallelism) or of the token multiple of FP8 / FP4 GEMMs (16 or 32:
+  :mod:`gdn_cp.megatron.padded_cut`); :mod:`gdn_cp.layout.padding`;
 * pad rows: token 0, label 0, loss mask 0, position id 0; the real rows keep theirs;
 * ``cu_seqlens`` stays the documents' (logical) boundaries, ``cu_seqlens_padded`` becomes the padded
   ones and ``max_seqlen`` the longest padded document; Megatron-LM's ``forward_step`` gives
@@ -41,6 +42,7 @@ from typing import Any, Optional
 
 from ..layout import PAD_SOURCE, PER_DOCUMENT, pad_documents, padded_rank_sources, padded_row_multiple
 from ..layout.boundaries import check_cp, validate_cu_seqlens
+from .padded_cut import padded_rows_multiple
 from .pins import load_adapter
 from .thd_split import THD_SPLIT_FIELD, record_split
 
@@ -55,7 +57,8 @@ SEQUENCE_KEYS, PAD_VALUES = _RELEASE.BATCH_SEQUENCE_KEYS, _RELEASE.BATCH_PAD_VAL
 
 def padded_cut_request(args: Any) -> Optional[int]:
     """How many rows each rank's part must be a multiple of (the TP size under sequence
-    parallelism, else 1) when Megatron-LM's ``args`` ask ``get_batch_on_this_cp_rank`` for the padded
+    parallelism, times the token multiple of FP8 / FP4 GEMMs: :func:`gdn_cp.megatron.padded_cut.
+    padded_rows_multiple`; else 1) when Megatron-LM's ``args`` ask ``get_batch_on_this_cp_rank`` for the padded
     per-document cut of ``--dataloader-inter-document-masking`` rows, else None: that is
     ``args.linear_cp_thd_split == 'per_document'`` (set by the patched ``validate_args``, see
     :func:`gdn_cp.megatron.thd_split.configure_megatron_lm_args`) with the flag, without ``--sft``
@@ -66,9 +69,7 @@ def padded_cut_request(args: Any) -> Optional[int]:
         return None
     if getattr(args, "hybrid_context_parallel", False):
         return None
-    if getattr(args, "sequence_parallel", False):
-        return int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    return 1
+    return padded_rows_multiple(args)
 
 
 def cut_packed_rows(batch: dict, cp_group) -> Optional[dict]:

@@ -52,6 +52,7 @@ from typing import Any, Optional
 from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
 from ..modes.settings import THD_SPLIT_FIELD, Settings, check_thd_split_setting
+from .padded_cut import enable_variable_seq_lengths, mtp_needs_per_document, padded_cut_refusals
 from .pins import load_adapter
 
 _RELEASE = load_adapter()  # Megatron-LM's flags as its release reads them (the cut they make, its layer symbols)
@@ -131,6 +132,16 @@ def resolve_thd_split(setting: Optional[str], *, hybrid_context_parallel: bool, 
 
 
 def per_document_layers(args: Any) -> Optional[str]:
+    """What in the Megatron-LM model of ``args`` expects every packed document cut into 2*cp parts
+    on its own, as a phrase naming the flags that say so: attention layers and Mamba
+    (:func:`_per_document_mixers`) and multi-token prediction layers
+    (:func:`gdn_cp.megatron.padded_cut.mtp_needs_per_document`); None for a model of gated delta
+    net, MLP and MoE layers alone."""
+    found = [phrase for phrase in (_per_document_mixers(args), mtp_needs_per_document(args)) if phrase]
+    return "; ".join(found) if found else None
+
+
+def _per_document_mixers(args: Any) -> Optional[str]:
     """What in the Megatron-LM model of ``args`` expects every packed document cut into 2*cp parts
     on its own (attention layers, Mamba), as a phrase naming the flags that say so; None for a
     model of gated delta net, MLP and MoE layers alone.
@@ -239,23 +250,9 @@ def _check_padded_cut(args: Any, cp: int, why: str) -> None:
             "would weight the ranks unequally and CP > 1 would train another model than CP=1. Add "
             "--calculate-per-token-loss (to the CP=1 run too: it averages over every token of the step)"
         )
-    pp = as_int(getattr(args, "pipeline_model_parallel_size", 1)) or 1
-    others = [
-        (pp > 1, f"--pipeline-model-parallel-size {pp}",
-         "the padded row's length changes from micro-batch to micro-batch, while pipeline stages exchange "
-         "activations of --seq-length rows, and the middle stages never see the padded boundaries"),
-        (getattr(args, "num_experts", None) is not None, f"--num-experts {getattr(args, 'num_experts', None)}",
-         "the MoE router would see the pad rows (its load-balancing loss, expert bias and capacity count them)"),
-        (bool(getattr(args, "mtp_num_layers", None)), f"--mtp-num-layers {getattr(args, 'mtp_num_layers', None)}",
-         "multi-token prediction shifts labels along the row, across the pad rows"),
-        (bool(getattr(args, "fp8", None)) or bool(getattr(args, "fp4", None)), "--fp8-format / --fp4-format",
-         "FP8 / FP4 GEMMs need token counts of fixed multiples (8, 16 or 32 by recipe), which the padded rows "
-         "do not promise"),
-    ]
-    for bad, flag, reason in others:
-        if bad:
-            raise ValueError(f"{where}, which cannot run with {flag}: {reason}. Drop {flag}, or use "
-                             "--context-parallel-size 1")
+    for flags, reason in padded_cut_refusals(args):
+        raise ValueError(f"{where}, which cannot run with {flags}: {reason}. Drop {flags}, or use "
+                         "--context-parallel-size 1")
 
 
 def configure_megatron_lm_args(args: Any) -> Optional[str]:
@@ -269,8 +266,10 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
       (:func:`per_document_layers`) or ``--linear-cp-thd-split per_document`` asks for it: then
       ``per_document``, which tells the patched ``get_batch_on_this_cp_rank`` to pad every document
       to a multiple of 2*cp and cut it per document (:mod:`gdn_cp.megatron.document_padding`);
-      that cut needs ``--calculate-per-token-loss`` and refuses what it cannot train exactly
-      (pipeline parallelism, MoE, MTP, FP8 / FP4), each with the reason.
+      that cut needs ``--calculate-per-token-loss``, refuses what it cannot train exactly (more than
+      two pipeline stages or virtual stages, MoE router features that count every token: each with
+      the reason, :func:`gdn_cp.megatron.padded_cut.padded_cut_refusals`) and, with pipeline
+      parallelism, sets ``args.variable_seq_lengths`` (the padded rows change length).
 
     ValueError when ``--linear-cp-thd-split`` contradicts the cut (``whole_row`` for a model with
     attention layers at CP > 1 included). First of all, ``--linear-cp-mode`` and ``--linear-cp-backend``
@@ -302,6 +301,7 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
         if layers is not None or given == PER_DOCUMENT:
             made = PER_DOCUMENT
             _check_padded_cut(args, cp, f"the model's {layers}" if layers else "--linear-cp-thd-split per_document")
+            enable_variable_seq_lengths(args)  # pipeline stages exchange the padded rows' changing shapes
     if given is not None and given != made:
         names = {"sft": "--sft", "inter_document_masking": "--dataloader-inter-document-masking",
                  "hybrid_context_parallel": "--hybrid-context-parallel"}

@@ -98,6 +98,12 @@ class _CpuStream:
     def wait_stream(self, stream) -> None:
         pass
 
+    def record_event(self, event=None) -> "_CpuStream":  # an event that has happened (synchronize: nothing to wait)
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
 
 def install_cpu_shims() -> None:
     """Idempotent. Call in every process that builds or runs a GatedDeltaNet on the CPU."""
@@ -106,6 +112,8 @@ def install_cpu_shims() -> None:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.current_stream = lambda *a, **k: _CpuStream()
+    torch.cuda.Stream = lambda *a, **k: _CpuStream()  # MoE's alltoall dispatcher copies its splits on a side stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
     torch._dynamo.config.disable = True
     import megatron.core.ssm.gated_delta_net.common as common
     import megatron.core.tensor_parallel.random as mrandom

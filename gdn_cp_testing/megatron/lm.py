@@ -14,7 +14,9 @@ optimizer and the training loop. What this module adds, in the rank process only
   coalesce for CUDA tensors: here they are issued one by one (the same reductions, in the same
   order). FLA's cp context gathers into ``[world, n, ...]`` outputs, which gloo rejects: they are
   viewed flat (:func:`gdn_cp_testing.ranks.adapt_fla_collectives_for_gloo`). TE attention under CP
-  then needs ``--cp-comm-type a2a`` (p2p sends CUDA tensors point to point, which gloo cannot);
+  then needs ``--cp-comm-type a2a`` (p2p sends CUDA tensors point to point, which gloo cannot).
+  Megatron's own point-to-point transfers (pipeline stages' activations and shapes, MTP's roll under CP)
+  go through the host (:mod:`.host_p2p`);
 * **``--sft``**: Megatron-LM's SFT dataset reads JSONL through HuggingFace ``datasets`` and tokenizes
   conversations with a HuggingFace chat tokenizer, neither of which the test machines have. The
   stand-ins read the JSONL this module writes (:func:`write_sft_set`: every message's content is a
@@ -62,6 +64,7 @@ __all__ = [
     "RunSpec",
     "RunResult",
     "megatron_lm_args",
+    "parallelism_args",
     "parse_training_log",
     "launch",
     "build_dataset_helpers",
@@ -99,9 +102,18 @@ SCRIPTS = ("pretrain_hybrid.py", "pretrain_gpt.py")
 class RunSpec:
     """One training run. ``mode`` None: no ``--linear-cp-mode`` flag (CP=1, or stock's default).
 
-    ``model``: ``"hybrid"`` (pretrain_hybrid.py, ``pattern`` of G (GDN), * (attention), - (MLP)) or
-    ``"gpt"`` (pretrain_gpt.py, ``--experimental-attention-variant gated_delta_net``: ``gpt_layers``
-    layers, every ``gpt_attention_freq``-th a softmax-attention layer; 0: GDN only)."""
+    ``model``: ``"hybrid"`` (pretrain_hybrid.py, ``pattern`` of G (GDN), * (attention), - (MLP), E (MoE:
+    needs ``num_experts``)) or ``"gpt"`` (pretrain_gpt.py, ``--experimental-attention-variant
+    gated_delta_net``: ``gpt_layers`` layers, every ``gpt_attention_freq``-th a softmax-attention layer; 0: GDN
+    only).
+
+    Parallelism beside CP (TP stays 1): ``pp`` pipeline stages (the pattern's layers split evenly), ``dp``
+    data-parallel replicas, ``ep`` expert-parallel ranks (Megatron folds them over the DP x CP ranks, so
+    ``dp * cp`` must divide by ``ep``); :attr:`world` = ``cp * pp * dp`` ranks. ``num_experts``: experts of every E
+    layer (top-2 routing, expert FFN = ``hidden``, the alltoall token dispatcher, TE's grouped GEMM; no router
+    auxiliary loss unless ``extra_args`` sets one). ``mtp_layers``: multi-token prediction depths
+    (``--mtp-num-layers``; hybrid models also get ``mtp_pattern`` once per depth after the pattern's "/").
+    ``fp8``: ``--fp8-format`` (TransformerEngine, bf16 runs only)."""
 
     name: str
     model: str = "hybrid"
@@ -129,6 +141,13 @@ class RunSpec:
     extra_args: tuple = ()
     precision: str = "bf16"  # "bf16" (--bf16) or "fp32" (no precision flag: fp32 params and compute)
     stock: bool = False  # run from an unpatched checkout: stock megatron-core 0.19.2's GDN (headwise)
+    pp: int = 1  # --pipeline-model-parallel-size
+    dp: int = 1  # data-parallel replicas
+    ep: int = 1  # --expert-model-parallel-size
+    num_experts: Optional[int] = None  # --num-experts (the pattern's E layers)
+    mtp_layers: int = 0  # --mtp-num-layers
+    mtp_pattern: str = "*-"  # a hybrid model's layers per MTP depth (Megatron's "/" syntax)
+    fp8: Optional[str] = None  # --fp8-format ("hybrid", "e4m3")
 
     def __post_init__(self):
         if self.model not in ("hybrid", "gpt"):
@@ -147,12 +166,38 @@ class RunSpec:
         if self.stock and self.mode is not None:
             raise ValueError(f"RunSpec.mode={self.mode!r} with stock=True: stock Megatron-LM has no --linear-cp-mode; "
                              "leave mode None")
-        for name in ("iterations", "seq_length", "micro_batch", "global_batch", "hidden", "gdn_head_dim"):
+        for name in ("iterations", "seq_length", "micro_batch", "global_batch", "hidden", "gdn_head_dim", "pp", "dp", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"RunSpec.{name}={getattr(self, name)!r} must be a positive int")
-        if self.global_batch % self.micro_batch:
-            raise ValueError(f"RunSpec.global_batch={self.global_batch} must be a multiple of micro_batch={self.micro_batch} "
-                             "(one data-parallel rank: global_batch / micro_batch micro-batches per iteration)")
+        if self.global_batch % (self.micro_batch * self.dp):
+            raise ValueError(f"RunSpec.global_batch={self.global_batch} must be a multiple of micro_batch x dp = "
+                             f"{self.micro_batch} x {self.dp} (each data-parallel rank takes whole micro-batches)")
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        """ValueError for pipeline / expert / MTP / FP8 fields that do not fit together."""
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"RunSpec.ep={self.ep} must divide dp x cp = {self.dp} x {self.cp}: Megatron folds the expert-"
+                             "parallel ranks over the data- and context-parallel ranks (raise dp)")
+        moe_layers = self.model == "hybrid" and "E" in self.pattern + (self.mtp_pattern if self.mtp_layers else "")
+        if moe_layers != (self.num_experts is not None):
+            raise ValueError(f"RunSpec.num_experts={self.num_experts!r} with pattern={self.pattern!r}: give num_experts "
+                             "exactly when a hybrid pattern (or its MTP pattern) has E (MoE) layers")
+        if self.num_experts is not None and (self.num_experts < 2 or self.num_experts % self.ep):
+            raise ValueError(f"RunSpec.num_experts={self.num_experts} must be >= 2 (top-2 routing) and divide by "
+                             f"ep={self.ep}")
+        if self.ep > 1 and self.num_experts is None:
+            raise ValueError(f"RunSpec.ep={self.ep} without num_experts: expert parallelism needs MoE (E) layers")
+        segments = self.pattern.split("|") if self.model == "hybrid" else [""] * self.gpt_layers
+        layers = len("".join(segments)) if self.model == "hybrid" else self.gpt_layers
+        if (len(segments) if len(segments) > 1 else layers) % self.pp:
+            raise ValueError(f"RunSpec.pp={self.pp} must divide the model's {layers} layers (the stages split them "
+                             f"evenly), or its pattern's {len(segments)} '|' segments")
+        if not isinstance(self.mtp_layers, int) or self.mtp_layers < 0:
+            raise ValueError(f"RunSpec.mtp_layers={self.mtp_layers!r} must be an int >= 0")
+        if self.fp8 is not None and (self.fp8 not in ("hybrid", "e4m3") or self.precision != "bf16"):
+            raise ValueError(f"RunSpec.fp8={self.fp8!r} with precision={self.precision!r}: use fp8 'hybrid' or 'e4m3' "
+                             "on a bf16 run (TransformerEngine computes the rest in bf16)")
 
     @property
     def script(self) -> str:
@@ -160,7 +205,13 @@ class RunSpec:
 
     @property
     def world(self) -> int:
-        return self.cp
+        """Ranks of the run: every parallel dimension (TP is 1; EP folds over DP x CP)."""
+        return self.cp * self.pp * self.dp
+
+    @property
+    def full_pattern(self) -> str:
+        """``--hybrid-layer-pattern``: the pattern, then ``mtp_pattern`` once per MTP depth after "/"."""
+        return self.pattern + "".join("/" + self.mtp_pattern for _ in range(self.mtp_layers))
 
     def describe(self) -> dict:
         return dataclasses.asdict(self) | {"script": self.script}
@@ -181,7 +232,7 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
            "--linear-conv-kernel-dim", "4"]
     if spec.model == "hybrid":
         model = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec",
-                 "--hybrid-layer-pattern", spec.pattern]
+                 "--hybrid-layer-pattern", spec.full_pattern]
     else:
         freq = (f"([1]*{spec.gpt_layers})" if spec.gpt_attention_freq == 0 else str(spec.gpt_attention_freq))
         model = ["--num-layers", str(spec.gpt_layers), "--experimental-attention-variant", "gated_delta_net",
@@ -206,6 +257,7 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         # the output layer's fused weight-gradient accumulation needs APEX's CUDA extension (not installed)
         "--no-gradient-accumulation-fusion",
     ]
+    args += parallelism_args(spec)
     if spec.backend is not None:
         args += ["--linear-cp-backend", spec.backend]
     if spec.mode is not None:
@@ -226,6 +278,25 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
     else:
         args += ["--data-path", str(data / PREFIX), "--split", "100,0,0", *cache] + DATA_FLAGS[spec.data]
     return args + RECOMPUTE[spec.recompute] + list(spec.extra_args)
+
+
+def parallelism_args(spec: RunSpec) -> list[str]:
+    """The flags of ``spec``'s pipeline, expert, MTP and FP8 fields (none at their defaults)."""
+    args = []
+    if spec.pp > 1:
+        args += ["--pipeline-model-parallel-size", str(spec.pp)]
+    if spec.num_experts is not None:
+        # top-2 routing over every expert of the layer, the alltoall dispatcher (Megatron refuses allgather with
+        # variable sequence lengths, which pipeline stages of padded rows need) and TE's grouped GEMM
+        args += ["--num-experts", str(spec.num_experts), "--moe-router-topk", "2", "--moe-ffn-hidden-size",
+                 str(spec.hidden), "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    if spec.ep > 1:
+        args += ["--expert-model-parallel-size", str(spec.ep)]
+    if spec.mtp_layers:
+        args += ["--mtp-num-layers", str(spec.mtp_layers)]
+    if spec.fp8 is not None:
+        args += ["--fp8-format", spec.fp8]
+    return args
 
 
 def write_sft_set(path, *, text: bytes, rows: int = 64, seq_length: int = 2048, seed: int = 0) -> Path:
@@ -574,10 +645,14 @@ def install_rank_shims(argv: Sequence[str]) -> list[str]:
     if env_setting("GDN_CP_MLM_ONE_GPU") == "1":
         from gdn_cp_testing.ranks import adapt_fla_collectives_for_gloo
 
+        from . import host_p2p
+
         when_imported("megatron.core.distributed.param_and_grad_buffer",
                       lambda buffers: setattr(buffers, "_coalescing_manager", _one_by_one))
         adapt_fla_collectives_for_gloo()
-        done.append("ranks share one GPU: gloo, DDP bucket collectives one by one, FLA gathers viewed flat")
+        host_p2p.install()
+        done.append("ranks share one GPU: gloo, DDP bucket collectives one by one, FLA gathers viewed flat, "
+                    "point-to-point transfers of CUDA tensors through the host")
     if "--sft" in argv:
         _install_sft_stand_ins()
         done.append("--sft: JSONL reader and token-id conversations (no HF datasets / chat tokenizer here)")

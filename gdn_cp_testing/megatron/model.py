@@ -13,6 +13,8 @@ GatedDeltaNet, built from local modules (no TransformerEngine), run as Megatron-
 * ``hybrid_attn``: the ``hybrid`` stack spec plus an ``attention_layer`` of local modules whose core
   attention is :class:`gdn_cp_testing.megatron.attention.ThdCpAttention` (TransformerEngine's THD
   attention under CP, re-derived in torch for the CPU), pattern :data:`TE_HYBRID_PATTERN`.
+* ``hybrid_moe``: ``hybrid_attn`` plus a ``moe_layer`` (Megatron's MoE of local experts: router, top-2,
+  alltoall token dispatcher, SequentialMLP), pattern :data:`MOE_HYBRID_PATTERN`.
 * ``hybrid_te`` (GPU, TransformerEngine): ``HybridModel`` with Megatron's own stack spec
   (``megatron.core.models.hybrid.hybrid_layer_specs.hybrid_stack_spec``: TE linears and norms, TE
   attention) and the pattern :data:`TE_HYBRID_PATTERN` (GDN, MLP, attention, MLP); attention CP
@@ -30,6 +32,8 @@ Stand-ins, for test processes only (:func:`install_model_stand_ins`; never in a 
   ``hybrid_block.py``), which raises without TransformerEngine: ``hybrid_block.TENorm`` becomes
   Megatron's local norm (``LocalSpecProvider().layer_norm``: torch's RMSNorm / LayerNorm as the
   config says), the norm TENorm computes;
+* MoE's alltoall token dispatcher asks for its split sizes as NumPy arrays, which megatron-core 0.19.2
+  makes only of CUDA tensors (``maybe_move_tensor_to_cpu``): on the CPU a host tensor becomes one too;
 * Megatron's cross entropy casts the logits to fp32 (``VocabParallelCrossEntropy.
   calculate_logits_max`` calls ``.float()``): right for bf16, but it puts an fp32 floor (~1e-7)
   under an fp64 comparison. fp64 logits stay fp64 under the stand-in; every other dtype is cast
@@ -39,6 +43,7 @@ Stand-ins, for test processes only (:func:`install_model_stand_ins`; never in a 
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from typing import Optional
 
@@ -53,6 +58,8 @@ __all__ = [
     "MODEL_KINDS",
     "VOCAB_SIZE",
     "build_model",
+    "copy_stage_params",
+    "global_layer_name",
     "gdn_layer_spec",
     "hybrid_stack_spec",
     "install_model_stand_ins",
@@ -63,12 +70,14 @@ __all__ = [
     "sum_grads",
 ]
 
-MODEL_KINDS = ("gpt", "hybrid", "hybrid_attn", "hybrid_te")
+MODEL_KINDS = ("gpt", "hybrid", "hybrid_attn", "hybrid_moe", "hybrid_te")
 VOCAB_SIZE = 64
 FFN_HIDDEN = 64
 GPT_LAYERS = 2  # each: GDN + MLP
 HYBRID_PATTERN = "G-G-"  # GDN, MLP, GDN, MLP
 TE_HYBRID_PATTERN = "G-*-"  # GDN, MLP, attention, MLP (hybrid_attn, hybrid_te)
+MOE_HYBRID_PATTERN = "GE*-"  # GDN, MoE, attention, MLP (hybrid_moe)
+MOE_EXPERTS = 4  # hybrid_moe: top-2 routing, Megatron's alltoall dispatcher, local experts (SequentialMLP)
 MAX_SEQUENCE_LENGTH = 4096
 
 _STAND_INS_INSTALLED = False
@@ -105,7 +114,20 @@ def install_model_stand_ins(device="cpu") -> None:
     if not HAVE_TE:
         hybrid_block.TENorm = _local_norm()
     VocabParallelCrossEntropy.calculate_logits_max = staticmethod(_keep_fp64_logits_max)
+    if torch.device(device).type == "cpu":
+        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+        token_dispatcher.maybe_move_tensor_to_cpu = _splits_as_on_a_gpu
     _STAND_INS_INSTALLED = True
+
+
+def _splits_as_on_a_gpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """MoE's alltoall dispatcher moves its split sizes to the host with ``maybe_move_tensor_to_cpu``, which
+    leaves a tensor that is already on the host as it is, so on a CPU they reach ``all_to_all_single`` as
+    tensors, which it refuses; here a host tensor asked for as NumPy becomes one, as a GPU's would."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor.cpu() if torch.is_tensor(tensor) else tensor
 
 
 def gdn_layer_spec(with_mlp: bool = True):
@@ -129,10 +151,12 @@ def gdn_layer_spec(with_mlp: bool = True):
     ))
 
 
-def hybrid_stack_spec(with_attention: bool = False):
+def hybrid_stack_spec(with_attention: bool = False, with_moe: bool = False):
     """A HybridStack ModuleSpec from local modules: ``gdn_layer`` (:func:`gdn_layer_spec` without
     MLP) and ``mlp_layer`` (an MLPLayer: local RMSNorm -> Megatron's local MLP -> residual); with
-    ``with_attention``, ``attention_layer`` too (:func:`gdn_cp_testing.megatron.attention.attention_layer_spec`)."""
+    ``with_attention``, ``attention_layer`` too (:func:`gdn_cp_testing.megatron.attention.attention_layer_spec`);
+    with ``with_moe``, ``moe_layer`` (a MoETransformerLayer: local RMSNorm -> Megatron's MoE of local experts,
+    ``get_moe_module_spec(use_te=False)`` -> residual)."""
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -151,6 +175,14 @@ def hybrid_stack_spec(with_attention: bool = False):
         from gdn_cp_testing.megatron.attention import attention_layer_spec
 
         extra["attention_layer"] = attention_layer_spec()
+    if with_moe:
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+        extra["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=_local_norm(has_residual=True),
+            mlp=get_moe_module_spec(use_te=False, num_experts=MOE_EXPERTS, moe_grouped_gemm=False),
+            mlp_bda=get_bias_dropout_add))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         gdn_layer=gdn_layer_spec(with_mlp=False), mlp_layer=mlp_layer, **extra))
 
@@ -162,10 +194,13 @@ def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float6
     if kind not in MODEL_KINDS:
         raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
     layers = {"gpt": GPT_LAYERS, "hybrid": len(HYBRID_PATTERN), "hybrid_attn": len(TE_HYBRID_PATTERN),
-              "hybrid_te": len(TE_HYBRID_PATTERN)}[kind]
+              "hybrid_moe": len(MOE_HYBRID_PATTERN), "hybrid_te": len(TE_HYBRID_PATTERN)}[kind]
     kw = dict(num_layers=layers, ffn_hidden_size=FFN_HIDDEN, hidden_dropout=0.0, attention_dropout=0.0)
     if kind == "hybrid_te":
         kw.update(cp_comm_type="a2a", deterministic_mode=False)
+    if kind == "hybrid_moe":
+        kw.update(num_moe_experts=MOE_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=FFN_HIDDEN,
+                  moe_token_dispatcher_type="alltoall")
     kw.update(overrides)
     return make_config(cp, mode, dtype, **kw)
 
@@ -187,18 +222,21 @@ def model_pg_collection(cp_group, dp_cp_group=None):
 
 
 def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: int = 0, device="cpu",
-                position_embedding_type: str = "none"):
+                position_embedding_type: str = "none", pre_process: bool = True, post_process: bool = True):
     """A ``kind`` model (:data:`MODEL_KINDS`) with seeded weights (:func:`set_model_params`),
     cast to ``config.params_dtype`` as a whole. ``pg_collection`` defaults to
     :func:`model_pg_collection` of ``cp_group``. ``position_embedding_type``: ``none`` (GDN needs no
-    positions) or, for a model with attention layers, ``rope``."""
+    positions) or, for a model with attention layers, ``rope``. ``pre_process`` / ``post_process``: a
+    pipeline stage's (the first stage has the embedding, the last the output layer); its layers and their
+    weights are those of its stage (:func:`copy_stage_params` gives a stage the full model's)."""
     install_model_stand_ins(device)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     pg = model_pg_collection(cp_group) if pg_collection is None else pg_collection
     common = dict(vocab_size=VOCAB_SIZE, max_sequence_length=MAX_SEQUENCE_LENGTH,
-                  position_embedding_type=position_embedding_type, pg_collection=pg)
+                  position_embedding_type=position_embedding_type, pg_collection=pg, pre_process=pre_process,
+                  post_process=post_process)
     if kind == "gpt":
         model = GPTModel(config, gdn_layer_spec(), **common)
     elif kind == "hybrid":
@@ -206,6 +244,9 @@ def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: i
     elif kind == "hybrid_attn":
         model = HybridModel(config, hybrid_stack_spec(with_attention=True), hybrid_layer_pattern=TE_HYBRID_PATTERN,
                             **common)
+    elif kind == "hybrid_moe":
+        model = HybridModel(config, hybrid_stack_spec(with_attention=True, with_moe=True),
+                            hybrid_layer_pattern=MOE_HYBRID_PATTERN, **common)
     elif kind == "hybrid_te":
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as te_hybrid_stack_spec
 
@@ -215,6 +256,24 @@ def build_model(kind: str, config, cp_group=None, *, pg_collection=None, seed: i
     model.to(device=device, dtype=config.params_dtype)
     set_model_params(model, seed)
     return model
+
+
+def global_layer_name(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """A pipeline stage's (or expert-parallel rank's) parameter ``name`` as the whole model names it: its
+    ``decoder.layers.{i}`` is layer ``i + layer_offset`` of the whole model (the stage's first layer is the
+    model's ``layer_offset``-th), its ``experts.local_experts.{j}`` expert ``j + expert_offset``."""
+    name = re.sub(r"^decoder\.layers\.(\d+)\.", lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+    return re.sub(r"\.experts\.local_experts\.(\d+)\.",
+                  lambda m: f".experts.local_experts.{int(m.group(1)) + expert_offset}.", name)
+
+
+def copy_stage_params(stage, whole, layer_offset: int, expert_offset: int = 0) -> None:
+    """Every parameter of the pipeline stage / expert-parallel model ``stage`` from the same parameter of the
+    whole model ``whole`` (:func:`global_layer_name`); KeyError naming a parameter the whole model lacks."""
+    source = dict(whole.named_parameters())
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            p.copy_(source[global_layer_name(name, layer_offset, expert_offset)])
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -46,8 +46,9 @@ _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
 @contextlib.contextmanager
 def cuda_literals_on_cpu():
     """Inside: ``torch.tensor / zeros / ones / empty / full(..., device="cuda")`` make CPU tensors
-    (see the module docstring); any other device is untouched. Restored on exit. Does nothing
-    where CUDA is available."""
+    (see the module docstring); any other device is untouched; ``torch.cuda.synchronize`` does nothing
+    (the pipeline schedule's shape exchange calls it). Restored on exit. Does nothing where CUDA is
+    available."""
     if torch.cuda.is_available():
         yield
         return
@@ -63,14 +64,17 @@ def cuda_literals_on_cpu():
 
     for name, factory in saved.items():
         setattr(torch, name, on_cpu(factory))
+    synchronize = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda *a, **k: None  # the pipeline's shape exchange syncs the device it has not
     try:
         yield
     finally:
         for name, factory in saved.items():
             setattr(torch, name, factory)
+        torch.cuda.synchronize = synchronize
 
 
-_PARALLEL_STATES: dict = {}  # (world, tp, cp) -> parallel_state's globals right after initialize_model_parallel
+_PARALLEL_STATES: dict = {}  # (world, tp, cp, pp, ep) -> parallel_state's globals after initialize_model_parallel
 
 
 def _state_names(parallel_state) -> list[str]:
@@ -80,9 +84,11 @@ def _state_names(parallel_state) -> list[str]:
 
 
 @contextlib.contextmanager
-def megatron_parallel_state(context_parallel_size: int, tensor_model_parallel_size: int = 1):
-    """megatron-core's ``parallel_state`` on this process's world: TP and CP as given, PP = 1, DP
-    the rest (Megatron's rank order ``tp-cp-ep-dp-pp``). Every rank must enter it together.
+def megatron_parallel_state(context_parallel_size: int, tensor_model_parallel_size: int = 1,
+                            pipeline_model_parallel_size: int = 1, expert_model_parallel_size: int = 1):
+    """megatron-core's ``parallel_state`` on this process's world: TP, CP, PP and EP as given, DP
+    the rest (Megatron's rank order ``tp-cp-ep-dp-pp``; EP folds over DP x CP). Every rank must enter
+    it together.
 
     Each ``initialize_model_parallel`` creates dozens of process groups and ``destroy_model_parallel``
     only drops the references (torch keeps every group, and a gloo group its threads, until it is
@@ -98,14 +104,17 @@ def megatron_parallel_state(context_parallel_size: int, tensor_model_parallel_si
 
     names = _state_names(parallel_state)
     outside = {n: getattr(parallel_state, n) for n in names}
-    key = (dist.get_world_size(), tensor_model_parallel_size, context_parallel_size)
+    key = (dist.get_world_size(), tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size,
+           expert_model_parallel_size)
     try:
         for n, value in outside.items():  # a clean slate, without destroying anything
             setattr(parallel_state, n, {} if isinstance(value, dict) else None)
         if key not in _PARALLEL_STATES:
             with shared_process_groups():
                 parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
-                                                         context_parallel_size=context_parallel_size)
+                                                         context_parallel_size=context_parallel_size,
+                                                         pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                                         expert_model_parallel_size=expert_model_parallel_size)
             _PARALLEL_STATES[key] = {n: getattr(parallel_state, n) for n in names}
         else:
             for n, value in _PARALLEL_STATES[key].items():
@@ -181,8 +190,12 @@ def train_steps(build: Callable, micro_batches: Callable[[int], Iterable], steps
             ok, grad_norm, _ = optimizer.step()
         if not ok:
             raise RuntimeError(f"megatron's optimizer step {step} was not successful")
-        total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+        # the loss reports come from the last pipeline stage only: the other stages add zeros
+        total = (torch.stack([r["lm loss"] for r in reports]).sum(0) if reports
+                 else torch.zeros(2, dtype=config.params_dtype))
         torch.distributed.all_reduce(total, group=dp_cp)
+        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
         losses.append(float(total[0] / total[1]))
         norms.append(float(grad_norm))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -66,8 +66,11 @@ import numpy as np, torch
 import megatron.training.arguments as margs
 from megatron.training.arguments import add_megatron_arguments
 from megatron.training.argument_utils import core_transformer_config_from_args
-if not torch.cuda.is_available():
+import megatron.core.transformer.transformer_config as tc
+from megatron.core.extensions.transformer_engine import HAVE_TE
+if not torch.cuda.is_available():  # an H200's answers (sm_90): --moe-grouped-gemm asks for the capability
     margs.get_device_arch_version = lambda: 9
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 from gdn_cp_testing.megatron import byte_text
 from gdn_cp_testing.megatron.lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
@@ -86,7 +89,14 @@ for spec, ref in matrix([g for g in GROUPS if g != "flashqla"]):
             args = parser.parse_args(megatron_lm_args(spec, data_dir=data_dir, one_gpu=True))
             args.world_size, args.rank = spec.world, 0
             margs.validate_args(args, {})
-            c = core_transformer_config_from_args(args)
+            # FP8 with experts: TransformerConfig asks for TE >= 1.7 (the GPU machine has 2.20.2; none here)
+            te_version = tc.is_te_min_version
+            if spec.fp8 and not HAVE_TE:
+                tc.is_te_min_version = lambda *a, **k: True
+            try:
+                c = core_transformer_config_from_args(args)
+            finally:
+                tc.is_te_min_version = te_version
             parsed_args[spec.name] = args
             out["runs"][spec.name] = {"mode": c.linear_cp_mode, "cp": c.context_parallel_size, "split": c.linear_cp_thd_split,
                 "act": c.activation_func.__name__, "glu": c.gated_linear_unit, "norm": c.normalization,
@@ -97,7 +107,14 @@ for spec, ref in matrix([g for g in GROUPS if g != "flashqla"]):
                 "iterations": args.train_iters, "lr": [args.lr, args.lr_decay_style, args.lr_warmup_iters],
                 "vocab": args.vocab_size, "data_path": args.data_path, "cache": args.data_cache_path,
                 "mock": args.mock_data, "sft": args.sft, "params_dtype": str(c.params_dtype), "bf16": args.bf16,
-                "samples": args.train_iters * args.global_batch_size}
+                "samples": args.train_iters * args.global_batch_size,
+                "parallel": {"pp": c.pipeline_model_parallel_size, "ep": c.expert_model_parallel_size,
+                             "dp": args.data_parallel_size, "experts": c.num_moe_experts, "mtp": c.mtp_num_layers,
+                             "fp8": c.fp8, "dispatcher": c.moe_token_dispatcher_type,
+                             "shapes": c.variable_seq_lengths, "pattern": args.hybrid_layer_pattern,
+                             "vpp": args.virtual_pipeline_model_parallel_size, "topk": c.moe_router_topk,
+                             "grouped_gemm": c.moe_grouped_gemm, "aux": c.moe_aux_loss_coeff,
+                             "world": args.world_size}}
         except (ValueError, AssertionError) as e:
             out["runs"][spec.name] = {"error": f"{type(e).__name__}: {e}", "ref": ref}
 
@@ -203,7 +220,7 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
         if run["ref"].startswith("refused:"):
             # stops in Megatron-LM's validate_args, before anything is built, naming the flag
             assert run.get("error", "").startswith("ValueError: ") and run["ref"][len("refused:"):] in run["error"], run
-            assert "--sft" in run["error"], run  # ... and the flags that work
+            assert "--context-parallel-size 1" in run["error"], run  # ... and the flags that work
             continue
         assert "error" not in run, (name, run)
         # GDN needs SiLU (--swiglu) and the RMSNorm its specs assume
@@ -221,7 +238,8 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
         assert run["samples"] * 4097 < parsed["text"]["tokens"], (name, run)  # no sample read twice
         fp32 = "_fp32_" in name
         assert run["bf16"] is not fp32 and run["params_dtype"] == ("torch.float32" if fp32 else "torch.bfloat16"), run
-    assert len({r["cache"] for r in runs.values()}) == len(runs)
+    ran = [r for r in runs.values() if "cache" in r]  # the refused rows stop before it
+    assert len({r["cache"] for r in ran}) == len(ran) == len(runs) - sum(r["ref"].startswith("refused:") for r in runs.values())
     assert runs["hybrid_cp2_headwise"]["mode"] == "headwise" and runs["hybrid_cp2_all_gather"]["mode"] == "all_gather"
     assert runs["gdnonly_idm_cp4"]["split"] == "whole_row" and runs["hybrid_sft_cp2"]["split"] == "per_document"
     # --dataloader-inter-document-masking: attention layers (both scripts) and the GDN-only model asked for it get
@@ -236,8 +254,8 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
     # elements from the global CUDA generator, which leave it at a CP-dependent offset above ~1M (one Philox round
     # on an H200); GDN head dim 128 and 3 value heads per key head
     for name, run in runs.items():
-        if "error" not in run:
-            assert run["warmup"] >= 2**21 and run["gdn_heads"] == [4, 12, 128], (name, run)
+        if "error" not in run:  # FP8 rows: GDN projections of dims divisible by 16, as FP8 GEMMs want
+            assert run["warmup"] >= 2**21 and run["gdn_heads"] == [4, 8 if "_fp8_" in name else 12, 128], (name, run)
     for prefix in ("hybrid", "gpt", "gdnonly_fp32"):  # every mode at CP=2 and CP=4
         assert {(runs[f"{prefix}_cp{cp}_{m}"]["cp"], runs[f"{prefix}_cp{cp}_{m}"]["mode"]) for cp in (2, 4)
                 for m in ("chunkwise", "headwise", "all_gather")} == {(cp, m) for cp in (2, 4)
@@ -245,6 +263,44 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
     assert runs["hybrid_cp1"]["layers"] == 6 and runs["gpt_cp1"]["layers"] == 4 and runs["gdnonly_fp32_cp1"]["layers"] == 4
     assert runs["hybrid_full_recompute_cp2"]["recompute"][0] == "full"
     assert runs["gpt_norm_out_recompute_cp2"]["recompute"] == ["selective", ["gdn_norm_out"]]
+
+
+@pytest.mark.megatron
+def test_the_parallel_rows_are_the_layouts_they_name(parsed):
+    """Group ``parallel`` (issue 42) as Megatron-LM's own parser and validate_args make it: pretrain_hybrid.py with
+    G, *, E and - layers (4 experts, top-2, alltoall dispatcher, TE's grouped GEMM); each CP > 1 row against the
+    same layout at CP=1 (same PP / EP / MTP / FP8 / data, EP folded over 2 data-parallel ranks at CP=1); with
+    --dataloader-inter-document-masking the padded per-document cut at CP > 1, and under PP the stages exchange
+    shapes; the refusals stop in validate_args naming their reason."""
+    runs = {n: r for n, r in parsed["runs"].items() if n.startswith("par_")}
+    assert len(runs) >= 25, sorted(runs)
+    for name, run in runs.items():
+        if run["ref"].startswith("refused:"):
+            continue
+        par = run["parallel"]
+        assert all(k in par["pattern"] for k in "G*E-") and par["experts"] == 4 and par["topk"] == 2, (name, par)
+        assert par["dispatcher"] == "alltoall" and par["grouped_gemm"] and par["vpp"] is None, (name, par)
+        assert par["world"] == run["cp"] * par["pp"] * par["dp"], (name, par)
+        assert par["pp"] == (2 if "_pp2_" in name else 1) and par["ep"] == (2 if "_ep2_" in name else 1), (name, par)
+        assert par["dp"] == (2 if "_ep2_" in name and run["cp"] == 1 else 1), (name, par)
+        assert (par["mtp"] == 1) is ("_mtp_" in name) and par["pattern"].endswith("/*E") is ("_mtp_" in name), (name, par)
+        assert (par["fp8"] == "hybrid") is ("_fp8_" in name) and run["bf16"], (name, par)
+        assert par["aux"] == (0.01 if "_aux_" in name else 0.0), (name, par)
+        idm = "_idm_" in name
+        split = ("per_document" if run["cp"] > 1 else "whole_row") if idm else None
+        assert run["split"] == split and par["shapes"] is (idm and run["cp"] > 1 and par["pp"] > 1), (name, run)
+        if run["ref"]:  # the same layout at CP=1: only CP (and the data-parallel ranks EP folds over) differ
+            ref = runs[run["ref"]]
+            same = {k: v for k, v in par.items() if k not in ("dp", "world", "shapes")}
+            assert same == {k: v for k, v in ref["parallel"].items() if k not in ("dp", "world", "shapes")}, (name, ref)
+            assert ref["cp"] == 1 and ref["split"] == (split and "whole_row"), (name, ref)
+            assert run["cp"] > 1 or name.endswith("_noise"), name
+    for cp in (2, 4):
+        assert {runs[f"par_pp2_cp{cp}_{m}"]["mode"] for m in ("chunkwise", "headwise", "all_gather")} == \
+            {"chunkwise", "headwise", "all_gather"}
+    assert "--moe-aux-loss-coeff 0.01: Megatron's MoE router would count the pad rows" in runs["par_ep2_aux_idm_cp2"]["error"]
+    assert "--pipeline-model-parallel-size 2 with 2 virtual stages per rank: Megatron-LM's get_batch hands every " \
+           "stage but the first and the last" in runs["par_pp2_vpp_idm_cp2"]["error"]
 
 
 @pytest.mark.megatron
@@ -306,6 +362,10 @@ def test_launch_reads_the_last_ranks_log(tmp_path):
         if rank == world - 1:  # the one-GPU shim lands when the script imports Megatron's DDP buffers
             from megatron.core.distributed import param_and_grad_buffer
             assert param_and_grad_buffer._coalescing_manager.__name__ == "_one_by_one"
+            # pipeline stages' and MTP's point-to-point transfers of CUDA tensors go through the host
+            import torch.distributed as dist
+            from gdn_cp_testing.megatron import host_p2p
+            assert host_p2p.installed() and dist.isend is host_p2p._REPLACEMENTS["isend"]
             for it in range(1, 21):
                 print(f" iteration {it:8d}/      20 | lm loss: {9 - it / 10:.6E} | grad norm: {1 + it / 100:.3f} |")
         """

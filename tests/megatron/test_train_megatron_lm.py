@@ -77,6 +77,25 @@ def test_fp32_rows_within_1e_6_at_iteration_1_and_1e_4_after_whatever_the_noise(
     assert v["b_cp2"] == ("matches CP=1", None)  # the same difference in bf16 is inside bf16's rule
 
 
+def test_fp8_rows_are_judged_on_fp8s_own_noise_pair():
+    """FP8 runs (``fp8`` set) form their own numerics class, ``bf16+fp8``: the bf16 rule (2e-3 or 3x the noise)
+    on FP8's noise pairs only. An FP8 noise pair of 2e-3 lets an FP8 CP=2 run 5e-3 away through and no bf16
+    run; a bf16 noise pair widens nothing for FP8."""
+    ref = falling()
+    rows = [row("b_cp1", losses=ref), row("b_cp1_noise", "b_cp1", losses=off_at(ref, 1, 1e-5)),
+            row("b_cp2", "b_cp1", cp=2, losses=off_at(ref, 10, 5e-3)),
+            row("q_cp1", losses=ref, fp8="hybrid"), row("q_cp1_noise", "q_cp1", losses=off_at(ref, 5, 2e-3), fp8="hybrid"),
+            row("q_cp2", "q_cp1", cp=2, losses=off_at(ref, 10, 5e-3), fp8="hybrid"),
+            row("q_cp2_early", "q_cp1", cp=2, losses=off_at(ref, 3, 5e-3), fp8="hybrid")]
+    tols = bench.judge(rows)
+    assert set(tols) == {"bf16", "bf16+fp8"} and tols["bf16"]["loss"] == pytest.approx([2e-3] * ITS)
+    assert tols["bf16+fp8"]["loss"][:4] == pytest.approx([2e-3] * 4) and tols["bf16+fp8"]["loss"][4:] == \
+        pytest.approx([6e-3] * (ITS - 4))
+    assert [r["verdict"] for r in rows if "_cp2" in r["name"]] == ["differs from CP=1", "matches CP=1",
+                                                                  "differs from CP=1"]
+    assert bench.numerics(rows[3]) == "bf16+fp8" and bench.numerics({"precision": "fp32"}) == "fp32"
+
+
 def test_references_must_still_be_learning_and_the_grad_norm_is_reported_not_judged():
     ref = falling()
     memorised = [6.0 * 0.5 ** i for i in range(ITS)]  # ends near 0: learnt
@@ -141,12 +160,16 @@ def test_groups_hold_the_claim_the_fp32_rows_and_the_rows_not_run_yet():
     every = bench.matrix(bench.GROUPS)
     assert len({s.name for s, _ in every}) == len(every)  # no name twice
     by = {s.name: (s, ref) for s, ref in every}
-    for spec, ref in every:  # every reference is a CP=1 run of the same model, precision and data
-        if ref:
+    for spec, ref in every:  # every reference is a CP=1 run of the same model, layout, precision and data
+        if bench._base(ref):
             base = by[bench._base(ref)][0]
             assert base.cp == 1 and (base.model, base.pattern, base.precision) == (spec.model, spec.pattern,
                                                                                   spec.precision), spec.name
             assert base.data == spec.data or spec.recompute != "none", spec.name
+            layout = ("pp", "ep", "num_experts", "mtp_layers", "mtp_pattern", "fp8", "gdn_heads")
+            assert [getattr(base, k) for k in layout] == [getattr(spec, k) for k in layout], spec.name
+        elif ref:  # a refusal names what stops it
+            assert ref.startswith(bench.REFUSED) and len(ref) > len(bench.REFUSED) + 10, spec.name
         assert spec.iterations == 50 and (spec.seq_length, spec.micro_batch, spec.global_batch, spec.hidden) == (
             4096, 2, 4, 1024), spec.name
     main = {(s.model, s.cp, s.mode, s.stock) for s, _ in bench.matrix(("main",))}
@@ -189,7 +212,7 @@ def test_the_docstrings_estimates_are_the_plans():
     """Each group's ``(N runs, ~S s)`` in the module docstring is what :func:`plan` gives for it alone
     (with its CP=1 references) at 14 ranks, within 10%."""
     said = dict(re.findall(r"``(\w+)`` \((\d+ runs, ~\d+) s[);]", bench.__doc__))
-    assert set(said) == {"main", "fp32", "more"}, said
+    assert set(said) == {"main", "fp32", "more", "parallel"}, said
     for group, text in said.items():
         runs, seconds = map(int, re.findall(r"\d+", text))
         steps = bench.plan(bench.with_references(bench.matrix((group,)), ()), max_ranks=14, budget_s=10_000)

@@ -475,6 +475,15 @@ BATCH_PAD_VALUES = {"tokens": 0, "labels": 0, "loss_mask": 0, "position_ids": 0}
 to 0 in tokens and labels and masks it out of the loss)."""
 
 
+QUANTIZED_ROW_MULTIPLE = {"fp8": 16, "mxfp8": 32, "fp4": 32}
+"""Rows a quantized GEMM's token count is padded to in megatron-core 0.19 (``fp8_utils.get_fp8_align_size``:
+32 for the mxfp8 recipe, else 16; ``fp4_utils.get_fp4_align_size``: 32)."""
+
+ALLGATHER_REFUSES_VARIABLE_SEQ_LENGTHS = True
+"""megatron-core 0.19's ``TransformerConfig`` refuses ``variable_seq_lengths`` with
+``moe_token_dispatcher_type="allgather"`` (its default) in every model, with experts or without."""
+
+
 def megatron_lm_args() -> Optional[Any]:
     """The args of the Megatron-LM run in this process (``megatron.training.get_args()``), or None
     when there is none: ``megatron.training`` never imported (megatron-core used on its own; it is
