@@ -54,7 +54,7 @@ SPECS = ("local", "te")
 # gdn-cp levers a patched row can run with switched off (benchmark-side, in the rank process; never
 # a library flag), each beside the row with every lever on, in the same run, rows and weights:
 # ``fused_norm``: the layer's own out_norm * act(z) instead of FLA's fused gated RMSNorm;
-# ``compiled_glue``: gdn-cp's fused glue (conv + split + l2 norm, gates) run eagerly, not compiled.
+# ``compiled_glue``: gdn-cp's fused glue not compiled (on a GPU the conv then is the backend's kernel, the gates eager).
 LEVERS = ("fused_norm", "compiled_glue")
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).

@@ -265,8 +265,9 @@ def fused_norm_off(modules):
 
 @contextlib.contextmanager
 def compiled_glue_off(modules):
-    """Benchmark-only switch: gdn-cp's fused glue (the conv + SiLU + q/k/v split + l2 norm step and the
-    gates, :mod:`gdn_cp.ops.fused`) runs eagerly instead of compiled: what torch.compile's fusion buys."""
+    """Benchmark-only switch: gdn-cp's fused glue (:mod:`gdn_cp.ops.fused`) is not compiled; on a GPU the
+    conv then is the backend's kernel and the gates run op by op (:func:`gdn_cp.modes.local.conv_split`):
+    what the fusion buys over the unfused path."""
     from gdn_cp.ops.fused import glue
 
     glue.set_compile(False)

@@ -46,7 +46,7 @@ from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
 from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
-from .local import conv_split
+from .local import conv_split, log_once
 from .context import CallContext, Mode
 from .spec import MODES
 from .packing import sbhd_to_thd, thd_to_sbhd
@@ -55,15 +55,6 @@ from .swap import choose_swap_point
 __all__ = ["Chunkwise", "gather_halo", "initial_state_from_summaries", "is_one_zigzag_stream", "transition_summary"]
 
 logger = logging.getLogger(__name__)
-
-_LOGGED: set = set()
-
-
-def _log_once(key, message: str, *args) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        logger.info(message, *args)
-
 
 def is_one_zigzag_stream(plan: CPPlan) -> bool:
     """Whether this rank's zigzag rows are parts r and 2*cp-1-r of the whole packed stream cut as
@@ -87,7 +78,7 @@ def _native_core(ctx: CallContext) -> Optional[NativeCPCore]:
         )
     why = ("the backend's cp context" if native is not None else
            "gdn-cp's own exchange" + (" (setting)" if setting == "generic" else ": no native core for this group"))
-    _log_once(("path", setting, native is not None), "chunkwise halo/state exchange: %s path (setting %s; %s)",
+    log_once(logger, ("path", setting, native is not None), "chunkwise halo/state exchange: %s path (setting %s; %s)",
               "native" if native is not None else "generic", setting, why)
     return native
 
@@ -98,7 +89,7 @@ def _zigzag_core(ctx: CallContext) -> Optional[NativeCPCore]:
     if not is_one_zigzag_stream(ctx.plan):
         return None
     zigzag = ctx.backend.native_zigzag_cp_core(ctx.group)
-    _log_once(("zigzag", ctx.settings.chunkwise_path, zigzag is not None),
+    log_once(logger, ("zigzag", ctx.settings.chunkwise_path, zigzag is not None),
               "chunkwise halo/state exchange: %s path (setting %s; %s)",
               "native-zigzag" if zigzag is not None else "native-contiguous", ctx.settings.chunkwise_path,
               "rows are one zigzag-cut stream: no layout all-to-all" if zigzag is not None else
@@ -114,7 +105,7 @@ def _swap_point(ctx: CallContext) -> str:
     choice = choose_swap_point(shape=ctx.shape, hidden_size=layer.hidden_size, tp=layer.tp,
                                sequence_parallel=layer.sequence_parallel, act_bytes=layer.act_bytes,
                                requested=ctx.settings.chunkwise_swap)
-    _log_once(("swap", layer.label, choice.point, choice.reason),
+    log_once(logger, ("swap", layer.label, choice.point, choice.reason),
               "%s layout swap at %s (%s; core %d B/token, hidden %s B/token, stock headwise %d B/token)",
               layer.label, choice.point, choice.reason, choice.core_bytes, choice.hidden_bytes,
               choice.stock_headwise_bytes)

@@ -21,7 +21,7 @@ from ..ops.shape import GDNShape
 from .context import CallContext, Mode
 
 __all__ = ["ConvSplit", "Local", "conv_split", "local_core", "split_qkv", "stack_gates", "unstack_gates",
-           "uses_backend_conv"]
+           "log_once", "uses_backend_conv"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +74,13 @@ def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequ
     k_heads = shape.num_k_heads if k_heads is None else k_heads
     v_heads = shape.num_v_heads if v_heads is None else v_heads
     if uses_backend_conv(qkv.device):
-        _log_glue_once("the backend's conv kernel, then the split (torch.compile is off: %s)" % compile_off_reason())
+        log_once(logger, ("glue", "backend conv"), "GatedDeltaNet glue: the backend's conv kernel, then the split "
+                 "(torch.compile is off: %s)", compile_off_reason())
         x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, halo=halo, activation="silu")
         return ConvSplit(*split_qkv(x, shape, k_heads, v_heads), kernel_l2norm=shape.qk_l2norm)
     if qkv.device.type != "cpu":
-        _log_glue_once("gdn-cp's fused conv + SiLU + split + l2 norm, compiled with torch.compile")
+        log_once(logger, ("glue", "fused"), "GatedDeltaNet glue: gdn-cp's fused conv + SiLU + split + l2 norm, "
+                 "compiled with torch.compile")
     q, k, v = conv_silu_split(qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo, k_heads=k_heads,
                               v_heads=v_heads, head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
                               qk_l2norm=shape.qk_l2norm)
@@ -93,10 +95,12 @@ def uses_backend_conv(device: torch.device) -> bool:
 _LOGGED: set = set()
 
 
-def _log_glue_once(what: str) -> None:
-    if what not in _LOGGED:
-        _LOGGED.add(what)
-        logger.info("GatedDeltaNet glue: %s", what)
+def log_once(log: logging.Logger, key, message: str, *args) -> None:
+    """``log.info(message, *args)`` the first time ``key`` is seen in this process (a mode's choices:
+    each outcome once, at start-up)."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info(message, *args)
 
 
 def local_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], backend,
