@@ -654,9 +654,40 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
                for k in (0, 1)}
     text = _one_line(README)
     span = f"{min(ratios):.3f}-{max(ratios):.3f}x"
-    assert f"**Per rank, with Megatron's TransformerEngine spec**: {span} of stock's time at 32K tokens" in text
     assert f"| {span} stock's time, {memory.pop():.3f}x its peak memory; {unfused.pop():.2f}x slower with gdn-cp's " \
            "fused gated norm off |" in text and not memory and not unfused
+
+
+def test_the_glue_per_rank_figures_are_their_result_file():
+    """README's per-rank figures with the Triton glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d),
+    each rank's slice of a CP=2 split at CP=1, the default glue against stock and against the unfused glue."""
+    import json
+
+    rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
+            if r["status"] == "ok"]
+    assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
+
+    def row(spec, t, case, rank, glue=None):
+        (found,) = [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case
+                    and r["slice_rank"] == rank and r.get("glue") == glue]
+        return found
+
+    def span(values):
+        return f"{min(values):.3f}-{max(values):.3f}x"
+
+    ratio = {t: [row("local", t, "patched_slice", k, "triton")["median_ms"] / row("local", t, "stock_slice", k)["median_ms"]
+                 for k in (0, 1)] for t in (32768, 131072)}
+    memory = [row("local", t, "patched_slice", k, "triton")["peak_gib"] / row("local", t, "stock_slice", k)["peak_gib"]
+              for t in (32768, 131072) for k in (0, 1)]
+    te = row("te", 32768, "patched_slice", 1, "triton")["median_ms"] / row("te", 32768, "stock_slice", 1)["median_ms"]
+    vs_unfused = [row(s, t, "patched_slice", k, "triton")["median_ms"] / row(s, t, "patched_slice", k, "unfused")["median_ms"]
+                  for s, t, k in (("local", 32768, 0), ("local", 32768, 1), ("local", 131072, 0), ("local", 131072, 1),
+                                  ("te", 32768, 1))]
+    text = _one_line(README)
+    assert (f"**Per rank, on FlashQLA with gdn-cp's Triton glue (the default)**: {span(ratio[32768])} of stock's time at "
+            f"32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory") in text
+    assert f"on FLA 0.4.2 with Megatron's TransformerEngine spec, {te:.3f}x at 32K (one rank's slice)" in text
+    assert f"The Triton glue is {span(vs_unfused)} the time of the unfused glue it replaced" in text
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
             "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
 
