@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from .. import patch
-from ..megatron.pins import PINS, get_pin
+from ..megatron.pins import PINS
 from .args import existing_path
 from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
 
@@ -202,12 +202,11 @@ def _check(root, expect: Optional[str], out: TextIO) -> int:
 
 def _fix(root, files: dict, state: str) -> str:
     """What to do about a tree that is neither pristine nor patched (``; ...``; the partial state's words
-    say it already)."""
-    modified = [t for t, s in files.items() if s == patch.MODIFIED]
+    say it already): the fix ``apply`` would give for this tree (a git checkout: git; a copy without git:
+    the release's sources; an installed package: a reinstall)."""
+    from ..patch.tree import foreign_fix, resolve_pin
+
     if state in (patch.PARTIAL, patch.PRISTINE, patch.PATCHED):
         return ""
-    if modified and set(patch.pristine_backups(root, files, patch.load_manifest())) == set(modified):
-        return (f"; {', '.join(modified)} changed since gdn-cp patched them (their originals are backed up beside "
-                f"them): `gdn-cp patch revert --from-backups {root}`, then apply")
-    return (f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
-            "commit, then apply")
+    fix = foreign_fix(root, files, resolve_pin(root, None)[1])[1]
+    return f"; {fix}" + ("" if "gdn-cp patch apply" in fix else f", then `gdn-cp patch apply {root}`")
