@@ -45,15 +45,10 @@ PINS=constraints/test.txt  # every package below, at the version CI tested
 # start costs seconds): what resolves normally, then what must not pull dependencies
 START=$SECONDS
 step() { echo "tests/install_deps.sh: [$1/4] $2 ($(( SECONDS - START )) s so far)"; }
-# the reason a package index cannot be reached within 10 s (exit 0), or nothing (exit 1: it answers)
+# the reason a package index cannot be reached within 10 s (exit 0), or nothing (exit 1: it answers); the
+# request runs in a thread pool only to get its exception back as a value, on one line
 index_unreachable() {
-  "$PY" -c 'import sys, urllib.request
-try:
-    urllib.request.urlopen(sys.argv[1], timeout=10).close()
-except Exception as e:
-    print(str(getattr(e, "reason", "") or e) or type(e).__name__)
-    sys.exit(0)
-sys.exit(1)' "$1"
+  "$PY" -c 'import sys, urllib.request as u, concurrent.futures as f; e = f.ThreadPoolExecutor(1).submit(lambda: u.urlopen(sys.argv[1], timeout=10).close()).exception(); print(getattr(e, "reason", None) or e or type(e).__name__) if e else sys.exit(1)' "$1"
 }
 # torch's version and build, read from its version.py without importing torch ("2.13.0+cpu CPU",
 # "2.13.0 CUDA 13.0"; "none" when there is none)
