@@ -108,7 +108,7 @@ if [ "${PRINT_ARGS:-0}" = 1 ]; then
   exit 0
 fi
 : "${MEGATRON_LM:?set MEGATRON_LM to your Megatron-LM checkout (core_v0.19.0, patched: gdn-cp patch apply PATH)}"
-gdn-cp patch check -q --expect patched "$MEGATRON_LM"  # one line; a pristine or modified checkout stops here
+gdn-cp patch check -q --expect patched "$MEGATRON_LM"  # its state; an unpatched checkout stops here, with the fix
 cd "$MEGATRON_LM"
 # Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 on Hopper and older GPUs with TP or CP > 1
 CUDA_DEVICE_MAX_CONNECTIONS=1 exec torchrun --nproc-per-node "$GPUS" pretrain_hybrid.py "${ARGS[@]}"

@@ -70,6 +70,19 @@ def test_the_training_loop_trains_the_same_model_at_cp2_as_at_cp1(patched_megatr
         assert abs(one - two) <= 1e-4 * one, (step, one, two)  # float32; a CP fault moves it by far more
     assert "requested=auto resolved=chunkwise" in stderr[2]
     assert "GatedDeltaNet layer 1 runs linear_cp_mode=chunkwise (TP=1, CP=2" in stderr[2]
+    said = f"falling from {losses[1][0]:.1f} to {losses[1][-1]:.1f} in {len(losses[1])} steps"
+    assert said in " ".join((REPO / "README.md").read_text().split()), said  # the README's figures are this run's
+
+
+def test_the_readme_points_at_the_examples_and_says_what_docker_has_shown():
+    text = " ".join((REPO / "README.md").read_text().split())
+    section = text[text.index("## Examples to copy"):text.index("## Train a model with Megatron-LM")]
+    for path in (LOOP, QWEN):
+        assert f"`{path.relative_to(REPO)}`" in section, path
+    assert "`docker/`" in section and "never been built" in section
+    assert "has not been built" in (REPO / "docker" / "README.md").read_text()  # what docker/README.md says too
+    two = text[text.index("## The two commands"):text.index("```bash", text.index("## The two commands"))]
+    assert "**Python 3.12**" in two and "Python 3.11 both commands below run" in two, two  # said before them
 
 
 # ------------------------------------------------------------------------------------------------------
