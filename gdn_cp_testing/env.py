@@ -61,8 +61,8 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "args", "warm", "syncs", "selftest", "levers",
-                "layer_full", "layer_full_b", "flashqla", "flashqla_warm", "train_mlm")
+SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "flashqla_heads", "args", "warm",
+                "syncs", "selftest", "levers", "layer_full", "layer_full_b", "flashqla", "flashqla_warm", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
