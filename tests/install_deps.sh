@@ -3,7 +3,7 @@
 # virtual environment (python3 -m venv .venv && . .venv/bin/activate; .ci/run makes one):
 # torch 2.13.0, gdn-cp with its test extras (pytest, hypothesis and two linters), megatron-core
 # 0.19.2 (+ triton, which it imports) and the gdn-cp patch applied to that megatron-core. Every package
-# it installs is pinned by constraints/test.txt to the version CI ran the test suite with.
+# it installs is pinned by tests/constraints.txt to the version CI ran the test suite with.
 # Outside a virtual environment it refuses (exit 2) before installing anything, since it would
 # patch the megatron-core of that environment; --any-env installs there anyway (e.g. a conda env).
 #
@@ -38,7 +38,7 @@ if [ "$ANY_ENV" != 1 ] && ! "$PY" -c 'import sys; sys.exit(0 if sys.prefix != sy
   exit 2
 fi
 cd "$(dirname "$0")/.."
-PINS=constraints/test.txt  # every package below, at the version CI tested
+PINS=tests/constraints.txt  # every package below, at the version CI tested
 
 # one progress line per step (about a minute in all on 2 cores with a fast index); two pip calls (three with
 # --cpu-torch where torch is not there yet; each

@@ -1,4 +1,4 @@
-"""constraints/test.txt pins every package the test install (tests/install_deps.sh) pulls (issue #49: an
+"""tests/constraints.txt pins every package the test install (tests/install_deps.sh) pulls (issue #49: an
 unpinned `triton` brought 3.9.0, which nothing had tested): each line one `name==version`; the packages the
 script names, gdn-cp's own dependencies and test extras, and everything those require here, are all in it."""
 
@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-PINS = ROOT / "constraints" / "test.txt"
+PINS = ROOT / "tests" / "constraints.txt"
 
 
 def pins() -> dict[str, str]:
@@ -24,7 +24,7 @@ def pins() -> dict[str, str]:
         if not line:
             continue
         m = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][A-Za-z0-9.+]*)", line)
-        assert m, f"constraints/test.txt: {line!r} is not name==version"
+        assert m, f"tests/constraints.txt: {line!r} is not name==version"
         name = canonicalize_name(m.group(1))
         assert name not in found, f"{name} pinned twice"
         found[name] = m.group(2)
@@ -44,13 +44,13 @@ def _roots() -> set[str]:
 
 def test_every_package_the_test_install_names_is_pinned():
     missing = sorted(_roots() - set(pins()))
-    assert not missing, f"constraints/test.txt lacks {missing}"
+    assert not missing, f"tests/constraints.txt lacks {missing}"
     assert pins()["triton"] == "3.7.1"  # the Triton torch 2.13.0's Linux wheels require: either build, one Triton
 
 
 def test_what_each_pinned_package_requires_here_is_pinned_too():
     """The closure over the installed packages' own requirements (markers evaluated here, no extras). The
-    CUDA packages of torch's CUDA build (nvidia-*, cuda-*) are torch's to pin (constraints/test.txt says so)."""
+    CUDA packages of torch's CUDA build (nvidia-*, cuda-*) are torch's to pin (tests/constraints.txt says so)."""
     pinned = pins()
     env = {**default_environment(), "extra": ""}
     unpinned = set()
@@ -66,12 +66,12 @@ def test_what_each_pinned_package_requires_here_is_pinned_too():
             dep = canonicalize_name(req.name)
             if dep not in pinned and not dep.startswith(("nvidia-", "cuda-")):
                 unpinned.add(f"{dep} (required by {name})")
-    assert not unpinned, f"constraints/test.txt lacks {sorted(unpinned)}"
+    assert not unpinned, f"tests/constraints.txt lacks {sorted(unpinned)}"
 
 
 def test_every_pip_call_of_the_script_installs_under_the_pins():
     script = (ROOT / "tests" / "install_deps.sh").read_text()
-    assert 'PINS=constraints/test.txt' in script
+    assert 'PINS=tests/constraints.txt' in script
     calls = re.findall(r'"\$PY" -m pip install ([^\n]*)', script)
     assert len(calls) >= 3, calls
     for call in calls:  # the CPU index's torch alone (--no-deps) is the one call the pins do not need

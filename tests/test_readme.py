@@ -402,7 +402,7 @@ def test_install_deps_takes_torchs_cpu_build_where_asked(tmp_path, flag, index):
     --cpu-torch (the README's test command names it) torch comes from PyTorch's CPU index first, alone
     (its dependencies come from the configured index, under the pins); the rest then keeps it. Issue #49:
     where that index cannot be reached, pip printed 50 retry warnings before its fallback; the script now
-    says so in one line and takes the configured index. Every pip call installs under constraints/test.txt.
+    says so in one line and takes the configured index. Every pip call installs under tests/constraints.txt.
     A stand-in Python answers the script's checks (no torch installed yet) and records each pip call instead
     of running it; a local HTTP server stands in for the CPU index (a closed port for one out of reach)."""
     import http.server
@@ -443,10 +443,10 @@ def test_install_deps_takes_torchs_cpu_build_where_asked(tmp_path, flag, index):
     assert r.returncode == 0, (r.stdout, r.stderr)
     pips = [line.split() for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
     cpu = ["-m", "pip", "install", "-q", "--no-deps", "torch==2.13.0", "--index-url", url]
-    rest = ["-m", "pip", "install", "-q", "-c", "constraints/test.txt", "torch==2.13.0", "-e", ".[test]", "packaging",
+    rest = ["-m", "pip", "install", "-q", "-c", "tests/constraints.txt", "torch==2.13.0", "-e", ".[test]", "packaging",
             "numpy"]
     assert pips[:2] == ([cpu, rest] if index == "reachable" else [rest, pips[1]]), pips
-    assert all(p[4:6] == ["-c", "constraints/test.txt"] for p in pips if p != cpu), pips  # every other call: pinned
+    assert all(p[4:6] == ["-c", "tests/constraints.txt"] for p in pips if p != cpu), pips  # every other call: pinned
     assert index == "reachable" or not any("--index-url" in p for p in pips), pips
     assert "tests/install_deps.sh: installed torch none build" in r.stdout  # says which build (none: the stand-in)
     if index == "unreachable":
