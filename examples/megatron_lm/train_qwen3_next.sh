@@ -108,7 +108,8 @@ if [ "${PRINT_ARGS:-0}" = 1 ]; then
   exit 0
 fi
 : "${MEGATRON_LM:?set MEGATRON_LM to your Megatron-LM checkout (core_v0.19.0, patched: gdn-cp patch apply PATH)}"
-gdn-cp patch check -q --expect patched "$MEGATRON_LM"  # its state; an unpatched checkout stops here, with the fix
+# `gdn-cp patch check`, as python -m (gdn-cp on PYTHONPATH works too): its state; an unpatched checkout stops here
+"${PYTHON:-python3}" -m gdn_cp.cli patch check -q --expect patched "$MEGATRON_LM"
 cd "$MEGATRON_LM"
 # Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 on Hopper and older GPUs with TP or CP > 1
 CUDA_DEVICE_MAX_CONNECTIONS=1 exec torchrun --nproc-per-node "$GPUS" pretrain_hybrid.py "${ARGS[@]}"
