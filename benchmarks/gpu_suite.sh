@@ -206,7 +206,9 @@ run_stage() {
       timeout --signal=INT 300 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA -q ;;
     flashqla_heads)
       # which per-rank head counts FlashQLA compiles; gdn-cp's FlashQLA backend on each (benchmarks/flashqla_heads.py)
-      timeout --signal=INT 540 python3 -m benchmarks.flashqla_heads --out "$OUT/flashqla_heads.jsonl" --timeout 480 ;;
+      # shellcheck disable=SC2086
+      timeout --signal=INT "${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540}" python3 -m benchmarks.flashqla_heads \
+        --out "$OUT/flashqla_heads.jsonl" --timeout "$(( ${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540} - 20 ))" ${GDN_CP_FLASHQLA_HEADS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
     warm)

@@ -18,10 +18,11 @@ from gdn_cp.layout import Boundaries
 from gdn_cp.ops.fused.glue import _conv_silu_split, _gates
 
 W = 4
-CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu)
-    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33)),
-    ("float16", True, 1, 3, 32, 16, True, (0, 2, 20)),
-    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 20)),
+CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, backward chunk rows)
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 16384),
+    ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), 7),  # chunks of 7 rows: their W-1 overlap, the halo
+    ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), 16384),
+    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 20), 16384),
 )
 
 
@@ -30,9 +31,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu) -> dict:
+def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int) -> dict:
+    from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
+    triton_conv._CHUNK = chunk
     dt = getattr(torch, dtype)
     t, c = cu[-1], 2 * hk * dk + hv * dv
     gen = torch.Generator().manual_seed(t + c)
@@ -47,7 +50,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
     pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
                                             torch.autograd.grad(want, leaves, douts)))
-    return {"case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)}",
+    return {"case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
 

@@ -28,7 +28,7 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 5
+    assert len(cases) == 6
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):

@@ -21,13 +21,14 @@ Everything is trusted: the boundary that made the call checked it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 __all__ = ["conv_silu_split_triton"]
 
-_RUN = 8  # tiles per backward program (its tap / bias sums cover rows-per-tile * _RUN rows)
 
 
 @triton.jit
@@ -97,60 +98,114 @@ def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, do
 
 
 @triton.jit
-def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
-                dw_ptr, db_ptr, dhalo_ptr, T, C, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
-                BT: tl.constexpr, RUN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_HALO: tl.constexpr, NORM: tl.constexpr):
-    """dx of ``RUN`` tiles of rows for head ``program_id(1)``, and their sums of the tap and bias
-    gradients into ``dw [programs, C, W]``, ``db [programs, C]`` (fp32); the halo's gradient from program 0."""
+def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, pre_ptr, dw_ptr,
+                             db_ptr, T, ROW0, ROWS, SUM_END, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
+                             BT: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+    """The gradient at the conv's pre-activation of rows ``[ROW0, ROW0 + ROWS)``, head ``program_id(1)``, into
+    ``pre [ROWS, HEADS*D]`` (fp32), and the sums over this program's ``SPAN`` rows (those below ``SUM_END``) of
+    the tap and bias gradients into ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32). The sums
+    stay per row in registers across the program's tiles and are reduced over rows once, at the end."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BD)
     d_ok = d < D
     ch = C0 + i_h * D + d
-    taps = tl.zeros((BD, WP), dtype=tl.float32)  # WP: W rounded up to a power of two (tl.arange's rule)
-    wj = tl.arange(0, WP)
-    dbias = tl.zeros((BD,), dtype=tl.float32)
-    for it in range(RUN):
-        rows = (i_p * RUN + it) * BT + tl.arange(0, BT)
-        row_ok = rows < T
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-        dx = tl.zeros((BT, BD), dtype=tl.float32)
-        for s in tl.static_range(W):  # dx[t] = sum_j w[j] * dpre[t + W-1-j], t + W-1-j in t's sequence
-            later = rows + s
-            dpre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, later, T,
-                              i_h, HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
-            if s == 0:
-                dbias += tl.sum(dpre, axis=0)
-                first = pos == rows
-                for j in tl.static_range(W):  # the taps: sum_t dpre[t] * x[t - (W-1-j)], as the forward masks it
-                    shift = W - 1 - j
-                    src = rows - shift
-                    xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                                 mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-                    if HAS_HALO:
-                        xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                                      mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :],
-                                      other=0.0).to(tl.float32)
-                    taps += tl.where(wj[None, :] == j, tl.sum(dpre * xv, axis=0)[:, None], 0.0)
-                if HAS_HALO:
-                    if i_p * RUN + it == 0:  # halo row i (token i-(W-1)) feeds row i-j through tap j
-                        for i in tl.static_range(W - 1):
-                            acc = tl.zeros((BD,), dtype=tl.float32)
-                            for j in tl.static_range(i + 1):
-                                tap = tl.load(w_ptr + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)
-                                pick = (rows == i - j) & (pos == rows)
-                                acc += tap * tl.sum(tl.where(pick[:, None], dpre, 0.0), axis=0)
-                            tl.store(dhalo_ptr + i * C + ch, acc.to(dhalo_ptr.dtype.element_ty), mask=d_ok)
-            tap = tl.load(w_ptr + ch * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)
-            later_pos = tl.load(pos_ptr + later, mask=later < T, other=0)
-            keep = (later < T) & (later_pos >= s)
-            dx += tl.where(keep[:, None], tap[None, :] * dpre, 0.0)
-        tl.store(dx_ptr + rows[:, None].to(tl.int64) * dx_stride + ch[None, :], dx.to(dx_ptr.dtype.element_ty),
+    local = i_h * D + d  # the channel in the group (pre, dw, db)
+    acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # per-row sums of pre * x[t - (W-1-j)], tap j
+    acc1 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc2 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc3 = tl.zeros((BT, BD), dtype=tl.float32)
+    accb = tl.zeros((BT, BD), dtype=tl.float32)
+    for it in range(SPAN // BT):
+        rel = i_p * SPAN + it * BT + tl.arange(0, BT)
+        rows = ROW0 + rel
+        pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS,
+                         ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
+        row_ok = rel < ROWS
+        tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
                  mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(dw_ptr + (i_p * C + ch)[:, None].to(tl.int64) * W + wj[None, :], taps,
-             mask=d_ok[:, None] & (wj < W)[None, :])
+        pre = tl.where((row_ok & (rows < SUM_END))[:, None], pre, 0.0)
+        accb += pre
+        pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
+        first = pos == rows
+        for j in tl.static_range(W):  # the taps: pre[t] * x[t - (W-1-j)], masked as the forward reads it
+            shift = W - 1 - j
+            src = rows - shift
+            inside = (rows < T) & (pos >= shift)
+            xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                         mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_HALO:
+                xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                              mask=((rows < T) & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            if j == W - 1:
+                acc0 += pre * xv
+            elif j == W - 2:
+                acc1 += pre * xv
+            elif j == W - 3:
+                acc2 += pre * xv
+            else:
+                acc3 += pre * xv
+    width = HEADS * D
+    base = dw_ptr + (i_p * width + local).to(tl.int64) * W
+    tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
+    if W >= 2:
+        tl.store(base + (W - 2), tl.sum(acc1, axis=0), mask=d_ok)
+    if W >= 3:
+        tl.store(base + (W - 3), tl.sum(acc2, axis=0), mask=d_ok)
+    if W >= 4:
+        tl.store(base + (W - 4), tl.sum(acc3, axis=0), mask=d_ok)
     if HAS_BIAS:
-        tl.store(db_ptr + i_p * C + ch, dbias, mask=d_ok)
+        tl.store(db_ptr + i_p * width + local, tl.sum(accb, axis=0), mask=d_ok)
+
+
+@triton.jit
+def gdn_cp_glue_conv_bwd_dx(pre_ptr, w_ptr, pos_ptr, dx_ptr, dx_stride, T, ROW0, ROWS, END, C0, WIDTH,
+                            BT: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
+    """``dx[t] = sum_s w[:, W-1-s] * pre[t + s]`` (t + s in t's sequence) for rows ``[ROW0, ROW0 + ROWS)`` and
+    channels ``C0 + [0, WIDTH)``; ``pre`` holds rows ``[ROW0, END)``."""
+    rows = ROW0 + tl.program_id(0) * BT + tl.arange(0, BT)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = cc < WIDTH
+    dx = tl.zeros((BT, BC), dtype=tl.float32)
+    for s in tl.static_range(W):
+        later = rows + s
+        keep = (later < END) & (tl.load(pos_ptr + later, mask=later < END, other=0) >= s)
+        pre = tl.load(pre_ptr + (later - ROW0)[:, None].to(tl.int64) * WIDTH + cc[None, :],
+                      mask=keep[:, None] & c_ok[None, :], other=0.0)
+        tap = tl.load(w_ptr + (C0 + cc) * W + (W - 1 - s), mask=c_ok, other=0.0).to(tl.float32)
+        dx += tap[None, :] * pre
+    tl.store(dx_ptr + rows[:, None].to(tl.int64) * dx_stride + (C0 + cc)[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=(rows < ROW0 + ROWS)[:, None] & c_ok[None, :])
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: one fixed config, no autotuning
+
+
+def _launcher(kernel, key: list, configs: list, fixed: dict):
+    """``launch(grid(meta), *args, **kwargs)``: ``kernel`` autotuned over ``configs`` (``(meta, num_warps)``, keyed
+    on ``key``, as FLA tunes its kernels) on a GPU; with the ``fixed`` config under Triton's interpreter."""
+    if _INTERPRETED:
+        def launch(grid, *args, **kwargs):
+            meta = dict(fixed)
+            warps = meta.pop("num_warps")
+            kernel[grid(meta)](*args, **kwargs, **meta, num_warps=warps)
+        return launch
+    tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key)(kernel)
+
+    def launch(grid, *args, **kwargs):
+        tuned[grid](*args, **kwargs)
+    return launch
+
+
+_TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
+_fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
+                 {"BT": 16, "num_warps": 4})
+_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
+                 {"BT": 16, "num_warps": 4})
+_dx = _launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
+                                                 ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
+                                                 ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
+_SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 
 
 def _groups(k_heads, v_heads, dk, dv, qk_l2norm):
@@ -163,15 +218,6 @@ def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
-def _rows(bd: int) -> int:
-    """Rows per tile: a [rows, head dim] fp32 tile of 4K elements (several are live at once)."""
-    return 32 if bd <= 128 else 16
-
-
-def _warps(bd: int) -> int:
-    return 4 if bd <= 64 else 8
-
-
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps):
@@ -182,12 +228,10 @@ class _ConvSiluSplit(torch.autograd.Function):
         for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
             out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
             if t and heads:
-                bd = _block(dim)
-                gdn_cp_glue_conv_fwd[(triton.cdiv(t, _rows(bd)), heads)](
-                    x, x.stride(0), weight_c, bias if bias is not None else weight_c, halo if halo is not None else x,
-                    c if halo is None else halo.stride(0), positions, out, t, c0, heads, eps,
-                    D=dim, BD=bd, BT=_rows(bd), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
-                    num_warps=_warps(bd))
+                _fwd(lambda meta, t=t, heads=heads: (triton.cdiv(t, meta["BT"]), heads),
+                     x, x.stride(0), weight_c, bias if bias is not None else weight_c, halo if halo is not None else x,
+                     c if halo is None else halo.stride(0), positions, out, t, c0, heads, eps,
+                     D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
         ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype)
@@ -200,31 +244,67 @@ class _ConvSiluSplit(torch.autograd.Function):
         t, c = x.shape
         w = weight.shape[1]
         dx = torch.empty(t, c, dtype=x.dtype, device=x.device)
-        run_rows = _rows(_block(max(dk, dv))) * _RUN  # one run length for every group: one dw / db row per run
-        programs = max(1, triton.cdiv(t, run_rows))
-        dw = torch.zeros(programs, c, w, dtype=torch.float32, device=x.device)
-        db = torch.zeros(programs, c, dtype=torch.float32, device=x.device) if bias is not None else None
-        dhalo = torch.zeros(w - 1, c, dtype=halo.dtype, device=x.device) if halo is not None else None
-        grads = (dq, dk_, dv_)
-        for (c0, heads, dim, norm), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm), grads):
+        dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
+        db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
+        dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
+        for (c0, heads, dim, norm), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm), (dq, dk_, dv_)):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-            bd = _block(dim)
-            gdn_cp_glue_conv_bwd[(programs, heads)](
-                x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
-                c if halo is None else halo.stride(0), positions, g, dx, dx.stride(0), dw,
-                db if db is not None else dw, dhalo if dhalo is not None else dx, t, c, c0, heads, eps,
-                D=dim, BD=bd, BT=_rows(bd), RUN=_RUN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
-                NORM=norm, num_warps=_warps(bd))
-        dweight = dw.sum(0).to(w_dtype)
-        dbias = db.sum(0).to(bias.dtype) if bias is not None else None
-        return dx, dweight, dbias, None, dhalo, None, None, None, None, None, None
+            _conv_group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
+        dweight = dw.to(w_dtype)
+        dbias = db.to(bias.dtype) if bias is not None else None
+        return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
+                None, None, None, None, None, None)
+
+
+_CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
+
+
+def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db, dhalo):
+    """One channel group's backward (q, k or v), ``_CHUNK`` rows at a time: the pre-activation gradient of the
+    rows and the W-1 after them (:func:`gdn_cp_glue_conv_bwd_pre`), then dx from it
+    (:func:`gdn_cp_glue_conv_bwd_dx`); dw, db and the halo's gradient accumulated into the fp32 ``dw``, ``db``,
+    ``dhalo``."""
+    t, c = x.shape
+    w = weight.shape[1]
+    width = heads * dim
+    for row0 in range(0, t, _CHUNK):
+        end_sum = min(row0 + _CHUNK, t)
+        end = min(end_sum + w - 1, t)
+        rows = end - row0
+        pre = torch.empty(rows, width, dtype=torch.float32, device=x.device)
+        programs = triton.cdiv(rows, _SPAN)  # whatever tile autotuning picks: the sums' rows never depend on it
+        dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
+        db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+        _pre(lambda meta, programs=programs: (programs, heads),
+             x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
+             c if halo is None else halo.stride(0), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
+             heads, eps, D=dim, BD=_block(dim), SPAN=_SPAN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
+             HAS_HALO=halo is not None, NORM=norm)
+        dw[c0:c0 + width] += dw_part.sum(0)
+        if bias is not None:
+            db[c0:c0 + width] += db_part.sum(0)
+        n = end_sum - row0
+        _dx(lambda meta, n=n: (triton.cdiv(n, meta["BT"]), triton.cdiv(width, meta["BC"])),
+            pre, weight, positions, dx, dx.stride(0), t, row0, n, end, c0, width, W=w)
+        if halo is not None and row0 == 0:  # halo row i (token i-(W-1)) feeds row i-j through tap j
+            first = positions[:w - 1] == torch.arange(min(w - 1, t), device=x.device, dtype=positions.dtype)
+            taps = weight[c0:c0 + width].float()
+            for i in range(w - 1):
+                for j in range(i + 1):
+                    if i - j < rows:
+                        dhalo[i, c0:c0 + width] += taps[:, j] * pre[i - j] * first[i - j]
 
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
                            head_v_dim: int, qk_l2norm: bool, eps: float):
     """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``."""
+    if weight.shape[1] > 4:  # the kernels keep four tap sums (Megatron's and FLA's conv widths are at most 4)
+        from .glue import _conv_silu_split
+
+        return _conv_silu_split(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm,
+                                eps)
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
                                 qk_l2norm, eps)
