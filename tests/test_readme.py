@@ -395,35 +395,64 @@ def test_install_deps_refuses_outside_a_virtual_environment(tmp_path, where, exp
                             r"\(\d+ s so far\)\n", r.stdout), r.stdout
 
 
-@pytest.mark.parametrize("flag", ["--cpu-torch", None])
-def test_install_deps_takes_torchs_cpu_build_where_asked(tmp_path, flag):
+@pytest.mark.parametrize("flag,index", [("--cpu-torch", "reachable"), ("--cpu-torch", "unreachable"), (None, None)])
+def test_install_deps_takes_torchs_cpu_build_where_asked(tmp_path, flag, index):
     """Issue #41: on Python 3.12 the script pinned torch==2.13.0 from the default index, on Linux PyPI's CUDA
     build (a 4.8 GB environment on a machine without a GPU), with no way to ask for the CPU one. With
     --cpu-torch (the README's test command names it) torch comes from PyTorch's CPU index first, alone
-    (that index has no pytest); the rest then keeps it. A stand-in Python answers the script's checks (no
-    torch installed yet) and records each pip call instead of running it."""
+    (its dependencies come from the configured index, under the pins); the rest then keeps it. Issue #49:
+    where that index cannot be reached, pip printed 50 retry warnings before its fallback; the script now
+    says so in one line and takes the configured index. Every pip call installs under tests/constraints.txt.
+    A stand-in Python answers the script's checks (no torch installed yet) and records each pip call instead
+    of running it; a local HTTP server stands in for the CPU index (a closed port for one out of reach)."""
+    import http.server
     import os
     import platform
+    import socket
     import subprocess
     import sys
+    import threading
 
     if platform.system() != "Linux":
         pytest.skip("the CPU index is taken on Linux, where PyPI's torch is a CUDA build")
     assert "--cpu-torch" in _one_line(README[README.index("## The two commands"):README.index("## Install and patch")])
+    (tmp_path / "index" / "torch").mkdir(parents=True)
+    server = None
+    if index == "reachable":
+        handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(tmp_path / "index"))  # noqa: E731
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+    else:
+        with socket.socket() as s:  # a port nothing listens on: refused at once
+            s.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{s.getsockname()[1]}"
     calls = tmp_path / "calls"
     fake = tmp_path / "python"
     fake.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then case "$2" in *find_spec*) echo none; exit 0;; esac; '
                     f'exec "{sys.executable}" "$@"; fi\necho "$*" >> "{calls}"\n')
     fake.chmod(0o755)
-    r = subprocess.run(["bash", str(ROOT / "tests" / "install_deps.sh"), *([flag] if flag else [])], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "PYTHON": str(fake)})
+    try:
+        r = subprocess.run(["bash", str(ROOT / "tests" / "install_deps.sh"), *([flag] if flag else [])],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHON": str(fake), "CPU_TORCH_INDEX": url})
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     assert r.returncode == 0, (r.stdout, r.stderr)
     pips = [line.split() for line in calls.read_text().splitlines() if line.startswith("-m pip install")]
-    cpu = ["-m", "pip", "install", "-q", "torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]
-    rest = ["-m", "pip", "install", "-q", "torch==2.13.0", "-e", ".[test]", "packaging>=24.2", "numpy"]
-    assert pips[:2] == ([cpu, rest] if flag else [rest, pips[1]]), pips
-    assert not flag and not any("--index-url" in p for p in pips) or flag
+    cpu = ["-m", "pip", "install", "-q", "--no-deps", "torch==2.13.0", "--index-url", url]
+    rest = ["-m", "pip", "install", "-q", "-c", "tests/constraints.txt", "torch==2.13.0", "-e", ".[test]", "packaging",
+            "numpy"]
+    assert pips[:2] == ([cpu, rest] if index == "reachable" else [rest, pips[1]]), pips
+    assert all(p[4:6] == ["-c", "tests/constraints.txt"] for p in pips if p != cpu), pips  # every other call: pinned
+    assert index == "reachable" or not any("--index-url" in p for p in pips), pips
     assert "tests/install_deps.sh: installed torch none build" in r.stdout  # says which build (none: the stand-in)
+    if index == "unreachable":
+        said = [line for line in r.stdout.splitlines() if "cannot be reached" in line]
+        assert len(said) == 1 and "Connection refused" in said[0] and "from the configured index" in said[0], r.stdout
+        assert r.stderr == "", r.stderr
 
 
 def test_the_training_curve_table_is_its_result_file_and_names_the_machine():
