@@ -289,10 +289,11 @@ ITERATION_S = {1: 0.4, 2: 0.8, 4: 1.0, "tiny": 0.2}
 """One later iteration under the same load (run 2026-12-03a medians: CP=1 0.34-0.40 s, CP=2 0.58-0.92 s, CP=4
 0.70-1.08 s; all_gather x1.3)."""
 FACTORS = {"all_gather": 1.3, "pp": 1.5, "experts": 1.3, "mtp": 1.2, "experts_start_s": 15.0,
-           "flashqla_start_s": 150.0}
+           "flashqla_start_s": 90.0}
 """Guesses until a run measures them: per iteration x1.5 with pipeline stages (activations through the host),
-x1.3 with experts, x1.2 with MTP; 15 s more start-up with experts (TE's grouped GEMM) and 150 s with FlashQLA
-(TileLang compiles a forward and backward in ~2-3 min cold; runs started before its cache holds them all do)."""
+x1.3 with experts, x1.2 with MTP; 15 s more start-up with experts (TE's grouped GEMM) and 90 s with FlashQLA
+(TileLang compiles a forward and backward in ~2-3 min cold, once: later processes load it from
+TILELANG_CACHE_DIR, which gpu_suite.sh carries between calls as .tl_cache)."""
 PREP_S = 35.0
 """What a call spends of ``--budget-s`` on the data and Megatron's helpers before the first run (10-35 s seen)."""
 REFUSED_S = 60.0
@@ -373,7 +374,10 @@ RESUME_SAME = ("python", "torch", "triton", "fla", "flash_qla", "megatron_core",
 
 
 def load_resume(path) -> dict:
-    """An earlier results file to go on from; ValueError when it is not one."""
+    """An earlier results file to go on from (none there yet: nothing to keep); ValueError when it is not one."""
+    if not Path(path).exists():  # the first call of a sequence that resumes one file call after call
+        logger.warning("--resume %s: no such file yet: running every row", path)
+        return {"benchmark": "train_megatron_lm", "rule": RULE, "rows": [], "date": None, "data": {}}
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
@@ -441,7 +445,7 @@ def _setup(args) -> tuple[list, dict, float]:
         build_dataset_helpers(tree)  # once, before runs start side by side (they would race to build them)
     doc = {"benchmark": "train_megatron_lm", "date": now_iso(), "machine": machine_info(), "versions": stack,
            "checkout": str(checkout), "work": str(work), "rule": RULE, "data": data, "groups": list(args.groups),
-           "pairs": {k: v[0] for k, v in PAIRS.items()},
+           "rule_parameters": dataclasses.asdict(RULES[RULE]), "pairs": {k: v[0] for k, v in PAIRS.items()},
            "resumed_from": {"file": str(args.resume), "date": earlier["date"], "rows": len(kept)} if earlier else None,
            "rows": kept}
     doc["prepared_s"] = round(time.monotonic() - t0, 1)

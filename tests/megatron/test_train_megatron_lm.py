@@ -275,7 +275,7 @@ def test_the_docs_list_the_calls_the_plan_makes():
     docs say (the dry run's split), every call within 9 minutes with the suite's ~60 s around the stage."""
     text = " ".join((ROOT / "docs" / "performance.md").read_text().split())
     section = text[text.index("## Not run yet"):]
-    found = re.findall(r"(\d+) calls? of `GDN_CP_STAGES=train_mlm GDN_CP_TRAIN_MLM_TIMEOUT=(\d+) "
+    found = re.findall(r"(\d+) calls? of `(?:GDN_CP_SAVE_CACHE=0 )?GDN_CP_STAGES=train_mlm GDN_CP_TRAIN_MLM_TIMEOUT=(\d+) "
                        r"GDN_CP_TRAIN_MLM_ARGS=\"([^\"]+)\" bash benchmarks/gpu_suite.sh`", section)
     assert len(found) == 3, found
     for n, timeout, args in found:
@@ -398,7 +398,7 @@ def test_a_budget_cut_says_not_run_and_a_second_call_resumes_it(tmp_path, fake_r
         bench.run_matrix(_args(tmp_path, only=only, resume=str(tmp_path / "out.json"), out=str(tmp_path / "o3.json")))
     # a file of an earlier rule: none of its rows is kept (another schedule, fewer pairs)
     (tmp_path / "old.json").write_text(json.dumps(dict(earlier, rule="noise_or_floor")))
-    assert bench.load_resume(tmp_path / "old.json")["rows"] == []
+    assert bench.load_resume(tmp_path / "old.json")["rows"] == [] == bench.load_resume(tmp_path / "none.json")["rows"]
     (tmp_path / "bad.json").write_text(json.dumps({"benchmark": "train_curve", "rows": []}))
     with pytest.raises(ValueError, match="not a train_megatron_lm result"):
         bench.load_resume(tmp_path / "bad.json")
