@@ -1,5 +1,5 @@
 """The package keeps its layer order: every import of gdn_cp goes to the importer's layer or below
-(layout -> comm -> ops -> modes -> megatron -> cli; checks and env at the bottom; the patch tool above
+(layout -> comm -> ops -> modes -> megatron -> cli; checks, env and nvtx at the bottom; the patch tool above
 megatron and below the command line, so nothing on the forward path imports it), nothing in it
 imports the test machinery (gdn_cp_testing, tests, benchmarks), which is not shipped, and only comm/
 calls torch.distributed (``gdn-cp run``'s launcher, which starts the process groups, excepted). Read
@@ -14,9 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gdn_cp"
-ORDER = ("checks", "env", "layout", "comm", "ops", "modes", "megatron", "patch", "cli")
+ORDER = ("checks", "env", "nvtx", "layout", "comm", "ops", "modes", "megatron", "patch", "cli")
 NOT_SHIPPED = ("gdn_cp_testing", "tests", "benchmarks")
-FLOOR = {"checks": 0, "env": 0, **{name: i for i, name in enumerate(ORDER[2:], start=1)}}
+FLOOR = {"checks": 0, "env": 0, "nvtx": 0, **{name: i for i, name in enumerate(ORDER[3:], start=1)}}
 
 
 def _layer(module: str) -> str | None:

@@ -141,9 +141,12 @@ _conv_compiled = _Compiled(_conv_silu_split, row_args=(0, 3))  # x [T, C], posit
 
 
 def _triton_conv():
-    from .triton_conv import conv_silu_split_triton  # Triton is imported only where a GPU takes this path
+    from .triton_conv import MAX_WIDTH, conv_silu_split_triton  # Triton is imported only where a GPU takes this path
 
-    return conv_silu_split_triton
+    def conv(x, weight, *rest):  # a conv wider than the kernels take runs the plain math (same values)
+        return (conv_silu_split_triton if weight.shape[1] <= MAX_WIDTH else _conv_silu_split)(x, weight, *rest)
+
+    return conv
 
 
 def _triton_gates():

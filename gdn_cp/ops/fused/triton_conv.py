@@ -27,7 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["conv_silu_split_triton"]
+__all__ = ["MAX_WIDTH", "conv_silu_split_triton"]
+
+MAX_WIDTH = 4
+"""The widest conv the kernels take (they keep four tap sums; Megatron's and FLA's conv widths are at most 4)."""
 
 
 
@@ -300,11 +303,6 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
                            head_v_dim: int, qk_l2norm: bool, eps: float):
     """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``."""
-    if weight.shape[1] > 4:  # the kernels keep four tap sums (Megatron's and FLA's conv widths are at most 4)
-        from .glue import _conv_silu_split
-
-        return _conv_silu_split(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm,
-                                eps)
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
                                 qk_l2norm, eps)
