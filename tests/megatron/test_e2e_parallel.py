@@ -24,6 +24,7 @@ session's pool), with every point-to-point transfer staged through the host as o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import partial
 
@@ -358,7 +359,7 @@ def _packed_pp_cases(ctx) -> dict:
     refusal ("refused: ...")}``; a run's error is raised (naming the cell): the other stage would wait for it."""
     from gdn_cp_testing.megatron import host_p2p
     from gdn_cp_testing.megatron.batches import install_te_partition_stand_in
-    from gdn_cp_testing.megatron.layer import rank_groups
+    from gdn_cp_testing.megatron.layer import gdn_cp_forward, rank_groups
     from gdn_cp_testing.megatron.model import build_model, copy_stage_params, global_layer_name, model_config
     from gdn_cp_testing.megatron.training import megatron_parallel_state, train_steps
 
@@ -389,9 +390,12 @@ def _packed_pp_cases(ctx) -> dict:
                         return stage
 
                     cuts = partial(_packed_stage_cuts, strategy, mbs, ptl, ps.get_context_parallel_group(), first, last)
+                    # fp64 SBHD through gdn-cp's path at CP=1 too (stock computes its deterministic core in fp32)
+                    sbhd = gdn_cp_forward() if strategy == "sbhd" else contextlib.nullcontext()
                     try:  # an error in one stage leaves the other waiting: the pool stops every rank
-                        got = train_steps(build, cuts, PACKED_PP_STEPS, seq_length=S, micro_batch_size=mbs,
-                                          per_token_loss=ptl)
+                        with sbhd:
+                            got = train_steps(build, cuts, PACKED_PP_STEPS, seq_length=S, micro_batch_size=mbs,
+                                              per_token_loss=ptl)
                     except Exception as e:
                         raise RuntimeError(f"{name} pp {pp} cp {cp} mbs {mbs} ptl {ptl}: {type(e).__name__}: {e}") from e
                     got["params"] = {global_layer_name(n, offset): p for n, p in got["params"].items()}
