@@ -114,7 +114,7 @@ for spec, ref in matrix([g for g in GROUPS if g != "flashqla"]):
                              "shapes": c.variable_seq_lengths, "pattern": args.hybrid_layer_pattern,
                              "vpp": args.virtual_pipeline_model_parallel_size, "topk": c.moe_router_topk,
                              "grouped_gemm": c.moe_grouped_gemm, "aux": c.moe_aux_loss_coeff,
-                             "world": args.world_size}}
+                             "world": args.world_size, "mbs": args.micro_batch_size}}
         except (ValueError, AssertionError) as e:
             out["runs"][spec.name] = {"error": f"{type(e).__name__}: {e}", "ref": ref}
 
@@ -271,7 +271,7 @@ def test_the_parallel_rows_are_the_layouts_they_name(parsed):
     G, *, E and - layers (4 experts, top-2, alltoall dispatcher, TE's grouped GEMM); each CP > 1 row against the
     same layout at CP=1 (same PP / EP / MTP / FP8 / data, EP folded over 2 data-parallel ranks at CP=1); with
     --dataloader-inter-document-masking the padded per-document cut at CP > 1, and under PP the stages exchange
-    shapes; the refusals stop in validate_args naming their reason."""
+    shapes (at CP=1 too: micro-batches of 2 samples packed into one row); the refusals stop in validate_args naming their reason."""
     runs = {n: r for n, r in parsed["runs"].items() if n.startswith("par_")}
     assert len(runs) >= 25, sorted(runs)
     for name, run in runs.items():
@@ -288,7 +288,10 @@ def test_the_parallel_rows_are_the_layouts_they_name(parsed):
         assert par["aux"] == (0.01 if "_aux_" in name else 0.0), (name, par)
         idm = "_idm_" in name
         split = ("per_document" if run["cp"] > 1 else "whole_row") if idm else None
-        assert run["split"] == split and par["shapes"] is (idm and run["cp"] > 1 and par["pp"] > 1), (name, run)
+        # the stages exchange shapes where the packed rows change length (the padded cut at CP > 1) or hold a
+        # micro-batch of several samples packed into one row (gdn_cp.megatron.packed_pipeline; issue 46)
+        shapes = idm and par["pp"] > 1 and (run["cp"] > 1 or par["mbs"] > 1)
+        assert run["split"] == split and par["shapes"] is shapes, (name, run)
         if run["ref"]:  # the same layout at CP=1: only CP (and the data-parallel ranks EP folds over) differ
             ref = runs[run["ref"]]
             same = {k: v for k, v in par.items() if k not in ("dp", "world", "shapes")}
