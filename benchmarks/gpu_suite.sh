@@ -168,7 +168,8 @@ EOF
 # warm = benchmarks/warm_kernels.py (FLA kernels compiled side by side, one process per shape);
 # syncs = benchmarks/syncs.py; layer_full = benchmarks/layer_full.py;
 # args = the megatron.training argument test (Python >= 3.12); flashqla = benchmarks/flashqla_probe.py;
-# flashqla_tests = the FlashQLA backend's GPU tests; flashqla_warm = warm_kernels.py --backend flashqla.
+# flashqla_tests = the FlashQLA backend's GPU tests; flashqla_warm = warm_kernels.py --backend flashqla;
+# glue_tests = the glue's GPU paths; flashqla_heads = benchmarks/flashqla_heads.py (FlashQLA's head counts).
 # Each under its own time limit.
 # Stages joined by "+" run side by side, each one's output written as it comes to $OUT/stage_<name>.log
 # (so a call killed at its time limit still brings back what each stage printed; what comes back from the
@@ -200,6 +201,14 @@ run_stage() {
       local prc=$?
       python3 -m gdn_cp_testing.outcomes "$OUTCOMES" "== stage $stage tests"
       (exit $prc) ;;
+    glue_tests)
+      # the glue's GPU paths (gdn-cp's Triton kernels, torch.compile) against the plain math, bf16 at a real width
+      timeout --signal=INT 300 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA -q ;;
+    flashqla_heads)
+      # which per-rank head counts FlashQLA compiles; gdn-cp's FlashQLA backend on each (benchmarks/flashqla_heads.py)
+      # shellcheck disable=SC2086
+      timeout --signal=INT "${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540}" python3 -m benchmarks.flashqla_heads \
+        --out "$OUT/flashqla_heads.jsonl" --timeout "$(( ${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540} - 20 ))" ${GDN_CP_FLASHQLA_HEADS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
     warm)

@@ -54,8 +54,9 @@ SPECS = ("local", "te")
 # gdn-cp levers a patched row can run with switched off (benchmark-side, in the rank process; never
 # a library flag), each beside the row with every lever on, in the same run, rows and weights:
 # ``fused_norm``: the layer's own out_norm * act(z) instead of FLA's fused gated RMSNorm;
-# ``compiled_glue``: gdn-cp's fused glue not compiled (on a GPU the conv then is the backend's kernel, the gates eager).
-LEVERS = ("fused_norm", "compiled_glue")
+# ``glue_triton`` / ``glue_compiled`` / ``glue_unfused``: the glue path of that name (GDN_CP_GLUE) in place of the
+# default (gdn_cp.ops.fused), so that every path is timed beside the default in the same run.
+LEVERS = ("fused_norm", "glue_triton", "glue_compiled", "glue_unfused")
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
 _MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)

@@ -263,21 +263,36 @@ def fused_norm_off(modules):
             _clear_norm_choice(m)
 
 
-@contextlib.contextmanager
-def compiled_glue_off(modules):
-    """Benchmark-only switch: gdn-cp's fused glue (:mod:`gdn_cp.ops.fused`) is not compiled; on a GPU the
-    conv then is the backend's kernel and the gates run op by op (:func:`gdn_cp.modes.local.conv_split`):
-    what the fusion buys over the unfused path."""
-    from gdn_cp.ops.fused import glue
+def _glue(path: str):
+    """Benchmark-side switch: the layers run the glue path ``path`` (``GDN_CP_GLUE``, :mod:`gdn_cp.ops.fused`)
+    instead of the default; each layer reads its settings again on entry and on exit."""
+    @contextlib.contextmanager
+    def switch(modules):
+        import os
 
-    glue.set_compile(False)
-    try:
-        yield
-    finally:
-        glue.set_compile(True)
+        from gdn_cp.megatron.layer import reset_settings
+
+        old = os.environ.get("GDN_CP_GLUE")
+        os.environ["GDN_CP_GLUE"] = path
+        for m in modules:
+            reset_settings(m)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("GDN_CP_GLUE", None)
+            else:
+                os.environ["GDN_CP_GLUE"] = old
+            for m in modules:
+                reset_settings(m)
+
+    return switch
 
 
-LEVER_SWITCHES = {"fused_norm": fused_norm_off, "compiled_glue": compiled_glue_off}
+LEVER_SWITCHES = {"fused_norm": fused_norm_off, "glue_triton": _glue("triton"), "glue_compiled": _glue("compiled"),
+                  "glue_unfused": _glue("unfused")}
+"""A lever row runs with its switch: ``fused_norm`` off, or the glue path its name says in place of the default
+(``glue_*``: the default's own path too, so every path is timed in the same run)."""
 
 
 def _modules_of(module) -> dict:

@@ -224,6 +224,7 @@ KERNEL_CLASSES = (
     ("gdn", ("chunk_", "gdr", "kkt", "solve_tril", "recompute_w_u", "fused_recurrent", "cumsum", "prepare_h",
              "wy_", "l2norm", "group_reduce", "main_kernel", "tilelang", "delta_rule")),
     ("norm", ("rms", "layer_norm", "layernorm", "_norm")),
+    ("gdn-cp glue", ("gdn_cp_glue",)),  # gdn-cp's Triton kernels: conv + SiLU + split + l2 norm, gates
     ("compiled glue", ("triton_",)),  # torch.compile's kernels: gdn-cp's fused conv / split / l2 norm / gates
     ("elementwise + copies", ()),  # everything else: elementwise, copy, cat, fill, reduce
 )

@@ -69,7 +69,7 @@ def _ordered(keys) -> list[str]:
 PARTS = (("compute_ms", "compute", "tab:blue"), ("comm_wait_ms", "NCCL (comm/wait)", "tab:orange"),
          ("memcpy_ms", "memcpy/memset", "tab:green"), ("idle_ms", "idle", "lightgray"))
 CLASS_COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "conv": "tab:red", "gdn": "tab:green",
-                "norm": "tab:olive", "compiled glue": "tab:pink", "elementwise + copies": "tab:purple",
+                "norm": "tab:olive", "gdn-cp glue": "tab:cyan", "compiled glue": "tab:pink", "elementwise + copies": "tab:purple",
                 "memcpy": "tab:brown", "idle": "lightgray"}
 
 
@@ -82,7 +82,7 @@ def class_table(rows) -> str:
         return ""
     lines = ["**Where the time goes, by kernel class** (ms per iteration of the profiled iterations, critical rank; "
              "the GEMMs are the floor: the projections; `gdn` = the gated delta rule's kernels, FLA's or FlashQLA's; "
-             "`compiled glue` = torch.compile's kernels: gdn-cp's fused conv + split + l2 norm and gates)\n",
+             "`gdn-cp glue` = gdn-cp's Triton kernels, `compiled glue` = torch.compile's: the conv + split + l2 norm and gates)\n",
              "| stack | spec | T | packing | case | median | " + " | ".join(CLASS_NAMES) + " | median / GEMM |",
              "|---|---|---|---|---|---:|" + "---:|" * (len(CLASS_NAMES) + 1)]
     for r in sorted(have, key=lambda r: (_stack(r), r.get("spec") or "local", r["T"], r["packing"], case_key(r))):

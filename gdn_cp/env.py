@@ -31,13 +31,17 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["CHUNKWISE_PATHS", "CHUNKWISE_PATH_ENV", "CHUNKWISE_SWAP_ENV", "CLONE_NAMES", "NOBODY", "PREFIX", "SETTINGS",
+__all__ = ["CHUNKWISE_PATHS", "CHUNKWISE_PATH_ENV", "CHUNKWISE_SWAP_ENV", "CLONE_NAMES", "GLUE_CHOICES", "GLUE_ENV", "NOBODY", "PREFIX", "SETTINGS",
            "SWAP_POINTS", "EnvSetting", "any_text", "check_environment", "one_of", "read", "set_names", "table",
            "unknown_name_message", "unread_names", "who_reads"]
 
 PREFIX = "GDN_CP_"
 CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
 CHUNKWISE_SWAP_ENV = "GDN_CP_CHUNKWISE_SWAP"
+GLUE_ENV = "GDN_CP_GLUE"
+GLUE_CHOICES = ("auto", "triton", "compiled", "unfused")
+"""The values of ``GDN_CP_GLUE`` (``Settings.glue``): how a GPU runs the conv + SiLU + split + l2 norm and
+the gates (:mod:`gdn_cp.ops.fused`); ``auto`` is the measured default."""
 CHUNKWISE_PATHS = ("auto", "native", "generic")
 """The values of ``GDN_CP_CHUNKWISE_PATH`` (``Settings.chunkwise_path``, ``gdn_core(chunkwise_path=...)``)."""
 SWAP_POINTS = ("auto", "hidden", "core")
@@ -82,6 +86,11 @@ SETTINGS: dict[str, EnvSetting] = {
                    "where chunkwise moves a Megatron layer's rows between layouts: auto (the fewer bytes), hidden "
                    "(hidden_states before in_proj) or core (q|k|v and the gates); see gdn_cp.modes.swap",
                    one_of(*SWAP_POINTS)),
+        EnvSetting(GLUE_ENV, "gdn_cp", "auto",
+                   "how a GPU runs the per-token glue around the core (conv + SiLU + q/k/v split + l2 norm, gates): "
+                   "auto (the measured default), triton (gdn-cp's kernels), compiled (torch.compile) or unfused "
+                   "(the backend's conv kernel, the kernel's l2 norm, gates op by op); see gdn_cp.ops.fused",
+                   one_of(*GLUE_CHOICES)),
         EnvSetting("GDN_CP_FLASHQLA_AUTO_CP", "gdn_cp", "1",
                    "the FlashQLA backend's auto_cp (FlashQLA's own split of long sequences inside one GPU): 1 on "
                    "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.spec.AUTO_CP_ENV", one_of("0", "1")),
@@ -97,7 +106,8 @@ CLONE_NAMES: dict[str, tuple[str, ...]] = {
         "GDN_CP_TMP",
     ),
     "benchmarks": (
-        "GDN_CP_CACHE_MAX_MB", "GDN_CP_FLASHQLA_ARGS", "GDN_CP_FLASHQLA_TIMEOUT", "GDN_CP_LAYER_FULL_ARGS",
+        "GDN_CP_CACHE_MAX_MB", "GDN_CP_FLASHQLA_ARGS", "GDN_CP_FLASHQLA_HEADS_ARGS", "GDN_CP_FLASHQLA_HEADS_TIMEOUT",
+        "GDN_CP_FLASHQLA_TIMEOUT", "GDN_CP_LAYER_FULL_ARGS",
         "GDN_CP_LAYER_FULL_B_ARGS", "GDN_CP_LAYER_FULL_B_TIMEOUT", "GDN_CP_LAYER_FULL_TIMEOUT", "GDN_CP_LEVERS_ARGS",
         "GDN_CP_LEVERS_TIMEOUT", "GDN_CP_MLM", "GDN_CP_SAVE_CACHE", "GDN_CP_SAVE_TL_CACHE", "GDN_CP_SELFTEST_TIMEOUT",
         "GDN_CP_SLIM", "GDN_CP_STACK", "GDN_CP_STAGES", "GDN_CP_SUITE_TIMEOUT", "GDN_CP_SYNCS_TIMEOUT", "GDN_CP_TE",

@@ -61,8 +61,8 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "args", "warm", "syncs", "selftest", "levers",
-                "layer_full", "layer_full_b", "flashqla", "flashqla_warm", "train_mlm")
+SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "flashqla_heads", "args", "warm",
+                "syncs", "selftest", "levers", "layer_full", "layer_full_b", "flashqla", "flashqla_warm", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
@@ -163,6 +163,10 @@ SETTINGS: dict[str, EnvSetting] = {
                    "benchmarks/gpu_suite.sh: arguments of benchmarks/flashqla_probe.py (stage flashqla)"),
         EnvSetting("GDN_CP_FLASHQLA_TIMEOUT", "benchmarks", "540",
                    "benchmarks/gpu_suite.sh: time limit of the flashqla stage (the probe's --time-limit)", _SECONDS),
+        EnvSetting("GDN_CP_FLASHQLA_HEADS_ARGS", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: arguments of benchmarks/flashqla_heads.py (stage flashqla_heads)"),
+        EnvSetting("GDN_CP_FLASHQLA_HEADS_TIMEOUT", "benchmarks", "540",
+                   "benchmarks/gpu_suite.sh: time limit of the flashqla_heads stage", _SECONDS),
         EnvSetting("GDN_CP_SAVE_TL_CACHE", "benchmarks", "1",
                    "benchmarks/gpu_suite.sh: 0 keeps no TileLang kernel cache tarball", _SWITCH),
         EnvSetting("GDN_CP_MLM_ONE_GPU", "tests", "0",

@@ -28,7 +28,7 @@ def cp1_core_answer(inputs: dict, shape, cu: Sequence[int], backend="reference")
     leaves = core_leaves(inputs)
     o = local_core(
         leaves["qkv"], leaves["g"], leaves["beta"], leaves["conv_weight"], leaves["conv_bias"],
-        shape=shape, cu_seqlens=list(cu), backend=get_backend(backend),
+        shape=shape, cu_seqlens=list(cu), backend=get_backend(backend), glue="auto",
     )
     o.backward(inputs["dout"])
     return o.detach(), {k: v.grad for k, v in leaves.items()}

@@ -36,7 +36,7 @@ SMOKE_RUNS = {
     "smoke": ("layer_full", ["--quick", "--tokens", "256", "--packings", "mixed8,sbhd", "--iters", "2"]),
     # --cp 1: one process per megatron tree, the whole packing and both slices of a CP=2 run
     "smoke_cp1": ("layer_full", ["--quick", "--cp", "1", "--slice-of-cp", "2", "--tokens", "256", "--packings",
-                                 "mixed8", "--iters", "2", "--spec", "te,local", "--levers", "fused_norm"]),
+                                 "mixed8", "--iters", "2", "--spec", "te,local", "--levers", "fused_norm,glue_unfused"]),
 }
 SMOKE_IMPORTS_MEGATRON = True
 
@@ -155,7 +155,7 @@ def test_te_spec_without_transformer_engine_fails_clearly(smoke_cp1):
     the local rows still run, and each row says its spec, lever and FLA stack."""
     rows, _ = smoke_cp1
     te = [r for r in rows if r["spec"] == "te"]
-    assert len(te) == 6 + 3  # stock and patched at CP=1 and per slice; patched with the fused norm off
+    assert len(te) == 6 + 3 + 3  # stock and patched at CP=1 and per slice; patched with each lever switched
     for r in te:
         assert r["status"] == "error" and "TransformerEngine is not importable" in r["error"], r["error"]
         assert "--spec local" in r["error"] and r["median_ms"] is None
@@ -178,6 +178,8 @@ def test_lever_rows_beside_the_rows_with_every_lever_on(smoke_cp1):
         assert r["norm_path"].startswith(want), r["norm_path"]
         assert r["modules"]["out_norm"] == "torch.nn.modules.normalization.RMSNorm"
     assert "fused_norm off ms" in stdout and "Per rank, stock megatron-core" in stdout
+    glue_rows = [r for r in rows if r["spec"] == "local" and r["lever_off"] == "glue_unfused"]
+    assert len(glue_rows) == 3 and {r["status"] for r in glue_rows} == {"ok"}  # the switch re-reads the settings
 
 
 def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
@@ -478,6 +480,7 @@ def test_kernel_classes_sort_a_gdn_layers_kernels():
         "compute: causal_conv1d_fwd_kernel": 300.0,
         "compute: layer_norm_gated_fwd_kernel": 200.0,
         "compute: triton_per_fused_add_mul_rsqrt_silu_split_0": 150.0,
+        "compute: gdn_cp_glue_conv_bwd": 60.0,
         "compute: void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>": 100.0,
         "compute: void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>": 50.0,
         "nccl: ncclDevKernel_AllGather_RING_LL": 30.0,
@@ -485,7 +488,8 @@ def test_kernel_classes_sort_a_gdn_layers_kernels():
     }
     cls = measure.kernel_classes(by_name, idle_us=400.0, iters=2)
     assert set(cls) == set(measure.CLASS_NAMES)
-    want = {"gemm": 2.5, "gdn": 0.6, "conv": 0.15, "norm": 0.1, "compiled glue": 0.075, "elementwise + copies": 0.075,
+    want = {"gemm": 2.5, "gdn": 0.6, "conv": 0.15, "norm": 0.1, "compiled glue": 0.075, "gdn-cp glue": 0.03,
+            "elementwise + copies": 0.075,
             "communication": 0.015, "memcpy": 0.005, "idle": 0.2}
     assert cls == pytest.approx(want, rel=1e-12)
 

@@ -23,7 +23,7 @@ import torch
 
 from ..modes.context import Projected
 from ..modes.packing import sbhd_to_thd, thd_to_sbhd
-from ..ops.fused import gates
+from ..ops.fused import gates, glue_path
 
 if TYPE_CHECKING:
     from ..ops.contract import Backend
@@ -65,7 +65,8 @@ class LayerSegment:
         qkv, gate, beta, alpha = torch.split(
             rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads], dim=-1
         )
-        g, beta = gates(alpha, beta, layer.A_log, layer.dt_bias)  # [T, Hv]: g fp32, as stock; fused on CUDA
+        path = glue_path(self.state.settings.glue, alpha)
+        g, beta = gates(alpha, beta, layer.A_log, layer.dt_bias, path=path)  # [T, Hv]: g fp32, as stock
         return Projected(qkv, g, beta, gate.reshape(rows.shape[0], shape.num_v_heads, shape.head_v_dim))
 
     def finish(self, o: torch.Tensor, gate: torch.Tensor, batch: int):

@@ -30,5 +30,5 @@ class AllGather(Mode):
         gates = all_gather_rows(stack_gates(g, beta), group).index_select(0, to_natural)
         g_full, beta_full = unstack_gates(gates, g.dtype, beta.dtype)
         o = local_core(qkv_full, g_full, beta_full, conv_weight, conv_bias, shape=ctx.shape, cu_seqlens=plan.cu,
-                       backend=ctx.backend)
+                       backend=ctx.backend, glue=ctx.settings.glue)
         return o.index_select(0, own_rows)

@@ -180,7 +180,8 @@ class Chunkwise(Mode):
         if straddles and cw.conv_width > 1:
             index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
             halo = gather_halo(qkv_c, cw, index, group)
-        x = conv_split(qkv_c, conv_weight, conv_bias, shape=shape, cu_seqlens=cw.local_cu, backend=backend, halo=halo)
+        x = conv_split(qkv_c, conv_weight, conv_bias, shape=shape, cu_seqlens=cw.local_cu, backend=backend,
+                       glue=ctx.settings.glue, halo=halo)
         if not straddles:
             o_c, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g_c, beta_c, cu_seqlens=cw.local_cu,
                                                     use_qk_l2norm=x.kernel_l2norm)

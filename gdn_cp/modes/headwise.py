@@ -62,6 +62,6 @@ class Headwise(Mode):
         bias = None if conv_bias is None else conv_bias.index_select(0, channels)
         g_h, beta_h = unstack_gates(gates_h, g.dtype, beta.dtype)
         o = local_core(qkv_h, g_h, beta_h, weight, bias, shape=shape, cu_seqlens=plan.cu, backend=ctx.backend,
-                       k_heads=k_heads, v_heads=v_heads)  # [T_global, Hv/cp, Dv]
+                       glue=ctx.settings.glue, k_heads=k_heads, v_heads=v_heads)  # [T_global, Hv/cp, Dv]
         o = head_to_seq(o.index_select(0, to_buffer), group)  # [T_local, cp, Hv/cp, Dv]
         return o.reshape(t_local, shape.num_v_heads, shape.head_v_dim)

@@ -16,12 +16,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..layout.boundaries import host_boundaries
-from ..ops.fused import compile_off_reason, compiles, conv_silu_split
+from ..ops.fused import conv_silu_split, glue_path
 from ..ops.shape import GDNShape
 from .context import CallContext, Mode
 
 __all__ = ["ConvSplit", "Local", "conv_split", "local_core", "split_qkv", "stack_gates", "unstack_gates",
-           "log_once", "uses_backend_conv"]
+           "log_once"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,36 +60,39 @@ class ConvSplit(NamedTuple):
     kernel_l2norm: bool
 
 
-def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], backend, halo=None,
-               k_heads: int | None = None, v_heads: int | None = None) -> ConvSplit:
+def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], backend, glue: str,
+               halo=None, k_heads: int | None = None, v_heads: int | None = None) -> ConvSplit:
     """Conv (SiLU) of pre-conv rows ``qkv [T, C]``, split into q, k, v heads, q and k l2-normalized when
     the layer asks (``shape.qk_l2norm``). ``halo [W-1, C]``: the rows before row 0 in row 0's sequence
-    (chunkwise), or None.
+    (chunkwise), or None. ``glue``: ``Settings.glue``, resolved for this device and dtype by
+    :func:`gdn_cp.ops.fused.glue_path`:
 
-    Where torch.compile runs (CUDA, dynamo on): one fused step (:func:`gdn_cp.ops.fused.conv_silu_split`),
-    the l2 norm in it. On a GPU without it, the backend's conv kernel, the split, and the l2 norm left to
-    the scan kernel (the plain-torch fused step op by op would be slower than that). Elsewhere (the CPU):
-    the fused step's plain-torch math. The same values either way (the same rounding points)."""
+    - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel;
+    - ``triton`` / ``compiled`` / ``eager``: one fused step (:func:`gdn_cp.ops.fused.conv_silu_split`),
+      contiguous q, k, v, the l2 norm in it.
+
+    The same values either way (the same rounding points)."""
     cu = host_boundaries(cu_seqlens, qkv.shape[0])
     k_heads = shape.num_k_heads if k_heads is None else k_heads
     v_heads = shape.num_v_heads if v_heads is None else v_heads
-    if uses_backend_conv(qkv.device):
-        log_once(logger, ("glue", "backend conv"), "GatedDeltaNet glue: the backend's conv kernel, then the split "
-                 "(torch.compile is off: %s)", compile_off_reason())
+    path = glue_path(glue, qkv)
+    if qkv.device.type != "cpu":
+        log_once(logger, ("glue", glue, path), "GatedDeltaNet glue (GDN_CP_GLUE=%s): %s", glue, _GLUE_WORDS[path])
+    if path == "unfused":
         x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, halo=halo, activation="silu")
         return ConvSplit(*split_qkv(x, shape, k_heads, v_heads), kernel_l2norm=shape.qk_l2norm)
-    if qkv.device.type != "cpu":
-        log_once(logger, ("glue", "fused"), "GatedDeltaNet glue: gdn-cp's fused conv + SiLU + split + l2 norm, "
-                 "compiled with torch.compile")
     q, k, v = conv_silu_split(qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo, k_heads=k_heads,
                               v_heads=v_heads, head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
-                              qk_l2norm=shape.qk_l2norm)
+                              qk_l2norm=shape.qk_l2norm, path=path)
     return ConvSplit(q, k, v, kernel_l2norm=False)
 
 
-def uses_backend_conv(device: torch.device) -> bool:
-    """Whether :func:`conv_split` takes the backend's conv kernel (a GPU where the glue cannot be compiled)."""
-    return device.type != "cpu" and not compiles()
+_GLUE_WORDS = {
+    "unfused": "the backend's conv kernel, then the split; the scan kernel normalizes q and k",
+    "triton": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates)",
+    "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",
+    "eager": "gdn-cp's fused conv + SiLU + split + l2 norm and gates in plain torch (fp64)",
+}
 
 
 _LOGGED: set = set()
@@ -104,14 +107,14 @@ def log_once(log: logging.Logger, key, message: str, *args) -> None:
 
 
 def local_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequence[int], backend,
-               k_heads: int | None = None, v_heads: int | None = None) -> torch.Tensor:
+               glue: str, k_heads: int | None = None, v_heads: int | None = None) -> torch.Tensor:
     """Conv (SiLU) then gated delta rule on rows already in sequence order: the CP=1 core.
 
     ``cu_seqlens``: boundaries of these rows, passed on to the backend as they are (a plan's
     Boundaries keep their device copies). Returns ``o [T, v_heads, Dv]``. ``k_heads`` / ``v_heads``
-    default to all heads (headwise passes its share).
+    default to all heads (headwise passes its share); ``glue``: ``Settings.glue`` (:func:`conv_split`).
     """
-    x = conv_split(qkv, conv_weight, conv_bias, shape=shape, cu_seqlens=cu_seqlens, backend=backend,
+    x = conv_split(qkv, conv_weight, conv_bias, shape=shape, cu_seqlens=cu_seqlens, backend=backend, glue=glue,
                    k_heads=k_heads, v_heads=v_heads)
     o, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=x.kernel_l2norm)
     return o
@@ -125,4 +128,4 @@ class Local(Mode):
 
     def core(self, ctx: CallContext, qkv, g, beta, conv_weight, conv_bias) -> torch.Tensor:
         return local_core(qkv, g, beta, conv_weight, conv_bias, shape=ctx.shape, cu_seqlens=ctx.plan.cu,
-                          backend=ctx.backend)
+                          backend=ctx.backend, glue=ctx.settings.glue)

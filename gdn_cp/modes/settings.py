@@ -8,6 +8,7 @@
 | ``deterministic`` | ``TransformerConfig.deterministic_mode`` | True: the plain-torch reference backend |
 | ``chunkwise_path`` | ``GDN_CP_CHUNKWISE_PATH`` (``gdn_core(chunkwise_path=...)``) | ``auto``, ``native``, ``generic`` |
 | ``chunkwise_swap`` | ``GDN_CP_CHUNKWISE_SWAP`` | ``auto``, ``hidden``, ``core`` |
+| ``glue`` | ``GDN_CP_GLUE`` | ``auto``, ``triton``, ``compiled``, ``unfused`` (resolved per device by :func:`gdn_cp.ops.fused.glue_path`) |
 | ``backend_settings`` | every backend's ``GDN_CP_*`` settings (its spec's ``settings``: ``GDN_CP_FLASHQLA_AUTO_CP``) | ``(variable, value)`` pairs, handed to ``gdn_cp.ops.get_backend`` |
 
 :class:`Settings` checks every field when it is made (ValueError / TypeError naming the field, the
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .. import env
-from ..env import CHUNKWISE_PATH_ENV, CHUNKWISE_PATHS, CHUNKWISE_SWAP_ENV, SWAP_POINTS
+from ..env import CHUNKWISE_PATH_ENV, CHUNKWISE_PATHS, CHUNKWISE_SWAP_ENV, GLUE_CHOICES, GLUE_ENV, SWAP_POINTS
 from ..layout.boundaries import THD_SPLITS, WHOLE_ROW
 from ..ops.registry import AUTO as AUTO_BACKEND
 from ..ops.registry import BACKEND_CHOICES, BACKENDS, backend_settings, unknown_backend_error
@@ -60,6 +61,7 @@ class Settings:
     deterministic: bool = False
     chunkwise_path: str = "auto"
     chunkwise_swap: str = "auto"
+    glue: str = "auto"
     backend_settings: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -72,6 +74,7 @@ class Settings:
             raise TypeError(f"deterministic_mode={self.deterministic!r} must be True or False")
         _one_of("chunkwise_path", self.chunkwise_path, CHUNKWISE_PATHS, CHUNKWISE_PATH_ENV)
         _one_of("chunkwise_swap", self.chunkwise_swap, SWAP_POINTS, CHUNKWISE_SWAP_ENV)
+        _one_of("glue", self.glue, GLUE_CHOICES, GLUE_ENV)
         known = {var for spec in BACKENDS.values() for var in spec.settings}
         if not isinstance(self.backend_settings, tuple) or any(
                 not isinstance(pair, tuple) or len(pair) != 2 or pair[0] not in known for pair in self.backend_settings):
@@ -80,9 +83,10 @@ class Settings:
 
     @classmethod
     def from_environment(cls, environ: Optional[Mapping[str, str]] = None, **fields) -> Settings:
-        """``Settings(**fields)`` with the chunkwise path, the swap point and the backends' settings the
+        """``Settings(**fields)`` with the chunkwise path, the swap point, the glue and the backends' settings the
         environment sets (a field given here wins); a bad variable is a ValueError naming it."""
         fields.setdefault("chunkwise_path", env.read(CHUNKWISE_PATH_ENV, environ))
         fields.setdefault("chunkwise_swap", env.read(CHUNKWISE_SWAP_ENV, environ))
+        fields.setdefault("glue", env.read(GLUE_ENV, environ))
         fields.setdefault("backend_settings", backend_settings(environ))
         return cls(**fields)

@@ -93,7 +93,8 @@ def _plan(case: str, cp: int, rank: int):
 def _core_cp1(backend, t: dict, cu, shape=SHAPE):
     from gdn_cp.modes.local import local_core  # the CP=1 core (its inputs trusted: the test made them)
 
-    return local_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=shape, cu_seqlens=cu, backend=backend)
+    return local_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=shape, cu_seqlens=cu, backend=backend,
+                      glue="auto")
 
 
 _BASELINES: dict = {}

@@ -4,7 +4,7 @@
 refuses or mishandles (head dims other than 128, dtypes other than bf16 / fp16, q/k/v of different
 dtypes, a batch > 1 with ``cu_seqlens``, boundaries that are not an int32 tensor on q's device, an
 empty sequence, a state count other than the sequence count, value heads not a multiple of key
-heads), then computes with gdn-cp's reference kernels (fp32 math) on the unbatched rows, value
+heads, an odd number of value heads: TileLang's layout failure on an H200), then computes with gdn-cp's reference kernels (fp32 math) on the unbatched rows, value
 head h reading key head h // (HV / H) as FlashQLA's GVA does. Every call is recorded in
 :data:`CALLS`. :func:`install` puts the fake package into ``sys.modules`` and makes the backend
 take CPU tensors; :func:`uninstall` undoes both.
@@ -33,6 +33,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     assert q.dtype in (torch.bfloat16, torch.float16), "FlashQLA only supports bfloat16 and float16."
     assert q.shape[-1] == 128 and v.shape[-1] == 128, "K == V == 128"
     assert v.shape[2] % k.shape[2] == 0
+    # FlashQLA 0.1.3 on an H200: TileLang finds no layout for chunk_local_cumsum's [HV, 64] fragment when HV is odd
+    assert v.shape[2] % 2 == 0, "tvm InternalError: Check failed: (has_best) is false: no available layout found"
     assert cp_context is None, "the CPU stand-in has no inter-card context"
     assert q.shape[0] == 1 and cu_seqlens is not None, "gdn-cp always passes B == 1 and cu_seqlens"
     assert isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int32 and cu_seqlens.device == q.device

@@ -185,6 +185,31 @@ def test_gated_delta_rule_matches_the_reference(fake, dv):
         assert c["h0"] and c["final"] and c["l2norm"] and c["auto_cp"] and c["dtype"] == torch.bfloat16
 
 
+@pytest.mark.parametrize("hk, hv, runs", [(1, 3, 4), (1, 1, 2), (3, 3, 6), (3, 9, 12), (2, 6, 6)])
+def test_value_heads_flashqla_cannot_compile_run_padded(fake, hk, hv, runs):
+    """Per-rank head counts FlashQLA 0.1.3 cannot compile (an odd number of value heads: headwise CP=2 of a
+    2 / 6 layer gives 1 / 3 per rank, which crashed inside the first forward on an H200) run with zero value
+    heads added to each key head's group: the same numbers as the reference, the real heads' gradients
+    and states only."""
+    cu = [0, 0, 37, 100]
+    shape = GDNShape(num_k_heads=hk, num_v_heads=hv, head_k_dim=128, head_v_dim=128)
+    t, do, dfs = _gdr_inputs(cu, shape)
+    got = _run(get_backend("flashqla"), t, do, dfs, cu)
+    want = _run(get_backend("reference"), t, do, dfs, cu)
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    errs = {k: rel_l2(got[k], want[k]) for k in want}
+    assert all(e < 1e-5 for e in errs.values()), errs
+    assert [(c["H"], c["HV"]) for c in fake.CALLS] == [(hk, runs)]
+
+
+def test_padded_value_heads_rule():
+    from gdn_cp.ops.flashqla.spec import padded_value_heads, value_heads_problem
+
+    assert [padded_value_heads(hk, hv) for hk, hv in [(1, 3), (1, 1), (3, 3), (2, 4), (4, 12), (5, 15)]] == [4, 2, 6, 4,
+                                                                                                           12, 20]
+    assert value_heads_problem(3) and value_heads_problem(32) is None
+
+
 def test_auto_cp_follows_the_setting(fake, monkeypatch):
     cu = [0, 64]
     t, _, _ = _gdr_inputs(cu)

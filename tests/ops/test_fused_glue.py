@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from gdn_cp.layout import Boundaries
 from gdn_cp.modes.local import conv_split, split_qkv
 from gdn_cp.ops import GDNShape, get_backend
-from gdn_cp.ops.fused import conv_silu_split, gates
+from gdn_cp.ops.fused import conv_silu_split, gates, glue
 from gdn_cp.ops.reference.gated_delta_rule import l2norm
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6)
@@ -40,7 +40,7 @@ def test_conv_silu_split_equals_the_ops_one_by_one(cu, halo, qk_l2norm):
     h = torch.randn(W - 1, c, dtype=torch.float64) if halo else None
     leaves = [a.requires_grad_(True) for a in (rows, weight, bias) + ((h,) if halo else ())]
     *got, kernel_l2norm = conv_split(rows[:, 3:3 + c], weight, bias, shape=shape, cu_seqlens=Boundaries(cu), halo=h,
-                                     backend=REFERENCE)
+                                     backend=REFERENCE, glue="auto")
     assert all(o.is_contiguous() for o in got) and not kernel_l2norm
     want = _op_by_op(rows[:, 3:3 + c], weight, bias, cu, h, shape, qk_l2norm)
     douts = [torch.randn_like(o) for o in want]
@@ -71,7 +71,8 @@ def test_positions_of_packed_rows():
 
 def test_no_rows():
     x = torch.zeros(0, SHAPE.conv_dim, dtype=torch.bfloat16)
-    q, k, v, _ = conv_split(x, torch.randn(SHAPE.conv_dim, W), None, shape=SHAPE, cu_seqlens=[0, 0], backend=REFERENCE)
+    q, k, v, _ = conv_split(x, torch.randn(SHAPE.conv_dim, W), None, shape=SHAPE, cu_seqlens=[0, 0], backend=REFERENCE,
+                            glue="auto")
     assert (q.shape, k.shape, v.shape) == ((0, 2, 8), (0, 2, 8), (0, 4, 6)) and q.dtype == torch.bfloat16
 
 
@@ -88,7 +89,8 @@ def test_bf16_rounds_where_the_ops_one_by_one_round(halo):
     leaves = [t.requires_grad_(True) for t in leaves]
     h = leaves[3] if halo else None
     cu = [0, 17, 40]
-    got = conv_split(leaves[0], leaves[1], leaves[2], shape=SHAPE, cu_seqlens=cu, halo=h, backend=REFERENCE)[:3]
+    got = conv_split(leaves[0], leaves[1], leaves[2], shape=SHAPE, cu_seqlens=cu, halo=h, backend=REFERENCE,
+                     glue="auto")[:3]
     want = _op_by_op(leaves[0], leaves[1], leaves[2], cu, h, SHAPE, True)
     douts = [torch.randn_like(o) for o in want]
     for a, b in zip(tuple(got) + torch.autograd.grad(got, leaves, douts), tuple(want) + torch.autograd.grad(want, leaves, douts)):
@@ -118,12 +120,10 @@ def test_gates_are_stocks_expression():
     torch.testing.assert_close(beta, beta_raw.sigmoid(), rtol=0, atol=0)
 
 
-def test_without_compile_on_a_gpu_the_backends_conv_runs_and_the_kernel_normalizes(monkeypatch):
-    """Where the glue cannot be compiled on a GPU (dynamo disabled), conv_split takes the backend's conv and
-    leaves the l2 norm to the scan kernel (the plain-torch fused step op by op would be slower than that):
-    the core's output and gradients are the same either way (fp64)."""
+def test_the_unfused_path_runs_the_backends_conv_and_the_kernel_normalizes(monkeypatch):
+    """The ``unfused`` glue (GDN_CP_GLUE=unfused on a GPU) takes the backend's conv and leaves the l2 norm
+    to the scan kernel: the core's output and gradients are the same as the fused step's (fp64)."""
     from gdn_cp.modes import local
-    from gdn_cp.ops.fused import glue
 
     class Recording:
         calls = 0
@@ -142,15 +142,43 @@ def test_without_compile_on_a_gpu_the_backends_conv_runs_and_the_kernel_normaliz
     leaves = [t.requires_grad_(True) for t in leaves]
 
     def core():
-        o = local.local_core(*leaves, None, shape=SHAPE, cu_seqlens=cu, backend=Recording())
+        o = local.local_core(*leaves, None, shape=SHAPE, cu_seqlens=cu, backend=Recording(), glue="unfused")
         return [o] + list(torch.autograd.grad(o.sum(), leaves))
 
     fused = core()
-    assert Recording.calls == 0
-    monkeypatch.setattr(local, "uses_backend_conv", lambda device: True)
+    assert Recording.calls == 0  # on the CPU every setting runs the fused step's plain math
+    monkeypatch.setattr(local, "glue_path", lambda setting, x: "unfused")
     by_backend = core()
     assert Recording.calls == 1
     for a, b in zip(fused, by_backend):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+class _FakeCuda:
+    """Stands in for a CUDA tensor in glue_path (it reads the device type and the dtype only)."""
+
+    def __init__(self, dtype):
+        self.device, self.dtype = torch.device("cuda"), dtype
+
+
+@pytest.mark.parametrize("setting, dtype, want", [
+    ("auto", torch.bfloat16, glue.CUDA_DEFAULT), ("triton", torch.bfloat16, "triton"),
+    ("triton", torch.float64, "eager"), ("unfused", torch.float64, "unfused"), ("compiled", torch.float16, "compiled"),
+])
+def test_glue_path_on_cuda(setting, dtype, want):
+    assert glue.glue_path(setting, _FakeCuda(dtype)) == want
+
+
+def test_glue_path_off_cuda_is_the_plain_math_and_compiled_without_dynamo_too(monkeypatch):
+    for setting in ("auto", "triton", "compiled", "unfused"):
+        assert glue.glue_path(setting, torch.zeros(1)) == "eager"
     monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    assert not glue.compiles() and "dynamo is disabled" in glue.compile_off_reason()
+    assert glue.glue_path("compiled", _FakeCuda(torch.bfloat16)) == "eager"
+
+
+def test_a_bad_glue_setting_names_the_variable():
+    from gdn_cp.modes.settings import Settings
+
+    with pytest.raises(ValueError, match="GDN_CP_GLUE"):
+        Settings.from_environment({"GDN_CP_GLUE": "fast"}, mode="chunkwise")
+    assert Settings.from_environment({"GDN_CP_GLUE": "triton"}, mode="chunkwise").glue == "triton"

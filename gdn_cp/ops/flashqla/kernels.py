@@ -8,7 +8,9 @@ int32 device copy (FlashQLA's own boundaries are int32; one dtype keeps TileLang
 variant, and the same tensor object lets FlashQLA's identity-keyed caches hit across layers).
 
 What FlashQLA 0.1.3 takes (``hopper/*.py`` assert it; gdn-cp refuses anything else before any
-collective, naming the fix): head dims ``K == V == 128`` and bf16 / fp16 q, k, v. A value head dim
+collective, naming the fix): head dims ``K == V == 128`` and bf16 / fp16 q, k, v; an even number of
+value heads (:func:`~gdn_cp.ops.flashqla.spec.value_heads_problem`): a call with an odd number runs with
+zero value heads added to each key head's group (exact, :func:`pad_value_heads`). A value head dim
 that is a multiple of 128 runs as one call per 128 columns: each column of the state, and of the
 output, evolves on its own (``S[:, j]`` only ever reads ``v[:, j]``), so that is exact; chunkwise's
 transition summary (values ``[0 | v]``, ``Dk + Dv`` wide) runs that way.
@@ -27,7 +29,7 @@ from ..installed import log_stack_once
 from ..kernel_args import boundaries_of, check_gdr_args, check_initial_state
 from ..varlen import varlen_gated_delta_rule
 from .detect import conv_choice, features, flashqla_problem, fused_norm_choice, stack_report
-from .spec import FLASHQLA_HEAD_DIM, SPEC
+from .spec import FLASHQLA_HEAD_DIM, SPEC, padded_value_heads
 
 __all__ = [
     "DEVICE_TYPES",
@@ -36,7 +38,9 @@ __all__ = [
     "FlashQLAFunctions",
     "flashqla_api",
     "fused_gated_rms_norm",
+    "pad_value_heads",
     "run_in_value_blocks",
+    "unpad_value_heads",
 ]
 
 DEVICE_TYPES = SPEC.devices
@@ -93,6 +97,28 @@ def fused_gated_rms_norm() -> Optional[Callable]:
 # the gated delta rule
 # --------------------------------------------------------------------------------------------
 
+def pad_value_heads(x: Optional[torch.Tensor], k_heads: int, padded: int) -> Optional[torch.Tensor]:
+    """``x [N, Hv, ...]`` (value heads at dim 1, grouped by key head: head h reads key head h // (Hv/Hk), as
+    FlashQLA's GVA does) -> ``[N, padded, ...]`` with zero heads added at the end of each key head's group.
+    A zero head (v = 0, beta = 0, g = 0, state 0) never changes and outputs zeros: exact for the real heads.
+    Returns ``x`` itself where nothing is added (None stays None)."""
+    if x is None or x.shape[1] == padded:
+        return x
+    n, hv, rest = x.shape[0], x.shape[1], x.shape[2:]
+    grouped = x.reshape(n, k_heads, hv // k_heads, *rest)
+    zeros = grouped.new_zeros(n, k_heads, padded // k_heads - hv // k_heads, *rest)
+    return torch.cat([grouped, zeros], dim=2).reshape(n, padded, *rest)
+
+
+def unpad_value_heads(x: Optional[torch.Tensor], k_heads: int, v_heads: int) -> Optional[torch.Tensor]:
+    """Inverse of :func:`pad_value_heads`: the layer's ``v_heads`` of ``x [N, padded, ...]``."""
+    if x is None or x.shape[1] == v_heads:
+        return x
+    n, padded, rest = x.shape[0], x.shape[1], x.shape[2:]
+    kept = x.reshape(n, k_heads, padded // k_heads, *rest)[:, :, :v_heads // k_heads]
+    return kept.reshape(n, v_heads, *rest)
+
+
 def run_in_value_blocks(call: Callable, v: torch.Tensor, initial_state: Optional[torch.Tensor],
                         output_final_state: bool):
     """``call(v_block [.., 128], h0_block [.., Dk, 128] | None) -> (o_block, final_block | None)``
@@ -135,17 +161,19 @@ def chunk_gated_delta_rule(
     T, Hk, Dk, Hv, Dv = check_gdr_args(SPEC, q, k, v, g, beta, DEVICE_TYPES)
     cu = boundaries_of(cu_seqlens, T)
     check_initial_state(initial_state, cu.num_sequences, Hv, Dk, Dv)
+    padded = padded_value_heads(Hk, Hv)  # value heads FlashQLA compiles (zero heads added where it does not)
 
     def run(cu_ne, h0):
         fn = flashqla_api().chunk_gated_delta_rule
         cu_dev = cu_ne.on(q.device, torch.int32)
-        q1, k1, g1, b1 = q.unsqueeze(0), k.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0)
+        q1, k1 = q.unsqueeze(0), k.unsqueeze(0)
+        g1, b1 = (pad_value_heads(x, Hk, padded).unsqueeze(0) for x in (g.float(), beta))
 
         def call(v_block, h0_block):
-            o, fs = fn(q=q1, k=k1, v=v_block.unsqueeze(0), g=g1, beta=b1, scale=scale, initial_state=h0_block,
-                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
-                       cu_seqlens=cu_dev, auto_cp=auto_cp)
-            return o.squeeze(0), fs
+            o, fs = fn(q=q1, k=k1, v=pad_value_heads(v_block, Hk, padded).unsqueeze(0), g=g1, beta=b1, scale=scale,
+                       initial_state=pad_value_heads(h0_block, Hk, padded), output_final_state=output_final_state,
+                       use_qk_l2norm_in_kernel=use_qk_l2norm, cu_seqlens=cu_dev, auto_cp=auto_cp)
+            return unpad_value_heads(o.squeeze(0), Hk, Hv), unpad_value_heads(fs, Hk, Hv)
 
         o, fs = run_in_value_blocks(call, v, h0, output_final_state)
         return o.to(v.dtype), fs

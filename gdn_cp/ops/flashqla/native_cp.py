@@ -35,7 +35,15 @@ from ..kernel_args import check_core_args
 from ..shape import GDNShape
 from . import kernels
 from .detect import features, flashqla_version
-from .kernels import causal_conv1d, chunk_gated_delta_rule, flashqla_api, run_in_value_blocks
+from .kernels import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    flashqla_api,
+    pad_value_heads,
+    run_in_value_blocks,
+    unpad_value_heads,
+)
+from .spec import padded_value_heads
 from .spec import SPEC
 
 __all__ = ["check_native_rows", "inter_card_core", "native_cp_core", "native_cp_problem"]
@@ -141,14 +149,16 @@ def inter_card_core(
         o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, scale=scale, use_qk_l2norm=shape.qk_l2norm,
                                       auto_cp=auto_cp)
         return o
-    ctx = _cp_context(cache, cu_seqlens_global, group, hv, qkv.device, auto_cp)
+    padded = padded_value_heads(hk, hv)  # value heads FlashQLA compiles (zero heads added where it does not)
+    ctx = _cp_context(cache, cu_seqlens_global, group, padded, qkv.device, auto_cp)
     fn = flashqla_api().chunk_gated_delta_rule
-    q1, k1, g1, b1 = q.unsqueeze(0), k.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0)
+    q1, k1 = q.unsqueeze(0), k.unsqueeze(0)
+    g1, b1 = (pad_value_heads(x, hk, padded).unsqueeze(0) for x in (g.float(), beta))
 
     def call(v_block, _h0):
-        o, _ = fn(q=q1, k=k1, v=v_block.unsqueeze(0), g=g1, beta=b1, scale=scale, use_qk_l2norm_in_kernel=shape.qk_l2norm,
-                  cu_seqlens=ctx.cu_seqlens, auto_cp=auto_cp, cp_context=ctx)
-        return o.squeeze(0), None
+        o, _ = fn(q=q1, k=k1, v=pad_value_heads(v_block, hk, padded).unsqueeze(0), g=g1, beta=b1, scale=scale,
+                  use_qk_l2norm_in_kernel=shape.qk_l2norm, cu_seqlens=ctx.cu_seqlens, auto_cp=auto_cp, cp_context=ctx)
+        return unpad_value_heads(o.squeeze(0), hk, hv), None
 
     o, _ = run_in_value_blocks(call, v, None, False)
     return o.to(v.dtype)

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..contract import BackendSpec
 
-__all__ = ["AUTO_CP_ENV", "FLASHQLA_HEAD_DIM", "SPEC", "head_dims_problem"]
+__all__ = ["AUTO_CP_ENV", "FLASHQLA_HEAD_DIM", "SPEC", "head_dims_problem", "padded_value_heads", "value_heads_problem"]
 
 AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
 """FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on one GPU,
@@ -25,6 +25,28 @@ def head_dims_problem(head_k_dim: int, head_v_dim: int) -> Optional[str]:
                 f"{FLASHQLA_HEAD_DIM} only (a value head dim that is a multiple of {FLASHQLA_HEAD_DIM} runs in blocks). "
                 "Fix: linear_cp_backend='fla' (FLA takes key head dims 16..256), or 'auto' (FlashQLA where it fits).")
     return None
+
+
+def value_heads_problem(v_heads: int) -> Optional[str]:
+    """Why FlashQLA 0.1.3's kernels cannot compile a call with ``v_heads`` value heads; None when they can.
+
+    Its ``chunk_local_cumsum`` holds the gates of every value head of a 64-row chunk in one fragment
+    ``[Hv, 64]`` over 128 threads, and TileLang finds no layout for it unless ``Hv * 64`` is a multiple of
+    128 (seen on an H200: 1 key / 3 value heads per rank fails inside the first forward, ``no available
+    layout found``); every other kernel works per head."""
+    if v_heads % 2:
+        return f"{v_heads} value heads: FlashQLA's chunk_local_cumsum compiles an even number of value heads only"
+    return None
+
+
+def padded_value_heads(k_heads: int, v_heads: int) -> int:
+    """The value heads a FlashQLA call runs for a layer's ``k_heads`` / ``v_heads`` (per rank): the layer's own
+    where FlashQLA compiles them, else the fewest more that it does and that stay a multiple of ``k_heads``
+    (zero heads added to each key head's group: :func:`gdn_cp.ops.flashqla.kernels.pad_value_heads`)."""
+    ratio = v_heads // k_heads
+    while value_heads_problem(k_heads * ratio) is not None:
+        ratio += 1
+    return k_heads * ratio
 
 
 def _problem() -> Optional[str]:

@@ -1,6 +1,7 @@
-"""The per-token glue around the GDN core (gates, conv + SiLU + q/k/v split + l2 norm), one plain-torch
-function per step, compiled with ``torch.compile`` on CUDA (:mod:`.glue`)."""
+"""The per-token glue around the GDN core (gates, conv + SiLU + q/k/v split + l2 norm): one plain-torch
+function per step, and the ways a GPU runs it (gdn-cp's Triton kernels, torch.compile, or the backend's
+kernels unfused), chosen by ``GDN_CP_GLUE`` (:mod:`.glue`)."""
 
-from .glue import L2NORM_EPS, compile_enabled, compile_off_reason, compiles, conv_silu_split, gates, set_compile
+from .glue import CUDA_DEFAULT, GLUE_PATHS, L2NORM_EPS, conv_silu_split, gates, glue_path
 
-__all__ = ["L2NORM_EPS", "compile_enabled", "compile_off_reason", "compiles", "conv_silu_split", "gates", "set_compile"]
+__all__ = ["CUDA_DEFAULT", "GLUE_PATHS", "L2NORM_EPS", "conv_silu_split", "gates", "glue_path"]

@@ -1,15 +1,22 @@
-"""The per-token glue around the GDN core, each step written once in plain torch and compiled.
+"""The per-token glue around the GDN core, each step written once in plain torch, and the ways a GPU runs it.
 
 Between in_proj and the core kernel a GDN layer does small things over big tensors: the gates
 (``g = -exp(A_log) * softplus(alpha + dt_bias)``, ``beta = sigmoid(beta)``), the causal conv of
 q|k|v with SiLU, the split of the conv's channels into q, k, v heads, and the l2 norm of q and k.
-Run op by op, each is a pass over memory (measured on one H200 at 16K rows, Qwen3.5-9B's shape:
-FLA's conv 1.36 ms forward + backward and ~2.8 ms of elementwise, copy and cat kernels beside
-~8.2 ms of GEMMs). Here each step is one plain-torch function that ``torch.compile`` turns into
-a few fused kernels on CUDA (forward and backward: the conv's taps, SiLU, the split into
-contiguous q / k / v and the l2 norm in one pass; its backward writes the input gradient and
-reduces the tap gradients). On other devices the same functions run eagerly: the CPU tests run
-the exact math the GPU compiles.
+Run op by op, each is a pass over memory. The plain-torch functions here are the math every path
+computes, rounded where stock (FLA's conv, FLA's l2norm, stock's gate expression) rounds; on the CPU
+they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) picks the path
+(:func:`glue_path`):
+
+- ``triton``: gdn-cp's Triton kernels (:mod:`.triton_conv`, :mod:`.triton_gates`): conv + SiLU + split +
+  l2 norm in one pass each way, the gates in one pass each way;
+- ``compiled``: these functions through ``torch.compile`` (dynamic in T);
+- ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
+  gates op by op (what the layer ran before any fusion);
+- ``auto``: :data:`CUDA_DEFAULT`, the path measured fastest per rank on the GPU
+  (``benchmarks/results/layer_full_glue.json``; tests/ops/test_glue_default.py holds it to that file).
+
+fp64 on CUDA runs the plain functions (the kernels compute in fp32).
 
 Shapes: ``x [T, C]`` pre-conv channels ``[q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv)]`` (any row stride:
 in the layer it is a view of in_proj's output), ``weight [C, W]``, ``bias [C]``, ``positions [T]``
@@ -26,41 +33,33 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["L2NORM_EPS", "compile_enabled", "compile_off_reason", "compiles", "conv_silu_split", "gates",
-           "set_compile"]
+__all__ = ["CUDA_DEFAULT", "GLUE_PATHS", "L2NORM_EPS", "conv_silu_split", "gates", "glue_path"]
 
 logger = logging.getLogger(__name__)
 
 L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
-_COMPILE = {"enabled": True}
+GLUE_PATHS = ("triton", "compiled", "unfused")
+"""The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
+
+CUDA_DEFAULT = "unfused"
+"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). It changes only
+with a committed GPU run that shows another path faster at the sizes users train."""
 
 
-def set_compile(enabled: bool) -> None:
-    """Compile the glue on CUDA (default) or run it eagerly there too (benchmarks time both; the math
-    is the same)."""
-    _COMPILE["enabled"] = bool(enabled)
-
-
-def compile_enabled() -> bool:
-    return _COMPILE["enabled"]
-
-
-def compile_off_reason() -> Optional[str]:
-    """Why the glue is not compiled on CUDA (None when it is): switched off here, or dynamo is disabled
-    (``TORCHDYNAMO_DISABLE=1`` / ``torch._dynamo.config.disable``: then ``torch.compile`` returns the
-    function as it is)."""
-    if not compile_enabled():
-        return "switched off (gdn_cp.ops.fused.set_compile(False))"
-    if torch._dynamo.config.disable:
-        return "dynamo is disabled (TORCHDYNAMO_DISABLE=1 or torch._dynamo.config.disable)"
-    return None
-
-
-def compiles() -> bool:
-    """Whether the fused glue runs compiled on CUDA in this process now."""
-    return compile_off_reason() is None
+def glue_path(setting: str, x: torch.Tensor) -> str:
+    """The path for a call whose activations are ``x``: ``eager`` off CUDA and for fp64 (and for
+    ``compiled`` where dynamo is disabled: ``torch.compile`` would return the function as it is), the
+    setting on CUDA, :data:`CUDA_DEFAULT` for ``auto``."""
+    if x.device.type != "cuda":
+        return "eager"
+    path = CUDA_DEFAULT if setting == "auto" else setting
+    if path != "unfused" and x.dtype == torch.float64:
+        return "eager"
+    if path == "compiled" and torch._dynamo.config.disable:
+        return "eager"
+    return path
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -116,16 +115,14 @@ def _conv_silu_split(x, weight, bias, positions, halo, k_heads: int, v_heads: in
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
-class _CompiledOnCuda:
-    """``fn`` compiled (once per process, dynamic in the row count) where its first tensor is on a
-    CUDA device and compiling is on; eager elsewhere and for empty inputs."""
+class _Compiled:
+    """``fn`` compiled (once per process, dynamic in the row count); eager for empty inputs."""
 
     def __init__(self, fn: Callable, row_args: tuple[int, ...]):
         self.fn, self.row_args, self._compiled = fn, row_args, None
 
     def __call__(self, *args):
-        first = args[0]
-        if first.device.type != "cuda" or not compiles() or first.shape[0] == 0:
+        if args[0].shape[0] == 0:
             return self.fn(*args)
         if self._compiled is None:
             logger.info("compiling gdn-cp's fused %s with torch.compile (once per process and shape)",
@@ -136,15 +133,32 @@ class _CompiledOnCuda:
         return self._compiled(*args)
 
 
-_gates_fused = _CompiledOnCuda(_gates, row_args=(0, 1))
-_conv_fused = _CompiledOnCuda(_conv_silu_split, row_args=(0, 3))  # x [T, C], positions [T]
+_gates_compiled = _Compiled(_gates, row_args=(0, 1))
+_conv_compiled = _Compiled(_conv_silu_split, row_args=(0, 3))  # x [T, C], positions [T]
 
 
-def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+def _triton_conv():
+    from .triton_conv import conv_silu_split_triton  # Triton is imported only where a GPU takes this path
+
+    return conv_silu_split_triton
+
+
+def _triton_gates():
+    from .triton_gates import gates_triton
+
+    return gates_triton
+
+
+_GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "triton": _triton_gates,
+          "unfused": lambda: _gates}
+_CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled, "triton": _triton_conv}
+
+
+def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, path: str = "eager"):
     """``(g [T, Hv] fp32, sigmoid(beta) [T, Hv])`` from in_proj's ``alpha, beta [T, Hv]`` and the
     layer's ``A_log, dt_bias [Hv]``: ``g = -exp(A_log) * softplus(alpha + dt_bias)``, stock's expression
-    and rounding (``-exp(A_log)`` in A_log's dtype, one tiny op; the rest fused forward and backward on CUDA)."""
-    return _gates_fused(alpha, beta, -a_log.exp(), dt_bias)
+    and rounding (``-exp(A_log)`` in A_log's dtype, one tiny op; the rest by ``path``: :func:`glue_path`)."""
+    return _GATES[path]()(alpha, beta, -a_log.exp(), dt_bias)
 
 
 def conv_silu_split(
@@ -160,10 +174,12 @@ def conv_silu_split(
     head_v_dim: int,
     qk_l2norm: bool,
     eps: float = L2NORM_EPS,
+    path: str = "eager",
 ):
     """Causal conv + SiLU of ``x [T, C]`` (C = 2*k_heads*Dk + v_heads*Dv), split into contiguous
     ``q, k [T, k_heads, Dk]`` (l2-normalized over Dk when ``qk_l2norm``) and ``v [T, v_heads, Dv]`` in
     x's dtype, computed in fp32 (fp64 for fp64) and rounded where FLA's conv and l2norm round: the same
     values as the ops one by one. ``positions [T]`` int32 row offsets within each
-    sequence; ``halo [W-1, C]`` or None (module docstring)."""
-    return _conv_fused(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)
+    sequence; ``halo [W-1, C]`` or None (module docstring); ``path``: ``eager``, ``compiled`` or ``triton``
+    (:func:`glue_path`)."""
+    return _CONV[path]()(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)

@@ -1,0 +1,290 @@
+"""The conv + SiLU + q/k/v split + l2 norm glue as two hand-written Triton kernels (CUDA; the Triton
+interpreter runs them on the CPU in tests).
+
+Forward, one program per (block of rows, head): the causal conv's W taps over the head's channels
+(masked at each sequence's first rows, reading the CP halo for the sequence that continues into row 0),
+SiLU, rounded to the activations' dtype (where FLA's conv rounds), then, for q and k heads, the l2 norm
+over the head dim in fp32, rounded once (where FLA's l2norm rounds); written straight into contiguous
+``q, k [T, Hk, Dk]`` and ``v [T, Hv, Dv]``. x is read once; nothing but the inputs is kept for backward.
+
+Backward, one program per (run of rows, head): the forward is recomputed for the rows each tap reaches
+(cheap: the kernel is bound by memory, and recomputing avoids a [T, C] fp32 buffer), the l2 norm's and
+SiLU's gradients applied (the norm's rounded to the activations' dtype, as FLA's l2norm backward
+returns it), then the input gradient ``dx [T, C]`` written once, the tap and bias gradients reduced
+per program (fp32, summed over programs after), and the halo's gradient ``[W-1, C]`` by the first
+program alone: no zero-filled full-size gradient anywhere.
+
+Shapes: ``x [T, C]`` (any row stride: a view of in_proj's output), ``weight [C, W]``, ``bias [C]`` or
+None, ``positions [T]`` int32 (row offsets within each sequence), ``halo [W-1, C]`` or None.
+Everything is trusted: the boundary that made the call checked it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["conv_silu_split_triton"]
+
+
+
+@triton.jit
+def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
+               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The conv's pre-activation ``[BT, BD]`` fp32 at ``rows`` (int32 [BT]) for channels ``ch`` ([BD])."""
+    acc = tl.zeros((rows.shape[0], ch.shape[0]), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    first = pos == rows  # rows of the sequence that starts at row 0 (continues into the halo)
+    for j in tl.static_range(W):
+        shift = W - 1 - j
+        src = rows - shift
+        tap = tl.load(w_ptr + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)
+        inside = row_ok & (pos >= shift)
+        xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                     mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_HALO:
+            from_halo = row_ok & first & (src < 0)
+            hv = tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                         mask=from_halo[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            xv += hv
+        acc += tap[None, :] * xv
+    return acc
+
+
+@triton.jit
+def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, C0, HEADS, EPS,
+                D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+    """``out [T, HEADS, D]`` <- head ``program_id(1)`` of the channels starting at ``C0``."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    rows = i_t * BT + tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    row_ok, d_ok = rows < T, d < D
+    ch = C0 + i_h * D + d
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
+                   W, HAS_BIAS, HAS_HALO)
+    a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # SiLU, rounded as FLA's conv
+    if NORM:
+        a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
+    dst = out_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :]
+    tl.store(dst, a.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, ch,
+               d, d_ok, EPS, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
+               NORM: tl.constexpr):
+    """The gradient at the conv's pre-activation ``[BT, BD]`` fp32 for ``rows`` (zeros outside [0, T))."""
+    row_ok = (rows >= 0) & (rows < T)
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
+                   W, HAS_BIAS, HAS_HALO)
+    s = tl.sigmoid(y)
+    ok = row_ok[:, None] & d_ok[None, :]
+    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    if NORM:
+        a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
+        r = tl.rsqrt(tl.sum(a * a, axis=1) + EPS)
+        n = a * r[:, None]
+        da = r[:, None] * (da - n * tl.sum(da * n, axis=1)[:, None])
+        da = da.to(dout_ptr.dtype.element_ty).to(tl.float32)  # FLA's l2norm backward returns x's dtype
+    return tl.where(ok, da * (s * (1.0 + y * (1.0 - s))), 0.0)
+
+
+@triton.jit
+def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, pre_ptr, dw_ptr,
+                             db_ptr, T, ROW0, ROWS, SUM_END, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
+                             BT: tl.constexpr, RUN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+    """The gradient at the conv's pre-activation of rows ``[ROW0, ROW0 + ROWS)``, head ``program_id(1)``, into
+    ``pre [ROWS, HEADS*D]`` (fp32), and the sums over this program's rows below ``SUM_END`` of the tap and bias
+    gradients into ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    ch = C0 + i_h * D + d
+    local = i_h * D + d  # the channel in the group (pre, dw, db)
+    taps = tl.zeros((BD, WP), dtype=tl.float32)  # WP: W rounded up to a power of two (tl.arange's rule)
+    wj = tl.arange(0, WP)
+    dbias = tl.zeros((BD,), dtype=tl.float32)
+    for it in range(RUN):
+        rel = (i_p * RUN + it) * BT + tl.arange(0, BT)
+        rows = ROW0 + rel
+        pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS,
+                         ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
+        row_ok = rel < ROWS
+        tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        pre = tl.where((rows < SUM_END)[:, None], pre, 0.0)
+        dbias += tl.sum(pre, axis=0)
+        pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
+        first = pos == rows
+        for j in tl.static_range(W):  # the taps: sum_t pre[t] * x[t - (W-1-j)], masked as the forward reads it
+            shift = W - 1 - j
+            src = rows - shift
+            inside = (rows < T) & (pos >= shift)
+            xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                         mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_HALO:
+                xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                              mask=((rows < T) & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            taps += tl.where(wj[None, :] == j, tl.sum(pre * xv, axis=0)[:, None], 0.0)
+    width = HEADS * D
+    tl.store(dw_ptr + (i_p * width + local)[:, None].to(tl.int64) * W + wj[None, :], taps,
+             mask=d_ok[:, None] & (wj < W)[None, :])
+    if HAS_BIAS:
+        tl.store(db_ptr + i_p * width + local, dbias, mask=d_ok)
+
+
+@triton.jit
+def gdn_cp_glue_conv_bwd_dx(pre_ptr, w_ptr, pos_ptr, dx_ptr, dx_stride, T, ROW0, ROWS, END, C0, WIDTH,
+                            BT: tl.constexpr, BC: tl.constexpr, W: tl.constexpr):
+    """``dx[t] = sum_s w[:, W-1-s] * pre[t + s]`` (t + s in t's sequence) for rows ``[ROW0, ROW0 + ROWS)`` and
+    channels ``C0 + [0, WIDTH)``; ``pre`` holds rows ``[ROW0, END)``."""
+    rows = ROW0 + tl.program_id(0) * BT + tl.arange(0, BT)
+    cc = tl.program_id(1) * BC + tl.arange(0, BC)
+    c_ok = cc < WIDTH
+    dx = tl.zeros((BT, BC), dtype=tl.float32)
+    for s in tl.static_range(W):
+        later = rows + s
+        keep = (later < END) & (tl.load(pos_ptr + later, mask=later < END, other=0) >= s)
+        pre = tl.load(pre_ptr + (later - ROW0)[:, None].to(tl.int64) * WIDTH + cc[None, :],
+                      mask=keep[:, None] & c_ok[None, :], other=0.0)
+        tap = tl.load(w_ptr + (C0 + cc) * W + (W - 1 - s), mask=c_ok, other=0.0).to(tl.float32)
+        dx += tap[None, :] * pre
+    tl.store(dx_ptr + rows[:, None].to(tl.int64) * dx_stride + (C0 + cc)[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=(rows < ROW0 + ROWS)[:, None] & c_ok[None, :])
+
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: one fixed config, no autotuning
+
+
+def _launcher(kernel, key: list, configs: list, fixed: dict):
+    """``launch(grid(meta), *args, **kwargs)``: ``kernel`` autotuned over ``configs`` (``(meta, num_warps)``, keyed
+    on ``key``, as FLA tunes its kernels) on a GPU; with the ``fixed`` config under Triton's interpreter."""
+    if _INTERPRETED:
+        def launch(grid, *args, **kwargs):
+            meta = dict(fixed)
+            warps = meta.pop("num_warps")
+            kernel[grid(meta)](*args, **kwargs, **meta, num_warps=warps)
+        return launch
+    tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key)(kernel)
+
+    def launch(grid, *args, **kwargs):
+        tuned[grid](*args, **kwargs)
+    return launch
+
+
+_TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
+_fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
+                 {"BT": 16, "num_warps": 4})
+_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32) for w in (4, 8)],
+                 {"BT": 16, "num_warps": 4})
+_dx = _launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
+                                                 ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
+                                                 ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
+_MIN_BT = 16  # the smallest BT of the backward's configs: sizes its partial sums
+
+
+def _groups(k_heads, v_heads, dk, dv, qk_l2norm):
+    """(first channel, heads, head dim, l2-normalized) of q, k, v in the pre-conv channels."""
+    kd = k_heads * dk
+    return ((0, k_heads, dk, qk_l2norm), (kd, k_heads, dk, qk_l2norm), (2 * kd, v_heads, dv, False))
+
+
+def _block(dim: int) -> int:
+    return max(16, triton.next_power_of_2(dim))
+
+
+class _ConvSiluSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps):
+        t, c = x.shape
+        w = weight.shape[1]
+        weight_c = weight.contiguous()
+        outs = []
+        for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
+            out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
+            if t and heads:
+                _fwd(lambda meta, t=t, heads=heads: (triton.cdiv(t, meta["BT"]), heads),
+                     x, x.stride(0), weight_c, bias if bias is not None else weight_c, halo if halo is not None else x,
+                     c if halo is None else halo.stride(0), positions, out, t, c0, heads, eps,
+                     D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
+            outs.append(out)
+        ctx.save_for_backward(x, weight_c, bias, positions, halo)
+        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, dq, dk_, dv_):
+        x, weight, bias, positions, halo = ctx.saved_tensors
+        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype = ctx.meta
+        t, c = x.shape
+        w = weight.shape[1]
+        dx = torch.empty(t, c, dtype=x.dtype, device=x.device)
+        dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
+        db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
+        dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
+        for (c0, heads, dim, norm), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm), (dq, dk_, dv_)):
+            if not (t and heads):
+                continue
+            g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            _conv_group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
+        dweight = dw.to(w_dtype)
+        dbias = db.to(bias.dtype) if bias is not None else None
+        return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
+                None, None, None, None, None, None)
+
+
+_CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
+
+
+def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db, dhalo):
+    """One channel group's backward (q, k or v), ``_CHUNK`` rows at a time: the pre-activation gradient of the
+    rows and the W-1 after them (:func:`gdn_cp_glue_conv_bwd_pre`), then dx from it
+    (:func:`gdn_cp_glue_conv_bwd_dx`); dw, db and the halo's gradient accumulated into the fp32 ``dw``, ``db``,
+    ``dhalo``."""
+    t, c = x.shape
+    w = weight.shape[1]
+    width = heads * dim
+    run = 4
+    for row0 in range(0, t, _CHUNK):
+        end_sum = min(row0 + _CHUNK, t)
+        end = min(end_sum + w - 1, t)
+        rows = end - row0
+        pre = torch.empty(rows, width, dtype=torch.float32, device=x.device)
+        programs = triton.cdiv(rows, _MIN_BT * run)  # at most; a larger tile leaves rows of zeros
+        dw_part = torch.zeros(programs, width, w, dtype=torch.float32, device=x.device)
+        db_part = torch.zeros(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+        _pre(lambda meta, rows=rows: (triton.cdiv(rows, meta["BT"] * run), heads),
+             x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
+             c if halo is None else halo.stride(0), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
+             heads, eps, D=dim, BD=_block(dim), RUN=run, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
+             HAS_HALO=halo is not None, NORM=norm)
+        dw[c0:c0 + width] += dw_part.sum(0)
+        if bias is not None:
+            db[c0:c0 + width] += db_part.sum(0)
+        n = end_sum - row0
+        _dx(lambda meta, n=n: (triton.cdiv(n, meta["BT"]), triton.cdiv(width, meta["BC"])),
+            pre, weight, positions, dx, dx.stride(0), t, row0, n, end, c0, width, W=w)
+        if halo is not None and row0 == 0:  # halo row i (token i-(W-1)) feeds row i-j through tap j
+            first = positions[:w - 1] == torch.arange(min(w - 1, t), device=x.device, dtype=positions.dtype)
+            taps = weight[c0:c0 + width].float()
+            for i in range(w - 1):
+                for j in range(i + 1):
+                    if i - j < rows:
+                        dhalo[i, c0:c0 + width] += taps[:, j] * pre[i - j] * first[i - j]
+
+
+def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
+                           head_v_dim: int, qk_l2norm: bool, eps: float):
+    """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``."""
+    halo = halo.contiguous() if halo is not None else None
+    return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
+                                qk_l2norm, eps)

@@ -1,0 +1,88 @@
+"""gdn-cp's Triton glue kernels run by Triton's interpreter on the CPU, against the plain-torch glue.
+
+Run as ``TRITON_INTERPRET=1 python3 -m gdn_cp_testing.triton_interpret`` (the variable must be set before
+Triton is imported, hence a process of its own: tests/ops/test_triton_glue.py starts it). Prints one JSON
+object: per case, the relative L2 error of each output and gradient. fp32 and fp16 only: the interpreter
+rounds fp32 -> bf16 by truncation (seen with Triton 3.9), so bf16's rounding points are checked on a GPU
+(tests/gpu/test_fused_glue_gpu.py); fp16 rounds as a GPU does, which checks where the kernels round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from gdn_cp.layout import Boundaries
+from gdn_cp.ops.fused.glue import _conv_silu_split, _gates
+
+W = 4
+CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, backward chunk rows)
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 16384),
+    ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), 7),  # chunks of 7 rows: their W-1 overlap, the halo
+    ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), 16384),
+    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 20), 16384),
+)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int) -> dict:
+    from gdn_cp.ops.fused import triton_conv
+    from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
+
+    triton_conv._CHUNK = chunk
+    dt = getattr(torch, dtype)
+    t, c = cu[-1], 2 * hk * dk + hv * dv
+    gen = torch.Generator().manual_seed(t + c)
+    rows = torch.randn(t, c + 7, generator=gen).to(dt).requires_grad_(True)  # x is a strided view, as in a layer
+    weight = (0.5 * torch.randn(c, W, generator=gen)).to(dt).requires_grad_(True)
+    bias = (0.1 * torch.randn(c, generator=gen)).to(dt).requires_grad_(True)
+    h = torch.randn(W - 1, c, generator=gen).to(dt).requires_grad_(True) if halo else None
+    leaves = [rows, weight, bias] + ([h] if halo else [])
+    args = (rows[:, 3:3 + c], weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6)
+    got, want = conv_silu_split_triton(*args), _conv_silu_split(*args)
+    douts = [torch.randn(o.shape, generator=gen).to(dt) for o in want]
+    names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
+    pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
+                                            torch.autograd.grad(want, leaves, douts)))
+    return {"case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
+            "contiguous": all(o.is_contiguous() for o in got),
+            "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
+
+
+def gates_case(dtype: str) -> dict:
+    from gdn_cp.ops.fused.triton_gates import gates_triton
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(7)
+    t, hv = 70, 6
+    rows = (3 * torch.randn(t, 2 * hv + 5, generator=gen)).to(dt)
+    rows[0, 1] = 30.0  # softplus above its threshold
+    rows.requires_grad_(True)
+    a_log = torch.randn(hv, generator=gen).to(dt).requires_grad_(True)
+    dt_bias = torch.randn(hv, generator=gen).to(dt).requires_grad_(True)
+    alpha, b = rows[:, 1:1 + hv], rows[:, 1 + hv:1 + 2 * hv]
+    got, want = gates_triton(alpha, b, -a_log.exp(), dt_bias), _gates(alpha, b, -a_log.exp(), dt_bias)
+    douts = [torch.randn(want[0].shape, generator=gen), torch.randn(want[1].shape, generator=gen).to(dt)]
+    leaves = [rows, a_log, dt_bias]
+    pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
+                                            torch.autograd.grad(want, leaves, douts)))
+    return {"case": f"gates {dtype}", "dtypes_match": all(a.dtype == b.dtype for a, b in pairs),
+            "errors": {n: _rel(a, b) for n, (a, b) in zip(["g", "beta", "drows", "dA_log", "ddt_bias"], pairs)}}
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
+    torch.manual_seed(0)
+    cases = [conv_case(*c) for c in CONV_CASES] + [gates_case(d) for d in ("float32", "float16")]
+    print(json.dumps(cases))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""gdn-cp's Triton glue kernels (gdn_cp.ops.fused.triton_conv / triton_gates) on the CPU through Triton's
+interpreter, against the plain-torch glue: packed sequences with empty slots and one-row sequences, a
+halo, grouped value heads, head dims that are not powers of two, strided inputs, forward and backward.
+fp32 must agree to float rounding; fp16 (which the interpreter rounds as a GPU does) to within one
+rounding of the outputs. bf16 on a GPU: tests/gpu/test_fused_glue_gpu.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                reason="Triton is not installed (the interpreter runs the kernels on the CPU)")
+
+
+@pytest.fixture(scope="module")
+def cases():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-m", "gdn_cp_testing.triton_interpret"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {c["case"]: c for c in json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def test_every_case_ran(cases):
+    assert len(cases) == 6
+
+
+def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
+    for name, case in cases.items():
+        if not name.startswith("conv"):
+            continue
+        assert case["contiguous"], name
+        # fp32: summation order only; fp16: the outputs round at the same points (1e-3 is one fp16 ulp
+        # in every element), gradients through one rounding of the l2 norm's gradient
+        tol = 1e-6 if "float32" in name else 2e-3
+        bad = {k: v for k, v in case["errors"].items() if not v <= tol}
+        assert not bad, f"{name}: {bad}"
+
+
+def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):
+    """The same rounding points give the same bits (a kernel rounding once, or twice elsewhere, would not)."""
+    for name, case in cases.items():
+        if name.startswith("conv float16"):
+            assert max(case["errors"][k] for k in ("q", "k", "v")) < 1e-3, name
+
+
+def test_gates_equal_stocks_expression(cases):
+    for name in ("gates float32", "gates float16"):
+        case = cases[name]
+        assert case["dtypes_match"], name
+        tol = 1e-6 if "float32" in name else 2e-3
+        bad = {k: v for k, v in case["errors"].items() if not v <= tol}
+        assert not bad, f"{name}: {bad}"
