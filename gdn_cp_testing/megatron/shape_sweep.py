@@ -246,7 +246,8 @@ def sweep_on_rank(ctx, cases, backend: str, dtype_name: str, metric_name: str = 
             if case.shape not in answers:  # one rank of the group computes it, in turn, and hands it round
                 owner = i % cp
                 got = [_answer(ctx, case, 1, alone, backend, dtype, "chunkwise") if group.rank() == owner else None]
-                if cp > 1:
+                if cp > 1:  # handed round through the host (pickled)
+                    got = [None if got[0] is None else _on(got[0], "cpu")]
                     torch.distributed.broadcast_object_list(got, src=first + owner, group=group)
                 answers[case.shape] = _on(got[0], ctx.device)
             want = answers[case.shape]

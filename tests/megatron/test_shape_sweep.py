@@ -8,8 +8,8 @@ collective, exactly where gdn-cp's own rules (the mode's head rule, the backend'
   dimensions in turn) in the session's 4-rank pool, outputs and every gradient within 1e-10 (max_rel);
 * GPU (``-m gpu``, gloo ranks sharing cuda:0): the FLA and FlashQLA backends, named (so FlashQLA's head-dim rule
   refuses head dim 64 when the config is built), bf16, the 138 cases of the covering set with every GVA ratio,
-  relative L2 within Megatron's bf16 tolerances; each backend skipped with the reason where it cannot run.
-  The device machine runs it through the suite's tests stage (``-k shape_sweep``).
+  relative L2 within Megatron's bf16 tolerances; one test per backend and mode, each skipped with the reason
+  where its backend cannot run. The device machine runs it through the suite's tests stage (``-k shape_sweep``).
 
 The table in docs/megatron.md ("What runs: shapes through the layer") is :func:`sweep_table`, held here.
 """
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL, MEGATRON_BF16_REL_L2
-from gdn_cp_testing.megatron.shape_sweep import covering_cases, expected_refusal, sweep_on_rank, sweep_table
+from gdn_cp_testing.megatron.shape_sweep import MODES, covering_cases, expected_refusal, sweep_on_rank, sweep_table
 
 pytestmark = pytest.mark.megatron
 
@@ -91,8 +91,11 @@ def test_shape_sweep_cpu(patched_megatron, rank_pool):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("backend", ["fla", "flashqla"])
-def test_shape_sweep_gpu(patched_megatron, rank_pool, backend):
+def test_shape_sweep_gpu(patched_megatron, rank_pool, backend, mode):
+    """One test per backend and mode (each compiles its kernels for its own head counts on first use: a time
+    limit then still leaves the others' results)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (the CPU half is test_shape_sweep_cpu)")
     from gdn_cp.ops.registry import backend_spec
@@ -100,12 +103,12 @@ def test_shape_sweep_gpu(patched_megatron, rank_pool, backend):
     why = backend_spec(backend).problem()
     if why is not None:
         pytest.skip(f"{backend} backend: {why}")
-    results = rank_pool(WORLD, device="cuda").run(sweep_on_rank, GPU_CASES, backend, "bfloat16", "rel_l2",
-                                                  timeout_s=900)
+    cases = [c for c in GPU_CASES if c.mode == mode]
+    results = rank_pool(WORLD, device="cuda").run(sweep_on_rank, cases, backend, "bfloat16", "rel_l2", timeout_s=900)
     tol = lambda q: MEGATRON_BF16_REL_L2["out" if q == "out" else "grad"]  # noqa: E731
-    bad, counts = _judge(results, GPU_CASES, backend, "cuda", "bfloat16", tol)
+    bad, counts = _judge(results, cases, backend, "cuda", "bfloat16", tol)
     assert not bad, "\n".join(bad)
-    print(f"shape sweep, {backend} backend, bf16: {counts['ran']} cases equal CP=1, {counts['refused']} refused")
+    print(f"shape sweep, {backend} backend, {mode}, bf16: {counts['ran']} cases equal CP=1, {counts['refused']} refused")
 
 
 def test_docs_table_is_the_rules():
