@@ -537,6 +537,11 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
         else:
             out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
                                 "unfused: the layer's out_norm(o) * act(z)")
+            from gdn_cp.megatron.layer import layer_state
+            from gdn_cp.ops.fused import glue_path
+
+            # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations)
+            out["glue"] = glue_path(layer_state(case.module).settings.glue, y)
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()

@@ -12,7 +12,7 @@ have their own table in the same form (``gdn_cp_testing.env``, not shipped).
   a name that is not in it but close to one of its names (a typo would otherwise be ignored). Every
   ``gdn-cp`` command calls it before doing anything else (one line on stderr, exit status 2), so a
   bad setting never surfaces later inside spawned ranks. Other ``GDN_CP_*`` names are the tests' and
-  benchmarks' (``gdn-cp`` reads none of them): the test session and ``benchmarks/gpu_suite.sh`` check
+  benchmarks' (``gdn-cp`` takes no setting from them): the test session and ``benchmarks/gpu_suite.sh`` check
   both tables, and refuse any name in neither (``python3 -m gdn_cp_testing.env --check``).
   ``python3 -m gdn_cp.env`` prints this table.
 * :data:`CLONE_NAMES` names the tests' and benchmarks' variables (their table, with its rules, is
@@ -116,7 +116,8 @@ CLONE_NAMES: dict[str, tuple[str, ...]] = {
     ),
 }
 """The names of the tests' and the benchmarks' variables (of a clone: ``gdn_cp_testing.env`` holds their
-rules; gdn-cp reads none of them), by reader. Only their names live here, so that the command can tell
+rules; gdn-cp takes no setting from them: ``gdn-cp run`` only notes the tests' rank-pool backend,
+``GDN_CP_TEST_DIST_BACKEND``, where it differs from the run's), by reader. Only their names live here, so that the command can tell
 them from names that nothing reads (tests/test_env.py keeps them equal to that table)."""
 
 NOBODY = "nothing"

@@ -18,7 +18,7 @@ import textwrap
 from .. import __version__, env
 from ..checks import MAX_CP_SIZE, MAX_TP_SIZE
 from ..megatron.pins import PINS
-from ..modes.spec import MODE_NAMES
+from ..modes.spec import AUTO, MODE_NAMES
 from .args import existing_path, int_list, int_range
 from .output import EXIT_STATUS, EXIT_USAGE, CommandError, exit_epilog, print_error
 from .patch import add_patch_commands
@@ -34,25 +34,103 @@ _DESCRIPTION = (f"gdn-cp: context parallelism ({', '.join(MODE_NAMES)}) for Gate
                 f"Megatron-Core {', '.join(PINS)}.")
 
 _EPILOG = f"""\
-`gdn-cp COMMAND --help` describes each command. -v (also print the DEBUG log: run's ranks' too) and -q (only
-warnings of the log; run: only the failures and the verdict) go before or after COMMAND.
+`gdn-cp COMMAND --help` describes each command, and what its -v (more) and -q (less) print; both go before or
+after COMMAND.
 
 {textwrap.fill(EXIT_STATUS, width=100)}
 """
 
 
-_VERBOSE_HELP = "also print the DEBUG log (gdn-cp run: every rank's THD cut, route, mode and backend)"
-_QUIET_HELP = "print only warnings of the log (gdn-cp run: only the failures and the verdict)"
+VERBOSITY = {
+    "run": ("also print every rank's log: its THD cut, route, mode, backend and chunkwise exchange path",
+            "print only the failures and the verdict"),
+    "route": ("print every rank's transfers and chunkwise plan in full, as --all does",
+              "print only the packing's line (sequences, T_global, cp, T_local): a check that it splits"),
+    "patch": ("also print each target file's sha256 beside the release's and the patched one's",
+              "print only the outcome: check, its state line; apply / revert, the line saying what was done"),
+    "doctor": ("also print the folder each installed package is imported from",
+               "print only the problems found (nothing when there is none) and, with --heads, what auto resolves to"),
+    "selftest": ("also print the error of every output and gradient of every check, the passed ones too",
+                 "print only the verdict, the failed checks and the notes on known hazards"),
+}
+"""What -v and -q print, per command (each command's ``--help`` shows its own pair, written here once).
+Both also set the log level (-v DEBUG, -q WARNING); with --json they change only the log on stderr."""
+
+_VERBOSE_HELP = "also print the DEBUG log; what each command prints more: gdn-cp COMMAND --help"
+_QUIET_HELP = "print only warnings of the log; what each command prints less: gdn-cp COMMAND --help"
+
+
+def _verbosity_flags(command: str, *, has_json: bool = True) -> argparse.ArgumentParser:
+    """The parent parser of ``command``'s -v / -q, with that command's help (:data:`VERBOSITY`).
+    Their SUPPRESS default keeps a command's parser from resetting one given before the command."""
+    more, less = VERBOSITY[command]
+    json_note = " (with --json: the log only)" if has_json else ""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help=f"{more}; and the DEBUG log{json_note}")
+    flags.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help=f"{less}; and of the log only warnings{json_note}")
+    return flags
 
 
 def _cmd_doctor(args) -> int:
     from .doctor import run_doctor
 
     heads = None if args.heads is None else tuple(args.heads)
+    printed: list[str] = []
+    echo = print
+    if args.quiet and not args.json:  # -q: the problem lines and auto's line, as the report words them
+        def echo(line: str) -> None:
+            if line.startswith("problem: ") or line.lstrip().startswith(f"{AUTO} "):
+                print(line)
+    elif args.verbose and not args.json:
+        echo = printed.append  # printed below, with where each package is imported from
     try:
-        return run_doctor(heads=heads, tp=args.tp, cp=args.cp, path=args.path, as_json=args.json)
+        status = run_doctor(heads=heads, tp=args.tp, cp=args.cp, path=args.path, as_json=args.json, echo=echo)
     except ValueError as err:
         raise CommandError(str(err)) from None
+    if printed:
+        _print_with_locations(printed)
+    return status
+
+
+def _print_with_locations(lines: list[str]) -> None:
+    """``doctor -v``: the report, each package of its versions block followed by where it is imported
+    from (found without importing it; ``-`` where it is not installed)."""
+    in_versions = False
+    for line in lines:
+        print(line)
+        if line == "versions:":
+            in_versions = True
+            continue
+        in_versions = in_versions and line.startswith("  ")
+        if in_versions:
+            folders = _package_folders(line[2:].split("  ")[0].strip())
+            if folders:
+                print(f"  {'':<24} from {', '.join(folders)}")
+
+
+def _package_folders(name: str) -> list[str]:
+    """Where the distribution ``name`` (``torch``, ``megatron-core``; ``python``: the interpreter) is imported
+    from: its top-level packages' folders, found without importing them ([] for anything else)."""
+    import importlib.metadata
+    import importlib.util
+
+    if name == "python":
+        return [sys.executable]
+    wanted = name.lower().replace("_", "-")
+    folders = []
+    for top, dists in importlib.metadata.packages_distributions().items():
+        if wanted not in (d.lower().replace("_", "-") for d in dists) or top.startswith("_"):
+            continue
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None:
+            found = list(spec.submodule_search_locations or []) or ([spec.origin] if spec.origin else [])
+            folders += [f for f in found if f not in folders]
+    return folders
 
 
 def _cmd_selftest(args) -> int:
@@ -61,9 +139,9 @@ def _cmd_selftest(args) -> int:
     return run_selftest_command(args)
 
 
-def _add_doctor_command(sub, parents) -> None:
+def _add_doctor_command(sub) -> None:
     p = sub.add_parser(
-        "doctor", parents=parents, help="versions, patch state, GPUs, and which linear_cp_mode fits a head shape",
+        "doctor", parents=[_verbosity_flags("doctor")], help="versions, patch state, GPUs, and which linear_cp_mode fits a head shape",
         description="Report gdn-cp / torch / megatron-core / FLA / Triton versions, GPUs, the GDN_CP_* environment "
         "variables set (and who reads each: gdn-cp, a clone's tests or benchmarks, or nothing), the patch state of the importable megatron-core (or of --path), and, for --heads K,V "
         "(with --tp and --cp), which linear_cp_mode values are legal and what auto resolves to, with reasons. "
@@ -82,9 +160,9 @@ def _add_doctor_command(sub, parents) -> None:
     p.set_defaults(func=_cmd_doctor)
 
 
-def _add_selftest_command(sub, parents) -> None:
+def _add_selftest_command(sub) -> None:
     p = sub.add_parser(
-        "selftest", parents=parents, help="check the math backends on this machine (FLA against the reference)",
+        "selftest", parents=[_verbosity_flags("selftest")], help="check the math backends on this machine (FLA against the reference)",
         description="With a CUDA GPU and flash-linear-attention: FLA's kernels (float32, bfloat16) against the "
         "plain-torch reference in float64, outputs and gradients (catches broken FLA/Triton stacks). Without "
         "them: the reference backend in float32 against float64 on the CPU, and the report says that FLA was "
@@ -115,18 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print gdn-cp's version and exit")
     parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     parser.add_argument("-q", "--quiet", action="store_true", help=_QUIET_HELP)
-    # the same -v / -q on every command; SUPPRESS keeps a command's parser from resetting one given before it
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
-    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=_QUIET_HELP)
-    parents = [common]
+    # -v / -q on every command, each with the command's own help (VERBOSITY)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    add_run_command(sub, parents)
-    add_route_command(sub, parents)
-    add_patch_commands(sub, parents)
-    _add_doctor_command(sub, parents)
-    _add_selftest_command(sub, parents)
+    add_run_command(sub, [_verbosity_flags("run")])
+    add_route_command(sub, [_verbosity_flags("route")])
+    add_patch_commands(sub, [_verbosity_flags("patch", has_json=False)])
+    _add_doctor_command(sub)
+    _add_selftest_command(sub)
     for name, command in sub.choices.items():
         command.set_defaults(prog=f"gdn-cp {name}")  # patch's actions set their own
     return parser

@@ -82,6 +82,20 @@ class RankError(RuntimeError):
             f"--- rank {rank} ---\n{text}" for rank, text in sorted(failures.items())))
 
 
+_THIRD_PARTY_LOGGERS = ("TileLang", "tilelang", "torch._dynamo", "torch._inductor", "torch.utils._sympy")
+
+
+def _quiet_third_party() -> None:
+    """Without ``-v``: TileLang's compile notes and warnings (FlashQLA's kernels), torch.compile's and sympy's
+    warnings, and Python warnings from libraries stay out of the rank's output; errors still show."""
+    import warnings
+
+    for name in _THIRD_PARTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
 def _rank_main(rank: int, world: int, backend: str, device_type: str, init_file: str, conn, fn, args,
                log_level: Optional[int] = None) -> None:
     lock = threading.Lock()
@@ -94,6 +108,8 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, init_file:
         root = logging.getLogger()
         root.addHandler(_PipeLogHandler(send))
         root.setLevel(log_level)
+        if log_level > logging.INFO:
+            _quiet_third_party()
     try:
         import torch.distributed as dist
 

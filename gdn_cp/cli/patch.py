@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import hashlib
 import sys
 import textwrap
 from pathlib import Path
 from typing import Optional, TextIO
 
 from .. import patch
-from ..megatron.pins import PINS, get_pin
+from ..megatron.pins import PINS
 from .args import existing_path
 from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
 
@@ -129,10 +130,22 @@ def add_patch_commands(subparsers, parents=()) -> argparse.ArgumentParser:
     return p
 
 
-def _print_states(files: dict, out: TextIO) -> None:
+def _print_states(files: dict, out: TextIO, hashes_of: Optional[Path] = None) -> None:
+    """One line per target file and its state; with ``hashes_of`` (the tree, ``-v``), each file's sha256
+    below it, beside the release's and the patched file's."""
     width = max(len(t) for t in files)
+    targets = {}
+    if hashes_of is not None:
+        from ..patch.tree import resolve_pin, target_path
+
+        targets = {t.target: t for t in resolve_pin(hashes_of, None)[1].files}
     for target, state in files.items():
         print(f"  {target:<{width}}  {state}", file=out)
+        t = targets.get(target)
+        if t is not None:
+            path = target_path(hashes_of, t)
+            found = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "(missing)"
+            print(f"    sha256 {found}; the release's {t.sha256_pristine}; patched {t.sha256_patched}", file=out)
 
 
 def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) -> int:
@@ -140,20 +153,25 @@ def run_patch_command(args: argparse.Namespace, out: Optional[TextIO] = None) ->
     (2: no megatron-core where PATH points, nothing looked at; 1: the files are not in a state the
     action can take, nothing changed)."""
     out = out or sys.stdout
+    quiet = getattr(args, "quiet", False)
+    hashes_of = None
     try:
         root = patch.find_megatron_root(args.path)
     except patch.MegatronNotFound as e:
         raise CommandError(str(e)) from None
+    if getattr(args, "verbose", False):
+        hashes_of = root
     try:
         if args.patch_action == "check":
-            return _check(root, args.expect, out)
+            return _check(root, args.expect, out, quiet=quiet, hashes_of=hashes_of)
         if getattr(args, "dry_run", False):
-            return _dry_run(root, args.patch_action, args.from_backups, out)
+            return _dry_run(root, args.patch_action, args.from_backups, out, quiet=quiet)
         result = _act(root, args.patch_action, args.from_backups)
     except patch.PatchError as e:
         raise CommandError(str(e), EXIT_FOUND_PROBLEM) from None
     print(result.message, file=out)
-    _print_states(result.files, out)
+    if not quiet:
+        _print_states(result.files, out, hashes_of)
     return 0
 
 
@@ -163,7 +181,7 @@ def _act(root: Path, action: str, from_backups: bool, dry_run: bool = False) -> 
     return patch.revert_patch(root, from_backups=from_backups, dry_run=dry_run)
 
 
-def _dry_run(root: Path, action: str, from_backups: bool, out: TextIO) -> int:
+def _dry_run(root: Path, action: str, from_backups: bool, out: TextIO, quiet: bool = False) -> int:
     """The action's every check, and the files it would write, printed as unified diffs against
     ``root``'s; nothing is written. Refusals: the action's own."""
     result = _act(root, action, from_backups, dry_run=True)
@@ -173,7 +191,7 @@ def _dry_run(root: Path, action: str, from_backups: bool, out: TextIO) -> int:
     verb = "patch" if action == "apply" else "restore"
     print(f"gdn-cp patch {action} --dry-run: would {verb} {len(result.changed)} files of megatron-core at {root} "
           f"(nothing was written; `gdn-cp patch {action} {root}` writes them):", file=out)
-    for target in result.changed:
+    for target in [] if quiet else result.changed:
         before = root.joinpath(*target.split("/")).read_text(encoding="utf-8").splitlines(keepends=True)
         after = result.contents[target].decode("utf-8").splitlines(keepends=True)
         text = "".join(difflib.unified_diff(before, after, f"a/{target}", f"b/{target}"))
@@ -181,11 +199,12 @@ def _dry_run(root: Path, action: str, from_backups: bool, out: TextIO) -> int:
     return 0
 
 
-def _check(root, expect: Optional[str], out: TextIO) -> int:
+def _check(root, expect: Optional[str], out: TextIO, *, quiet: bool = False, hashes_of: Optional[Path] = None) -> int:
     files = patch.check_patch(root)
     state = patch.overall_state(files)
-    print(f"{root}: {patch.describe_tree(root)}", file=out)
-    _print_states(files, out)
+    if not quiet:
+        print(f"{root}: {patch.describe_tree(root)}", file=out)
+        _print_states(files, out, hashes_of)
     print(f"state: {state}", file=out)
     if expect is not None:
         if state != expect:
@@ -202,12 +221,11 @@ def _check(root, expect: Optional[str], out: TextIO) -> int:
 
 def _fix(root, files: dict, state: str) -> str:
     """What to do about a tree that is neither pristine nor patched (``; ...``; the partial state's words
-    say it already)."""
-    modified = [t for t, s in files.items() if s == patch.MODIFIED]
+    say it already): the fix ``apply`` would give for this tree (a git checkout: git; a copy without git:
+    the release's sources; an installed package: a reinstall)."""
+    from ..patch.tree import foreign_fix, resolve_pin
+
     if state in (patch.PARTIAL, patch.PRISTINE, patch.PATCHED):
         return ""
-    if modified and set(patch.pristine_backups(root, files, patch.load_manifest())) == set(modified):
-        return (f"; {', '.join(modified)} changed since gdn-cp patched them (their originals are backed up beside "
-                f"them): `gdn-cp patch revert --from-backups {root}`, then apply")
-    return (f"; reinstall megatron-core ({get_pin().install_command(reinstall=True)}) or check out a matching "
-            "commit, then apply")
+    fix = foreign_fix(root, files, resolve_pin(root, None)[1])[1]
+    return f"; {fix}" + ("" if "gdn-cp patch apply" in fix else f", then `gdn-cp patch apply {root}`")

@@ -2,8 +2,9 @@
 
 By default one line per rank (rows that leave it, peers, transfers, its chunkwise pieces), so that
 ``--cp 64`` prints 64 lines, not every transfer; ``--rank r`` prints one rank's transfers and
-``--all`` every rank's (up to ``--cp 64``); ``--json`` prints the plan as one JSON object (every
-transfer of the ranks asked for). Everything is built, and so checked, before anything is printed.
+``--all`` (or ``-v``) every rank's (up to ``--cp 64``); ``-q`` only the packing's line (a check that it
+splits); ``--json`` prints the plan as one JSON object (every transfer of the ranks asked for).
+Everything is built, and so checked, before anything is printed. Integer work only: torch is not imported.
 """
 
 from __future__ import annotations
@@ -114,7 +115,9 @@ def route_text(args) -> str:
     t_local = cu.total // args.cp
     lines = [f"{count(cu.num_sequences, 'sequence')} (lengths {min(lengths)}..{max(lengths)}, "
              f"{count(lengths.count(0), 'empty slot')}), T_global={cu.total}, cp={args.cp}, T_local={t_local}"]
-    full = args.all or args.rank is not None
+    if getattr(args, "quiet", False):
+        return lines[0]
+    full = args.all or args.rank is not None or getattr(args, "verbose", False)
     for rank, (routes, cw) in built.items():
         if full:
             lines.append(f"\n# rank {rank}")

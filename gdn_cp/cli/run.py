@@ -149,6 +149,11 @@ def run_command(args) -> int:
     _warn_about_the_environment(cfg.dist_backend)
     quiet, as_json = getattr(args, "quiet", False), args.json
     echo = (lambda line: None) if as_json else (lambda line: print(line, flush=True))
+    from ..ops.registry import BACKENDS, backend_spec
+
+    first_use = backend_spec(cfg.backend).first_use() if cfg.backend in BACKENDS else ""
+    if first_use and not quiet:  # minutes of silence otherwise (issue 46: 170 s with nothing printed)
+        echo(f"gdn-cp run: {first_use}")
     try:
         with Progress(echo, bar=None if not quiet else False, unit="step") as progress:
             result = run_job(cfg, echo=echo, verdict_only=quiet, progress=progress,

@@ -120,6 +120,17 @@ class SelftestReport:
         return CHECKED[self.gpu]
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, *, verbose: bool = False, quiet: bool = False) -> str:
+        """The report; ``verbose`` (``-v``): every tensor's error of every check, not only of the failed ones;
+        ``quiet`` (``-q``): only the verdict, the failed checks (with their tensors' errors) and the notes."""
+        if quiet:
+            lines = [f"gdn-cp selftest: {'OK' if self.ok else 'FAILED'}"]
+            for c in self.cases:
+                if not c.ok:
+                    lines += ["  " + c.line(), *self._tensor_lines(c)]
+            return "\n".join(lines + ["  note: " + n for n in self.notes])
         lines = [f"gdn-cp selftest: {'OK' if self.ok else 'FAILED'}", f"  checked: {self.checked}"]
         if self.stack:
             lines.append(f"  stack checked: {self.stack['stack']}")
@@ -129,13 +140,19 @@ class SelftestReport:
         lines.append("  versions: " + ", ".join(f"{k}={v}" for k, v in self.versions.items()))
         for c in self.cases:
             lines.append("  " + c.line())
-            if c.errors and not c.ok:
-                for k, e in sorted(c.errors.items()):
-                    flag = "" if c.tolerance is None or e <= c.tolerance else "  <-- over tolerance"
-                    lines.append(f"      {k}: rel-L2 {e:.3e}, max-rel {c.max_errors.get(k, float('nan')):.3e}{flag}")
+            if verbose or not c.ok:
+                lines += self._tensor_lines(c)
         for n in self.notes:
             lines.append("  note: " + n)
         return "\n".join(lines)
+
+    @staticmethod
+    def _tensor_lines(c: CaseResult) -> list[str]:
+        lines = []
+        for k, e in sorted(c.errors.items()):
+            flag = "" if c.tolerance is None or e <= c.tolerance else "  <-- over tolerance"
+            lines.append(f"      {k}: rel-L2 {e:.3e}, max-rel {c.max_errors.get(k, float('nan')):.3e}{flag}")
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -417,5 +434,6 @@ def run_selftest_command(args) -> int:
         raise CommandError(f"--gpu: the FLA check cannot run here: {why}; run `gdn-cp selftest` (without --gpu) "
                            "for the CPU check")
     rep = run_selftest(gpu=why is None)
-    print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else rep)
+    print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else
+          rep.text(verbose=getattr(args, "verbose", False), quiet=getattr(args, "quiet", False)))
     return 0 if rep.ok else 1

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout.route import Route
+from ..nvtx import phase
 
 __all__ = [
     "barrier",
@@ -149,7 +150,8 @@ def route_all_to_all(x: torch.Tensor, route: Route, inverse: Route, group) -> to
             f"route {route.source}->{route.target} expects {route.rows_in} local rows, got tensor of shape "
             f"{tuple(x.shape)}; the tensor and the route must come from the same micro-batch"
         )
-    return _RouteAllToAll.apply(x, route, inverse, group)
+    with phase("route"):
+        return _RouteAllToAll.apply(x, route, inverse, group)
 
 
 def _byte_columns(specs) -> tuple[list[int], int]:
@@ -234,7 +236,8 @@ def route_all_to_all_many(xs, route: Route, inverse: Route, group) -> tuple[torc
             )
         if x.device != xs[0].device:
             raise ValueError(f"route_all_to_all_many: item {i} is on {x.device}, item 0 on {xs[0].device}")
-    return _RouteAllToAllMany.apply(route, inverse, group, *xs)
+    with phase("route"):
+        return _RouteAllToAllMany.apply(route, inverse, group, *xs)
 
 
 def _seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
@@ -282,7 +285,8 @@ def seq_to_head(x: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     if x.dim() < 2 or x.shape[1] != world:
         raise ValueError(f"seq_to_head expects [T_local, cp={world}, ...], got shape {tuple(x.shape)}")
-    return _Exchange.apply(x, group, _seq_to_head, _head_to_seq)
+    with phase("seq to head"):
+        return _Exchange.apply(x, group, _seq_to_head, _head_to_seq)
 
 
 def head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
@@ -290,7 +294,8 @@ def head_to_seq(y: torch.Tensor, group) -> torch.Tensor:
     world = group_size(group)
     if y.shape[0] % world:
         raise ValueError(f"head_to_seq expects cp*T_local rows (cp={world}), got shape {tuple(y.shape)}")
-    return _Exchange.apply(y, group, _head_to_seq, _seq_to_head)
+    with phase("head to seq"):
+        return _Exchange.apply(y, group, _head_to_seq, _seq_to_head)
 
 
 class _AllGatherRows(torch.autograd.Function):
@@ -314,7 +319,8 @@ class _AllGatherRows(torch.autograd.Function):
 
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     """``[n, *F]`` on every rank -> ``[cp*n, *F]`` rank-major; backward reduce-scatters (sums)."""
-    return _AllGatherRows.apply(x, group)
+    with phase("all-gather"):
+        return _AllGatherRows.apply(x, group)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,11 +20,15 @@ when a check fails.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from ..checks import MAX_CP_SIZE, as_int, size_limit_problem
-from .device import host_to_device
+from .device import host_to_device, is_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PER_DOCUMENT",
@@ -52,8 +56,6 @@ sequence boundaries stay where the documents are (Megatron's
 ``--dataloader-inter-document-masking`` and hybrid CP do). Only the row length must divide by 2*cp."""
 
 THD_SPLITS = (PER_DOCUMENT, WHOLE_ROW)
-
-_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 MAX_ROWS = 1 << 62
 """Largest row count (and boundary) accepted: index arithmetic on boundaries (``start + length``,
@@ -109,16 +111,22 @@ class Boundaries(tuple):
         """int64 ``[n+1]``, read-only."""
         return self._array
 
-    def cpu(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """A CPU tensor ``[n+1]`` of ``dtype`` (its own memory; made once)."""
+    def cpu(self, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+        """A CPU tensor ``[n+1]`` of ``dtype`` (default int64; its own memory; made once)."""
+        import torch
+
+        dtype = torch.int64 if dtype is None else dtype
         key = ("cpu", dtype)
         if key not in self._views:
             self._views[key] = torch.tensor(self._array, dtype=dtype)
         return self._views[key]
 
-    def on(self, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """The boundaries on ``device`` (host->device once per device and dtype; never read back)."""
-        device = torch.device(device)
+    def on(self, device, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+        """The boundaries on ``device`` (default dtype int64; host->device once per device and dtype;
+        never read back)."""
+        import torch
+
+        device, dtype = torch.device(device), torch.int64 if dtype is None else dtype
         if device.type == "cpu":
             return self.cpu(dtype)
         key = (str(device), dtype)
@@ -126,10 +134,12 @@ class Boundaries(tuple):
             self._views[key] = host_to_device(self.cpu(dtype), device)
         return self._views[key]
 
-    def positions(self, device) -> torch.Tensor:
+    def positions(self, device) -> "torch.Tensor":
         """int32 ``[T]`` on ``device``: each row's offset from the first row of its sequence (what a
         causal conv masks its taps with). Made on the host from the boundaries, copied once per device
         (never read back)."""
+        import torch
+
         key = ("positions", str(torch.device(device)))
         if key not in self._views:
             cu = self._array
@@ -154,7 +164,9 @@ def _short(cu, n: int = 12) -> str:
 
 
 def _host_int64(values, name: str, *, allow_tensor: bool) -> np.ndarray:
-    if isinstance(values, torch.Tensor):
+    if is_tensor(values):
+        import torch
+
         if not allow_tensor:
             raise TypeError(
                 f"{name} must be Python ints (a list, tuple or Boundaries), got a torch.Tensor on "
@@ -166,7 +178,7 @@ def _host_int64(values, name: str, *, allow_tensor: bool) -> np.ndarray:
                 f"{name} must be a 1-D tensor of boundaries, got shape {tuple(values.shape)}; "
                 f"pass [0, end_0, end_1, ..., T_global]"
             )
-        if values.dtype not in _INT_DTYPES:
+        if values.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
             raise TypeError(f"{name} must have an integer dtype, got {values.dtype}; use torch.int32 or torch.int64")
         if values.is_meta:
             raise ValueError(

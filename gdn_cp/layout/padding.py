@@ -17,13 +17,16 @@ rank's index tensor once per micro-batch).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..checks import as_int
 from .boundaries import Boundaries, check_cp
 from .spans import expand_spans, zigzag_rank_spans
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["PAD_SOURCE", "pad_documents", "padded_row_multiple", "padded_rank_sources"]
 
@@ -59,7 +62,7 @@ def pad_documents(cu, cp: int, row_multiple: int | None = None, *, name: str = "
     return Boundaries(np.concatenate([[0], np.cumsum(padded)]).astype(np.int64), name=f"{name} (padded)")
 
 
-def padded_rank_sources(cu, padded, cp: int, rank: int) -> torch.Tensor:
+def padded_rank_sources(cu, padded, cp: int, rank: int) -> "torch.Tensor":
     """Rank ``rank``'s rows of the padded row cut per document (parts r and 2*cp-1-r of every
     padded document, document after document), as int64 ``[padded.total // cp]`` (CPU): for each
     row, the row of the unpadded packed row it holds, or :data:`PAD_SOURCE` for a pad row.
@@ -79,6 +82,8 @@ def padded_rank_sources(cu, padded, cp: int, rank: int) -> torch.Tensor:
     doc = np.searchsorted(padded.numpy(), rows, side="right") - 1
     offset = rows - padded.numpy()[doc]
     source = np.where(offset < real[doc], cu.numpy()[doc] + offset, PAD_SOURCE)
+    import torch
+
     return torch.from_numpy(source.astype(np.int64, copy=False))
 
 

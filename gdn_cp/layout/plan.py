@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-import torch
 
 from .boundaries import PER_DOCUMENT, Boundaries, check_cp, check_thd_split, validate_cu_seqlens, validate_sbhd, zigzag_cut
 from .chunkwise import ChunkwisePlan, build_chunkwise_plan
-from .device import host_to_device
+from .device import host_to_device, is_tensor
 from .route import NaturalOrder, Route, build_natural_order, build_thd_route
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CPPlan", "RouteCache", "plan_for_sbhd"]
 
@@ -87,6 +89,8 @@ class CPPlan:
 
     def cached_on(self, name, device, make) -> torch.Tensor:
         """``make()`` (a CPU tensor) copied to ``device`` once per plan, then reused."""
+        import torch
+
         key = (name, str(torch.device(device)))
         if key not in self._on_device:
             self._on_device[key] = host_to_device(make(), device)
@@ -107,7 +111,7 @@ class _Entry(NamedTuple):
         """
         if isinstance(cu_seqlens, Boundaries):
             return True
-        if isinstance(cu_seqlens, torch.Tensor):
+        if is_tensor(cu_seqlens):
             if cu_seqlens._version != self.version:
                 return False
             if cu_seqlens.device.type != "cpu":

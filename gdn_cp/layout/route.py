@@ -24,10 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from .boundaries import check_cp, validate_cu_seqlens, validate_sbhd
 from .device import host_to_device
@@ -41,6 +40,9 @@ from .spans import (
     zigzag_rank_spans,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["Route", "build_thd_route", "build_sbhd_route", "NaturalOrder", "build_natural_order"]
 
 
@@ -50,10 +52,10 @@ def _by_owner(owner: np.ndarray, cp: int) -> np.ndarray:
 
 
 def _spans_or_none(start: np.ndarray, length: np.ndarray):
-    """``(start, length)`` as tensors, or None when the spans concatenate to ``0, 1, 2, ...``."""
+    """``(start, length)`` (int64 arrays), or None when the spans concatenate to ``0, 1, 2, ...``."""
     if np.array_equal(start, np.cumsum(length) - length):
         return None
-    return torch.from_numpy(start), torch.from_numpy(length)
+    return start, length
 
 
 def _splits(owner: np.ndarray, length: np.ndarray, cp: int) -> tuple[int, ...]:
@@ -100,9 +102,9 @@ class Route:
     cp_rank: int
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    # Spans (start, length) whose concatenation is the index; None = identity order.
-    send_spans: tuple[torch.Tensor, torch.Tensor] | None  # local source rows, peer-major
-    recv_spans: tuple[torch.Tensor, torch.Tensor] | None  # receive-buffer rows, target local order
+    # Spans (start, length), int64 arrays, whose concatenation is the index; None = identity order.
+    send_spans: tuple[np.ndarray, np.ndarray] | None  # local source rows, peer-major
+    recv_spans: tuple[np.ndarray, np.ndarray] | None  # receive-buffer rows, target local order
     is_identity: bool
     # What each side moves, for printing; a callable is called (and replaced) on first use.
     _send: _Transfers | Callable[[], _Transfers] | None = field(default=None, repr=False)
@@ -153,6 +155,8 @@ class Route:
 
     def indices_on(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(send_index, recv_index) on ``device``; copied host->device once, never read back."""
+        import torch
+
         device = torch.device(device)
         key = str(device)
         if key not in self._cache:
@@ -168,6 +172,8 @@ class Route:
         straight into their send-buffer place (``index_copy_``) instead of gathering them."""
         if self.send_spans is None:
             return None
+        import torch
+
         device = torch.device(device)
         key = ("send_positions", str(device))
         if key not in self._cache:
@@ -276,6 +282,8 @@ class NaturalOrder:
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        import torch
+
         key = str(torch.device(device))
         if key not in self._device_cache:
             self._device_cache[key] = tuple(
@@ -291,6 +299,8 @@ def build_natural_order(cu_seqlens, cp_size: int, cp_rank: int) -> NaturalOrder:
     cu = validate_cu_seqlens(cu_seqlens, cp_size)
     t_global = cu.total
     if cp_size == 1:  # one rank: its rows are the natural order (sequences of any length)
+        import torch
+
         rows = torch.arange(t_global, dtype=torch.int64)
         return NaturalOrder(to_natural=rows, to_buffer=rows, own_rows=rows)
     t_local = t_global // cp_size

@@ -16,12 +16,16 @@ cp at most), where numpy's per-call overhead is below torch's. Nothing is per to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..checks import as_int
 from .boundaries import MAX_ROWS
+from .device import is_tensor
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ZIGZAG",
@@ -116,7 +120,7 @@ def cut_at_slices(spans: Spans, slice_rows: int) -> tuple[Spans, np.ndarray]:
 
 def _span_array(name: str, x) -> np.ndarray:
     """``x`` (a CPU integer tensor, an integer array, or a list / tuple of ints) as int64 [n]."""
-    if isinstance(x, torch.Tensor):
+    if is_tensor(x):
         if x.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU (index math runs on the host), got a tensor on {x.device}")
         x = x.numpy()
@@ -137,13 +141,15 @@ def _span_array(name: str, x) -> np.ndarray:
     return x.astype(np.int64, copy=False)
 
 
-def expand_spans(start, length) -> torch.Tensor:
+def expand_spans(start, length) -> "torch.Tensor":
     """Concatenate ``arange(start[i], start[i] + length[i])`` for all i: an int64 index tensor.
 
     ``start``, ``length``: 1-D int tensors (CPU), arrays or lists of ints >= 0, of equal length;
     a zero length is an empty span. The result has ``sum(length)`` rows. One full-size buffer,
     cumsum in place: ones, with a jump written at each span start.
     """
+    import torch
+
     start, length = _span_array("start", start), _span_array("length", length)
     if start.shape != length.shape:
         raise ValueError(f"start and length must have the same length, got {len(start)} and {len(length)}")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..modes.context import Projected
+from ..nvtx import phase
 from ..modes.packing import sbhd_to_thd, thd_to_sbhd
 from ..ops.fused import gates, glue_path
 
@@ -75,11 +76,12 @@ class LayerSegment:
         ``(out [T/batch, batch, H], out_bias)``."""
         layer = self.layer
         fused = self._fused_gated_norm()
-        if layer.recompute_norm_out:
-            norm_fn = partial(_gated_norm_to_rows, layer, batch=batch, fused=fused)
-            norm_out = layer.new_norm_out_checkpoint().checkpoint(norm_fn, o, gate)
-        else:
-            norm_out = _gated_norm_to_rows(layer, o, gate, batch, fused)
+        with phase("norm"):
+            if layer.recompute_norm_out:
+                norm_fn = partial(_gated_norm_to_rows, layer, batch=batch, fused=fused)
+                norm_out = layer.new_norm_out_checkpoint().checkpoint(norm_fn, o, gate)
+            else:
+                norm_out = _gated_norm_to_rows(layer, o, gate, batch, fused)
         out, out_bias = layer.out_proj(norm_out)
         if layer.recompute_norm_out:
             layer.register_norm_out_recompute(out)

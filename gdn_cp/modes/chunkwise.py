@@ -44,6 +44,7 @@ from ..env import CHUNKWISE_PATH_ENV
 from ..layout import CONTIGUOUS, WHOLE_ROW, ZIGZAG
 from ..layout.chunkwise import ChunkwisePlan
 from ..layout.plan import CPPlan
+from ..nvtx import phase
 from ..ops.contract import NativeCPCore
 from ..ops.shape import GDNShape
 from .local import conv_split, log_once
@@ -172,23 +173,27 @@ class Chunkwise(Mode):
         backend's CP=1 kernels (same results)."""
         plan, group, shape, backend = ctx.plan, ctx.group, ctx.shape, ctx.backend
         if self.native is not None:
-            return self.native(qkv_c, g_c, beta_c, conv_weight, conv_bias, shape=shape, cu_seqlens_global=plan.cu,
-                               group=group, cache=plan.backend_cache)
+            with phase("native core"):  # the backend's cp context: conv with halo, scan with state exchange
+                return self.native(qkv_c, g_c, beta_c, conv_weight, conv_bias, shape=shape,
+                                   cu_seqlens_global=plan.cu, group=group, cache=plan.backend_cache)
         cw = plan.chunkwise(conv_weight.shape[1])
         straddles = cw.any_straddle  # same on every rank: all skip the exchanges together
         halo = None
         if straddles and cw.conv_width > 1:
             index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
-            halo = gather_halo(qkv_c, cw, index, group)
+            with phase("halo"):
+                halo = gather_halo(qkv_c, cw, index, group)
         x = conv_split(qkv_c, conv_weight, conv_bias, shape=shape, cu_seqlens=cw.local_cu, backend=backend,
                        glue=ctx.settings.glue, halo=halo)
         if not straddles:
-            o_c, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g_c, beta_c, cu_seqlens=cw.local_cu,
-                                                    use_qk_l2norm=x.kernel_l2norm)
+            with phase("core"):
+                o_c, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g_c, beta_c, cu_seqlens=cw.local_cu,
+                                                        use_qk_l2norm=x.kernel_l2norm)
             return o_c
         # where conv_split normalized q and k, the scans take them as they are
-        return _scan_with_carried_state(x.q, x.k, x.v, g_c, beta_c, cw, backend, group,
-                                        replace(shape, qk_l2norm=x.kernel_l2norm))
+        with phase("core + state exchange"):
+            return _scan_with_carried_state(x.q, x.k, x.v, g_c, beta_c, cw, backend, group,
+                                            replace(shape, qk_l2norm=x.kernel_l2norm))
 
 
 def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:

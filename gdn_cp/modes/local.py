@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..layout.boundaries import host_boundaries
+from ..nvtx import phase
 from ..ops.fused import conv_silu_split, glue_path
 from ..ops.shape import GDNShape
 from .context import CallContext, Mode
@@ -78,12 +79,13 @@ def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequ
     path = glue_path(glue, qkv)
     if qkv.device.type != "cpu":
         log_once(logger, ("glue", glue, path), "GatedDeltaNet glue (GDN_CP_GLUE=%s): %s", glue, _GLUE_WORDS[path])
-    if path == "unfused":
-        x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, halo=halo, activation="silu")
-        return ConvSplit(*split_qkv(x, shape, k_heads, v_heads), kernel_l2norm=shape.qk_l2norm)
-    q, k, v = conv_silu_split(qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo, k_heads=k_heads,
-                              v_heads=v_heads, head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
-                              qk_l2norm=shape.qk_l2norm, path=path)
+    with phase("conv"):
+        if path == "unfused":
+            x = backend.causal_conv1d(qkv, conv_weight, conv_bias, cu_seqlens=cu, halo=halo, activation="silu")
+            return ConvSplit(*split_qkv(x, shape, k_heads, v_heads), kernel_l2norm=shape.qk_l2norm)
+        q, k, v = conv_silu_split(qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo, k_heads=k_heads,
+                                  v_heads=v_heads, head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
+                                  qk_l2norm=shape.qk_l2norm, path=path)
     return ConvSplit(q, k, v, kernel_l2norm=False)
 
 
@@ -116,7 +118,9 @@ def local_core(qkv, g, beta, conv_weight, conv_bias, *, shape: GDNShape, cu_seql
     """
     x = conv_split(qkv, conv_weight, conv_bias, shape=shape, cu_seqlens=cu_seqlens, backend=backend, glue=glue,
                    k_heads=k_heads, v_heads=v_heads)
-    o, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm=x.kernel_l2norm)
+    with phase("core"):
+        o, _ = backend.chunk_gated_delta_rule(x.q, x.k, x.v, g, beta, cu_seqlens=cu_seqlens,
+                                              use_qk_l2norm=x.kernel_l2norm)
     return o
 
 

@@ -49,6 +49,7 @@ class BackendSpec:
     need, for messages (None: it has none; chunkwise then always runs gdn-cp's own exchange on it).
     ``settings``: the ``GDN_CP_*`` variables its kernels take (:mod:`gdn_cp.env`'s table), read and
     checked with gdn-cp's other settings where a call comes in, and handed to its ``load``.
+    ``first_use``: what a user waits for on its first call (a JIT compile), said before a run starts; "" for none.
     """
 
     name: str
@@ -63,6 +64,7 @@ class BackendSpec:
     narrow: bool = False
     native_cp: Optional[str] = None
     settings: tuple[str, ...] = ()
+    first_use: Callable[[], str] = str
 
     def dtype_problem(self, dtype) -> Optional[str]:
         """Why its kernels cannot take activations of ``dtype`` (a torch dtype or its name; None: unknown)."""

@@ -21,7 +21,7 @@ __all__ = [
     "PRISTINE", "PATCHED", "MODIFIED", "MISSING", "PARTIAL", "BACKUP_SUFFIX", "MegatronNotFound", "PathLike",
     "pristine_backups",
     "find_megatron_root", "megatron_version", "detect_pin", "resolve_pin", "check_patch", "overall_state",
-    "describe_state", "describe_tree", "find_git", "is_checkout", "foreign_error", "target_path", "file_state",
+    "describe_state", "describe_tree", "find_git", "is_checkout", "foreign_error", "foreign_fix", "target_path", "file_state",
     "tree_states",
 ]
 
@@ -270,48 +270,54 @@ def pristine_backups(root: Path, states: Mapping[str, str], manifest: Manifest) 
     return found
 
 
-def foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, verb: str) -> PatchError:
-    """Target files that are neither the release's nor the patched ones. When the other targets are
-    the release's, these are local edits of the pinned release (a Megatron-LM checkout reporting
-    another version string included): the fix is to restore them. When none is, the tree is
-    another release, which this gdn-cp has no patch for."""
-    bad = [f"{t} is {s}" for t, s in states.items() if s in (MODIFIED, MISSING)]
+def foreign_fix(root: Path, states: Mapping[str, str], manifest: Manifest) -> tuple[str, str]:
+    """``(why, fix)`` for target files that are neither the release's nor the patched ones, in words for
+    the tree they are in: ``apply`` / ``revert``'s refusal (:func:`foreign_error`) and ``patch check``'s
+    advice say the same. When gdn-cp's backups of the changed files are the release's: revert from them.
+    When the other targets are the release's, these are local edits of the pinned release (a Megatron-LM
+    checkout reporting another version string included): restore them (git in a git checkout, the
+    release's sources in a copy without git, a reinstall of an installed package). When none is, the
+    tree is another release, which this gdn-cp has no patch for."""
     pin = manifest.megatron_core_version
-    v = megatron_version(root)
-    found = (
-        f"This tree reports megatron-core {v} ({manifest.version_file})"
-        if v
-        else f"Could not read megatron-core's version from {manifest.version_file}"
-    )
     edited = " ".join(t for t, s in states.items() if s in (MODIFIED, MISSING))
-    reinstall = f"reinstall megatron-core=={pin} ({get_pin(pin).install_command(reinstall=True)})"
     modified = [t for t, s in states.items() if s == MODIFIED]
     if modified and not any(s == MISSING for s in states.values()) and set(pristine_backups(root, states, manifest)) == set(modified):
         why = (f"gdn-cp patched these files and kept the release's originals beside them ({BACKUP_SUFFIX}), and they "
                f"have changed since: another gdn-cp version's patch (an upgrade of gdn-cp), or edits of the patched files")
-        return PatchError(
-            f"cannot {verb} the patch in {root}: " + "; ".join(bad) + f". {found}; {why}. Fix: `gdn-cp patch revert "
-            f"--from-backups {root}` restores the originals from those backups (edits made to the patched files are "
-            f"lost), then `gdn-cp patch apply {root}`. Nothing was changed."
-        )
+        return why, (f"`gdn-cp patch revert --from-backups {root}` restores the originals from those backups (edits "
+                     f"made to the patched files are lost), then `gdn-cp patch apply {root}`")
     if any(s in (PRISTINE, PATCHED) for s in states.values()):
         why = (
             f"the other target files are the megatron-core {pin} release's, so these are local edits of "
             f"that release (or another gdn-cp version's patch); the patch applies only to files identical to "
             f"the release's (sha256)"
         )
-        fixes = [_restore_in_checkout(root, edited, pin)] if is_checkout(root) else [reinstall]
-    else:
-        why = (
-            f"the patch is pinned to megatron-core {pin} and applies only to files identical to that "
-            f"release's (sha256); this gdn-cp supports megatron-core {', '.join(PINS)} only"
-        )
-        fixes = [f"install megatron-core=={pin} ({get_pin(pin).install_command()})"]
         if is_checkout(root):
-            refs = get_pin(pin).matching_refs
-            seen = f" (e.g. {', '.join(refs)})" if refs else ""
-            fixes.append(f"in a Megatron-LM checkout, check out a commit whose files match the {pin} release{seen}")
+            return why, _restore_in_checkout(root, edited, pin)
+        return why, f"reinstall megatron-core=={pin} ({get_pin(pin).install_command(reinstall=True)})"
+    why = (
+        f"the patch is pinned to megatron-core {pin} and applies only to files identical to that "
+        f"release's (sha256); this gdn-cp supports megatron-core {', '.join(PINS)} only"
+    )
+    fixes = [f"install megatron-core=={pin} ({get_pin(pin).install_command()})"]
+    if is_checkout(root):
+        refs = get_pin(pin).matching_refs
+        seen = f" (e.g. {', '.join(refs)})" if refs else ""
+        fixes.append(f"in a Megatron-LM checkout, check out a commit whose files match the {pin} release{seen}")
+    return why, ", or ".join(fixes)
+
+
+def foreign_error(root: Path, states: Mapping[str, str], manifest: Manifest, verb: str) -> PatchError:
+    """``apply`` / ``revert`` refused: target files that are neither the release's nor the patched ones,
+    with why and the fix of :func:`foreign_fix`."""
+    bad = [f"{t} is {s}" for t, s in states.items() if s in (MODIFIED, MISSING)]
+    v = megatron_version(root)
+    found = (
+        f"This tree reports megatron-core {v} ({manifest.version_file})"
+        if v
+        else f"Could not read megatron-core's version from {manifest.version_file}"
+    )
+    why, fix = foreign_fix(root, states, manifest)
     return PatchError(
-        f"cannot {verb} the patch in {root}: " + "; ".join(bad) + f". {found}; {why}. Fix: "
-        + ", or ".join(fixes) + ". Nothing was changed."
+        f"cannot {verb} the patch in {root}: " + "; ".join(bad) + f". {found}; {why}. Fix: {fix}. Nothing was changed."
     )

@@ -113,7 +113,8 @@ class RunSpec:
     layer (top-2 routing, expert FFN = ``hidden``, the alltoall token dispatcher, TE's grouped GEMM; no router
     auxiliary loss unless ``extra_args`` sets one). ``mtp_layers``: multi-token prediction depths
     (``--mtp-num-layers``; hybrid models also get ``mtp_pattern`` once per depth after the pattern's "/").
-    ``fp8``: ``--fp8-format`` (TransformerEngine, bf16 runs only)."""
+    ``fp8``: ``--fp8-format`` (TransformerEngine, bf16 runs only), ``fp8_recipe`` its ``--fp8-recipe``. The learning
+    rate warms up for ``lr_warmup`` iterations to ``lr``, then decays (``lr_decay``) to ``min_lr`` at the last one."""
 
     name: str
     model: str = "hybrid"
@@ -132,8 +133,10 @@ class RunSpec:
     gdn_heads: tuple = (4, 12)  # (key heads, value heads): a ratio other than 2
     gdn_head_dim: int = 128
     attention_heads: tuple = (8, 4)  # (query heads, query groups): head dim hidden / 8
-    lr: float = 6e-4  # constant after the warm-up: byte-level code is still being learnt at iteration 50
-    lr_warmup: int = 5
+    lr: float = 6e-4  # the peak, after lr_warmup iterations; then lr_decay down to min_lr at the last iteration
+    lr_warmup: int = 10
+    lr_decay: str = "cosine"  # --lr-decay-style: "cosine" (as pretraining runs), "linear" or "constant"
+    min_lr: float = 6e-5
     backend: Optional[str] = None  # --linear-cp-backend (None: no flag, the config's default "auto")
     site: Optional[str] = None  # a folder put first on the ranks' PYTHONPATH (e.g. an unpacked FlashQLA site)
     seed: int = 1234
@@ -148,6 +151,7 @@ class RunSpec:
     mtp_layers: int = 0  # --mtp-num-layers
     mtp_pattern: str = "*-"  # a hybrid model's layers per MTP depth (Megatron's "/" syntax)
     fp8: Optional[str] = None  # --fp8-format ("hybrid", "e4m3")
+    fp8_recipe: Optional[str] = None  # --fp8-recipe ("delayed": Megatron's default; "tensorwise": current scaling)
 
     def __post_init__(self):
         if self.model not in ("hybrid", "gpt"):
@@ -169,6 +173,8 @@ class RunSpec:
         for name in ("iterations", "seq_length", "micro_batch", "global_batch", "hidden", "gdn_head_dim", "pp", "dp", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"RunSpec.{name}={getattr(self, name)!r} must be a positive int")
+        if self.lr_decay not in ("cosine", "linear", "constant"):
+            raise ValueError(f"RunSpec.lr_decay={self.lr_decay!r}: use 'cosine', 'linear' or 'constant'")
         if self.global_batch % (self.micro_batch * self.dp):
             raise ValueError(f"RunSpec.global_batch={self.global_batch} must be a multiple of micro_batch x dp = "
                              f"{self.micro_batch} x {self.dp} (each data-parallel rank takes whole micro-batches)")
@@ -198,6 +204,9 @@ class RunSpec:
         if self.fp8 is not None and (self.fp8 not in ("hybrid", "e4m3") or self.precision != "bf16"):
             raise ValueError(f"RunSpec.fp8={self.fp8!r} with precision={self.precision!r}: use fp8 'hybrid' or 'e4m3' "
                              "on a bf16 run (TransformerEngine computes the rest in bf16)")
+        if self.fp8_recipe is not None and (self.fp8 is None or self.fp8_recipe not in ("delayed", "tensorwise")):
+            raise ValueError(f"RunSpec.fp8_recipe={self.fp8_recipe!r} with fp8={self.fp8!r}: use 'delayed' or "
+                             "'tensorwise' on an FP8 run (set fp8)")
 
     @property
     def script(self) -> str:
@@ -247,7 +256,8 @@ def megatron_lm_args(spec: RunSpec, *, data_dir: Optional[str] = None, one_gpu: 
         "--seq-length", str(spec.seq_length), "--max-position-embeddings", str(spec.seq_length),
         "--micro-batch-size", str(spec.micro_batch), "--global-batch-size", str(spec.global_batch),
         "--context-parallel-size", str(spec.cp),
-        *PRECISIONS[spec.precision], "--lr", f"{spec.lr:g}", "--lr-decay-style", "constant",
+        *PRECISIONS[spec.precision], "--lr", f"{spec.lr:g}", "--lr-decay-style", spec.lr_decay,
+        *(["--min-lr", f"{spec.min_lr:g}"] if spec.lr_decay != "constant" else []),
         "--lr-warmup-iters", str(spec.lr_warmup),
         "--weight-decay", "0.01", "--clip-grad", "1.0",
         "--train-iters", str(spec.iterations), "--seed", str(spec.seed),
@@ -296,6 +306,8 @@ def parallelism_args(spec: RunSpec) -> list[str]:
         args += ["--mtp-num-layers", str(spec.mtp_layers)]
     if spec.fp8 is not None:
         args += ["--fp8-format", spec.fp8]
+    if spec.fp8_recipe is not None:
+        args += ["--fp8-recipe", spec.fp8_recipe]
     return args
 
 

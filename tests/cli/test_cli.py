@@ -181,12 +181,13 @@ def test_selftest_on_a_cpu_says_what_it_did_not_check(capsys):
 
 def test_the_package_root_shows_the_layers():
     """gdn_cp/ holds the five layer folders, testing/ and cli/ above them, the patch tool beside them,
-    and the two layer-0 modules; the command-line modules live in gdn_cp/cli/ (issue #19)."""
+    and the three layer-0 modules (checks, env, nvtx: every layer may use them); the command-line modules live in
+    gdn_cp/cli/ (issue #19)."""
     root = ROOT / "gdn_cp"
     folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
     files = sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix == ".py")
     assert folders == ["cli", "comm", "layout", "megatron", "modes", "ops", "patch"]
-    assert files == ["__init__.py", "checks.py", "env.py"]
+    assert files == ["__init__.py", "checks.py", "env.py", "nvtx.py"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"gdn-cp": "gdn_cp.cli:main"}
 
@@ -237,3 +238,66 @@ def test_route_json_is_the_plan_the_summary_describes(capsys):
                     in summary.splitlines()[1 + rank["rank"]]), summary
     assert main([*argv, "--json", "--rank", "1"]) == 0
     assert [r["rank"] for r in json.loads(capsys.readouterr().out)["ranks"]] == [1]
+
+
+def test_route_answers_without_importing_torch():
+    """Issue #49: `gdn-cp route --cu 0,100,200 --cp 2` took 2-7 s, torch imported for integer work. The
+    layout math imports torch only where it makes a tensor: route runs where torch cannot import at all."""
+    code = ("import sys\nsys.modules['torch'] = None  # any import of torch fails\nfrom gdn_cp.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    for extra in ([], ["--all"], ["--json", "--rank", "1"], ["-q"]):
+        r = subprocess.run([sys.executable, "-c", code, "route", "--cu", "0,100,200", "--cp", "2", *extra],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stderr == "", (extra, r.stderr)
+        assert ("T_global=200" in r.stdout) or ('"t_global": 200' in r.stdout), (extra, r.stdout)
+
+
+def test_each_command_help_says_what_its_own_v_and_q_print(capsys):
+    """Issue #49: every command's -v / -q help described `gdn-cp run`. Each now shows its own pair (written
+    once, in gdn_cp.cli.command.VERBOSITY), and no other command's."""
+    from gdn_cp.cli.command import VERBOSITY
+
+    assert set(VERBOSITY) == set(COMMANDS)
+    parser = build_parser()
+    for argv in ([c] for c in COMMANDS + ("patch apply", "patch check", "patch revert")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*argv[0].split(), "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        command = argv[0].split()[0]
+        for name, (more, less) in VERBOSITY.items():
+            assert (more in out and less in out) == (name == command), (argv, name)
+
+
+def _lines(capsys, argv) -> tuple[int, list[str]]:
+    status = main(argv)  # (selftest's seconds per check differ from run to run)
+    return status, [re.sub(r" \([0-9.]+s\)$", "", line) for line in capsys.readouterr().out.splitlines()]
+
+
+@pytest.mark.parametrize("command", ["route", "patch", "doctor", "selftest"])
+def test_q_prints_less_and_v_more(capsys, command):
+    """Issue #49: -q did nothing for doctor, route and patch (17 lines either way). Each command's -q prints
+    a part of its report (the part its help names), -v more (route: every rank in full, as --all; the others:
+    the whole report and more)."""
+    argv = {"route": ["route", "--cu", "0,8,24,24,56", "--cp", "2"], "patch": ["patch", "check"],
+            "doctor": ["doctor", "--heads", "16,32"], "selftest": ["selftest"]}[command]
+    status, plain = _lines(capsys, argv)
+    quiet_status, quiet = _lines(capsys, [*argv, "-q"])
+    loud_status, loud = _lines(capsys, ["-v", *argv])
+    assert status == quiet_status == loud_status
+    assert quiet and len(quiet) < len(plain) < len(loud), (quiet, plain, loud)
+    assert all(line in plain for line in quiet), (quiet, plain)
+    assert command == "route" or all(line in loud for line in plain), (plain, loud)
+    if command == "route":
+        assert quiet == plain[:1] and quiet[0].startswith("4 sequences (lengths 0..32, 1 empty slot), T_global=56")
+        assert loud == _lines(capsys, [*argv, "--all"])[1]  # -v: every rank in full, as --all
+    elif command == "patch":
+        assert quiet == [plain[-1]] and quiet[0].startswith("state: ")
+        assert sum(line.strip().startswith("sha256 ") for line in loud) == sum(line.startswith("  ") for line in plain)
+    elif command == "doctor":
+        assert quiet == [line for line in plain if line.startswith("problem: ") or "auto       -> " in line]
+        assert any(line.strip().startswith("auto") for line in quiet), quiet
+        gdn_cp_folder = str(ROOT / "gdn_cp")
+        assert any(line.strip() == f"from {gdn_cp_folder}" for line in loud), loud
+    else:
+        assert quiet[0] == plain[0] and all(line.startswith(("gdn-cp selftest:", "  FAIL", "      ", "  note:"))
+                                            for line in quiet), quiet

@@ -82,8 +82,8 @@ with contextlib.redirect_stdout(io.StringIO()):
     out = {"runs": {}, "text": byte_text.build(data_dir)}
 parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_hybrid.py"))  # the scripts add no flags
 parsed_args = {}
-# every group but flashqla, whose backend check wants CUDA and FlashQLA (validated where they are: the GPU machine)
-for spec, ref in matrix([g for g in GROUPS if g != "flashqla"]):
+# every run but FlashQLA's, whose backend check wants CUDA and FlashQLA (validated where they are: the GPU machine)
+for spec, ref in [(s, r) for s, r in matrix(GROUPS) if s.backend != "flashqla"]:
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             args = parser.parse_args(megatron_lm_args(spec, data_dir=data_dir, one_gpu=True))
@@ -104,7 +104,10 @@ for spec, ref in matrix([g for g in GROUPS if g != "flashqla"]):
                 "recompute": [args.recompute_granularity, args.recompute_modules], "pad": args.null_tokenizer_pad_id,
                 "warmup": args.seq_length // args.context_parallel_size * args.micro_batch_size * args.ffn_hidden_size,
                 "gdn_heads": [c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim], "ref": ref,
-                "iterations": args.train_iters, "lr": [args.lr, args.lr_decay_style, args.lr_warmup_iters],
+                "iterations": args.train_iters, "lr": [args.lr, args.lr_decay_style, args.lr_warmup_iters, args.min_lr],
+                "micro_batch": args.micro_batch_size, "hidden": args.hidden_size,
+                "pair": [args.bias_swiglu_fusion, args.cross_entropy_loss_fusion, args.accumulate_allreduce_grads_in_fp32],
+                "fp8_recipe": c.fp8_recipe if c.fp8 else None,
                 "vocab": args.vocab_size, "data_path": args.data_path, "cache": args.data_cache_path,
                 "mock": args.mock_data, "sft": args.sft, "params_dtype": str(c.params_dtype), "bf16": args.bf16,
                 "samples": args.train_iters * args.global_batch_size,
@@ -228,10 +231,12 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
         if run["cp"] > 1:
             assert run["mode"] in ("headwise", "chunkwise", "all_gather"), (name, run)  # auto resolved
             assert run["backend"] == "gloo" and run["cp_comm"] == ["a2a"], (name, run)
-        # the byte-level text (or the SFT set cut from it), 50 iterations that the text outlasts, each run its
-        # own index cache (runs side by side would race on one)
-        assert not run["mock"] and run["vocab"] == 258 and run["iterations"] == 50, (name, run)
-        assert run["lr"] == [6e-4, "constant", 5], (name, run)
+        # the byte-level text (or the SFT set cut from it), 50 iterations that the text outlasts (the sweep's tiny
+        # model 20), each run its own index cache (runs side by side would race on one); the learning rate as
+        # pretraining sets it: warm-up, then cosine decay to a tenth
+        sweep = name.startswith("sw_")
+        assert not run["mock"] and run["vocab"] == 258 and run["iterations"] == (20 if sweep else 50), (name, run)
+        assert run["lr"] == [6e-4, "cosine", 5 if sweep else 10, 6e-5], (name, run)
         assert run["data_path"] == [str(Path(parsed["text"]["path_prefix"]).with_name("sft.jsonl"))
                                     if run["sft"] else parsed["text"]["path_prefix"]], (name, run)
         assert run["cache"].endswith(f"/cache/{name}"), (name, run)
@@ -254,8 +259,9 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
     # elements from the global CUDA generator, which leave it at a CP-dependent offset above ~1M (one Philox round
     # on an H200); GDN head dim 128 and 3 value heads per key head
     for name, run in runs.items():
-        if "error" not in run:  # FP8 rows: GDN projections of dims divisible by 16, as FP8 GEMMs want
-            assert run["warmup"] >= 2**21 and run["gdn_heads"] == [4, 8 if "_fp8_" in name else 12, 128], (name, run)
+        if "error" not in run and not name.startswith("sw_"):  # FP8 rows with GDN: dims divisible by 16 (FP8 GEMMs)
+            assert run["warmup"] >= 2**21 and run["gdn_heads"] == [4, 8 if name.startswith("par_fp8") else 12, 128], \
+                (name, run)
     for prefix in ("hybrid", "gpt", "gdnonly_fp32"):  # every mode at CP=2 and CP=4
         assert {(runs[f"{prefix}_cp{cp}_{m}"]["cp"], runs[f"{prefix}_cp{cp}_{m}"]["mode"]) for cp in (2, 4)
                 for m in ("chunkwise", "headwise", "all_gather")} == {(cp, m) for cp in (2, 4)
@@ -284,7 +290,8 @@ def test_the_parallel_rows_are_the_layouts_they_name(parsed):
         assert par["pp"] == (2 if "_pp2_" in name else 1) and par["ep"] == (2 if "_ep2_" in name else 1), (name, par)
         assert par["dp"] == (2 if "_ep2_" in name and run["cp"] == 1 else 1), (name, par)
         assert (par["mtp"] == 1) is ("_mtp_" in name) and par["pattern"].endswith("/*E") is ("_mtp_" in name), (name, par)
-        assert (par["fp8"] == "hybrid") is ("_fp8_" in name) and run["bf16"], (name, par)
+        assert (par["fp8"] == "hybrid") is ("_fp8" in name) and run["bf16"], (name, par)
+        assert run["fp8_recipe"] == ("tensorwise" if "_fp8t_" in name else "delayed" if "_fp8" in name else None), run
         assert par["aux"] == (0.01 if "_aux_" in name else 0.0), (name, par)
         idm = "_idm_" in name
         split = ("per_document" if run["cp"] > 1 else "whole_row") if idm else None
@@ -298,12 +305,47 @@ def test_the_parallel_rows_are_the_layouts_they_name(parsed):
             assert same == {k: v for k, v in ref["parallel"].items() if k not in ("dp", "world", "shapes")}, (name, ref)
             assert ref["cp"] == 1 and ref["split"] == (split and "whole_row"), (name, ref)
             assert run["cp"] > 1 or name.endswith("_noise"), name
-    for cp in (2, 4):
-        assert {runs[f"par_pp2_cp{cp}_{m}"]["mode"] for m in ("chunkwise", "headwise", "all_gather")} == \
-            {"chunkwise", "headwise", "all_gather"}
+    assert {runs[f"par_pp2_cp2_{m}"]["mode"] for m in ("chunkwise", "headwise", "all_gather")} == \
+        {"chunkwise", "headwise", "all_gather"} and runs["par_pp2_cp4_chunkwise"]["mode"] == "chunkwise"
     assert "--moe-aux-loss-coeff 0.01: Megatron's MoE router would count the pad rows" in runs["par_ep2_aux_idm_cp2"]["error"]
     assert "--pipeline-model-parallel-size 2 with 2 virtual stages per rank: Megatron-LM's get_batch hands every " \
            "stage but the first and the last" in runs["par_pp2_vpp_idm_cp2"]["error"]
+
+
+@pytest.mark.megatron
+def test_noise_pairs_change_only_their_perturbation_and_the_sweep_is_every_combination(parsed):
+    """Each noise pair is its reference with one perturbation of PAIRS (SwiGLU unfused, micro-batch 1, fused
+    cross-entropy; the autotune and unfused-attention pairs differ in their environment only), everything else
+    as Megatron-LM parses it equal; every model with CP > 1 rows has at least 3 pairs. Group sweep holds PP 1/2 x
+    inter-document masking x micro-batch 1/2 x CP 1/2 on the FLA backend (FlashQLA's half validates on the GPU),
+    each CP=2 row the layout of its CP=1 row; the FP8 rows of both recipes and the model without GDN layers parse."""
+    runs = parsed["runs"]
+    # [SwiGLU fused, cross-entropy fused, fp32 gradient accumulation (validate_args: on for every bf16 run)]
+    bf16 = {"swiglu": [False, False, True], "ce": [True, True, True], "mbs1": [True, False, True],
+            "autotune": [True, False, True], "attn": [True, False, True]}
+    pairs = {n: r for n, r in runs.items() if n.endswith("_noise")}
+    for name, run in pairs.items():
+        kind = name[len(run["ref"]) + 1:-len("_noise")]
+        ref = runs[run["ref"]]
+        assert run["pair"][:2] == bf16[kind][:2] and run["pair"][2] is run["bf16"], (name, run["pair"])
+        assert run["micro_batch"] == (1 if kind == "mbs1" else ref["micro_batch"]), name
+        same = ("lr", "gdn_heads", "layers", "iterations", "hidden", "parallel", "data_path", "split", "fp8_recipe")
+        assert {k: run.get(k) for k in same} == {k: ref.get(k) for k in same}, name
+    per_ref = {}
+    for name in pairs:
+        per_ref[runs[name]["ref"]] = per_ref.get(runs[name]["ref"], 0) + 1
+    assert min(per_ref.values()) >= 3 and per_ref["hybrid_cp1"] == per_ref["gpt_cp1"] == 4, per_ref
+    sweep = {n: r for n, r in runs.items() if n.startswith("sw_fla_") and not n.endswith("_noise")}
+    combos = {(r["parallel"]["pp"], r["split"] is not None or r["cp"] == 1 and "_idm_" in n, r["micro_batch"], r["cp"])
+              for n, r in sweep.items()}
+    assert len(sweep) == 16 and len(combos) == 16, sorted(sweep)
+    for name, run in sweep.items():
+        assert run["hidden"] == 256 and run["iterations"] == 20 and run["gdn_heads"] == [4, 12, 128], run
+        if run["cp"] == 2:
+            ref = runs[run["ref"][len("sweep:"):]]
+            assert ref["cp"] == 1 and ref["parallel"]["pp"] == run["parallel"]["pp"], name
+            assert ref["micro_batch"] == run["micro_batch"] and ("_idm_" in name) is ("_idm_" in ref["ref"] + run["ref"])
+    assert runs["fp8_nogdn_cp2"]["parallel"]["pattern"] == "*-*-*-*-" and runs["fp8_nogdn_cp2"]["fp8_recipe"] == "delayed"
 
 
 @pytest.mark.megatron

@@ -39,7 +39,8 @@ def readme_training_command() -> dict:
     import shlex
 
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    start = text.rindex("\n", 0, text.index("torchrun ")) + 1  # the line, with its environment
+    section = text.index("## Train a model with Megatron-LM")
+    start = text.rindex("\n", 0, text.index("torchrun ", section)) + 1  # the line, with its environment
     block = text[start : text.index("```", start)].replace("\\\n", " ")
     words = shlex.split(block)
     script = next(i for i, w in enumerate(words) if w.endswith(".py"))

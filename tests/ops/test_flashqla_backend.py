@@ -352,3 +352,42 @@ def test_every_mode_at_cp2_matches_cp1(rank_pool):
             bad = {k: e for k, e in res[mode].items() if not e < 1e-2}
             assert not bad, f"rank {rank} {mode}: rel-L2 vs CP=1 over 1e-2: {bad}"
         assert (1, 2, 128) in res["calls"] and (2, 4, 128) in res["calls"], res["calls"]  # headwise's half, the rest
+
+
+def _gpu_module_calls(ctx, inputs, cp):
+    """Every FlashQLA call of tests/gpu/test_flashqla_backend.py's generic modes at ``cp`` on this rank, through the
+    stand-in: (key heads, value heads, initial state, final state, sequences)."""
+    from tests.gpu import test_flashqla_backend as gpu
+
+    fake_flashqla.install()
+    try:
+        gpu._rank_modes(ctx, inputs, cp, "generic")
+        return [(c["H"], c["HV"], c["h0"], c["final"], len(c["cu"]) - 1) for c in fake_flashqla.CALLS]
+    finally:
+        fake_flashqla.uninstall()
+
+
+@pytest.mark.slow
+def test_the_gpu_tests_compile_ahead_every_variant_they_call(rank_pool, fake, monkeypatch):
+    """tests/gpu/test_flashqla_backend.py compiles its WARM list side by side before its first test (TileLang
+    compiles one kernel after another in a process: 1 of its 22 tests in a cold 210 s call). Every FlashQLA call of
+    its CP=1 baselines and of every mode at cp=2 and 4 (generic path), recorded here through the stand-in, is one
+    of WARM's variants: the same key / value heads, initial and final state, and at most 5 sequences (at these
+    heads FlashQLA's fused forward then takes its 32-wide value block, as WARM's calls do); the selftest's case
+    is WARM's too."""
+    from gdn_cp.cli.selftest import SELFTEST_CU, SELFTEST_DIMS
+    from tests.gpu import test_flashqla_backend as gpu
+
+    monkeypatch.setattr(gpu, "BASELINE_DEVICE", "cpu")
+    monkeypatch.setattr(gpu, "_BASELINES", {})
+    fake.CALLS.clear()
+    inputs = {case: gpu._baseline(case)[0] for case in gpu.CASES}
+    calls = [(c["H"], c["HV"], c["h0"], c["final"], len(c["cu"]) - 1) for c in fake.CALLS]
+    for cp in (2, 4):
+        calls += [c for rank in rank_pool(4).run(_gpu_module_calls, inputs, cp) for c in rank]
+    warm = {(hk, hv, h0, final) for hk, hv, _, h0, final in gpu.WARM}
+    assert {c[:4] for c in calls} <= warm and max(c[4] for c in calls) <= 5, sorted(set(calls))
+    assert {(1, 2), (2, 4), (4, 8)} == {c[:2] for c in calls}  # 3 head shapes here, the realistic 16 / 32 the 4th
+    assert max(len(cu) - 1 for hk, hv, cu, _, _ in gpu.WARM if hv <= 8) <= 5
+    assert (SELFTEST_DIMS["num_k_heads"], SELFTEST_DIMS["num_v_heads"], tuple(sorted(set(SELFTEST_CU))), True,
+            True) in gpu.WARM

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401 - its config module, which tests below patch
 import torch.nn.functional as F
 
 from gdn_cp.layout import Boundaries
@@ -166,14 +167,15 @@ class _FakeCuda:
     ("triton", torch.float64, "eager"), ("unfused", torch.float64, "unfused"), ("compiled", torch.float16, "compiled"),
 ])
 def test_glue_path_on_cuda(setting, dtype, want):
-    assert glue.glue_path(setting, _FakeCuda(dtype)) == want
+    with torch._dynamo.config.patch(disable=False):  # other tests' CPU shims disable dynamo process-wide
+        assert glue.glue_path(setting, _FakeCuda(dtype)) == want
 
 
-def test_glue_path_off_cuda_is_the_plain_math_and_compiled_without_dynamo_too(monkeypatch):
+def test_glue_path_off_cuda_is_the_plain_math_and_compiled_without_dynamo_too():
     for setting in ("auto", "triton", "compiled", "unfused"):
         assert glue.glue_path(setting, torch.zeros(1)) == "eager"
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
-    assert glue.glue_path("compiled", _FakeCuda(torch.bfloat16)) == "eager"
+    with torch._dynamo.config.patch(disable=True):
+        assert glue.glue_path("compiled", _FakeCuda(torch.bfloat16)) == "eager"
 
 
 def test_a_bad_glue_setting_names_the_variable():

@@ -115,3 +115,36 @@ def test_site_packages_inside_a_git_work_tree_is_not_a_checkout(pristine_megatro
     with pytest.raises(PatchError) as ei:
         apply_patch(site.root)
     assert "git checkout" not in str(ei.value) and "reinstall" in str(ei.value), str(ei.value)
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("tree", ["git checkout", "checkout without git", "site-packages"])
+@pytest.mark.parametrize("damage", ["modified", "missing"])
+def test_check_gives_the_fix_apply_gives_for_the_same_tree(pristine_megatron, tmp_path, capsys, tree, damage):
+    """Issue #49: on a Megatron-LM checkout (git or not) with an edited or missing target file, `patch check`
+    advised `pip install --force-reinstall ... megatron-core==...`, which never touches a checkout's files,
+    while `patch apply` on the same tree said how to restore them there. Both now give the same fix."""
+    if tree == "site-packages":
+        root = Layout("site-packages", tmp_path, pristine_megatron).root
+    else:
+        root = megatron_lm_repo(tmp_path, pristine_megatron)
+        if tree == "checkout without git":
+            shutil.rmtree(root / ".git")
+    target = root / GDN
+    if damage == "modified":
+        target.write_text(target.read_text() + "# a local change\n")
+    else:
+        target.unlink()
+    with pytest.raises(PatchError) as ei:
+        apply_patch(root)
+    apply_fix = str(ei.value).split(" Fix: ")[1].removesuffix(" Nothing was changed.").removesuffix(".")
+    assert cli_main(["patch", "check", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"; {apply_fix}, then `gdn-cp patch apply {root}`" in err, (err, apply_fix)
+    expected = {"git checkout": f"`git checkout -- {GDN}` in {root}", "checkout without git": "pip download",
+                "site-packages": "--force-reinstall"}[tree]
+    assert expected in err, err
+    if tree != "site-packages":
+        assert "reinstall" not in err and "pip install" not in err, err
+    assert cli_main(["patch", "check", "--expect", "patched", str(root)]) == 1  # --expect says the same fix
+    assert f"; {apply_fix}" in capsys.readouterr().err

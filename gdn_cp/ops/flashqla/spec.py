@@ -49,6 +49,15 @@ def padded_value_heads(k_heads: int, v_heads: int) -> int:
     return k_heads * ratio
 
 
+def first_use_note() -> str:
+    """What FlashQLA's first call costs, and where its compiled kernels are kept (``TILELANG_CACHE_DIR``)."""
+    import os
+
+    cache = os.environ.get("TILELANG_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".tilelang", "cache")
+    return ("FlashQLA compiles its TileLang kernels on first use, per head count and dtype: about 2-4 minutes cold "
+            f"(seen on an H200), seconds once they are in TileLang's cache ({cache}; TILELANG_CACHE_DIR moves it)")
+
+
 def _problem() -> Optional[str]:
     from .detect import flashqla_problem  # FlashQLA-free until asked; then probed once per process
 
@@ -60,4 +69,5 @@ SPEC = BackendSpec(
     devices_why="FlashQLA's TileLang kernels run on NVIDIA sm_90+ GPUs only", preference=0, problem=_problem,
     dtypes=("bfloat16", "float16"), head_dims=head_dims_problem, narrow=True,
     native_cp="an sm_90+ GPU with flash-qla >= 0.1.3 and FLA's cp context (the conv)", settings=(AUTO_CP_ENV,),
+    first_use=first_use_note,
 )

@@ -43,9 +43,12 @@ L2NORM_EPS = 1e-6
 GLUE_PATHS = ("triton", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
-CUDA_DEFAULT = "unfused"
-"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). It changes only
-with a committed GPU run that shows another path faster at the sizes users train."""
+CUDA_DEFAULT = "triton"
+"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-04c/d on
+one H200, a CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, bf16: ``triton``
+0.92-0.97x ``unfused`` on FlashQLA (local spec) and on FLA 0.4.2 (TE spec); ``compiled`` was slower than
+``unfused`` (run 2026-12-04a). It changes only with a committed GPU run that shows another path faster at
+the sizes users train (tests/ops/test_glue_default.py reads them)."""
 
 
 def glue_path(setting: str, x: torch.Tensor) -> str:

@@ -100,32 +100,35 @@ def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, do
 @triton.jit
 def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, pre_ptr, dw_ptr,
                              db_ptr, T, ROW0, ROWS, SUM_END, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
-                             BT: tl.constexpr, RUN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                             BT: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                              HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
     """The gradient at the conv's pre-activation of rows ``[ROW0, ROW0 + ROWS)``, head ``program_id(1)``, into
-    ``pre [ROWS, HEADS*D]`` (fp32), and the sums over this program's rows below ``SUM_END`` of the tap and bias
-    gradients into ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32)."""
+    ``pre [ROWS, HEADS*D]`` (fp32), and the sums over this program's ``SPAN`` rows (those below ``SUM_END``) of
+    the tap and bias gradients into ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32). The sums
+    stay per row in registers across the program's tiles and are reduced over rows once, at the end."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BD)
     d_ok = d < D
     ch = C0 + i_h * D + d
     local = i_h * D + d  # the channel in the group (pre, dw, db)
-    taps = tl.zeros((BD, WP), dtype=tl.float32)  # WP: W rounded up to a power of two (tl.arange's rule)
-    wj = tl.arange(0, WP)
-    dbias = tl.zeros((BD,), dtype=tl.float32)
-    for it in range(RUN):
-        rel = (i_p * RUN + it) * BT + tl.arange(0, BT)
+    acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # per-row sums of pre * x[t - (W-1-j)], tap j
+    acc1 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc2 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc3 = tl.zeros((BT, BD), dtype=tl.float32)
+    accb = tl.zeros((BT, BD), dtype=tl.float32)
+    for it in range(SPAN // BT):
+        rel = i_p * SPAN + it * BT + tl.arange(0, BT)
         rows = ROW0 + rel
         pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS,
                          ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
         row_ok = rel < ROWS
         tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
                  mask=row_ok[:, None] & d_ok[None, :])
-        pre = tl.where((rows < SUM_END)[:, None], pre, 0.0)
-        dbias += tl.sum(pre, axis=0)
+        pre = tl.where((row_ok & (rows < SUM_END))[:, None], pre, 0.0)
+        accb += pre
         pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
         first = pos == rows
-        for j in tl.static_range(W):  # the taps: sum_t pre[t] * x[t - (W-1-j)], masked as the forward reads it
+        for j in tl.static_range(W):  # the taps: pre[t] * x[t - (W-1-j)], masked as the forward reads it
             shift = W - 1 - j
             src = rows - shift
             inside = (rows < T) & (pos >= shift)
@@ -134,12 +137,25 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
             if HAS_HALO:
                 xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
                               mask=((rows < T) & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            taps += tl.where(wj[None, :] == j, tl.sum(pre * xv, axis=0)[:, None], 0.0)
+            if j == W - 1:
+                acc0 += pre * xv
+            elif j == W - 2:
+                acc1 += pre * xv
+            elif j == W - 3:
+                acc2 += pre * xv
+            else:
+                acc3 += pre * xv
     width = HEADS * D
-    tl.store(dw_ptr + (i_p * width + local)[:, None].to(tl.int64) * W + wj[None, :], taps,
-             mask=d_ok[:, None] & (wj < W)[None, :])
+    base = dw_ptr + (i_p * width + local).to(tl.int64) * W
+    tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
+    if W >= 2:
+        tl.store(base + (W - 2), tl.sum(acc1, axis=0), mask=d_ok)
+    if W >= 3:
+        tl.store(base + (W - 3), tl.sum(acc2, axis=0), mask=d_ok)
+    if W >= 4:
+        tl.store(base + (W - 4), tl.sum(acc3, axis=0), mask=d_ok)
     if HAS_BIAS:
-        tl.store(db_ptr + i_p * width + local, dbias, mask=d_ok)
+        tl.store(db_ptr + i_p * width + local, tl.sum(accb, axis=0), mask=d_ok)
 
 
 @triton.jit
@@ -184,12 +200,12 @@ def _launcher(kernel, key: list, configs: list, fixed: dict):
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
 _fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
                  {"BT": 16, "num_warps": 4})
-_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32) for w in (4, 8)],
+_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
                  {"BT": 16, "num_warps": 4})
 _dx = _launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
-_MIN_BT = 16  # the smallest BT of the backward's configs: sizes its partial sums
+_SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 
 
 def _groups(k_heads, v_heads, dk, dv, qk_l2norm):
@@ -253,19 +269,18 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
     t, c = x.shape
     w = weight.shape[1]
     width = heads * dim
-    run = 4
     for row0 in range(0, t, _CHUNK):
         end_sum = min(row0 + _CHUNK, t)
         end = min(end_sum + w - 1, t)
         rows = end - row0
         pre = torch.empty(rows, width, dtype=torch.float32, device=x.device)
-        programs = triton.cdiv(rows, _MIN_BT * run)  # at most; a larger tile leaves rows of zeros
-        dw_part = torch.zeros(programs, width, w, dtype=torch.float32, device=x.device)
-        db_part = torch.zeros(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
-        _pre(lambda meta, rows=rows: (triton.cdiv(rows, meta["BT"] * run), heads),
+        programs = triton.cdiv(rows, _SPAN)  # whatever tile autotuning picks: the sums' rows never depend on it
+        dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
+        db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+        _pre(lambda meta, programs=programs: (programs, heads),
              x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
              c if halo is None else halo.stride(0), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
-             heads, eps, D=dim, BD=_block(dim), RUN=run, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
+             heads, eps, D=dim, BD=_block(dim), SPAN=_SPAN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
              HAS_HALO=halo is not None, NORM=norm)
         dw[c0:c0 + width] += dw_part.sum(0)
         if bias is not None:
@@ -285,6 +300,11 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
                            head_v_dim: int, qk_l2norm: bool, eps: float):
     """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``."""
+    if weight.shape[1] > 4:  # the kernels keep four tap sums (Megatron's and FLA's conv widths are at most 4)
+        from .glue import _conv_silu_split
+
+        return _conv_silu_split(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm,
+                                eps)
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
                                 qk_l2norm, eps)
