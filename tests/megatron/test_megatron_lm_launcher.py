@@ -117,7 +117,7 @@ for spec, ref in [(s, r) for s, r in matrix(GROUPS) if s.backend != "flashqla"]:
                              "shapes": c.variable_seq_lengths, "pattern": args.hybrid_layer_pattern,
                              "vpp": args.virtual_pipeline_model_parallel_size, "topk": c.moe_router_topk,
                              "grouped_gemm": c.moe_grouped_gemm, "aux": c.moe_aux_loss_coeff,
-                             "world": args.world_size, "mbs": args.micro_batch_size}}
+                             "world": args.world_size}}
         except (ValueError, AssertionError) as e:
             out["runs"][spec.name] = {"error": f"{type(e).__name__}: {e}", "ref": ref}
 
@@ -297,7 +297,7 @@ def test_the_parallel_rows_are_the_layouts_they_name(parsed):
         split = ("per_document" if run["cp"] > 1 else "whole_row") if idm else None
         # the stages exchange shapes where the packed rows change length (the padded cut at CP > 1) or hold a
         # micro-batch of several samples packed into one row (gdn_cp.megatron.packed_pipeline; issue 46)
-        shapes = idm and par["pp"] > 1 and (run["cp"] > 1 or par["mbs"] > 1)
+        shapes = idm and par["pp"] > 1 and (run["cp"] > 1 or run["micro_batch"] > 1)
         assert run["split"] == split and par["shapes"] is shapes, (name, run)
         if run["ref"]:  # the same layout at CP=1: only CP (and the data-parallel ranks EP folds over) differ
             ref = runs[run["ref"]]
