@@ -213,6 +213,12 @@ def _producers(tmp_path: Path, monkeypatch) -> dict:
             lambda: configure_megatron_lm_args(types.SimpleNamespace(
                 hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,
                 context_parallel_size=2, linear_cp_thd_split="whole_row")),
+        "--pipeline-model-parallel-size ... with --dataloader-inter-document-masking and --micro-batch-size ... with "
+        "--moe-token-dispatcher-type allgather: ...":
+            lambda: configure_megatron_lm_args(types.SimpleNamespace(
+                hybrid_layer_pattern="GE*-", swiglu=True, dataloader_inter_document_masking=True,
+                calculate_per_token_loss=True, pipeline_model_parallel_size=2, micro_batch_size=2, num_experts=4,
+                moe_token_dispatcher_type="allgather")),
         "--dataloader-inter-document-masking with --hybrid-context-parallel at --context-parallel-size ...: ...":
             lambda: configure_megatron_lm_args(types.SimpleNamespace(
                 hybrid_layer_pattern="G-G-*-", swiglu=True, dataloader_inter_document_masking=True,

@@ -52,6 +52,7 @@ from typing import Any, Optional
 from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
 from ..modes.settings import THD_SPLIT_FIELD, Settings, check_thd_split_setting
+from .packed_pipeline import configure_packed_pipeline
 from .padded_cut import enable_variable_seq_lengths, mtp_needs_per_document, padded_cut_refusals
 from .pins import load_adapter
 
@@ -269,7 +270,9 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
       that cut needs ``--calculate-per-token-loss``, refuses what it cannot train exactly (more than
       two pipeline stages or virtual stages, MoE router features that count every token: each with
       the reason, :func:`gdn_cp.megatron.padded_cut.padded_cut_refusals`) and, with pipeline
-      parallelism, sets ``args.variable_seq_lengths`` (the padded rows change length).
+      parallelism, sets ``args.variable_seq_lengths`` (the padded rows change length);
+    * with pipeline parallelism and micro-batches of more than one sample, ``args.variable_seq_lengths`` for any
+      packed rows (:mod:`gdn_cp.megatron.packed_pipeline`: Megatron-LM packs the samples into one row).
 
     ValueError when ``--linear-cp-thd-split`` contradicts the cut (``whole_row`` for a model with
     attention layers at CP > 1 included). First of all, ``--linear-cp-mode`` and ``--linear-cp-backend``
@@ -286,6 +289,7 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
     made = _RELEASE.megatron_lm_thd_split(**flags)
     if made is None:
         return given
+    configure_packed_pipeline(args)  # stages passing packed rows of several samples exchange their shapes
     cp = as_int(getattr(args, "context_parallel_size", 1)) or 1
     packed_pretraining = flags["inter_document_masking"] and not flags["sft"] and not flags["hybrid_context_parallel"]
     if packed_pretraining and cp > 1:

@@ -63,6 +63,7 @@ __all__ = [
     "gdn_layer_spec",
     "hybrid_stack_spec",
     "install_model_stand_ins",
+    "megatron_lm_args_for",
     "model_config",
     "model_pg_collection",
     "run_model",
@@ -203,6 +204,38 @@ def model_config(kind: str, cp: int, mode: str = "chunkwise", dtype=torch.float6
                   moe_token_dispatcher_type="alltoall")
     kw.update(overrides)
     return make_config(cp, mode, dtype, **kw)
+
+
+def megatron_lm_args_for(kind: str, **flags):
+    """Megatron-LM's parsed ``args`` (a namespace of the fields gdn-cp's ``validate_args`` hook reads) for a
+    ``kind`` model (:data:`MODEL_KINDS`) as ``validate_args`` hands them to the hook: Megatron-LM's defaults
+    (``--moe-token-dispatcher-type allgather``, ``variable_seq_lengths`` False, ...), ``--swiglu``, the model's
+    layers as ``pretrain_hybrid.py`` (``--hybrid-layer-pattern``) or ``pretrain_gpt.py``
+    (``--experimental-attention-variant gated_delta_net`` with no attention layer) take them, then ``flags``
+    (``pipeline_model_parallel_size=2``, ``dataloader_inter_document_masking=True``, ...). Pass it to
+    :func:`gdn_cp.megatron.thd_split.configure_megatron_lm_args` to see what a run of these flags gets."""
+    import types
+
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"kind={kind!r}: use one of {MODEL_KINDS}")
+    args = dict(swiglu=True, linear_cp_mode="auto", linear_cp_backend="auto", linear_cp_thd_split=None, sft=False,
+                dataloader_inter_document_masking=False, hybrid_context_parallel=False, eod_mask_loss=False,
+                calculate_per_token_loss=False, context_parallel_size=1, tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None, sequence_parallel=False,
+                micro_batch_size=1, eval_micro_batch_size=None, variable_seq_lengths=False, num_experts=None,
+                moe_token_dispatcher_type="allgather", mtp_num_layers=None, fp8=None, fp4=None, spec=None)
+    if kind == "gpt":
+        args.update(experimental_attention_variant="gated_delta_net", num_layers=GPT_LAYERS,
+                    linear_attention_freq=GPT_LAYERS + 1, hybrid_layer_pattern=None)
+    else:
+        args["hybrid_layer_pattern"] = {"hybrid": HYBRID_PATTERN, "hybrid_attn": TE_HYBRID_PATTERN,
+                                        "hybrid_moe": MOE_HYBRID_PATTERN, "hybrid_te": TE_HYBRID_PATTERN}[kind]
+    if kind == "hybrid_moe":
+        args.update(num_experts=MOE_EXPERTS, moe_router_topk=2, moe_token_dispatcher_type="alltoall")
+    args.update(flags)
+    if args["eval_micro_batch_size"] is None:  # validate_args: the training micro-batch size
+        args["eval_micro_batch_size"] = args["micro_batch_size"]
+    return types.SimpleNamespace(**args)
 
 
 def model_pg_collection(cp_group, dp_cp_group=None):

@@ -6,9 +6,11 @@ groups (``parallel_state.initialize_model_parallel``, once per topology: :func:`
 
 What differs from a GPU run, and why:
 
-* ``calculate_per_token_loss=True`` (required by ``--hybrid-context-parallel``): DDP sums
+* ``calculate_per_token_loss=True`` (required by ``--hybrid-context-parallel``) as a rule: DDP sums
   gradients over the data- and context-parallel ranks and ``finalize_model_grads`` divides them by
-  the all-reduced token count, so the step does not depend on how the tokens are split;
+  the all-reduced token count, so the step does not depend on how the tokens are split. Without it
+  (``per_token_loss=False``) the schedule divides each micro-batch's loss by that rank's own token
+  count, as Megatron-LM does; CP sizes then agree only where every rank counts the same tokens;
 * the loss is ``pretrain_gpt.loss_func``'s (sum of ``losses * loss_mask`` and the token count)
   without its ``.float()``: an fp64 run stays fp64;
 * ``clip_grad=0``: megatron-core 0.19.2 clips only fp32 gradients (``clip_grad_by_total_norm_fp32``
@@ -150,9 +152,12 @@ def _forward_step(data_iterator, model):
 
 
 def train_steps(build: Callable, micro_batches: Callable[[int], Iterable], steps: int, *, seq_length: int,
-                lr: float = TRAIN_LR) -> dict:
+                lr: float = TRAIN_LR, micro_batch_size: int = 1, per_token_loss: bool = True) -> dict:
     """``steps`` optimizer steps of the model ``build(pg_collection)`` returns (its config must have
-    ``calculate_per_token_loss=True``), inside :func:`megatron_parallel_state`.
+    ``calculate_per_token_loss=per_token_loss``), inside :func:`megatron_parallel_state`.
+    ``seq_length`` / ``micro_batch_size``: what Megatron-LM hands the schedule (``args.seq_length``,
+    ``args.micro_batch_size``): the pipeline's fixed activation shape is ``[seq_length / cp,
+    micro_batch_size, hidden]`` unless the config has ``variable_seq_lengths``.
 
     ``micro_batches(step)``: this rank's Cuts of that step (one per micro-batch). Returns
     ``{"loss": [per step: the token-mean loss over every micro-batch and data/CP rank],
@@ -167,8 +172,9 @@ def train_steps(build: Callable, micro_batches: Callable[[int], Iterable], steps
 
     model = build(ProcessGroupCollection.use_mpu_process_groups())
     config = model.config
-    if not config.calculate_per_token_loss:
-        raise ValueError("train_steps needs a config with calculate_per_token_loss=True (see the module docstring)")
+    if config.calculate_per_token_loss != per_token_loss:
+        raise ValueError(f"train_steps(per_token_loss={per_token_loss}) got a config with calculate_per_token_loss="
+                         f"{config.calculate_per_token_loss} (see the module docstring)")
     config.finalize_model_grads_func = finalize_model_grads
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
@@ -185,7 +191,7 @@ def train_steps(build: Callable, micro_batches: Callable[[int], Iterable], steps
         with cuda_literals_on_cpu():
             reports = get_forward_backward_func()(
                 forward_step_func=_forward_step, data_iterator=iter(cuts), model=[ddp], num_microbatches=len(cuts),
-                seq_length=seq_length, micro_batch_size=1, forward_only=False,
+                seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=False,
             )
             ok, grad_norm, _ = optimizer.step()
         if not ok:

@@ -24,6 +24,7 @@ session's pool), with every point-to-point transfer staged through the host as o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import partial
 
@@ -293,3 +294,154 @@ def test_a_router_loss_counts_the_pads(patched_megatron, rank_pool):
         params = max(abs(float((p - ref["params"][n]).abs().max())) for n, p in got["params"].items())
         assert params > 1e-6, (rank, params)  # far above the 1e-10 the runs without it match within
     print(f"router load-balancing loss on padded rows: parameters {params:.3g} off CP=1 after {STEPS} steps")
+
+
+# ------------------------------------------------------------------------------------------
+# packed micro-batches of two samples through pipeline stages (issue 46)
+# ------------------------------------------------------------------------------------------
+PACKED_PP_DATA = {  # name -> (model kind, --dataloader-inter-document-masking)
+    "gpt_sbhd": ("gpt", False),  # no packing flag: SBHD micro-batches
+    "gpt_idm": ("gpt", True),  # GDN + MLP layers: the whole-row cut at CP > 1
+    "hybrid_attn_idm": ("hybrid_attn", True),  # with attention: the padded per-document cut at CP > 1
+}
+# (pp, cp, micro-batch size, per-token loss): PP=1 x CP=1 (the reference of each micro-batch size and loss), PP=2
+# at CP=1 and 2, each with micro-batch 1 and 2, per-token loss on and, at micro-batch 2, off. (CP=2 against CP=1
+# without pipeline stages: tests/megatron/test_e2e_models.py.)
+PACKED_PP_CELLS = [(pp, cp, mbs, ptl) for pp, cp in ((1, 1), (2, 1), (2, 2)) for mbs, ptl in ((1, True), (2, True),
+                                                                                            (2, False))]
+PACKED_PP_STEPS = 1  # the shape of what a stage receives is wrong from the first step on, or never
+
+
+def _flags_of_cell(name: str, pp: int, cp: int, mbs: int, ptl: bool):
+    """What the patched ``validate_args`` makes of a cell's Megatron-LM flags: ``(config fields, strategy)``
+    as the run then gets them (``core_transformer_config_from_args`` copies the args' fields), or the refusal's
+    message."""
+    from gdn_cp.megatron.thd_split import configure_megatron_lm_args
+    from gdn_cp_testing.megatron.model import megatron_lm_args_for
+
+    kind, idm = PACKED_PP_DATA[name]
+    args = megatron_lm_args_for(kind, pipeline_model_parallel_size=pp, context_parallel_size=cp, micro_batch_size=mbs,
+                                calculate_per_token_loss=ptl, dataloader_inter_document_masking=idm)
+    try:
+        split = configure_megatron_lm_args(args)
+    except ValueError as e:
+        return str(e)
+    strategy = "sbhd" if split is None else "padded" if (cp > 1 and split == "per_document") else "whole_row"
+    fields = dict(variable_seq_lengths=args.variable_seq_lengths, moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                  linear_cp_thd_split=split, calculate_per_token_loss=ptl)
+    return fields, strategy
+
+
+def _packed_stage_cuts(strategy: str, mbs: int, ptl: bool, cp_group, first: bool, last: bool, step: int) -> list:
+    """This stage's micro-batches of ``mbs`` samples (documents of any length; SBHD for ``sbhd``), cut as
+    Megatron-LM's get_batch cuts them for a pipeline stage; without per-token loss every token counts (a run
+    without --eod-mask-loss: the CP ranks then count the same tokens)."""
+    from gdn_cp_testing.megatron.batches import Cut, get_batch_like_pretrain_gpt, packed_batch, packed_seq_params_like_pretrain_gpt
+    from gdn_cp_testing.megatron.batches import random_lengths
+    from gdn_cp_testing.megatron.model import VOCAB_SIZE
+
+    out = []
+    for mb in range(MICRO_BATCHES):
+        seed = 100 * step + 10 * mb
+        docs = None if strategy == "sbhd" else [random_lengths(S, 3, seed + s + 1) for s in range(mbs)]
+        batch = packed_batch(docs, S, vocab_size=VOCAB_SIZE, seed=seed, mbs=mbs)
+        if not ptl:
+            batch["loss_mask"] = torch.ones_like(batch["loss_mask"])
+        if not first:
+            batch["tokens"] = batch["position_ids"] = None
+        if not last:
+            batch["labels"] = batch["loss_mask"] = None
+        cut = get_batch_like_pretrain_gpt(batch, cp_group=cp_group, inter_document_masking=strategy != "sbhd",
+                                          padded=strategy == "padded")
+        out.append(Cut(cut, packed_seq_params_like_pretrain_gpt(cut, S), None, cp_group))
+    return out
+
+
+def _packed_pp_cases(ctx) -> dict:
+    """Every cell of :data:`PACKED_PP_CELLS` for every model of :data:`PACKED_PP_DATA`, on the whole world:
+    ``{(name, pp, cp, mbs, ptl): train_steps result (params named as the whole model names them) or the hook's
+    refusal ("refused: ...")}``; a run's error is raised (naming the cell): the other stage would wait for it."""
+    from gdn_cp_testing.megatron import host_p2p
+    from gdn_cp_testing.megatron.batches import install_te_partition_stand_in
+    from gdn_cp_testing.megatron.layer import gdn_cp_forward, rank_groups
+    from gdn_cp_testing.megatron.model import build_model, copy_stage_params, global_layer_name, model_config
+    from gdn_cp_testing.megatron.training import megatron_parallel_state, train_steps
+
+    install_te_partition_stand_in()
+    uninstall = host_p2p.install(stage_all=True)  # the schedule's P2P through the host, as on one GPU
+    out = {}
+    try:
+        for name, (kind, _) in PACKED_PP_DATA.items():
+            heads = HEADS if kind.startswith("hybrid") else {}
+            whole = build_model(kind, model_config(kind, 1, "headwise", **heads), rank_groups()["self"], seed=SEED)
+            for pp, cp, mbs, ptl in PACKED_PP_CELLS:
+                key = (name, pp, cp, mbs, ptl)
+                hook = _flags_of_cell(name, pp, cp, mbs, ptl)
+                if isinstance(hook, str):
+                    out[key] = f"refused: {hook}"
+                    continue
+                fields, strategy = hook
+                with megatron_parallel_state(cp, pipeline_model_parallel_size=pp) as ps:
+                    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+                    config = model_config(kind, cp, "chunkwise", pipeline_model_parallel_size=pp,
+                                          pipeline_dtype=torch.float64, **fields, **heads)
+                    offset = ps.get_pipeline_model_parallel_rank() * (config.num_layers // pp)
+
+                    def build(pg, config=config, first=first, last=last, offset=offset):
+                        stage = build_model(kind, config, pg_collection=pg, seed=SEED, pre_process=first,
+                                            post_process=last)
+                        copy_stage_params(stage, whole, offset)
+                        return stage
+
+                    cuts = partial(_packed_stage_cuts, strategy, mbs, ptl, ps.get_context_parallel_group(), first, last)
+                    # fp64 SBHD through gdn-cp's path at CP=1 too (stock computes its deterministic core in fp32)
+                    sbhd = gdn_cp_forward() if strategy == "sbhd" else contextlib.nullcontext()
+                    try:  # an error in one stage leaves the other waiting: the pool stops every rank
+                        with sbhd:
+                            got = train_steps(build, cuts, PACKED_PP_STEPS, seq_length=S, micro_batch_size=mbs,
+                                              per_token_loss=ptl)
+                    except Exception as e:
+                        raise RuntimeError(f"{name} pp {pp} cp {cp} mbs {mbs} ptl {ptl}: {type(e).__name__}: {e}") from e
+                    got["params"] = {global_layer_name(n, offset): p for n, p in got["params"].items()}
+                    got["variable_seq_lengths"] = fields["variable_seq_lengths"]
+                    out[key] = got
+    finally:
+        uninstall()
+    return out
+
+
+def test_packed_micro_batches_through_pipeline_stages_equal_pp1(patched_megatron, rank_pool):
+    """Megatron-LM's flags PP 1/2 x CP 1/2 x micro-batch 1/2 x per-token loss on/off (:data:`PACKED_PP_CELLS`),
+    with and without --dataloader-inter-document-masking, as the patched validate_args leaves them: every cell
+    trains PP=1 x CP=1's model (loss, gradient norm and parameters after an Adam step of 2 micro-batches), or is
+    refused by the hook with the flag that fixes it. Issue 46: PP=2 x CP=1 with inter-document masking and micro-batch 2 was
+    accepted, then stopped in the second stage's first GatedDeltaNet ("packed (THD) input needs batch 1": the
+    stage received the packed row folded into [S, 2, H])."""
+    from gdn_cp.ops.accuracy import max_rel
+
+    results = rank_pool(WORLD).run(_packed_pp_cases, timeout_s=500)
+    bad, refused = [], set()
+    for rank, res in enumerate(results):
+        for (name, pp, cp, mbs, ptl), got in res.items():
+            ref = res[(name, 1, 1, mbs, ptl)]
+            assert isinstance(ref, dict), f"rank {rank} reference {name} mbs {mbs} ptl {ptl}: {ref}"
+            if isinstance(got, str):
+                if got.startswith("refused: "):
+                    refused.add((name, pp, cp, mbs, ptl))
+                    assert "--calculate-per-token-loss" in got, got
+                continue
+            if (pp, cp) == (1, 1):
+                continue
+            loss = max(abs(a - b) / abs(b) for a, b in zip(got["loss"], ref["loss"]))
+            norm = max(abs(a - b) / abs(b) for a, b in zip(got["grad_norm"], ref["grad_norm"]))
+            params = max(max_rel(p, ref["params"][n]) for n, p in got["params"].items())
+            if not (loss <= TOL and params <= TOL and norm <= 1e-6):
+                bad.append(f"rank {rank} {name} pp {pp} cp {cp} mbs {mbs} ptl {ptl}: loss {loss:.3g}, params "
+                           f"{params:.3g}, grad norm {norm:.3g}")
+            # the stages exchange shapes exactly where the packed rows of a micro-batch are not [S/cp, mbs, H]
+            want = pp > 1 and name != "gpt_sbhd" and (mbs > 1 or (cp > 1 and name == "hybrid_attn_idm"))
+            if got["variable_seq_lengths"] != want:
+                bad.append(f"{name} pp {pp} cp {cp} mbs {mbs}: variable_seq_lengths={got['variable_seq_lengths']}")
+    assert not bad, "\n".join(bad)
+    # refused only where the padded cut lacks per-token loss (gdn_cp.megatron.thd_split._check_padded_cut)
+    assert refused == {("hybrid_attn_idm", 2, 2, 2, False)}, sorted(refused)

@@ -277,7 +277,7 @@ def test_the_parallel_rows_are_the_layouts_they_name(parsed):
     G, *, E and - layers (4 experts, top-2, alltoall dispatcher, TE's grouped GEMM); each CP > 1 row against the
     same layout at CP=1 (same PP / EP / MTP / FP8 / data, EP folded over 2 data-parallel ranks at CP=1); with
     --dataloader-inter-document-masking the padded per-document cut at CP > 1, and under PP the stages exchange
-    shapes; the refusals stop in validate_args naming their reason."""
+    shapes (at CP=1 too: micro-batches of 2 samples packed into one row); the refusals stop in validate_args naming their reason."""
     runs = {n: r for n, r in parsed["runs"].items() if n.startswith("par_")}
     assert len(runs) >= 25, sorted(runs)
     for name, run in runs.items():
@@ -295,7 +295,10 @@ def test_the_parallel_rows_are_the_layouts_they_name(parsed):
         assert par["aux"] == (0.01 if "_aux_" in name else 0.0), (name, par)
         idm = "_idm_" in name
         split = ("per_document" if run["cp"] > 1 else "whole_row") if idm else None
-        assert run["split"] == split and par["shapes"] is (idm and run["cp"] > 1 and par["pp"] > 1), (name, run)
+        # the stages exchange shapes where the packed rows change length (the padded cut at CP > 1) or hold a
+        # micro-batch of several samples packed into one row (gdn_cp.megatron.packed_pipeline; issue 46)
+        shapes = idm and par["pp"] > 1 and (run["cp"] > 1 or run["micro_batch"] > 1)
+        assert run["split"] == split and par["shapes"] is shapes, (name, run)
         if run["ref"]:  # the same layout at CP=1: only CP (and the data-parallel ranks EP folds over) differ
             ref = runs[run["ref"]]
             same = {k: v for k, v in par.items() if k not in ("dp", "world", "shapes")}
