@@ -289,10 +289,23 @@ def _glue(path: str):
     return switch
 
 
+@contextlib.contextmanager
+def _taps_once(modules):
+    """Benchmark-side switch: the Triton glue's candidate backward (``triton_conv.BACKWARD_TAPS_ONCE``)."""
+    from gdn_cp.ops.fused import triton_conv
+
+    old, triton_conv.BACKWARD_TAPS_ONCE = triton_conv.BACKWARD_TAPS_ONCE, True
+    try:
+        yield
+    finally:
+        triton_conv.BACKWARD_TAPS_ONCE = old
+
+
 LEVER_SWITCHES = {"fused_norm": fused_norm_off, "glue_triton": _glue("triton"), "glue_compiled": _glue("compiled"),
-                  "glue_unfused": _glue("unfused")}
-"""A lever row runs with its switch: ``fused_norm`` off, or the glue path its name says in place of the default
-(``glue_*``: the default's own path too, so every path is timed in the same run)."""
+                  "glue_unfused": _glue("unfused"), "glue_taps_once": _taps_once}
+"""A lever row runs with its switch: ``fused_norm`` off, the glue path its name says in place of the default
+(``glue_*``: the default's own path too, so every path is timed in the same run), or ``glue_taps_once``: the Triton
+glue's candidate backward on (a kernel form that ships off until it is measured)."""
 
 
 def _modules_of(module) -> dict:

@@ -31,11 +31,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int) -> dict:
+def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int,
+              taps_once: bool = False) -> dict:
     from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
-    triton_conv._CHUNK = chunk
+    triton_conv._CHUNK, triton_conv.BACKWARD_TAPS_ONCE = chunk, taps_once
     dt = getattr(torch, dtype)
     t, c = cu[-1], 2 * hk * dk + hv * dv
     gen = torch.Generator().manual_seed(t + c)
@@ -50,7 +51,8 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
     pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
                                             torch.autograd.grad(want, leaves, douts)))
-    return {"case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
+    return {"case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}"
+                    + (" taps_once" if taps_once else ""),
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
 
@@ -80,7 +82,8 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
-    cases = [conv_case(*c) for c in CONV_CASES] + [gates_case(d) for d in ("float32", "float16")]
+    cases = [conv_case(*c, taps_once=once) for c in CONV_CASES for once in (False, True)]
+    cases += [gates_case(d) for d in ("float32", "float16")]
     print(json.dumps(cases))
 
 

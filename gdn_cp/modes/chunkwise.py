@@ -182,7 +182,7 @@ class Chunkwise(Mode):
         if straddles and cw.conv_width > 1:
             index = plan.cached_on(("halo_index", cw.conv_width), qkv_c.device, lambda: halo_gather_index(cw))
             with phase("halo"):
-                halo = gather_halo(qkv_c, cw, index, group)
+                qkv_c, halo = gather_halo(qkv_c, cw, index, group)
         x = conv_split(qkv_c, conv_weight, conv_bias, shape=shape, cu_seqlens=cw.local_cu, backend=backend,
                        glue=ctx.settings.glue, halo=halo)
         if not straddles:
@@ -196,18 +196,46 @@ class Chunkwise(Mode):
                                             replace(shape, qk_l2norm=x.kernel_l2norm))
 
 
-def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group) -> torch.Tensor:
-    """The W-1 pre-conv rows before this rank's first row, from the ranks that hold them.
+def gather_halo(x: torch.Tensor, cw: ChunkwisePlan, index: torch.Tensor, group):
+    """``(x, halo)``: ``x`` for the conv to read, and the W-1 pre-conv rows before this rank's first row,
+    from the ranks that hold them.
 
-    ``x [T_local, C]`` contiguous rows. All ranks all-gather their tails ``[W-1, C]``
-    (rows before a rank's own first row are zeros); each picks its halo rows from them.
-    ``index [W-1]``: :func:`halo_gather_index` on x's device.
+    ``x [T_local, C]`` rows (any row stride). All ranks all-gather their tails ``[W-1, C]`` (rows before a
+    rank's own first row are zeros); each picks its halo rows ``[W-1, C]`` from them. ``index [W-1]``:
+    :func:`halo_gather_index` on x's device. The conv must read the returned ``x``: its gradient and the
+    tail's meet in one node (:class:`_TailOf`), so the tail's gradient is added into W-1 rows of the
+    conv's instead of through a zero-filled ``[T_local, C]`` gradient of the slice and a full-size sum.
     """
     w1 = cw.conv_width - 1
-    tail = x[-w1:] if x.shape[0] >= w1 else torch.cat([x.new_zeros(w1 - x.shape[0], x.shape[1]), x])
+    if x.shape[0] >= w1:
+        x, tail = _TailOf.apply(x, w1)
+    else:
+        tail = torch.cat([x.new_zeros(w1 - x.shape[0], x.shape[1]), x])
     tails = all_gather_rows(tail, group)  # [cp*(W-1), C]
     tails = torch.cat([tails, tails.new_zeros(1, tails.shape[1])])  # last row: zeros
-    return tails.index_select(0, index)
+    return x, tails.index_select(0, index)
+
+
+class _TailOf(torch.autograd.Function):
+    """``x [T, C]`` -> ``(x, x[-n:] [n, C] contiguous)``; backward adds the tail's gradient into the last n
+    rows of x's: in place where x's gradient is rows of its own (the conv's fresh input gradient, or a
+    slice of one), on a copy where it is an expanded (stride 0) tensor."""
+
+    @staticmethod
+    def forward(ctx, x, n: int):
+        ctx.n, ctx.shape = n, x.shape
+        return x.view_as(x), x[-n:].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_tail):
+        if grad_tail is None:
+            return grad_x, None
+        if grad_x is None:
+            grad_x = grad_tail.new_zeros(ctx.shape)
+        elif 0 in grad_x.stride():
+            grad_x = grad_x.contiguous()
+        grad_x[-ctx.n:].add_(grad_tail)
+        return grad_x, None
 
 
 def halo_gather_index(cw: ChunkwisePlan) -> torch.Tensor:

@@ -134,3 +134,44 @@ def test_zigzag_core_takes_one_stream_as_it_is():
     assert prepare_mode(_context(per_doc, fake)).path == "native"
     assert prepare_mode(_context(plan, fake, "generic")).path == "generic"  # generic never takes a native core
     assert prepare_mode(_context(plan, _fake_backend())).path == "native"  # no zigzag core: routed
+
+
+class _Producer(torch.autograd.Function):
+    """Identity whose backward hands back the gradient it was given, so a test can see what its input gets."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Producer.seen = grad
+        return grad
+
+
+@pytest.mark.parametrize("conv_grad", ["fresh", "rows_of_a_bigger_one", "expanded", "none"])
+def test_the_halo_tail_gradient_is_added_into_the_conv_gradient(conv_grad):
+    """gather_halo's tail: x's gradient is the conv's plus the tail's in the last W-1 rows, added in place
+    into the conv's gradient (no zero-filled [T, C] gradient of a slice, no full-size sum), on a copy where
+    the conv's gradient is expanded, and the tail's alone where the conv's is missing."""
+    n, rows, width = 3, 10, 6
+    x = torch.randn(rows, width, dtype=torch.float64, requires_grad=True)
+    alias, tail = chunkwise._TailOf.apply(x, n)
+    assert torch.equal(tail, x[-n:]) and tail.is_contiguous() and torch.equal(alias, x)
+    g_tail = torch.randn(n, width, dtype=torch.float64)
+    if conv_grad == "fresh":
+        g_conv = torch.randn(rows, width, dtype=torch.float64)
+    elif conv_grad == "rows_of_a_bigger_one":
+        g_conv = torch.randn(rows + 2, width, dtype=torch.float64)[2:]
+    elif conv_grad == "expanded":
+        g_conv = torch.ones(1, 1, dtype=torch.float64).expand(rows, width)
+    expected = (torch.zeros(rows, width, dtype=torch.float64) if conv_grad == "none" else g_conv.clone())
+    expected[-n:] += g_tail
+    through = _Producer.apply(alias)
+    if conv_grad == "none":
+        tail.backward(g_tail)
+    else:
+        torch.autograd.backward([through, tail], [g_conv, g_tail])
+    assert torch.equal(x.grad, expected)
+    if conv_grad in ("fresh", "rows_of_a_bigger_one"):
+        assert torch.equal(_Producer.seen, expected)  # the conv's own gradient tensor took the tail's rows

@@ -28,7 +28,8 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 6
+    assert len(cases) == 10
+    assert sum(name.endswith("taps_once") for name in cases) == 4  # the candidate backward: every conv case
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
