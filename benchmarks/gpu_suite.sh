@@ -169,7 +169,8 @@ EOF
 # syncs = benchmarks/syncs.py; layer_full = benchmarks/layer_full.py;
 # args = the megatron.training argument test (Python >= 3.12); flashqla = benchmarks/flashqla_probe.py;
 # flashqla_tests = the FlashQLA backend's GPU tests; flashqla_warm = warm_kernels.py --backend flashqla;
-# glue_tests = the glue's GPU paths; flashqla_heads = benchmarks/flashqla_heads.py (FlashQLA's head counts).
+# glue_tests = the glue's GPU paths; flashqla_heads = benchmarks/flashqla_heads.py (FlashQLA's head counts);
+# glue_kernels = benchmarks/glue_kernels.py (the Triton glue's backward forms against each other and the floor).
 # Each under its own time limit.
 # Stages joined by "+" run side by side, each one's output written as it comes to $OUT/stage_<name>.log
 # (so a call killed at its time limit still brings back what each stage printed; what comes back from the
@@ -204,6 +205,9 @@ run_stage() {
     glue_tests)
       # the glue's GPU paths (gdn-cp's Triton kernels, torch.compile) against the plain math, bf16 at a real width
       timeout --signal=INT 300 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA -q ;;
+    glue_kernels)
+      # shellcheck disable=SC2086
+      timeout --signal=INT 300 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
     flashqla_heads)
       # which per-rank head counts FlashQLA compiles; gdn-cp's FlashQLA backend on each (benchmarks/flashqla_heads.py)
       # shellcheck disable=SC2086

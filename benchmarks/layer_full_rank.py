@@ -289,23 +289,29 @@ def _glue(path: str):
     return switch
 
 
-@contextlib.contextmanager
-def _taps_once(modules):
-    """Benchmark-side switch: the Triton glue's candidate backward (``triton_conv.BACKWARD_TAPS_ONCE``)."""
-    from gdn_cp.ops.fused import triton_conv
+def _backward_form(taps_once: bool, sums_per_tile: bool):
+    """Benchmark-side switch: a candidate form of the Triton glue's backward (``triton_conv.BACKWARD_TAPS_ONCE``,
+    ``BACKWARD_SUMS_PER_TILE``)."""
+    @contextlib.contextmanager
+    def switch(modules):
+        from gdn_cp.ops.fused import triton_conv
 
-    old, triton_conv.BACKWARD_TAPS_ONCE = triton_conv.BACKWARD_TAPS_ONCE, True
-    try:
-        yield
-    finally:
-        triton_conv.BACKWARD_TAPS_ONCE = old
+        old = triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE
+        triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE = taps_once, sums_per_tile
+        try:
+            yield
+        finally:
+            triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE = old
+    return switch
 
 
 LEVER_SWITCHES = {"fused_norm": fused_norm_off, "glue_triton": _glue("triton"), "glue_compiled": _glue("compiled"),
-                  "glue_unfused": _glue("unfused"), "glue_taps_once": _taps_once}
+                  "glue_unfused": _glue("unfused"), "glue_taps_once": _backward_form(True, False),
+                  "glue_sums_per_tile": _backward_form(False, True), "glue_both": _backward_form(True, True)}
 """A lever row runs with its switch: ``fused_norm`` off, the glue path its name says in place of the default
-(``glue_*``: the default's own path too, so every path is timed in the same run), or ``glue_taps_once``: the Triton
-glue's candidate backward on (a kernel form that ships off until it is measured)."""
+(``glue_*``: the default's own path too, so every path is timed in the same run), or a candidate form of the Triton
+glue's backward on (``glue_taps_once``, ``glue_sums_per_tile``, ``glue_both``: kernel forms that ship off until they
+are measured; benchmarks/glue_kernels.py times them alone)."""
 
 
 def _modules_of(module) -> dict:

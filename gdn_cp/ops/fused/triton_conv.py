@@ -39,6 +39,12 @@ tests through the interpreter run both). Off until a GPU run shows it faster per
 replace (docs/performance.md, "Not run yet": ``benchmarks/layer_full.py``'s lever ``glue_taps_once`` times it
 beside the default in one run); then it becomes the only form."""
 
+BACKWARD_SUMS_PER_TILE = False
+"""The other candidate: the same kernel reducing its tap and bias sums over each tile's rows at once, so that five
+``[BD]`` vectors stay in registers instead of five ``[BT, BD]`` tiles (its register use, hence occupancy, is the
+suspect for the kernel's third of memory bandwidth). Off until measured, as :data:`BACKWARD_TAPS_ONCE`
+(``benchmarks/glue_kernels.py`` times every combination in one short GPU call)."""
+
 
 @triton.jit
 def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
@@ -158,17 +164,27 @@ def _dpre_tile_taps_once(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_p
 
 
 @triton.jit
+def _sum_into(acc, v, PER_TILE: tl.constexpr):
+    """``acc + v`` per row (``acc [BT, BD]``), or ``acc [1, BD]`` plus v's sum over the tile's rows."""
+    if PER_TILE:
+        return acc + tl.sum(v, axis=0, keep_dims=True)
+    return acc + v
+
+
+@triton.jit
 def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, pre_ptr, dw_ptr,
                              db_ptr, T, ROW0, ROWS, SUM_END, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
                              BT: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
                              HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr,
-                             TAPS_ONCE: tl.constexpr):
+                             TAPS_ONCE: tl.constexpr, SUMS_PER_TILE: tl.constexpr):
     """The gradient at the conv's pre-activation of rows ``[ROW0, ROW0 + ROWS)``, head ``program_id(1)``, into
     ``pre [ROWS, HEADS*D]`` (fp32), and the sums over this program's ``SPAN`` rows (those below ``SUM_END``) of
     the tap and bias gradients into ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32). The sums
-    stay per row in registers across the program's tiles and are reduced over rows once, at the end.
-    ``TAPS_ONCE`` (:data:`BACKWARD_TAPS_ONCE`): each tap's tile loaded once for the recomputed forward and its
-    tap sum, the taps loaded once per program (else per tile, and the tap tiles loaded twice)."""
+    stay per row in registers across the program's tiles and are reduced over rows once, at the end; with
+    ``SUMS_PER_TILE`` (:data:`BACKWARD_SUMS_PER_TILE`), each tile's rows are reduced at once (five ``[BD]``
+    vectors in registers instead of five ``[BT, BD]`` tiles). ``TAPS_ONCE`` (:data:`BACKWARD_TAPS_ONCE`): each
+    tap's tile loaded once for the recomputed forward and its tap sum, the taps loaded once per program (else per
+    tile, and the tap tiles loaded twice). The candidates change the order of fp32 sums only."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BD)
     d_ok = d < D
@@ -188,11 +204,12 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
         bias = tl.zeros_like(t0)
         if HAS_BIAS:
             bias = tl.load(b_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)
-    acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # per-row sums of pre * x[t - k], k = 0..3 (tap W-1-k)
-    acc1 = tl.zeros((BT, BD), dtype=tl.float32)
-    acc2 = tl.zeros((BT, BD), dtype=tl.float32)
-    acc3 = tl.zeros((BT, BD), dtype=tl.float32)
-    accb = tl.zeros((BT, BD), dtype=tl.float32)
+    AR: tl.constexpr = 1 if SUMS_PER_TILE else BT
+    acc0 = tl.zeros((AR, BD), dtype=tl.float32)  # sums of pre * x[t - k], k = 0..3 (tap W-1-k)
+    acc1 = tl.zeros((AR, BD), dtype=tl.float32)
+    acc2 = tl.zeros((AR, BD), dtype=tl.float32)
+    acc3 = tl.zeros((AR, BD), dtype=tl.float32)
+    accb = tl.zeros((AR, BD), dtype=tl.float32)
     for it in range(SPAN // BT):
         rel = i_p * SPAN + it * BT + tl.arange(0, BT)
         rows = ROW0 + rel
@@ -207,12 +224,12 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
         tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
                  mask=row_ok[:, None] & d_ok[None, :])
         pre = tl.where((row_ok & (rows < SUM_END))[:, None], pre, 0.0)
-        accb += pre
+        accb = _sum_into(accb, pre, SUMS_PER_TILE)
         if TAPS_ONCE:  # acc_k sums pre * x[t - k]
-            acc0 += pre * x0
-            acc1 += pre * x1
-            acc2 += pre * x2
-            acc3 += pre * x3
+            acc0 = _sum_into(acc0, pre * x0, SUMS_PER_TILE)
+            acc1 = _sum_into(acc1, pre * x1, SUMS_PER_TILE)
+            acc2 = _sum_into(acc2, pre * x2, SUMS_PER_TILE)
+            acc3 = _sum_into(acc3, pre * x3, SUMS_PER_TILE)
         else:
             pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
             first = pos == rows
@@ -227,13 +244,13 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
                                   mask=((rows < T) & first & (src < 0))[:, None] & d_ok[None, :],
                                   other=0.0).to(tl.float32)
                 if j == W - 1:
-                    acc0 += pre * xv
+                    acc0 = _sum_into(acc0, pre * xv, SUMS_PER_TILE)
                 elif j == W - 2:
-                    acc1 += pre * xv
+                    acc1 = _sum_into(acc1, pre * xv, SUMS_PER_TILE)
                 elif j == W - 3:
-                    acc2 += pre * xv
+                    acc2 = _sum_into(acc2, pre * xv, SUMS_PER_TILE)
                 else:
-                    acc3 += pre * xv
+                    acc3 = _sum_into(acc3, pre * xv, SUMS_PER_TILE)
     width = HEADS * D
     base = dw_ptr + (i_p * width + local).to(tl.int64) * W
     tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
@@ -287,7 +304,7 @@ def _launcher(kernel, key: list, configs: list, fixed: dict):
 
 
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
-_PRE_KEY = [*_TILE_KEY, "TAPS_ONCE"]
+_PRE_KEY = [*_TILE_KEY, "TAPS_ONCE", "SUMS_PER_TILE"]
 _fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
                  {"BT": 16, "num_warps": 4})
 _pre = _launcher(gdn_cp_glue_conv_bwd_pre, _PRE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
@@ -371,7 +388,8 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
              x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
              c if halo is None else halo.stride(0), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
              heads, eps, D=dim, BD=_block(dim), SPAN=_SPAN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
-             HAS_HALO=halo is not None, NORM=norm, TAPS_ONCE=BACKWARD_TAPS_ONCE)
+             HAS_HALO=halo is not None, NORM=norm, TAPS_ONCE=BACKWARD_TAPS_ONCE,
+             SUMS_PER_TILE=BACKWARD_SUMS_PER_TILE)
         dw[c0:c0 + width] += dw_part.sum(0)
         if bias is not None:
             db[c0:c0 + width] += db_part.sum(0)

@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""gdn-cp's Triton conv glue kernels alone: every form of the backward, timed against each other and the memory
+floor, in one short GPU call (seconds after autotuning), before a form is timed in the layer
+(``benchmarks/layer_full.py``'s lever ``glue_taps_once``) and made the default.
+
+Forms: the backward's pre-activation kernel as shipped, with ``BACKWARD_TAPS_ONCE`` (each tap's tile loaded
+once), with ``BACKWARD_SUMS_PER_TILE`` (the tap / bias sums reduced per tile), and with both
+(:mod:`gdn_cp.ops.fused.triton_conv`). Per form and row count: the median forward and backward of
+``conv_silu_split_triton`` (CUDA events, ``--iters`` each after 3 warm-up calls that autotune), and the largest
+difference of each gradient from the shipped form's (the candidates reorder fp32 sums only: a large one is a
+bug). The floor is the bytes each direction must move (forward: read x, write q/k/v; backward: read x and the
+output gradients, write dx) at the bandwidth a plain device copy reaches on the same GPU.
+
+Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4,
+q/k l2-normalized), bf16, x a strided view of in_proj's output as in the layer, eight mixed-length sequences.
+
+    python3 -m benchmarks.glue_kernels --out $OUT/glue_kernels.json                 # on the GPU machine
+    TRITON_INTERPRET=1 python3 -m benchmarks.glue_kernels --device cpu --rows 64 --heads 1,2 --head-dim 16 --iters 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+
+import torch
+
+from benchmarks.measure import parse_tokens
+from gdn_cp.layout import Boundaries
+
+logger = logging.getLogger("benchmarks.glue_kernels")
+
+FORMS = {"shipped": (False, False), "taps_once": (True, False), "sums_per_tile": (False, True), "both": (True, True)}
+MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)  # fractions of the rows (as layer_full's mixed8)
+
+
+def _inputs(rows: int, hk: int, hv: int, dim: int, device: str, dtype: torch.dtype):
+    """``(x [rows, C] view of [rows, C + 2*Hv + Hv*D], weight [C, 4], bias, positions, douts)``."""
+    gen = torch.Generator(device="cpu").manual_seed(rows)
+    c = 2 * hk * dim + hv * dim
+    proj = torch.randn(rows, c + hv * dim + 2 * hv, generator=gen).to(device=device, dtype=dtype)
+    lengths = [max(1, int(rows * f)) for f in MIXED8[:-1]]
+    cu = [0]
+    for n in lengths:
+        cu.append(min(rows, cu[-1] + n))
+    cu.append(rows)
+    weight = (0.5 * torch.randn(c, 4, generator=gen)).to(device=device, dtype=dtype)
+    bias = (0.1 * torch.randn(c, generator=gen)).to(device=device, dtype=dtype)
+    douts = [torch.randn(rows, h, dim, generator=gen).to(device=device, dtype=dtype) for h in (hk, hk, hv)]
+    return proj[:, :c], weight, bias, Boundaries(sorted(set(cu))).positions(device), douts
+
+
+def _timer(device: str):
+    """``elapsed_ms(fn)``: CUDA events on a GPU, the host clock elsewhere (the interpreter's dry run)."""
+    def elapsed_ms(fn) -> float:
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return elapsed_ms
+
+
+def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
+    """The bandwidth a plain copy of ``nbytes`` reaches (read + write), GB/s: the floor's yardstick."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    elapsed = _timer(device)
+    for _ in range(3):
+        dst.copy_(src)
+    ms = statistics.median(elapsed(lambda: dst.copy_(src)) for _ in range(10))
+    return 2 * nbytes / ms / 1e6
+
+
+def time_form(form: str, rows: int, shape, device: str, iters: int, reference=None) -> dict:
+    """One form at ``rows``: median forward / backward ms and its gradients' largest difference from ``reference``."""
+    from gdn_cp.ops.fused import triton_conv
+
+    triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE = FORMS[form]
+    hk, hv, dim = shape
+    x, weight, bias, positions, douts = _inputs(rows, hk, hv, dim, device, torch.bfloat16)
+    leaves = [x.detach().requires_grad_(True), weight.requires_grad_(True), bias.requires_grad_(True)]
+
+    def forward():
+        return triton_conv.conv_silu_split_triton(leaves[0], leaves[1], leaves[2], positions, None, hk, hv, dim, dim,
+                                                  True, 1e-6)
+
+    def backward(outs):
+        return torch.autograd.grad(outs, leaves, douts)
+
+    for _ in range(3 if device == "cuda" else 1):  # autotuning, then warm
+        grads = backward(forward())
+    elapsed = _timer(device)
+    fwd_ms, bwd_ms = [], []
+    for _ in range(iters):
+        fwd_ms.append(elapsed(forward))
+        outs = forward()
+        bwd_ms.append(elapsed(lambda: backward(outs)))
+    row = {"form": form, "rows": rows, "fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms)}
+    if reference is not None:
+        row["max_diff"] = {name: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+                           for name, a, b in zip(("dx", "dweight", "dbias"), grads, reference)}
+    return row, grads
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--rows", default="16K,64K", help="comma list of row counts per rank (16K: a CP=2 rank of 32K tokens)")
+    p.add_argument("--heads", default="16,32", help="key,value heads per rank (default: Qwen3.5-9B's at chunkwise)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {','.join(FORMS)}")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
+    p.add_argument("--out", help="JSON file for the rows")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    hk, hv = (int(h) for h in args.heads.split(","))
+    forms = args.forms.split(",")
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        raise SystemExit(f"--forms: unknown {unknown}; choose from {','.join(FORMS)}")
+    shape, results = (hk, hv, args.head_dim), []
+    for rows in (parse_tokens(r) for r in args.rows.split(",")):
+        c = (2 * hk + hv) * args.head_dim
+        gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
+        floor = {"fwd_ms": 2 * rows * c * 2 / gbs / 1e6, "bwd_ms": 3 * rows * c * 2 / gbs / 1e6}
+        logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
+                    floor["bwd_ms"])
+        reference = None
+        for form in ["shipped"] + [f for f in forms if f != "shipped"]:  # the shipped form first: the reference
+            row, grads = time_form(form, rows, shape, args.device, args.iters, reference)
+            reference = grads if reference is None else reference
+            if form in forms:
+                row.update(copy_gbs=gbs, floor=floor)
+                results.append(row)
+                logger.info("  %-14s fwd %.3f ms  bwd %.3f ms  %s", form, row["fwd_ms"], row["bwd_ms"],
+                            row.get("max_diff", ""))
+    report = {"benchmark": "glue_kernels", "date": time.strftime("%Y-%m-%d"), "device": args.device,
+              "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+              "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
