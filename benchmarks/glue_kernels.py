@@ -14,7 +14,12 @@ output gradients, write dx) at the bandwidth a plain device copy reaches on the 
 Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4,
 q/k l2-normalized), bf16, x a strided view of in_proj's output as in the layer, eight mixed-length sequences.
 
+``--resources`` (no GPU needed): every form of the pre-activation kernel at every autotuning config, compiled for
+sm_90 by Triton's compiler here, with the registers and stack (spill) bytes per thread its cubin declares
+(:mod:`gdn_cp_testing.triton_compile`): what the GPU will run, before it runs.
+
     python3 -m benchmarks.glue_kernels --out $OUT/glue_kernels.json                 # on the GPU machine
+    python3 -m benchmarks.glue_kernels --resources --out benchmarks/results/glue_kernels_resources.json
     TRITON_INTERPRET=1 python3 -m benchmarks.glue_kernels --device cpu --rows 64 --heads 1,2 --head-dim 16 --iters 1
 """
 
@@ -28,6 +33,7 @@ import time
 
 import torch
 
+from benchmarks.common import machine_info, now_iso, versions
 from benchmarks.measure import parse_tokens
 from gdn_cp.layout import Boundaries
 
@@ -111,6 +117,28 @@ def time_form(form: str, rows: int, shape, device: str, iters: int, reference=No
     return row, grads
 
 
+def resources(head_dim: int) -> list[dict]:
+    """Registers and stack bytes per thread of every pre-activation kernel form at every autotuning config, with and
+    without the halo, for q/k (l2 norm) and v heads, compiled for sm_90 (:func:`gdn_cp_testing.triton_compile`)."""
+    import triton
+
+    from gdn_cp.ops.fused.triton_conv import TILE_CONFIGS
+    from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
+
+    rows = []
+    for form, (once, per_tile) in FORMS.items():
+        for (meta, warps) in TILE_CONFIGS:
+            for halo in (False, True):
+                for norm in (True, False):
+                    _, kernel, pointers, constexprs = conv_kernels(once, per_tile, meta["BT"], head_dim, norm, halo)[1]
+                    used = compile_sm90(kernel, pointers, constexprs, warps)
+                    rows.append({"form": form, "BT": meta["BT"], "num_warps": warps, "halo": halo, "l2norm": norm,
+                                 **used})
+                    logger.info("%-14s BT %2d warps %d halo %-5s l2norm %-5s: %3d registers, %4d stack bytes", form,
+                                meta["BT"], warps, halo, norm, used["registers"], used["stack_bytes"])
+    return [{**r, "triton": triton.__version__, "target": "sm_90"} for r in rows]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
@@ -120,9 +148,21 @@ def main(argv=None) -> dict:
     p.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {','.join(FORMS)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
+    p.add_argument("--resources", action="store_true",
+                   help="compile every form at every config for sm_90 here and report registers / spills (no GPU)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.resources:
+        import triton
+
+        report = {"benchmark": "glue_kernels --resources", "date": now_iso(), "machine": machine_info(),
+                  "versions": versions({"triton": triton.__version__}), "head_dim": args.head_dim,
+                  "results": resources(args.head_dim)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+        return report
     hk, hv = (int(h) for h in args.heads.split(","))
     forms = args.forms.split(",")
     unknown = sorted(set(forms) - set(FORMS))
@@ -144,8 +184,8 @@ def main(argv=None) -> dict:
                 results.append(row)
                 logger.info("  %-14s fwd %.3f ms  bwd %.3f ms  %s", form, row["fwd_ms"], row["bwd_ms"],
                             row.get("max_diff", ""))
-    report = {"benchmark": "glue_kernels", "date": time.strftime("%Y-%m-%d"), "device": args.device,
-              "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+    report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
+              "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
               "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}
     if args.out:
         with open(args.out, "w") as f:

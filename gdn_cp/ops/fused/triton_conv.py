@@ -166,9 +166,11 @@ def _dpre_tile_taps_once(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_p
 @triton.jit
 def _sum_into(acc, v, PER_TILE: tl.constexpr):
     """``acc + v`` per row (``acc [BT, BD]``), or ``acc [1, BD]`` plus v's sum over the tile's rows."""
-    if PER_TILE:
-        return acc + tl.sum(v, axis=0, keep_dims=True)
-    return acc + v
+    if PER_TILE:  # (one return: the compiler types every return of a function alike)
+        out = acc + tl.sum(v, axis=0, keep_dims=True)
+    else:
+        out = acc + v
+    return out
 
 
 @triton.jit
@@ -305,10 +307,10 @@ def _launcher(kernel, key: list, configs: list, fixed: dict):
 
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
 _PRE_KEY = [*_TILE_KEY, "TAPS_ONCE", "SUMS_PER_TILE"]
-_fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
-                 {"BT": 16, "num_warps": 4})
-_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _PRE_KEY, [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)],
-                 {"BT": 16, "num_warps": 4})
+TILE_CONFIGS = [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)]
+"""The forward's and the pre-activation kernel's autotuning configs: (meta, num_warps)."""
+_fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _PRE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _dx = _launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
@@ -396,13 +398,23 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
         n = end_sum - row0
         _dx(lambda meta, n=n: (triton.cdiv(n, meta["BT"]), triton.cdiv(width, meta["BC"])),
             pre, weight, positions, dx, dx.stride(0), t, row0, n, end, c0, width, W=w)
-        if halo is not None and row0 == 0:  # halo row i (token i-(W-1)) feeds row i-j through tap j
-            first = positions[:w - 1] == torch.arange(min(w - 1, t), device=x.device, dtype=positions.dtype)
-            taps = weight[c0:c0 + width].float()
-            for i in range(w - 1):
-                for j in range(i + 1):
-                    if i - j < rows:
-                        dhalo[i, c0:c0 + width] += taps[:, j] * pre[i - j] * first[i - j]
+        if halo is not None and row0 == 0:
+            dhalo[:, c0:c0 + width] += _halo_gradient(pre, weight[c0:c0 + width], positions)
+
+
+def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[W-1, width]`` fp32: halo row i (token i-(W-1)) feeds row r = i-j through tap j, for the rows r < W-1 of
+    the sequence that starts at row 0 (``positions[r] == r``): ``sum_r taps[:, i-r] * pre[r]`` over r <= i. A few
+    kernels for every (i, j) at once (``pre [rows, width]`` fp32, ``taps [width, W]``)."""
+    w1 = taps.shape[1] - 1
+    n = min(w1, pre.shape[0])
+    r = torch.arange(n, device=pre.device)
+    i = torch.arange(w1, device=pre.device)
+    lag = i[:, None] - r[None, :]  # [W-1, n]: the tap linking halo row i to row r
+    taps_t = taps.float().t()  # [W, width]
+    k = taps_t[lag.clamp_min(0)] * (lag >= 0)[..., None]  # [W-1, n, width]
+    rows = pre[:n] * (positions[:n] == r.to(positions.dtype))[:, None]  # [n, width]: only row 0's sequence
+    return (k * rows[None]).sum(1)
 
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
