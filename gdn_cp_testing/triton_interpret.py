@@ -53,7 +53,11 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
     pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
                                             torch.autograd.grad(want, leaves, douts)))
-    return {"case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}"
+    # the conv's own input gradient is laid out like x (columns of a [t, c + 7]): split_columns' backward reuses it
+    dx_alone = torch.autograd.grad(conv_silu_split_triton(*args), [args[0]], douts)[0]
+    return {"dx_laid_out_like_x": dx_alone.stride() == args[0].stride()
+            and dx_alone.storage_offset() - dx_alone._base.storage_offset() == 3,
+            "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}"
                     + (" taps_once" if taps_once else "") + (" sums_per_tile" if sums_per_tile else ""),
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}

@@ -25,6 +25,7 @@ from ..modes.context import Projected
 from ..nvtx import phase
 from ..modes.packing import sbhd_to_thd, thd_to_sbhd
 from ..ops.fused import gates, glue_path
+from ..ops.fused.split import split_columns
 
 if TYPE_CHECKING:
     from ..ops.contract import Backend
@@ -63,8 +64,8 @@ class LayerSegment:
         layer, shape = self.layer, self.state.shape
         qkvzba = layer.in_proj(hidden)  # [S', B, D_tp] (S' = S * sp_size)
         rows = sbhd_to_thd(qkvzba)
-        qkv, gate, beta, alpha = torch.split(
-            rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads], dim=-1
+        qkv, gate, beta, alpha = split_columns(  # backward: into the conv's gradient buffer, where it made one
+            rows, [shape.conv_dim, shape.value_dim, shape.num_v_heads, shape.num_v_heads]
         )
         path = glue_path(self.state.settings.glue, alpha)
         g, beta = gates(alpha, beta, layer.A_log, layer.dt_bias, path=path)  # [T, Hv]: g fp32, as stock

@@ -38,6 +38,7 @@ def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
         if not name.startswith("conv"):
             continue
         assert case["contiguous"], name
+        assert case["dx_laid_out_like_x"], name
         # fp32: summation order only; fp16: the outputs round at the same points (1e-3 is one fp16 ulp
         # in every element), gradients through one rounding of the l2 norm's gradient
         tol = 1e-6 if "float32" in name else 2e-3
