@@ -130,7 +130,7 @@ from .layer_full_math import (
     parse_plan,
     run_key,
 )
-from .measure import GIB, fmt_tokens, iteration_stats, parse_tokens
+from .measure import fmt_tokens, iteration_stats, parse_tokens
 
 
 logger = logging.getLogger("benchmarks.layer_full")

@@ -117,7 +117,8 @@ def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_c
     """TransformerConfig of one GDN layer. Stock megatron has no ``linear_cp_mode`` field; the
     patched one is built with chunkwise (legal for any head count) and set per case.
     ``zero_centered_gamma``: ``layernorm_zero_centered_gamma`` (the te spec's norms then scale by
-    1 + weight). ``backend``: the patched layer's ``linear_cp_backend``. The te spec's modules are built on the GPU, as in training (and as the GPU parity
+    1 + weight). ``backend``: the patched layer's ``linear_cp_backend``. The te spec's modules are built on the GPU,
+    as in training (and as the GPU parity
     tests build them); the weights are set afterwards either way."""
     from megatron.core.transformer import TransformerConfig
 

@@ -41,7 +41,8 @@ def stand_in_gdn(*, cp_group=None, tp_size: int = 1, tp_group=None, act_fn=F.sil
     return types.SimpleNamespace(
         config=types.SimpleNamespace(**cfg),
         pg_collection=types.SimpleNamespace(cp=cp_group or StandInGroup(1), tp=tp_group),
-        out_norm=types.SimpleNamespace(named_parameters=lambda: []), tp_size=tp_size, sp_size=1, act_fn=act_fn, layer_number=layer_number, num_key_heads=heads[0],
+        out_norm=types.SimpleNamespace(named_parameters=lambda: []), tp_size=tp_size, sp_size=1, act_fn=act_fn,
+        layer_number=layer_number, num_key_heads=heads[0],
         num_value_heads=heads[1], num_k_heads_local_tp=heads[0], num_v_heads_local_tp=heads[1],
         key_head_dim=head_dim, value_head_dim=head_dim, use_qk_l2norm=True,
         conv1d=types.SimpleNamespace(weight=torch.zeros(1, 1, 4)),  # its parameters' dtype and device

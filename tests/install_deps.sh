@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the test suite needs into the current Python environment, meant to be a fresh
 # virtual environment (python3 -m venv .venv && . .venv/bin/activate; .ci/run makes one):
-# torch 2.13.0, gdn-cp with its test extras (pytest, hypothesis and two linters), megatron-core
+# torch 2.13.0, gdn-cp with its test extras (pytest, hypothesis and three linters: hadolint, shellcheck, ruff), megatron-core
 # 0.19.2 (+ triton, which it imports) and the gdn-cp patch applied to that megatron-core. Every package
 # it installs is pinned by tests/constraints.txt to the version CI ran the test suite with.
 # Outside a virtual environment it refuses (exit 2) before installing anything, since it would
@@ -55,7 +55,7 @@ index_unreachable() {
 torch_build() {
   "$PY" -c 'import importlib.util as u, pathlib as p; s = u.find_spec("torch"); v = {}; s and exec((p.Path(s.origin).parent / "version.py").read_text(), v); print(v["__version__"] + " " + ("CUDA " + v["cuda"] if v.get("cuda") else "ROCm" if v.get("hip") else "CPU") if s else "none")'
 }
-DEPS="gdn-cp (editable) with its test extras (pytest, hypothesis, hadolint, shellcheck), packaging, numpy"
+DEPS="gdn-cp (editable) with its test extras (pytest, hypothesis, hadolint, shellcheck, ruff), packaging, numpy"
 if [ "$CPU_TORCH" = 1 ]; then
   build=$(torch_build)
   version=${build%% *}

@@ -29,7 +29,8 @@ def test_the_fuzz_test_count_is_the_collected_one():
 
 def test_every_variable_the_package_names_beside_its_settings_is_said_in_the_docs():
     """The GDN_CP_* names gdn_cp's code holds as string constants (gdn_cp/env.py aside: it lists every name, to
-    tell who reads it; docstrings only mention names) that are not the library's settings are ones a command looks at without taking a setting from: each is
+    tell who reads it; docstrings only mention names) that are not the library's settings are ones a command looks at without taking a
+    setting from: each is
     named in docs/errors.md with the command that does, and no sentence says that no command reads them."""
     from gdn_cp import env
 

@@ -223,7 +223,8 @@ def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
             "grad_x": max(rel_l2(got[1][2], got[0][2]), rel_l2(got[2][2], got[0][2]))}
 
 
-def test_fused_norm_switch_turns_the_lever_off_and_back_on(patched_megatron, rank_pool):
+@pytest.mark.usefixtures("patched_megatron")
+def test_fused_norm_switch_turns_the_lever_off_and_back_on(rank_pool):
     [res] = rank_pool(1).run(_fused_norm_switch_case, {})
     assert res["calls"][0] > 0 and res["calls"][1] == 0 and res["calls"][2] > 0, res
     assert res["out"] < 1e-5 and res["grad_x"] < 1e-5, res  # the same math either way (fp32)

@@ -78,8 +78,6 @@ def test_doctor_says_whether_transformer_engine_is_there(monkeypatch):
     import importlib.metadata
     import sys
 
-    from gdn_cp.cli import doctor
-
     real = importlib.metadata.version
     installed = {}
 

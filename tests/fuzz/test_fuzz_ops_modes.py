@@ -27,8 +27,6 @@ from gdn_cp.ops.gates import check_log_decay
 from gdn_cp.ops.reference.naive import naive_causal_conv1d, naive_gated_delta_rule
 from gdn_cp.layout.packings import cumsum0
 
-reference = get_backend("reference")
-
 from .common import (
     Refused,
     assert_accepted,
@@ -38,6 +36,8 @@ from .common import (
     is_int,
     outcome,
 )
+
+reference = get_backend("reference")
 
 REFUSE, EITHER = "refuse", "either"
 

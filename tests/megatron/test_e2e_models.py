@@ -16,7 +16,8 @@ documents of any length, and ``padded``: the same rows with Megatron-LM's args a
 per-document cut, as the patched ``validate_args`` does for models with attention layers: every
 document padded at its end to a multiple of 2*cp, then cut per document, pads out of the loss;
 ``--hybrid-context-parallel`` -> per sample ``local_cp_size`` 1, 2, 4; no packing flag -> SBHD).
-Padded rows are compared at their real tokens; their pad rows must carry loss mask 0 and label 0. Modes: headwise, chunkwise with its swap at hidden_states (what
+Padded rows are compared at their real tokens; their pad rows must carry loss mask 0 and label 0.
+Modes: headwise, chunkwise with its swap at hidden_states (what
 ``auto`` picks for these shapes) and forced at the core, all_gather. The hybrid model has 2 key /
 6 value heads: headwise is illegal at CP=4 there and must be refused with a ValueError.
 

@@ -25,7 +25,6 @@ session's pool), with every point-to-point transfer staged through the host as o
 from __future__ import annotations
 
 import contextlib
-import copy
 from functools import partial
 
 import pytest

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from gdn_cp_testing.inputs import hidden_inputs
-from gdn_cp_testing.megatron.layer import DIMS, build_gdn, install_cpu_shims, make_config, rank_groups, run_layer, stock_forward, stock_vs_patched, thd_params
+from gdn_cp_testing.megatron.layer import (DIMS, build_gdn, install_cpu_shims, make_config, rank_groups, run_layer,
+                                           stock_forward, stock_vs_patched, thd_params)
 from gdn_cp_testing.megatron.parity import HIDDEN, MODES, parity_case, sbhd_len
 from gdn_cp.ops.accuracy import max_rel
 from gdn_cp_testing.packings import thd_case, zigzag_rows
@@ -113,7 +114,7 @@ def test_odd_heads(patched_megatron, rank_pool):
     results = rank_pool(2).run(_odd_heads, timeout_s=120)
     worst = _worst(results, "parity")
     assert all(v <= TOL[torch.float64] for v in worst.values()), worst
-    assert set(worst) == {(l, m) for l in ("sbhd", "thd") for m in ("chunkwise", "all_gather")}
+    assert set(worst) == {(lay, m) for lay in ("sbhd", "thd") for m in ("chunkwise", "all_gather")}
     msg = results[0]["config_error"]
     assert msg is not None, "TransformerConfig accepted headwise with 3 key heads at CP=2"
     for needle in ("linear_cp_mode='headwise'", "linear_num_key_heads=3", "context_parallel_size=2",

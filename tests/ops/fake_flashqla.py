@@ -4,7 +4,8 @@
 refuses or mishandles (head dims other than 128, dtypes other than bf16 / fp16, q/k/v of different
 dtypes, a batch > 1 with ``cu_seqlens``, boundaries that are not an int32 tensor on q's device, an
 empty sequence, a state count other than the sequence count, value heads not a multiple of key
-heads, an odd number of value heads: TileLang's layout failure on an H200), then computes with gdn-cp's reference kernels (fp32 math) on the unbatched rows, value
+heads, an odd number of value heads: TileLang's layout failure on an H200), then computes with gdn-cp's
+reference kernels (fp32 math) on the unbatched rows, value
 head h reading key head h // (HV / H) as FlashQLA's GVA does. Every call is recorded in
 :data:`CALLS`. :func:`install` puts the fake package into ``sys.modules`` and makes the backend
 take CPU tensors; :func:`uninstall` undoes both.
