@@ -32,6 +32,7 @@ from gdn_cp_testing.inputs import fla_core_inputs
 from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.ranks import maybe_fast_autotune
 from gdn_cp_testing.results import JsonlRecorder
+from gdn_cp_testing.compare import gather_rows
 from gdn_cp.ops.accuracy import FLA_CP_CEILING_REL_L2 as CEILING
 from gdn_cp.ops.accuracy import FLA_CP_VS_CP1_REL_L2 as CP_TOL
 from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
@@ -392,22 +393,6 @@ def _rank_mode_cases(rctx, inputs: dict, dtype: str, cp: int, path: str):
     return out
 
 
-def _gather_rows(results: list, key: str, cp: int, group_start: int, t_global: int) -> dict:
-    """One group's per-rank results of ``key`` in global row order (gradients of the replicated
-    conv weight and bias summed)."""
-    mine = [res[key] for res in results[group_start:group_start + cp]]
-    rows = torch.cat([m["rows"] for m in mine])
-    out = {}
-    for k in ("o", "dqkv", "dg", "dbeta"):
-        vals = torch.cat([m[k] for m in mine])
-        full = torch.empty((t_global, *vals.shape[1:]), dtype=vals.dtype)
-        full[rows] = vals
-        out[k] = full
-    for k in ("dw", "db"):
-        out[k] = torch.stack([m[k].double() for m in mine]).sum(0)
-    return out
-
-
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("cp", [2, 4])
@@ -422,7 +407,7 @@ def test_chunkwise_mode_paths_match_cp1(cuda_pool, path, cp):
     for case, split, layout in MODE_CASES:
         key = f"{case}/{split}/{layout}"
         _, fla1, ref = _baseline(case, dtype)
-        got = [_gather_rows(results, key, cp, g, ALL_CASES[case][-1])
+        got = [gather_rows(results, key, cp, g, ALL_CASES[case][-1])
                for g in range(0, cuda_pool.world_size, cp)]
         bad, targets_met, errs, maxes, ref_errs, cp1_ref_errs = _judge(got, fla1, ref, dtype)
         ran = {res[key]["path"] for res in results}

@@ -42,6 +42,7 @@ from gdn_cp.ops.flashqla.detect import flashqla_problem
 from gdn_cp_testing.inputs import fla_core_inputs
 from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.results import JsonlRecorder
+from gdn_cp_testing.compare import gather_rows
 from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
 
 from .test_fla_backend import _judge
@@ -262,20 +263,6 @@ def _rank_modes(rctx, inputs: dict, cp: int, path: str):
     return out
 
 
-def _gather(results, key: str, cp: int, start: int, t_global: int) -> dict:
-    mine = [res[key] for res in results[start:start + cp]]
-    rows = torch.cat([m["rows"] for m in mine])
-    out = {}
-    for k in ("o", "dqkv", "dg", "dbeta"):
-        vals = torch.cat([m[k] for m in mine])
-        full = torch.empty((t_global, *vals.shape[1:]), dtype=vals.dtype)
-        full[rows] = vals
-        out[k] = full
-    for k in ("dw", "db"):  # parameters replicated over CP: gradients summed
-        out[k] = torch.stack([m[k].double() for m in mine]).sum(0).float()
-    return out
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("path", ["generic", "native"])
 def test_modes_match_cp1(cuda_pool, path, cp):
@@ -293,7 +280,7 @@ def test_modes_match_cp1(cuda_pool, path, cp):
     for key in results[0]:
         case, mode = key.split("/")
         _, base = _baseline(case)
-        got = [_gather(results, key, cp, s, T_GLOBAL) for s in range(0, cuda_pool.world_size, cp)]
+        got = [gather_rows(results, key, cp, s, T_GLOBAL) for s in range(0, cuda_pool.world_size, cp)]
         bad, targets_met, errs, maxes, ref_errs, cp1_ref_errs = _judge(got, base["flashqla"], base["reference"],
                                                                        "bfloat16")
         ran = sorted({res[key]["ran"] for res in results})
@@ -342,7 +329,7 @@ def test_realistic_shape_chunkwise_cp2(cuda_pool, path):
     t = 8192
     inp, base = _baseline("realistic", REALISTIC, cu=[0, t])
     results = cuda_pool.run(_rank_realistic, inp, [0, t], 2, path)
-    got = [_gather(results, "single", 2, s, t) for s in range(0, cuda_pool.world_size, 2)]
+    got = [gather_rows(results, "single", 2, s, t) for s in range(0, cuda_pool.world_size, 2)]
     bad, targets_met, errs, _, ref_errs, cp1_ref_errs = _judge(got, base["flashqla"], base["reference"], "bfloat16")
     flashqla_vs_fla = {k: rel_l2(base["flashqla"][k], base["fla"][k]) for k in base["fla"]} if "fla" in base else None
     _record("flashqla_realistic_cp2", path=path, T=t, dims=REALISTIC, ok=not bad, issue_targets_met=targets_met,

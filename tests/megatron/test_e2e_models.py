@@ -643,7 +643,7 @@ def _train_cases(ctx, name: str) -> dict:
 def test_training_steps_equal_cp1(patched_megatron, rank_pool, name):
     """3 Adam steps of 2 micro-batches each: the loss of every step, the final parameters (max_rel
     over each tensor) equal CP=1's; the gradient norm (megatron computes it in fp32) to 1e-6."""
-    from gdn_cp.ops.accuracy import max_rel
+    from gdn_cp_testing.compare import training_diff
 
     results = rank_pool(WORLD).run(_train_cases, name, timeout_s=240)
     kind, strategy, runs = TRAIN_RUNS[name]
@@ -657,10 +657,9 @@ def test_training_steps_equal_cp1(patched_megatron, rank_pool, name):
             if not isinstance(got, dict):
                 bad.append(f"rank {rank} {kind} {strategy} cp={run[0]} {run[1]}: {got}")
                 continue
-            loss = max(abs(a - b) / abs(b) for a, b in zip(got["loss"], ref["loss"]))
-            norm = max(abs(a - b) / abs(b) for a, b in zip(got["grad_norm"], ref["grad_norm"]))
-            params = max(max_rel(got["params"][n], p) for n, p in ref["params"].items())
-            if not (loss <= TOL and params <= TOL and norm <= 1e-6 and set(got["params"]) == set(ref["params"])):
+            d = training_diff(got, ref)
+            loss, norm, params = d["loss"], d["grad_norm"], d["params"]
+            if not (loss <= TOL and params <= TOL and norm <= 1e-6 and d["names_ok"]):
                 bad.append(f"rank {rank} {kind} {strategy} cp={run[0]} {run[1]}: loss {loss:.3g}, params "
                            f"{params:.3g}, grad norm {norm:.3g} (losses {got['loss']} vs {ref['loss']})")
     assert not bad, "\n".join(bad)
