@@ -526,7 +526,15 @@ def dry_run(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def _groups(text: str) -> tuple[str, ...]:
+    groups = tuple(g.strip() for g in text.split(",") if g.strip())
+    bad = [g for g in groups if g not in GROUPS]
+    if bad or not groups:
+        raise argparse.ArgumentTypeError(f"choose from {','.join(GROUPS)}; got {text!r}")
+    return groups
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkout", help="a patched Megatron-LM checkout (core_v0.19.x)")
     p.add_argument("--out", default="train_megatron_lm.json", help="JSON written after every run")
@@ -537,7 +545,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", help="run only the matrix entries whose name contains one of these")
     p.add_argument("--flashqla-site", help="an unpacked FlashQLA site (e.g. .site-tl), first on the PYTHONPATH of "
                    "the FlashQLA runs only")
-    p.add_argument("--groups", type=lambda t: tuple(t.split(",")), default=("main",),
+    p.add_argument("--groups", type=_groups, default=("main",),
                    help=f"comma-separated matrix groups of {', '.join(GROUPS)} (default main)")
     p.add_argument("--stock-checkout", help="an unpatched copy of the checkout, for the stock rows")
     p.add_argument("--resume", metavar="JSON", help="an earlier result of this benchmark: keep its finished rows, "
@@ -546,6 +554,11 @@ def main(argv=None) -> int:
     p.add_argument("--text-bytes", type=int, default=byte_text.MAX_BYTES, help="size of the text in bytes")
     p.add_argument("--dry-run", action="store_true", help="build the data and print the plan; run nothing")
     p.add_argument("--plot", metavar="JSON", help="draw JSON's PNG beside it and print its table; run nothing")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     setup_logging()
     if args.plot:
