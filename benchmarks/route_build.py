@@ -236,78 +236,51 @@ def token_count(text: str) -> int:
     return int(found.group(1)) * _UNITS[found.group(2).upper()]
 
 
-def run(args) -> dict:
-    torch.set_num_threads(args.threads)
-    malloc_retain = retain_freed_memory() if args.malloc == "retain" else False
-    if args.malloc == "retain" and not malloc_retain:
-        logger.warning("--malloc retain: not glibc (mallopt unavailable); allocator left as is")
-    per_token, per_token_info = resolve_per_token(args.per_token)
-    configs = [(t, n, cp) for t in args.t for n in args.seqs for cp in args.cp]
-    logger.info(
-        "route_build: %d configs x %d pass(es), rank %d, %d torch thread(s), per-token = %s",
-        len(configs), args.passes, args.rank, args.threads, per_token_info["impl"],
-    )
-    load_before = load_average()
-    rows: dict[tuple, dict] = {}
-    methods = ("plan", "plan_index", "per_token", "full_perm")
-    started = time.perf_counter()
-    for p in range(args.passes):
-        for i, (t_global, nseq, cp) in enumerate(configs):
-            if args.rank >= cp:
-                raise SystemExit(f"--rank {args.rank} is not < cp={cp}")
-            cu = packed_boundaries(nseq, t_global, cp, args.seed)
-            cu_tensor = torch.tensor(cu, dtype=torch.int32)
-            key = (t_global, nseq, cp)
-            row = rows.get(key)
-            if row is None:
-                idx, inv = per_token(cu_tensor, cp, t_global)
-                ranks = range(cp) if args.verify_all_ranks else sorted({0, args.rank, cp - 1})
-                checks = verify(cu, cp, idx, inv, ranks)
-                del idx, inv
-                agree = all(v for k, v in checks.items() if k != "ranks_checked")
-                route = _route(cu_tensor, cp, args.rank)
-                row = rows[key] = {
-                    "T_global": t_global,
-                    "num_sequences": nseq,
-                    "nonempty_sequences": sum(1 for a, b in zip(cu, cu[1:]) if b > a),
-                    "cp": cp,
-                    "rank": args.rank,
-                    "T_local": t_global // cp,
-                    "route_pieces": {"send": len(route.send_transfers), "recv": len(route.recv_transfers)},
-                    "agree": agree,
-                    "checks": checks,
-                    "passes": {m: [] for m in methods},
-                    "cpu_passes": {m: [] for m in methods},
-                    "repeats": {m: [] for m in methods},
-                    "minor_faults_per_call": {m: [] for m in methods},
-                }
-            fns = {
-                "plan": lambda: _route(cu_tensor, cp, args.rank),
-                "plan_index": lambda: _route_and_index(cu_tensor, cp, args.rank),
-                "per_token": lambda: per_token(cu_tensor, cp, t_global),
-                "full_perm": lambda: build_natural_order(tuple(cu), cp, args.rank),
-            }
-            for m in methods:
-                res = time_call(fns[m], budget_s=args.budget, min_repeats=args.min_repeats, max_repeats=args.max_repeats)
-                row["passes"][m].append(res["median_ms"])
-                row["cpu_passes"][m].append(res["cpu_median_ms"])
-                row["repeats"][m].append(res["repeats"])
-                row["minor_faults_per_call"][m].append(res["minor_faults_per_call"])
-            for m in methods:
-                best = min(range(len(row["passes"][m])), key=row["passes"][m].__getitem__)
-                row[f"{m}_ms"] = row["passes"][m][best]
-                row[f"{m}_cpu_ms"] = row["cpu_passes"][m][best]
-            row["speedup"] = row["per_token_ms"] / row["plan_index_ms"]
-            row["speedup_plan_only"] = row["per_token_ms"] / row["plan_ms"]
-            logger.info(
-                "[pass %d/%d, %2d/%d] T=%-5s seqs=%-4d cp=%d  plan %.3f ms  plan+index %.3f ms  per-token %.3f ms"
-                "  full-perm %.3f ms  (x%.2f)%s",
-                p + 1, args.passes, i + 1, len(configs), _fmt_t(t_global), nseq, cp,
-                row["passes"]["plan"][-1], row["passes"]["plan_index"][-1], row["passes"]["per_token"][-1],
-                row["passes"]["full_perm"][-1], row["per_token_ms"] / row["plan_index_ms"],
-                "" if row["agree"] else "  DISAGREE",
-            )
-    results = list(rows.values())
+METHODS = ("plan", "plan_index", "per_token", "full_perm")
+
+
+def _new_row(args, cu, cu_tensor, cp, t_global, nseq, per_token) -> dict:
+    """A config's row, after checking once that megatron's permutation and gdn-cp's routes move the same rows."""
+    idx, inv = per_token(cu_tensor, cp, t_global)
+    ranks = range(cp) if args.verify_all_ranks else sorted({0, args.rank, cp - 1})
+    checks = verify(cu, cp, idx, inv, ranks)
+    del idx, inv
+    route = _route(cu_tensor, cp, args.rank)
+    return {
+        "T_global": t_global,
+        "num_sequences": nseq,
+        "nonempty_sequences": sum(1 for a, b in zip(cu, cu[1:]) if b > a),
+        "cp": cp,
+        "rank": args.rank,
+        "T_local": t_global // cp,
+        "route_pieces": {"send": len(route.send_transfers), "recv": len(route.recv_transfers)},
+        "agree": all(v for k, v in checks.items() if k != "ranks_checked"),
+        "checks": checks,
+        "passes": {m: [] for m in METHODS},
+        "cpu_passes": {m: [] for m in METHODS},
+        "repeats": {m: [] for m in METHODS},
+        "minor_faults_per_call": {m: [] for m in METHODS},
+    }
+
+
+def _time_pass(args, row, fns) -> None:
+    """One pass of every method into ``row``; the figures kept are those of the lowest-median pass."""
+    for m in METHODS:
+        res = time_call(fns[m], budget_s=args.budget, min_repeats=args.min_repeats, max_repeats=args.max_repeats)
+        row["passes"][m].append(res["median_ms"])
+        row["cpu_passes"][m].append(res["cpu_median_ms"])
+        row["repeats"][m].append(res["repeats"])
+        row["minor_faults_per_call"][m].append(res["minor_faults_per_call"])
+    for m in METHODS:
+        best = min(range(len(row["passes"][m])), key=row["passes"][m].__getitem__)
+        row[f"{m}_ms"] = row["passes"][m][best]
+        row[f"{m}_cpu_ms"] = row["cpu_passes"][m][best]
+    row["speedup"] = row["per_token_ms"] / row["plan_index_ms"]
+    row["speedup_plan_only"] = row["per_token_ms"] / row["plan_ms"]
+
+
+def _target(results: list[dict]):
+    """The target config's figures and whether they meet :data:`TARGET` (None where the sweep lacks it)."""
     target = None
     for r in results:
         if (r["T_global"], r["num_sequences"], r["cp"]) == (TARGET["T_global"], TARGET["num_sequences"], TARGET["cp"]):
@@ -321,6 +294,50 @@ def run(args) -> dict:
                 met=bool(r["speedup"] >= TARGET["min_speedup"] and r["plan_index_ms"] < TARGET["max_ms"]),
                 met_plan_only=bool(r["speedup_plan_only"] >= TARGET["min_speedup"] and r["plan_ms"] < TARGET["max_ms"]),
             )
+    return target
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    malloc_retain = retain_freed_memory() if args.malloc == "retain" else False
+    if args.malloc == "retain" and not malloc_retain:
+        logger.warning("--malloc retain: not glibc (mallopt unavailable); allocator left as is")
+    per_token, per_token_info = resolve_per_token(args.per_token)
+    configs = [(t, n, cp) for t in args.t for n in args.seqs for cp in args.cp]
+    logger.info(
+        "route_build: %d configs x %d pass(es), rank %d, %d torch thread(s), per-token = %s",
+        len(configs), args.passes, args.rank, args.threads, per_token_info["impl"],
+    )
+    load_before = load_average()
+    rows: dict[tuple, dict] = {}
+    started = time.perf_counter()
+    for p in range(args.passes):
+        for i, (t_global, nseq, cp) in enumerate(configs):
+            if args.rank >= cp:
+                raise SystemExit(f"--rank {args.rank} is not < cp={cp}")
+            cu = packed_boundaries(nseq, t_global, cp, args.seed)
+            cu_tensor = torch.tensor(cu, dtype=torch.int32)
+            key = (t_global, nseq, cp)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = _new_row(args, cu, cu_tensor, cp, t_global, nseq, per_token)
+            fns = {
+                "plan": lambda: _route(cu_tensor, cp, args.rank),
+                "plan_index": lambda: _route_and_index(cu_tensor, cp, args.rank),
+                "per_token": lambda: per_token(cu_tensor, cp, t_global),
+                "full_perm": lambda: build_natural_order(tuple(cu), cp, args.rank),
+            }
+            _time_pass(args, row, fns)
+            logger.info(
+                "[pass %d/%d, %2d/%d] T=%-5s seqs=%-4d cp=%d  plan %.3f ms  plan+index %.3f ms  per-token %.3f ms"
+                "  full-perm %.3f ms  (x%.2f)%s",
+                p + 1, args.passes, i + 1, len(configs), _fmt_t(t_global), nseq, cp,
+                row["passes"]["plan"][-1], row["passes"]["plan_index"][-1], row["passes"]["per_token"][-1],
+                row["passes"]["full_perm"][-1], row["per_token_ms"] / row["plan_index_ms"],
+                "" if row["agree"] else "  DISAGREE",
+            )
+    results = list(rows.values())
+    target = _target(results)
     return {
         "benchmark": "route_build",
         "description": (

@@ -62,10 +62,21 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gdn_cp.ops.accuracy import max_rel
+from gdn_cp.patch import PatchError, ensure_patched
+from gdn_cp_testing.megatron.layer import (assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups,
+                                           thd_params)
+from gdn_cp_testing.packings import zigzag_rows
+from gdn_cp_testing.probes import swap_points
+from gdn_cp_testing.ranks import RankPool
 
 from .common import (
     REPO_ROOT,
@@ -218,19 +229,41 @@ class TinyGDNLM(torch.nn.Module):
 # ------------------------------------------------------------------------------------------
 # one run, inside every rank of the pool
 # ------------------------------------------------------------------------------------------
+def _train_step(model, opt, params, group, rank: int, step: int, cfg: dict) -> tuple[float, float]:
+    """One optimizer step on this rank's rows of step ``step``'s micro-batch: ``(loss, gradient norm)``, the
+    loss summed over the CP group over the global target count, gradients all-reduced as DP-CP does."""
+    cp = group.size()
+    toks, targets, mask, cu, _ = micro_batch(cfg["seed"], step, cfg["tokens"], cfg["vocab"])
+    n_global = int(mask.sum())
+    rows = zigzag_rows(cu, cp, rank)
+    psp = thd_params(cu)  # a fresh PackedSeqParams per micro-batch (its route cache lives on it)
+
+    opt.zero_grad(set_to_none=True)
+    logits = model(toks[rows], psp)
+    token_loss = F.cross_entropy(logits, targets[rows], reduction="none")
+    loss_sum = (token_loss * mask[rows].to(token_loss.dtype)).sum()
+    (loss_sum / n_global).backward()
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    reported = loss_sum.detach().clone()
+    if cp > 1:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)  # DP-CP gradient all-reduce (replicated parameters)
+        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(r)
+        dist.all_reduce(reported, group=group)
+    for p, g in zip(params, grads):
+        p.grad = g
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
+    opt.step()
+
+    return float(reported) / n_global, float(gnorm)
+
+
 def train_run(ctx, run_name, cfg):
     """Train one run; returns a dict on rank 0 (and on rank 1 for CP=2), None where idle."""
-    import warnings
-
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
     # megatron-core's import-time notices (no TE / Apex / absl on this machine): noise here
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    from gdn_cp_testing.megatron.layer import assert_patched, build_gdn, install_cpu_shims, make_config, rank_groups, thd_params
-    from gdn_cp_testing.packings import zigzag_rows
-    from gdn_cp_testing.probes import swap_points
-
     rank, world = ctx.rank, ctx.world_size
     install_cpu_shims()
     assert_patched()
@@ -260,32 +293,9 @@ def train_run(ctx, run_name, cfg):
     with swap_points() as seen:  # which layout-swap points chunkwise took, per layer
         for step in range(steps):
             t0 = time.perf_counter()
-            toks, targets, mask, cu, _ = micro_batch(seed, step, cfg["tokens"], cfg["vocab"])
-            n_global = int(mask.sum())
-            rows = zigzag_rows(cu, cp, rank)
-            psp = thd_params(cu)  # a fresh PackedSeqParams per micro-batch (its route cache lives on it)
-
-            opt.zero_grad(set_to_none=True)
-            logits = model(toks[rows], psp)
-            token_loss = F.cross_entropy(logits, targets[rows], reduction="none")
-            loss_sum = (token_loss * mask[rows].to(token_loss.dtype)).sum()
-            (loss_sum / n_global).backward()
-
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            reported = loss_sum.detach().clone()
-            if cp > 1:
-                flat = torch._utils._flatten_dense_tensors(grads)
-                dist.all_reduce(flat, group=group)  # DP-CP gradient all-reduce (replicated parameters)
-                for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                    g.copy_(r)
-                dist.all_reduce(reported, group=group)
-            for p, g in zip(params, grads):
-                p.grad = g
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg["clip"])
-            opt.step()
-
-            losses.append(float(reported) / n_global)
-            grad_norms.append(float(gnorm))
+            loss, gnorm = _train_step(model, opt, params, group, rank, step, cfg)
+            losses.append(loss)
+            grad_norms.append(gnorm)
             step_s.append(time.perf_counter() - t0)
             if rank == 0 and (step == 0 or (step + 1) % cfg["log_every"] == 0 or step + 1 == steps):
                 print(f"  [{run_name}] step {step + 1:>4}/{steps}  loss {losses[-1]:.6f}  grad norm {grad_norms[-1]:.4f}  "
@@ -312,8 +322,6 @@ def prepare_megatron(tmpdir: Path) -> dict:
     """Make the ranks import a patched megatron-core 0.19.2 without writing the installed one."""
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise SystemExit("megatron-core is not importable: pip install megatron-core==0.19.2")
-    from gdn_cp.patch import PatchError, ensure_patched
-
     try:
         tree = ensure_patched(copy_to=tmpdir)
     except PatchError as err:
@@ -335,8 +343,6 @@ def rel_diffs(curve, ref) -> list[float]:
 
 def param_rel_diff(params, ref) -> tuple[float, str]:
     """(max over tensors of max |p - p_ref| / max |p_ref|, the name of that tensor)."""
-    from gdn_cp.ops.accuracy import max_rel
-
     worst, where = 0.0, ""
     for name, want in ref.items():
         d = max_rel(params.get(name), want)
@@ -426,18 +432,9 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    setup_logging(args.verbose)
-    cfg = dict(
-        steps=args.steps, tokens=args.tokens, vocab=args.base["vocab"], hidden=args.base["hidden"],
-        layers=args.base["layers"], mlp_hidden=args.base["mlp_hidden"], gdn=args.base["gdn"], optimizer=args.optimizer, lr=args.lr,
-        clip=args.clip, seed=args.seed, log_every=max(1, args.steps // 10),
-    )
-    t_start = time.perf_counter()
-    load_before = load_average()
-    from gdn_cp_testing.ranks import RankPool
-
+def _run_all(args, cfg) -> tuple[dict, dict, float]:
+    """Every run of ``args.runs`` in one pool of CP ranks: ``(rank 0's result per run, megatron-core's version
+    and source, the pool's wall seconds)``."""
     with tempfile.TemporaryDirectory(prefix="gdn_cp_train_curve_") as tmp:
         mcore = prepare_megatron(Path(tmp))
         print(f"megatron-core {mcore['version']}: {mcore['source']}", flush=True)
@@ -458,13 +455,12 @@ def main(argv=None) -> int:
             pool.close()
         pool_wall = time.perf_counter() - t0
 
+    return results, mcore, pool_wall
+
+
+def _compare(results: dict) -> tuple[dict, dict, list, bool]:
+    """Each run against cp1: ``(entry per run, relative loss difference per step, table rows, all met)``."""
     ref = results["cp1"]
-    nseqs, straddle = [], 0
-    for step in range(cfg["steps"]):
-        cu = micro_batch(cfg["seed"], step, cfg["tokens"], cfg["vocab"])[3]
-        nseqs.append(len(cu) - 1)
-        straddle += any(a < cfg["tokens"] // CP < b for a, b in zip(cu[:-1], cu[1:]))
-    n_params = sum(t.numel() for t in ref["final_params"].values())
     runs, per_step, rows = {}, {}, []
     all_met = True
     for name, r in results.items():
@@ -493,6 +489,29 @@ def main(argv=None) -> int:
                          f"{entry['max_rel_diff_final_params']:.2e}", f"{r['loss'][-1]:.4f}",
                          f"{r['wall_s']:.1f}", "yes" if entry["met"] else "NO"])
         runs[name] = entry
+
+    return runs, per_step, rows, all_met
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup_logging(args.verbose)
+    cfg = dict(
+        steps=args.steps, tokens=args.tokens, vocab=args.base["vocab"], hidden=args.base["hidden"],
+        layers=args.base["layers"], mlp_hidden=args.base["mlp_hidden"], gdn=args.base["gdn"], optimizer=args.optimizer, lr=args.lr,
+        clip=args.clip, seed=args.seed, log_every=max(1, args.steps // 10),
+    )
+    t_start = time.perf_counter()
+    load_before = load_average()
+    results, mcore, pool_wall = _run_all(args, cfg)
+    ref = results["cp1"]
+    nseqs, straddle = [], 0
+    for step in range(cfg["steps"]):
+        cu = micro_batch(cfg["seed"], step, cfg["tokens"], cfg["vocab"])[3]
+        nseqs.append(len(cu) - 1)
+        straddle += any(a < cfg["tokens"] // CP < b for a, b in zip(cu[:-1], cu[1:]))
+    n_params = sum(t.numel() for t in ref["final_params"].values())
+    runs, per_step, rows, all_met = _compare(results)
 
     report = {
         "benchmark": "train_curve",
