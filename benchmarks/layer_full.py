@@ -95,6 +95,8 @@ On the device machine, ``benchmarks/gpu_suite.sh`` does the wheel install and th
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import logging
 import shutil
 import signal
@@ -110,10 +112,12 @@ import torch
 
 from gdn_cp.layout import build_chunkwise_plan
 from gdn_cp.ops.registry import BACKEND_CHOICES
+from gdn_cp.patch import (BACKUP_SUFFIX, PRISTINE, PatchError, check_patch, ensure_patched, find_megatron_root,
+                          megatron_version, overall_state, revert_patch)
 from gdn_cp_testing.ranks import RankPool
 
 from . import layer_full_rank as rank_side
-from .common import add_out_arguments, machine_info, now_iso, resolve_out, setup_logging, write_json
+from .common import add_out_arguments, machine_info, now_iso, resolve_out, setup_logging, versions, write_json
 from .layer_full_math import (
     CASES,
     CP1_CASES,
@@ -209,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: FlashQLA where it runs and takes the layer, else FLA); stock rows are stock's FLA call")
     g.add_argument("--zero-centered-gamma", action="store_true",
                    help="te spec: TransformerConfig.layernorm_zero_centered_gamma (TE's norms scale by 1 + weight)")
+    _add_shape_method_run(p)
+    return p
+
+
+def _add_shape_method_run(p: argparse.ArgumentParser) -> None:
+    """The argument groups shape, method and run."""
     s = p.add_argument_group("shape (default Qwen3.5-9B GDN)")
     d = GDNDims()
     s.add_argument("--hidden", type=int, default=d.hidden)
@@ -251,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"CPU dry run: tiny shape and {QUICK} unless given")
     r.add_argument("--list", action="store_true", help="print the plan and exit")
     r.add_argument("-v", "--verbose", action="store_true")
-    return p
 
 
 def resolve_args(args):
@@ -346,9 +355,6 @@ def knobs(args) -> dict:
 def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path]:
     """Two copies of megatron-core 0.19.2's ``megatron/`` package: ``stock`` (pristine) and
     ``patched`` (gdn-cp's patch), whatever state ``source`` is in. Returns their roots."""
-    from gdn_cp.patch import BACKUP_SUFFIX, PRISTINE, PatchError, check_patch, ensure_patched, overall_state
-    from gdn_cp.patch import find_megatron_root, megatron_version, revert_patch
-
     root = find_megatron_root(source)
     stock, patched = workdir / "stock", workdir / "patched"
     for dest in (stock, patched):
@@ -457,8 +463,6 @@ class Rows:
         self.path = path
         old = []
         if path.exists():
-            import json
-
             old = json.loads(path.read_text())
             if not isinstance(old, list) or not all(isinstance(r, dict) for r in old):
                 raise SystemExit(f"--out {path} exists and is not a list of layer_full rows; pick another --out")
@@ -746,8 +750,6 @@ def run_units(runner: Runner, rows: Rows, planned: list[dict], pool_of, setups: 
 def te_missing() -> str | None:
     """Why the te spec cannot be built in this Python (None when TransformerEngine is importable).
     Looked up without importing TE (importing it here would initialise CUDA in the main process)."""
-    import importlib.util
-
     try:
         found = importlib.util.find_spec("transformer_engine") is not None
     except (ImportError, ValueError):
@@ -775,8 +777,6 @@ def _summary(row: dict, phase: str) -> str:
 
 
 def _versions(args) -> dict:
-    from .common import versions
-
     from gdn_cp.ops.fla.detect import fla_version
 
     return versions({"torch_cuda": torch.version.cuda, "fla": fla_version(), "triton": rank_side._version("triton"),

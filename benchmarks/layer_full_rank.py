@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.metadata as md
 import json
 import os
 import sys
@@ -40,14 +41,22 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, schedule
 
-from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
+from gdn_cp import patch
+from gdn_cp.layout import RouteCache, plan_for_sbhd
+from gdn_cp.megatron.layer import layer_state, reset_settings
+from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
+from gdn_cp.ops import get_backend
 from gdn_cp.ops.accuracy import rel_l2
+from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
 from .measure import GIB, copy_kernels, kernel_classes, spans_from_trace, split_busy_time, timed_steps
+
 TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank
 _STATE: dict = {}
 
@@ -67,8 +76,6 @@ def _select_megatron(root: str | None) -> dict:
         import megatron.core
         import megatron.core.ssm.gated_delta_net.gdn  # noqa: F401
 
-    from gdn_cp import patch
-
     where = Path(megatron.core.__file__).resolve().parent.parent.parent
     if root is not None and where != Path(root).resolve():
         raise RuntimeError(f"megatron.core was imported from {where}, not from the chosen tree {root}")
@@ -83,8 +90,6 @@ def _cpu_stock_kernels() -> None:
     code runs on the CPU, packed THD included (its deterministic path refuses THD). Same math;
     on a GPU nothing is replaced."""
     import megatron.core.ssm.gated_delta_net.gdn as gdn_module
-
-    from gdn_cp.ops import get_backend
 
     ref = get_backend("reference")
 
@@ -144,8 +149,6 @@ def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_c
 
 def _timing_group(ctx):
     """A gloo group over the pool for host-side barriers (no kernel on the GPU timeline)."""
-    import torch.distributed as dist
-
     if ctx.backend == "gloo":
         return ctx.group(ctx.world_size)
     return dist.new_group(list(range(ctx.world_size)), backend="gloo")
@@ -233,8 +236,6 @@ def _count_fused_norm_calls() -> None:
 def _clear_norm_choice(module) -> None:
     """Forget the glue's per-layer gated-norm choice (its ``LayerState.gated_norms``), so the next
     forward decides again."""
-    from gdn_cp.megatron.layer import layer_state
-
     layer_state(module).gated_norms.clear()
 
 
@@ -244,8 +245,6 @@ def fused_norm_off(modules):
     ``out_norm * act(z)`` instead of the fused gated RMSNorm, because its release adapter's
     ``plain_rms_gated_norm`` reports the norm as not plain. The layers' cached choice is dropped on
     entry and exit, so the rows before and after decide afresh."""
-    from gdn_cp.megatron.layer import layer_state
-
     classes = {type(layer_state(m).adapter) for m in modules}
     own = {cls: cls.__dict__.get("plain_rms_gated_norm") for cls in classes}  # None: inherited
     for m in modules:
@@ -270,8 +269,6 @@ def _glue(path: str):
     @contextlib.contextmanager
     def switch(modules):
         import os
-
-        from gdn_cp.megatron.layer import reset_settings
 
         old = os.environ.get("GDN_CP_GLUE")
         os.environ["GDN_CP_GLUE"] = path
@@ -333,8 +330,6 @@ def fla_gdn_backend() -> str:
 
 def _version(dist_name: str) -> str | None:
     try:
-        import importlib.metadata as md
-
         return md.version(dist_name)
     except Exception:  # noqa: BLE001
         return None
@@ -350,8 +345,6 @@ def _sync(device) -> None:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
     dist.barrier(group=_STATE["barrier_group"])
 
 
@@ -375,8 +368,6 @@ def _set_mode(case: str, layers: dict) -> None:
     """The patched layer's mode for ``case`` (config field), swap point and chunkwise path
     (``chunkwise_generic``: gdn-cp's own exchange; every other case: ``auto``), in this rank process's
     environment; the layers read them again on their next call (``reset_settings``)."""
-    from gdn_cp.megatron.layer import reset_settings
-
     mode = {"headwise": "headwise", "all_gather": "all_gather"}.get(case, "chunkwise")
     layers["layer"].config.linear_cp_mode = mode
     layers["layer1"].config.linear_cp_mode = mode
@@ -446,9 +437,6 @@ class _Case:
             return None
         if self.group is None:  # no CP: no exchange
             return "generic"
-        from gdn_cp.layout import RouteCache
-        from gdn_cp.megatron.layer import layer_state
-        from gdn_cp.modes import CallContext, prepare_mode
 
         state = layer_state(self.module)
         call = CallContext(settings=state.settings, shape=state.shape, plan=RouteCache().plan([0, 2 * self.group.size()],
@@ -465,9 +453,6 @@ class _Case:
         the layer's own conv weight. None for stock (its core is inline in its forward)."""
         if self.case in STOCK_CASES:
             return None
-        from gdn_cp.layout import RouteCache, plan_for_sbhd
-        from gdn_cp.megatron.layer import layer_state
-        from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 
         st = _STATE
         m, device, dtype, cp, rank = self.module, st["device"], st["dtype"], st["cp"], st["ctx"].rank
@@ -557,7 +542,6 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
         else:
             out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
                                 "unfused: the layer's out_norm(o) * act(z)")
-            from gdn_cp.megatron.layer import layer_state
             from gdn_cp.ops.fused import glue_path
 
             # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations)
@@ -568,7 +552,6 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             except Exception as err:  # noqa: BLE001
                 out["fla_gdn_backend"] = f"unknown ({type(err).__name__}: {err})"
         if case.case not in STOCK_CASES:  # the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
-            from gdn_cp.megatron.layer import layer_state
 
             out["gdn_cp_backend"] = layer_state(case.module).backend.name
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
@@ -656,8 +639,6 @@ def _profiled(step, n: int, device) -> dict:
     """``n`` iterations under torch.profiler (schedule: 1 wait, 1 warm-up, ``n`` active; CUDA
     activity). The split comes from the active iterations' kernels and their CUDA-event walls:
     per iteration, compute + nccl + memcpy + idle = wall."""
-    from torch.profiler import ProfilerActivity, profile, schedule
-
     trace: dict = {}
 
     def on_ready(prof):
@@ -752,8 +733,6 @@ def _reference(spec: dict) -> dict:
 def _check(case: _Case, y, spec: dict) -> dict:
     """Relative L2 of this rank's output rows and input-gradient rows, and of every parameter
     gradient summed over the CP group, against CP=1. Run right after the case's first step."""
-    import torch.distributed as dist
-
     got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
     ref = _reference(spec)
     errs = {"out": rel_l2(got_out, ref["out"].index_select(0, case.rows)),

@@ -16,12 +16,20 @@ backward, collectives) and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import warnings
 
 import torch
+
+from gdn_cp.patch import ensure_patched
+from gdn_cp_testing.inputs import hidden_inputs
+from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
+from gdn_cp_testing.packings import thd_case, zigzag_rows
+from gdn_cp_testing.probes import env_setting
+from gdn_cp_testing.ranks import RankPool
 
 from .common import add_out_arguments, machine_info, resolve_out, versions
 
@@ -54,10 +62,6 @@ def _cfg(backend: str) -> dict:
 
 def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
     from gdn_cp.megatron.call import ROUTE_CACHE_ATTR
-    from gdn_cp_testing.inputs import hidden_inputs
-    from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
-    from gdn_cp_testing.packings import thd_case, zigzag_rows
-    from gdn_cp_testing.probes import env_setting
 
     rank_groups()  # every rank creates every group, in the same order, before any rank goes on
     out = {}
@@ -85,8 +89,6 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
                 xi = x.detach().clone().requires_grad_(True)
                 o, _ = layer(xi, None, packed_seq_params=params)
                 return o
-
-            import contextlib
 
             ctxm = stock_forward() if path == "stock headwise" else contextlib.nullcontext()
             with ctxm, setting:
@@ -123,8 +125,6 @@ def main(argv=None) -> int:
               f"torch {torch.__version__} sees none; nothing was measured. Run it on a GPU machine with FLA and "
               "megatron-core 0.19.2 (benchmarks/gpu_suite.sh, stage syncs)", file=sys.stderr)
         return 2
-    from gdn_cp.patch import ensure_patched
-    from gdn_cp_testing.ranks import RankPool
 
     ensure_patched()  # the installed megatron-core: patched in place if pristine, refused if modified
     world = max(args.cp)
