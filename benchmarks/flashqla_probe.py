@@ -1,32 +1,27 @@
 #!/usr/bin/env python
 """FlashQLA on the GPU, one question per case, each answer a JSON row written as soon as it is known.
 
-For the FlashQLA backend (gdn_cp.ops.flashqla) on one GPU: what is installed and what FLA's own
-dispatch would do, how close it is to FLA and to the reference, what its kernels refuse, how fast
-the GDN core is against FLA, what its first calls cost (TileLang compiles each kernel variant on first
-use) and what chunkwise's state summary costs on it. Cases, in run order (``--cases`` picks some):
+For the FlashQLA backend (gdn_cp.ops.flashqla) on one GPU: what is installed, how close it is to FLA and to
+the reference, what its first calls cost (TileLang compiles each kernel variant on first use) and what
+chunkwise's state summary costs on it. Cases, in run order (``--cases`` picks some):
 
 - ``versions``: flash-qla, TileLang, torch, Triton, FLA, nvcc, the GPU; what the FlashQLA probe found;
   FLA's registered kernel backends (FLA >= 0.6 dispatches ``chunk_gated_delta_rule`` to FlashQLA);
 - ``accuracy``: 16 key / 32 value heads, head dim 128, bf16, T=8K (one sequence), with an initial and
   a final state: output, final state and every gradient of gdn-cp's FlashQLA backend and FLA backend
   against the reference backend in fp32 on the GPU, and FlashQLA against FLA (relative L2);
-- ``timing``: the core (gated delta rule, q/k l2-normalized inside, no states: what the layer runs)
-  forward + backward at each ``--tokens`` (default 32K and 128K): FLA as stock megatron-core calls it
-  (FLA's own Triton function, q/k repeated to the value heads), gdn-cp's FLA backend, gdn-cp's FlashQLA
-  backend with FlashQLA's auto_cp on and off; CUDA events, ``--warmup`` then ``--iters`` timed, median
-  p10 p90, the first call's time and peak memory;
 - ``summary``: chunkwise's state summary ``[M | S_ext]`` of a slice one sequence covers and continues
   on both sides (T=8K): from FlashQLA scans (gdn-cp's generic path: values ``[0 | v]`` in two
   128-wide calls), from FLA's scan (256 wide), from FlashQLA's own prepare-h kernel (``fused_gdr_h``
   with every chunk warmed up: S_ext and M in one pass, forward only, in bf16; what its inter-card
-  context exchanges), against the reference's fp32 summary; time of each;
-- ``varlen8``: 8 sequences of mixed lengths (16K rows), as ``accuracy`` plus fwd+bwd times;
-- ``head_dims``: head dim 64 (gdn-cp's refusal and what flash_qla itself does with it) and 128;
-- ``gva``: value heads per key head 1, 2, 3 and 4 (T=4K) against the reference;
-- ``auto_cp_off``: ``accuracy`` with FlashQLA's auto_cp off;
-- ``fla_dispatch``: FLA >= 0.6 only: whether FLA's ``chunk_gated_delta_rule`` reaches FlashQLA (its
-  output equals flash_qla's bit for bit), and that gdn-cp's FLA backend runs FLA's own kernels.
+  context exchanges), against the reference's fp32 summary; time of each.
+
+Run 2026-12-02d (``benchmarks/results/runs/run_2026-12-02d/flashqla_probe.jsonl``) also had cases since
+removed, each answered elsewhere now: the core's timing (``benchmarks/layer_full.py --backend flashqla``),
+mixed-length packings, head dims and value heads per key head (the FlashQLA backend's tests in
+``tests/gpu/test_flashqla_backend.py`` and ``tests/ops/test_flashqla_backend.py``;
+``benchmarks/flashqla_heads.py``), FlashQLA's auto_cp off (``GDN_CP_FLASHQLA_AUTO_CP``) and FLA 0.6's
+dispatch to FlashQLA (``docs/flashqla.md``); their code is in git history.
 
 Every row carries the TileLang kernels compiled during its case (name and seconds, from TileLang's
 kernel cache) and the case's wall time; a case that fails is a row with its error, and the next one
@@ -39,7 +34,6 @@ runs. Rows are appended to ``--out`` (JSON lines) one by one, so a time-out keep
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -58,11 +52,8 @@ from .common import RESULTS_DIR, now_iso
 
 logger = logging.getLogger("benchmarks.flashqla_probe")
 
-CASES = ("versions", "accuracy", "timing", "summary", "varlen8", "head_dims", "gva", "auto_cp_off", "fla_dispatch")
+CASES = ("versions", "accuracy", "summary")
 REALISTIC = dict(hk=16, hv=32, dk=128, dv=128)
-VARLEN_LENGTHS = (3000, 64, 5120, 1, 2047, 4096, 900, 1156)  # 16384 rows, 8 sequences
-GVA_HEADS = ((16, 16), (16, 32), (8, 24), (8, 32))  # value heads per key head 1, 2, 3, 4
-GVA_T = 4096
 DEVICE = "cuda"  # a CPU smoke test (tests/test_flashqla_probe_smoke.py) runs the cases on a flash_qla stand-in
 COMPILES: list[dict] = []  # TileLang kernels compiled so far (name, seconds), appended by the hook
 
@@ -154,20 +145,6 @@ def time_fwd_bwd(step, warmup: int, iters: int) -> dict:
             "peak_gib": round((torch.cuda.max_memory_allocated() - base) / 2**30, 3) if cuda else None}
 
 
-@contextlib.contextmanager
-def auto_cp(on: bool):
-    """The FlashQLA backend's auto_cp for the block (its setting is read on every call)."""
-    old = os.environ.get("GDN_CP_FLASHQLA_AUTO_CP")
-    os.environ["GDN_CP_FLASHQLA_AUTO_CP"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("GDN_CP_FLASHQLA_AUTO_CP", None)
-        else:
-            os.environ["GDN_CP_FLASHQLA_AUTO_CP"] = old
-
-
 def gdr_inputs(cu: list[int], hk: int, hv: int, dk: int, dv: int, *, seed: int = 0, states: bool = True) -> dict:
     """bf16 q, k [T, hk, dk], v [T, hv, dv], beta; fp32 g (log decay, FLA's convention: close to 0)
     and initial states; the output / final-state cotangents."""
@@ -257,63 +234,6 @@ def case_accuracy(args) -> list[dict]:
     return [_accuracy([0, args.realistic_t], REALISTIC)]
 
 
-def case_auto_cp_off(args) -> list[dict]:
-    with auto_cp(False):
-        return [{"auto_cp": False, **_accuracy([0, args.realistic_t], REALISTIC, with_fla=False)}]
-
-
-def case_timing(args) -> list[dict]:
-    from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla.detect import fla_available
-    from gdn_cp.ops.fla.detect import fla_own_gated_delta_rule
-
-    rows = []
-    hk, hv = REALISTIC["hk"], REALISTIC["hv"]
-    for T in args.tokens:
-        cu = [0, T]
-        t = gdr_inputs(cu, **REALISTIC, states=False)
-        leaves = {k: t[k].detach().requires_grad_(True) for k in ("q", "k", "v", "g", "beta")}
-        variants = {}  # name -> (step, FlashQLA's auto_cp)
-        if fla_available():
-            own = fla_own_gated_delta_rule()[0]
-            cu_dev = torch.tensor(cu, device=DEVICE)
-
-            def stock():  # megatron-core 0.19.2's call: q/k repeated to the value heads, B=1
-                q = leaves["q"].repeat_interleave(hv // hk, dim=1).unsqueeze(0)
-                k = leaves["k"].repeat_interleave(hv // hk, dim=1).unsqueeze(0)
-                o, _ = own(q=q, k=k, v=leaves["v"].unsqueeze(0), g=leaves["g"].unsqueeze(0),
-                           beta=leaves["beta"].unsqueeze(0), initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu_dev)
-                (o.float() * t["do"].unsqueeze(0).float()).sum().backward()
-
-            variants["fla_stock_call"] = (stock, True)
-            variants["gdn_cp_fla"] = (lambda: _backend_step(get_backend("fla"), leaves, t, cu), True)
-        flashqla_step = lambda: _backend_step(get_backend("flashqla"), leaves, t, cu)  # noqa: E731
-        variants["gdn_cp_flashqla"] = (flashqla_step, True)
-        variants["gdn_cp_flashqla_no_auto_cp"] = (flashqla_step, False)
-        for name, (step, on) in variants.items():
-            n0 = len(COMPILES)
-            try:
-                with auto_cp(on):
-                    res = time_fwd_bwd(step, args.warmup, args.iters)
-                rows.append({"T": T, "variant": name, **REALISTIC, **res, "compiles": COMPILES[n0:]})
-            except Exception as err:  # noqa: BLE001 - one variant's failure is its row
-                rows.append({"T": T, "variant": name, "error": f"{type(err).__name__}: {err}",
-                             "traceback": traceback.format_exc(limit=8), "compiles": COMPILES[n0:]})
-            for v in leaves.values():
-                v.grad = None
-        t = leaves = None  # the inputs freed before the next T (a del would unbind names the steps close over)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    return rows
-
-
-def _backend_step(backend, leaves: dict, t: dict, cu: list[int]) -> None:
-    o, _ = backend.chunk_gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
-                                          cu_seqlens=cu)
-    (o.float() * t["do"].float()).sum().backward()
-
-
 def case_summary(args) -> list[dict]:
     """[M | S_ext] of a slice one sequence covers (continuing on both sides)."""
     from gdn_cp.modes.chunkwise import transition_summary
@@ -390,126 +310,12 @@ def _fused_gdr_h_summary(t: dict, cu: list[int]) -> torch.Tensor:
     return torch.cat([mt[0].float(), ht[0].float()], dim=-1)
 
 
-def case_varlen8(args) -> list[dict]:
-    from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla.detect import fla_available
-
-    cu = [0]
-    for n in VARLEN_LENGTHS:
-        cu.append(cu[-1] + n)
-    row = _accuracy(cu, REALISTIC, seed=1)
-    t = gdr_inputs(cu, **REALISTIC, states=False, seed=2)
-    leaves = {k: t[k].detach().requires_grad_(True) for k in ("q", "k", "v", "g", "beta")}
-    for name in ("flashqla", "fla") if fla_available() else ("flashqla",):
-        n0 = len(COMPILES)
-        row[f"{name}_fwd_bwd"] = {**time_fwd_bwd(lambda: _backend_step(get_backend(name), leaves, t, cu), args.warmup,
-                                                 args.iters), "compiles": COMPILES[n0:]}
-    row["cu"] = cu
-    return [row]
-
-
-def case_head_dims(args) -> list[dict]:
-    import importlib
-
-    from gdn_cp.ops import GDNShape, get_backend
-
-    rows = []
-    for d in (64, 128):
-        row = {"head_dim": d}
-        try:
-            get_backend("flashqla").check_shape(GDNShape(num_k_heads=REALISTIC["hk"], num_v_heads=REALISTIC["hv"], head_k_dim=d, head_v_dim=d),
-                       torch.bfloat16)
-            row["gdn_cp"] = "takes it"
-        except ValueError as err:
-            row["gdn_cp"] = f"refuses: {err}"
-        t = gdr_inputs([0, 256], hk=REALISTIC["hk"], hv=REALISTIC["hv"], dk=d, dv=d, states=False)  # timing's variant
-        try:  # what FlashQLA itself does with it, gdn-cp's check bypassed
-            o, _ = importlib.import_module("flash_qla").chunk_gated_delta_rule(
-                q=t["q"].unsqueeze(0), k=t["k"].unsqueeze(0), v=t["v"].unsqueeze(0), g=t["g"].unsqueeze(0),
-                beta=t["beta"].unsqueeze(0), use_qk_l2norm_in_kernel=True,
-                cu_seqlens=torch.tensor([0, 256], dtype=torch.int32, device=DEVICE))
-            _sync()
-            row["flash_qla"] = f"ran: output {tuple(o.shape)}, finite={bool(torch.isfinite(o).all())}"
-        except Exception as err:  # noqa: BLE001
-            row["flash_qla"] = f"{type(err).__name__}: {err}"
-        rows.append(row)
-    return rows
-
-
-def case_gva(args) -> list[dict]:
-    rows = []
-    for hk, hv in GVA_HEADS:
-        n0 = len(COMPILES)
-        try:
-            rows.append({"ratio": hv // hk, **_accuracy([0, GVA_T], dict(hk=hk, hv=hv, dk=128, dv=128), with_fla=False),
-                         "compiles": COMPILES[n0:]})
-        except Exception as err:  # noqa: BLE001
-            rows.append({"ratio": hv // hk, "hk": hk, "hv": hv, "error": f"{type(err).__name__}: {err}",
-                         "traceback": traceback.format_exc(limit=8), "compiles": COMPILES[n0:]})
-    return rows
-
-
-def case_fla_dispatch(args) -> list[dict]:
-    """FLA >= 0.6: does ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` reach FlashQLA, and does
-    gdn-cp's FLA backend run FLA's own kernels instead?"""
-    import importlib
-
-    from gdn_cp.ops import get_backend
-    from gdn_cp.ops.fla.detect import fla_available, fla_version
-    from gdn_cp.ops.fla.detect import fla_own_gated_delta_rule, gdn_kernel_backends
-
-    if not fla_available():
-        return [{"skipped": "FLA does not import here"}]
-    own, bypassed = fla_own_gated_delta_rule()
-    row = {"fla": fla_version(), "fla_kernel_backends": gdn_kernel_backends(), "gdn_cp_steps_behind_dispatch": bypassed}
-    if not bypassed:
-        row["note"] = "this FLA has no backend dispatch (FLA < 0.6): gdn-cp's FLA backend calls FLA's kernels directly"
-        return [row]
-    cu = [0, GVA_T]
-    t = gdr_inputs(cu, **REALISTIC, states=False)
-    kw = dict(q=t["q"].unsqueeze(0), k=t["k"].unsqueeze(0), v=t["v"].unsqueeze(0), g=t["g"].unsqueeze(0),
-              beta=t["beta"].unsqueeze(0), use_qk_l2norm_in_kernel=True,
-              cu_seqlens=torch.tensor(cu, device=DEVICE))
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda rec: records.append(rec.getMessage())
-    logging.getLogger("fla.backends").addHandler(handler)
-    logging.getLogger("fla.backends").setLevel(logging.INFO)
-    saved = os.environ.get("FLA_FLASH_QLA")
-    os.environ["FLA_FLASH_QLA"] = "1"  # FLA reads its switch on every call: its dispatch as FLA ships it
-    try:
-        with torch.no_grad():
-            dispatched, _ = importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule(**kw)
-    finally:
-        if saved is None:
-            os.environ.pop("FLA_FLASH_QLA", None)
-        else:
-            os.environ["FLA_FLASH_QLA"] = saved
-    with torch.no_grad():
-        fla_own, _ = own(**kw)
-        flash, _ = importlib.import_module("flash_qla").chunk_gated_delta_rule(**kw, auto_cp=True)  # as FLA calls it
-        backend_o, _ = get_backend("fla").chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], cu_seqlens=cu)
-    row.update(dispatched_equals_flash_qla=bool(torch.equal(dispatched, flash)),
-               dispatched_equals_fla_own=bool(torch.equal(dispatched, fla_own)),
-               gdn_cp_fla_backend_equals_fla_own=bool(torch.equal(backend_o.unsqueeze(0), fla_own)),
-               fla_dispatch_log=records[:5])
-    return [row]
-
-
-CASE_FUNCS = {"versions": case_versions, "accuracy": case_accuracy, "timing": case_timing, "summary": case_summary,
-              "varlen8": case_varlen8, "head_dims": case_head_dims, "gva": case_gva, "auto_cp_off": case_auto_cp_off,
-              "fla_dispatch": case_fla_dispatch}
+CASE_FUNCS = {"versions": case_versions, "accuracy": case_accuracy, "summary": case_summary}
 
 
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
-
-def _tokens(text: str) -> list[int]:
-    from .layer_full_math import parse_tokens
-
-    return [parse_tokens(x) for x in text.split(",") if x]
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -517,9 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         RESULTS_DIR / "flashqla_probe.jsonl"
     p.add_argument("--out", type=Path, default=out_default, help=f"JSON lines, appended (default {out_default})")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list, in run order (default: all: {','.join(CASES)})")
-    p.add_argument("--tokens", type=_tokens, default=[32 * 1024, 128 * 1024], help="T of the timing case (default 32K,128K)")
     p.add_argument("--realistic-t", type=int, default=8192, help="T of the accuracy / summary cases (default 8192)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed fwd+bwd after the first call (default 5)")
     p.add_argument("--iters", type=int, default=20, help="timed fwd+bwd (default 20)")
     p.add_argument("--time-limit", type=float, default=540.0, help="no new case after this many seconds (default 540)")
     return p
@@ -533,9 +337,6 @@ def main(argv=None) -> int:
     if unknown:
         print(f"flashqla_probe: error: --cases {','.join(unknown)}: choose from {','.join(CASES)}", file=sys.stderr)
         return 2
-    if args.warmup < 5 or args.iters < 20:
-        logger.warning("--warmup %d --iters %d: below 5 / 20, the timings are not of the quality DESIGN.md asks for",
-                       args.warmup, args.iters)
     rows = Rows(args.out)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         rows.add({"case": "versions", "error": f"torch {torch.__version__} sees no CUDA GPU: nothing to probe"})

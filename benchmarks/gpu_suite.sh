@@ -237,7 +237,7 @@ run_stage() {
         --out "$OUT/layer_full_${STACK}_b.json" --time-limit "${GDN_CP_LAYER_FULL_B_TIMEOUT:-240}" \
         ${GDN_CP_LAYER_FULL_B_ARGS:-} ;;
     flashqla)
-      # benchmarks/flashqla_probe.py: versions, accuracy vs FLA and the reference, timings, compile costs
+      # benchmarks/flashqla_probe.py: versions, accuracy vs FLA and the reference, the state summary, compile costs
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_FLASHQLA_TIMEOUT:-540} + 30 ))" python3 -m benchmarks.flashqla_probe \
         --out "$OUT/flashqla_probe.jsonl" --time-limit "${GDN_CP_FLASHQLA_TIMEOUT:-540}" ${GDN_CP_FLASHQLA_ARGS:-} ;;
