@@ -62,6 +62,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from gdn_cp.checks import as_int
+from gdn_cp_testing import lazy_compile
 from gdn_cp_testing.env import read as env_setting
 
 __all__ = [
@@ -392,6 +393,8 @@ def _rank_main(rank: int, world: int, backend: str, device_type: str, one_gpu: b
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
+            if test_shims:  # megatron-core's import without TorchInductor's (gdn_cp_testing.lazy_compile)
+                lazy_compile.install()
         timeout = datetime.timedelta(seconds=env_setting("GDN_CP_TEST_PG_TIMEOUT"))
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=timeout)

@@ -9,8 +9,10 @@ rounds fp32 -> bf16 by truncation (seen with Triton 3.9), so bf16's rounding poi
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -84,7 +86,10 @@ def gates_case(dtype: str) -> dict:
             "errors": {n: _rel(a, b) for n, (a, b) in zip(["g", "beta", "drows", "dA_log", "ddt_bias"], pairs)}}
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="every case through Triton's interpreter, as JSON on stdout")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
@@ -92,6 +97,8 @@ def main() -> None:
     cases += [conv_case(*CONV_CASES[i], taps_once=once, sums_per_tile=per_tile) for i in CANDIDATE_CASES
               for once, per_tile in ((True, False), (False, True), (True, True))]
     cases += [gates_case(d) for d in ("float32", "float16")]
+    if args.out is not None:
+        args.out.write_text(json.dumps(cases))
     print(json.dumps(cases))
 
 

@@ -115,17 +115,21 @@ def benchmark_module():
 # benchmark smoke runs, overlapped with the rest of the session
 # ------------------------------------------------------------------------------------------
 class SmokeRun:
-    """``python3 -m benchmarks.<script> <args> --out <json>`` in a subprocess (from the repository root). A smoke run is mostly
+    """``python3 -m benchmarks.<script> <args> --out <json>`` in a subprocess (from the repository root; a
+    ``script`` with a dot is a module path of its own, e.g. ``gdn_cp_testing.triton_interpret``, and ``env``
+    adds variables to the subprocess's environment). A smoke run is mostly
     process start-up and imports, so the session runs them one after the other in a background
     thread while the in-process tests run (2 cores: one for each); a test that needs a run that
     has not started yet starts it at once."""
 
-    def __init__(self, key: str, script: str, args: list[str], workdir: Path):
+    def __init__(self, key: str, script: str, args: list[str], workdir: Path, env: dict | None = None):
         self.key = key
         name = key.replace(":", ".")
         self.out = workdir / f"{name}.json"
         self._log_path = workdir / f"{name}.log"
-        self.argv = [sys.executable, "-m", f"benchmarks.{script}", *args, "--out", str(self.out)]
+        module = script if "." in script else f"benchmarks.{script}"
+        self.argv = [sys.executable, "-m", module, *args, "--out", str(self.out)]
+        self.env = dict(os.environ, **env) if env else None
         self.proc: subprocess.Popen | None = None
         self._stopped = False
         self._lock = threading.Lock()
@@ -136,7 +140,7 @@ class SmokeRun:
             if self.proc is None and not self._stopped:
                 with open(self._log_path, "w") as log:
                     self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL)
+                                                 stdin=subprocess.DEVNULL, env=self.env)
             return self.proc
 
     def result(self, timeout_s: float = 600.0) -> tuple[int, str, Path]:
@@ -171,14 +175,14 @@ def _smoke_run(module, fixture: str) -> SmokeRun:
     if key not in _SMOKE:
         if not _SMOKE_DIR:
             _SMOKE_DIR.append(Path(tempfile.mkdtemp(prefix="gdn_cp_smoke_")))
-        script, args = module.SMOKE_RUNS[fixture]
-        _SMOKE[key] = SmokeRun(key, script, list(args), _SMOKE_DIR[0])
+        script, args, *env = module.SMOKE_RUNS[fixture]
+        _SMOKE[key] = SmokeRun(key, script, list(args), _SMOKE_DIR[0], *env)
     return _SMOKE[key]
 
 
 def start_smoke_run(module, fixture: str) -> SmokeRun:
     """The run behind ``fixture`` of a test module that declares ``SMOKE_RUNS = {fixture: (script,
-    [args])}``, started now unless the session already started it."""
+    [args])}`` (or ``(script, [args], {env})``), started now unless the session already started it."""
     run = _smoke_run(module, fixture)
     run.start()
     return run

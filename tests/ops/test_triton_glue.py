@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import start_smoke_run
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (the interpreter runs the kernels on the CPU)")
 
 
+# the interpreter's run (~30 CPU s on 2 cores) starts in the background when the session starts
+# (tests/conftest.py), beside the tests that run in this process
+SMOKE_RUNS = {"cases": ("gdn_cp_testing.triton_interpret", [], {"TRITON_INTERPRET": "1"})}
+
+
 @pytest.fixture(scope="module")
 def cases():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "gdn_cp_testing.triton_interpret"], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {c["case"]: c for c in json.loads(done.stdout.strip().splitlines()[-1])}
+    code, printed, out = start_smoke_run(sys.modules[__name__], "cases").result(timeout_s=300)
+    assert code == 0, printed[-3000:]
+    return {c["case"]: c for c in json.loads(out.read_text())}
 
 
 def test_every_case_ran(cases):
