@@ -17,23 +17,18 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import start_smoke_run
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 LOOP = EXAMPLES / "train_gdn_cp.py"
 QWEN = EXAMPLES / "megatron_lm" / "train_qwen3_next.sh"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_training_loop_uses_public_api_only():
@@ -50,20 +45,24 @@ def test_the_training_loop_uses_public_api_only():
     assert "gdn_cp_testing" not in LOOP.read_text()
 
 
+# the CP=1 and CP=2 runs start in the background when the session starts (tests/conftest.py), unless the
+# session may patch the installed megatron-core while it runs
+SMOKE_RUNS = {"loop_runs": ("gdn_cp_testing.cp_pair", ["--script", str(LOOP), "--timeout", "600"])}
+SMOKE_IMPORTS_MEGATRON = True
+
+
 @pytest.mark.megatron
 @pytest.mark.slow
-def test_the_training_loop_trains_the_same_model_at_cp2_as_at_cp1(patched_megatron, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()), TMPDIR=str(tmp_path))
-    commands = {1: [sys.executable, str(LOOP)],
-                2: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                    str(_free_port()), "--log-dir", str(tmp_path / "torchrun"), str(LOOP)]}
-    runs = {cp: subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for cp, cmd in commands.items()}
+def test_the_training_loop_trains_the_same_model_at_cp2_as_at_cp1(patched_megatron):
+    code, printed, out = start_smoke_run(sys.modules[__name__], "loop_runs").result(timeout_s=900)
+    assert code == 0, printed[-3000:]
+    runs = json.loads(out.read_text())
     losses, stderr = {}, {}
-    for cp, run in runs.items():
-        out, stderr[cp] = run.communicate(timeout=600)
-        assert run.returncode == 0, (cp, out[-2000:], stderr[cp][-4000:])
-        losses[cp] = [float(x) for x in re.findall(rf"^CP={cp} step \d+: loss ([0-9.]+)$", out, re.M)]
+    for cp in (1, 2):
+        run = runs[str(cp)]
+        stderr[cp] = run["stderr"]
+        assert run["returncode"] == 0, (cp, run["stdout"][-2000:], stderr[cp][-4000:])
+        losses[cp] = [float(x) for x in re.findall(rf"^CP={cp} step \d+: loss ([0-9.]+)$", run["stdout"], re.M)]
     assert len(losses[1]) == len(losses[2]) == 10, losses
     assert losses[1][-1] < 0.5 * losses[1][0], losses[1]  # it learns
     for step, (one, two) in enumerate(zip(losses[1], losses[2]), 1):
