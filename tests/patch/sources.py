@@ -26,6 +26,7 @@ from gdn_cp.patch import (
     PatchError,
     check_patch,
     find_megatron_root,
+    load_manifest,
     revert_patch,
 )
 
@@ -117,6 +118,28 @@ def _tree_digest(root: Path) -> dict[str, str]:
     return out
 
 
+def _copy_tree(src: Path, dst: Path) -> None:
+    """``src`` (a ``megatron/`` package) copied to ``dst``: the files a test or the patch tool writes (the
+    patch's targets, the version file) as copies, every other file as a hard link to the session's pristine
+    source (a third of a second less per tree, ~60 trees a session). The patch tool replaces a file by
+    renaming a new one over it, never writing into it; were it to write into a linked file, the tree's digest
+    would show the change (and the shared source would too, failing the tests after it loudly)."""
+    manifest = load_manifest()
+    written = {f.target for f in manifest.files} | {manifest.version_file}
+
+    def copy(s: str, d: str) -> None:
+        rel = Path(d).relative_to(dst.parent).as_posix()
+        if rel in written:
+            shutil.copy2(s, d)
+            return
+        try:
+            os.link(s, d)
+        except OSError:  # another file system
+            shutil.copy2(s, d)
+
+    shutil.copytree(src, dst, ignore=IGNORE, copy_function=copy)
+
+
 class Layout:
     """A pristine megatron tree laid out as a Megatron-LM checkout or as site-packages."""
 
@@ -124,12 +147,12 @@ class Layout:
         self.kind = kind
         if kind == "checkout":
             self.root = base / "Megatron-LM"
-            shutil.copytree(src / "megatron", self.root / "megatron", ignore=IGNORE)
+            _copy_tree(src / "megatron", self.root / "megatron")
             (self.root / "pretrain_gpt.py").write_text("# placeholder\n")
             (self.root / "pyproject.toml").write_text("[project]\nname = 'megatron-core'\n")
         else:
             self.root = base / "lib" / "python3" / "site-packages"
-            shutil.copytree(src / "megatron", self.root / "megatron", ignore=IGNORE)
+            _copy_tree(src / "megatron", self.root / "megatron")
             info = self.root / f"megatron_core-{VERSION}.dist-info"
             info.mkdir()
             (info / "METADATA").write_text(f"Name: megatron-core\nVersion: {VERSION}\n")
