@@ -76,7 +76,7 @@ else
 fi
 # --no-compile: pip byte-compiles none of torch's ~4,000 modules (~12 s of the ~30 s this step takes on 2 cores);
 # Python compiles those a process imports when it first imports them, and keeps them
-"$PY" -m pip install -q --no-compile -c "$PINS" "torch==$TORCH" -e ".[test]" packaging numpy
+"$PY" -m pip install -q -c "$PINS" --no-compile "torch==$TORCH" -e ".[test]" packaging numpy
 echo "tests/install_deps.sh: installed torch $(torch_build) build"
 # megatron.core imports triton at import time; --no-deps keeps pip from touching torch.
 if "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
