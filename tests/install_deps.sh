@@ -74,9 +74,9 @@ if [ "$CPU_TORCH" = 1 ]; then
 else
   step 1 "torch $TORCH from the configured index (on Linux PyPI's is the CUDA build, several GB: --cpu-torch takes the CPU one), $DEPS"
 fi
-# --no-compile: pip byte-compiles none of torch's ~4,000 modules (~12 s of the ~30 s this step takes on 2 cores);
-# Python compiles those a process imports when it first imports them, and keeps them
-"$PY" -m pip install -q -c "$PINS" --no-compile "torch==$TORCH" -e ".[test]" packaging numpy
+# (not --no-compile: it saves ~12 s here, but the test ranks run with -B and then compile torch's modules in
+# every process: CI took 405 s instead of 336)
+"$PY" -m pip install -q -c "$PINS" "torch==$TORCH" -e ".[test]" packaging numpy
 echo "tests/install_deps.sh: installed torch $(torch_build) build"
 # megatron.core imports triton at import time; --no-deps keeps pip from touching torch.
 if "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)'; then
