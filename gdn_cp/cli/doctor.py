@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from .. import __version__, env, patch
 from ..megatron.config import AUTO, explain_linear_cp_modes
-from ..megatron.pins import PINS, get_pin
+from ..pins import PINS, get_pin
 from ..ops.installed import dist_version
 
 __all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "environment_report",

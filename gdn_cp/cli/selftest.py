@@ -285,9 +285,9 @@ def transformer_engine():
 
 def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: int = 0) -> dict:
     """The backend's fused gated norm, with the weight and eps gdn-cp reads from TransformerEngine's
-    RMSNorm (``gdn_cp.megatron.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
+    RMSNorm (``gdn_cp.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
     norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it; bf16: y, dx, dz, dweight."""
-    from ..megatron.pins import load_adapter
+    from ..pins import load_adapter
 
     release = load_adapter()  # how gdn-cp reads TransformerEngine's RMSNorm in the pinned release
     n, d = 300, 64

@@ -28,7 +28,7 @@ it takes any head count; where FLA's cp context cannot run, gdn-cp's own halo/st
 the same numbers. Megatron-LM rebuilds the config every micro-batch: the resolution is logged at
 INFO once per process and request, at DEBUG after that.
 
-Megatron's fields are read through the pin's adapter (:mod:`gdn_cp.megatron.pins`). This module
+Megatron's fields are read through the pin's adapter (:mod:`gdn_cp.pins`). This module
 imports neither Megatron nor torch (the settings and the backend check import torch when they run).
 """
 
@@ -40,7 +40,7 @@ from typing import Any, Optional
 from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODES, head_problem, unknown_mode_error
 
 from .backend import check_linear_cp_backend
-from .pins import load_adapter
+from ..pins import load_adapter
 from .rules import any_mode_legal, check_gdn_activation, check_linear_cp_mode, checked_sizes, legal_list, read_settings
 
 __all__ = [

@@ -43,7 +43,7 @@ from typing import Any, Optional
 from ..layout import PAD_SOURCE, PER_DOCUMENT, pad_documents, padded_rank_sources, padded_row_multiple
 from ..layout.boundaries import check_cp, validate_cu_seqlens
 from .padded_cut import padded_rows_multiple
-from .pins import load_adapter
+from ..pins import load_adapter
 from .thd_split import THD_SPLIT_FIELD, record_split
 
 _RELEASE = load_adapter()  # what the release's batches hold, and Megatron-LM's args
@@ -52,7 +52,7 @@ __all__ = ["PAD_VALUES", "SEQUENCE_KEYS", "cut_packed_rows", "pad_and_cut", "pad
 
 SEQUENCE_KEYS, PAD_VALUES = _RELEASE.BATCH_SEQUENCE_KEYS, _RELEASE.BATCH_PAD_VALUES
 """The ``[1, T]`` tensors of a flattened Megatron-LM batch that are cut, and what a pad row holds in each
-(the release's: :mod:`gdn_cp.megatron.pins`)."""
+(the release's: :mod:`gdn_cp.pins`)."""
 
 
 def padded_cut_request(args: Any) -> Optional[int]:

@@ -1,6 +1,6 @@
 """A GatedDeltaNet layer's gdn-cp state, made on its first call and kept in the layer's ``__dict__``.
 
-On the first call: the layer's release adapter (:mod:`gdn_cp.megatron.pins`), the SiLU check (a hybrid
+On the first call: the layer's release adapter (:mod:`gdn_cp.pins`), the SiLU check (a hybrid
 model's config never sees its pattern, so its GDN layers are checked here), gdn-cp's settings (the
 config's fields and the environment, read and checked once: :func:`gdn_cp.megatron.rules.read_settings`),
 the backend for the layer's device (:func:`gdn_cp.megatron.backend.choose_backend`), out_norm's TP
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..ops.shape import GDNShape
 from .backend import choose_backend
-from .pins.lookup import adapter_class
+from ..pins.lookup import adapter_class
 from .rules import check_gdn_activation, read_settings
 from .tp_grads import install_tp_grad_sum
 

@@ -32,7 +32,7 @@ The cut itself (every document padded at its end to a multiple of 2*cp, then cut
   (:func:`quantized_row_multiple`, times the TP size under sequence parallelism:
   :func:`padded_rows_multiple`), by padding the row's last document further.
 
-Reads ``args`` with ``getattr`` only, and the release's numbers from its adapter (:mod:`gdn_cp.megatron.pins`);
+Reads ``args`` with ``getattr`` only, and the release's numbers from its adapter (:mod:`gdn_cp.pins`);
 imports neither torch nor Megatron.
 """
 
@@ -42,7 +42,7 @@ import math
 from typing import Any, Optional
 
 from ..checks import as_int
-from .pins import load_adapter
+from ..pins import load_adapter
 
 _RELEASE = load_adapter()  # the release's token multiples of quantized GEMMs and its dispatcher rule
 

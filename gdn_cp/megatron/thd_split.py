@@ -54,7 +54,7 @@ from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
 from ..modes.settings import THD_SPLIT_FIELD, Settings, check_thd_split_setting
 from .packed_pipeline import configure_packed_pipeline
 from .padded_cut import enable_variable_seq_lengths, mtp_needs_per_document, padded_cut_refusals
-from .pins import load_adapter
+from ..pins import load_adapter
 
 _RELEASE = load_adapter()  # Megatron-LM's flags as its release reads them (the cut they make, its layer symbols)
 

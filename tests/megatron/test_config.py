@@ -306,10 +306,10 @@ def _imported_heavy(code: str) -> list:
 def test_imports_are_light():
     """The patch tool imports no Megatron, torch, FLA or Triton; the config hook (imported by the
     patched TransformerConfig) adds nothing to what the mode registry itself costs."""
-    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.patch, gdn_cp.megatron.pins, gdn_cp.cli.patch, gdn_cp.cli.doctor") == []
+    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.patch, gdn_cp.pins, gdn_cp.cli.patch, gdn_cp.cli.doctor") == []
     registry = _imported_heavy("import gdn_cp.modes.spec")
     assert "megatron" not in registry
-    assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.megatron.pins.megatron_core_0_19_2") == registry
+    assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.pins.megatron_core_0_19_2") == registry
 
 
 def test_names_come_from_the_registry(monkeypatch):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp.megatron import pins
-from gdn_cp.megatron.pins import lookup
+from gdn_cp import pins
+from gdn_cp.pins import lookup
 from gdn_cp.patch import PATCH_NAME
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def _code_of(path: Path) -> list[str]:
 
 def test_only_the_pins_name_a_release_in_code():
     """Every release-specific read (the config's and the layer's fields, PackedSeqParams, Megatron-LM's
-    flags and batches, TE's RMSNorm, the Python floor) goes through ``gdn_cp/megatron/pins/``: no other
+    flags and batches, TE's RMSNorm, the Python floor) goes through ``gdn_cp/pins/``: no other
     module of gdn_cp names a megatron-core release in its code or imports a release's adapter."""
     names = [re.escape(pin.version.rsplit(".", 1)[0]) for pin in pins.PINS.values()]  # "0.19": any 0.19.x
     names += [re.escape(ref) for pin in pins.PINS.values() for ref in pin.matching_refs]
@@ -135,7 +135,7 @@ def _fake_release(tmp_path, monkeypatch):
     ``build_patch_files`` from a pristine and a patched copy of its target files, (2) its adapter
     module (here the 0.19.2 one, with its own ``LayerAdapter`` class), (3) its row in the pin table.
     Returns ``(pin, tree)``: ``tree`` a pristine 9.9.9 megatron tree."""
-    from gdn_cp.megatron.pins import manifest
+    from gdn_cp.pins import manifest
     from gdn_cp.patch import build_patch_files
 
     targets = [t.target for t in pins.load_manifest().files]
@@ -150,7 +150,7 @@ def _fake_release(tmp_path, monkeypatch):
     patches = tmp_path / "patches"
     shutil.copytree(Path(str(pins.patch_dir())), patches / pins.get_pin().patch_folder)
     base = pins.load_adapter()
-    adapter = types.ModuleType(f"gdn_cp.megatron.pins.megatron_core_{_NEW.replace('.', '_')}")
+    adapter = types.ModuleType(f"gdn_cp.pins.megatron_core_{_NEW.replace('.', '_')}")
     adapter.__dict__.update({k: v for k, v in vars(base).items() if not k.startswith("__")})
     adapter.VERSION = _NEW
     adapter.LayerAdapter = type("LayerAdapter", (base.LayerAdapter,), {"__slots__": ()})

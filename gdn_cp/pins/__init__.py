@@ -5,7 +5,7 @@ release (0.18.x, the next one) takes three things and nothing else:
 
 * a patch folder ``patches/megatron-core-<version>/`` (unified diffs + ``manifest.json`` with the
   sha256 of the pristine and patched files; read by :mod:`.manifest`, applied by :mod:`gdn_cp.patch`),
-* an adapter module ``gdn_cp/megatron/pins/megatron_core_<version with _>.py`` exposing what gdn-cp reads
+* an adapter module ``gdn_cp/pins/megatron_core_<version with _>.py`` exposing what gdn-cp reads
   from that release's ``GatedDeltaNet`` and ``TransformerConfig`` (see :mod:`.megatron_core_0_19_2`),
 * one :class:`Pin` row in :data:`PINS` (:mod:`.table`).
 

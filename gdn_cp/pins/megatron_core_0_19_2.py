@@ -2,7 +2,7 @@
 
 gdn-cp's forward (:mod:`gdn_cp.megatron.gdn`) and config hook (:mod:`gdn_cp.megatron.config`)
 touch Megatron objects only through this module, so another release is one more module like
-this one (see :mod:`gdn_cp.megatron.pins`). Imports neither torch nor Megatron at import time.
+this one (see :mod:`gdn_cp.pins`). Imports neither torch nor Megatron at import time.
 
 ``GatedDeltaNet`` (megatron/core/ssm/gated_delta_net/common.py, gdn.py) attributes used:
 ``pg_collection.cp``, ``tp_size``, ``sp_size``, ``layer_number``, ``config``,
@@ -42,7 +42,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ...checks import as_int
+from ..checks import as_int
 
 __all__ = [
     "VERSION", "STOCK_MODE", "STOCK_BACKEND", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
