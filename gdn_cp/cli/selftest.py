@@ -287,9 +287,9 @@ def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: 
     """The backend's fused gated norm, with the weight and eps gdn-cp reads from TransformerEngine's
     RMSNorm (``gdn_cp.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
     norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it; bf16: y, dx, dz, dweight."""
-    from ..pins import load_adapter
+    from ..pins import running_release
 
-    release = load_adapter()  # how gdn-cp reads TransformerEngine's RMSNorm in the pinned release
+    release = running_release()  # how gdn-cp reads TransformerEngine's RMSNorm in the running release
     n, d = 300, 64
     norm = te.RMSNorm(d, eps=1e-5, zero_centered_gamma=zero_centered_gamma, params_dtype=torch.bfloat16,
                       device=device)

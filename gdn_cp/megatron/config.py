@@ -28,7 +28,8 @@ it takes any head count; where FLA's cp context cannot run, gdn-cp's own halo/st
 the same numbers. Megatron-LM rebuilds the config every micro-batch: the resolution is logged at
 INFO once per process and request, at DEBUG after that.
 
-Megatron's fields are read through the pin's adapter (:mod:`gdn_cp.pins`). This module
+Megatron's fields are read through the running release's adapter (:func:`gdn_cp.pins.running_release`,
+looked up when the hook runs). This module
 imports neither Megatron nor torch (the settings and the backend check import torch when they run).
 """
 
@@ -39,8 +40,8 @@ from typing import Any, Optional
 
 from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODES, head_problem, unknown_mode_error
 
+from ..pins import running_release
 from .backend import check_linear_cp_backend
-from ..pins import load_adapter
 from .rules import any_mode_legal, check_gdn_activation, check_linear_cp_mode, checked_sizes, legal_list, read_settings
 
 __all__ = [
@@ -141,7 +142,7 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
 
     A named ``linear_cp_backend`` must also run here (:func:`gdn_cp.megatron.backend.check_linear_cp_backend`).
     """
-    adapter = load_adapter()
+    adapter = running_release()  # the running megatron-core's, found now (gdn_cp.pins.lookup)
     f = adapter.read_config(config)
     settings = read_settings(f)
     check_linear_cp_backend(settings.backend, builds_gdn=f.builds_gdn or f.hybrid, deterministic=settings.deterministic,

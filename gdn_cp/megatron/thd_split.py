@@ -52,11 +52,10 @@ from typing import Any, Optional
 from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
 from ..modes.settings import THD_SPLIT_FIELD, Settings, check_thd_split_setting
+from ..pins import running_release
 from .packed_pipeline import configure_packed_pipeline
 from .padded_cut import enable_variable_seq_lengths, mtp_needs_per_document, padded_cut_refusals
-from ..pins import load_adapter
 
-_RELEASE = load_adapter()  # Megatron-LM's flags as its release reads them (the cut they make, its layer symbols)
 
 __all__ = [
     "THD_SPLIT_FIELD",
@@ -155,7 +154,7 @@ def _per_document_mixers(args: Any) -> Optional[str]:
     attention)."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:
-        found = [f"{sym!r} {name}" for sym, name in _RELEASE.HYBRID_PER_DOCUMENT.items() if sym in pattern]
+        found = [f"{sym!r} {name}" for sym, name in running_release().HYBRID_PER_DOCUMENT.items() if sym in pattern]
         return f"--hybrid-layer-pattern {pattern!r}: {', '.join(found)}" if found else None
     if getattr(args, "spec", None):
         return "--spec " + " ".join(map(str, args.spec)) + " (a custom layer spec: its layers are not known here)"
@@ -163,7 +162,7 @@ def _per_document_mixers(args: Any) -> Optional[str]:
     if variant != "gated_delta_net":
         kind = "DSA attention" if variant == "dsa" else "attention"
         return f"pretrain_gpt.py without --experimental-attention-variant gated_delta_net: every layer is {kind}"
-    layers = _RELEASE.gpt_layer_pattern(args)
+    layers = running_release().gpt_layer_pattern(args)
     freq = getattr(args, "linear_attention_freq", None)
     if layers is None:
         return f"--linear-attention-freq {freq!r}: which layers are attention is not known here"
@@ -178,7 +177,7 @@ def _has_gdn_layers(args: Any) -> Optional[str]:
     """The flags that put gated delta net layers into the Megatron-LM model of ``args``, or None."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:
-        gdn = _RELEASE.HYBRID_GDN
+        gdn = running_release().HYBRID_GDN
         return f"--hybrid-layer-pattern {pattern!r} has gated delta net layers ({gdn!r})" if gdn in pattern else None
     if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
         return "--experimental-attention-variant gated_delta_net builds gated delta net layers"
@@ -286,7 +285,7 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
         "inter_document_masking": bool(getattr(args, "dataloader_inter_document_masking", False)),
         "hybrid_context_parallel": bool(getattr(args, "hybrid_context_parallel", False)),
     }
-    made = _RELEASE.megatron_lm_thd_split(**flags)
+    made = running_release().megatron_lm_thd_split(**flags)
     if made is None:
         return given
     configure_packed_pipeline(args)  # stages passing packed rows of several samples exchange their shapes
