@@ -121,6 +121,15 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
       nothing is resolved, checked against the heads or logged.
 
     A named ``linear_cp_backend`` must also run here (:func:`gdn_cp.megatron.backend.check_linear_cp_backend`).
+
+    Args:
+        config: the ``TransformerConfig`` being built, read through the running release's adapter
+            (:func:`gdn_cp.pins.running_release`, found now).
+        logger: where ``auto``'s resolution is logged (default: this module's).
+
+    Returns:
+        str: the mode ``config.linear_cp_mode`` holds afterwards (``auto`` resolved, or kept for a hybrid model
+        whose heads no mode can split). ValueError / TypeError naming the field, its value and the fix.
     """
     adapter = running_release()  # the running megatron-core's, found now (gdn_cp.pins.lookup)
     f = adapter.read_config(config)

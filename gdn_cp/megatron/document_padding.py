@@ -70,7 +70,18 @@ def cut_packed_rows(batch: dict, cp_group) -> Optional[dict]:
     ``batch`` padded and cut per document in place (:func:`pad_and_cut`) and returned when it has
     ``cu_seqlens``, Megatron-LM's args ask for the cut (:func:`padded_cut_request`) and the CP group
     has more than one rank; else None, with ``batch`` untouched (Megatron cuts the row whole, as
-    stock)."""
+    stock).
+
+    Args:
+        batch (dict): the flattened micro-batch: ``cu_seqlens [1, n+1]`` int32, ``tokens`` / ``labels`` /
+            ``loss_mask`` / ``position_ids [1, T]`` (the running release's keys and pad values:
+            :func:`gdn_cp.pins.running_release`, found now).
+        cp_group: the CP process group.
+
+    Returns:
+        Optional[dict]: ``batch`` with this rank's padded per-document rows (``[1, T_padded/cp]`` each, and
+        ``cu_seqlens_padded [1, n+1]``), or None.
+    """
     if batch.get("cu_seqlens") is None:
         return None
     local_multiple = padded_cut_request(running_release().megatron_lm_args())

@@ -78,6 +78,10 @@ def record_split(batch: dict, split: str) -> None:
 
     Every tensor under ``cu_seqlens`` / ``cu_seqlens_padded`` gets the record on its storage;
     views of it (what ``PackedSeqParams`` receives) share it. Host metadata only: no device work.
+
+    Args:
+        batch (dict): the micro-batch, with ``cu_seqlens`` / ``cu_seqlens_padded`` ``[1, n+1]`` int32 tensors.
+        split (str): ``per_document`` or ``whole_row`` (ValueError otherwise).
     """
     import torch
 
@@ -276,7 +280,16 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
     ValueError when ``--linear-cp-thd-split`` contradicts the cut (``whole_row`` for a model with
     attention layers at CP > 1 included). First of all, ``--linear-cp-mode`` and ``--linear-cp-backend``
     are checked against gdn-cp's registries, with the config's messages (the patched fields are plain
-    strings: the patch names no mode and no backend, so argparse takes any)."""
+    strings: the patch names no mode and no backend, so argparse takes any).
+
+    Args:
+        args: Megatron-LM's parsed arguments (read with ``getattr``; ``linear_cp_thd_split`` and, where
+            needed, ``variable_seq_lengths`` / ``moe_token_dispatcher_type`` are set on it). The release's
+            cut per flags is read from the running release (:func:`gdn_cp.pins.running_release`, found now).
+
+    Returns:
+        Optional[str]: the THD cut packed rows get (``per_document`` / ``whole_row``), or None (no packed rows).
+    """
     Settings(mode=getattr(args, "linear_cp_mode", "auto"), backend=getattr(args, "linear_cp_backend", "auto"))
     check_megatron_lm_model(args)
     given = check_thd_split_setting(getattr(args, THD_SPLIT_FIELD, None), "--linear-cp-thd-split")
