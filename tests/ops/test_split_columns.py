@@ -75,3 +75,19 @@ def test_empty_like_row_columns_keeps_the_column_layout():
     assert made.storage_offset() - made._base.storage_offset() == 6
     plain = empty_like_row_columns(torch.zeros(4, 3))
     assert plain.is_contiguous() and plain.shape == (4, 3)
+
+
+def test_switched_off_it_concatenates_as_torch_split(monkeypatch):
+    """``GRAD_INTO_CONSUMER_BUFFER`` off (the benchmark's ``split_cat`` lever): same gradient, a new tensor."""
+    from gdn_cp.ops.fused import split
+
+    monkeypatch.setattr(split, "GRAD_INTO_CONSUMER_BUFFER", False)
+    rows = _rows()
+    captured = {}
+    handle = rows.register_hook(lambda g: captured.update(ptr=g.data_ptr()))
+    parts = split_columns(rows, SIZES)
+    (_IntoBuffer.apply(parts[0]).sum() + parts[1].sum() * 2 + parts[3].sum()).backward()
+    handle.remove()
+    assert captured["ptr"] != _IntoBuffer.made.data_ptr()
+    expected = torch.cat([torch.ones(5, 6), 2 * torch.ones(5, 4), torch.zeros(5, 2), torch.ones(5, 2)], dim=-1)
+    assert torch.equal(rows.grad, expected.double())

@@ -17,6 +17,10 @@ import torch
 
 __all__ = ["split_columns", "empty_like_row_columns"]
 
+GRAD_INTO_CONSUMER_BUFFER = True
+"""On: :func:`split_columns`' backward reuses a gradient laid out like the whole row (above); off: it is
+``torch.split`` (benchmarks/layer_full.py's lever ``split_cat`` times the two in the same run)."""
+
 
 def empty_like_row_columns(x: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor shaped and laid out like ``x [T, C]``: where ``x`` is a column slice of rows of D
@@ -72,6 +76,6 @@ def _device(grads) -> torch.device:
 def split_columns(rows: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
     """``torch.split(rows [T, D], sizes, dim=-1)`` (views), whose backward reuses a gradient laid out like ``rows``
     (module docstring) instead of concatenating."""
-    if not rows.requires_grad or rows.dim() != 2 or not rows.is_contiguous():
+    if not GRAD_INTO_CONSUMER_BUFFER or not rows.requires_grad or rows.dim() != 2 or not rows.is_contiguous():
         return tuple(torch.split(rows, list(sizes), dim=-1))
     return _SplitColumns.apply(rows, tuple(sizes))
