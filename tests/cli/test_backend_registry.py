@@ -36,7 +36,6 @@ def _register(monkeypatch, name: str, *, devices=("cpu",), scale: float = 1.0):
     package = types.SimpleNamespace(SPEC=spec, load=load)
     monkeypatch.setitem(registry.PACKAGES, name, package)
     monkeypatch.setitem(registry.BACKENDS, name, spec)
-    registry._load.cache_clear()
     return spec
 
 
