@@ -1,10 +1,12 @@
 """gdn-cp: context parallelism for Gated DeltaNet layers on Megatron-Core.
 
-Layers (calls go down, never up): layout -> comm -> ops -> modes -> megatron -> testing -> cli.
-Below them all, importing nothing of gdn_cp: ``checks`` (the integer-argument rule) and ``env``
-(the GDN_CP_* environment variables). Off to the side, above megatron (whose ``pins`` it reads)
-and off the forward path: ``patch``, the tool that installs, checks and reverts the pinned
-Megatron-Core patch (the CLI, the tests and the benchmarks use it). ``tests/test_layers.py``
+Layers (calls go down, never up): layout -> comm -> ops -> modes -> megatron -> cli.
+Below them all, importing nothing of gdn_cp: ``checks`` (the integer-argument rule), ``env``
+(the GDN_CP_* environment variables) and ``nvtx``; just above them ``pins`` (the supported
+megatron-core releases: their patch folders and adapters; it imports ``checks`` alone). Off to the side,
+above megatron and off the forward path: ``patch``, the tool that installs, checks and reverts the
+pinned Megatron-Core patch (the CLI, the tests and the benchmarks use it); it imports ``pins`` and
+nothing of the forward path, so ``import gdn_cp.patch`` loads a handful of modules and no torch. ``tests/test_layers.py``
 holds the package to this order.
 """
 

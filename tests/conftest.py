@@ -85,7 +85,7 @@ def _thread_leaks(pools) -> list[str]:
 
 def megatron_unavailable(reason: str):
     """Fail (the default: CI installs megatron-core) or skip (``GDN_CP_ALLOW_SKIP_MEGATRON=1``)."""
-    from gdn_cp.megatron.pins import PINNED_VERSION
+    from gdn_cp.pins import PINNED_VERSION
 
     if os.environ.get(SKIP_MEGATRON_ENV) == "1":
         pytest.skip(reason)

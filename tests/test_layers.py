@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gdn_cp"
-ORDER = ("checks", "env", "nvtx", "layout", "comm", "ops", "modes", "megatron", "patch", "cli")
+ORDER = ("checks", "env", "nvtx", "pins", "layout", "comm", "ops", "modes", "megatron", "patch", "cli")
 NOT_SHIPPED = ("gdn_cp_testing", "tests", "benchmarks")
 FLOOR = {"checks": 0, "env": 0, "nvtx": 0, **{name: i for i, name in enumerate(ORDER[3:], start=1)}}
 
@@ -75,3 +75,34 @@ def test_only_comm_calls_torch_distributed(path):
               if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "distributed"
               and isinstance(n.value.value, ast.Name) and n.value.value.id == "torch"]
     assert not found, f"{rel} calls torch.distributed outside gdn_cp/comm/: {found}; add what it needs to gdn_cp.comm"
+
+
+def test_the_pins_import_nothing_of_gdn_cp_but_the_integer_rule():
+    """``gdn_cp/pins/`` (the supported releases) sits low so that the patch tool can read it alone:
+    it imports ``gdn_cp.checks`` and itself, never layout, comm, ops, modes or megatron."""
+    found = {str(path.relative_to(ROOT)): m for path in sorted((PACKAGE / "pins").rglob("*.py"))
+             for m in _imports(path) if (m == "gdn_cp" or m.startswith("gdn_cp."))
+             and not m.startswith(("gdn_cp.pins", "gdn_cp.checks"))}
+    assert found == {}, found
+
+
+PATCH_TOOL_MODULES = 20  # gdn_cp, checks, pins (5), patch (8): the patch tool and the releases it reads
+
+
+def test_importing_the_patch_tool_loads_a_handful_of_modules_and_no_torch():
+    """``import gdn_cp.patch`` (a fresh interpreter) loads the patch tool, the pins and the integer rule:
+    no layer of the forward path, and no torch."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json, sys; import gdn_cp.patch; "
+            "print(json.dumps([sorted(m for m in sys.modules if m == 'gdn_cp' or m.startswith('gdn_cp.')), "
+            "'torch' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    modules, torch_loaded = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not torch_loaded
+    assert len(modules) <= PATCH_TOOL_MODULES, modules
+    layers = {m.split(".")[1] for m in modules if m.count(".") >= 1}
+    assert layers <= {"checks", "pins", "patch"}, layers

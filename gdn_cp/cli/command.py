@@ -17,7 +17,7 @@ import textwrap
 
 from .. import __version__, env
 from ..checks import MAX_CP_SIZE, MAX_TP_SIZE
-from ..megatron.pins import PINS
+from ..pins import PINS
 from ..modes.spec import AUTO, MODE_NAMES
 from .args import existing_path, int_list, int_range
 from .output import EXIT_STATUS, EXIT_USAGE, CommandError, exit_epilog, print_error

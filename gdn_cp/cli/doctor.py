@@ -2,8 +2,9 @@
 
 Reads versions from package metadata without importing megatron.core (its import is slow and
 noisy), TransformerEngine, FlashQLA / TileLang or torch (the doctor must also run, and say so, where torch is missing);
-on a GPU machine the FLA stack lines say which gated norm a layer takes (FLA's fused kernel for
-torch's and TransformerEngine's RMSNorm, the layer's own norm otherwise). Finds the patch
+on a GPU machine each backend's stack lines say what it uses of its stack (FLA's: which gated norm a layer
+takes). The backends' packages, verdicts and stack lines come from the registry (each ``BackendSpec``), so
+the doctor names no backend. Finds the patch
 state and the release the files match (by sha256) through the patch tool (:mod:`gdn_cp.patch`), and
 for a head shape lists the ``linear_cp_mode`` values of the registry (:mod:`gdn_cp.modes.spec`),
 whether each is legal and what ``auto`` picks, with reasons.
@@ -18,51 +19,11 @@ from typing import Callable, Optional
 
 from .. import __version__, env, patch
 from ..megatron.config import AUTO, explain_linear_cp_modes
-from ..megatron.pins import PINS, get_pin
+from ..pins import PINS, get_pin
 from ..ops.installed import dist_version
+from ..ops.registry import BACKENDS
 
-__all__ = ["TESTED_FLA_STACKS", "TESTED_FLASHQLA_STACK", "check_doctor_args", "collect_report", "environment_report",
-           "fla_stack_verdict", "flashqla_verdict", "problems", "run_doctor"]
-
-TESTED_FLA_STACKS = {
-    "fla": ("0.6.0", "3.7.1"),
-    "fla042": ("0.4.2", "3.6.0"),
-}
-"""The FLA stacks the GPU suite ran on (README "Tested versions"): pyproject extra -> (fla-core, Triton).
-Each extra pins its fla-core exactly; Triton comes with torch and no extra pins it (pip would replace a
-CUDA torch to satisfy a Triton pin): ``constraints/<extra>.txt`` pins the torch and Triton of the
-stack for a fresh environment, and ``gdn-cp doctor`` says whether the installed pair is one of these
-(``tests/cli/test_doctor.py`` keeps this table, pyproject.toml, constraints/ and the README equal)."""
-
-
-TESTED_FLASHQLA_STACK = ("0.1.3", "0.1.15")
-"""The FlashQLA stack of the ``[flashqla]`` extra: (flash-qla, tilelang)."""
-
-
-def flashqla_verdict(flash_qla: Optional[str], tilelang: Optional[str]) -> str:
-    """One line: the installed FlashQLA + TileLang, and whether it is the stack of the [flashqla] extra."""
-    want = f"flash-qla {TESTED_FLASHQLA_STACK[0]} + tilelang {TESTED_FLASHQLA_STACK[1]} ([flashqla])"
-    if flash_qla in (None, "not installed"):
-        return f"not installed (sm_90+ GPU only: pip install -e '.[flashqla]'; the pinned stack: {want})"
-    if (flash_qla, tilelang) == TESTED_FLASHQLA_STACK:
-        return f"flash-qla {flash_qla} + tilelang {tilelang}: the [flashqla] stack"
-    return (f"flash-qla {flash_qla} + tilelang {tilelang}: not the pinned stack ({want}); check it with "
-            "`gdn-cp selftest --gpu` on the GPU machine")
-
-
-def fla_stack_verdict(fla: Optional[str], triton: Optional[str]) -> str:
-    """One line: the installed FLA + Triton, and whether the GPU suite ran on that pair."""
-    tested = ", ".join(f"fla {f} + triton {t} ([{extra}])" for extra, (f, t) in TESTED_FLA_STACKS.items())
-    if fla is None:
-        return (f"not installed (CUDA only: pip install -e '.[fla]'; tested stacks: {tested})")
-    if (fla, triton) in TESTED_FLA_STACKS.values():
-        return f"fla {fla} + triton {triton}: a tested stack"
-    hazard = ""
-    if _at_least(fla, (0, 5)) and triton is not None and not _at_least(triton, (3, 7, 1)):
-        hazard = "; FLA >= 0.5 with Triton < 3.7.1 refuses or miscomputes the GDN backward on Hopper (FLA issue #640)"
-    return (f"fla {fla} + triton {triton}: untested (tested: {tested}){hazard}; "
-            "check it with `gdn-cp selftest --gpu` on the GPU machine")
-
+__all__ = ["check_doctor_args", "collect_report", "environment_report", "problems", "run_doctor"]
 
 def python_verdict(version: tuple) -> str:
     """This Python's version, and on one older than the pinned megatron-core's floor, what that means."""
@@ -73,17 +34,6 @@ def python_verdict(version: tuple) -> str:
     floor = ".".join(map(str, pin.python_floor))
     return (f"{text} (megatron-core {pin.version} declares Python >= {floor}: pip refuses it here; use a {floor} "
             f"environment, or install its sources as docs/megatron.md says for 3.11)")
-
-
-def _at_least(version: str, floor: tuple) -> bool:
-    """``version`` (e.g. ``3.7.1+git``) >= ``floor``, read on its leading numbers; unreadable: True."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return not parts or tuple(parts) >= floor
 
 
 def _version(dist: str) -> str:
@@ -168,30 +118,18 @@ def collect_report(heads=None, tp: Optional[int] = None, cp: Optional[int] = Non
             "torch": _version("torch"),
             "megatron-core": _version("megatron-core"),
             "megatron-core pins": ", ".join(PINS),
-            "flash-linear-attention": _version("flash-linear-attention"),
-            "fla-core": _version("fla-core"),
-            "triton": _version("triton"),
-            "flash-qla": dist_version("flash-qla", "flash_qla") or "not installed",
-            "tilelang": _version("tilelang"),
+            **{package: _version(package) for spec in BACKENDS.values() for package in spec.packages},  # the registry's
             "transformer-engine": _te_version(),
         },
         "gpus": gpus,
         "gpu_note": gpu_note,
-        "fla_stack_verdict": fla_stack_verdict(dist_version("fla-core", "flash-linear-attention"),
-                                               dist_version("triton")),
+        "verdicts": dict(spec.verdict() for spec in BACKENDS.values() if spec.verdict is not None),
         "environment": environment_report(),
     }
-    report["flashqla_verdict"] = flashqla_verdict(report["versions"]["flash-qla"], report["versions"]["tilelang"])
-    if report["gpus"]:  # FLA's and FlashQLA's kernels import only with CUDA: probing them on a CPU machine says nothing
-        from ..ops.fla.detect import stack_report
-        from ..ops.fla.native_cp import FLA_COLLECTIVE_BACKENDS
-        from ..ops.flashqla.detect import stack_report as flashqla_stack_report
+    if report["gpus"]:  # the CUDA backends' kernels import only with CUDA: probing them on a CPU machine says nothing
         from ..ops.registry import resolve_backend
 
-        report["fla_stack"] = stack_report()
-        report["fla_stack"]["cp context groups"] = {b: "takes FLA's collectives as FLA calls them"
-                                                    for b in FLA_COLLECTIVE_BACKENDS}
-        report["flashqla_stack"] = flashqla_stack_report()
+        report["stacks"] = {name: spec.stack_report() for name, spec in BACKENDS.items() if spec.stack_report is not None}
         report["backend_auto"] = resolve_backend("auto", "cuda", head_dims=(128, 128), dtype="bfloat16")
     try:
         root = root or patch.find_megatron_root(None)
@@ -244,18 +182,12 @@ def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, p
         width = max(len(f"{v['name']}={v['value']}") for v in variables)
         for v in variables:
             echo(f"  {v['name'] + '=' + v['value']:<{width}}  {v['note']}")
-    if "fla_stack" in report:
-        stack = report["fla_stack"]
-        echo(f"FLA stack: {stack['stack']} (what the FLA backend uses of it, chosen once per process and logged):")
+    for backend, stack in report.get("stacks", {}).items():
+        echo(f"{BACKENDS[backend].title} stack: {stack['stack']} (what the {backend} backend uses of it, chosen once "
+             "per process and logged):")
         for name, text in stack["choices"].items():
             echo(f"  {name:<20} {text}")
-        groups = ", ".join(f"{b} ({why})" for b, why in stack["cp context groups"].items())
-        echo(f"  {'cp context groups':<20} {groups}")
-    if "flashqla_stack" in report:
-        stack = report["flashqla_stack"]
-        echo(f"FlashQLA stack: {stack['stack']} (what the flashqla backend uses of it):")
-        for name, text in stack["choices"].items():
-            echo(f"  {name:<20} {text}")
+    if "backend_auto" in report:
         name, why = report["backend_auto"]
         echo(f"linear_cp_backend auto for head dims 128, bf16 (Qwen3.5's GDN layers) on this GPU -> {name}: {why}")
     patch = report["patch"]
@@ -266,8 +198,8 @@ def run_doctor(heads=None, tp: Optional[int] = None, cp: Optional[int] = None, p
         echo(f"  {patch['tree']}")
         for file, state in patch["files"].items():
             echo(f"  {state:<9} {file}")
-    echo(f"FLA + Triton: {report['fla_stack_verdict']}")
-    echo(f"FlashQLA + TileLang: {report['flashqla_verdict']}")
+    for label, line in report["verdicts"].items():
+        echo(f"{label}: {line}")
     if "modes" in report:
         s = report["shape"]
         echo(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, TextIO
 
 from .. import patch
-from ..megatron.pins import PINS
+from ..pins import PINS
 from .args import existing_path
 from .output import EXIT_FOUND_PROBLEM, CommandError, exit_epilog
 

@@ -1,20 +1,23 @@
-"""``gdn-cp selftest``: the FLA backend against the reference backend on the user's own stack.
+"""``gdn-cp selftest``: every backend of the registry against the reference backend on the user's own stack.
 
 Small shapes, one process, outputs and gradients, failing loudly with the errors reached. It is
 the check that catches a kernel stack that computes the wrong thing, e.g. FLA >= 0.5's GDN
 backward on Hopper with Triton < 3.7.1 (FLA issue #640): FLA either refuses (an error is
 reported) or the gradients disagree with the reference (a failed tolerance is reported).
 
-``run_selftest(gpu=False)`` checks the reference backend in fp32 against itself in fp64 (the
-CPU path; FLA is not checked, and the report says so and why); ``run_selftest(gpu=True)`` checks
-FLA's kernels (fp32 and bf16) against the reference in fp64, and needs CUDA and
-flash-linear-attention; where TransformerEngine imports, it also checks the fused gated norm, with
-the weight and eps gdn-cp reads from TE's RMSNorm, against TE's own norm * silu(z) (else the report
-lists it as not checked, and why). ``gdn-cp selftest`` runs the GPU check where both are there, else the
-CPU one; ``--gpu`` insists on the GPU check (exit 2, before anything runs, where it cannot).
+What runs comes from the registry (:mod:`gdn_cp.ops.registry`): each backend's ``BackendSpec`` says its
+cases (``selftest``: ``conv`` / ``gdn`` in which dtypes, at which head dims), its tolerances against the fp64
+reference (``tolerances``), its stack report and its notes (hazards), so this module names no backend but the
+oracle. ``run_selftest(gpu=False)`` checks the backends that run on the CPU (the reference, fp32 against
+itself in fp64; the others are listed as not checked, with why); ``run_selftest(gpu=True)`` checks every
+CUDA backend that runs here (FLA's kernels in fp32 and bf16, FlashQLA's in bf16) against the reference in
+fp64; a backend offering a fused gated norm has it checked too and, where TransformerEngine imports, with
+the weight and eps gdn-cp reads from TE's RMSNorm against TE's own norm * silu(z) (else the report lists it
+as not checked, and why). ``gdn-cp selftest`` runs the GPU check where torch sees a GPU and a CUDA backend
+runs, else the CPU one; ``--gpu`` insists on the GPU check (exit 2, before anything runs, where it cannot).
 
-The case builders here are shared with ``tests/gpu``; the error metrics, tolerances and version
-report come from :mod:`gdn_cp.ops.accuracy` and :mod:`gdn_cp.ops.versions`.
+The case builders here are shared with ``tests/gpu``; the error metrics come from :mod:`gdn_cp.ops.accuracy`,
+the version report from :mod:`gdn_cp.ops.versions`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from ..ops.accuracy import FLA_VS_FP64_REL_L2, max_rel, rel_l2, worst
+from ..ops.accuracy import max_rel, rel_l2, worst
 from ..ops.versions import stack_versions
 
 __all__ = [
@@ -41,29 +44,6 @@ __all__ = [
 # The small case: packed THD with an empty sequence and a sequence starting at row 0 fed by a halo.
 SELFTEST_CU = [0, 37, 37, 130, 301]
 SELFTEST_DIMS = dict(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, conv_kernel_size=4)
-
-
-def _vtuple(s: str | None) -> tuple[int, ...]:
-    out = []
-    for part in (s or "").split("+")[0].split("."):
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
-def known_hazards(versions: dict[str, Any]) -> list[str]:
-    notes = []
-    fla, triton = _vtuple(versions.get("fla")), _vtuple(versions.get("triton"))
-    cap = versions.get("capability") or ""
-    if fla and fla >= (0, 5) and triton and (3, 4) <= triton < (3, 7, 1) and cap.startswith("9."):
-        notes.append(
-            f"FLA {versions['fla']} with Triton {versions['triton']} on Hopper (sm_{cap.replace('.', '')}): "
-            "FLA refuses or miscomputes the GDN backward here (FLA issue #640). Fix: Triton >= 3.7.1, "
-            "tilelang, or FLA 0.4.2."
-        )
-    return notes
 
 
 @dataclass
@@ -85,24 +65,47 @@ class CaseResult:
                 f"{self.tolerance:.0e} ({self.seconds:.1f}s)")
 
 
-CHECKED = {
-    True: "the FLA backend (float32, bfloat16) against the reference backend in float64 on the GPU: causal "
-    "conv and gated delta rule with packed sequences, a halo and initial states; outputs and gradients; the fused "
-    "gated norm, also against TransformerEngine's RMSNorm (with and without zero_centered_gamma) where TE imports; "
-    "the FlashQLA backend (bfloat16, head dims 128) the same way where it runs",
-    False: "the reference backend (plain torch) in float32 against itself in float64 on the CPU: causal conv "
-    "and gated delta rule with packed sequences, a halo and initial states; outputs and gradients",
-}
+_WHAT = ("causal conv and gated delta rule with packed sequences, a halo and initial states; outputs and "
+         "gradients")
+
+
+def _label(spec) -> str:
+    """How the report names a backend: ``the FLA backend``, ``the reference backend``."""
+    return spec.title if spec.title.startswith("the ") else f"the {spec.title} backend"
+
+
+def _dtypes(spec) -> str:
+    return ", ".join(dict.fromkeys(c.dtype for c in spec.selftest))
+
+
+def checked(gpu: bool) -> str:
+    """What a run checks, from the registry: each backend's selftest cases (its spec's ``selftest``)."""
+    from ..ops.registry import BACKENDS, ORACLE
+
+    if not gpu:
+        runs = [s for s in BACKENDS.values() if "cpu" in s.devices and s.selftest]
+        return "; ".join(f"{_label(s)} ({s.devices_why}) in {_dtypes(s)} against "
+                         f"{'itself' if s.name == ORACLE else 'the reference backend'} in float64 on the CPU"
+                         for s in runs) + f": {_WHAT}"
+    runs = [s for s in BACKENDS.values() if s.name != ORACLE and "cuda" in s.devices and s.selftest]
+    return (", ".join(f"{_label(s)} ({_dtypes(s)})" for s in runs) + f" against the reference backend in float64 "
+            f"on the GPU, each where it runs: {_WHAT}; a backend's fused gated norm, also against TransformerEngine's "
+            "RMSNorm (with and without zero_centered_gamma) where TE imports")
+
+
 NOT_CHECKED_ANYWHERE = "context parallelism (CP > 1 against CP=1: `gdn-cp run`)"
 
 
-def fla_unavailable_reason() -> str | None:
-    """Why the FLA check cannot run here (no CUDA GPU, FLA does not import), or None when it can."""
+def gpu_unavailable_reason() -> str | None:
+    """Why the GPU check cannot run here (no CUDA GPU, no CUDA backend of the registry runs), or None when it can."""
+    from ..ops.registry import BACKENDS, ORACLE
+
     if not torch.cuda.is_available():
         return f"torch {torch.__version__} sees no CUDA GPU"
-    from ..ops.fla.detect import fla_available, fla_import_error
-
-    return None if fla_available() else str(fla_import_error())
+    whys = [f"{_label(s)}: {why}" for s in BACKENDS.values()
+            if s.name != ORACLE and "cuda" in s.devices and s.selftest and (why := s.problem()) is not None]
+    runs = [s for s in BACKENDS.values() if s.name != ORACLE and "cuda" in s.devices and s.selftest]
+    return "; ".join(whys) if len(whys) == len(runs) else None
 
 
 @dataclass
@@ -113,11 +116,11 @@ class SelftestReport:
     cases: list[CaseResult]
     notes: list[str] = field(default_factory=list)
     not_checked: list[str] = field(default_factory=list)  # what this run did not check, each with why
-    stack: dict[str, Any] = field(default_factory=dict)  # GPU: gdn_cp.ops.fla.stack_report()
+    stack: dict[str, Any] = field(default_factory=dict)  # GPU: each backend's stack_report(), by name
 
     @property
     def checked(self) -> str:
-        return CHECKED[self.gpu]
+        return checked(self.gpu)
 
     def __str__(self) -> str:
         return self.text()
@@ -132,9 +135,9 @@ class SelftestReport:
                     lines += ["  " + c.line(), *self._tensor_lines(c)]
             return "\n".join(lines + ["  note: " + n for n in self.notes])
         lines = [f"gdn-cp selftest: {'OK' if self.ok else 'FAILED'}", f"  checked: {self.checked}"]
-        if self.stack:
-            lines.append(f"  stack checked: {self.stack['stack']}")
-            for name, text in self.stack.get("choices", {}).items():
+        for stack in self.stack.values():
+            lines.append(f"  stack checked: {stack['stack']}")
+            for name, text in stack.get("choices", {}).items():
                 lines.append(f"    {name}: {text}")
         lines += [f"  not checked: {n}" for n in self.not_checked + [NOT_CHECKED_ANYWHERE]]
         lines.append("  versions: " + ", ".join(f"{k}={v}" for k, v in self.versions.items()))
@@ -285,11 +288,11 @@ def transformer_engine():
 
 def te_gated_norm_case(te, backend, *, zero_centered_gamma: bool, device, seed: int = 0) -> dict:
     """The backend's fused gated norm, with the weight and eps gdn-cp reads from TransformerEngine's
-    RMSNorm (``gdn_cp.megatron.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
+    RMSNorm (``gdn_cp.pins``: ``weight + 1`` for ``zero_centered_gamma``), against TE's own
     norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it; bf16: y, dx, dz, dweight."""
-    from ..megatron.pins import load_adapter
+    from ..pins import running_release
 
-    release = load_adapter()  # how gdn-cp reads TransformerEngine's RMSNorm in the pinned release
+    release = running_release()  # how gdn-cp reads TransformerEngine's RMSNorm in the running release
     n, d = 300, 64
     norm = te.RMSNorm(d, eps=1e-5, zero_centered_gamma=zero_centered_gamma, params_dtype=torch.bfloat16,
                       device=device)
@@ -342,86 +345,82 @@ def _run_case(name: str, fn: Callable[[], dict], tolerance: float) -> CaseResult
     return compare(name, pairs, tolerance, time.perf_counter() - t0)
 
 
-def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
-    """Run the backend checks; returns a report (``report.ok``; ``str(report)`` says what failed)."""
-    from ..ops.registry import get_backend
+CASES = {"conv": conv_case, "gdn": gdn_case}
+"""The case builders a backend's ``SelftestCase`` s name (``kind``)."""
 
-    reference = get_backend("reference")
+
+def backend_cases(name: str, cases: list, not_checked: list, seed: int, device: str = "cuda") -> None:
+    """Backend ``name``'s selftest cases (its spec's ``selftest``, held to its ``tolerances``) against the
+    reference in float64 on ``device``, where it runs here, appended to ``cases``; else it is listed in
+    ``not_checked``, with why. On a GPU, a backend that offers a fused gated norm has it checked too (and
+    against TransformerEngine's RMSNorm where TE imports)."""
+    from ..ops.registry import ORACLE, backend_spec, get_backend
+
+    spec, reference = backend_spec(name), get_backend(ORACLE)
+    why = spec.problem() or (None if device in spec.devices else f"it runs on {' or '.join(spec.devices)} only")
+    if why is not None:
+        not_checked.append(f"{_label(spec)} ({why})")
+        return
+    backend = get_backend(name)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    suffix = "/cpu" if device == "cpu" else ""
+    for case in spec.selftest:
+        kwargs = {} if case.head_dims is None else {"dims": dict(head_k_dim=case.head_dims[0], head_v_dim=case.head_dims[1])}
+        cases.append(_run_case(
+            f"{name}/{case.kind}/{case.dtype}{suffix}",
+            lambda case=case, kwargs=kwargs: CASES[case.kind](backend, reference, dtype=getattr(torch, case.dtype),
+                                                              device=dev, seed=seed, **kwargs),
+            spec.tolerances[case.dtype]))
+    if device == "cuda" and backend.fused_gated_rms_norm() is not None:
+        tolerance = spec.tolerances["bfloat16"]
+        cases.append(_run_case(f"{name}/gated_norm/bfloat16",
+                               lambda: gated_norm_case(backend, dtype=torch.bfloat16, device=dev, seed=seed), tolerance))
+        te, why_not = transformer_engine()
+        if te is None:
+            not_checked.append(f"{_label(spec)}'s fused gated norm against TransformerEngine's RMSNorm ({why_not})")
+        for zcg in (False, True) if te is not None else ():
+            cases.append(_run_case(
+                f"{name}/te/gated_norm/bfloat16{'/zero_centered_gamma' if zcg else ''}",
+                lambda zcg=zcg: te_gated_norm_case(te, backend, zero_centered_gamma=zcg, device=dev, seed=seed),
+                tolerance))
+
+
+def run_selftest(gpu: bool = True, *, seed: int = 0) -> SelftestReport:
+    """Run the backend checks; returns a report (``report.ok``; ``str(report)`` says what failed).
+
+    Every backend of the registry (:mod:`gdn_cp.ops.registry`) with selftest cases is checked where it runs:
+    ``gpu=False``: those that run on the CPU (the reference: float32 against itself in float64), the others
+    listed as not checked, with why; ``gpu=True``: every CUDA backend but the reference, against it in float64
+    (a failed case where torch sees no CUDA GPU)."""
+    from ..ops.registry import BACKENDS, ORACLE
+
     versions = stack_versions()
     cases: list[CaseResult] = []
-    notes = known_hazards(versions) if gpu else []
-
-    if not gpu:
-        for name, fn in (("conv", conv_case), ("gdn", gdn_case)):
-            cases.append(_run_case(
-                f"reference/{name}/float32/cpu",
-                lambda fn=fn: fn(reference, reference, dtype=torch.float32, device="cpu", seed=seed),
-                FLA_VS_FP64_REL_L2["float32"]))
-        why = fla_unavailable_reason() or "asked for the CPU check"
-        return SelftestReport(ok=all(c.ok for c in cases), gpu=False, versions=versions, cases=cases,
-                              notes=notes, not_checked=[f"the FLA backend ({why}): `gdn-cp selftest --gpu` checks "
-                                                        "it where torch sees a CUDA GPU and FLA imports"])
-
-    from ..ops.fla import detect as fla_detect
-
     not_checked: list[str] = []
+    if not gpu:
+        for name, spec in BACKENDS.items():
+            if spec.selftest and "cpu" in spec.devices:
+                backend_cases(name, cases, not_checked, seed, device="cpu")
+            elif spec.selftest:
+                why = gpu_unavailable_reason() or "asked for the CPU check"
+                not_checked.append(f"{_label(spec)} ({why}): `gdn-cp selftest --gpu` checks it where torch sees a "
+                                   f"CUDA GPU and {spec.title} runs")
+        return SelftestReport(ok=all(c.ok for c in cases), gpu=False, versions=versions, cases=cases,
+                              not_checked=not_checked)
+    notes = [note for spec in BACKENDS.values() for note in spec.selftest_notes(versions)]
     if not torch.cuda.is_available():
-        cases.append(CaseResult(name="fla/cuda", ok=False, error="CUDA is not available to torch "
-                                f"{torch.__version__}; the FLA backend needs a CUDA GPU"))
-    elif not fla_detect.fla_available():
-        cases.append(CaseResult(name="fla/import", ok=False, error=str(fla_detect.fla_import_error())))
+        cases.append(CaseResult(name="cuda", ok=False, error=f"CUDA is not available to torch {torch.__version__}; "
+                                "the GPU check needs a CUDA GPU"))
     else:
-        fla_backend = get_backend("fla")
-        dev = torch.device("cuda", torch.cuda.current_device())
-        for dtype in (torch.float32, torch.bfloat16):
-            dname = str(dtype).replace("torch.", "")
-            for name, fn in (("conv", conv_case), ("gdn", gdn_case)):
-                cases.append(_run_case(
-                    f"fla/{name}/{dname}",
-                    lambda fn=fn, dtype=dtype: fn(fla_backend, reference, dtype=dtype, device=dev, seed=seed),
-                    FLA_VS_FP64_REL_L2[dname]))
-        if fla_backend.fused_gated_rms_norm() is not None:
-            cases.append(_run_case("fla/gated_norm/bfloat16",
-                                   lambda: gated_norm_case(fla_backend, dtype=torch.bfloat16, device=dev, seed=seed),
-                                   FLA_VS_FP64_REL_L2["bfloat16"]))
-            te, why_not = transformer_engine()
-            if te is None:
-                not_checked.append(f"the fused gated norm against TransformerEngine's RMSNorm ({why_not})")
-            for zcg in (False, True) if te is not None else ():
-                cases.append(_run_case(
-                    f"te/gated_norm/bfloat16{'/zero_centered_gamma' if zcg else ''}",
-                    lambda zcg=zcg: te_gated_norm_case(te, fla_backend, zero_centered_gamma=zcg, device=dev, seed=seed),
-                    FLA_VS_FP64_REL_L2["bfloat16"]))
-        if not fla_detect.has_cp_context():
-            notes.append(f"FLA {versions['fla']} has no cp_context: linear_cp_mode='chunkwise' cannot use "
-                         "the FLA backend")
-    _flashqla_cases(cases, not_checked, seed)
-    stack = fla_detect.stack_report() if torch.cuda.is_available() else {}
-    return SelftestReport(ok=all(c.ok for c in cases), gpu=True, versions=versions, cases=cases, notes=notes,
-                          not_checked=not_checked, stack=stack)
-
-
-FLASHQLA_DIMS = dict(head_k_dim=128, head_v_dim=128)  # the head dims FlashQLA's kernels take
-
-
-def _flashqla_cases(cases: list, not_checked: list, seed: int) -> None:
-    """The FlashQLA backend (bf16, head dims 128: what it takes) against the reference in fp64, where it
-    runs here (an sm_90+ GPU with flash-qla and TileLang); else listed as not checked, with why. Its
-    first call compiles TileLang kernels (minutes on a fresh machine without TILELANG_CACHE_DIR)."""
-    from ..ops.registry import BACKENDS, get_backend
-
-    reference = get_backend("reference")
-    why = BACKENDS["flashqla"].problem()
-    if why is not None:
-        not_checked.append(f"the FlashQLA backend ({why})")
-        return
-    flashqla, dev = get_backend("flashqla"), torch.device("cuda", torch.cuda.current_device())
-    for name, fn in (("conv", conv_case), ("gdn", gdn_case)):
-        kwargs = {"dims": FLASHQLA_DIMS} if name == "gdn" else {}
-        cases.append(_run_case(
-            f"flashqla/{name}/bfloat16",
-            lambda fn=fn, kwargs=kwargs: fn(flashqla, reference, dtype=torch.bfloat16, device=dev, seed=seed, **kwargs),
-            FLA_VS_FP64_REL_L2["bfloat16"]))
+        for name, spec in BACKENDS.items():
+            if name != ORACLE and spec.selftest and "cuda" in spec.devices:
+                backend_cases(name, cases, not_checked, seed)
+    stack = {}
+    if torch.cuda.is_available():
+        stack = {name: spec.stack_report() for name, spec in BACKENDS.items()
+                 if spec.stack_report is not None and spec.problem() is None}
+    return SelftestReport(ok=bool(cases) and all(c.ok for c in cases), gpu=True, versions=versions, cases=cases,
+                          notes=notes, not_checked=not_checked, stack=stack)
 
 
 def run_selftest_command(args) -> int:
@@ -429,9 +428,9 @@ def run_selftest_command(args) -> int:
 
     from .output import CommandError
 
-    why = fla_unavailable_reason()
+    why = gpu_unavailable_reason()
     if args.gpu and why is not None:
-        raise CommandError(f"--gpu: the FLA check cannot run here: {why}; run `gdn-cp selftest` (without --gpu) "
+        raise CommandError(f"--gpu: the GPU check cannot run here: {why}; run `gdn-cp selftest` (without --gpu) "
                            "for the CPU check")
     rep = run_selftest(gpu=why is None)
     print(json.dumps(rep.to_dict(), indent=2, default=str) if args.json else

@@ -6,12 +6,12 @@
   (:mod:`.layer`; ``reset_settings`` makes layers read them again), one call's checks and context (:mod:`.call`), the per-token work the mode runs
   (:mod:`.segment`);
 * the THD cut (:mod:`.thd_split`), documents padded and cut per document (:mod:`.document_padding`),
-  out_norm's gradient sum over TP (:mod:`.tp_grads`), and the supported megatron-core releases with
-  everything read from them (:mod:`.pins`).
+  out_norm's gradient sum over TP (:mod:`.tp_grads`). The supported megatron-core releases, with
+  everything read from them, are :mod:`gdn_cp.pins` (below this package, so the patch tool reads them alone).
 
 Installing / checking / reverting the pinned patch is a tool of its own, off the forward path:
 :mod:`gdn_cp.patch`. Importing this package imports no torch (:mod:`.config`, :mod:`.rules` and
-:mod:`.pins` are torch-free; the patch tool and the command line read them).
+:mod:`gdn_cp.pins` are torch-free).
 """
 
 from __future__ import annotations

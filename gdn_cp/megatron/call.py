@@ -7,7 +7,7 @@ Per call only what changes per call: the layer's settings, shape and backend wer
 (:mod:`gdn_cp.megatron.layer`); the mode is checked once per (mode, TP, CP) and the CP group once per
 group; the THD cut is decided once per micro-batch and the plan built once per micro-batch, both kept on
 its ``PackedSeqParams`` (the route cache never outlives it); an SBHD plan is kept per layer and shape.
-``PackedSeqParams`` is read through the layer's release adapter (:mod:`gdn_cp.megatron.pins`).
+``PackedSeqParams`` is read through the layer's release adapter (:mod:`gdn_cp.pins`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ it takes any head count; where FLA's cp context cannot run, gdn-cp's own halo/st
 the same numbers. Megatron-LM rebuilds the config every micro-batch: the resolution is logged at
 INFO once per process and request, at DEBUG after that.
 
-Megatron's fields are read through the pin's adapter (:mod:`gdn_cp.megatron.pins`). This module
+Megatron's fields are read through the running release's adapter (:func:`gdn_cp.pins.running_release`,
+looked up when the hook runs). This module
 imports neither Megatron nor torch (the settings and the backend check import torch when they run).
 """
 
@@ -37,11 +38,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODES, head_problem, unknown_mode_error
+from gdn_cp.modes.spec import AUTO, MODE_CHOICES, MODES, auto_choice, head_problem, no_legal_mode_error, unknown_mode_error
 
+from ..pins import running_release
 from .backend import check_linear_cp_backend
-from .pins import load_adapter
-from .rules import any_mode_legal, check_gdn_activation, check_linear_cp_mode, checked_sizes, legal_list, read_settings
+from .rules import any_mode_legal, check_gdn_activation, check_linear_cp_mode, checked_sizes, read_settings
 
 __all__ = [
     "AUTO",
@@ -54,26 +55,6 @@ __all__ = [
 _logger = logging.getLogger(__name__)
 
 _LOGGED: set = set()  # (requested, resolved, heads, tp, cp) already logged at INFO by this process
-
-
-def _auto_choice(k: int, v: int, tp: int, cp: int) -> tuple[str, str]:
-    """``auto``: the first legal mode in the registry's ``auto_rank`` order. Returns ``(mode,
-    reason)``; a pure function of the sizes (a few integer checks)."""
-    skipped: list[str] = []
-    ordered = sorted(MODES.values(), key=lambda s: s.auto_rank)
-    order = ", ".join(s.name for s in ordered)
-    for spec in ordered:
-        problem = head_problem(spec.name, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
-        if problem is not None:
-            skipped.append(f"{spec.name} is illegal ({problem})")
-            continue
-        chosen = f"the first legal mode of {order}: heads divisible by {spec.divisor_text(tp, cp)}; {spec.cost}"
-        return spec.name, "; ".join(skipped + [chosen])
-    raise ValueError(
-        "linear_cp_mode='auto': no mode is legal: "
-        + "; ".join(skipped)
-        + ". Fix: choose a tensor_model_parallel_size that divides both head counts."
-    )
 
 
 def resolve_linear_cp_mode(
@@ -97,7 +78,7 @@ def resolve_linear_cp_mode(
         raise TypeError(f"logger must be a logging.Logger or None, got {type(logger).__name__}")
     if isinstance(requested, str) and requested == AUTO:
         k, v, tp, cp = checked_sizes(num_key_heads, num_value_heads, tp, cp)
-        mode, reason = _auto_choice(k, v, tp, cp)
+        mode, reason = auto_choice(k, v, tp, cp)
     elif not isinstance(requested, str) or requested not in MODES:
         raise unknown_mode_error(requested)
     else:
@@ -140,8 +121,17 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
       nothing is resolved, checked against the heads or logged.
 
     A named ``linear_cp_backend`` must also run here (:func:`gdn_cp.megatron.backend.check_linear_cp_backend`).
+
+    Args:
+        config: the ``TransformerConfig`` being built, read through the running release's adapter
+            (:func:`gdn_cp.pins.running_release`, found now).
+        logger: where ``auto``'s resolution is logged (default: this module's).
+
+    Returns:
+        str: the mode ``config.linear_cp_mode`` holds afterwards (``auto`` resolved, or kept for a hybrid model
+        whose heads no mode can split). ValueError / TypeError naming the field, its value and the fix.
     """
-    adapter = load_adapter()
+    adapter = running_release()  # the running megatron-core's, found now (gdn_cp.pins.lookup)
     f = adapter.read_config(config)
     settings = read_settings(f)
     check_linear_cp_backend(settings.backend, builds_gdn=f.builds_gdn or f.hybrid, deterministic=settings.deterministic,
@@ -151,15 +141,12 @@ def configure_linear_cp_mode(config: Any, *, logger: Optional[logging.Logger] = 
         return mode
     k, v, tp, cp = checked_sizes(f.num_key_heads, f.num_value_heads, f.tp, f.cp, config=True)
     if mode == AUTO:
-        if not f.builds_gdn and not any_mode_legal(k, v, tp, cp):
-            return mode  # a hybrid model that may have no GDN layer: its GDN layers raise, if any
-        try:
-            mode = resolve_linear_cp_mode(AUTO, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp, logger=logger)
-        except ValueError as e:
-            raise ValueError(
-                f"{e} (TransformerConfig with linear_cp_mode='auto' resolves it from these fields; "
-                f"or set a concrete linear_cp_mode, one of {legal_list()})"
-            ) from None
+        if not any_mode_legal(k, v, tp, cp):
+            if not f.builds_gdn:
+                return mode  # a hybrid model that may have no GDN layer: its GDN layers raise, if any
+            raise no_legal_mode_error(k, v, tp, cp, context="TransformerConfig with linear_cp_mode='auto' resolves "
+                                                             "it from these fields")
+        mode = resolve_linear_cp_mode(AUTO, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp, logger=logger)
         adapter.set_linear_cp_mode(config, mode)
     if f.builds_gdn:
         check_linear_cp_mode(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
@@ -188,7 +175,7 @@ def explain_linear_cp_modes(
         else:
             out[name] = {"legal": False, "reason": problem}
     try:
-        mode, reason = _auto_choice(k, v, tp, cp)
+        mode, reason = auto_choice(k, v, tp, cp)
         out[AUTO] = {"legal": True, "resolved": mode, "reason": reason}
     except ValueError as e:
         out[AUTO] = {"legal": False, "resolved": None, "reason": str(e)}

@@ -42,18 +42,11 @@ from typing import Any, Optional
 
 from ..layout import PAD_SOURCE, PER_DOCUMENT, pad_documents, padded_rank_sources, padded_row_multiple
 from ..layout.boundaries import check_cp, validate_cu_seqlens
+from ..pins import running_release
 from .padded_cut import padded_rows_multiple
-from .pins import load_adapter
 from .thd_split import THD_SPLIT_FIELD, record_split
 
-_RELEASE = load_adapter()  # what the release's batches hold, and Megatron-LM's args
-
-__all__ = ["PAD_VALUES", "SEQUENCE_KEYS", "cut_packed_rows", "pad_and_cut", "padded_cut_request", "record_split"]
-
-SEQUENCE_KEYS, PAD_VALUES = _RELEASE.BATCH_SEQUENCE_KEYS, _RELEASE.BATCH_PAD_VALUES
-"""The ``[1, T]`` tensors of a flattened Megatron-LM batch that are cut, and what a pad row holds in each
-(the release's: :mod:`gdn_cp.megatron.pins`)."""
-
+__all__ = ["cut_packed_rows", "pad_and_cut", "padded_cut_request", "record_split"]
 
 def padded_cut_request(args: Any) -> Optional[int]:
     """How many rows each rank's part must be a multiple of (the TP size under sequence
@@ -77,10 +70,21 @@ def cut_packed_rows(batch: dict, cp_group) -> Optional[dict]:
     ``batch`` padded and cut per document in place (:func:`pad_and_cut`) and returned when it has
     ``cu_seqlens``, Megatron-LM's args ask for the cut (:func:`padded_cut_request`) and the CP group
     has more than one rank; else None, with ``batch`` untouched (Megatron cuts the row whole, as
-    stock)."""
+    stock).
+
+    Args:
+        batch (dict): the flattened micro-batch: ``cu_seqlens [1, n+1]`` int32, ``tokens`` / ``labels`` /
+            ``loss_mask`` / ``position_ids [1, T]`` (the running release's keys and pad values:
+            :func:`gdn_cp.pins.running_release`, found now).
+        cp_group: the CP process group.
+
+    Returns:
+        Optional[dict]: ``batch`` with this rank's padded per-document rows (``[1, T_padded/cp]`` each, and
+        ``cu_seqlens_padded [1, n+1]``), or None.
+    """
     if batch.get("cu_seqlens") is None:
         return None
-    local_multiple = padded_cut_request(_RELEASE.megatron_lm_args())
+    local_multiple = padded_cut_request(running_release().megatron_lm_args())
     if local_multiple is None:
         return None
     from ..comm import group_rank, group_size
@@ -91,11 +95,11 @@ def cut_packed_rows(batch: dict, cp_group) -> Optional[dict]:
     return pad_and_cut(batch, cp, group_rank(cp_group), local_multiple=local_multiple)
 
 
-def _sequence_length(batch: dict) -> int:
-    found = {k: tuple(batch[k].shape) for k in SEQUENCE_KEYS if batch.get(k) is not None}
+def _sequence_length(batch: dict, keys) -> int:
+    found = {k: tuple(batch[k].shape) for k in keys if batch.get(k) is not None}
     shapes = set(found.values())
     if len(shapes) != 1 or len(next(iter(shapes))) != 2 or next(iter(shapes))[0] != 1:
-        raise ValueError(f"pad_and_cut needs the flattened batch's {', '.join(SEQUENCE_KEYS)} as [1, T] tensors of one "
+        raise ValueError(f"pad_and_cut needs the flattened batch's {', '.join(keys)} as [1, T] tensors of one "
                          f"T (megatron.core.utils.flatten_batch_for_packed_sequences makes them), got shapes {found}")
     return next(iter(shapes))[1]
 
@@ -121,7 +125,8 @@ def pad_and_cut(batch: dict, cp: int, rank: int, *, local_multiple: int = 1) -> 
     if batch.get("attention_mask") is not None:
         raise ValueError("pad_and_cut got a batch with an attention_mask, which it cannot pad; packed rows mask "
                          "attention through cu_seqlens (Megatron-LM: --no-create-attention-mask-in-dataloader)")
-    total = _sequence_length(batch)
+    release = running_release()  # the running megatron-core's batch keys and pad values, found now
+    total = _sequence_length(batch, release.BATCH_SEQUENCE_KEYS)
     cu = validate_cu_seqlens(cu_tensor[0], 1, t_global=total)  # the micro-batch's one device->host read
     given = batch.get("cu_seqlens_padded")
     if given is not None and validate_cu_seqlens(given.reshape(-1), 1, name="cu_seqlens_padded") != cu:
@@ -132,10 +137,10 @@ def pad_and_cut(batch: dict, cp: int, rank: int, *, local_multiple: int = 1) -> 
     device = cu_tensor.device
     index = source.clamp(min=0).to(device, non_blocking=True)
     pad = (source == PAD_SOURCE).to(device, non_blocking=True)
-    for key in SEQUENCE_KEYS:
+    for key in release.BATCH_SEQUENCE_KEYS:
         value = batch.get(key)
         if value is not None:
-            batch[key] = value.index_select(1, index).masked_fill_(pad.unsqueeze(0), PAD_VALUES[key])
+            batch[key] = value.index_select(1, index).masked_fill_(pad.unsqueeze(0), release.BATCH_PAD_VALUES[key])
     batch["cu_seqlens_padded"] = padded.on(device, torch.int32).view(1, -1).clone()
     longest = int((padded.numpy()[1:] - padded.numpy()[:-1]).max(initial=0))
     if batch.get("max_seqlen") is not None:

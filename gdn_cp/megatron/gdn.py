@@ -41,8 +41,19 @@ def gated_delta_net_forward(
     """The patched ``GatedDeltaNet.forward``'s hand-over: ``(out, out_bias)`` where gdn-cp runs the
     call, None where the stock code runs (CP=1 SBHD).
 
-    ``hidden_states [S_local, B, H]`` (S_local split over TP under sequence parallelism); THD
-    input is ``[T_local, 1, H]`` with ``packed_seq_params.qkv_format == 'thd'``.
+    Args:
+        module: the ``GatedDeltaNet`` being called (its release is found by its ``gdn.py``'s sha256).
+        hidden_states (torch.Tensor): ``[S_local, B, H]``, this CP rank's zigzag rows (S_local split over TP
+            under sequence parallelism); THD input is ``[T_local, 1, H]``.
+        attention_mask: unused (as stock).
+        inference_context: must be None (GDN has no inference path in megatron-core).
+        packed_seq_params: the micro-batch's ``PackedSeqParams`` (``qkv_format='thd'``: packed rows,
+            ``cu_seqlens_q_padded`` / ``cu_seqlens_q`` ``[n+1]``; ``cp_group`` / ``local_cp_size``: dynamic CP), or None.
+        sequence_len_offset: unused (as stock).
+
+    Returns:
+        ``(out [S_local, B, H], out_bias [H] | None)`` as stock's forward returns them, or None where the
+        stock code runs (CP=1 SBHD). ValueError / TypeError, before any collective, for input gdn-cp cannot run.
     """
     state = layer_state(module)
     batch = state.adapter.packed_seq(packed_seq_params)

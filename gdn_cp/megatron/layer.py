@@ -1,6 +1,7 @@
 """A GatedDeltaNet layer's gdn-cp state, made on its first call and kept in the layer's ``__dict__``.
 
-On the first call: the layer's release adapter (:mod:`gdn_cp.megatron.pins`), the SiLU check (a hybrid
+On the first call: the layer's release adapter (:func:`gdn_cp.pins.release_of_layer_class`: its release
+found by the sha256 of its megatron-core's files), the SiLU check (a hybrid
 model's config never sees its pattern, so its GDN layers are checked here), gdn-cp's settings (the
 config's fields and the environment, read and checked once: :func:`gdn_cp.megatron.rules.read_settings`),
 the backend for the layer's device (:func:`gdn_cp.megatron.backend.choose_backend`), out_norm's TP
@@ -12,11 +13,11 @@ benchmarks that change them between calls). What a call checked or built for the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..ops.shape import GDNShape
 from .backend import choose_backend
-from .pins.lookup import adapter_class
+from ..pins import LayerAdapter, release_of_layer_class
 from .rules import check_gdn_activation, read_settings
 from .tp_grads import install_tp_grad_sum
 
@@ -35,7 +36,7 @@ class LayerState:
     buffer or submodule, so ``state_dict`` and module hooks never see it): what its first call read,
     and what was checked or built once for it."""
 
-    adapter: Any  # pins.megatron_core_<version>.LayerAdapter
+    adapter: LayerAdapter  # its release's view of the layer (gdn_cp.pins.adapter)
     shape: GDNShape  # the TP-local head shape (the grouped-heads rule checked once, here)
     settings: Settings  # the config's fields and the environment, read and checked once
     hybrid_context_parallel: bool  # config.hybrid_context_parallel (the THD cut's fallback)
@@ -55,7 +56,7 @@ def layer_state(module) -> LayerState:
     fails (an activation other than SiLU, a bad setting) keeps nothing, so the next call checks again."""
     state = module.__dict__.get(STATE_ATTR)
     if state is None:
-        adapter = adapter_class(type(module))(module)
+        adapter = release_of_layer_class(type(module)).layer_adapter(module)
         check_gdn_activation(adapter.activation, owner=f"GatedDeltaNet (layer {adapter.layer_number}): config.")
         fields = adapter.config_fields
         settings = read_settings(fields)

@@ -32,7 +32,7 @@ The cut itself (every document padded at its end to a multiple of 2*cp, then cut
   (:func:`quantized_row_multiple`, times the TP size under sequence parallelism:
   :func:`padded_rows_multiple`), by padding the row's last document further.
 
-Reads ``args`` with ``getattr`` only, and the release's numbers from its adapter (:mod:`gdn_cp.megatron.pins`);
+Reads ``args`` with ``getattr`` only, and the release's numbers from its adapter (:mod:`gdn_cp.pins`);
 imports neither torch nor Megatron.
 """
 
@@ -42,9 +42,8 @@ import math
 from typing import Any, Optional
 
 from ..checks import as_int
-from .pins import load_adapter
+from ..pins import running_release
 
-_RELEASE = load_adapter()  # the release's token multiples of quantized GEMMs and its dispatcher rule
 
 __all__ = [
     "enable_variable_seq_lengths",
@@ -64,7 +63,7 @@ def _int(args: Any, name: str, default: int = 1) -> int:
 def quantized_row_multiple(args: Any) -> int:
     """How many rows a rank's token count must be a multiple of for ``args``' FP8 / FP4 GEMMs (1 without
     ``--fp8-format`` / ``--fp4-format``)."""
-    rows = _RELEASE.QUANTIZED_ROW_MULTIPLE
+    rows = running_release().QUANTIZED_ROW_MULTIPLE
     multiple = 1
     if getattr(args, "fp8", None):
         multiple = rows["mxfp8"] if getattr(args, "fp8_recipe", None) == "mxfp8" else rows["fp8"]
@@ -161,7 +160,7 @@ def enable_variable_seq_lengths(args: Any) -> bool:
     if _int(args, "pipeline_model_parallel_size") <= 1:
         return False
     args.variable_seq_lengths = True
-    if (_RELEASE.ALLGATHER_REFUSES_VARIABLE_SEQ_LENGTHS and getattr(args, "num_experts", None) is None
+    if (running_release().ALLGATHER_REFUSES_VARIABLE_SEQ_LENGTHS and getattr(args, "num_experts", None) is None
             and getattr(args, "moe_token_dispatcher_type", None) == "allgather"):
         args.moe_token_dispatcher_type = "alltoall"
     return True

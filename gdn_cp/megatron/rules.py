@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from gdn_cp.checks import MAX_CP_SIZE, MAX_TP_SIZE, as_int, size_limit_problem
-from gdn_cp.modes.spec import AUTO, MODE_NAMES, MODES, get_mode, head_problem, unknown_mode_error
+from gdn_cp.modes.spec import AUTO, MODE_NAMES, MODES, auto_choice, heads_error, legal_modes, unknown_mode_error
 
 if TYPE_CHECKING:
     from gdn_cp.modes.settings import Settings
@@ -62,19 +62,6 @@ def checked_sizes(num_key_heads, num_value_heads, tp, cp, *, config: bool = Fals
     return k, v, tp, cp
 
 
-def _fix_hint(mode: str, k: int, v: int, tp: int, cp: int) -> str:
-    """What to change so that ``mode`` (illegal for these heads) or another mode works."""
-    others = [m for m in MODE_NAMES if m != mode and head_problem(m, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) is None]
-    own = (
-        "choose tensor_model_parallel_size * context_parallel_size dividing both head counts"
-        if get_mode(mode).divides_by_cp
-        else "choose a tensor_model_parallel_size that divides both head counts"
-    )
-    if not others:
-        return own
-    return f"set linear_cp_mode to {' or '.join(repr(m) for m in others)}, which these heads allow, or {own}"
-
-
 def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any, tp: Any, cp: Any) -> str:
     """The one validation of a concrete ``linear_cp_mode`` against the GDN heads and TP / CP sizes.
 
@@ -85,16 +72,10 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
     if isinstance(mode, str) and mode == AUTO:
         try:
             k, v, tp, cp = checked_sizes(num_key_heads, num_value_heads, tp, cp)
-            unresolvable = not any_mode_legal(k, v, tp, cp)
         except ValueError:  # the sizes are not the problem named here
-            unresolvable = False
-        if unresolvable:  # why a hybrid model's config left it unresolved
-            problems = [f"{m} is illegal ({head_problem(m, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)})"
-                        for m in MODE_NAMES]
-            raise ValueError(
-                "linear_cp_mode='auto': no mode is legal: " + "; ".join(problems)
-                + ". Fix: choose a tensor_model_parallel_size that divides both head counts."
-            )
+            pass
+        else:
+            auto_choice(k, v, tp, cp)  # no mode legal (why a hybrid model's config left it unresolved): that error
         raise ValueError(
             "linear_cp_mode='auto' must be resolved before the model is built: the patched "
             "TransformerConfig resolves it when the config is built (a field set to 'auto' later is "
@@ -104,12 +85,9 @@ def check_linear_cp_mode(mode: Any, *, num_key_heads: Any, num_value_heads: Any,
     if not isinstance(mode, str) or mode not in MODES:
         raise unknown_mode_error(mode)
     k, v, tp, cp = checked_sizes(num_key_heads, num_value_heads, tp, cp)
-    problem = head_problem(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
-    if problem is not None:
-        raise ValueError(
-            f"linear_cp_mode={mode!r} with tensor_model_parallel_size={tp}, context_parallel_size={cp}: "
-            f"{problem}. Fix: {_fix_hint(mode, k, v, tp, cp)}."
-        )
+    error = heads_error(mode, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp)
+    if error is not None:
+        raise error
     return mode
 
 
@@ -158,7 +136,7 @@ def check_gdn_activation(act: Any, *, owner: str = "TransformerConfig.") -> None
 
 
 def any_mode_legal(k: int, v: int, tp: int, cp: int) -> bool:
-    return any(head_problem(m, num_key_heads=k, num_value_heads=v, tp=tp, cp=cp) is None for m in MODE_NAMES)
+    return bool(legal_modes(k, v, tp, cp))
 
 
 

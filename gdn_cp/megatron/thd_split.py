@@ -52,11 +52,10 @@ from typing import Any, Optional
 from ..checks import as_int
 from ..layout.boundaries import PER_DOCUMENT, WHOLE_ROW, check_thd_split
 from ..modes.settings import THD_SPLIT_FIELD, Settings, check_thd_split_setting
+from ..pins import running_release
 from .packed_pipeline import configure_packed_pipeline
 from .padded_cut import enable_variable_seq_lengths, mtp_needs_per_document, padded_cut_refusals
-from .pins import load_adapter
 
-_RELEASE = load_adapter()  # Megatron-LM's flags as its release reads them (the cut they make, its layer symbols)
 
 __all__ = [
     "THD_SPLIT_FIELD",
@@ -79,6 +78,10 @@ def record_split(batch: dict, split: str) -> None:
 
     Every tensor under ``cu_seqlens`` / ``cu_seqlens_padded`` gets the record on its storage;
     views of it (what ``PackedSeqParams`` receives) share it. Host metadata only: no device work.
+
+    Args:
+        batch (dict): the micro-batch, with ``cu_seqlens`` / ``cu_seqlens_padded`` ``[1, n+1]`` int32 tensors.
+        split (str): ``per_document`` or ``whole_row`` (ValueError otherwise).
     """
     import torch
 
@@ -155,7 +158,7 @@ def _per_document_mixers(args: Any) -> Optional[str]:
     attention)."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:
-        found = [f"{sym!r} {name}" for sym, name in _RELEASE.HYBRID_PER_DOCUMENT.items() if sym in pattern]
+        found = [f"{sym!r} {name}" for sym, name in running_release().HYBRID_PER_DOCUMENT.items() if sym in pattern]
         return f"--hybrid-layer-pattern {pattern!r}: {', '.join(found)}" if found else None
     if getattr(args, "spec", None):
         return "--spec " + " ".join(map(str, args.spec)) + " (a custom layer spec: its layers are not known here)"
@@ -163,7 +166,7 @@ def _per_document_mixers(args: Any) -> Optional[str]:
     if variant != "gated_delta_net":
         kind = "DSA attention" if variant == "dsa" else "attention"
         return f"pretrain_gpt.py without --experimental-attention-variant gated_delta_net: every layer is {kind}"
-    layers = _RELEASE.gpt_layer_pattern(args)
+    layers = running_release().gpt_layer_pattern(args)
     freq = getattr(args, "linear_attention_freq", None)
     if layers is None:
         return f"--linear-attention-freq {freq!r}: which layers are attention is not known here"
@@ -178,7 +181,7 @@ def _has_gdn_layers(args: Any) -> Optional[str]:
     """The flags that put gated delta net layers into the Megatron-LM model of ``args``, or None."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:
-        gdn = _RELEASE.HYBRID_GDN
+        gdn = running_release().HYBRID_GDN
         return f"--hybrid-layer-pattern {pattern!r} has gated delta net layers ({gdn!r})" if gdn in pattern else None
     if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
         return "--experimental-attention-variant gated_delta_net builds gated delta net layers"
@@ -277,7 +280,16 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
     ValueError when ``--linear-cp-thd-split`` contradicts the cut (``whole_row`` for a model with
     attention layers at CP > 1 included). First of all, ``--linear-cp-mode`` and ``--linear-cp-backend``
     are checked against gdn-cp's registries, with the config's messages (the patched fields are plain
-    strings: the patch names no mode and no backend, so argparse takes any)."""
+    strings: the patch names no mode and no backend, so argparse takes any).
+
+    Args:
+        args: Megatron-LM's parsed arguments (read with ``getattr``; ``linear_cp_thd_split`` and, where
+            needed, ``variable_seq_lengths`` / ``moe_token_dispatcher_type`` are set on it). The release's
+            cut per flags is read from the running release (:func:`gdn_cp.pins.running_release`, found now).
+
+    Returns:
+        Optional[str]: the THD cut packed rows get (``per_document`` / ``whole_row``), or None (no packed rows).
+    """
     Settings(mode=getattr(args, "linear_cp_mode", "auto"), backend=getattr(args, "linear_cp_backend", "auto"))
     check_megatron_lm_model(args)
     given = check_thd_split_setting(getattr(args, THD_SPLIT_FIELD, None), "--linear-cp-thd-split")
@@ -286,7 +298,7 @@ def configure_megatron_lm_args(args: Any) -> Optional[str]:
         "inter_document_masking": bool(getattr(args, "dataloader_inter_document_masking", False)),
         "hybrid_context_parallel": bool(getattr(args, "hybrid_context_parallel", False)),
     }
-    made = _RELEASE.megatron_lm_thd_split(**flags)
+    made = running_release().megatron_lm_thd_split(**flags)
     if made is None:
         return given
     configure_packed_pipeline(args)  # stages passing packed rows of several samples exchange their shapes

@@ -19,7 +19,7 @@ from .local import Local
 from .context import CallContext, Mode
 from .headwise import Headwise
 from .settings import Settings
-from .spec import MODES, ModeSpec, get_mode
+from .spec import ModeSpec, get_mode, heads_error
 
 __all__ = ["MODE_CLASSES", "check_core_inputs", "gdn_core", "prepare_mode"]
 
@@ -93,15 +93,13 @@ def check_core_inputs(qkv, g, beta, conv_weight, conv_bias, shape: GDNShape, pla
 
 
 def _check_heads(spec: ModeSpec, shape: GDNShape, cp: int) -> None:
-    """The registry's head rule for this CP group (``shape`` is one TP rank's: TP is divided out)."""
-    divisor = spec.head_divisor(1, cp)
-    for name, heads in (("num_k_heads", shape.num_k_heads), ("num_v_heads", shape.num_v_heads)):
-        if heads % divisor:
-            others = " or ".join(repr(s.name) for s in MODES.values() if not s.divides_by_cp)
-            raise ValueError(
-                f"linear_cp_mode={spec.name!r} needs {name} divisible by cp, got {name}={heads}, cp={cp}; "
-                f"use linear_cp_mode={others} (they need heads divisible by TP only)"
-            )
+    """The registry's head rule (:func:`gdn_cp.modes.spec.heads_error`) for this CP group (``shape`` is one TP
+    rank's: TP is divided out)."""
+    error = heads_error(spec.name, num_key_heads=shape.num_k_heads, num_value_heads=shape.num_v_heads, tp=1, cp=cp,
+                        fields=("shape.num_k_heads", "shape.num_v_heads"),
+                        sizes=f"a CP group of {cp} ranks (the GDNShape's heads are one TP rank's, so TP=1 here)")
+    if error is not None:
+        raise error
 
 
 def _check_log_decay_on_every_rank(g: torch.Tensor, group) -> None:

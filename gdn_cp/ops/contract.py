@@ -19,7 +19,7 @@ Adding an optional member is one field of :class:`Backend` with its default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 if TYPE_CHECKING:
@@ -27,11 +27,26 @@ if TYPE_CHECKING:
 
     from .shape import GDNShape
 
-__all__ = ["Backend", "BackendSpec", "NativeCPCore", "check_backend"]
+__all__ = ["Backend", "BackendSpec", "NativeCPCore", "SelftestCase", "check_backend"]
 
 
 def _runs_here() -> Optional[str]:
     return None
+
+
+def _no_versions() -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class SelftestCase:
+    """One check ``gdn-cp selftest`` runs on a backend against the reference in float64: ``kind`` (``conv``,
+    ``gdn``: the selftest's case builders), the activations' ``dtype`` (a torch dtype's name) and, for ``gdn``,
+    the head dims (``(Dk, Dv)``; None: the selftest's own)."""
+
+    kind: str
+    dtype: str
+    head_dims: Optional[tuple[int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,15 @@ class BackendSpec:
     ``settings``: the ``GDN_CP_*`` variables its kernels take (:mod:`gdn_cp.env`'s table), read and
     checked with gdn-cp's other settings where a call comes in, and handed to its ``load``.
     ``first_use``: what a user waits for on its first call (a JIT compile), said before a run starts; "" for none.
+
+    What the commands read (``gdn-cp doctor``, ``gdn-cp selftest``, the versions of a result row), so that they
+    loop over the registry and name no backend: ``packages``: the distributions it is made of (doctor's version
+    lines); ``versions``: their versions as result rows name them (:func:`gdn_cp.ops.versions.stack_versions`);
+    ``tolerances``: the rel-L2 its kernels are held to against the fp64 reference, per activation dtype;
+    ``selftest``: the :class:`SelftestCase` s the selftest runs on it (on a device it runs on, where it runs);
+    ``verdict``: ``(label, line)``, doctor's one line on its installed stack (None: none); ``stack_report``:
+    what it uses of its stack (``{"stack": ..., "choices": {...}}``; GPU machines only; None: nothing to say);
+    ``selftest_notes``: notes for the selftest report from the versions of the stack (hazards).
     """
 
     name: str
@@ -65,6 +89,13 @@ class BackendSpec:
     native_cp: Optional[str] = None
     settings: tuple[str, ...] = ()
     first_use: Callable[[], str] = str
+    packages: tuple[str, ...] = ()
+    versions: Callable[[], dict] = _no_versions
+    tolerances: Any = field(default=None, compare=False)  # {dtype name: rel-L2 against the fp64 reference}
+    selftest: tuple[SelftestCase, ...] = ()
+    verdict: Optional[Callable[[], tuple[str, str]]] = None
+    stack_report: Optional[Callable[[], dict]] = None
+    selftest_notes: Callable[[dict], list] = lambda versions: []
 
     def dtype_problem(self, dtype) -> Optional[str]:
         """Why its kernels cannot take activations of ``dtype`` (a torch dtype or its name; None: unknown)."""

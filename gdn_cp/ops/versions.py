@@ -7,14 +7,15 @@ from __future__ import annotations
 import platform
 from typing import Any, Optional
 
-from .fla.detect import fla_version
 from .installed import dist_version
+from .registry import BACKENDS
 
 __all__ = ["stack_versions"]
 
 def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
-    """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, FLA, FlashQLA and
-    TileLang, megatron-core, gdn-cp, the GPUs. Read from package metadata: nothing heavy is imported."""
+    """Versions that decide a result: Python, torch (+ CUDA, threads), Triton, every backend's packages (its
+    spec's ``versions``: FLA, FlashQLA and TileLang, ...), megatron-core, gdn-cp, the GPUs. Read from package
+    metadata: nothing heavy is imported."""
     import torch
 
     import gdn_cp
@@ -25,9 +26,7 @@ def stack_versions(extra: Optional[dict] = None) -> dict[str, Any]:
         "torch_num_threads": torch.get_num_threads(),
         "cuda": torch.version.cuda,
         "triton": dist_version("triton"),
-        "fla": fla_version(),  # also finds a source checkout without package metadata
-        "flash_qla": dist_version("flash-qla") or dist_version("flash_qla"),
-        "tilelang": dist_version("tilelang"),
+        **{key: version for spec in BACKENDS.values() for key, version in spec.versions().items()},
         "megatron_core": dist_version("megatron-core"),
         "gdn_cp": getattr(gdn_cp, "__version__", None),
         "gpu": None,

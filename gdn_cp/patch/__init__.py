@@ -2,7 +2,7 @@
 
 Off to the side of the library: the ``gdn-cp patch`` and ``doctor`` commands, the tests and the
 benchmarks use it; nothing on the forward path imports it. Each supported release (a pin, see
-:mod:`gdn_cp.megatron.pins`, which also reads the patch folder's manifest) has a patch folder
+:mod:`gdn_cp.pins`, which also reads the patch folder's manifest) has a patch folder
 holding one unified diff per target file and a ``manifest.json`` with the sha256 of the pristine
 and of the patched file. Content hashes are the source of truth, never version strings: a
 Megatron-LM checkout reports its own version in ``megatron/core/package_info.py`` (e.g. ``0.19.1``)
@@ -22,7 +22,7 @@ message that says what is wrong and what to do; nothing has been changed when on
 Torch-free and Megatron-free.
 """
 
-from ..megatron.pins import PINNED_VERSION, Manifest, PatchError, PatchTarget, get_pin, load_manifest, patch_dir
+from ..pins import PINNED_VERSION, Manifest, PatchError, PatchTarget, get_pin, load_manifest, patch_dir
 from .apply import PatchResult, apply_patch, revert_patch
 from .build import build_patch_files
 from .ensure import PatchedTree, ensure_patched

@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 from typing import Optional
 
-from ..megatron.pins import PatchError, PatchTarget, patch_dir
-from ..megatron.pins.manifest import sha256_hex
+from ..pins import PatchError, PatchTarget, patch_dir
+from ..pins.manifest import sha256_hex
 from .atomic import atomic_replace_all, remove_quietly
 from .git_exclude import add_git_exclude, remove_git_exclude
 from .tree import (

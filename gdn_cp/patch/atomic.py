@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from ..megatron.pins import PatchError
+from ..pins import PatchError
 
 __all__ = ["atomic_replace_all", "remove_quietly"]
 

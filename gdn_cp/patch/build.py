@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-from ..megatron.pins import PatchError, Pin, get_pin
-from ..megatron.pins.manifest import sha256_hex, source_patches
+from ..pins import PatchError, Pin, get_pin
+from ..pins.manifest import sha256_hex, source_patches
 from .tree import PathLike
 from .unified_diff import make_unified_diff
 
@@ -17,7 +17,7 @@ __all__ = ["build_patch_files"]
 
 def _patch_header(pin: Pin) -> str:
     return (
-        f"gdn-cp patch for megatron-core {pin.version} (the PyPI release; gdn_cp/megatron/pins lists "
+        f"gdn-cp patch for megatron-core {pin.version} (the PyPI release; gdn_cp/pins lists "
         "Megatron-LM refs with the same files).\n"
         "Apply with `gdn-cp patch apply` (hash-checked, atomic, revertible); manifest.json beside this "
         "file holds the sha256 of the pristine and patched file.\n"

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from ..megatron.pins import PatchError
+from ..pins import PatchError
 from .apply import apply_patch
 from .tree import (
     BACKUP_SUFFIX,

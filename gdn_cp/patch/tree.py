@@ -14,8 +14,8 @@ import re
 from pathlib import Path
 from typing import Mapping, Optional, Union
 
-from ..megatron.pins import PINNED_VERSION, PINS, Manifest, PatchError, PatchTarget, Pin, get_pin, load_manifest
-from ..megatron.pins.manifest import sha256_hex
+from ..pins import PINNED_VERSION, PINS, Manifest, PatchError, PatchTarget, Pin, get_pin, load_manifest
+from ..pins.manifest import sha256_hex
 
 __all__ = [
     "PRISTINE", "PATCHED", "MODIFIED", "MISSING", "PARTIAL", "BACKUP_SUFFIX", "MegatronNotFound", "PathLike",

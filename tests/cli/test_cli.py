@@ -180,13 +180,13 @@ def test_selftest_on_a_cpu_says_what_it_did_not_check(capsys):
 
 
 def test_the_package_root_shows_the_layers():
-    """gdn_cp/ holds the five layer folders, testing/ and cli/ above them, the patch tool beside them,
-    and the three layer-0 modules (checks, env, nvtx: every layer may use them); the command-line modules live in
+    """gdn_cp/ holds the five layer folders, cli/ above them, the patch tool beside them, the supported
+    releases (pins/) below them, and the three layer-0 modules (checks, env, nvtx: every layer may use them); the command-line modules live in
     gdn_cp/cli/ (issue #19)."""
     root = ROOT / "gdn_cp"
     folders = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "__pycache__")
     files = sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix == ".py")
-    assert folders == ["cli", "comm", "layout", "megatron", "modes", "ops", "patch"]
+    assert folders == ["cli", "comm", "layout", "megatron", "modes", "ops", "patch", "pins"]
     assert files == ["__init__.py", "checks.py", "env.py", "nvtx.py"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"gdn-cp": "gdn_cp.cli:main"}

@@ -104,7 +104,7 @@ def test_the_extras_install_exactly_the_tested_fla_stacks():
     import tomllib
     from pathlib import Path
 
-    from gdn_cp.cli.doctor import TESTED_FLA_STACKS
+    from gdn_cp.ops.fla.spec import TESTED_FLA_STACKS
 
     root = Path(__file__).resolve().parents[2]
     extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -126,7 +126,7 @@ def test_each_tested_stack_installs_from_one_line_that_keeps_a_users_torch_unles
     import tomllib
     from pathlib import Path
 
-    from gdn_cp.cli.doctor import TESTED_FLA_STACKS
+    from gdn_cp.ops.fla.spec import TESTED_FLA_STACKS
 
     root = Path(__file__).resolve().parents[2]
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
@@ -149,16 +149,17 @@ def test_each_tested_stack_installs_from_one_line_that_keeps_a_users_torch_unles
 
 def test_doctor_says_whether_the_installed_fla_stack_was_tested(monkeypatch):
     from gdn_cp.cli import doctor
+    from gdn_cp.ops.fla import spec
 
-    assert doctor.fla_stack_verdict("0.6.0", "3.7.1") == "fla 0.6.0 + triton 3.7.1: a tested stack"
-    assert doctor.fla_stack_verdict("0.4.2", "3.6.0").endswith("a tested stack")
-    untested = doctor.fla_stack_verdict("0.6.0", "3.9.0")
+    assert spec.fla_stack_verdict("0.6.0", "3.7.1") == "fla 0.6.0 + triton 3.7.1: a tested stack"
+    assert spec.fla_stack_verdict("0.4.2", "3.6.0").endswith("a tested stack")
+    untested = spec.fla_stack_verdict("0.6.0", "3.9.0")
     assert untested.startswith("fla 0.6.0 + triton 3.9.0: untested (tested: fla 0.6.0 + triton 3.7.1 ([fla]), "
                                "fla 0.4.2 + triton 3.6.0 ([fla042]))") and "#640" not in untested, untested
-    assert "refuses or miscomputes the GDN backward on Hopper" in doctor.fla_stack_verdict("0.5.2", "3.6.0")
-    assert doctor.fla_stack_verdict(None, "3.9.0").startswith("not installed")
+    assert "refuses or miscomputes the GDN backward on Hopper" in spec.fla_stack_verdict("0.5.2", "3.6.0")
+    assert spec.fla_stack_verdict(None, "3.9.0").startswith("not installed")
     versions = {"fla-core": "0.6.0", "triton": "3.5.0"}
-    monkeypatch.setattr(doctor, "dist_version", lambda *names: next((versions[n] for n in names if n in versions), None))
+    monkeypatch.setattr(spec, "dist_version", lambda *names: next((versions[n] for n in names if n in versions), None))
     code, out = _run()
     assert "FLA + Triton: fla 0.6.0 + triton 3.5.0: untested" in out, out
 
@@ -188,12 +189,12 @@ def test_flashqla_extra_pins_the_stack_the_doctor_names():
     import tomllib
     from pathlib import Path
 
-    from gdn_cp.cli import doctor
+    from gdn_cp.ops.flashqla import spec
 
     root = Path(__file__).resolve().parents[2]
     extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["flashqla"]
-    flash_qla, tilelang = doctor.TESTED_FLASHQLA_STACK
+    flash_qla, tilelang = spec.TESTED_FLASHQLA_STACK
     assert extra[:2] == [f"flash-qla=={flash_qla}", f"tilelang=={tilelang}"] and all("==" in p for p in extra), extra
-    assert doctor.flashqla_verdict(flash_qla, tilelang).endswith("the [flashqla] stack")
-    assert "not the pinned stack" in doctor.flashqla_verdict("0.1.2", "0.1.9")
-    assert doctor.flashqla_verdict("not installed", "not installed").startswith("not installed")
+    assert spec.flashqla_verdict(flash_qla, tilelang).endswith("the [flashqla] stack")
+    assert "not the pinned stack" in spec.flashqla_verdict("0.1.2", "0.1.9")
+    assert spec.flashqla_verdict("not installed", "not installed").startswith("not installed")

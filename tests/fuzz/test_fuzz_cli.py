@@ -366,7 +366,7 @@ def test_patch_messages_print_once(folders, caplog):
 
 def test_missing_megatron_hint_works_for_this_python(monkeypatch):
     from gdn_cp import patch
-    from gdn_cp.megatron.pins import get_pin
+    from gdn_cp.pins import get_pin
 
     monkeypatch.setattr(patch.tree.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(patch.PatchError) as info:

@@ -226,10 +226,10 @@ def test_flashqla_vs_reference_and_fla_cp1():
 def test_selftest_cases_pass():
     """``gdn-cp selftest --gpu``'s FlashQLA cases (gated delta rule with initial and final states,
     grouped value heads, an empty sequence; FLA's conv) pass here."""
-    from gdn_cp.cli.selftest import _flashqla_cases
+    from gdn_cp.cli.selftest import backend_cases
 
     cases, not_checked = [], []
-    _flashqla_cases(cases, not_checked, seed=0)
+    backend_cases("flashqla", cases, not_checked, seed=0)
     _record("flashqla_selftest", cases=[c.line() for c in cases], not_checked=not_checked)
     assert cases and not not_checked and all(c.ok for c in cases), [c.line() for c in cases]
 

@@ -306,10 +306,10 @@ def _imported_heavy(code: str) -> list:
 def test_imports_are_light():
     """The patch tool imports no Megatron, torch, FLA or Triton; the config hook (imported by the
     patched TransformerConfig) adds nothing to what the mode registry itself costs."""
-    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.patch, gdn_cp.megatron.pins, gdn_cp.cli.patch, gdn_cp.cli.doctor") == []
+    assert _imported_heavy("import gdn_cp.megatron, gdn_cp.patch, gdn_cp.pins, gdn_cp.cli.patch, gdn_cp.cli.doctor") == []
     registry = _imported_heavy("import gdn_cp.modes.spec")
     assert "megatron" not in registry
-    assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.megatron.pins.megatron_core_0_19_2") == registry
+    assert _imported_heavy("import gdn_cp.megatron.config, gdn_cp.pins.megatron_core_0_19_2") == registry
 
 
 def test_names_come_from_the_registry(monkeypatch):
@@ -345,3 +345,37 @@ def test_each_gdn_layer_logs_the_mode_it_runs_once(caplog):
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.name == call.logger.name]
     assert debug == ["GatedDeltaNet layer 1 runs linear_cp_mode=chunkwise (TP=1, CP=4, linear_num_key_heads=4, "
                      "linear_num_value_heads=8)"], debug
+
+
+def test_each_head_rule_message_is_written_once():
+    """The head rule's two errors (a mode that cannot split the heads; ``auto`` with no legal mode) are built in
+    one place, gdn_cp/modes/spec.py, and the config hook, a layer's check, doctor's table and the core's entry
+    call it: the same heads give the same message (the config adds which config asked; the core names its
+    GDNShape's fields and the CP group)."""
+    import re
+    from pathlib import Path
+
+    from gdn_cp.modes.spec import heads_error, no_legal_mode_error
+
+    root = Path(__file__).resolve().parents[2] / "gdn_cp"
+    for phrase in ("no mode is legal: ", "which these heads allow", "is not divisible by {spec.divisor_text"):
+        where = [str(p.relative_to(root)) for p in root.rglob("*.py") if phrase in p.read_text()]
+        assert where == ["modes/spec.py"], (phrase, where)
+
+    want = str(no_legal_mode_error(3, 6, 2, 1))
+    with pytest.raises(ValueError) as layer:
+        check_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=2, cp=1)
+    with pytest.raises(ValueError) as config:
+        configure_linear_cp_mode(_config("auto", 3, 6, 2, 1))
+    with pytest.raises(ValueError) as resolved:
+        resolve_linear_cp_mode("auto", num_key_heads=3, num_value_heads=6, tp=2, cp=1)
+    doctor = explain_linear_cp_modes(num_key_heads=3, num_value_heads=6, tp=2, cp=1)["auto"]["reason"]
+    assert str(layer.value) == str(resolved.value) == doctor == want
+    assert str(config.value).startswith(want[:-1] + " (TransformerConfig with linear_cp_mode='auto'")
+
+    want = str(heads_error("headwise", num_key_heads=4, num_value_heads=8, tp=1, cp=8))
+    with pytest.raises(ValueError) as layer:
+        check_linear_cp_mode("headwise", num_key_heads=4, num_value_heads=8, tp=1, cp=8)
+    assert str(layer.value) == want
+    assert re.search(r"linear_num_key_heads=4 is not divisible by TP\*CP=1\*8=8\. Fix: set linear_cp_mode to "
+                     r"'chunkwise' or 'all_gather'", want)

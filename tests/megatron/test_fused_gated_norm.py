@@ -103,7 +103,7 @@ class _Subclass(RMSNorm):
 
 
 def test_te_rmsnorm_recognised_by_name_and_refused_with_the_reason():
-    from gdn_cp.megatron.pins import megatron_core_0_19_2 as pin
+    from gdn_cp.pins import megatron_core_0_19_2 as pin
 
     assert pin.TE_RMSNORM == (RMSNorm.__module__, RMSNorm.__qualname__)
     problem = pin.fused_rms_norm_problem
@@ -136,7 +136,7 @@ def test_te_rmsnorm_recognised_by_name_and_refused_with_the_reason():
 
 
 def test_zero_centered_weight_is_weight_plus_one_in_the_graph():
-    from gdn_cp.megatron.pins.megatron_core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_weight
+    from gdn_cp.pins.megatron_core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_weight
 
     norm = RMSNorm(8, eps=1e-6, zero_centered_gamma=True, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -268,7 +268,7 @@ def test_fla_fused_gated_norm_equals_te_rmsnorm_gpu(zero_centered_gamma):
     against TE's own norm * silu(z) as Megatron's ``_apply_gated_norm`` computes it, bf16, forward
     and backward (x, z and the weight's gradient); both also against the fp64 formula."""
     te = _require_te_gpu()
-    from gdn_cp.megatron.pins.megatron_core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
+    from gdn_cp.pins.megatron_core_0_19_2 import fused_rms_norm_eps, fused_rms_norm_problem, fused_rms_norm_weight
     from gdn_cp.ops.fla.norm import fused_gated_rms_norm
     from gdn_cp.ops.accuracy import rel_l2
     from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2

@@ -17,7 +17,7 @@ import torch
 
 from gdn_cp.layout import PER_DOCUMENT, WHOLE_ROW
 from gdn_cp.megatron import thd_split
-from gdn_cp.megatron.pins import load_adapter
+from gdn_cp.pins import load_adapter
 from gdn_cp.megatron.thd_split import configure_megatron_lm_args, record_split, recorded_split, resolve_thd_split
 from gdn_cp_testing.megatron.parity import MODES, parity_case
 from gdn_cp.ops.accuracy import CP_VS_CP1_MAX_REL as TOL

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..contract import BackendSpec
+from ..contract import BackendSpec, SelftestCase
+from ..installed import dist_version
 
-__all__ = ["AUTO_CP_ENV", "FLASHQLA_HEAD_DIM", "SPEC", "head_dims_problem", "padded_value_heads", "value_heads_problem"]
+__all__ = ["AUTO_CP_ENV", "FLASHQLA_VS_FP64_REL_L2", "TESTED_FLASHQLA_STACK", "flashqla_verdict", "FLASHQLA_HEAD_DIM", "SPEC", "head_dims_problem", "padded_value_heads", "value_heads_problem"]
 
 AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
 """FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on one GPU,
@@ -58,6 +59,39 @@ def first_use_note() -> str:
             f"(seen on an H200), seconds once they are in TileLang's cache ({cache}; TILELANG_CACHE_DIR moves it)")
 
 
+FLASHQLA_VS_FP64_REL_L2 = {"bfloat16": 1e-2}
+"""FlashQLA's kernels (bf16 only) vs the fp64 reference (rel_l2): bf16 rounds inputs and outputs at 8 bits."""
+
+
+TESTED_FLASHQLA_STACK = ("0.1.3", "0.1.15")
+"""The FlashQLA stack of the ``[flashqla]`` extra: (flash-qla, tilelang)."""
+
+
+def flashqla_verdict(flash_qla: Optional[str], tilelang: Optional[str]) -> str:
+    """One line: the installed FlashQLA + TileLang, and whether it is the stack of the [flashqla] extra."""
+    want = f"flash-qla {TESTED_FLASHQLA_STACK[0]} + tilelang {TESTED_FLASHQLA_STACK[1]} ([flashqla])"
+    if flash_qla in (None, "not installed"):
+        return f"not installed (sm_90+ GPU only: pip install -e '.[flashqla]'; the pinned stack: {want})"
+    if (flash_qla, tilelang) == TESTED_FLASHQLA_STACK:
+        return f"flash-qla {flash_qla} + tilelang {tilelang}: the [flashqla] stack"
+    return (f"flash-qla {flash_qla} + tilelang {tilelang}: not the pinned stack ({want}); check it with "
+            "`gdn-cp selftest --gpu` on the GPU machine")
+
+
+def _verdict() -> tuple[str, str]:
+    return "FlashQLA + TileLang", flashqla_verdict(dist_version("flash-qla", "flash_qla"), dist_version("tilelang"))
+
+
+def _versions() -> dict:
+    return {"flash_qla": dist_version("flash-qla", "flash_qla"), "tilelang": dist_version("tilelang")}
+
+
+def _stack_report() -> dict:
+    from .detect import stack_report
+
+    return stack_report()
+
+
 def _problem() -> Optional[str]:
     from .detect import flashqla_problem  # FlashQLA-free until asked; then probed once per process
 
@@ -69,5 +103,7 @@ SPEC = BackendSpec(
     devices_why="FlashQLA's TileLang kernels run on NVIDIA sm_90+ GPUs only", preference=0, problem=_problem,
     dtypes=("bfloat16", "float16"), head_dims=head_dims_problem, narrow=True,
     native_cp="an sm_90+ GPU with flash-qla >= 0.1.3 and FLA's cp context (the conv)", settings=(AUTO_CP_ENV,),
-    first_use=first_use_note,
+    first_use=first_use_note, packages=("flash-qla", "tilelang"), versions=_versions, tolerances=FLASHQLA_VS_FP64_REL_L2,
+    selftest=(SelftestCase("conv", "bfloat16"), SelftestCase("gdn", "bfloat16", (FLASHQLA_HEAD_DIM, FLASHQLA_HEAD_DIM))),
+    verdict=_verdict, stack_report=_stack_report,
 )

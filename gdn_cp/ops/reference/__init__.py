@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..contract import Backend, BackendSpec
+from ..contract import Backend, BackendSpec, SelftestCase
 
 __all__ = ["SPEC", "load"]
 
 SPEC = BackendSpec(name="reference", title="the reference backend", devices=("cpu", "cuda"),
-                   devices_why="plain torch", preference=2)
+                   devices_why="plain torch", preference=2,
+                   tolerances={"float32": 5e-3},  # its float32 against itself in float64 (the CPU selftest)
+                   selftest=(SelftestCase("conv", "float32"), SelftestCase("gdn", "float32")))
 
 
 def load(settings: Mapping[str, Any]) -> Backend:

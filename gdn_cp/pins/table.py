@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from types import ModuleType
 
 from . import megatron_core_0_19_2
+from .adapter import ReleaseAdapter
 
 __all__ = ["Pin", "PINS", "PINNED_VERSION", "get_pin", "load_adapter"]
 
@@ -17,8 +17,8 @@ class Pin:
 
     ``version``: the release's version string (``megatron/core/package_info.py`` of the PyPI
     release). ``patch_folder``: folder name under ``patches/`` (shipped as ``gdn_cp._patches``).
-    ``adapter``: the module implementing the adapter interface for this release (imported here:
-    adapters import neither torch nor Megatron at import time). ``matching_refs``: Megatron-LM git
+    ``adapter``: the release's :class:`~gdn_cp.pins.adapter.ReleaseAdapter` (an instance; adapters import
+    neither torch nor Megatron at import time). ``matching_refs``: Megatron-LM git
     refs whose target files were checked to equal the release's (their ``package_info.py`` may
     report another version string; the patch tool goes by file hashes). ``python_floor``: the oldest
     Python the release installs on (its Requires-Python), which its install command and ``gdn-cp
@@ -27,7 +27,7 @@ class Pin:
 
     version: str
     patch_folder: str
-    adapter: ModuleType
+    adapter: ReleaseAdapter
     matching_refs: tuple[str, ...] = ()
     python_floor: tuple[int, int] = (3, 12)
 
@@ -62,7 +62,7 @@ PINS: dict[str, Pin] = {
         Pin(
             version="0.19.2",
             patch_folder="megatron-core-0.19.2",
-            adapter=megatron_core_0_19_2,
+            adapter=megatron_core_0_19_2.RELEASE,
             # checked by sha256 on a Megatron-LM snapshot: both report 0.19.1 in package_info.py
             matching_refs=("core_r0.19.0", "core_v0.19.0"),
         ),
@@ -86,6 +86,7 @@ def get_pin(version: str | None = None) -> Pin:
     return pin
 
 
-def load_adapter(version: str | None = None) -> ModuleType:
-    """The adapter module of a pin (``pins.megatron_core_<version>``)."""
+def load_adapter(version: str | None = None) -> ReleaseAdapter:
+    """The adapter of the pin of ``version`` (default: the default pin). What the running megatron-core is
+    read with is :func:`gdn_cp.pins.lookup.running_release`, not this."""
     return get_pin(version).adapter

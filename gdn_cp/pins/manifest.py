@@ -47,7 +47,7 @@ def sha256_hex(data: bytes) -> str:
 
 def source_patches() -> Path:
     """The repository's top-level ``patches/`` folder (a source checkout)."""
-    return Path(__file__).resolve().parents[3] / "patches"
+    return Path(__file__).resolve().parents[2] / "patches"
 
 
 def patch_dir(pin: Optional[str] = None):

@@ -2,7 +2,7 @@
 
 gdn-cp's forward (:mod:`gdn_cp.megatron.gdn`) and config hook (:mod:`gdn_cp.megatron.config`)
 touch Megatron objects only through this module, so another release is one more module like
-this one (see :mod:`gdn_cp.megatron.pins`). Imports neither torch nor Megatron at import time.
+this one (see :mod:`gdn_cp.pins`). Imports neither torch nor Megatron at import time.
 
 ``GatedDeltaNet`` (megatron/core/ssm/gated_delta_net/common.py, gdn.py) attributes used:
 ``pg_collection.cp``, ``tp_size``, ``sp_size``, ``layer_number``, ``config``,
@@ -39,13 +39,14 @@ no bias, and keeps ``sequence_parallel`` as a tag on its weight for Megatron.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from ...checks import as_int
+from ..checks import as_int
+from . import adapter as _interface
+from .adapter import ConfigFields, PackedSeqFields
 
 __all__ = [
-    "VERSION", "STOCK_MODE", "STOCK_BACKEND", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
+    "RELEASE", "Release", "VERSION", "STOCK_MODE", "STOCK_BACKEND", "ConfigFields", "read_config", "set_linear_cp_mode", "LayerAdapter", "TE_RMSNORM",
     "PackedSeqFields", "fused_rms_norm_eps", "fused_rms_norm_problem", "fused_rms_norm_weight", "out_norm_hooked",
     "read_packed_seq_params", "BATCH_PAD_VALUES", "BATCH_SEQUENCE_KEYS", "HYBRID_GDN", "HYBRID_PER_DOCUMENT",
     "gpt_layer_pattern", "megatron_lm_args", "megatron_lm_thd_split",
@@ -61,36 +62,6 @@ STOCK_BACKEND = "auto"
 
 TE_RMSNORM = ("transformer_engine.pytorch.module.rmsnorm", "RMSNorm")
 """``(module, qualname)`` of TransformerEngine's RMSNorm module (``te.pytorch.RMSNorm``)."""
-
-
-@dataclass(frozen=True)
-class ConfigFields:
-    """The ``TransformerConfig`` fields gdn-cp reads: those that decide ``linear_cp_mode``, and its settings.
-
-    ``builds_gdn``: the config itself asks for GDN layers (``experimental_attention_variant=
-    'gated_delta_net'``), which is when stock 0.19.2 checks the heads against TP*CP. ``hybrid``:
-    a hybrid model (``is_hybrid_model``), which places GDN layers through its layer pattern
-    (``G`` in Megatron-LM's ``--hybrid-layer-pattern``); the config does not see the pattern, so
-    its layers are checked by the forward. ``activation``: ``activation_func``, which a GDN layer
-    applies after its conv and to its output gate (it must be SiLU). ``head_dims``:
-    ``(linear_key_head_dim, linear_value_head_dim)``; ``deterministic``: ``deterministic_mode``; the
-    others are the fields of the same names.
-    """
-
-    linear_cp_mode: Any
-    thd_split: Any
-    num_key_heads: Any
-    num_value_heads: Any
-    tp: Any
-    cp: Any
-    builds_gdn: bool
-    hybrid: bool = False
-    activation: Any = None
-    linear_cp_backend: Any = "auto"
-    head_dims: Optional[tuple] = None  # (linear_key_head_dim, linear_value_head_dim)
-    params_dtype: Any = None
-    deterministic: bool = False
-    hybrid_context_parallel: bool = False
 
 
 def read_config(config) -> ConfigFields:
@@ -120,23 +91,6 @@ def read_config(config) -> ConfigFields:
 
 
 _ABSENT = object()
-
-
-@dataclass(frozen=True)
-class PackedSeqFields:
-    """The ``PackedSeqParams`` fields gdn-cp reads, as they are (checked where they are used).
-
-    ``params``: the ``PackedSeqParams`` itself (None: there is none; gdn-cp keeps its per-micro-batch
-    caches on it); ``thd``: packed input (``qkv_format == "thd"``); ``cu_seqlens``: the boundaries the rows were cut
-    with (``cu_seqlens_q_padded``, else ``cu_seqlens_q``; None: neither), ``cu_name`` the field it came
-    from; ``cp_group`` / ``local_cp_size``: the micro-batch's dynamic CP group and its size (None: unset)."""
-
-    params: Any
-    thd: bool
-    cu_seqlens: Any
-    cu_name: str
-    cp_group: Any
-    local_cp_size: Any
 
 
 _NO_PACKED_SEQ = PackedSeqFields(None, False, None, "cu_seqlens_q_padded", None, None)
@@ -241,16 +195,13 @@ def fused_rms_norm_weight(norm):
     return weight
 
 
-class LayerAdapter:
-    """gdn-cp's view of one ``GatedDeltaNet`` layer of megatron-core 0.19.2.
+class LayerAdapter(_interface.LayerAdapter):
+    """gdn-cp's view of one ``GatedDeltaNet`` layer of megatron-core 0.19.2 (:class:`gdn_cp.pins.adapter.LayerAdapter`).
 
-    One slot; the forward keeps one per layer. Shapes below are per TP rank.
+    Two slots (the layer, its release); the forward keeps one per layer. Shapes below are per TP rank.
     """
 
-    __slots__ = ("layer",)
-
-    def __init__(self, layer):
-        self.layer = layer
+    __slots__ = ()
 
     # -- identity, config ---------------------------------------------------------------------
     @property
@@ -258,20 +209,9 @@ class LayerAdapter:
         return getattr(self.layer, "layer_number", None)
 
     @property
-    def config_fields(self) -> ConfigFields:
-        """The layer's ``TransformerConfig`` fields that gdn-cp reads (:func:`read_config`), read now:
-        a field set after the model was built is seen on the next call."""
-        return read_config(self.layer.config)
-
-    @property
     def activation(self):
         """The activation the layer computes with (``act_fn``, from ``config.activation_func``)."""
         return self.layer.act_fn
-
-    @staticmethod
-    def packed_seq(params) -> PackedSeqFields:
-        """A micro-batch's ``PackedSeqParams`` fields (:func:`read_packed_seq_params`)."""
-        return read_packed_seq_params(params)
 
     # -- parallel sizes and groups ------------------------------------------------------------
     @property
@@ -495,3 +435,54 @@ def megatron_lm_args() -> Optional[Any]:
         return global_vars.get_args()
     except AssertionError:  # "args is not initialized"
         return None
+
+
+class Release(_interface.ReleaseAdapter):
+    """megatron-core 0.19.2 (:class:`gdn_cp.pins.adapter.ReleaseAdapter`): the module's functions and constants.
+
+    The next release's adapter subclasses this class (and :class:`LayerAdapter`) and overrides what changed."""
+
+    VERSION = VERSION
+    STOCK_MODE = STOCK_MODE
+    STOCK_BACKEND = STOCK_BACKEND
+    LayerAdapter = LayerAdapter
+    TE_RMSNORM = TE_RMSNORM
+    HYBRID_GDN = HYBRID_GDN
+    HYBRID_PER_DOCUMENT = HYBRID_PER_DOCUMENT
+    BATCH_SEQUENCE_KEYS = BATCH_SEQUENCE_KEYS
+    BATCH_PAD_VALUES = BATCH_PAD_VALUES
+    QUANTIZED_ROW_MULTIPLE = QUANTIZED_ROW_MULTIPLE
+    ALLGATHER_REFUSES_VARIABLE_SEQ_LENGTHS = ALLGATHER_REFUSES_VARIABLE_SEQ_LENGTHS
+
+    def read_config(self, config) -> ConfigFields:
+        return read_config(config)
+
+    def set_linear_cp_mode(self, config, mode: str) -> None:
+        set_linear_cp_mode(config, mode)
+
+    def read_packed_seq_params(self, params) -> PackedSeqFields:
+        return read_packed_seq_params(params)
+
+    def megatron_lm_thd_split(self, *, sft: bool, inter_document_masking: bool,
+                              hybrid_context_parallel: bool) -> Optional[str]:
+        return megatron_lm_thd_split(sft=sft, inter_document_masking=inter_document_masking,
+                                     hybrid_context_parallel=hybrid_context_parallel)
+
+    def gpt_layer_pattern(self, args: Any) -> Optional[list]:
+        return gpt_layer_pattern(args)
+
+    def megatron_lm_args(self) -> Optional[Any]:
+        return megatron_lm_args()
+
+    def fused_rms_norm_problem(self, norm, dim: int) -> Optional[str]:
+        return fused_rms_norm_problem(norm, dim)
+
+    def fused_rms_norm_weight(self, norm):
+        return fused_rms_norm_weight(norm)
+
+    def fused_rms_norm_eps(self, norm) -> float:
+        return fused_rms_norm_eps(norm)
+
+
+RELEASE = Release()
+"""The adapter instance of this release (its :class:`~gdn_cp.pins.table.Pin` row holds it)."""
