@@ -148,7 +148,6 @@ def test_each_tested_stack_installs_from_one_line_that_keeps_a_users_torch_unles
         assert f"Triton {triton}, torch {pins['torch']}" in readme, (extra, pins)
 
 def test_doctor_says_whether_the_installed_fla_stack_was_tested(monkeypatch):
-    from gdn_cp.cli import doctor
     from gdn_cp.ops.fla import spec
 
     assert spec.fla_stack_verdict("0.6.0", "3.7.1") == "fla 0.6.0 + triton 3.7.1: a tested stack"

@@ -7,7 +7,8 @@ from typing import Optional
 from ..contract import BackendSpec, SelftestCase
 from ..installed import dist_version
 
-__all__ = ["AUTO_CP_ENV", "FLASHQLA_VS_FP64_REL_L2", "TESTED_FLASHQLA_STACK", "flashqla_verdict", "FLASHQLA_HEAD_DIM", "SPEC", "head_dims_problem", "padded_value_heads", "value_heads_problem"]
+__all__ = ["AUTO_CP_ENV", "FLASHQLA_VS_FP64_REL_L2", "TESTED_FLASHQLA_STACK", "flashqla_verdict", "FLASHQLA_HEAD_DIM",
+           "SPEC", "head_dims_problem", "padded_value_heads", "value_heads_problem"]
 
 AUTO_CP_ENV = "GDN_CP_FLASHQLA_AUTO_CP"
 """FlashQLA's ``auto_cp`` (its own split of a long sequence into pieces run side by side on one GPU,
