@@ -19,7 +19,7 @@
 # 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
 #    parity, CP and TP x CP: tests/megatron/test_gpu_tp.py wants 2 GPUs, 4 for TP=2 x CP=2, and
 #    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "warm", "args", "syncs", "selftest",
-#    "levers", "layer_full": see run_stage below; stages joined by "+" run side by side), each under
+#    "layer_full": see run_stage below; stages joined by "+" run side by side), each under
 #    a time limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON
 #    files from the benchmarks, and everything printed in $OUT/run.log (the stack named first);
 # 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if
@@ -39,7 +39,7 @@
 # optional: TransformerEngine and the Megatron-LM checkout of the TE tests and stage train_mlm) and run
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q
 #
-# FlashQLA (the flashqla backend; stages flashqla, flashqla_tests, flashqla_warm): the slim-tilelang pack
+# FlashQLA (the flashqla backend; stages flashqla_tests, flashqla_heads, flashqla_warm): the slim-tilelang pack
 # in GDN_CP_TL (default .tl: made by `bash ../shared/tools/slim-tilelang/make.sh .tl`, ~39 MB) is unpacked
 # once into .site-tl/ (ignored; a later call on the same warm machine finds it without the pack) and put
 # first on PYTHONPATH. TileLang compiles each kernel on first use (~3 min cold for a forward + backward):
@@ -167,7 +167,7 @@ EOF
 # with TE, Megatron's TE spec); train_mlm = benchmarks/train_megatron_lm.py (Megatron-LM's scripts);
 # warm = benchmarks/warm_kernels.py (FLA kernels compiled side by side, one process per shape);
 # syncs = benchmarks/syncs.py; layer_full = benchmarks/layer_full.py;
-# args = the megatron.training argument test (Python >= 3.12); flashqla = benchmarks/flashqla_probe.py;
+# args = the megatron.training argument test (Python >= 3.12);
 # flashqla_tests = the FlashQLA backend's GPU tests; flashqla_warm = warm_kernels.py --backend flashqla;
 # glue_tests = the glue's GPU paths; flashqla_heads = benchmarks/flashqla_heads.py (FlashQLA's head counts);
 # glue_kernels = benchmarks/glue_kernels.py (the Triton glue's backward forms against each other and the floor).
@@ -222,10 +222,6 @@ run_stage() {
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 -m benchmarks.syncs --out "$OUT/syncs.json" ;;
     selftest)
       timeout --signal=INT "${GDN_CP_SELFTEST_TIMEOUT:-300}" python3 -m gdn_cp.cli selftest --gpu ;;
-    levers)
-      # shellcheck disable=SC2086
-      timeout --signal=INT "${GDN_CP_LEVERS_TIMEOUT:-360}" python3 -m benchmarks.fla_levers \
-        --out "$OUT/fla_levers_$STACK.json" ${GDN_CP_LEVERS_ARGS:-} ;;
     layer_full)
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 -m benchmarks.layer_full \
@@ -236,11 +232,6 @@ run_stage() {
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_B_TIMEOUT:-240} + 60 ))" python3 -m benchmarks.layer_full \
         --out "$OUT/layer_full_${STACK}_b.json" --time-limit "${GDN_CP_LAYER_FULL_B_TIMEOUT:-240}" \
         ${GDN_CP_LAYER_FULL_B_ARGS:-} ;;
-    flashqla)
-      # benchmarks/flashqla_probe.py: versions, accuracy vs FLA and the reference, the state summary, compile costs
-      # shellcheck disable=SC2086
-      timeout --signal=INT "$(( ${GDN_CP_FLASHQLA_TIMEOUT:-540} + 30 ))" python3 -m benchmarks.flashqla_probe \
-        --out "$OUT/flashqla_probe.jsonl" --time-limit "${GDN_CP_FLASHQLA_TIMEOUT:-540}" ${GDN_CP_FLASHQLA_ARGS:-} ;;
     flashqla_warm)
       # FlashQLA's kernel variants of the benchmarks' shapes, compiled side by side (GDN_CP_WARM_ARGS: --cp, --tokens)
       # shellcheck disable=SC2086
