@@ -159,9 +159,7 @@ def rank_setup(ctx, spec: dict) -> dict:
     mega = _select_megatron(spec["megatron_root"])
     want = spec["expect_state"]
     if mega["state"] != want:
-        raise RuntimeError(f"megatron-core at {mega['root']} is {mega['state']}, this pool needs it {want} "
-                           f"(--stock-from dispatch-off needs the installed megatron-core patched: "
-                           f"`python -m gdn_cp.cli patch apply`)")
+        raise RuntimeError(f"megatron-core at {mega['root']} is {mega['state']}, this pool needs it {want}")
     device = ctx.device
     if device.type == "cpu":
         install_cpu_shims()
