@@ -62,7 +62,7 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
 
 
 SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "flashqla_heads", "args", "warm",
-                "syncs", "selftest", "layer_full", "layer_full_b", "flashqla_warm", "train_mlm")
+                "syncs", "selftest", "layer_full", "layer_full_b", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
