@@ -1,30 +1,14 @@
-"""Rank side of ``layer_full.py``: runs inside each spawned rank of a pool (one rank per GPU with
-NCCL; gloo ranks on the CPU). Module-level functions, pickled by name.
+"""Rank side of ``layer_full.py``: runs inside each spawned rank of a pool (one rank per GPU with NCCL; gloo ranks
+on the CPU). Module-level functions, pickled by name.
 
-One pool serves one megatron-core tree (a pristine copy for ``stock_headwise``, a patched copy for
-the gdn-cp cases): :func:`rank_setup` puts that tree first on ``sys.path`` before anything imports
-megatron, checks which file was imported, and builds the layers once per rank:
-
-- ``layer``: GatedDeltaNet on the pool's CP group (every rank of the pool), the case's mode set on
-  its config per case (``linear_cp_mode``; the chunkwise swap point through
-  ``GDN_CP_CHUNKWISE_SWAP``);
-- ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
-  CP=1 reference of the correctness check. In a one-rank pool (``--cp 1``) ``layer`` is ``layer1``.
-
-Weights come from a seeded generator by parameter name (``gdn_cp_testing.megatron.layer.set_params``), inputs from a
-seeded generator on the device: identical on every rank, in both pools, for every case.
-
-:func:`rank_case` runs one case in one of two phases:
-
-- ``compile``: one fwd+bwd (compiles / autotunes FLA's kernels for this shape), the comparison
-  with CP=1 on the same weights and inputs (output rows, input gradient rows, parameter gradients
-  summed over the CP group; relative L2; for the patched ``--cp 1`` cases: against stock
-  megatron-core's code on the same module and rows), and one core call;
-- ``time``: ``warmup`` fwd+bwd, then ``iters`` timed ones (CUDA events; device synchronize and a
-  host-side gloo barrier before each, so every iteration starts together on every rank and no
-  barrier kernel lands in a timed or profiled iteration), peak memory over the timed ones; then
-  ``profile_iters`` more under torch.profiler (CUDA activity), split into compute / NCCL /
-  memcpy / idle from those same iterations; then the core alone, timed the same way.
+One pool serves one megatron-core tree (a pristine copy for the stock cases, a patched copy for gdn-cp's):
+:func:`rank_setup` puts it first on ``sys.path``, checks what was imported, and builds per spec ``layer`` (on the
+pool's CP group; the case's mode set on its config) and ``layer1`` (the same weights at CP=1: ``cp1_slice`` and the
+reference of the check). Weights come from a seeded generator by parameter name, inputs from a seeded generator on
+the device: the same on every rank, in both pools, for every case. :func:`rank_case` runs one case in one phase:
+``compile`` (one fwd+bwd, the check against CP=1 or, at ``--cp 1``, against stock on the same module and rows, one
+core call) or ``time`` (warm-up, CUDA-event iterations after a device synchronize and a host-side gloo barrier, peak
+memory, the profiled iterations, the core alone).
 """
 
 from __future__ import annotations
@@ -407,14 +391,11 @@ class _Case:
             raise RuntimeError(f"spec {self.spec} was not built in this pool (built: {sorted(st['layers'])})")
         layers = st["layers"][self.spec]
         self.lever_off = spec.get("lever_off")
-        if self.case in STOCK_CASES:
-            if self.lever_off:
-                raise RuntimeError(f"lever {self.lever_off} is gdn-cp's: stock case {self.case} has none to switch off")
-            self.stock = contextlib.nullcontext if not st["patched"] else stock_forward
-        else:
-            if not st["patched"]:
-                raise RuntimeError(f"case {self.case} needs the patched megatron, this pool has the pristine one")
-            self.stock = contextlib.nullcontext
+        if (self.case in STOCK_CASES) == st["patched"] or (self.lever_off and self.case in STOCK_CASES):
+            raise RuntimeError(f"case {self.case} (lever off: {self.lever_off}) cannot run in this pool "
+                               f"({'patched' if st['patched'] else 'pristine'} megatron-core; a lever is gdn-cp's)")
+        self.stock = contextlib.nullcontext
+        if self.case not in STOCK_CASES:
             _set_mode(self.case, layers)
         self.layer1 = layers["layer1"]
         self.module = layers["layer1"] if self.sliced else layers["layer"]
