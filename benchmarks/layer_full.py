@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from gdn_cp.layout import build_chunkwise_plan
+from gdn_cp.ops.fla.detect import fla_version
 from gdn_cp.ops.registry import BACKEND_CHOICES
 from gdn_cp.patch import (BACKUP_SUFFIX, PRISTINE, PatchError, check_patch, ensure_patched, find_megatron_root,
                           megatron_version, overall_state, revert_patch)
@@ -690,8 +691,6 @@ def _summary(row: dict, phase: str) -> str:
 
 
 def _versions(args) -> dict:
-    from gdn_cp.ops.fla.detect import fla_version
-
     return versions({"torch_cuda": torch.version.cuda, "fla": fla_version(), "triton": rank_side._version("triton"),
                      "megatron_core": rank_side._version("megatron-core")})
 

@@ -35,6 +35,8 @@ from gdn_cp.megatron.layer import layer_state, reset_settings
 from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
 from gdn_cp.ops.accuracy import rel_l2
+from gdn_cp.ops.fla.detect import fla_available, fla_version, gdn_kernel_backends
+from gdn_cp.ops.fused import glue_path, split
 from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
 from gdn_cp_testing.packings import zigzag_rows
 
@@ -181,8 +183,6 @@ def rank_setup(ctx, spec: dict) -> dict:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
                     capability=list(torch.cuda.get_device_capability(device)))
-    from gdn_cp.ops.fla.detect import fla_available, fla_version
-
     info.update(fla=fla_version(), fla_available=fla_available(), triton=_version("triton"),
                 fast_autotune=os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1")
     return info
@@ -250,8 +250,6 @@ def _glue(path: str):
     instead of the default; each layer reads its settings again on entry and on exit."""
     @contextlib.contextmanager
     def switch(modules):
-        import os
-
         old = os.environ.get("GDN_CP_GLUE")
         os.environ["GDN_CP_GLUE"] = path
         for m in modules:
@@ -288,8 +286,6 @@ def _backward_form(taps_once: bool, sums_per_tile: bool):
 def _split_cat(modules):
     """Benchmark-side switch: in_proj's output gradient assembled by ``torch.split``'s concatenation
     (``gdn_cp.ops.fused.split.GRAD_INTO_CONSUMER_BUFFER`` off) instead of written into the conv's gradient buffer."""
-    from gdn_cp.ops.fused import split
-
     old, split.GRAD_INTO_CONSUMER_BUFFER = split.GRAD_INTO_CONSUMER_BUFFER, False
     try:
         yield
@@ -318,8 +314,6 @@ def fla_gdn_backend() -> str:
     """Which implementation FLA dispatches ``chunk_gated_delta_rule`` to for a call without a cp
     context: FLA >= 0.6 registers backends (FlashQLA on TileLang, enabled by default when
     ``flash_qla`` imports; ``FLA_FLASH_QLA=0`` turns it off); otherwise FLA's Triton kernels."""
-    from gdn_cp.ops.fla.detect import gdn_kernel_backends
-
     active = [b["name"] for b in gdn_kernel_backends() if b["available"] and b["enabled"]]
     return active[0] if active else "triton"
 
@@ -535,8 +529,6 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
         else:
             out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
                                 "unfused: the layer's out_norm(o) * act(z)")
-            from gdn_cp.ops.fused import glue_path
-
             # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations)
             out["glue"] = glue_path(layer_state(case.module).settings.glue, y)
         if device.type == "cuda":
