@@ -1,52 +1,25 @@
 #!/usr/bin/env bash
-# The GPU suite in one command, for a CUDA machine with no network (the device machine):
+# The GPU suite in one command, for a CUDA machine with no network (the device machine). docs/testing.md ("The
+# GPU suite in stages") says what each stage runs; `python3 -m gdn_cp_testing.env` lists every GDN_CP_* setting
+# this script reads, with its default.
 #
-#   bash benchmarks/gpu_suite.sh [pytest args...]                       # FLA 0.4.2 stack, default: -q
-#   GDN_CP_STACK=fla060 bash benchmarks/gpu_suite.sh [pytest args...]   # FLA 0.6.0 + Triton 3.7.1
+#   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q          # stage tests on FLA 0.4.2 (default stack)
+#   GDN_CP_STACK=fla060 GDN_CP_STAGES="warm layer_full" bash benchmarks/gpu_suite.sh
 #
-# Stacks (GDN_CP_STACK), each tested as a first-class stack:
-#   fla042 (default): the carried wheels .whl/*.whl: fla-core and flash-linear-attention 0.4.2 (what
-#          megatron-core 0.19 pins, ~=0.4.0) and megatron-core, on the machine's own Triton;
-#   fla060: FLA 0.6.0 and Triton 3.7.1 from a slim-triton pack (GDN_CP_SLIM, default .slim: made by
-#          `bash ../shared/tools/slim-triton/make.sh .slim`, ~46 MiB), unpacked to /tmp/site37 and put
-#          first on PYTHONPATH; from .whl/ only megatron-core (FLA wheels there are not installed).
+# Stacks (GDN_CP_STACK): fla042 (default: the carried wheels .whl/*.whl, FLA 0.4.2 as megatron-core 0.19 pins it,
+# and megatron-core) or fla060 (FLA 0.6.0 + Triton 3.7.1 from a slim-triton pack in GDN_CP_SLIM, default .slim;
+# only megatron-core from .whl/). Optional packs, each unpacked once per machine and put on PYTHONPATH: .te
+# (TransformerEngine: the TE-spec tests), .mlm (a Megatron-LM checkout as *.tar.gz: stage train_mlm), .tl
+# (FlashQLA + TileLang).
 #
-# 1. installs the stack (above) into /tmp/site-$GDN_CP_STACK (+ /tmp/site37) and applies the gdn-cp patch to that
-#    megatron-core;
-# 2. restores the Triton cache of the stack (compiled kernels + FLA autotune results,
-#    FLA_CACHE_RESULTS=1) from .triton_cache/$GDN_CP_STACK/cache.tar.gz.part* (or, for fla042, the
-#    older flat .triton_cache/cache.tar.gz.part*) into .triton_cache/live (TRITON_CACHE_DIR);
-# 3. runs the stages in GDN_CP_STAGES (default "tests": pytest tests/gpu and the Megatron GPU
-#    parity, CP and TP x CP: tests/megatron/test_gpu_tp.py wants 2 GPUs, 4 for TP=2 x CP=2, and
-#    GDN_CP_GPU_TP_DTYPES=bfloat16 skips its fp32 half; "warm", "args", "syncs", "selftest",
-#    "levers", "layer_full": see run_stage below; stages joined by "+" run side by side), each under
-#    a time limit so that step 4 always runs; results as JSON lines in $OUT/gpu_results.jsonl, JSON
-#    files from the benchmarks, and everything printed in $OUT/run.log (the stack named first);
-# 4. tars the Triton cache into $OUT/cache.tar.gz.part* (<= 15 MiB each; autotune results only if
-#    the whole cache would not fit), to be carried back as .triton_cache/$GDN_CP_STACK/ next time.
-#
-# Env: OUT (default /tmp/gdn_cp_gpu_out), GDN_CP_STACK (fla042 | fla060), GDN_CP_SLIM,
-#      GDN_CP_SAVE_CACHE=0 (no cache tarball), GDN_CP_TESTS_FAST_AUTOTUNE=1 (the knob below, for the
-#      tests stage only),
-#      GDN_CP_SUITE_TIMEOUT (pytest seconds, default 420),
-#      GDN_CP_LAYER_FULL_TIMEOUT (layer_full.py --time-limit, default 480: with its 45 s grace,
-#      startup and the cache tarball it fits one 600 s device call),
-#      GDN_CP_CACHE_MAX_MB (largest cache tarball kept, default 56),
-#      GDN_CP_TEST_FAST_AUTOTUNE=1 (test-only: first working Triton config per kernel instead of a
-#      full autotune; a cold FLA 0.4.2 autotune costs ~1 min per conv dtype and ~3 min per GDN
-#      dtype on an H200, see docs/performance.md).
-# On the device machine: carry [".whl", ".triton_cache", ".te", ".mlm"] (+ ".slim" for fla060; .te and .mlm
-# optional: TransformerEngine and the Megatron-LM checkout of the TE tests and stage train_mlm) and run
-#   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q
-#
-# FlashQLA (the flashqla backend; stages flashqla, flashqla_tests, flashqla_warm): the slim-tilelang pack
-# in GDN_CP_TL (default .tl: made by `bash ../shared/tools/slim-tilelang/make.sh .tl`, ~39 MB) is unpacked
-# once into .site-tl/ (ignored; a later call on the same warm machine finds it without the pack) and put
-# first on PYTHONPATH. TileLang compiles each kernel on first use (~3 min cold for a forward + backward):
-# its cache (TILELANG_CACHE_DIR=.tl_cache/live) is restored from .tl_cache/tl_cache.tar.gz.part* and saved
-# into $OUT/tl_cache.tar.gz.part* (<= 15 MiB each; GDN_CP_SAVE_TL_CACHE=0: not saved), to be carried back
-# as .tl_cache/. At most 8 files come back from a call: with the Triton cache parts, keep the count low
-# (GDN_CP_SAVE_CACHE=0 where the Triton cache is already warm).
+# 1. installs the stack into /tmp/site-$GDN_CP_STACK and applies the gdn-cp patch to its megatron-core;
+# 2. restores the Triton cache (.triton_cache/$GDN_CP_STACK/cache.tar.gz.part*) and TileLang's (.tl_cache/);
+# 3. runs the stage groups of GDN_CP_STAGES (default "tests"; stages joined by "+" run side by side, each one's
+#    output streamed to $OUT/stage_<name>.log), each stage under its own time limit; results in $OUT (default
+#    /tmp/gdn_cp_gpu_out): gpu_results.jsonl, the benchmarks' files, run.log;
+# 4. after every group saves the caches as $OUT/cache.tar.gz.part* and tl_cache.tar.gz.part* (<= 15 MiB each),
+#    to be carried back as .triton_cache/$GDN_CP_STACK/ and .tl_cache/. At most 8 files come back from a device
+#    call: GDN_CP_SAVE_CACHE=0 where the Triton cache is warm already.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 # a bad or unknown GDN_CP_* variable (a stage name, a stack, a time limit): one line, before anything runs
@@ -163,19 +136,11 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| cuda
       "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
 EOF
 
-# Stages (GDN_CP_STAGES, default "tests"): tests = pytest tests/gpu + the Megatron GPU parity (local and,
-# with TE, Megatron's TE spec); train_mlm = benchmarks/train_megatron_lm.py (Megatron-LM's scripts);
-# warm = benchmarks/warm_kernels.py (FLA kernels compiled side by side, one process per shape);
-# syncs = benchmarks/syncs.py; layer_full = benchmarks/layer_full.py;
-# args = the megatron.training argument test (Python >= 3.12); flashqla = benchmarks/flashqla_probe.py;
-# flashqla_tests = the FlashQLA backend's GPU tests; flashqla_warm = warm_kernels.py --backend flashqla;
-# glue_tests = the glue's GPU paths; flashqla_heads = benchmarks/flashqla_heads.py (FlashQLA's head counts);
-# glue_kernels = benchmarks/glue_kernels.py (the Triton glue's backward forms against each other and the floor).
-# Each under its own time limit.
-# Stages joined by "+" run side by side, each one's output written as it comes to $OUT/stage_<name>.log
-# (so a call killed at its time limit still brings back what each stage printed; what comes back from the
-# device is limited to 8 files), e.g. GDN_CP_STAGES="warm+tests layer_full": the small-shape tests while
-# warm compiles the benchmark's shapes, then the benchmark alone on the GPUs.
+# One stage, under its own time limit: tests / tests_core / tests_megatron / flashqla_tests / glue_tests (GPU tests:
+# docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); warm (benchmarks/warm_kernels.py: FLA's
+# kernels of the benchmarks' shapes compiled side by side); syncs, layer_full, layer_full_b (a second run with its
+# own limit and file), glue_kernels, flashqla_heads (the benchmark of that name); args (the megatron.training argument
+# test, Python >= 3.12); selftest (gdn-cp selftest --gpu).
 run_stage() {
   local stage=$1; shift
   local T1; T1=$(date +%s)
@@ -222,10 +187,6 @@ run_stage() {
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 -m benchmarks.syncs --out "$OUT/syncs.json" ;;
     selftest)
       timeout --signal=INT "${GDN_CP_SELFTEST_TIMEOUT:-300}" python3 -m gdn_cp.cli selftest --gpu ;;
-    levers)
-      # shellcheck disable=SC2086
-      timeout --signal=INT "${GDN_CP_LEVERS_TIMEOUT:-360}" python3 -m benchmarks.fla_levers \
-        --out "$OUT/fla_levers_$STACK.json" ${GDN_CP_LEVERS_ARGS:-} ;;
     layer_full)
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 -m benchmarks.layer_full \
@@ -236,16 +197,6 @@ run_stage() {
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_B_TIMEOUT:-240} + 60 ))" python3 -m benchmarks.layer_full \
         --out "$OUT/layer_full_${STACK}_b.json" --time-limit "${GDN_CP_LAYER_FULL_B_TIMEOUT:-240}" \
         ${GDN_CP_LAYER_FULL_B_ARGS:-} ;;
-    flashqla)
-      # benchmarks/flashqla_probe.py: versions, accuracy vs FLA and the reference, the state summary, compile costs
-      # shellcheck disable=SC2086
-      timeout --signal=INT "$(( ${GDN_CP_FLASHQLA_TIMEOUT:-540} + 30 ))" python3 -m benchmarks.flashqla_probe \
-        --out "$OUT/flashqla_probe.jsonl" --time-limit "${GDN_CP_FLASHQLA_TIMEOUT:-540}" ${GDN_CP_FLASHQLA_ARGS:-} ;;
-    flashqla_warm)
-      # FlashQLA's kernel variants of the benchmarks' shapes, compiled side by side (GDN_CP_WARM_ARGS: --cp, --tokens)
-      # shellcheck disable=SC2086
-      python3 -m benchmarks.warm_kernels --backend flashqla --timeout "${GDN_CP_WARM_TIMEOUT:-360}" \
-        ${GDN_CP_WARM_ARGS:---cp 2} ;;
     train_mlm)
       # Megatron-LM's own pretrain_hybrid.py / pretrain_gpt.py, CP > 1 against CP=1 (needs TE and the checkout).
       # Data: nothing to carry. The benchmark builds its text before the runs (seconds): this machine's Python

@@ -1,94 +1,33 @@
 #!/usr/bin/env python
-"""Full GatedDeltaNet layer benchmark: stock megatron-core 0.19.2 headwise against every gdn-cp
-mode, forward + backward, on the same weights and the same packed input, plus the ideal.
+"""Full GatedDeltaNet layer benchmark: stock megatron-core 0.19.2 against every gdn-cp mode, forward +
+backward of the real layer (``in_proj`` to ``out_proj``) on the same weights and packed input, plus the ideal;
+docs/performance.md ("Figures", its full-layer part) says what each row holds and how it is measured.
 
-What is timed: the real megatron-core 0.19.2 ``GatedDeltaNet`` from ``in_proj`` to ``out_proj``,
-forward and backward, as a training step runs it; and, to explain it, the core alone
-(``gdn_cp.modes.gdn_core``: conv + gated delta rule with the mode's layout changes). ``--spec``
-says whose submodules: ``local`` (ColumnParallelLinear in_proj, torch RMSNorm, RowParallelLinear
-out_proj) and/or ``te`` (Megatron's own GDN spec, ``get_gated_delta_net_module_spec``:
-TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, TERowParallelLinear out_proj). Without
-TransformerEngine every te row is an error that says so (no rank is spawned for it); the local rows
-still run. ``--backend`` picks gdn-cp's per-rank kernels (``linear_cp_backend``: ``flashqla`` for the
-FlashQLA rows; run once per backend into the same ``--out``). Every row names its spec, its FLA stack,
-the submodules it ran, the gated-norm path its step really took (counted in the rank), the backend
-FLA dispatched its GDN kernel to (stock's) and the one gdn-cp ran (``gdn_cp_backend``).
-
-Levers (``--levers``): each gdn-cp lever named there is also timed switched off, in extra patched
-rows beside the rows with every lever on (same run, rows and weights). The switch is benchmark-side,
-in the rank process, never a library flag: ``fused_norm`` makes the release adapter report the
-gated norm as not plain (``plain_rms_gated_norm``), so the glue takes the layer's own ``out_norm *
-act(z)``; the layers' cached choice is dropped before and after. ``--plan te:32K,te:128K,
-te-fused_norm:32K,local:128K`` gives the units (spec, lever off, T) in priority order, so that a time
-limit cuts the least important ones; both rank pools (stock, patched) stay up, and each unit compiles
-and times stock and gdn-cp side by side before the next one starts.
-
-Cases, per (T, packing), all on the same weights and input rows:
-
-- ``stock_headwise``: stock megatron-core 0.19.2 from pristine files, in its own rank processes;
-- ``headwise``, ``chunkwise_hidden`` (layout swap at hidden_states), ``chunkwise_core`` (swap
-  around the core), ``chunkwise_generic`` (hidden swap, gdn-cp's own halo/state exchange even
-  where FLA's cp context could run: ``GDN_CP_CHUNKWISE_PATH=generic`` in the ranks; the other
-  chunkwise cases take the ``auto`` path), ``all_gather``: the patched layer (gdn-cp), one rank
-  pool for all of them;
-- ``cp1_slice``: the ideal for chunkwise: CP=1 (no communication) on each rank's own contiguous
-  slice of the same packing (the slice's sequence pieces, THD), every rank at once; an iteration
-  takes as long as the slowest rank, so the median is that of the critical rank (the one whose
-  slice continues a sequence on both sides), never rank 0's by assumption.
-
-``--cp 1`` (one GPU, one process per megatron tree): the per-rank work, measurable without a
-second GPU. ``stock_cp1``: stock megatron-core at CP=1 on the whole packing (THD: its own FLA
-path); ``patched_cp1``: the patched layer at CP=1 on the same rows (THD goes through gdn-cp's
-path at CP=1); with ``--slice-of-cp N``, ``stock_slice`` / ``patched_slice``: the same on each
-rank's contiguous slice of a CP=N run, one row per rank (``slice_rank``): what chunkwise and
-``cp1_slice`` compute per rank. The patched cases are checked against stock on the same module and
-rows (``check``); every row carries the profile split and the top 15 CUDA kernels.
-
-Packings (``--packings``): ``mixed8`` (THD, 8 sequences of mixed lengths), ``long1`` (THD, one
-sequence), ``short64`` (THD, 64 equal sequences), ``sbhd`` (SBHD, one sequence, B=1).
-Shape (default): Qwen3.5-9B's GDN layer, hidden 4096, 16 key / 32 value heads of dim 128, conv
-W=4, bf16, TP=1. CP = the number of GPUs (NCCL, one rank per GPU); on the CPU, gloo ranks.
-
-How stock and patched coexist: the megatron-core package found by this Python (or ``--megatron
-PATH``) is copied twice into a work folder; one copy is made pristine and the other patched with
-gdn-cp's patch tool (``gdn_cp.patch``: hash-checked, whatever state the source is in);
-each rank pool puts its copy first on ``sys.path`` and checks what it imported. With
-``--stock-from dispatch-off`` there is one pool on the installed (patched) megatron and the stock
-case runs its untouched stock code with gdn-cp's hand-over disabled (``stock_forward``).
-
-Method (see DESIGN.md, "Measuring performance"):
-
-1. per pool and packing, a compile pass: one fwd+bwd per case (FLA compiles and autotunes here,
-   never in a timed iteration), compared with CP=1 on the same weights and inputs (relative L2 of
-   output rows, input-gradient rows, parameter gradients summed over CP; recorded as ``check``);
-2. then per case: ``--warmup`` fwd+bwd, ``--iters`` timed ones (CUDA events, each after a device
-   synchronize and a host-side gloo barrier); per iteration the maximum over ranks; median, p10,
-   p90 of those; peak memory per rank (``torch.cuda.max_memory_allocated``, reset after warm-up);
-3. ``--profile-iters`` more under torch.profiler (CUDA activity): per rank, the same iterations'
-   CUDA-event wall split into compute kernels, NCCL kernels (communication and waiting for a
-   slower rank: never counted as compute), memcpy/memset and idle (wall minus the union of busy
-   intervals); each instant goes to one part, so the parts add up to the wall;
-4. the core alone, timed like 2;
-5. bytes per token from the plan: only rows that leave the rank (``layer_full_math.bytes_per_token``).
-
-6. per row, when profiled: the copy kernels' time (torch's copy / cat kernels: what "fewer copies
-   around in_proj and the gate split" could save at most), and after the timed iterations one more
-   fwd+bwd split into what the forward keeps for the backward and the peaks of forward and step.
-
-Robustness: no new case starts after ``--time-limit`` seconds; a case that does not answer by
-``--time-limit + --grace`` (or within ``--case-timeout``) has its ranks killed and is recorded as
-an error. Rows are written after every case (atomic replace), merged into ``--out``: rows of the
-same machine size, CP, T, dtype, shape, spec and FLA version are replaced by this run's.
-SIGINT/SIGTERM write what was collected.
+- ``--spec``: ``local`` (Megatron's local modules) and/or ``te`` (``get_gated_delta_net_module_spec``: needs
+  TransformerEngine; without it its rows are errors that say so). ``--backend``: gdn-cp's per-rank kernels.
+- Cases (``layer_full_math.CASES``) at CP >= 2, one rank per GPU over NCCL (gloo ranks on the CPU):
+  ``stock_headwise`` (a pristine copy of megatron-core in its own rank pool), ``headwise``,
+  ``chunkwise_hidden`` / ``chunkwise_core`` (the swap point), ``chunkwise_generic`` (gdn-cp's own exchange),
+  ``all_gather``, and ``cp1_slice`` (CP=1 on each rank's contiguous slice: the ideal). ``--cp 1``: the per-rank
+  work on one GPU (``stock_cp1`` / ``patched_cp1``; with ``--slice-of-cp N`` each rank's slice of a CP=N run).
+- Levers (``--levers``, ``layer_full_rank.LEVER_SWITCHES``): each also timed switched off (a benchmark-side switch
+  in the rank process, never a library flag). ``--plan SPEC[-LEVER]:T,...`` gives the units in priority order,
+  so that a time limit cuts the least important.
+- Method (DESIGN.md, "Measuring performance"): a compile pass per unit (stock and patched pools side by side),
+  each case checked against CP=1 (``--cp 1``: against stock on the same module and rows); then per case
+  ``--warmup`` + ``--iters`` CUDA-event iterations, the maximum over ranks per iteration, median and p10 / p90,
+  peak memory, ``--profile-iters`` under torch.profiler (compute / NCCL / memcpy / idle, kernel classes), the
+  core alone, bytes per token from the plan.
+- No new case after ``--time-limit``; a case past ``--time-limit + --grace`` is killed and recorded as an error.
+  Rows are merged into ``--out`` after every case (rows of the same run key replaced); SIGINT / SIGTERM write
+  what was collected.
 
     python3 -m benchmarks.layer_full --quick --out /tmp/layer_full.json        # CPU dry run (~1 min)
     python3 -m benchmarks.layer_full --cp 1 --slice-of-cp 2 --tokens 32K --packings mixed8   # 1x H200
-    python3 -m benchmarks.layer_full --cp 1 --slice-of-cp 2 --cases stock_slice,patched_slice --packings mixed8 \
-        --plan te:32K,te:128K,te-fused_norm:32K,local:128K                   # 1x H200, TE spec first
     python3 -m benchmarks.layer_full --tokens 32K --out $OUT/layer_full.json   # 2x H200: CP=2
-    python3 -m benchmarks.plot_layer_full $OUT/layer_full.json                 # PNG + markdown table
+    python3 -m benchmarks.plot_layer_full $OUT/layer_full.json                 # markdown tables
 
-On the device machine, ``benchmarks/gpu_suite.sh`` does the wheel install and the Triton cache:
+On the device machine ``benchmarks/gpu_suite.sh`` installs the stack and keeps the Triton cache:
 ``GDN_CP_STAGES=layer_full GDN_CP_LAYER_FULL_ARGS="--tokens 32K" bash benchmarks/gpu_suite.sh``.
 """
 
@@ -111,6 +50,7 @@ from pathlib import Path
 import torch
 
 from gdn_cp.layout import build_chunkwise_plan
+from gdn_cp.ops.fla.detect import fla_version
 from gdn_cp.ops.registry import BACKEND_CHOICES
 from gdn_cp.patch import (BACKUP_SUFFIX, PRISTINE, PatchError, check_patch, ensure_patched, find_megatron_root,
                           megatron_version, overall_state, revert_patch)
@@ -144,6 +84,7 @@ TINY = GDNDims(hidden=32, num_k_heads=4, num_v_heads=8, head_k_dim=8, head_v_dim
 DEFAULTS = dict(tokens=[32 * 1024], align=64, warmup=5, iters=20, profile_iters=3)
 QUICK = dict(tokens=[512], align=4, warmup=1, iters=3, profile_iters=0)
 SPAWN_S = 180.0  # spawning a pool (imports, NCCL init, building the layers) may take this long
+CASE_TIMEOUT_S = 420.0  # longest wait for one call into the ranks (a cold FLA autotune takes minutes)
 
 
 class _Stop(BaseException):
@@ -213,21 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "auto: FlashQLA where it runs and takes the layer, else FLA); stock rows are stock's FLA call")
     g.add_argument("--zero-centered-gamma", action="store_true",
                    help="te spec: TransformerConfig.layernorm_zero_centered_gamma (TE's norms scale by 1 + weight)")
-    _add_shape_method_run(p)
+    _add_method_run(p)
     return p
 
 
-def _add_shape_method_run(p: argparse.ArgumentParser) -> None:
-    """The argument groups shape, method and run."""
-    s = p.add_argument_group("shape (default Qwen3.5-9B GDN)")
-    d = GDNDims()
-    s.add_argument("--hidden", type=int, default=d.hidden)
-    s.add_argument("--num-k-heads", type=int, default=d.num_k_heads)
-    s.add_argument("--num-v-heads", type=int, default=d.num_v_heads)
-    s.add_argument("--head-k-dim", type=int, default=d.head_k_dim)
-    s.add_argument("--head-v-dim", type=int, default=d.head_v_dim)
-    s.add_argument("--conv-width", type=int, default=d.conv_width)
-    s.add_argument("--tiny", action="store_true", help=f"tiny shape for CPU runs ({asdict(TINY)})")
+def _add_method_run(p: argparse.ArgumentParser) -> None:
+    """The argument groups method and run (the shape: Qwen3.5-9B's GDN layer, ``--quick`` a tiny one)."""
     m = p.add_argument_group("method")
     m.add_argument("--warmup", type=int, default=None,
                    help="untimed fwd+bwd per case after the compile pass (default 5)")
@@ -235,31 +167,18 @@ def _add_shape_method_run(p: argparse.ArgumentParser) -> None:
     m.add_argument("--profile-iters", type=int, default=None,
                    help="profiled iterations per case, CUDA only (default 3; 0: none)")
     m.add_argument("--no-core", action="store_true", help="do not time the core alone")
-    m.add_argument("--no-check", action="store_true", help="do not compare each case with CP=1")
-    m.add_argument("--serial-compile", action="store_true",
-                   help="compile pass one pool after the other (default: the stock and patched pools compile and "
-                        "autotune side by side, as warm_kernels.py does; timing is always one case at a time)")
     m.add_argument("--compile-only", action="store_true",
                    help="only the compile pass (compile/autotune every case, check it against CP=1), no timing: "
                         "a first call with a cold Triton cache; its rows have status 'compiled'")
     m.add_argument("--fast-autotune", action="store_true",
                    help="test knob: each Triton autotuner takes its first working config (flagged in every row; "
                         "kernels are then not tuned, so do not quote the times)")
-    m.add_argument("--stock-from", choices=("copy", "dispatch-off"), default="copy",
-                   help="copy: pristine and patched copies of megatron-core, one pool each (default); dispatch-off: "
-                        "one pool on the installed patched megatron-core, stock via its untouched code path")
-    m.add_argument("--megatron", type=Path, default=None,
-                   help="megatron-core 0.19.2 to copy (a site-packages folder; default: the importable one)")
-    m.add_argument("--workdir", type=Path, default=None, help="where the copies go (default: a temp folder, removed)")
     r = p.add_argument_group("run")
     r.add_argument("--time-limit", type=float, default=480.0, help="no new case after this many seconds (default 480)")
     r.add_argument("--grace", type=float, default=45.0, help="a running case is killed this long after the limit")
-    r.add_argument("--case-timeout", type=float, default=420.0,
-                   help="longest wait for one call into the ranks (a cold FLA autotune takes minutes; default 420)")
     add_out_arguments(r, "layer_full.json", "JSON rows (merged, see above)")
     r.add_argument("--quick", action="store_true",
                    help=f"CPU dry run: tiny shape and {QUICK} unless given")
-    r.add_argument("--list", action="store_true", help="print the plan and exit")
     r.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -270,7 +189,6 @@ def resolve_args(args):
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    args.tiny = args.tiny or args.quick
     args.out = resolve_out(args, "layer_full.json")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -278,8 +196,7 @@ def resolve_args(args):
     args.gpus = torch.cuda.device_count() if args.device == "cuda" else 0
     args.cp = args.cp or (args.gpus if args.device == "cuda" else 2)
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.dims = TINY if args.tiny else GDNDims(args.hidden, args.num_k_heads, args.num_v_heads, args.head_k_dim,
-                                               args.head_v_dim, args.conv_width)
+    args.dims = TINY if args.quick else GDNDims()
     for name in ("warmup", "iters", "profile_iters"):
         if getattr(args, name) < (1 if name == "iters" else 0):
             raise SystemExit(f"--{name.replace('_', '-')} must be >= {1 if name == 'iters' else 0}")
@@ -337,10 +254,9 @@ def knobs(args) -> dict:
     """Every setting that can change a number, stored in each row."""
     return {"dims": asdict(args.dims), "dtype": args.dtype, "align": args.align, "seed": args.seed,
             "warmup": args.warmup, "iters": args.iters, "profile_iters": args.profile_iters,
-            "core": not args.no_core, "check": not args.no_check, "fast_autotune": args.fast_autotune,
-            "compile_only": args.compile_only, "serial_compile": args.serial_compile, "slice_of_cp": args.slice_of_cp,
-            "stock_from": args.stock_from, "time_limit_s": args.time_limit, "grace_s": args.grace,
-            "case_timeout_s": args.case_timeout, "packings": args.packings, "cases": args.cases,
+            "core": not args.no_core, "fast_autotune": args.fast_autotune, "compile_only": args.compile_only,
+            "slice_of_cp": args.slice_of_cp, "time_limit_s": args.time_limit, "grace_s": args.grace,
+            "case_timeout_s": CASE_TIMEOUT_S, "packings": args.packings, "cases": args.cases,
             "specs": args.specs, "levers": args.levers, "plan": args.plan,
             "zero_centered_gamma": args.zero_centered_gamma, "linear_cp_backend": args.backend,
             "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
@@ -366,7 +282,7 @@ def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path
         revert_patch(stock)  # the release's files, whatever state the source is in (else PatchError)
         ensure_patched(stock, copy_to=patched)
     except PatchError as err:
-        raise ValueError(f"--megatron {root}: {err}") from None
+        raise ValueError(f"megatron-core at {root}: {err}") from None
     state = overall_state(check_patch(stock))
     if state != PRISTINE:
         raise RuntimeError(f"the stock copy of megatron-core at {stock} is {state}, expected {PRISTINE}")
@@ -405,15 +321,15 @@ class Runner:
         return None
 
     def _wait_s(self, at_least: float = 0.0) -> float:
-        """How long to wait for the ranks now: ``--case-timeout`` (or ``at_least``), never past the
+        """How long to wait for the ranks now: ``CASE_TIMEOUT_S`` (or ``at_least``), never past the
         hard deadline (``--time-limit`` + ``--grace``)."""
         hard = self.args.time_limit + self.args.grace - self.elapsed()
-        return max(5.0, min(max(self.args.case_timeout, at_least), hard))
+        return max(5.0, min(max(CASE_TIMEOUT_S, at_least), hard))
 
     def open(self, kind: str, setup_spec: dict) -> list:
         self.close(kind)
         env = {"GDN_CP_TEST_FAST_AUTOTUNE": "1" if self.args.fast_autotune else "0",
-               "GDN_CP_TEST_PG_TIMEOUT": str(int(self.args.case_timeout + 60))}
+               "GDN_CP_TEST_PG_TIMEOUT": str(int(CASE_TIMEOUT_S + 60))}
         backend = "gloo" if self.args.device == "cpu" else None
         logger.info("[%4.0fs] spawning %d ranks for %s", self.elapsed(), self.args.cp, kind)
         # A pool that fails to start kills its own ranks before raising.
@@ -522,7 +438,7 @@ def plan_rows(args, run: dict) -> list[dict]:
 def _spec(row: dict, args, phase: str) -> dict:
     return {"phase": phase, "case": row["case"], "layout": row["layout"], "cu": row["cu"], "seed": args.seed,
             "spec": row["spec"], "lever_off": row["lever_off"],
-            "check": not args.no_check, "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
+            "check": True, "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
             "profile_iters": args.profile_iters, "slice_of_cp": row.get("slice_of_cp"),
             "slice_rank": row.get("slice_rank")}
 
@@ -618,9 +534,7 @@ def _describe_pool(runner: Runner, row: dict, kind: str) -> None:
     infos = runner.infos[kind]
     row["backend"] = runner.pools[kind].backend
     row["megatron"] = {**infos[0]["megatron"], "pool": kind,
-                       "stock_source": None if row["case"] not in STOCK_CASES else
-                       ("pristine copy, own processes" if kind == "stock" else
-                        "installed patched megatron, gdn-cp dispatch off (stock_forward)")}
+                       "stock_source": "pristine copy, own processes" if row["case"] in STOCK_CASES else None}
     row["rank_info"] = {k: infos[0].get(k) for k in ("gpu", "gpu_memory_gib", "capability", "fla", "triton",
                                                        "torch", "torch_cuda", "fast_autotune", "dist_backend",
                                                        "transformer_engine")}
@@ -698,8 +612,8 @@ def _run_row(runner: Runner, rows: Rows, row: dict, kind: str, phase: str, setup
 
 def _compile_pass(runner: Runner, rows: Rows, group: list[dict], pool_of, setups: dict, args) -> None:
     """The compile pass of one unit: each pool's rows in order; the pools side by side (one thread
-    each: a cold FLA compile is minutes per pool, and opening a pool ~20 s) unless
-    ``--serial-compile``. Nothing is timed here; the timed pass runs one case at a time."""
+    each: a cold FLA compile is minutes per pool, and opening a pool ~20 s). Nothing is timed here; the timed
+    pass runs one case at a time."""
     by_kind: dict[str, list[dict]] = {}
     for row in group:
         by_kind.setdefault(pool_of(row), []).append(row)
@@ -708,7 +622,7 @@ def _compile_pass(runner: Runner, rows: Rows, group: list[dict], pool_of, setups
         for row in by_kind[kind]:
             _run_row(runner, rows, row, kind, "compile", setups, args)
 
-    if args.serial_compile or len(by_kind) == 1:
+    if len(by_kind) == 1:
         for kind in by_kind:
             work(kind)
         return
@@ -777,8 +691,6 @@ def _summary(row: dict, phase: str) -> str:
 
 
 def _versions(args) -> dict:
-    from gdn_cp.ops.fla.detect import fla_version
-
     return versions({"torch_cuda": torch.version.cuda, "fla": fla_version(), "triton": rank_side._version("triton"),
                      "megatron_core": rank_side._version("megatron-core")})
 
@@ -791,10 +703,6 @@ def main(argv=None) -> int:
            "machine": machine_info(), "versions": _versions(args), "knobs": knobs(args)}
     run["machine"]["gpu_count"] = args.gpus  # the GPU's name is in each row's rank_info (no CUDA context here)
     planned = plan_rows(args, run)
-    if args.list:
-        for r in planned:
-            print(f"T={fmt_tokens(r['T'])} {r['packing']:>8} ({r['layout']}, {r['num_sequences']} seqs) {case_key(r)}")
-        return 0
     rows = Rows(args.out, planned)
     no_te = te_missing() if "te" in args.specs else None
     if no_te:
@@ -812,16 +720,10 @@ def main(argv=None) -> int:
     setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed, "specs": specs,
              "zero_centered_gamma": args.zero_centered_gamma, "linear_cp_backend": args.backend}
     try:
-        if args.stock_from == "copy":
-            workdir = args.workdir or Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_"))
-            trees = prepare_megatron_trees(args.megatron, workdir)
-            setups = {"patched": {**setup, "megatron_root": str(trees["patched"]), "expect_state": "patched"},
-                      "stock": {**setup, "megatron_root": str(trees["stock"]), "expect_state": "pristine"}}
-            pool_of = lambda row: "stock" if row["case"] in STOCK_CASES else "patched"  # noqa: E731
-        else:
-            setups = {"installed": {**setup, "megatron_root": None, "expect_state": "patched"}}
-            pool_of = lambda row: "installed"  # noqa: E731
-        run_units(runner, rows, planned, pool_of, setups, args)
+        trees = prepare_megatron_trees(None, Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_")))
+        setups = {kind: {**setup, "megatron_root": str(trees[kind]), "expect_state": state}
+                  for kind, state in (("patched", "patched"), ("stock", "pristine"))}
+        run_units(runner, rows, planned, lambda row: "stock" if row["case"] in STOCK_CASES else "patched", setups, args)
     except _Stop as err:
         stopped = runner.stopped = str(err)
         logger.warning("stopped by %s: writing what was collected", stopped)

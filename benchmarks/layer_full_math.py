@@ -16,24 +16,8 @@ from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_sbhd_r
 
 from .measure import parse_tokens
 
-__all__ = [
-    "CASES",
-    "PATCHED_CASES",
-    "CP1_CASES",
-    "SLICE_CASES",
-    "STOCK_CASES",
-    "case_key",
-    "LEVERS",
-    "PACKINGS",
-    "SPECS",
-    "parse_plan",
-    "GDNDims",
-    "packing",
-    "contiguous_slice",
-    "rows_leaving",
-    "bytes_per_token",
-    "run_key",
-]
+__all__ = ["CASES", "PATCHED_CASES", "CP1_CASES", "SLICE_CASES", "STOCK_CASES", "case_key", "LEVERS", "PACKINGS", "SPECS",
+           "parse_plan", "GDNDims", "packing", "contiguous_slice", "rows_leaving", "bytes_per_token", "run_key"]
 
 # The cases of one (T, packing) at CP >= 2, in the order they are reported.
 CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "chunkwise_generic", "all_gather",

@@ -1,30 +1,14 @@
-"""Rank side of ``layer_full.py``: runs inside each spawned rank of a pool (one rank per GPU with
-NCCL; gloo ranks on the CPU). Module-level functions, pickled by name.
+"""Rank side of ``layer_full.py``: runs inside each spawned rank of a pool (one rank per GPU with NCCL; gloo ranks
+on the CPU). Module-level functions, pickled by name.
 
-One pool serves one megatron-core tree (a pristine copy for ``stock_headwise``, a patched copy for
-the gdn-cp cases): :func:`rank_setup` puts that tree first on ``sys.path`` before anything imports
-megatron, checks which file was imported, and builds the layers once per rank:
-
-- ``layer``: GatedDeltaNet on the pool's CP group (every rank of the pool), the case's mode set on
-  its config per case (``linear_cp_mode``; the chunkwise swap point through
-  ``GDN_CP_CHUNKWISE_SWAP``);
-- ``layer1``: the same weights at CP=1 (a group of one rank): the ``cp1_slice`` case and the
-  CP=1 reference of the correctness check. In a one-rank pool (``--cp 1``) ``layer`` is ``layer1``.
-
-Weights come from a seeded generator by parameter name (``gdn_cp_testing.megatron.layer.set_params``), inputs from a
-seeded generator on the device: identical on every rank, in both pools, for every case.
-
-:func:`rank_case` runs one case in one of two phases:
-
-- ``compile``: one fwd+bwd (compiles / autotunes FLA's kernels for this shape), the comparison
-  with CP=1 on the same weights and inputs (output rows, input gradient rows, parameter gradients
-  summed over the CP group; relative L2; for the patched ``--cp 1`` cases: against stock
-  megatron-core's code on the same module and rows), and one core call;
-- ``time``: ``warmup`` fwd+bwd, then ``iters`` timed ones (CUDA events; device synchronize and a
-  host-side gloo barrier before each, so every iteration starts together on every rank and no
-  barrier kernel lands in a timed or profiled iteration), peak memory over the timed ones; then
-  ``profile_iters`` more under torch.profiler (CUDA activity), split into compute / NCCL /
-  memcpy / idle from those same iterations; then the core alone, timed the same way.
+One pool serves one megatron-core tree (a pristine copy for the stock cases, a patched copy for gdn-cp's):
+:func:`rank_setup` puts it first on ``sys.path``, checks what was imported, and builds per spec ``layer`` (on the
+pool's CP group; the case's mode set on its config) and ``layer1`` (the same weights at CP=1: ``cp1_slice`` and the
+reference of the check). Weights come from a seeded generator by parameter name, inputs from a seeded generator on
+the device: the same on every rank, in both pools, for every case. :func:`rank_case` runs one case in one phase:
+``compile`` (one fwd+bwd, the check against CP=1 or, at ``--cp 1``, against stock on the same module and rows, one
+core call) or ``time`` (warm-up, CUDA-event iterations after a device synchronize and a host-side gloo barrier, peak
+memory, the profiled iterations, the core alone).
 """
 
 from __future__ import annotations
@@ -51,6 +35,8 @@ from gdn_cp.megatron.layer import layer_state, reset_settings
 from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
 from gdn_cp.ops.accuracy import rel_l2
+from gdn_cp.ops.fla.detect import fla_available, fla_version, gdn_kernel_backends
+from gdn_cp.ops.fused import glue_path, split
 from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
 from gdn_cp_testing.packings import zigzag_rows
 
@@ -159,9 +145,7 @@ def rank_setup(ctx, spec: dict) -> dict:
     mega = _select_megatron(spec["megatron_root"])
     want = spec["expect_state"]
     if mega["state"] != want:
-        raise RuntimeError(f"megatron-core at {mega['root']} is {mega['state']}, this pool needs it {want} "
-                           f"(--stock-from dispatch-off needs the installed megatron-core patched: "
-                           f"`python -m gdn_cp.cli patch apply`)")
+        raise RuntimeError(f"megatron-core at {mega['root']} is {mega['state']}, this pool needs it {want}")
     device = ctx.device
     if device.type == "cpu":
         install_cpu_shims()
@@ -199,8 +183,6 @@ def rank_setup(ctx, spec: dict) -> dict:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
                     capability=list(torch.cuda.get_device_capability(device)))
-    from gdn_cp.ops.fla.detect import fla_available, fla_version
-
     info.update(fla=fla_version(), fla_available=fla_available(), triton=_version("triton"),
                 fast_autotune=os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1")
     return info
@@ -268,8 +250,6 @@ def _glue(path: str):
     instead of the default; each layer reads its settings again on entry and on exit."""
     @contextlib.contextmanager
     def switch(modules):
-        import os
-
         old = os.environ.get("GDN_CP_GLUE")
         os.environ["GDN_CP_GLUE"] = path
         for m in modules:
@@ -306,8 +286,6 @@ def _backward_form(taps_once: bool, sums_per_tile: bool):
 def _split_cat(modules):
     """Benchmark-side switch: in_proj's output gradient assembled by ``torch.split``'s concatenation
     (``gdn_cp.ops.fused.split.GRAD_INTO_CONSUMER_BUFFER`` off) instead of written into the conv's gradient buffer."""
-    from gdn_cp.ops.fused import split
-
     old, split.GRAD_INTO_CONSUMER_BUFFER = split.GRAD_INTO_CONSUMER_BUFFER, False
     try:
         yield
@@ -336,8 +314,6 @@ def fla_gdn_backend() -> str:
     """Which implementation FLA dispatches ``chunk_gated_delta_rule`` to for a call without a cp
     context: FLA >= 0.6 registers backends (FlashQLA on TileLang, enabled by default when
     ``flash_qla`` imports; ``FLA_FLASH_QLA=0`` turns it off); otherwise FLA's Triton kernels."""
-    from gdn_cp.ops.fla.detect import gdn_kernel_backends
-
     active = [b["name"] for b in gdn_kernel_backends() if b["available"] and b["enabled"]]
     return active[0] if active else "triton"
 
@@ -409,14 +385,11 @@ class _Case:
             raise RuntimeError(f"spec {self.spec} was not built in this pool (built: {sorted(st['layers'])})")
         layers = st["layers"][self.spec]
         self.lever_off = spec.get("lever_off")
-        if self.case in STOCK_CASES:
-            if self.lever_off:
-                raise RuntimeError(f"lever {self.lever_off} is gdn-cp's: stock case {self.case} has none to switch off")
-            self.stock = contextlib.nullcontext if not st["patched"] else stock_forward
-        else:
-            if not st["patched"]:
-                raise RuntimeError(f"case {self.case} needs the patched megatron, this pool has the pristine one")
-            self.stock = contextlib.nullcontext
+        if (self.case in STOCK_CASES) == st["patched"] or (self.lever_off and self.case in STOCK_CASES):
+            raise RuntimeError(f"case {self.case} (lever off: {self.lever_off}) cannot run in this pool "
+                               f"({'patched' if st['patched'] else 'pristine'} megatron-core; a lever is gdn-cp's)")
+        self.stock = contextlib.nullcontext
+        if self.case not in STOCK_CASES:
             _set_mode(self.case, layers)
         self.layer1 = layers["layer1"]
         self.module = layers["layer1"] if self.sliced else layers["layer"]
@@ -556,8 +529,6 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
         else:
             out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
                                 "unfused: the layer's out_norm(o) * act(z)")
-            from gdn_cp.ops.fused import glue_path
-
             # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations)
             out["glue"] = glue_path(layer_state(case.module).settings.glue, y)
         if device.type == "cuda":

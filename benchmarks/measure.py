@@ -7,8 +7,6 @@
   over ranks (an iteration takes as long as its slowest rank);
 - :func:`spans_from_trace` / :func:`split_busy_time`: a profiled iteration's GPU time split into
   compute, NCCL (communication or waiting), memcpy and idle, summing to the CUDA-event wall;
-- :func:`time_call` / :func:`retain_freed_memory`: host-side timing of a callable (adaptive
-  repeats, CPU time, page faults) and glibc's allocator regime pinned for it;
 - :func:`parse_tokens` / :func:`fmt_tokens`: ``32K`` <-> 32768.
 
 Torch is imported where a GPU is timed, not with this module. DESIGN's rules for a number worth
@@ -18,16 +16,12 @@ iterations, the maximum over ranks, never time subtracted across iterations.
 
 from __future__ import annotations
 
-import gc
 import math
-import statistics
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
-__all__ = [
-    "CATEGORIES", "GIB", "copy_kernels", "fmt_tokens", "iteration_stats", "parse_tokens", "quantile", "retain_freed_memory",
-    "spans_from_trace", "split_busy_time", "time_call", "timed_steps",
-]
+__all__ = ["CATEGORIES", "GIB", "copy_kernels", "fmt_tokens", "iteration_stats", "parse_tokens", "quantile",
+           "spans_from_trace", "split_busy_time", "timed_steps"]
 
 GIB = float(2**30)
 
@@ -274,87 +268,3 @@ def copy_kernels(trace, top: int = 6) -> dict:
             count += 1
     return {"us": sum(by_name.values()), "count": count,
             "top": sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}
-
-
-# ---------------------------------------------------------------------------------------------
-# host-side timing
-# ---------------------------------------------------------------------------------------------
-
-def time_call(
-    fn: Callable[[], object],
-    *,
-    budget_s: float = 0.5,
-    min_repeats: int = 5,
-    max_repeats: int = 1000,
-    warmup: int = 2,
-) -> dict:
-    """Median wall time of ``fn()`` in ms (and the median CPU time of the calling thread,
-    ``cpu_median_ms``: on a shared machine, wall >> CPU means the process was descheduled;
-    it equals wall only when all work runs on the calling thread, e.g. one torch thread).
-
-    ``warmup`` untimed calls first; then as many timed calls as fit in ``budget_s``
-    (estimated from the warm-up), clamped to ``[min_repeats, max_repeats]``, so fast cases
-    get many repeats and slow ones at least ``min_repeats``. The garbage collector is off
-    while timing (as in :mod:`timeit`).
-    """
-    t0 = time.perf_counter()
-    for _ in range(max(1, warmup)):
-        fn()
-    per_call = (time.perf_counter() - t0) / max(1, warmup)
-    repeats = int(budget_s / per_call) if per_call > 0 else max_repeats
-    repeats = max(min_repeats, min(max_repeats, repeats))
-    faults0 = _minor_faults()
-    samples = []
-    cpu_samples = []
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            c = time.thread_time_ns()
-            t = time.perf_counter_ns()
-            fn()
-            samples.append((time.perf_counter_ns() - t) / 1e6)
-            cpu_samples.append((time.thread_time_ns() - c) / 1e6)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    faults = _minor_faults()
-    return {
-        "median_ms": statistics.median(samples),
-        "min_ms": min(samples),
-        "max_ms": max(samples),
-        "cpu_median_ms": statistics.median(cpu_samples),
-        "repeats": repeats,
-        "minor_faults_per_call": None if faults is None else round((faults - faults0) / repeats, 1),
-    }
-
-
-def _minor_faults() -> int | None:
-    try:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    except ImportError:
-        return None
-
-
-def retain_freed_memory() -> bool:
-    """Make glibc malloc keep freed memory in the heap (no per-call mmap/munmap, no heap trim).
-
-    Large temporaries (a per-token builder at T=1M allocates ~13 tensors of 8 MB per call) are
-    otherwise served by fresh mmaps or a re-grown heap whenever the allocator's history says so,
-    and then every call page-faults its whole working set again: measured here, the same call
-    took ~25 ms or ~70 ms depending only on the process's earlier allocations. Retaining freed
-    memory pins the cheap regime, which is also what a caching device allocator gives. Returns
-    False where this is not glibc.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_trim_threshold, 1 << 30) == 1
-        ok &= libc.mallopt(m_mmap_threshold, 32 << 20) == 1  # glibc's largest allowed value
-        return bool(ok)
-    except (OSError, AttributeError):
-        return False

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Tables and a plot from ``layer_full.py`` rows; merges row files from several device calls.
+"""Markdown tables from ``layer_full.py`` rows; merges row files from several device calls. (The PNG it drew
+until issue 48, e.g. ``benchmarks/results/layer_full_cp1.png``, is in git history: the tables carry the numbers.)
 
     python3 -m benchmarks.plot_layer_full a.json b.json --merge-out benchmarks/results/layer_full.json
-    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full.json --md table.md --png plot.png
+    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full.json --md table.md
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
 run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
@@ -19,16 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
-from .common import save_figure, write_json
-from .layer_full_math import CASES as CP_CASES
-from .measure import CLASS_NAMES
-from .layer_full_math import CP1_CASES, case_key, run_key
-
-logger = logging.getLogger("benchmarks.plot_layer_full")
+from .common import write_json
+from .layer_full_math import CASES as CP_CASES, CP1_CASES, case_key, run_key
+from .measure import CLASS_NAMES, fmt_tokens as _fmt_t
 
 CASES = CP_CASES + CP1_CASES
 LABELS = {"stock_headwise": "stock headwise", "headwise": "headwise", "chunkwise_hidden": "chunkwise (hidden swap)",
@@ -36,9 +33,6 @@ LABELS = {"stock_headwise": "stock headwise", "headwise": "headwise", "chunkwise
           "all_gather": "all_gather", "cp1_slice": "ideal: CP=1 on own slice",
           "stock_cp1": "stock CP=1", "patched_cp1": "gdn-cp CP=1", "stock_slice": "stock CP=1 slice",
           "patched_slice": "gdn-cp CP=1 slice"}
-COLORS = {"stock_headwise": "tab:gray", "headwise": "tab:orange", "chunkwise_hidden": "tab:blue",
-          "chunkwise_core": "tab:cyan", "chunkwise_generic": "tab:purple", "all_gather": "tab:red", "cp1_slice": "black", "stock_cp1": "tab:gray",
-          "patched_cp1": "tab:blue", "stock_slice": "silver", "patched_slice": "tab:cyan"}
 
 
 def _base(key: str) -> str:
@@ -66,11 +60,6 @@ def _ordered(keys) -> list[str]:
     """Case keys in report order (CASES, then slice rank)."""
     order = {c: i for i, c in enumerate(CASES)}
     return sorted(set(keys), key=lambda k: (order.get(_base(k), len(order)), k))
-PARTS = (("compute_ms", "compute", "tab:blue"), ("comm_wait_ms", "NCCL (comm/wait)", "tab:orange"),
-         ("memcpy_ms", "memcpy/memset", "tab:green"), ("idle_ms", "idle", "lightgray"))
-CLASS_COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "conv": "tab:red", "gdn": "tab:green",
-                "norm": "tab:olive", "gdn-cp glue": "tab:cyan", "compiled glue": "tab:pink", "elementwise + copies": "tab:purple",
-                "memcpy": "tab:brown", "idle": "lightgray"}
 
 
 def class_table(rows) -> str:
@@ -106,10 +95,6 @@ def load_rows(paths) -> list[dict]:
         keys = {run_key(r) for r in new}
         rows = [r for r in rows if run_key(r) not in keys] + new
     return rows
-
-
-def _fmt_t(t: int) -> str:
-    return f"{t // 1024}K" if t % 1024 == 0 else str(t)
 
 
 def _groups(rows):
@@ -272,87 +257,12 @@ def per_rank_summary(rows) -> str:
     return "\n".join(lines)
 
 
-def plot_rows(rows, path) -> bool:
-    """One column per (cp, T): medians with p10-p90 per packing and case; below, the critical rank's
-    profile split when there is one. False (logged) without matplotlib or without numbers."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib not installed: no plot written (pip install matplotlib)")
-        return False
-    panels = []
-    for (device, gpus, backend, cp, dtype, stack), by_tp in sorted(_groups(rows).items(), key=str):
-        for t in sorted({t for t, _ in by_tp}):
-            panels.append((cp, t, {name: v for (tt, name), v in by_tp.items() if tt == t}, backend,
-                           f"{dtype}, {stack}"))
-    if not panels:
-        logger.warning("no measured rows: no plot written")
-        return False
-    profiled = any(r.get("compute_ms") is not None for _, _, by_p, _, _ in panels for v in by_p.values()
-                   for r in v.values())
-    nrows = 2 if profiled else 1
-    fig, axes = plt.subplots(nrows, len(panels), figsize=(6.5 * len(panels), 4.6 * nrows), squeeze=False)
-    for j, (cp, t, by_p, backend, dtype) in enumerate(panels):
-        names = list(by_p)
-        cases = _ordered(k for v in by_p.values() for k in v)
-        width = 0.8 / max(1, len(cases))
-        ax = axes[0][j]
-        for i, c in enumerate(cases):
-            xs, ys, lo, hi = [], [], [], []
-            for k, name in enumerate(names):
-                r = by_p[name].get(c)
-                if r is None:
-                    continue
-                xs.append(k + (i - (len(cases) - 1) / 2) * width)
-                ys.append(r["median_ms"])
-                lo.append(r["median_ms"] - r["p10_ms"])
-                hi.append(r["p90_ms"] - r["median_ms"])
-            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=COLORS.get(_base(c), "tab:purple"), label=_label(c),
-                   hatch="//" if c == "cp1_slice" else None, edgecolor="white" if c != "cp1_slice" else "black",
-                   fill=c != "cp1_slice")
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names)
-        ax.set_ylabel("fwd+bwd ms (median, p10-p90)")
-        ax.set_title(f"GatedDeltaNet layer, CP={cp}, T={_fmt_t(t)} ({backend}, {dtype})", fontsize=10)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=7)
-        if nrows == 2:
-            ax = axes[1][j]
-            bars = [(name, c, by_p[name][c]) for name in names for c in cases if c in by_p[name]]
-            xs = list(range(len(bars)))
-            bottoms = [0.0] * len(bars)
-            if all(r.get("classes_ms") for _, _, r in bars):  # by kernel class: the distance to the GEMM floor
-                for cls in CLASS_NAMES:
-                    vals = [r["classes_ms"].get(cls, 0.0) for _, _, r in bars]
-                    ax.bar(xs, vals, 0.8, bottom=bottoms, color=CLASS_COLORS[cls], label=cls)
-                    bottoms = [b + v for b, v in zip(bottoms, vals)]
-            else:
-                for key, label, color in PARTS:
-                    vals = [r.get(key) or 0.0 for _, _, r in bars]
-                    ax.bar(xs, vals, 0.8, bottom=bottoms, color=color, label=label)
-                    bottoms = [b + v for b, v in zip(bottoms, vals)]
-            labels = [f"{name}\n{c.replace('chunkwise_', 'cw_').replace('stock_headwise', 'stock')}"
-                      for name, c, _ in bars]
-            ax.set_xticks(xs)
-            ax.set_xticklabels(labels, fontsize=6, rotation=90)
-            ax.set_ylabel("ms per iteration (critical rank)")
-            ax.set_title("where the time goes (profiled iterations)", fontsize=10)
-            ax.legend(fontsize=7)
-    return save_figure(fig, path)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", type=Path, nargs="+", help="layer_full.py row files (later ones win)")
     ap.add_argument("--merge-out", type=Path, default=None, help="write the merged rows here")
     ap.add_argument("--md", type=Path, default=None, help="markdown tables (default: print them)")
-    ap.add_argument("--png", type=Path, default=None, help="plot (default: the first JSON path with .png)")
-    ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     rows = load_rows(args.json)
     if args.merge_out:
         write_json(args.merge_out, rows)
@@ -363,10 +273,6 @@ def main(argv=None) -> int:
         print(f"tables: {args.md}")
     else:
         print(text)
-    if not args.no_plot:
-        png = args.png or (args.merge_out or args.json[0]).with_suffix(".png")
-        if plot_rows(rows, png):
-            print(f"plot: {png}")
     return 0
 
 

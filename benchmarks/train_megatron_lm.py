@@ -1,37 +1,17 @@
 """Megatron-LM's own training scripts at CP > 1 against CP=1, on text the model is still learning: per-iteration
-loss and grad norm, each CP > 1 run judged against the noise pairs of its own model.
+loss and grad norm, each CP > 1 run judged against the noise pairs of its own model (:mod:`benchmarks.mlm_verdict`).
+docs/performance.md ("Training against CP=1: the judgement") gives the schedule, the pairs and the rule, and its "Not
+run yet" list the groups, their estimates and the device calls.
 
-Runs ``pretrain_hybrid.py`` (pattern ``G-G-*-``: GDN, MLP, TE attention; GDN-only ``G-G-``; the MoE pattern of
-group ``parallel``) and ``pretrain_gpt.py`` (``--experimental-attention-variant gated_delta_net``, 3 GDN layers +
-1 attention layer) from a patched Megatron-LM checkout through :mod:`gdn_cp_testing.megatron.lm`: bf16 (fp32 and
-FP8 in their groups), TransformerEngine specs, no dropout, 50 iterations, the learning rate as pretraining sets it
-(10 warm-up iterations to 6e-4, cosine decay to 6e-5 at the last), at the sizes of
-:class:`~gdn_cp_testing.megatron.lm.RunSpec` (sequence 4096, micro-batch 2, global batch 4, hidden 1024, FFN 2048,
-GDN 4 key / 12 value heads of dim 128): above the sizes where Megatron-LM's JIT warm-up leaves the global CUDA
-generator at a CP-independent offset (../shared/DESIGN.md). Group ``sweep`` runs tiny sizes. CP=1 over NCCL,
-CP > 1 as gloo ranks sharing one GPU (or one rank per GPU over NCCL where there are enough GPUs).
-
-**Data** (:mod:`gdn_cp_testing.megatron.byte_text`): this machine's Python standard library as byte-level tokens,
-built as a Megatron indexed dataset into ``--work`` before the runs; ``--sft`` runs read a packed SFT set cut from
-the same text. Its provenance is the results' ``data``.
-
-**Noise pairs** (:data:`PAIRS`): every model's CP=1 run again with one harmless perturbation each, named
-``<reference>_<kind>_noise``. **Verdict**: :mod:`benchmarks.mlm_verdict` (rule, band, investigation data).
-
-**Groups** (``--groups``; rows in priority order, CP=1 runs and pairs first; docs/performance.md, "Not run yet",
-has each group's runs, estimate and calls): ``main`` (both scripts, CP=2 / 4 in every mode, stock at CP=2),
-``sweep`` (issue 46: PP 1/2 x inter-document masking x micro-batch 1/2 x CP 1/2 x backend FLA / FlashQLA at tiny
-sizes: each equal to CP=1 or refused before step 1 naming why), ``more`` (inter-document masking, ``--sft``,
-recompute), ``parallel`` (PP, EP, MTP beside CP, two refusals), ``fp8`` (delayed and tensorwise scaling, and a
-model without GDN layers), ``flashqla`` (the hybrid model on FlashQLA's kernels; ``--flashqla-site`` puts an
-unpacked FlashQLA first on those runs' PYTHONPATH only), ``fp32`` (the GDN-only model; ``--max-ranks 8``). A run
-whose CP=1 reference or noise pairs are in no selected group (nor in ``--resume``'s file) brings them along.
-
-**Budget** (``--budget-s``, counted from the start): first the data and Megatron's C++ dataset helpers, then runs
-in matrix order under ``--max-ranks``, each only when its estimate (:func:`estimate_s`) fits the time left (else
-``not run (budget)``). The JSON (``--out``) is rewritten after every run; ``--resume FILE.json`` keeps FILE's
-finished rows (same data and stack) and runs the rest; ``--dry-run`` prints the plan split into device calls;
-``--plot FILE.json`` prints the table and draws ``FILE.png``.
+Runs ``pretrain_hybrid.py`` and ``pretrain_gpt.py`` from a patched Megatron-LM checkout through
+:mod:`gdn_cp_testing.megatron.lm` at the sizes of :class:`~gdn_cp_testing.megatron.lm.RunSpec` (group ``sweep``: tiny
+ones), CP=1 over NCCL, CP > 1 as gloo ranks sharing one GPU (or one rank per GPU over NCCL where there are enough
+GPUs), on this machine's Python standard library as byte-level tokens (:mod:`gdn_cp_testing.megatron.byte_text`,
+built into ``--work`` first; its provenance is the results' ``data``). ``--groups`` picks the rows (:data:`GROUPS`;
+a run's CP=1 reference and pairs come along); runs start in matrix order under ``--max-ranks`` while their estimate
+(:func:`estimate_s`) fits ``--budget-s`` (else ``not run (budget)``). The JSON (``--out``) is rewritten after every
+run; ``--resume FILE.json`` keeps FILE's finished rows (same data and stack); ``--dry-run`` prints the plan over
+device calls; ``--plot FILE.json`` prints the table and draws ``FILE.png``.
 
     python3 -m benchmarks.train_megatron_lm --checkout /tmp/mlm --out $OUT/train_megatron_lm.json --groups main
     python3 -m benchmarks.train_megatron_lm --dry-run --groups main,sweep --budget-s 450

@@ -9,7 +9,6 @@ later processes read. Here each (op, heads) variant gets its own process, spread
 so the compile work runs side by side instead of one after another. Nothing is timed.
 
     python3 -m benchmarks.warm_kernels --cp 2 --tokens 32K          # Qwen3.5-9B GDN shape, bf16
-    python3 -m benchmarks.warm_kernels --cp 2 --backend flashqla     # FlashQLA's TileLang kernels instead
 
 Each variant runs the FLA backend's op forward + backward on packed (varlen) rows, as every
 gdn-cp mode and stock megatron-core's THD path call it (stock's SBHD path calls FLA without
@@ -24,42 +23,13 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from .common import REPO_ROOT
 from .measure import parse_tokens
 
 logger = logging.getLogger("benchmarks.warm_kernels")
 
-REPO_ROOT = Path(__file__).resolve().parent.parent  # the children run this module from there
-
 QWEN = dict(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_width=4)
-
-
-# FlashQLA (TileLang) compiles a kernel per (heads, head dims, dtypes, with / without initial state and
-# final state, value-block width): the width follows sequences x value heads against the GPU's SMs
-# (hopper/fused_fwd.py: 32, 64 or 128 columns), so one, two and eight sequences cover the three widths at
-# 32 value heads; chunkwise's scans take initial states, final states, both or neither.
-FLASHQLA_STATES = ("none", "h0", "final", "both")
-FLASHQLA_SEQS = (1, 2, 8)
-
-
-def flashqla_variants(cp: int, dims: dict) -> list[dict]:
-    """The FlashQLA backend's kernel variants a CP=cp benchmark meets: every state flavour at all heads
-    (CP=1, chunkwise, all_gather), the plain scan at 1/cp of the heads (headwise), at each width class;
-    FLA's conv and fused norm as for the FLA backend."""
-    out = []
-    for share in sorted({1, cp}):
-        if dims["num_k_heads"] % share or dims["num_v_heads"] % share:
-            continue
-        hk, hv = dims["num_k_heads"] // share, dims["num_v_heads"] // share
-        for states in FLASHQLA_STATES if share == 1 else ("none",):
-            for seqs in FLASHQLA_SEQS:
-                out.append({"op": "gdn", "backend": "flashqla", "hk": hk, "hv": hv, "share": share, "states": states,
-                            "seqs": seqs})
-        channels = 2 * hk * dims["head_k_dim"] + hv * dims["head_v_dim"]
-        out.append({"op": "conv", "channels": channels, "share": share})
-        out.append({"op": "norm", "hv": hv, "share": share})
-    return out
 
 
 def variants(cp: int, dims: dict) -> list[dict]:
@@ -91,8 +61,7 @@ def _run_variant(spec: dict) -> None:
     dtype = getattr(torch, spec["dtype"])
     t = spec["tokens"]
     gen = torch.Generator(device=dev).manual_seed(0)
-    seqs = spec.get("seqs", 2)
-    cu = Boundaries([t * i // seqs for i in range(seqs + 1)])
+    cu = Boundaries([0, t // 2, t])
     if spec["op"] == "norm":
         from gdn_cp.ops.fla.norm import fused_gated_rms_norm
 
@@ -118,12 +87,7 @@ def _run_variant(spec: dict) -> None:
         q, k, v = leaf(t, hk, dk), leaf(t, hk, dk), leaf(t, hv, dv)
         g = (-0.1 * torch.rand(t, hv, device=dev, generator=gen)).requires_grad_()
         beta = torch.rand(t, hv, device=dev, dtype=dtype, generator=gen).requires_grad_()
-        states = spec.get("states", "none")
-        h0 = leaf(seqs, hv, dk, dv, scale=0.1) if states in ("h0", "both") else None
-        y, fs = get_backend(spec.get("backend", "fla")).chunk_gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens=cu, initial_state=h0, output_final_state=states in ("final", "both"))
-        if fs is not None:
-            y = torch.cat([y.flatten(), fs.flatten()])
+        y, _ = fla.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
     y.float().square().mean().backward()
     torch.cuda.synchronize(dev)
 
@@ -134,8 +98,6 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=parse_tokens, default=parse_tokens("8K"), help="rows per warm call (default 8K)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation dtype")
     ap.add_argument("--timeout", type=float, default=400, help="seconds before the warm processes are killed")
-    ap.add_argument("--backend", choices=("fla", "flashqla"), default="fla",
-                    help="whose kernels: fla (default) or flashqla (TileLang: set TILELANG_CACHE_DIR to keep them)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -151,8 +113,7 @@ def main(argv=None) -> int:
         return 2
     procs = []
     t0 = time.monotonic()
-    plan = flashqla_variants(args.cp, QWEN) if args.backend == "flashqla" else variants(args.cp, QWEN)
-    for i, v in enumerate(plan):
+    for i, v in enumerate(variants(args.cp, QWEN)):
         spec = dict(v, gpu=i % gpus, dtype=args.dtype, tokens=args.tokens, **QWEN)
         cmd = [sys.executable, "-m", "benchmarks.warm_kernels", "--cp", str(args.cp), "--child", repr(spec)]
         procs.append((spec, subprocess.Popen(cmd, env=dict(os.environ), cwd=REPO_ROOT)))
@@ -165,7 +126,7 @@ def main(argv=None) -> int:
             p.kill()
             code = "timeout"
         logger.info("%s %s: %s after %.0f s", spec["op"],
-                    {k: spec[k] for k in ("backend", "hk", "hv", "channels", "states", "seqs") if k in spec},
+                    {k: spec[k] for k in ("hk", "hv", "channels") if k in spec},
                     "ok" if code == 0 else f"FAILED ({code})", time.monotonic() - t0)
         rc = rc or (0 if code == 0 else 1)
     return rc

@@ -62,7 +62,7 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
 
 
 SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "flashqla_heads", "args", "warm",
-                "syncs", "selftest", "levers", "layer_full", "layer_full_b", "flashqla", "flashqla_warm", "train_mlm")
+                "syncs", "selftest", "layer_full", "layer_full_b", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
@@ -142,9 +142,6 @@ SETTINGS: dict[str, EnvSetting] = {
                    "benchmarks/gpu_suite.sh: GDN_CP_TEST_FAST_AUTOTUNE for the tests stage only", _SWITCH),
         EnvSetting("GDN_CP_SELFTEST_TIMEOUT", "benchmarks", "300",
                    "benchmarks/gpu_suite.sh: time limit of the selftest stage", _SECONDS),
-        EnvSetting("GDN_CP_LEVERS_ARGS", "benchmarks", "", "benchmarks/gpu_suite.sh: arguments of fla_levers.py"),
-        EnvSetting("GDN_CP_LEVERS_TIMEOUT", "benchmarks", "360", "benchmarks/gpu_suite.sh: time limit of the levers stage",
-                   _SECONDS),
         EnvSetting("GDN_CP_LAYER_FULL_B_ARGS", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: arguments of the second layer_full run (stage layer_full_b)"),
         EnvSetting("GDN_CP_LAYER_FULL_B_TIMEOUT", "benchmarks", "240",
@@ -159,10 +156,6 @@ SETTINGS: dict[str, EnvSetting] = {
                    "benchmarks/gpu_suite.sh: time budget of the train_mlm stage", _SECONDS),
         EnvSetting("GDN_CP_TL", "benchmarks", ".tl",
                    "benchmarks/gpu_suite.sh: folder of the slim-tilelang pack (FlashQLA + TileLang), unpacked into .site-tl/"),
-        EnvSetting("GDN_CP_FLASHQLA_ARGS", "benchmarks", "",
-                   "benchmarks/gpu_suite.sh: arguments of benchmarks/flashqla_probe.py (stage flashqla)"),
-        EnvSetting("GDN_CP_FLASHQLA_TIMEOUT", "benchmarks", "540",
-                   "benchmarks/gpu_suite.sh: time limit of the flashqla stage (the probe's --time-limit)", _SECONDS),
         EnvSetting("GDN_CP_FLASHQLA_HEADS_ARGS", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: arguments of benchmarks/flashqla_heads.py (stage flashqla_heads)"),
         EnvSetting("GDN_CP_GLUE_KERNELS_ARGS", "benchmarks", "",

@@ -106,7 +106,7 @@ def megatron_installed():
 
 @pytest.fixture(scope="session")
 def benchmark_module():
-    """``benchmark_module("route_build")`` -> ``benchmarks.route_build`` imported in this process (its
+    """``benchmark_module("syncs")`` -> ``benchmarks.syncs`` imported in this process (its
     ``main(["--help"])`` costs milliseconds here, a torch import in a subprocess)."""
     return lambda name: importlib.import_module(f"benchmarks.{name}")
 

@@ -56,7 +56,7 @@ def smoke():
 def test_help_lists_the_knobs():
     text = layer_full.build_parser().format_help()
     for flag in ("--tokens", "--packings", "--cases", "--warmup", "--iters", "--profile-iters", "--time-limit",
-                 "--stock-from", "--compile-only", "--out", "--quick", "--backend"):
+                 "--compile-only", "--out", "--quick", "--backend"):
         assert flag in text, flag
 
 
