@@ -470,8 +470,8 @@ def fill_compile(row: dict, outs: list[dict]) -> None:
                            fmt_tokens(row["T"]), row["packing"], row["case"], worst, limit)
     row["chunkwise_path"] = outs[0]["chunkwise_path"]
     # what ran, seen in the rank (not assumed from the flags): the layer's submodules, the gated norm
-    # path of this very step, the FLA backend of chunk_gated_delta_rule
-    for k in ("modules", "norm_path", "fla_gdn_backend", "gdn_cp_backend"):
+    # path of this very step, the FLA backend of chunk_gated_delta_rule, the glue path the layer resolved
+    for k in ("modules", "norm_path", "fla_gdn_backend", "gdn_cp_backend", "glue"):
         if k in outs[0]:
             row[k] = outs[0][k]
 

@@ -180,6 +180,10 @@ def test_lever_rows_beside_the_rows_with_every_lever_on(smoke_cp1):
     assert "fused_norm off ms" in stdout and "Per rank, stock megatron-core" in stdout
     glue_rows = [r for r in rows if r["spec"] == "local" and r["lever_off"] == "glue_unfused"]
     assert len(glue_rows) == 3 and {r["status"] for r in glue_rows} == {"ok"}  # the switch re-reads the settings
+    # each patched row names the glue path its layer ran (layer_full_glue.json's test groups rows by it)
+    # (off CUDA every setting runs the eager glue: gdn_cp.ops.fused.glue_path)
+    assert {r["glue"] for r in glue_rows} == {"eager"}
+    assert all(r.get("glue") for r in rows if r["status"] == "ok" and not r["case"].startswith("stock")), rows
 
 
 def _fused_norm_switch_case(ctx, spec):  # noqa: ARG001 - a rank-pool task
