@@ -1,20 +1,18 @@
 #!/usr/bin/env python
-"""gdn-cp's Triton conv glue kernels alone: every form of the backward, timed against each other and the memory
-floor, in one short GPU call (seconds after autotuning), before a form is timed in the layer
-(``benchmarks/layer_full.py``'s lever ``glue_taps_once``) and made the default.
+"""gdn-cp's Triton conv glue kernels (:mod:`gdn_cp.ops.fused.triton_conv`) alone, against the memory floor, in
+one short GPU call (seconds after autotuning): a kernel change is timed here before the layer times it
+(``benchmarks/layer_full.py``). Two candidate forms of the backward were timed here and in the layer (run
+2026-12-05a: slower in the layer) and removed.
 
-Forms: the backward's pre-activation kernel as shipped, with ``BACKWARD_TAPS_ONCE`` (each tap's tile loaded
-once), with ``BACKWARD_SUMS_PER_TILE`` (the tap / bias sums reduced per tile), and with both
-(:mod:`gdn_cp.ops.fused.triton_conv`). Per form and row count: the median forward and backward of
-``conv_silu_split_triton`` (CUDA events, ``--iters`` each after 3 warm-up calls that autotune), and the largest
-difference of each gradient from the shipped form's (the candidates reorder fp32 sums only: a large one is a
-bug). The floor is the bytes each direction must move (forward: read x, write q/k/v; backward: read x and the
-output gradients, write dx) at the bandwidth a plain device copy reaches on the same GPU.
+Per row count: the median forward and backward of ``conv_silu_split_triton`` (CUDA events, ``--iters`` each
+after 3 warm-up calls that autotune). The floor is the bytes each direction must move (forward: read x, write
+q/k/v; backward: read x and the output gradients, write dx) at the bandwidth a plain device copy reaches on the
+same GPU.
 
 Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4,
 q/k l2-normalized), bf16, x a strided view of in_proj's output as in the layer, eight mixed-length sequences.
 
-``--resources`` (no GPU needed): every form of the pre-activation kernel at every autotuning config, compiled for
+``--resources`` (no GPU needed): the pre-activation kernel at every autotuning config, compiled for
 sm_90 by Triton's compiler here, with the registers and stack (spill) bytes per thread its cubin declares
 (:mod:`gdn_cp_testing.triton_compile`): what the GPU will run, before it runs.
 
@@ -39,7 +37,6 @@ from gdn_cp.layout import Boundaries
 
 logger = logging.getLogger("benchmarks.glue_kernels")
 
-FORMS = {"shipped": (False, False), "taps_once": (True, False), "sums_per_tile": (False, True), "both": (True, True)}
 MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)  # fractions of the rows (as layer_full's mixed8)
 
 
@@ -86,11 +83,10 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def time_form(form: str, rows: int, shape, device: str, iters: int, reference=None) -> dict:
-    """One form at ``rows``: median forward / backward ms and its gradients' largest difference from ``reference``."""
+def time_kernels(rows: int, shape, device: str, iters: int) -> dict:
+    """The kernels at ``rows``: median forward / backward ms."""
     from gdn_cp.ops.fused import triton_conv
 
-    triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE = FORMS[form]
     hk, hv, dim = shape
     x, weight, bias, positions, douts = _inputs(rows, hk, hv, dim, device, torch.bfloat16)
     leaves = [x.detach().requires_grad_(True), weight.requires_grad_(True), bias.requires_grad_(True)]
@@ -103,22 +99,18 @@ def time_form(form: str, rows: int, shape, device: str, iters: int, reference=No
         return torch.autograd.grad(outs, leaves, douts)
 
     for _ in range(3 if device == "cuda" else 1):  # autotuning, then warm
-        grads = backward(forward())
+        backward(forward())
     elapsed = _timer(device)
     fwd_ms, bwd_ms = [], []
     for _ in range(iters):
         fwd_ms.append(elapsed(forward))
         outs = forward()
         bwd_ms.append(elapsed(lambda: backward(outs)))
-    row = {"form": form, "rows": rows, "fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms)}
-    if reference is not None:
-        row["max_diff"] = {name: float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
-                           for name, a, b in zip(("dx", "dweight", "dbias"), grads, reference)}
-    return row, grads
+    return {"rows": rows, "fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms)}
 
 
 def resources(head_dim: int) -> list[dict]:
-    """Registers and stack bytes per thread of every pre-activation kernel form at every autotuning config, with and
+    """Registers and stack bytes per thread of the pre-activation kernel at every autotuning config, with and
     without the halo, for q/k (l2 norm) and v heads, compiled for sm_90 (:func:`gdn_cp_testing.triton_compile`)."""
     import triton
 
@@ -126,16 +118,14 @@ def resources(head_dim: int) -> list[dict]:
     from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
 
     rows = []
-    for form, (once, per_tile) in FORMS.items():
-        for (meta, warps) in TILE_CONFIGS:
-            for halo in (False, True):
-                for norm in (True, False):
-                    _, kernel, pointers, constexprs = conv_kernels(once, per_tile, meta["BT"], head_dim, norm, halo)[1]
-                    used = compile_sm90(kernel, pointers, constexprs, warps)
-                    rows.append({"form": form, "BT": meta["BT"], "num_warps": warps, "halo": halo, "l2norm": norm,
-                                 **used})
-                    logger.info("%-14s BT %2d warps %d halo %-5s l2norm %-5s: %3d registers, %4d stack bytes", form,
-                                meta["BT"], warps, halo, norm, used["registers"], used["stack_bytes"])
+    for (meta, warps) in TILE_CONFIGS:
+        for halo in (False, True):
+            for norm in (True, False):
+                _, kernel, pointers, constexprs = conv_kernels(meta["BT"], head_dim, norm, halo)[1]
+                used = compile_sm90(kernel, pointers, constexprs, warps)
+                rows.append({"BT": meta["BT"], "num_warps": warps, "halo": halo, "l2norm": norm, **used})
+                logger.info("BT %2d warps %d halo %-5s l2norm %-5s: %3d registers, %4d stack bytes",
+                            meta["BT"], warps, halo, norm, used["registers"], used["stack_bytes"])
     return [{**r, "triton": triton.__version__, "target": "sm_90"} for r in rows]
 
 
@@ -145,11 +135,10 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", default="16K,64K", help="comma list of row counts per rank (16K: a CP=2 rank of 32K tokens)")
     p.add_argument("--heads", default="16,32", help="key,value heads per rank (default: Qwen3.5-9B's at chunkwise)")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--forms", default=",".join(FORMS), help=f"comma list of {','.join(FORMS)}")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
     p.add_argument("--resources", action="store_true",
-                   help="compile every form at every config for sm_90 here and report registers / spills (no GPU)")
+                   help="compile the kernel at every config for sm_90 here and report registers / spills (no GPU)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -164,10 +153,6 @@ def main(argv=None) -> dict:
                 json.dump(report, f, indent=1)
         return report
     hk, hv = (int(h) for h in args.heads.split(","))
-    forms = args.forms.split(",")
-    unknown = sorted(set(forms) - set(FORMS))
-    if unknown:
-        raise SystemExit(f"--forms: unknown {unknown}; choose from {','.join(FORMS)}")
     shape, results = (hk, hv, args.head_dim), []
     for rows in (parse_tokens(r) for r in args.rows.split(",")):
         c = (2 * hk + hv) * args.head_dim
@@ -175,15 +160,10 @@ def main(argv=None) -> dict:
         floor = {"fwd_ms": 2 * rows * c * 2 / gbs / 1e6, "bwd_ms": 3 * rows * c * 2 / gbs / 1e6}
         logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
                     floor["bwd_ms"])
-        reference = None
-        for form in ["shipped"] + [f for f in forms if f != "shipped"]:  # the shipped form first: the reference
-            row, grads = time_form(form, rows, shape, args.device, args.iters, reference)
-            reference = grads if reference is None else reference
-            if form in forms:
-                row.update(copy_gbs=gbs, floor=floor)
-                results.append(row)
-                logger.info("  %-14s fwd %.3f ms  bwd %.3f ms  %s", form, row["fwd_ms"], row["bwd_ms"],
-                            row.get("max_diff", ""))
+        row = time_kernels(rows, shape, args.device, args.iters)
+        row.update(copy_gbs=gbs, floor=floor)
+        results.append(row)
+        logger.info("  fwd %.3f ms  bwd %.3f ms", row["fwd_ms"], row["bwd_ms"])
     report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
               "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
               "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}

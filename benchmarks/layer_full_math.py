@@ -40,11 +40,8 @@ SPECS = ("local", "te")
 # ``fused_norm``: the layer's own out_norm * act(z) instead of FLA's fused gated RMSNorm;
 # ``glue_triton`` / ``glue_compiled`` / ``glue_unfused``: the glue path of that name (GDN_CP_GLUE) in place of the
 # default (gdn_cp.ops.fused), so that every path is timed beside the default in the same run;
-# ``glue_taps_once`` / ``glue_sums_per_tile`` / ``glue_both``: a candidate form of the Triton glue's backward switched
-# on (gdn_cp.ops.fused.triton_conv.BACKWARD_TAPS_ONCE, BACKWARD_SUMS_PER_TILE);
 # ``split_cat``: in_proj's output gradient concatenated by torch.split's backward (gdn_cp.ops.fused.split).
-LEVERS = ("fused_norm", "glue_triton", "glue_compiled", "glue_unfused", "glue_taps_once", "glue_sums_per_tile",
-          "glue_both", "split_cat")
+LEVERS = ("fused_norm", "glue_triton", "glue_compiled", "glue_unfused", "split_cat")
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
 _MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)

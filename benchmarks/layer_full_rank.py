@@ -267,22 +267,6 @@ def _glue(path: str):
     return switch
 
 
-def _backward_form(taps_once: bool, sums_per_tile: bool):
-    """Benchmark-side switch: a candidate form of the Triton glue's backward (``triton_conv.BACKWARD_TAPS_ONCE``,
-    ``BACKWARD_SUMS_PER_TILE``)."""
-    @contextlib.contextmanager
-    def switch(modules):
-        from gdn_cp.ops.fused import triton_conv
-
-        old = triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE
-        triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE = taps_once, sums_per_tile
-        try:
-            yield
-        finally:
-            triton_conv.BACKWARD_TAPS_ONCE, triton_conv.BACKWARD_SUMS_PER_TILE = old
-    return switch
-
-
 def _split_cat(modules):
     """Benchmark-side switch: in_proj's output gradient assembled by ``torch.split``'s concatenation
     (``gdn_cp.ops.fused.split.GRAD_INTO_CONSUMER_BUFFER`` off) instead of written into the conv's gradient buffer."""
@@ -294,14 +278,10 @@ def _split_cat(modules):
 
 
 LEVER_SWITCHES = {"fused_norm": fused_norm_off, "glue_triton": _glue("triton"), "glue_compiled": _glue("compiled"),
-                  "glue_unfused": _glue("unfused"), "glue_taps_once": _backward_form(True, False),
-                  "glue_sums_per_tile": _backward_form(False, True), "glue_both": _backward_form(True, True),
-                  "split_cat": contextlib.contextmanager(_split_cat)}
+                  "glue_unfused": _glue("unfused"), "split_cat": contextlib.contextmanager(_split_cat)}
 """A lever row runs with its switch: ``fused_norm`` off, the glue path its name says in place of the default
-(``glue_*``: the default's own path too, so every path is timed in the same run), or a candidate form of the Triton
-glue's backward on (``glue_taps_once``, ``glue_sums_per_tile``, ``glue_both``: kernel forms that ship off until they
-are measured; benchmarks/glue_kernels.py times them alone), or ``split_cat``: in_proj's output gradient
-concatenated by ``torch.split``'s backward, as before :func:`gdn_cp.ops.fused.split.split_columns`.)"""
+(``glue_*``: the default's own path too, so every path is timed in the same run), or ``split_cat``: in_proj's
+output gradient concatenated by ``torch.split``'s backward, as before :func:`gdn_cp.ops.fused.split.split_columns`."""
 
 
 def _modules_of(module) -> dict:

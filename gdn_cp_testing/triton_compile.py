@@ -3,8 +3,8 @@
 Triton's interpreter (:mod:`gdn_cp_testing.triton_interpret`) runs a kernel's Python on the CPU, so it accepts
 code the compiler refuses (two returns of different shapes from one function, say); this module runs the real
 compiler, to a cubin with the ptxas Triton ships, and reads the cubin's registers and stack (spill) bytes per
-thread with the cuobjdump Triton ships. The tests compile every kernel form once; ``benchmarks/glue_kernels.py
---resources`` reads every form at every autotuning config. Triton's own compile API (``ASTSource``,
+thread with the cuobjdump Triton ships. The tests compile every kernel once; ``benchmarks/glue_kernels.py
+--resources`` reads the pre-activation kernel at every autotuning config. Triton's own compile API (``ASTSource``,
 ``triton.compile``) is internal: a Triton that moves it fails here loudly, not silently.
 """
 
@@ -56,16 +56,15 @@ def cubin_resources(cubin: bytes) -> dict:
     return {"registers": int(found.group(1)), "stack_bytes": int(found.group(2))}
 
 
-def conv_kernels(taps_once: bool, sums_per_tile: bool, bt: int = 16, dim: int = 128, norm: bool = True,
-                 halo: bool = True):
-    """``(name, kernel, pointers, constexprs)`` of the conv glue's three kernels for one backward form."""
+def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
+    """``(name, kernel, pointers, constexprs)`` of the conv glue's three kernels."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm}
     return (
         ("conv_fwd", tc.gdn_cp_glue_conv_fwd, BF16_CONV, tile),
         ("conv_bwd_pre", tc.gdn_cp_glue_conv_bwd_pre, BF16_CONV,
-         {**tile, "SPAN": 64, "WP": 4, "TAPS_ONCE": taps_once, "SUMS_PER_TILE": sums_per_tile}),
+         {**tile, "SPAN": 64, "WP": 4}),
         ("conv_bwd_dx", tc.gdn_cp_glue_conv_bwd_dx, {**BF16_CONV, "pre_ptr": "*fp32", "w_ptr": "*bf16"},
          {"BT": 32, "BC": 128, "W": 4}),
     )

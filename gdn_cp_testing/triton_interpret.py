@@ -26,7 +26,6 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, backwar
     ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), 16384),
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 20), 16384),
 )
-CANDIDATE_CASES = (1, 3)  # the backward's candidate forms (alone and together): halo, chunks and norm; fp16, neither
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -34,13 +33,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int,
-              taps_once: bool = False, sums_per_tile: bool = False) -> dict:
+def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int) -> dict:
     from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
-    triton_conv._CHUNK, triton_conv.BACKWARD_TAPS_ONCE = chunk, taps_once
-    triton_conv.BACKWARD_SUMS_PER_TILE = sums_per_tile
+    triton_conv._CHUNK = chunk
     dt = getattr(torch, dtype)
     t, c = cu[-1], 2 * hk * dk + hv * dv
     gen = torch.Generator().manual_seed(t + c)
@@ -59,8 +56,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     dx_alone = torch.autograd.grad(conv_silu_split_triton(*args), [args[0]], douts)[0]
     return {"dx_laid_out_like_x": dx_alone.stride() == args[0].stride()
             and dx_alone.storage_offset() - dx_alone._base.storage_offset() == 3,
-            "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}"
-                    + (" taps_once" if taps_once else "") + (" sums_per_tile" if sums_per_tile else ""),
+            "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
 
@@ -94,8 +90,6 @@ def main(argv=None) -> None:
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
     cases = [conv_case(*c) for c in CONV_CASES]
-    cases += [conv_case(*CONV_CASES[i], taps_once=once, sums_per_tile=per_tile) for i in CANDIDATE_CASES
-              for once, per_tile in ((True, False), (False, True), (True, True))]
     cases += [gates_case(d) for d in ("float32", "float16")]
     if args.out is not None:
         args.out.write_text(json.dumps(cases))

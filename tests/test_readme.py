@@ -726,18 +726,24 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
 
 
 def test_the_glue_per_rank_figures_are_their_result_file():
-    """README's per-rank figures with the Triton glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d),
-    each rank's slice of a CP=2 split at CP=1, the default glue against stock and against the unfused glue."""
+    """README's per-rank figures with the Triton glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d
+    and 2026-12-05a), each rank's slice of a CP=2 split at CP=1, the default glue against stock (the newest run
+    that has the row) and against the unfused glue (in the run that timed both)."""
     import json
 
+    from gdn_cp.ops.fused import GLUE_PATHS
+
+    path_levers = {None, *(f"glue_{p}" for p in GLUE_PATHS)}  # rows that change only the glue path
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
-            if r["status"] == "ok"]
+            if r["status"] == "ok" and r.get("lever_off") in path_levers]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
-    def row(spec, t, case, rank, glue=None):
-        (found,) = [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case
-                    and r["slice_rank"] == rank and r.get("glue") == glue]
-        return found
+    def row(spec, t, case, rank, glue=None, run=None):
+        found = [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case
+                 and r["slice_rank"] == rank and r.get("glue") == glue and run in (None, r["run_id"])]
+        newest = max(r["run_id"] for r in found)
+        (one,) = [r for r in found if r["run_id"] == newest]
+        return one
 
     def span(values):
         return f"{min(values):.3f}-{max(values):.3f}x"
@@ -747,9 +753,11 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     memory = [row("local", t, "patched_slice", k, "triton")["peak_gib"] / row("local", t, "stock_slice", k)["peak_gib"]
               for t in (32768, 131072) for k in (0, 1)]
     te = row("te", 32768, "patched_slice", 1, "triton")["median_ms"] / row("te", 32768, "stock_slice", 1)["median_ms"]
-    vs_unfused = [row(s, t, "patched_slice", k, "triton")["median_ms"] / row(s, t, "patched_slice", k, "unfused")["median_ms"]
-                  for s, t, k in (("local", 32768, 0), ("local", 32768, 1), ("local", 131072, 0), ("local", 131072, 1),
-                                  ("te", 32768, 1))]
+    unfused = {(s, t, k): row(s, t, "patched_slice", k, "unfused") for s, t, k in
+               (("local", 32768, 0), ("local", 32768, 1), ("local", 131072, 0), ("local", 131072, 1), ("te", 32768, 1))}
+    vs_unfused = [row(s, t, "patched_slice", k, "triton", run=u["run_id"])["median_ms"] / u["median_ms"]
+                  for (s, t, k), u in unfused.items()]
+    assert len(vs_unfused) == 5
     text = _one_line(README)
     assert (f"**Per rank, on FlashQLA with gdn-cp's Triton glue (the default)**: {span(ratio[32768])} of stock's time at "
             f"32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory") in text

@@ -3,7 +3,8 @@ lever at its default) is the path the committed per-rank GPU results measured fa
 backend, spec, T, rank slice) of benchmarks/results/layer_full_glue.json where more than one variant ran, the
 default's row is not slower than any other variant's (1% for run-to-run noise). A variant is the glue path
 plus the lever the row switched away from its default (``lever_off``: e.g. the Triton glue's candidate
-backward forms, or ``split_cat``; a lever that only picks the path, ``glue_<path>``, is the path). A default can then never again ship unmeasured or slower."""
+backward forms, or ``split_cat``; a lever that only picks the path, ``glue_<path>``, is the path). A default
+can then never again ship unmeasured or slower."""
 
 from __future__ import annotations
 

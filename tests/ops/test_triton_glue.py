@@ -31,9 +31,7 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 12
-    # the candidate backwards, alone and together, on two conv cases (one with halo, chunks and norm, one without)
-    assert sum("taps_once" in name for name in cases) == sum("sums_per_tile" in name for name in cases) == 4
+    assert len(cases) == 6 and sum(name.startswith("conv") for name in cases) == 4
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):

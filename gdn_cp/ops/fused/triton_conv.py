@@ -34,20 +34,6 @@ __all__ = ["MAX_WIDTH", "conv_silu_split_triton"]
 MAX_WIDTH = 4
 """The widest conv the kernels take (they keep four tap sums; Megatron's and FLA's conv widths are at most 4)."""
 
-BACKWARD_TAPS_ONCE = False
-"""The candidate backward: :func:`gdn_cp_glue_conv_bwd_pre` loading each tap's input tile once (for the recomputed
-forward and for that tap's sum) and the taps once per program, instead of twice and per tile. Same values (CPU
-tests through the interpreter run both). Off until a GPU run shows it faster per rank than the kernel it would
-replace (docs/performance.md, "Not run yet": ``benchmarks/layer_full.py``'s lever ``glue_taps_once`` times it
-beside the default in one run); then it becomes the only form."""
-
-BACKWARD_SUMS_PER_TILE = False
-"""The other candidate: the same kernel reducing its tap and bias sums over each tile's rows at once, so that five
-``[BD]`` vectors stay in registers instead of five ``[BT, BD]`` tiles (its register use, hence occupancy, is the
-suspect for the kernel's third of memory bandwidth). Off until measured, as :data:`BACKWARD_TAPS_ONCE`
-(``benchmarks/glue_kernels.py`` times every combination in one short GPU call)."""
-
-
 @triton.jit
 def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
                W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
@@ -115,146 +101,56 @@ def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, do
 
 
 @triton.jit
-def _tap(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, SHIFT: tl.constexpr, W: tl.constexpr,
-         HAS_HALO: tl.constexpr):
-    """``x[t - SHIFT]`` ``[BT, BD]`` fp32 as the conv reads it: zeros before a sequence's first row, except the
-    halo's rows for the sequence that continues into row 0."""
-    src = rows - SHIFT
-    xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                 mask=(row_ok & (pos >= SHIFT))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    if HAS_HALO:
-        xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                      mask=(row_ok & (pos == rows) & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    return xv
-
-
-@triton.jit
-def _dpre_tile_taps_once(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, ch, d, d_ok,
-                         EPS, t0, t1, t2, t3, bias, D: tl.constexpr, W: tl.constexpr, HAS_HALO: tl.constexpr,
-                         NORM: tl.constexpr):
-    """:func:`_dpre_tile` from tap tiles loaded once and returned for the tap sums: ``(pre, x0, x1, x2, x3)``,
-    ``x_k = x[t - k]`` (zeros for k >= W); ``t_k`` is the tap of ``x[t - k]``. The conv sums the taps oldest
-    first, as :func:`_conv_tile` does (the forward's rounding)."""
-    row_ok = rows < T
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    x0 = _tap(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, 0, W, HAS_HALO)
-    x1 = tl.zeros_like(x0)
-    x2 = tl.zeros_like(x0)
-    x3 = tl.zeros_like(x0)
-    y = bias[None, :] + tl.zeros_like(x0)
-    if W > 3:
-        x3 = _tap(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, 3, W, HAS_HALO)
-        y += t3[None, :] * x3
-    if W > 2:
-        x2 = _tap(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, 2, W, HAS_HALO)
-        y += t2[None, :] * x2
-    if W > 1:
-        x1 = _tap(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, 1, W, HAS_HALO)
-        y += t1[None, :] * x1
-    y += t0[None, :] * x0
-    s = tl.sigmoid(y)
-    ok = row_ok[:, None] & d_ok[None, :]
-    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
-                 other=0.0).to(tl.float32)
-    if NORM:
-        a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
-        r = tl.rsqrt(tl.sum(a * a, axis=1) + EPS)
-        n = a * r[:, None]
-        da = r[:, None] * (da - n * tl.sum(da * n, axis=1)[:, None])
-        da = da.to(dout_ptr.dtype.element_ty).to(tl.float32)  # FLA's l2norm backward returns x's dtype
-    return tl.where(ok, da * (s * (1.0 + y * (1.0 - s))), 0.0), x0, x1, x2, x3
-
-
-@triton.jit
-def _sum_into(acc, v, PER_TILE: tl.constexpr):
-    """``acc + v`` per row (``acc [BT, BD]``), or ``acc [1, BD]`` plus v's sum over the tile's rows."""
-    if PER_TILE:  # (one return: the compiler types every return of a function alike)
-        out = acc + tl.sum(v, axis=0, keep_dims=True)
-    else:
-        out = acc + v
-    return out
-
-
-@triton.jit
 def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, pre_ptr, dw_ptr,
                              db_ptr, T, ROW0, ROWS, SUM_END, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
                              BT: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr,
-                             TAPS_ONCE: tl.constexpr, SUMS_PER_TILE: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
     """The gradient at the conv's pre-activation of rows ``[ROW0, ROW0 + ROWS)``, head ``program_id(1)``, into
     ``pre [ROWS, HEADS*D]`` (fp32), and the sums over this program's ``SPAN`` rows (those below ``SUM_END``) of
     the tap and bias gradients into ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32). The sums
-    stay per row in registers across the program's tiles and are reduced over rows once, at the end; with
-    ``SUMS_PER_TILE`` (:data:`BACKWARD_SUMS_PER_TILE`), each tile's rows are reduced at once (five ``[BD]``
-    vectors in registers instead of five ``[BT, BD]`` tiles). ``TAPS_ONCE`` (:data:`BACKWARD_TAPS_ONCE`): each
-    tap's tile loaded once for the recomputed forward and its tap sum, the taps loaded once per program (else per
-    tile, and the tap tiles loaded twice). The candidates change the order of fp32 sums only."""
+    stay per row in registers across the program's tiles and are reduced over rows once, at the end. (Two other
+    forms, the tap tiles loaded once and the sums reduced per tile, were measured slower in the layer on an H200
+    and removed: docs/performance.md, run 2026-12-05a.)"""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BD)
     d_ok = d < D
     ch = C0 + i_h * D + d
     local = i_h * D + d  # the channel in the group (pre, dw, db)
-    if TAPS_ONCE:
-        t0 = tl.load(w_ptr + ch * W + (W - 1), mask=d_ok, other=0.0).to(tl.float32)  # the tap of x[t]
-        t1 = tl.zeros_like(t0)  # of x[t-1], and so on
-        t2 = tl.zeros_like(t0)
-        t3 = tl.zeros_like(t0)
-        if W > 1:
-            t1 = tl.load(w_ptr + ch * W + (W - 2), mask=d_ok, other=0.0).to(tl.float32)
-        if W > 2:
-            t2 = tl.load(w_ptr + ch * W + (W - 3), mask=d_ok, other=0.0).to(tl.float32)
-        if W > 3:
-            t3 = tl.load(w_ptr + ch * W + (W - 4), mask=d_ok, other=0.0).to(tl.float32)
-        bias = tl.zeros_like(t0)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)
-    AR: tl.constexpr = 1 if SUMS_PER_TILE else BT
-    acc0 = tl.zeros((AR, BD), dtype=tl.float32)  # sums of pre * x[t - k], k = 0..3 (tap W-1-k)
-    acc1 = tl.zeros((AR, BD), dtype=tl.float32)
-    acc2 = tl.zeros((AR, BD), dtype=tl.float32)
-    acc3 = tl.zeros((AR, BD), dtype=tl.float32)
-    accb = tl.zeros((AR, BD), dtype=tl.float32)
+    acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # sums of pre * x[t - k], k = 0..3 (tap W-1-k)
+    acc1 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc2 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc3 = tl.zeros((BT, BD), dtype=tl.float32)
+    accb = tl.zeros((BT, BD), dtype=tl.float32)
     for it in range(SPAN // BT):
         rel = i_p * SPAN + it * BT + tl.arange(0, BT)
         rows = ROW0 + rel
-        if TAPS_ONCE:
-            pre, x0, x1, x2, x3 = _dpre_tile_taps_once(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows,
-                                                       T, i_h, HEADS, ch, d, d_ok, EPS, t0, t1, t2, t3, bias, D, W,
-                                                       HAS_HALO, NORM)
-        else:
-            pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                             HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
+        pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
+                         HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
         row_ok = rel < ROWS
         tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
                  mask=row_ok[:, None] & d_ok[None, :])
         pre = tl.where((row_ok & (rows < SUM_END))[:, None], pre, 0.0)
-        accb = _sum_into(accb, pre, SUMS_PER_TILE)
-        if TAPS_ONCE:  # acc_k sums pre * x[t - k]
-            acc0 = _sum_into(acc0, pre * x0, SUMS_PER_TILE)
-            acc1 = _sum_into(acc1, pre * x1, SUMS_PER_TILE)
-            acc2 = _sum_into(acc2, pre * x2, SUMS_PER_TILE)
-            acc3 = _sum_into(acc3, pre * x3, SUMS_PER_TILE)
-        else:
-            pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
-            first = pos == rows
-            for j in tl.static_range(W):  # the taps: pre[t] * x[t - (W-1-j)], masked as the forward reads it
-                shift = W - 1 - j
-                src = rows - shift
-                inside = (rows < T) & (pos >= shift)
-                xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                             mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-                if HAS_HALO:
-                    xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                                  mask=((rows < T) & first & (src < 0))[:, None] & d_ok[None, :],
-                                  other=0.0).to(tl.float32)
-                if j == W - 1:
-                    acc0 = _sum_into(acc0, pre * xv, SUMS_PER_TILE)
-                elif j == W - 2:
-                    acc1 = _sum_into(acc1, pre * xv, SUMS_PER_TILE)
-                elif j == W - 3:
-                    acc2 = _sum_into(acc2, pre * xv, SUMS_PER_TILE)
-                else:
-                    acc3 = _sum_into(acc3, pre * xv, SUMS_PER_TILE)
+        accb += pre
+        pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
+        first = pos == rows
+        for j in tl.static_range(W):  # the taps: pre[t] * x[t - (W-1-j)], masked as the forward reads it
+            shift = W - 1 - j
+            src = rows - shift
+            inside = (rows < T) & (pos >= shift)
+            xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                         mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_HALO:
+                xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                              mask=((rows < T) & first & (src < 0))[:, None] & d_ok[None, :],
+                              other=0.0).to(tl.float32)
+            if j == W - 1:
+                acc0 += pre * xv
+            elif j == W - 2:
+                acc1 += pre * xv
+            elif j == W - 3:
+                acc2 += pre * xv
+            else:
+                acc3 += pre * xv
     width = HEADS * D
     base = dw_ptr + (i_p * width + local).to(tl.int64) * W
     tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
@@ -308,11 +204,10 @@ def _launcher(kernel, key: list, configs: list, fixed: dict):
 
 
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
-_PRE_KEY = [*_TILE_KEY, "TAPS_ONCE", "SUMS_PER_TILE"]
 TILE_CONFIGS = [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)]
 """The forward's and the pre-activation kernel's autotuning configs: (meta, num_warps)."""
 _fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
-_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _PRE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _dx = _launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
@@ -392,8 +287,7 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
              x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
              c if halo is None else halo.stride(0), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
              heads, eps, D=dim, BD=_block(dim), SPAN=_SPAN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
-             HAS_HALO=halo is not None, NORM=norm, TAPS_ONCE=BACKWARD_TAPS_ONCE,
-             SUMS_PER_TILE=BACKWARD_SUMS_PER_TILE)
+             HAS_HALO=halo is not None, NORM=norm)
         dw[c0:c0 + width] += dw_part.sum(0)
         if bias is not None:
             db[c0:c0 + width] += db_part.sum(0)
