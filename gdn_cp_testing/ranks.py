@@ -252,12 +252,12 @@ def adapt_fla_collectives_for_gloo() -> None:
 
 def _admit_gloo_for_fla() -> None:
     """Add gloo to the backends whose groups the FLA backend runs its cp context on
-    (``gdn_cp.ops.fla.native_cp.FLA_COLLECTIVE_BACKENDS``, NCCL alone in the library): this process
+    (``gdn_cp.ops.fla.spec.FLA_COLLECTIVE_BACKENDS``, NCCL alone in the library): this process
     flattened FLA's outputs for gloo. Logged."""
-    from gdn_cp.ops.fla import native_cp
+    from gdn_cp.ops.fla import spec as fla_spec
 
-    if "gloo" not in native_cp.FLA_COLLECTIVE_BACKENDS:
-        native_cp.FLA_COLLECTIVE_BACKENDS = (*native_cp.FLA_COLLECTIVE_BACKENDS, "gloo")
+    if "gloo" not in fla_spec.FLA_COLLECTIVE_BACKENDS:
+        fla_spec.FLA_COLLECTIVE_BACKENDS = (*fla_spec.FLA_COLLECTIVE_BACKENDS, "gloo")
         logging.getLogger(__name__).info("FLA's cp context may run on gloo groups in this process: %s", _FLA_GLOO_SHIM)
 
 

@@ -12,6 +12,7 @@ import torch
 from gdn_cp.layout import Boundaries
 from gdn_cp.ops import get_backend
 from gdn_cp.ops.fla import native_cp
+from gdn_cp.ops.fla import spec as fla_spec
 from gdn_cp.ops.fla.detect import FLAFeatures, fla_available, fla_version, has_cp_context
 from gdn_cp.ops.fla.kernels import FLAFunctions
 from gdn_cp.ops.fla.native_cp import check_chunkwise_layout
@@ -129,7 +130,7 @@ def test_native_core_runs_on_nccl_and_on_backends_a_harness_adapted(monkeypatch,
     assert "runs on a nccl group" in caplog.text
     assert native_cp.native_zigzag_cp_core(backends["nccl"]) is native_cp.zigzag_context_core
     assert native_cp.native_cp_core(backends["gloo"]) is None and native_cp.native_cp_core(None) is None
-    monkeypatch.setattr(native_cp, "FLA_COLLECTIVE_BACKENDS", ("nccl", "gloo"))  # what the test rank pool does
+    monkeypatch.setattr(fla_spec, "FLA_COLLECTIVE_BACKENDS", ("nccl", "gloo"))  # what the test rank pool does
     assert native_cp.native_cp_core(backends["gloo"]) is native_cp.cp_context_core
     monkeypatch.setattr(native_cp, "has_zigzag_layout", lambda: False)
     assert native_cp.native_zigzag_cp_core(backends["gloo"]) is None

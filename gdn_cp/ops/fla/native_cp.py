@@ -17,7 +17,7 @@ by the boundaries object (immutable), the layout, the conv kernel size, the grou
 
 FLA's context collectives are ``all_gather_into_tensor`` into a ``[world, n, ...]`` output and
 ``all_reduce``. NCCL takes that output; gloo wants it flat ``[world*n, ...]``. So the native
-core runs on groups of the backends in :data:`FLA_COLLECTIVE_BACKENDS` (NCCL; a test harness that
+core runs on groups of the backends in :data:`gdn_cp.ops.fla.spec.FLA_COLLECTIVE_BACKENDS` (NCCL; a test harness that
 adapts FLA's collectives for gloo ranks sharing one GPU adds gloo there, and says so); each
 backend it runs on is logged once.
 """
@@ -39,10 +39,10 @@ from ..shape import GDNShape
 from . import detect
 from .detect import features, fla_version, has_cp_context, has_zigzag_layout
 from .kernels import causal_conv1d, chunk_gated_delta_rule, fla_api, kv_heads_for_kernel
+from . import spec as fla_spec
 from .spec import SPEC
 
 __all__ = [
-    "FLA_COLLECTIVE_BACKENDS",
     "check_chunkwise_layout",
     "check_native_rows",
     "check_zigzag_stream",
@@ -60,18 +60,16 @@ logger = logging.getLogger(__name__)
 _CACHE_KEY = "fla_cp_context"
 _ZIGZAG_CACHE_KEY = "fla_cp_context_zigzag"
 
-FLA_COLLECTIVE_BACKENDS = ("nccl",)
-"""torch.distributed backends whose groups take FLA's collectives as FLA calls them."""
 _ADMITTED: set = set()  # backends already logged as running FLA's cp context
 
 
 def runs_on(group) -> bool:
     """Whether FLA's cp context runs on ``group`` in this process: a group of a backend in
-    :data:`FLA_COLLECTIVE_BACKENDS` (logged the first time per backend)."""
+    :data:`gdn_cp.ops.fla.spec.FLA_COLLECTIVE_BACKENDS` (logged the first time per backend)."""
     if group is None or not has_cp_context():
         return False
     backend = group_backend(group)
-    if backend not in FLA_COLLECTIVE_BACKENDS:
+    if backend not in fla_spec.FLA_COLLECTIVE_BACKENDS:
         return False
     if backend not in _ADMITTED:
         _ADMITTED.add(backend)
@@ -82,7 +80,7 @@ def runs_on(group) -> bool:
 def native_cp_core(group):
     """:func:`cp_context_core` when FLA's cp context can run on ``group``, else None.
 
-    It can on groups of :data:`FLA_COLLECTIVE_BACKENDS` (NCCL); elsewhere (gloo) the chunkwise mode
+    It can on groups of :data:`gdn_cp.ops.fla.spec.FLA_COLLECTIVE_BACKENDS` (NCCL); elsewhere (gloo) the chunkwise mode
     exchanges halos and states itself and runs FLA's kernels per rank.
     """
     return cp_context_core if runs_on(group) else None

@@ -7,7 +7,12 @@ from typing import Optional
 from ..contract import BackendSpec, SelftestCase
 from ..installed import dist_version
 
-__all__ = ["FLA_MAX_HEAD_K_DIM", "FLA_MIN_HEAD_DIM", "FLA_VS_FP64_REL_L2", "SPEC", "TESTED_FLA_STACKS",
+FLA_COLLECTIVE_BACKENDS = ("nccl",)
+"""torch.distributed backends whose groups take FLA's cp context collectives as FLA calls them (an
+``all_gather_into_tensor`` into a ``[world, n, ...]`` output: NCCL; gloo wants it flat). Read at each call
+(``native_cp.runs_on``): a test harness that adapts FLA's collectives for gloo ranks adds gloo here, and says so."""
+
+__all__ = ["FLA_COLLECTIVE_BACKENDS", "FLA_MAX_HEAD_K_DIM", "FLA_MIN_HEAD_DIM", "FLA_VS_FP64_REL_L2", "SPEC", "TESTED_FLA_STACKS",
            "fla_stack_verdict", "head_dims_problem", "version_at_least"]
 
 # chunk_gated_delta_rule_fwd_h asserts K <= 256 (FLA 0.4.2 .. 0.6); tl.dot needs every block dim >= 16.
@@ -80,7 +85,6 @@ def _versions() -> dict:
 
 def _stack_report() -> dict:
     from .detect import stack_report
-    from .native_cp import FLA_COLLECTIVE_BACKENDS
 
     report = stack_report()
     report["choices"]["cp context groups"] = ", ".join(f"{b} (takes FLA's collectives as FLA calls them)"
