@@ -139,7 +139,7 @@ EOF
 # One stage, under its own time limit: tests / tests_core / tests_megatron / flashqla_tests / glue_tests (GPU tests:
 # docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); warm (benchmarks/warm_kernels.py: FLA's
 # kernels of the benchmarks' shapes compiled side by side); syncs, layer_full, layer_full_b (a second run with its
-# own limit and file), glue_kernels, flashqla_heads (the benchmark of that name); args (the megatron.training argument
+# own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
 # test, Python >= 3.12); selftest (gdn-cp selftest --gpu).
 run_stage() {
   local stage=$1; shift
@@ -173,11 +173,6 @@ run_stage() {
     glue_kernels)
       # shellcheck disable=SC2086
       timeout --signal=INT 300 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
-    flashqla_heads)
-      # which per-rank head counts FlashQLA compiles; gdn-cp's FlashQLA backend on each (benchmarks/flashqla_heads.py)
-      # shellcheck disable=SC2086
-      timeout --signal=INT "${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540}" python3 -m benchmarks.flashqla_heads \
-        --out "$OUT/flashqla_heads.jsonl" --timeout "$(( ${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540} - 20 ))" ${GDN_CP_FLASHQLA_HEADS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
     warm)
