@@ -140,7 +140,7 @@ EOF
 # docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); warm (benchmarks/warm_kernels.py: FLA's
 # kernels of the benchmarks' shapes compiled side by side); syncs, layer_full, layer_full_b (a second run with its
 # own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
-# test, Python >= 3.12); selftest (gdn-cp selftest --gpu).
+# test, Python >= 3.12).
 run_stage() {
   local stage=$1; shift
   local T1; T1=$(date +%s)
@@ -180,8 +180,6 @@ run_stage() {
       python3 -m benchmarks.warm_kernels --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 -m benchmarks.syncs --out "$OUT/syncs.json" ;;
-    selftest)
-      timeout --signal=INT "${GDN_CP_SELFTEST_TIMEOUT:-300}" python3 -m gdn_cp.cli selftest --gpu ;;
     layer_full)
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 -m benchmarks.layer_full \

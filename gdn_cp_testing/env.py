@@ -62,7 +62,7 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
 
 
 SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "args", "warm",
-                "syncs", "selftest", "layer_full", "layer_full_b", "train_mlm")
+                "syncs", "layer_full", "layer_full_b", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
@@ -140,8 +140,6 @@ SETTINGS: dict[str, EnvSetting] = {
                    _SWITCH),
         EnvSetting("GDN_CP_TESTS_FAST_AUTOTUNE", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: GDN_CP_TEST_FAST_AUTOTUNE for the tests stage only", _SWITCH),
-        EnvSetting("GDN_CP_SELFTEST_TIMEOUT", "benchmarks", "300",
-                   "benchmarks/gpu_suite.sh: time limit of the selftest stage", _SECONDS),
         EnvSetting("GDN_CP_LAYER_FULL_B_ARGS", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: arguments of the second layer_full run (stage layer_full_b)"),
         EnvSetting("GDN_CP_LAYER_FULL_B_TIMEOUT", "benchmarks", "240",
