@@ -643,20 +643,27 @@ def _check_vs_stock(case: _Case, y) -> dict:
     relative L2. Run right after the case's first step."""
     got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
     ref_out = case.step(stock=stock_forward).detach()
-    ref_gx, ref = case.x.grad.detach(), _grads(case.module)
-    errs = {"out": rel_l2(got_out, ref_out), "grad_x": rel_l2(got_gx, ref_gx)}
-    worst_name, worst = None, 0.0
-    for name in sorted(ref):
-        e = rel_l2(got.get(name), ref[name])
-        if worst_name is None or e > worst:
-            worst_name, worst = name, e
-    errs.update(grad_params=worst, worst_param=worst_name, against="stock megatron-core, same module and rows")
+    errs = {"out": rel_l2(got_out, ref_out), "grad_x": rel_l2(got_gx, case.x.grad.detach()),
+            **_worst_param(got, _grads(case.module)), "against": "stock megatron-core, same module and rows"}
     case.module.zero_grad(set_to_none=True)
     return errs
 
 
 def _grads(module) -> dict:
     return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
+
+
+def _worst_param(got: dict, ref: dict, group=None) -> dict:
+    """The parameter gradient furthest from ``ref``'s (relative L2), each summed over ``group`` first if given."""
+    worst_name, worst = None, 0.0
+    for name in sorted(ref):
+        g = got.get(name)
+        if g is not None and group is not None:
+            dist.all_reduce(g, group=group)
+        e = rel_l2(g, ref[name])
+        if worst_name is None or e > worst:
+            worst_name, worst = name, e
+    return {"grad_params": worst, "worst_param": worst_name}
 
 
 def _reference(spec: dict) -> dict:
@@ -689,15 +696,6 @@ def _check(case: _Case, y, spec: dict) -> dict:
     gradient summed over the CP group, against CP=1. Run right after the case's first step."""
     got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
     ref = _reference(spec)
-    errs = {"out": rel_l2(got_out, ref["out"].index_select(0, case.rows)),
-            "grad_x": rel_l2(got_gx, ref["grad_x"].index_select(0, case.rows))}
-    worst_name, worst = None, 0.0
-    for name in sorted(ref["grads"]):
-        g = got.get(name)
-        if g is not None:
-            dist.all_reduce(g, group=case.group)
-        e = rel_l2(g, ref["grads"][name])
-        if worst_name is None or e > worst:
-            worst_name, worst = name, e
-    errs.update(grad_params=worst, worst_param=worst_name)
-    return errs
+    return {"out": rel_l2(got_out, ref["out"].index_select(0, case.rows)),
+            "grad_x": rel_l2(got_gx, ref["grad_x"].index_select(0, case.rows)),
+            **_worst_param(got, ref["grads"], case.group)}
