@@ -255,7 +255,8 @@ def knobs(args) -> dict:
             "case_timeout_s": CASE_TIMEOUT_S, "packings": args.packings, "cases": args.cases,
             "specs": args.specs, "levers": args.levers, "plan": args.plan,
             "linear_cp_backend": args.backend,
-            "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
+            "torch_compile": "on CUDA: megatron's jit_fuser and gdn-cp's glue compile as in training (since f51d570; "
+                             "off on the CPU, where the test shims disable dynamo)",
             "route_build": "once per micro-batch (PackedSeqParams reused across iterations, as the layers of one "
                            "micro-batch share it); stock rebuilds its per-token permutation every call"}
 
