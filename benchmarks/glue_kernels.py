@@ -24,15 +24,13 @@ sm_90 by Triton's compiler here, with the registers and stack (spill) bytes per 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
-import time
 
 import torch
 
-from benchmarks.common import machine_info, now_iso, versions
-from benchmarks.measure import parse_tokens
+from benchmarks.common import machine_info, now_iso, versions, write_json
+from benchmarks.measure import parse_tokens, timed_steps
 from gdn_cp.layout import Boundaries
 
 logger = logging.getLogger("benchmarks.glue_kernels")
@@ -56,30 +54,11 @@ def _inputs(rows: int, hk: int, hv: int, dim: int, device: str, dtype: torch.dty
     return proj[:, :c], weight, bias, Boundaries(sorted(set(cu))).positions(device), douts
 
 
-def _timer(device: str):
-    """``elapsed_ms(fn)``: CUDA events on a GPU, the host clock elsewhere (the interpreter's dry run)."""
-    def elapsed_ms(fn) -> float:
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return elapsed_ms
-
-
 def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     """The bandwidth a plain copy of ``nbytes`` reaches (read + write), GB/s: the floor's yardstick."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    elapsed = _timer(device)
-    for _ in range(3):
-        dst.copy_(src)
-    ms = statistics.median(elapsed(lambda: dst.copy_(src)) for _ in range(10))
+    ms = statistics.median(timed_steps(lambda: dst.copy_(src), 3, 10, torch.device(device)))
     return 2 * nbytes / ms / 1e6
 
 
@@ -100,12 +79,13 @@ def time_kernels(rows: int, shape, device: str, iters: int) -> dict:
 
     for _ in range(3 if device == "cuda" else 1):  # autotuning, then warm
         backward(forward())
-    elapsed = _timer(device)
-    fwd_ms, bwd_ms = [], []
-    for _ in range(iters):
-        fwd_ms.append(elapsed(forward))
-        outs = forward()
-        bwd_ms.append(elapsed(lambda: backward(outs)))
+    outs = [None]
+
+    def fresh_outputs():  # untimed, ahead of each timed backward
+        outs[0] = forward()
+
+    fwd_ms = timed_steps(forward, 0, iters, torch.device(device))
+    bwd_ms = timed_steps(lambda: backward(outs[0]), 0, iters, torch.device(device), before=fresh_outputs)
     return {"rows": rows, "fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms)}
 
 
@@ -149,8 +129,7 @@ def main(argv=None) -> dict:
                   "versions": versions({"triton": triton.__version__}), "head_dim": args.head_dim,
                   "results": resources(args.head_dim)}
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(report, f, indent=1)
+            write_json(args.out, report)
         return report
     hk, hv = (int(h) for h in args.heads.split(","))
     shape, results = (hk, hv, args.head_dim), []
@@ -168,8 +147,7 @@ def main(argv=None) -> dict:
               "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
               "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.out, report)
     return report
 
 

@@ -139,8 +139,8 @@ EOF
 # One stage, under its own time limit: tests / tests_core / tests_megatron / flashqla_tests / glue_tests (GPU tests:
 # docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); warm (benchmarks/warm_kernels.py: FLA's
 # kernels of the benchmarks' shapes compiled side by side); syncs, layer_full, layer_full_b (a second run with its
-# own limit and file), glue_kernels, flashqla_heads (the benchmark of that name); args (the megatron.training argument
-# test, Python >= 3.12); selftest (gdn-cp selftest --gpu).
+# own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
+# test, Python >= 3.12).
 run_stage() {
   local stage=$1; shift
   local T1; T1=$(date +%s)
@@ -173,11 +173,6 @@ run_stage() {
     glue_kernels)
       # shellcheck disable=SC2086
       timeout --signal=INT 300 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
-    flashqla_heads)
-      # which per-rank head counts FlashQLA compiles; gdn-cp's FlashQLA backend on each (benchmarks/flashqla_heads.py)
-      # shellcheck disable=SC2086
-      timeout --signal=INT "${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540}" python3 -m benchmarks.flashqla_heads \
-        --out "$OUT/flashqla_heads.jsonl" --timeout "$(( ${GDN_CP_FLASHQLA_HEADS_TIMEOUT:-540} - 20 ))" ${GDN_CP_FLASHQLA_HEADS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
     warm)
@@ -185,8 +180,6 @@ run_stage() {
       python3 -m benchmarks.warm_kernels --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 -m benchmarks.syncs --out "$OUT/syncs.json" ;;
-    selftest)
-      timeout --signal=INT "${GDN_CP_SELFTEST_TIMEOUT:-300}" python3 -m gdn_cp.cli selftest --gpu ;;
     layer_full)
       # shellcheck disable=SC2086
       timeout --signal=INT "$(( ${GDN_CP_LAYER_FULL_TIMEOUT:-480} + 60 ))" python3 -m benchmarks.layer_full \

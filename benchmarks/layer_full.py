@@ -152,8 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", choices=BACKEND_CHOICES, default="auto",
                    help="gdn-cp's per-rank kernels in the patched cases (TransformerConfig.linear_cp_backend; default "
                         "auto: FlashQLA where it runs and takes the layer, else FLA); stock rows are stock's FLA call")
-    g.add_argument("--zero-centered-gamma", action="store_true",
-                   help="te spec: TransformerConfig.layernorm_zero_centered_gamma (TE's norms scale by 1 + weight)")
     _add_method_run(p)
     return p
 
@@ -237,8 +235,6 @@ def resolve_args(args):
     else:
         args.specs = args.spec or ["local"]
         args.units = [(s, lv, t) for s in args.specs for lv in [None, *args.levers] for t in args.tokens]
-    if args.zero_centered_gamma and "local" in args.specs:
-        raise SystemExit("--zero-centered-gamma goes with the te spec only (Megatron's local torch norm refuses it)")
     if args.levers and all(c in STOCK_CASES for c in args.cases):
         raise SystemExit(f"--levers {','.join(args.levers)} switch off gdn-cp levers: add a patched case to --cases")
     for t in args.tokens:
@@ -258,8 +254,9 @@ def knobs(args) -> dict:
             "slice_of_cp": args.slice_of_cp, "time_limit_s": args.time_limit, "grace_s": args.grace,
             "case_timeout_s": CASE_TIMEOUT_S, "packings": args.packings, "cases": args.cases,
             "specs": args.specs, "levers": args.levers, "plan": args.plan,
-            "zero_centered_gamma": args.zero_centered_gamma, "linear_cp_backend": args.backend,
-            "torch_compile": "off (megatron's jit_fuser runs eager in both stock and patched)",
+            "linear_cp_backend": args.backend,
+            "torch_compile": "on CUDA: megatron's jit_fuser and gdn-cp's glue compile as in training (since f51d570; "
+                             "off on the CPU, where the test shims disable dynamo)",
             "route_build": "once per micro-batch (PackedSeqParams reused across iterations, as the layers of one "
                            "micro-batch share it); stock rebuilds its per-token permutation every call"}
 
@@ -491,8 +488,7 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         row.update(compute_ms=p["compute_ms"], comm_wait_ms=p["nccl_ms"], memcpy_ms=p["memcpy_ms"],
                    idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit,
                    kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"),
-                   copy_kernels_ms=p.get("copy_ms"), copy_kernels_per_iter=p.get("copy_kernels"),
-                   copy_kernels_top_ms=p.get("copy_top_ms"), classes_ms=p.get("classes_ms"))
+                   classes_ms=p.get("classes_ms"))
         row["profile"] = {"note": "per rank, ms per iteration over the same profiled iterations: compute + nccl + "
                                   "memcpy + idle = wall (exclusive; *_total = overlapping sums); the flat fields "
                                   "are the rank with the most compute", "per_rank": per_rank}
@@ -718,7 +714,7 @@ def main(argv=None) -> int:
     stopped = None
     specs = [s for s in args.specs if not (s == "te" and no_te)]
     setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed, "specs": specs,
-             "zero_centered_gamma": args.zero_centered_gamma, "linear_cp_backend": args.backend}
+             "linear_cp_backend": args.backend}
     try:
         trees = prepare_megatron_trees(None, Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_")))
         setups = {kind: {**setup, "megatron_root": str(trees[kind]), "expect_state": state}

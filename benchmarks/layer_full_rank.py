@@ -41,7 +41,7 @@ from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
-from .measure import GIB, copy_kernels, kernel_classes, spans_from_trace, split_busy_time, timed_steps
+from .measure import GIB, kernel_classes, spans_from_trace, split_busy_time, timed_steps
 
 TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank
 _STATE: dict = {}
@@ -103,14 +103,11 @@ def _cpu_stock_kernels() -> None:
     gdn_module.chunk_gated_delta_rule = chunk_gated_delta_rule
 
 
-def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_centered_gamma: bool = False,
-               spec: str = "local", backend: str = "auto"):
+def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, spec: str = "local", backend: str = "auto"):
     """TransformerConfig of one GDN layer. Stock megatron has no ``linear_cp_mode`` field; the
     patched one is built with chunkwise (legal for any head count) and set per case.
-    ``zero_centered_gamma``: ``layernorm_zero_centered_gamma`` (the te spec's norms then scale by
-    1 + weight). ``backend``: the patched layer's ``linear_cp_backend``. The te spec's modules are built on the GPU,
-    as in training (and as the GPU parity
-    tests build them); the weights are set afterwards either way."""
+    ``backend``: the patched layer's ``linear_cp_backend``. The te spec's modules are built on the GPU,
+    as in training (and as the GPU parity tests build them); the weights are set afterwards either way."""
     from megatron.core.transformer import TransformerConfig
 
     kw = dict(
@@ -126,8 +123,6 @@ def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, zero_c
         kw["linear_cp_mode"] = "chunkwise"
         kw["linear_cp_thd_split"] = "per_document"  # THD rows are cut per document here (zigzag_rows)
         kw["linear_cp_backend"] = backend  # gdn-cp's per-rank kernels (--backend); stock has its own FLA call
-    if zero_centered_gamma:
-        kw["layernorm_zero_centered_gamma"] = True
     if spec == "te":
         kw["use_cpu_initialization"] = False
     return TransformerConfig(**kw)
@@ -161,11 +156,10 @@ def rank_setup(ctx, spec: dict) -> dict:
     layers, spec_errors = {}, {}
     for name in spec.get("specs", ["local"]):
         # a spec that cannot be built here (te without TransformerEngine) fails its own rows, not the pool
-        zc = bool(spec.get("zero_centered_gamma")) and name == "te"
         try:
             backend = spec.get("linear_cp_backend", "auto")
-            layer1 = build_gdn(gdn_config(1, dims, dtype, patched, zc, name, backend), ctx.group(1), spec=name, **build)
-            layer = layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched, zc, name, backend), ctx.group(cp),
+            layer1 = build_gdn(gdn_config(1, dims, dtype, patched, name, backend), ctx.group(1), spec=name, **build)
+            layer = layer1 if cp == 1 else build_gdn(gdn_config(cp, dims, dtype, patched, name, backend), ctx.group(cp),
                                                      spec=name, **build)
             layers[name] = {"layer": layer, "layer1": layer1}
         except Exception as err:  # noqa: BLE001 - reported per spec
@@ -368,7 +362,6 @@ class _Case:
         if (self.case in STOCK_CASES) == st["patched"] or (self.lever_off and self.case in STOCK_CASES):
             raise RuntimeError(f"case {self.case} (lever off: {self.lever_off}) cannot run in this pool "
                                f"({'patched' if st['patched'] else 'pristine'} megatron-core; a lever is gdn-cp's)")
-        self.stock = contextlib.nullcontext
         if self.case not in STOCK_CASES:
             _set_mode(self.case, layers)
         self.layer1 = layers["layer1"]
@@ -388,12 +381,12 @@ class _Case:
             self.psp = thd_params(self.cu, device=device) if self.layout == "thd" else None
         self.group = None if self.sliced or st["cp"] == 1 else ctx.group(cp)
 
-    def step(self, stock=None):
+    def step(self, stock=contextlib.nullcontext):
         """One forward + backward of the layer, as a training step runs it (gradients reset).
-        ``stock``: a context to run it under instead of the case's own (the CP=1 check)."""
+        ``stock``: a context to run it under (``stock_forward``: stock megatron-core's code, the ``--cp 1`` check)."""
         self.module.zero_grad(set_to_none=True)
         self.x.grad = None
-        with (stock or self.stock)():
+        with stock():
             out, bias = self.module(self.x, None, packed_seq_params=self.psp)
         y = out if bias is None else out + bias
         y.backward(self.dout)
@@ -561,8 +554,7 @@ def _memory_split(case: "_Case", device) -> dict:
     _sync(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with case.stock():
-        out, bias = case.module(case.x, None, packed_seq_params=case.psp)
+    out, bias = case.module(case.x, None, packed_seq_params=case.psp)
     y = out if bias is None else out + bias
     _sync(device)
     saved = torch.cuda.memory_allocated(device) - base
@@ -635,12 +627,9 @@ def _profiled(step, n: int, device) -> dict:
     split = split_busy_time(spans, sum(walls) * 1e3)  # us over the n iterations
     per_iter = {k: v / 1e3 / n for k, v in split.items()}  # ms per iteration
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
-    copies = copy_kernels(trace["data"])
     return {"iters": n, "wall_ms_iters": walls, **{f"{k}_ms": v for k, v in per_iter.items()},
             "kernels": {c: len(s) // n for c, s in spans.items()},
             "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top],
-            "copy_ms": copies["us"] / 1e3 / n, "copy_kernels": copies["count"] // n,
-            "copy_top_ms": [[name, us / 1e3 / n] for name, us in copies["top"]],
             "classes_ms": kernel_classes(by_name, split["idle"], n)}
 
 
@@ -654,20 +643,27 @@ def _check_vs_stock(case: _Case, y) -> dict:
     relative L2. Run right after the case's first step."""
     got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
     ref_out = case.step(stock=stock_forward).detach()
-    ref_gx, ref = case.x.grad.detach(), _grads(case.module)
-    errs = {"out": rel_l2(got_out, ref_out), "grad_x": rel_l2(got_gx, ref_gx)}
-    worst_name, worst = None, 0.0
-    for name in sorted(ref):
-        e = rel_l2(got.get(name), ref[name])
-        if worst_name is None or e > worst:
-            worst_name, worst = name, e
-    errs.update(grad_params=worst, worst_param=worst_name, against="stock megatron-core, same module and rows")
+    errs = {"out": rel_l2(got_out, ref_out), "grad_x": rel_l2(got_gx, case.x.grad.detach()),
+            **_worst_param(got, _grads(case.module)), "against": "stock megatron-core, same module and rows"}
     case.module.zero_grad(set_to_none=True)
     return errs
 
 
 def _grads(module) -> dict:
     return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
+
+
+def _worst_param(got: dict, ref: dict, group=None) -> dict:
+    """The parameter gradient furthest from ``ref``'s (relative L2), each summed over ``group`` first if given."""
+    worst_name, worst = None, 0.0
+    for name in sorted(ref):
+        g = got.get(name)
+        if g is not None and group is not None:
+            dist.all_reduce(g, group=group)
+        e = rel_l2(g, ref[name])
+        if worst_name is None or e > worst:
+            worst_name, worst = name, e
+    return {"grad_params": worst, "worst_param": worst_name}
 
 
 def _reference(spec: dict) -> dict:
@@ -700,15 +696,6 @@ def _check(case: _Case, y, spec: dict) -> dict:
     gradient summed over the CP group, against CP=1. Run right after the case's first step."""
     got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
     ref = _reference(spec)
-    errs = {"out": rel_l2(got_out, ref["out"].index_select(0, case.rows)),
-            "grad_x": rel_l2(got_gx, ref["grad_x"].index_select(0, case.rows))}
-    worst_name, worst = None, 0.0
-    for name in sorted(ref["grads"]):
-        g = got.get(name)
-        if g is not None:
-            dist.all_reduce(g, group=case.group)
-        e = rel_l2(g, ref["grads"][name])
-        if worst_name is None or e > worst:
-            worst_name, worst = name, e
-    errs.update(grad_params=worst, worst_param=worst_name)
-    return errs
+    return {"out": rel_l2(got_out, ref["out"].index_select(0, case.rows)),
+            "grad_x": rel_l2(got_gx, ref["grad_x"].index_select(0, case.rows)),
+            **_worst_param(got, ref["grads"], case.group)}

@@ -20,7 +20,7 @@ import math
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
-__all__ = ["CATEGORIES", "GIB", "copy_kernels", "fmt_tokens", "iteration_stats", "parse_tokens", "quantile",
+__all__ = ["CATEGORIES", "GIB", "fmt_tokens", "iteration_stats", "parse_tokens", "quantile",
            "spans_from_trace", "split_busy_time", "timed_steps"]
 
 GIB = float(2**30)
@@ -247,24 +247,3 @@ def kernel_classes(by_name: dict, idle_us: float, iters: int) -> dict:
     out["idle"] = idle_us / 1e3 / iters
     return out
 
-
-# What a copy kernel looks like in a CUDA trace: torch's copy / cat / contiguous kernels (the lever
-# "fewer copies around in_proj and the gate split" can save at most their time).
-_COPY_MARKERS = ("copy", "catarraybatched", "cat_kernel")
-
-
-def copy_kernels(trace, top: int = 6) -> dict:
-    """Total time (us) and count of the copy kernels (compute kernels whose name says copy or cat:
-    ``direct_copy_kernel_cuda``, ``CatArrayBatchedCopy``, ...) in a chrome trace, and the largest."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    by_name: dict[str, float] = {}
-    count = 0
-    for e in events:
-        if not isinstance(e, dict) or e.get("ph") != "X" or _category(e) != "compute":
-            continue
-        name = str(e.get("name", ""))
-        if any(m in name.lower() for m in _COPY_MARKERS):
-            by_name[name[:90]] = by_name.get(name[:90], 0.0) + float(e.get("dur", 0.0))
-            count += 1
-    return {"us": sum(by_name.values()), "count": count,
-            "top": sorted(by_name.items(), key=lambda kv: -kv[1])[:top]}

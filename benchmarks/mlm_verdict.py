@@ -19,8 +19,9 @@ that one more perturbation lands beyond the largest of a few. A model is what tr
 sizes, the precision and FP8 recipe, the backend, the schedule); CP, the mode, the data flag, recompute and
 the pipeline / data-parallel layout are how it runs (:func:`model_key`).
 
-Files written before this rule are judged by theirs (:data:`RULES`): ``noise`` (mock data) and
-``noise_or_floor`` (one pair per precision pooled over every model, loss only; fp32 at 1e-6 / 1e-4).
+The committed file, written before this rule, is judged by its own (:data:`RULES`): ``noise_or_floor`` (one pair per
+precision pooled over every model, loss only; fp32 at 1e-6 / 1e-4). The raw files of runs 2026-12-02b, c, e (mock
+data, no ``rule`` key) were judged by ``noise``, which went in issue 48 (``git show ce16681:benchmarks/mlm_verdict.py``).
 """
 
 from __future__ import annotations
@@ -59,16 +60,12 @@ class Rule:
     window: int = 0
     min_pairs: int = 0
     fp32_limits: Optional[tuple] = None
-    learning: bool = True  # a CP=1 reference must still be learning at its end (:func:`still_learning`)
 
 
 RULE = "pairs_band"
-LEGACY_RULE = "noise"
-"""What a file without a ``rule`` key was judged by."""
 RULES = {
     RULE: Rule("window", 3.0, (1e-5, 2e-3), ("loss", "grad_norm"), "model", window=1, min_pairs=3),
     "noise_or_floor": Rule("running", 3.0, (2e-3, 2e-3), ("loss",), "numerics", fp32_limits=(1e-6, 1e-4)),
-    LEGACY_RULE: Rule("running", 3.0, (1e-5, 2e-3), ("loss", "grad_norm"), "numerics", learning=False),
 }
 
 
@@ -143,12 +140,12 @@ def _envelope(diffs: list[list[float]], rule: Rule, n: int) -> list[float]:
 
 
 def bands(rows: list[dict], rule_name: str = RULE) -> dict:
-    """Per pool (:func:`model_key`, or numerics class under the legacy rules), the band per iteration:
+    """Per pool (:func:`model_key`, or numerics class under ``noise_or_floor``), the band per iteration:
     ``{"loss": [...], "grad_norm": [...], "judged": [...], "pairs": [{"run", "loss", "grad_norm"}], "noise":
     {"loss", "grad_norm"} (the pairs' largest differences), "short": why nothing is judged, or None}``."""
     if rule_name not in RULES:
-        raise ValueError(f"rule={rule_name!r}: use one of {', '.join(RULES)} (files without a 'rule' key: "
-                         f"{LEGACY_RULE!r})")
+        raise ValueError(f"rule={rule_name!r}: use one of {', '.join(RULES)} (a file without a 'rule' key was "
+                         "judged by 'noise', gone since issue 48)")
     rule, by = RULES[rule_name], {r["name"]: r for r in rows}
     pools = _pairs(rows, by, rule)
     keys = {_key(r, by, rule) for r in rows} | set(pools)
@@ -236,8 +233,8 @@ def _compare(r: dict, base: dict, tol: dict) -> None:
 
 
 def judge(rows: list[dict], rule: str = RULE) -> dict:
-    """Fill each row's ``verdict``: ``reference`` (under rules with ``min_pairs``: ``reference, not learning at
-    the end`` when :func:`still_learning` says no) / ``noise pair`` / ``matches CP=1`` / ``differs from CP=1`` /
+    """Fill each row's ``verdict``: ``reference`` (``reference, not learning at the end`` when
+    :func:`still_learning` says no) / ``noise pair`` / ``matches CP=1`` / ``differs from CP=1`` /
     ``not judged (...)`` / ``refused before step 1 (as required)`` / ``... (with its reason)`` (sweep rows) /
     ``should have been refused`` / ``not run (...)`` / ``did not run (...)`` / ``failed before step 1 (...)`` /
     ``no CP=1 reference``, and ``stock: ...`` for stock rows; with the differences (largest, at iteration 1,
@@ -250,11 +247,8 @@ def judge(rows: list[dict], rule: str = RULE) -> dict:
             continue
         base = by.get(base_name(r["reference"]))
         if not base_name(r["reference"]):
-            r["verdict"] = "reference"
-            if RULES[rule].learning:
-                r["learning"] = still_learning(r["losses"])
-                if not r["learning"]["ok"]:
-                    r["verdict"] = "reference, not learning at the end"
+            r["learning"] = still_learning(r["losses"])
+            r["verdict"] = "reference" if r["learning"]["ok"] else "reference, not learning at the end"
         elif base is None or base["status"] != "ok":
             r["verdict"] = "no CP=1 reference"
         else:
@@ -294,7 +288,7 @@ def table(doc: dict, tols: dict) -> str:
                      f"documents, {d['tokens']} tokens, .bin sha256 {d['bin_sha256'][:16]}")
     for key, t in tols.items():
         pairs = ", ".join(f"{p['run']} {p['loss']:.1e}/{p['grad_norm']:.1e}" for p in t["pairs"]) or "none"
-        lines.append(f"band [{key}] (rule {doc.get('rule', LEGACY_RULE)}, judged: {', '.join(t['judged'])}): loss "
+        lines.append(f"band [{key}] (rule {doc['rule']}, judged: {', '.join(t['judged'])}): loss "
                      f"{t['loss'][0]:.1e} at iteration 1 .. {max(t['loss']):.1e} at most; grad norm {t['grad_norm'][0]:.1e}"
                      f" .. {max(t['grad_norm']):.1e}; pairs (loss/grad norm): {pairs}" + (f"; {t['short']}" if t["short"] else ""))
     lines.append(f"{'run':30s} {'cp':>2s} {'mode':10s} {'data':24s} {'loss 1 -> last':>17s} {'loss it1':>8s} "
@@ -316,7 +310,7 @@ def plot_panels(doc: dict, tols: dict) -> list[dict]:
     """What :func:`plot` draws, one panel per CP=1 reference with runs against it: ``{"reference", "precision",
     "losses", "tolerance": [loss band per iteration], "runs": [{"name", "label", "losses", "diff"}]}``, ``diff``
     the relative loss difference per iteration (floored at 1e-8 for the log scale)."""
-    by, rule = {r["name"]: r for r in doc["rows"]}, RULES[doc.get("rule", LEGACY_RULE)]
+    by, rule = {r["name"]: r for r in doc["rows"]}, RULES[doc["rule"]]
     panels: dict[str, dict] = {}
     for r in doc["rows"]:
         ref = base_name(r["reference"])

@@ -56,6 +56,10 @@ def _label(key: str) -> str:
     return LABELS.get(base, base) + key[len(base):]
 
 
+def _num(v, f: str = "{:.2f}") -> str:
+    return "-" if v is None else f.format(v)
+
+
 def _ordered(keys) -> list[str]:
     """Case keys in report order (CASES, then slice rank)."""
     order = {c: i for i, c in enumerate(CASES)}
@@ -157,12 +161,11 @@ def markdown_tables(rows) -> str:
                     continue
                 core = r.get("core") or {}
                 chk = r.get("check") or {}
-                num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
                 parts.append(
                     f"| {_fmt_t(t)} | {name} | {_label(c)} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
-                    f"| {num(core.get('median_ms'))} | {num(r.get('compute_ms'))} | {num(r.get('comm_wait_ms'))} "
-                    f"| {num(r.get('memcpy_ms'))} | {num(r.get('idle_ms'))} | {num(r.get('bytes_per_token'), '{:.0f}')} "
-                    f"| {num(r.get('peak_gib'))} | "
+                    f"| {_num(core.get('median_ms'))} | {_num(r.get('compute_ms'))} | {_num(r.get('comm_wait_ms'))} "
+                    f"| {_num(r.get('memcpy_ms'))} | {_num(r.get('idle_ms'))} | {_num(r.get('bytes_per_token'), '{:.0f}')} "
+                    f"| {_num(r.get('peak_gib'))} | "
                     + ("-" if not chk else f"{chk['out']:.1e} / {max(chk['grad_x'], chk['grad_params']):.1e}") + " |")
         parts.append("")
     compiled = [r for r in rows if r.get("status") == "compiled"]
@@ -188,7 +191,6 @@ def markdown_tables(rows) -> str:
 def _cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row) -> str:
     """``--cp 1`` rows: per-rank work on one GPU; each patched row against stock on the same rows,
     and the three largest kernels."""
-    num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     lines = [f"**GatedDeltaNet fwd+bwd at CP=1, one process** ({gpu}, {_stack(any_row)}, {dtype}; median ms over "
              f"{any_row['iters']} "
              "iterations; gdn-cp / stock on the same rows; ms per iteration of the profiled iterations)\n",
@@ -206,9 +208,9 @@ def _cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row) -> str:
             kernels = sum((r.get("kernels_per_iter") or {}).values()) or None
             lines.append(
                 f"| {_fmt_t(t)} | {name} | {_label(c)} | {r.get('rows_timed', '-')} | {r['median_ms']:.2f} "
-                f"| {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | {num(ratio, '{:.3f}x')} | {num((r.get('core') or {}).get('median_ms'))} "
-                f"| {num(r.get('compute_ms'))} | {num(r.get('memcpy_ms'))} | {num(r.get('idle_ms'))} "
-                f"| {num(kernels, '{:d}')} | {num(r.get('peak_gib'))} | {top or '-'} |")
+                f"| {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | {_num(ratio, '{:.3f}x')} | {_num((r.get('core') or {}).get('median_ms'))} "
+                f"| {_num(r.get('compute_ms'))} | {_num(r.get('memcpy_ms'))} | {_num(r.get('idle_ms'))} "
+                f"| {_num(kernels, '{:d}')} | {_num(r.get('peak_gib'))} | {top or '-'} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -218,7 +220,6 @@ def per_rank_summary(rows) -> str:
     slice), stock and gdn-cp on the same rows and weights, gdn-cp / stock in time and peak memory, the
     core alone, and gdn-cp with each lever off (its time / the time with every lever on: > 1 means the
     lever pays). Empty without such rows."""
-    num = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     ok = [r for r in rows if r.get("status") == "ok" and r.get("cp") == 1]
     patched = [r for r in ok if r["case"].startswith("patched") and not r.get("lever_off")]
     if not patched:
@@ -248,11 +249,11 @@ def per_rank_summary(rows) -> str:
             cells.append("-" if off is None else f"{off['median_ms']:.2f} ({off['median_ms'] / r['median_ms']:.3f})")
         norm = str(r.get("norm_path") or "-").split(":", 1)[0]
         lines.append(f"| {_stack(r)} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {rows_text} "
-                     f"| {num(None if stock is None else stock['median_ms'])} | {r['median_ms']:.2f} "
-                     f"| {num(ratio, '{:.3f}')} | " + "".join(c + " | " for c in cells)
-                     + f"{num((r.get('core') or {}).get('median_ms'))} "
-                     f"| {num(None if stock is None else stock.get('peak_gib'))} / {num(r.get('peak_gib'))} "
-                     f"| {num(mem, '{:.3f}')} | {norm} |")
+                     f"| {_num(None if stock is None else stock['median_ms'])} | {r['median_ms']:.2f} "
+                     f"| {_num(ratio, '{:.3f}')} | " + "".join(c + " | " for c in cells)
+                     + f"{_num((r.get('core') or {}).get('median_ms'))} "
+                     f"| {_num(None if stock is None else stock.get('peak_gib'))} / {_num(r.get('peak_gib'))} "
+                     f"| {_num(mem, '{:.3f}')} | {norm} |")
     lines.append("")
     return "\n".join(lines)
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import sys
 import warnings
 
@@ -31,7 +29,7 @@ from gdn_cp_testing.packings import thd_case, zigzag_rows
 from gdn_cp_testing.probes import env_setting
 from gdn_cp_testing.ranks import RankPool
 
-from .common import add_out_arguments, machine_info, resolve_out, versions
+from .common import add_out_arguments, machine_info, resolve_out, versions, write_json
 
 SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
 # Shape small enough to compile fast; sync counts do not depend on it.
@@ -145,9 +143,7 @@ def main(argv=None) -> int:
             s = summary[path]
             print(f"{cp:>3} {path:<15} {s['forward']:>9} {s['backward']:>9} {s['collectives']:>11}")
         result["cp"][str(cp)] = summary
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -37,7 +37,7 @@ from gdn_cp_testing.megatron import byte_text
 from gdn_cp_testing.megatron.lm import RunSpec, build_dataset_helpers, launch, write_sft_set
 
 from .common import machine_info, now_iso, setup_logging, versions, write_json
-from .mlm_verdict import (GOOD, LEGACY_RULE, REFUSED, RULE, RULES, STOCK, SWEEP, base_name, bands, judge,  # noqa: F401
+from .mlm_verdict import (GOOD, REFUSED, RULE, RULES, STOCK, SWEEP, base_name, bands, judge,  # noqa: F401
                           model_key, not_as_required, numerics, plot, plot_panels, rel_diffs, still_learning, table)
 
 logger = logging.getLogger("benchmarks.train_megatron_lm")
@@ -543,7 +543,7 @@ def main(argv=None) -> int:
     setup_logging()
     if args.plot:
         doc = json.loads(Path(args.plot).read_text())
-        tols = judge(doc["rows"], doc.get("rule", LEGACY_RULE))
+        tols = judge(doc["rows"], doc["rule"])
         print(table(doc, tols))
         plot(doc, Path(args.plot).with_suffix(".png"), tols)
         return 0

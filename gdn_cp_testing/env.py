@@ -61,8 +61,8 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "flashqla_heads", "args", "warm",
-                "syncs", "selftest", "layer_full", "layer_full_b", "train_mlm")
+SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "args", "warm",
+                "syncs", "layer_full", "layer_full_b", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
@@ -140,8 +140,6 @@ SETTINGS: dict[str, EnvSetting] = {
                    _SWITCH),
         EnvSetting("GDN_CP_TESTS_FAST_AUTOTUNE", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: GDN_CP_TEST_FAST_AUTOTUNE for the tests stage only", _SWITCH),
-        EnvSetting("GDN_CP_SELFTEST_TIMEOUT", "benchmarks", "300",
-                   "benchmarks/gpu_suite.sh: time limit of the selftest stage", _SECONDS),
         EnvSetting("GDN_CP_LAYER_FULL_B_ARGS", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: arguments of the second layer_full run (stage layer_full_b)"),
         EnvSetting("GDN_CP_LAYER_FULL_B_TIMEOUT", "benchmarks", "240",
@@ -156,12 +154,8 @@ SETTINGS: dict[str, EnvSetting] = {
                    "benchmarks/gpu_suite.sh: time budget of the train_mlm stage", _SECONDS),
         EnvSetting("GDN_CP_TL", "benchmarks", ".tl",
                    "benchmarks/gpu_suite.sh: folder of the slim-tilelang pack (FlashQLA + TileLang), unpacked into .site-tl/"),
-        EnvSetting("GDN_CP_FLASHQLA_HEADS_ARGS", "benchmarks", "",
-                   "benchmarks/gpu_suite.sh: arguments of benchmarks/flashqla_heads.py (stage flashqla_heads)"),
         EnvSetting("GDN_CP_GLUE_KERNELS_ARGS", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: arguments of benchmarks/glue_kernels.py (stage glue_kernels)"),
-        EnvSetting("GDN_CP_FLASHQLA_HEADS_TIMEOUT", "benchmarks", "540",
-                   "benchmarks/gpu_suite.sh: time limit of the flashqla_heads stage", _SECONDS),
         EnvSetting("GDN_CP_SAVE_TL_CACHE", "benchmarks", "1",
                    "benchmarks/gpu_suite.sh: 0 keeps no TileLang kernel cache tarball", _SWITCH),
         EnvSetting("GDN_CP_MLM_ONE_GPU", "tests", "0",

@@ -63,7 +63,7 @@ def table():
 @pytest.fixture(scope="module")
 def results():
     doc = json.loads(RESULTS.read_text())
-    bench.judge(doc["rows"], doc.get("rule", bench.LEGACY_RULE))
+    bench.judge(doc["rows"], doc["rule"])
     return {r["name"]: r for r in doc["rows"]}
 
 

@@ -260,8 +260,6 @@ def test_plan_arguments(tmp_path):
     assert args.units[:3] == [("te", None, 32768), ("te", None, 131072), ("te", "fused_norm", 32768)]
     with pytest.raises(SystemExit, match="leave out"):
         parse("--cp", "1", "--plan", "te:32K", "--tokens", "32K")
-    with pytest.raises(SystemExit, match="te spec only"):
-        parse("--cp", "1", "--spec", "local", "--zero-centered-gamma")
     with pytest.raises(SystemExit, match="add a patched case"):
         parse("--cp", "1", "--levers", "fused_norm", "--cases", "stock_cp1")
     rows = layer_full.plan_rows(parse("--cp", "1", "--plan", "te:32K,te-fused_norm:32K", "--packings", "mixed8"),
@@ -270,21 +268,6 @@ def test_plan_arguments(tmp_path):
     assert [(r["unit"], lfm.case_key(r)) for r in rows] == [
         (0, "stock_cp1|te"), (0, "patched_cp1|te"), (1, "patched_cp1|te|-fused_norm")]
     assert {r["stack"] for r in rows} == {"fla 0.6.0 + triton 3.7.1"}
-
-
-def test_copy_kernels_from_a_trace():
-    from benchmarks.measure import copy_kernels
-
-    trace = {"traceEvents": [
-        {"ph": "X", "cat": "kernel", "name": "void at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)",
-         "ts": 0.0, "dur": 4.0},
-        {"ph": "X", "cat": "kernel", "name": "void at::native::(anonymous namespace)::CatArrayBatchedCopy<...>",
-         "ts": 5.0, "dur": 6.0},
-        {"ph": "X", "cat": "kernel", "name": "chunk_fwd_kernel_o", "ts": 12.0, "dur": 9.0},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 30.0, "dur": 5.0},
-    ]}
-    c = copy_kernels(trace)
-    assert c["us"] == 10.0 and c["count"] == 2 and c["top"][0][1] == 6.0
 
 
 def test_cp1_arguments_are_checked():

@@ -490,7 +490,7 @@ def test_the_training_command_is_the_run_that_matched_cp1():
     file was written with."""
     import json
 
-    from benchmarks.train_megatron_lm import LEGACY_RULE, judge
+    from benchmarks.train_megatron_lm import judge
 
     from tests.megatron.test_training_args import readme_training_command
 
@@ -498,7 +498,7 @@ def test_the_training_command_is_the_run_that_matched_cp1():
     env, args = command["env"], command["args"]
     assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} and command["nproc"] == 2
     result = json.loads((ROOT / "benchmarks" / "results" / "train_megatron_lm.json").read_text())
-    judge(result["rows"], result.get("rule", LEGACY_RULE))
+    judge(result["rows"], result["rule"])
     (row,) = [r for r in result["rows"] if r["name"] == "hybrid_cp2_chunkwise"]
     ran = list(row["args"])
     cut = ran.index("--distributed-backend")
@@ -540,11 +540,11 @@ def test_the_training_figures_are_the_result_files():
     memory, not started)."""
     import json
 
-    from benchmarks.train_megatron_lm import LEGACY_RULE, judge
+    from benchmarks.train_megatron_lm import judge
 
     result = json.loads((ROOT / "benchmarks" / "results" / "train_megatron_lm.json").read_text())
-    # the verdicts under the rule the file names (files without one: the legacy noise rule), recomputed now
-    judge(result["rows"], result.get("rule", LEGACY_RULE))
+    # the verdicts under the rule the file names, recomputed now
+    judge(result["rows"], result["rule"])
     rows, by = result["rows"], {r["name"]: r for r in result["rows"]}
     bf16 = [r for r in rows if r["cp"] > 1 and r["precision"] == "bf16" and not r.get("stock")]
     matched = [r for r in bf16 if r.get("verdict") == "matches CP=1"]
