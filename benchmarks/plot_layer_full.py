@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Markdown tables from ``layer_full.py`` rows; merges row files from several device calls. (The PNG it drew
-until issue 48, e.g. ``benchmarks/results/layer_full_cp1.png``, is in git history: the tables carry the numbers.)
+"""Markdown tables from ``layer_full.py`` rows, and a PNG of the ``--cp 1`` per-rank rows by kernel class; merges
+row files from several device calls. (The CP>1 plot it drew until issue 48, e.g.
+``benchmarks/results/layer_full_cp1.png``, is in git history: the tables carry those numbers.)
 
     python3 -m benchmarks.plot_layer_full a.json b.json --merge-out benchmarks/results/layer_full.json
     python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full.json --md table.md
+    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full_glue.json \
+        --md /tmp/tables.md --png benchmarks/results/layer_full_glue.png
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
 run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
@@ -23,7 +26,9 @@ import json
 import sys
 from pathlib import Path
 
-from .common import write_json
+from gdn_cp.ops.fused import GLUE_PATHS
+
+from .common import save_figure, write_json
 from .layer_full_math import CASES as CP_CASES, CP1_CASES, case_key, run_key
 from .measure import CLASS_NAMES, fmt_tokens as _fmt_t
 
@@ -258,11 +263,67 @@ def per_rank_summary(rows) -> str:
     return "\n".join(lines)
 
 
+CLASS_COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "conv": "tab:red", "gdn": "tab:green",
+                "norm": "tab:olive", "gdn-cp glue": "tab:cyan", "compiled glue": "tab:pink",
+                "elementwise + copies": "tab:purple", "memcpy": "tab:brown", "idle": "lightgray"}
+
+
+def plot_per_rank(rows, path) -> bool:
+    """The ``--cp 1`` slice rows as stacked bars by kernel class (ms per iteration): one panel per (run, spec,
+    T), a bar per rank and case (stock, gdn-cp, each lever off), the median marked. False without matplotlib
+    or without such rows (said on stderr)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    panels = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("case") in ("stock_slice", "patched_slice") and r.get("classes_ms"):
+            panels.setdefault((r["run_id"], r.get("spec") or "local", r["T"]), []).append(r)
+    if not panels:
+        print("no profiled --cp 1 slice rows: no plot", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 0.7 * max(map(len, panels.values())), 5) if len(panels) == 1
+                             else (5.5 * len(panels), 5), squeeze=False)
+    for ax, ((run, spec, t), group) in zip(axes[0], sorted(panels.items(), key=str)):
+        group.sort(key=lambda r: (r.get("slice_rank"), r["case"] != "stock_slice", r.get("lever_off") or ""))
+        xs, bottoms = range(len(group)), [0.0] * len(group)
+        for cls in CLASS_NAMES:
+            vals = [r["classes_ms"].get(cls, 0.0) for r in group]
+            if any(vals):
+                ax.bar(xs, vals, 0.8, bottom=bottoms, color=CLASS_COLORS.get(cls, "black"), label=cls)
+                bottoms = [b + v for b, v in zip(bottoms, vals)]
+        ax.scatter(xs, [r["median_ms"] for r in group], marker="_", s=300, color="black", label="median fwd+bwd", zorder=3)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([_bar_label(r) for r in group], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("ms per iteration (profiled, by kernel class)")
+        ax.set_title(f"{spec} spec, {_fmt_t(t)} tokens, CP=2 rank slices\n{run}", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return save_figure(fig, path)
+
+
+def _bar_label(row: dict) -> str:
+    """``r0 stock``, ``r1 gdn-cp triton``, ``r0 gdn-cp triton -split_cat`` (a lever that only picks the glue path
+    is named by the path)."""
+    if row["case"] == "stock_slice":
+        return f"r{row.get('slice_rank')} stock"
+    lever = row.get("lever_off")
+    path_lever = lever in {f"glue_{p}" for p in GLUE_PATHS}
+    return f"r{row.get('slice_rank')} gdn-cp {row.get('glue', '')}" + (f" -{lever}" if lever and not path_lever else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", type=Path, nargs="+", help="layer_full.py row files (later ones win)")
     ap.add_argument("--merge-out", type=Path, default=None, help="write the merged rows here")
     ap.add_argument("--md", type=Path, default=None, help="markdown tables (default: print them)")
+    ap.add_argument("--png", type=Path, default=None,
+                    help="also draw the --cp 1 slice rows by kernel class here (needs matplotlib)")
     args = ap.parse_args(argv)
     rows = load_rows(args.json)
     if args.merge_out:
@@ -274,6 +335,8 @@ def main(argv=None) -> int:
         print(f"tables: {args.md}")
     else:
         print(text)
+    if args.png and plot_per_rank(rows, args.png):
+        print(f"plot: {args.png}")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 import sys
 
 import pytest
@@ -491,3 +492,21 @@ def test_class_table_reads_each_rows_classes():
     text = plot_layer_full.class_table([row])
     assert "| 12.30 | 0.00 | 8.20 | 0.00 | 1.50 |" in text  # median, communication, gemm, conv, gdn
     assert text.rstrip().endswith(f"| {12.3 / 8.2:.2f} |")
+
+
+GLUE_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "layer_full_glue.json"
+
+
+def test_the_per_rank_plot_labels_each_bar_by_its_glue_and_lever():
+    """The committed per-rank rows as bar labels: a lever that only picks the glue path is named by the path."""
+    rows = json.loads(GLUE_RESULTS.read_text())
+    labels = {plot_layer_full._bar_label(r) for r in rows if r["status"] == "ok"}
+    assert {"r0 stock", "r0 gdn-cp triton", "r0 gdn-cp unfused", "r1 gdn-cp triton -split_cat"} <= labels, labels
+    assert not any("-glue_triton" in label or "-glue_unfused" in label for label in labels)
+
+
+def test_the_per_rank_plot_draws_the_committed_rows(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (CI installs none: the labels are tested above)")
+    png = tmp_path / "glue.png"
+    assert plot_layer_full.main([str(GLUE_RESULTS), "--md", str(tmp_path / "t.md"), "--png", str(png)]) == 0
+    assert png.stat().st_size > 10_000
