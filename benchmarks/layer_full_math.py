@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from gdn_cp.layout import CONTIGUOUS, ZIGZAG, build_chunkwise_plan, build_sbhd_route, build_thd_route
+from gdn_cp.ops.fused import GLUE_PATHS
 
 from .measure import parse_tokens
 
@@ -41,7 +42,9 @@ SPECS = ("local", "te")
 # ``glue_triton`` / ``glue_compiled`` / ``glue_unfused``: the glue path of that name (GDN_CP_GLUE) in place of the
 # default (gdn_cp.ops.fused), so that every path is timed beside the default in the same run;
 # ``split_cat``: in_proj's output gradient concatenated by torch.split's backward (gdn_cp.ops.fused.split).
-LEVERS = ("fused_norm", "glue_triton", "glue_compiled", "glue_unfused", "split_cat")
+GLUE_LEVERS = {f"glue_{path}": path for path in GLUE_PATHS}
+"""The levers that only pick the glue path (``glue_<path>`` -> path): a row of one is named by its path."""
+LEVERS = ("fused_norm", *GLUE_LEVERS, "split_cat")
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
 _MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)

@@ -40,7 +40,7 @@ from gdn_cp.ops.fused import glue_path, split
 from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
 from gdn_cp_testing.packings import zigzag_rows
 
-from .layer_full_math import SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
+from .layer_full_math import GLUE_LEVERS, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
 from .measure import GIB, kernel_classes, spans_from_trace, split_busy_time, timed_steps
 
 TOP_KERNELS = 15  # CUDA kernels by total time kept per profiled rank
@@ -271,8 +271,8 @@ def _split_cat(modules):
         split.GRAD_INTO_CONSUMER_BUFFER = old
 
 
-LEVER_SWITCHES = {"fused_norm": fused_norm_off, "glue_triton": _glue("triton"), "glue_compiled": _glue("compiled"),
-                  "glue_unfused": _glue("unfused"), "split_cat": contextlib.contextmanager(_split_cat)}
+LEVER_SWITCHES = {"fused_norm": fused_norm_off, **{lever: _glue(path) for lever, path in GLUE_LEVERS.items()},
+                  "split_cat": contextlib.contextmanager(_split_cat)}
 """A lever row runs with its switch: ``fused_norm`` off, the glue path its name says in place of the default
 (``glue_*``: the default's own path too, so every path is timed in the same run), or ``split_cat``: in_proj's
 output gradient concatenated by ``torch.split``'s backward, as before :func:`gdn_cp.ops.fused.split.split_columns`."""

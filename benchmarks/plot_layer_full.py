@@ -26,10 +26,8 @@ import json
 import sys
 from pathlib import Path
 
-from gdn_cp.ops.fused import GLUE_PATHS
-
 from .common import save_figure, write_json
-from .layer_full_math import CASES as CP_CASES, CP1_CASES, case_key, run_key
+from .layer_full_math import CASES as CP_CASES, CP1_CASES, GLUE_LEVERS, case_key, run_key
 from .measure import CLASS_NAMES, fmt_tokens as _fmt_t
 
 CASES = CP_CASES + CP1_CASES
@@ -287,9 +285,11 @@ def plot_per_rank(rows, path) -> bool:
     if not panels:
         print("no profiled --cp 1 slice rows: no plot", file=sys.stderr)
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 + 0.7 * max(map(len, panels.values())), 5) if len(panels) == 1
-                             else (5.5 * len(panels), 5), squeeze=False)
-    for ax, ((run, spec, t), group) in zip(axes[0], sorted(panels.items(), key=str)):
+    panels = sorted(panels.items(), key=str)
+    widths = [2 + 0.45 * len(group) for _, group in panels]  # a panel as wide as its bars
+    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths) + 1.5, 5), squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
+    for ax, ((run, spec, t), group) in zip(axes[0], panels):
         group.sort(key=lambda r: (r.get("slice_rank"), r["case"] != "stock_slice", r.get("lever_off") or ""))
         xs, bottoms = range(len(group)), [0.0] * len(group)
         for cls in CLASS_NAMES:
@@ -313,8 +313,8 @@ def _bar_label(row: dict) -> str:
     if row["case"] == "stock_slice":
         return f"r{row.get('slice_rank')} stock"
     lever = row.get("lever_off")
-    path_lever = lever in {f"glue_{p}" for p in GLUE_PATHS}
-    return f"r{row.get('slice_rank')} gdn-cp {row.get('glue', '')}" + (f" -{lever}" if lever and not path_lever else "")
+    shown = f" -{lever}" if lever and lever not in GLUE_LEVERS else ""
+    return f"r{row.get('slice_rank')} gdn-cp {row.get('glue', '')}{shown}"
 
 
 def main(argv=None) -> int:

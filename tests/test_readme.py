@@ -731,9 +731,9 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     that has the row) and against the unfused glue (in the run that timed both)."""
     import json
 
-    from gdn_cp.ops.fused import GLUE_PATHS
+    from benchmarks.layer_full_math import GLUE_LEVERS
 
-    path_levers = {None, *(f"glue_{p}" for p in GLUE_PATHS)}  # rows that change only the glue path
+    path_levers = {None, *GLUE_LEVERS}  # rows that change only the glue path
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
             if r["status"] == "ok" and r.get("lever_off") in path_levers]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}

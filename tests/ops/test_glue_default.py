@@ -12,12 +12,11 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.layer_full_math import GLUE_LEVERS
 from gdn_cp.ops.fused import CUDA_DEFAULT, GLUE_PATHS
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "layer_full_glue.json"
 DEFAULT = (CUDA_DEFAULT, None)
-# levers that only choose the glue path (the row's ``glue`` says which): no variant beyond the path
-PATH_LEVERS = {f"glue_{p}" for p in GLUE_PATHS}
 
 
 def _groups():
@@ -28,7 +27,7 @@ def _groups():
         key = (r["run_id"], r.get("stack"), r.get("gdn_cp_backend"), r.get("spec") or "local", r["T"],
                r.get("slice_rank"))
         lever = r.get("lever_off")
-        variant = (r["glue"], None if lever in PATH_LEVERS else lever)
+        variant = (r["glue"], None if lever in GLUE_LEVERS else lever)
         assert variant not in groups[key], f"two rows of {variant} in {key}"
         groups[key][variant] = r["median_ms"]
     return {k: v for k, v in groups.items() if len(v) > 1}
