@@ -21,10 +21,13 @@ that headwise runs each per-rank count and is refused on the layer head counts C
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from gdn_cp_testing.results import JsonlRecorder
 
 __all__ = [
     "CP_SIZES", "Case", "GVA_RATIOS", "HEADS_PER_RANK", "HEAD_DIMS", "LAYOUTS", "MICRO_BATCHES", "MODES",
@@ -225,8 +228,9 @@ def _on(answer, device):
 
 
 def sweep_on_rank(ctx, cases, backend: str, dtype_name: str, metric_name: str = "max_rel") -> dict:
-    """Run ``cases`` on the pool (every rank calls it with the same arguments): the cases of each CP size spread
-    over the pool's groups of that size, each against its CP=1 answer (computed on the rank, once per shape).
+    """Run ``cases`` on the pool (every rank calls it with the same arguments): first every shape's CP=1 answer,
+    the shapes spread over all the pool's ranks (their first compiles side by side) and handed round through the
+    host; then the cases of each CP size spread over the pool's groups of that size, each against its answer.
     Returns this rank's ``{case: ("ran", {quantity: error}) | ("refused", where, message, collectives)}`` for the
     cases its group ran; a CP=1 answer that is refused makes ``("refused", "cp1 " + where, ...)``."""
     from gdn_cp.ops import accuracy
@@ -235,21 +239,26 @@ def sweep_on_rank(ctx, cases, backend: str, dtype_name: str, metric_name: str = 
 
     dtype = getattr(torch, dtype_name)
     metric = getattr(accuracy, metric_name)
+    # each case as it ends (a group's first rank): what a stage killed at its time limit still leaves
+    record = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS", test="shape_sweep", backend=backend).record
+    t0 = time.perf_counter()
+    by_shape = {c.shape: c for c in sorted(cases)}
+    shapes = sorted(by_shape)
     alone = rank_groups()["self"]
+    mine = {s: _on(_answer(ctx, by_shape[s], 1, alone, backend, dtype, "chunkwise"), "cpu")
+            for s in shapes[ctx.rank::ctx.world_size]}
+    parts: list = [None] * ctx.world_size
+    torch.distributed.all_gather_object(parts, mine)  # pickled through the host: every rank gets every answer
+    answers = {s: _on(a, ctx.device) for part in parts for s, a in part.items()}
+    if ctx.rank == 0:
+        record("shape_sweep_cp1", shapes=len(shapes), ranks=ctx.world_size, seconds=round(time.perf_counter() - t0, 1))
     out: dict = {}
     for cp in sorted({c.cp for c in cases}):
-        answers: dict = {}  # per CP size: the ranks of a group must agree on which answers they lack
         group, groups = ctx.group(cp), ctx.world_size // cp
-        first = ctx.rank // cp * cp  # the group's first rank (the pool's groups of a size are contiguous)
-        mine = [c for i, c in enumerate(c for c in cases if c.cp == cp) if i % groups == ctx.rank // cp]
-        for i, case in enumerate(mine):
-            if case.shape not in answers:  # one rank of the group computes it, in turn, and hands it round
-                owner = i % cp
-                got = [_answer(ctx, case, 1, alone, backend, dtype, "chunkwise") if group.rank() == owner else None]
-                if cp > 1:  # handed round through the host (pickled)
-                    got = [None if got[0] is None else _on(got[0], "cpu")]
-                    torch.distributed.broadcast_object_list(got, src=first + owner, group=group)
-                answers[case.shape] = _on(got[0], ctx.device)
+        for i, case in enumerate(c for c in cases if c.cp == cp):
+            if i % groups != ctx.rank // cp:  # the pool's groups of a size are contiguous
+                continue
+            t0 = time.perf_counter()  # the case's seconds, its first compiles included
             want = answers[case.shape]
             got = _answer(ctx, case, cp, group, backend, dtype, case.mode)
             if want[0] == "refused":
@@ -258,6 +267,11 @@ def sweep_on_rank(ctx, cases, backend: str, dtype_name: str, metric_name: str = 
                 out[case] = got
             else:
                 out[case] = ("ran", compare(got[1], want[1], got[2], metric))
+            if group.rank() == 0:
+                ran = out[case][0] == "ran"
+                record("shape_sweep_case", case=case.label(), outcome=out[case][0],
+                       seconds=round(time.perf_counter() - t0, 1), errors=out[case][1] if ran else None,
+                       refusal=None if ran else str(out[case][2])[:300])
     return out
 
 

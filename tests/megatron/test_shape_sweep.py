@@ -16,6 +16,7 @@ The table in docs/megatron.md ("What runs: shapes through the layer") is :func:`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,11 @@ from gdn_cp_testing.megatron.shape_sweep import MODES, covering_cases, expected_
 pytestmark = pytest.mark.megatron
 
 WORLD = 4
+GPU_WORLD = max(WORLD, min(16, (os.cpu_count() or WORLD) // WORLD * WORLD))
+"""The GPU sweep's ranks, all on cuda:0 (16 on the device machine's 16 cores: 8 groups at CP=2, 4 at CP=4). Each
+case's kernels compile on first use, one set per head count and head dim (FLA's Triton, FlashQLA's TileLang; one
+kernel at a time in a process), so the groups compile side by side; a 4-rank pool did not finish the first FLA
+test's compiles in 376 s (run 2026-12-05c)."""
 CPU_CASES = covering_cases(every_ratio=False)
 GPU_CASES = covering_cases(every_ratio=True)
 DOC = Path(__file__).resolve().parents[2] / "docs" / "megatron.md"
@@ -104,7 +110,7 @@ def test_shape_sweep_gpu(patched_megatron, rank_pool, backend, mode):
     if why is not None:
         pytest.skip(f"{backend} backend: {why}")
     cases = [c for c in GPU_CASES if c.mode == mode]
-    results = rank_pool(WORLD, device="cuda").run(sweep_on_rank, cases, backend, "bfloat16", "rel_l2", timeout_s=900)
+    results = rank_pool(GPU_WORLD, device="cuda").run(sweep_on_rank, cases, backend, "bfloat16", "rel_l2", timeout_s=900)
     tol = lambda q: MEGATRON_BF16_REL_L2["out" if q == "out" else "grad"]  # noqa: E731
     bad, counts = _judge(results, cases, backend, "cuda", "bfloat16", tol)
     assert not bad, "\n".join(bad)
