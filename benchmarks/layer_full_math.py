@@ -71,12 +71,12 @@ class GDNDims:
 
 
 def run_key(row: dict) -> tuple:
-    """Rows with the same run key describe the same measurement (machine size, CP, T, dtype,
+    """Rows with the same run key describe the same measurement (the GPU, machine size, CP, T, dtype,
     shape, compile-only or timed, the CP size a ``--cp 1`` run slices for, the layer spec, the
     FLA version and gdn-cp's requested backend); a newer run replaces them. Rows from before ``spec``
     existed are ``local``, from before ``--backend`` existed ``auto``."""
     k = row.get("knobs", {})
-    return (row.get("device"), row.get("gpus"), row.get("cp"), row.get("tp"), row.get("T"), k.get("dtype"),
+    return (row.get("device"), (row.get("versions") or {}).get("gpu"), row.get("gpus"), row.get("cp"), row.get("tp"), row.get("T"), k.get("dtype"),
             tuple(sorted(k.get("dims", {}).items())), bool(k.get("compile_only")), k.get("slice_of_cp"),
             row.get("spec") or "local", (row.get("versions") or {}).get("fla"), k.get("linear_cp_backend") or "auto")
 

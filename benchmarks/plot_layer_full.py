@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -51,7 +52,10 @@ def _stock_key(key: str) -> str:
 
 
 def _stack(row: dict) -> str:
-    return row.get("stack") or f"fla {(row.get('versions') or {}).get('fla')}"
+    """The software stack and the GPU (rows of two GPUs are two measurements): ``fla 0.4.2 + triton 3.6.0, H100``."""
+    versions = row.get("versions") or {}
+    gpu = re.search(r"\b[A-Z]\d{2,4}\b", versions.get("gpu") or "")
+    return (row.get("stack") or f"fla {versions.get('fla')}") + (f", {gpu.group(0)}" if gpu else "")
 
 
 def _label(key: str) -> str:
@@ -227,19 +231,19 @@ def per_rank_summary(rows) -> str:
     patched = [r for r in ok if r["case"].startswith("patched") and not r.get("lever_off")]
     if not patched:
         return ""
-    index = {(_stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
+    index = {(r.get("run_id"), _stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
               r.get("slice_rank"), r.get("lever_off"), r["case"].startswith("stock")): r for r in ok}
     levers = sorted({r["lever_off"] for r in ok if r.get("lever_off")})
-    head = ("| stack | spec | T | rows | stock ms | gdn-cp ms | / stock | "
+    head = ("| stack | gdn-cp backend | spec | T | rows | stock ms | gdn-cp ms | / stock | "
             + "".join(f"{lv} off ms (off / on) | " for lv in levers)
             + "core ms | peak GiB stock / gdn-cp | / stock | gdn-cp norm |")
     lines = ["**Per rank, stock megatron-core 0.19.2 and gdn-cp on the same rows and weights** (median ms of the "
-             "fwd+bwd, p10-p90 in the per-case table below)\n", head, "|---|---|---:|---|" + "---:|" * (6 + len(levers))
+             "fwd+bwd, p10-p90 in the per-case table below)\n", head, "|---|---|---|---:|---|" + "---:|" * (6 + len(levers))
              + "---|"]
-    order = lambda r: (_stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"],  # noqa: E731
+    order = lambda r: (r.get("run_id") or "", _stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"],  # noqa: E731
                        -1 if r.get("slice_rank") is None else r["slice_rank"])
     for r in sorted(patched, key=order):
-        key = (_stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
+        key = (r.get("run_id"), _stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
                r.get("slice_rank"))
         stock = index.get((*key, None, True))
         rows_text = ("all" if r.get("slice_rank") is None else f"rank {r['slice_rank']} of CP={r.get('slice_of_cp')}")
@@ -251,7 +255,8 @@ def per_rank_summary(rows) -> str:
             off = index.get((*key, lv, False))
             cells.append("-" if off is None else f"{off['median_ms']:.2f} ({off['median_ms'] / r['median_ms']:.3f})")
         norm = str(r.get("norm_path") or "-").split(":", 1)[0]
-        lines.append(f"| {_stack(r)} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {rows_text} "
+        backend = r.get("knobs", {}).get("linear_cp_backend") or "auto"
+        lines.append(f"| {_stack(r)} | {backend} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {rows_text} "
                      f"| {_num(None if stock is None else stock['median_ms'])} | {r['median_ms']:.2f} "
                      f"| {_num(ratio, '{:.3f}')} | " + "".join(c + " | " for c in cells)
                      + f"{_num((r.get('core') or {}).get('median_ms'))} "

@@ -18,7 +18,7 @@ import tempfile
 SM90 = ("cuda", 90, 32)
 BF16_CONV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "halo_ptr": "*bf16", "pos_ptr": "*i32",
              "dout_ptr": "*bf16", "out_ptr": "*bf16", "pre_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32",
-             "dx_ptr": "*bf16"}
+             "dx_ptr": "*bf16", "scratch_ptr": "*fp32", "head_ptr": "*fp32"}
 """Pointer types of the conv kernels' arguments in a bf16 layer (every other argument: i32, EPS fp32)."""
 BF16_GATES = {"a_ptr": "*bf16", "b_ptr": "*bf16", "decay_ptr": "*fp32", "dtb_ptr": "*bf16", "g_ptr": "*fp32",
               "beta_ptr": "*bf16", "dg_ptr": "*fp32", "dbeta_ptr": "*bf16", "da_ptr": "*bf16", "db_ptr": "*bf16",
@@ -57,7 +57,7 @@ def cubin_resources(cubin: bytes) -> dict:
 
 
 def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
-    """``(name, kernel, pointers, constexprs)`` of the conv glue's three kernels."""
+    """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels (both backward forms)."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm}
@@ -67,6 +67,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
          {**tile, "SPAN": 64, "WP": 4}),
         ("conv_bwd_dx", tc.gdn_cp_glue_conv_bwd_dx, {**BF16_CONV, "pre_ptr": "*fp32", "w_ptr": "*bf16"},
          {"BT": 32, "BC": 128, "W": 4}),
+        ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
     )
 
 

@@ -20,11 +20,15 @@ from gdn_cp.layout import Boundaries
 from gdn_cp.ops.fused.glue import _conv_silu_split, _gates
 
 W = 4
-CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, backward chunk rows)
+CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pass chunk rows | one-pass programs)
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 16384),
     ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), 7),  # chunks of 7 rows: their W-1 overlap, the halo
     ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), 16384),
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 20), 16384),
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "one_pass 2"),  # spans of 32: 2 programs, 2 tiles
+    ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), "one_pass 2048"),  # 1 program, the tail past T
+    ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), "one_pass 4"),  # 3 v heads: one program per head
+    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass 2"),  # rows 50: a span boundary
 )
 
 
@@ -37,7 +41,11 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
-    triton_conv._CHUNK = chunk
+    one_pass = isinstance(chunk, str)
+    if one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
+        triton_conv._SPAN, triton_conv._ONE_PASS_PROGRAMS = 16, int(chunk.split()[1])
+    else:
+        triton_conv._SPAN, triton_conv._CHUNK = 64, chunk
     dt = getattr(torch, dtype)
     t, c = cu[-1], 2 * hk * dk + hv * dv
     gen = torch.Generator().manual_seed(t + c)
@@ -47,13 +55,13 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     h = torch.randn(W - 1, c, generator=gen).to(dt).requires_grad_(True) if halo else None
     leaves = [rows, weight, bias] + ([h] if halo else [])
     args = (rows[:, 3:3 + c], weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6)
-    got, want = conv_silu_split_triton(*args), _conv_silu_split(*args)
+    got, want = conv_silu_split_triton(*args, one_pass=one_pass), _conv_silu_split(*args)
     douts = [torch.randn(o.shape, generator=gen).to(dt) for o in want]
     names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
     pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
                                             torch.autograd.grad(want, leaves, douts)))
     # the conv's own input gradient is laid out like x (columns of a [t, c + 7]): split_columns' backward reuses it
-    dx_alone = torch.autograd.grad(conv_silu_split_triton(*args), [args[0]], douts)[0]
+    dx_alone = torch.autograd.grad(conv_silu_split_triton(*args, one_pass=one_pass), [args[0]], douts)[0]
     return {"dx_laid_out_like_x": dx_alone.stride() == args[0].stride()
             and dx_alone.storage_offset() - dx_alone._base.storage_offset() == 3,
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",

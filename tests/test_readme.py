@@ -726,43 +726,53 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
 
 
 def test_the_glue_per_rank_figures_are_their_result_file():
-    """README's per-rank figures with the Triton glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d
-    and 2026-12-05a), each rank's slice of a CP=2 split at CP=1, the default glue against stock (the newest run
-    that has the row) and against the unfused glue (in the run that timed both)."""
+    """README's per-rank figures with the default glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d,
+    2026-12-05a and g-i), each rank's slice of a CP=2 split at CP=1, the default glue (``CUDA_DEFAULT``) against
+    stock (the newest run that has the row), against the two-pass Triton backward and the unfused glue (in the
+    runs that timed both)."""
     import json
 
     from benchmarks.layer_full_math import GLUE_LEVERS
+    from gdn_cp.ops.fused import CUDA_DEFAULT
 
     path_levers = {None, *GLUE_LEVERS}  # rows that change only the glue path
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
             if r["status"] == "ok" and r.get("lever_off") in path_levers]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
-    def row(spec, t, case, rank, glue=None, run=None):
-        found = [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case
-                 and r["slice_rank"] == rank and r.get("glue") == glue and run in (None, r["run_id"])]
+    def row(spec, t, case, rank, backend, glue=None, run=None):
+        found = [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case and r["slice_rank"] == rank
+                 and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == glue and run in (None, r["run_id"])]
         newest = max(r["run_id"] for r in found)
         (one,) = [r for r in found if r["run_id"] == newest]
         return one
 
+    def vs_stock(spec, t, rank, backend, key="median_ms"):
+        gdn_cp = row(spec, t, "patched_slice", rank, backend, CUDA_DEFAULT)
+        return gdn_cp[key] / row(spec, t, "stock_slice", rank, backend, run=gdn_cp["run_id"])[key]
+
+    def vs_path(spec, t, rank, backend, other):
+        base = row(spec, t, "patched_slice", rank, backend, other)
+        return row(spec, t, "patched_slice", rank, backend, CUDA_DEFAULT, run=base["run_id"])["median_ms"] / base["median_ms"]
+
     def span(values):
         return f"{min(values):.3f}-{max(values):.3f}x"
 
-    ratio = {t: [row("local", t, "patched_slice", k, "triton")["median_ms"] / row("local", t, "stock_slice", k)["median_ms"]
-                 for k in (0, 1)] for t in (32768, 131072)}
-    memory = [row("local", t, "patched_slice", k, "triton")["peak_gib"] / row("local", t, "stock_slice", k)["peak_gib"]
-              for t in (32768, 131072) for k in (0, 1)]
-    te = row("te", 32768, "patched_slice", 1, "triton")["median_ms"] / row("te", 32768, "stock_slice", 1)["median_ms"]
-    unfused = {(s, t, k): row(s, t, "patched_slice", k, "unfused") for s, t, k in
-               (("local", 32768, 0), ("local", 32768, 1), ("local", 131072, 0), ("local", 131072, 1), ("te", 32768, 1))}
-    vs_unfused = [row(s, t, "patched_slice", k, "triton", run=u["run_id"])["median_ms"] / u["median_ms"]
-                  for (s, t, k), u in unfused.items()]
-    assert len(vs_unfused) == 5
+    ratio = {t: [vs_stock("local", t, k, "flashqla") for k in (0, 1)] for t in (32768, 131072)}
+    memory = [vs_stock("local", t, k, "flashqla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
+    te_fla = {t: [vs_stock("te", t, k, "fla") for k in (0, 1)] for t in (32768, 131072)}
+    units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
+    units += [("te", t, k, "fla") for t in (32768, 131072) for k in (0, 1)] + [("te", 32768, 0, "flashqla")]
+    vs_two_pass = [vs_path(*unit, "triton") for unit in units]
+    vs_unfused = [vs_path("te", 32768, k, "fla", "unfused") for k in (0, 1)]
     text = _one_line(README)
-    assert (f"**Per rank, on FlashQLA with gdn-cp's Triton glue (the default)**: {span(ratio[32768])} of stock's time at "
-            f"32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory") in text
-    assert f"on FLA 0.4.2 with Megatron's TransformerEngine spec, {te:.3f}x at 32K (one rank's slice)" in text
-    assert f"The Triton glue is {span(vs_unfused)} the time of the unfused glue it replaced" in text
+    assert (f"**Per rank, with gdn-cp's Triton glue (the default)**: on FlashQLA, {span(ratio[32768])} of stock's "
+            f"time at 32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory (Megatron's local "
+            f"modules); with Megatron's TransformerEngine spec, {vs_stock('te', 32768, 0, 'flashqla'):.3f}x at 32K "
+            f"(rank 0's slice). On FLA 0.4.2 with the TE spec, {span(te_fla[32768])} at 32K and {span(te_fla[131072])} "
+            "at 128K") in text
+    assert (f"Its one-pass backward is {span(vs_two_pass)} the time of the two-pass one it replaced, and the glue "
+            f"{span(vs_unfused)} the unfused glue's") in text
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
             "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
 

@@ -92,6 +92,7 @@ def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequ
 _GLUE_WORDS = {
     "unfused": "the backend's conv kernel, then the split; the scan kernel normalizes q and k",
     "triton": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates)",
+    "triton_one_pass": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates), the conv's backward in one pass",
     "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",
     "eager": "gdn-cp's fused conv + SiLU + split + l2 norm and gates in plain torch (fp64)",
 }

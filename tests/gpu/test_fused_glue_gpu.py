@@ -55,7 +55,7 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["triton", "compiled"])
+@pytest.mark.parametrize("path", ["triton", "triton_one_pass", "compiled"])
 @pytest.mark.parametrize("halo", [False, True])
 def test_conv_split_paths_equal_eager_and_fp64(path, halo):
     """Each GPU path of the conv + SiLU + split + l2 norm against the plain-torch step in bf16 (the same
@@ -94,7 +94,7 @@ def test_conv_split_paths_equal_eager_and_fp64(path, halo):
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["triton", "compiled"])
+@pytest.mark.parametrize("path", ["triton", "triton_one_pass", "compiled"])
 def test_gates_paths_equal_stocks_expression(path):
     torch.manual_seed(0)
     rows = torch.randn(4096, 12352, device="cuda").bfloat16().requires_grad_(True)

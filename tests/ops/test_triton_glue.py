@@ -31,7 +31,8 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 6 and sum(name.startswith("conv") for name in cases) == 4
+    assert len(cases) == 10 and sum(name.startswith("conv") for name in cases) == 8
+    assert sum("one_pass" in name for name in cases) == 4  # the one-pass backward beside the two-pass one
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):

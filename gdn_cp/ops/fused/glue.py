@@ -10,6 +10,8 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
 
 - ``triton``: gdn-cp's Triton kernels (:mod:`.triton_conv`, :mod:`.triton_gates`): conv + SiLU + split +
   l2 norm in one pass each way, the gates in one pass each way;
+- ``triton_one_pass``: the same kernels, the conv's backward in one kernel (no fp32 ``[T, C]`` buffer
+  between two; :func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd`);
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -40,15 +42,17 @@ logger = logging.getLogger(__name__)
 L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
-GLUE_PATHS = ("triton", "compiled", "unfused")
+GLUE_PATHS = ("triton", "triton_one_pass", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
-CUDA_DEFAULT = "triton"
-"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-04c/d on
-one H200, a CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, bf16: ``triton``
-0.92-0.97x ``unfused`` on FlashQLA (local spec) and on FLA 0.4.2 (TE spec); ``compiled`` was slower than
-``unfused`` (run 2026-12-04a). It changes only with a committed GPU run that shows another path faster at
-the sizes users train (tests/ops/test_glue_default.py reads them)."""
+CUDA_DEFAULT = "triton_one_pass"
+"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Run 2026-12-05g on one
+H100, each CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, FlashQLA, bf16:
+``triton_one_pass`` 0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (its backward kernel alone 1.28
+against 1.57 ms at 16K rows, 3.49 against 5.67 at 64K); ``triton`` was 0.92-0.97x ``unfused`` (runs
+2026-12-04c/d, H200) and ``compiled`` slower than ``unfused`` (run 2026-12-04a). It changes only with a
+committed GPU run that shows another path faster at the sizes users train (tests/ops/test_glue_default.py
+reads them)."""
 
 
 def glue_path(setting: str, x: torch.Tensor) -> str:
@@ -140,11 +144,13 @@ _gates_compiled = _Compiled(_gates, row_args=(0, 1))
 _conv_compiled = _Compiled(_conv_silu_split, row_args=(0, 3))  # x [T, C], positions [T]
 
 
-def _triton_conv():
+def _triton_conv(one_pass: bool = False):
     from .triton_conv import MAX_WIDTH, conv_silu_split_triton  # Triton is imported only where a GPU takes this path
 
     def conv(x, weight, *rest):  # a conv wider than the kernels take runs the plain math (same values)
-        return (conv_silu_split_triton if weight.shape[1] <= MAX_WIDTH else _conv_silu_split)(x, weight, *rest)
+        if weight.shape[1] > MAX_WIDTH:
+            return _conv_silu_split(x, weight, *rest)
+        return conv_silu_split_triton(x, weight, *rest, one_pass=one_pass)
 
     return conv
 
@@ -156,8 +162,9 @@ def _triton_gates():
 
 
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "triton": _triton_gates,
-          "unfused": lambda: _gates}
-_CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled, "triton": _triton_conv}
+          "triton_one_pass": _triton_gates, "unfused": lambda: _gates}
+_CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled, "triton": _triton_conv,
+         "triton_one_pass": lambda: _triton_conv(one_pass=True)}
 
 
 def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, path: str = "eager"):
@@ -186,6 +193,7 @@ def conv_silu_split(
     ``q, k [T, k_heads, Dk]`` (l2-normalized over Dk when ``qk_l2norm``) and ``v [T, v_heads, Dv]`` in
     x's dtype, computed in fp32 (fp64 for fp64) and rounded where FLA's conv and l2norm round: the same
     values as the ops one by one. ``positions [T]`` int32 row offsets within each
-    sequence; ``halo [W-1, C]`` or None (module docstring); ``path``: ``eager``, ``compiled`` or ``triton``
+    sequence; ``halo [W-1, C]`` or None (module docstring); ``path``: ``eager``, ``compiled``, ``triton`` or
+    ``triton_one_pass``
     (:func:`glue_path`)."""
     return _CONV[path]()(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)

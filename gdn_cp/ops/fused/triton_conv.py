@@ -184,6 +184,89 @@ def gdn_cp_glue_conv_bwd_dx(pre_ptr, w_ptr, pos_ptr, dx_ptr, dx_stride, T, ROW0,
              mask=(rows < ROW0 + ROWS)[:, None] & c_ok[None, :])
 
 
+@triton.jit
+def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
+                         scratch_ptr, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
+                         BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+    """The whole backward of head ``program_id(1)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` in one pass: ``dx``
+    of those rows (bf16 / fp16 / fp32, written once), the tap and bias sums into ``dw [programs, HEADS*D, W]``,
+    ``db [programs, HEADS*D]`` and, with a halo, the pre-activation gradient of rows ``[0, W-1)`` into
+    ``head [W-1, HEADS*D]`` (fp32). dx at row t reads the pre-activation gradient of rows t..t+W-1, which no
+    register tile can shift to: each tile's is kept in this program's ``scratch [BT + 4, BD]`` (fp32, L1/L2
+    resident), rows ``[BT, BT + 4)`` holding the W-1 rows after the tile. The tiles run last to first, so those
+    rows are the previous tile's first; the span's last tile reads four rows computed up front (rows past T are
+    zeros). Nothing ``[T, C]``-sized in fp32 is written (the two-pass form writes and reads one)."""
+    i_p, i_h = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, BD)
+    d_ok = d < D
+    ch = C0 + i_h * D + d
+    local = i_h * D + d  # the channel in the group (head, dw, db)
+    width = HEADS * D
+    scratch = scratch_ptr + (i_p * HEADS + i_h).to(tl.int64) * ((BT + 4) * BD)
+    tile = tl.arange(0, BT)
+    after = tl.arange(0, 4)
+    span0 = i_p * SPAN
+    tail = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, span0 + SPAN + after,
+                      T, i_h, HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
+    tl.store(scratch + (BT + after)[:, None] * BD + d[None, :], tail)
+    acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # sums of pre * x[t - k], k = 0..3 (tap W-1-k)
+    acc1 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc2 = tl.zeros((BT, BD), dtype=tl.float32)
+    acc3 = tl.zeros((BT, BD), dtype=tl.float32)
+    accb = tl.zeros((BT, BD), dtype=tl.float32)
+    tiles = SPAN // BT
+    for i in range(tiles):
+        rows = span0 + (tiles - 1 - i) * BT + tile
+        row_ok = rows < T
+        pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
+                         HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)  # zeros at rows >= T
+        accb += pre
+        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+        first = pos == rows
+        for j in tl.static_range(W):  # the taps: pre[t] * x[t - (W-1-j)], masked as the forward reads it
+            shift = W - 1 - j
+            src = rows - shift
+            xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                         mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_HALO:
+                xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                              mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            if j == W - 1:
+                acc0 += pre * xv
+            elif j == W - 2:
+                acc1 += pre * xv
+            elif j == W - 3:
+                acc2 += pre * xv
+            else:
+                acc3 += pre * xv
+        if HAS_HALO:
+            tl.store(head_ptr + rows[:, None] * width + local[None, :], pre, mask=(rows < W - 1)[:, None] & d_ok[None, :])
+        tl.store(scratch + tile[:, None] * BD + d[None, :], pre)
+        tl.debug_barrier()  # the tile's rows, written by every thread, read shifted by others
+        dx = tl.zeros((BT, BD), dtype=tl.float32)
+        for s in tl.static_range(W):  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
+            later = rows + s
+            keep = (later < T) & (tl.load(pos_ptr + later, mask=later < T, other=0) >= s)
+            shifted = tl.load(scratch + (tile + s)[:, None] * BD + d[None, :], mask=keep[:, None], other=0.0)
+            dx += tl.load(w_ptr + ch * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)[None, :] * shifted
+        carried = tl.load(scratch + after[:, None] * BD + d[None, :])  # the W-1 rows after the next tile down
+        tl.debug_barrier()
+        tl.store(scratch + (BT + after)[:, None] * BD + d[None, :], carried)
+        tl.store(dx_ptr + rows[:, None].to(tl.int64) * dx_stride + ch[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    base = dw_ptr + (i_p * width + local).to(tl.int64) * W
+    tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
+    if W >= 2:
+        tl.store(base + (W - 2), tl.sum(acc1, axis=0), mask=d_ok)
+    if W >= 3:
+        tl.store(base + (W - 3), tl.sum(acc2, axis=0), mask=d_ok)
+    if W >= 4:
+        tl.store(base + (W - 4), tl.sum(acc3, axis=0), mask=d_ok)
+    if HAS_BIAS:
+        tl.store(db_ptr + i_p * width + local, tl.sum(accb, axis=0), mask=d_ok)
+
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: one fixed config, no autotuning
 
 
@@ -211,7 +294,10 @@ _pre = _launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "
 _dx = _launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
+_bwd = _launcher(gdn_cp_glue_conv_bwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
+_MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
+_ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
 
 
 def _groups(k_heads, v_heads, dk, dv, qk_l2norm):
@@ -226,7 +312,7 @@ def _block(dim: int) -> int:
 
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps):
+    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, one_pass):
         t, c = x.shape
         w = weight.shape[1]
         weight_c = weight.contiguous()
@@ -240,13 +326,13 @@ class _ConvSiluSplit(torch.autograd.Function):
                      D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
-        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype)
+        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, dq, dk_, dv_):
         x, weight, bias, positions, halo = ctx.saved_tensors
-        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype = ctx.meta
+        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass = ctx.meta
         t, c = x.shape
         w = weight.shape[1]
         dx = empty_like_row_columns(x)  # columns of a [T, D] laid out like in_proj's output: split_columns' backward
@@ -257,11 +343,12 @@ class _ConvSiluSplit(torch.autograd.Function):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-            _conv_group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
+            group_backward = _conv_group_backward_one_pass if one_pass else _conv_group_backward
+            group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
@@ -298,6 +385,33 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
             dhalo[:, c0:c0 + width] += _halo_gradient(pre, weight[c0:c0 + width], positions)
 
 
+def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db,
+                                  dhalo):
+    """One channel group's backward in one kernel (:func:`gdn_cp_glue_conv_bwd`): dx written once, no fp32
+    ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs, each a span of rows (a multiple of every
+    tile) with its own scratch tile."""
+    t, c = x.shape
+    w = weight.shape[1]
+    width = heads * dim
+    per_head = max(1, _ONE_PASS_PROGRAMS // heads)
+    span = triton.cdiv(triton.cdiv(t, per_head), _SPAN) * _SPAN
+    programs = triton.cdiv(t, span)
+    block = _block(dim)
+    scratch = torch.empty(programs * heads * (_MAX_BT + 4) * block, dtype=torch.float32, device=x.device)
+    head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else scratch
+    dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
+    db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+    _bwd(lambda meta: (programs, heads),
+         x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
+         c if halo is None else halo.stride(0), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part, t,
+         span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
+    dw[c0:c0 + width] += dw_part.sum(0)
+    if bias is not None:
+        db[c0:c0 + width] += db_part.sum(0)
+    if halo is not None:
+        dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
+
+
 def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """``[W-1, width]`` fp32: halo row i (token i-(W-1)) feeds row r = i-j through tap j, for the rows r < W-1 of
     the sequence that starts at row 0 (``positions[r] == r``): ``sum_r taps[:, i-r] * pre[r]`` over r <= i. A few
@@ -314,8 +428,9 @@ def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tenso
 
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
-                           head_v_dim: int, qk_l2norm: bool, eps: float):
-    """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``."""
+                           head_v_dim: int, qk_l2norm: bool, eps: float, one_pass: bool = False):
+    """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``. ``one_pass``: the
+    backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer between them."""
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
-                                qk_l2norm, eps)
+                                qk_l2norm, eps, one_pass)
