@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,11 @@ if how == "exit":
     os._exit(3)
 if how == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if how == "interrupt":  # as Ctrl-C: SIGINT to the whole process group, the filter too
+    import time
+    time.sleep(0.3)
+    os.killpg(0, signal.SIGINT)
+    time.sleep(30)
 os.write(2, b"continued\\n"); os.write(2, VECTORIZED); os.write(2, b"\\n")
 if how == "many":
     for i in range(3000):
@@ -151,7 +157,7 @@ def _run(how: str, setting: str = "hide") -> SimpleNamespace:
     """The script's pid, exit status, stdout and stderr (read to the end: the filter's end too)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), GDN_CP_NATIVE_WARNINGS=setting)
     with subprocess.Popen([sys.executable, "-c", SCRIPT, repr(VECTORIZED), repr(BUFFER_INIT), how], env=env, cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True) as proc:
         out, err = proc.communicate(timeout=60)
     return SimpleNamespace(pid=proc.pid, returncode=proc.returncode, stdout=out, stderr=err)
 
@@ -175,6 +181,14 @@ def test_nothing_is_lost_when_the_process_dies(how):
     proc = _run(how)
     assert proc.returncode == (3 if how == "exit" else -9)
     assert proc.stderr.decode() == "line 1\nline 2 from sys.stderr\nline 3 " + _hid(2, proc)
+
+
+def test_ctrl_c_reaches_the_process_and_its_traceback_comes_through():
+    proc = _run("interrupt")
+    assert proc.returncode == -signal.SIGINT  # Python ends a KeyboardInterrupt by the signal
+    err = proc.stderr.decode()
+    assert err.startswith("line 1\nline 2 from sys.stderr\nline 3 Traceback (most recent call last):\n")
+    assert err.endswith("KeyboardInterrupt\n" + _hid(2, proc)) and "Warning" not in err
 
 
 def test_many_lines_across_the_pipe_in_order():
