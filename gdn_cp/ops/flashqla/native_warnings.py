@@ -48,7 +48,9 @@ workers forked later, still hold the pipe: then the child writes their output un
 MAX_RECORD_LINES = 256
 """A buffer-init record longer than this is not TileLang's: it goes out as it is."""
 
-_HEADER = r"(?:\[[^\]]{1,40}\] )?\S+:\d+: Warning: "  # TVM's LOG(WARNING): "[18:02:11] /src/x.cc:85: Warning: "
+_HEADER = r"(?:\[[^\]]{1,40}\] )?(?:\S+:\d+)?: Warning: "
+"""TVM's LOG(WARNING) header: ``[18:02:11] /src/x.cc:85: Warning: ``, or, as TileLang 0.1.15's wheel prints it on
+the GPU machine (seen in run 2026-12-05f's log), ``[18:52:44] : Warning: `` (no file and line)."""
 VECTORIZED = re.compile(
     _HEADER + r"T\.vectorized loop over `[^`]*` with extent .+? is lowered as a serial loop because TileLang could "
     r"not find a valid vectorization plan\. Scalar accumulator updates inside the loop are a common cause; move "
