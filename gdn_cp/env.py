@@ -3,7 +3,8 @@
 Torch-free and imports nothing of gdn_cp, so every layer may read its settings here. The table holds
 what the library reads (:data:`SETTINGS`: the chunkwise exchange path and the layout swap point, and
 FlashQLA's auto_cp, which its backend's spec names; all read into :class:`gdn_cp.modes.settings.Settings`
-where a call comes in); each entry says how a value is checked. The tests' and benchmarks' variables
+where a call comes in; and whether TileLang's compile warnings show, read once per process where FlashQLA is
+first used); each entry says how a value is checked. The tests' and benchmarks' variables
 have their own table in the same form (``gdn_cp_testing.env``, not shipped).
 
 * :func:`read` returns the checked value of one setting (its default when unset or empty);
@@ -31,9 +32,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-__all__ = ["CHUNKWISE_PATHS", "CHUNKWISE_PATH_ENV", "CHUNKWISE_SWAP_ENV", "CLONE_NAMES", "GLUE_CHOICES", "GLUE_ENV", "NOBODY", "PREFIX", "SETTINGS",
-           "SWAP_POINTS", "EnvSetting", "any_text", "check_environment", "one_of", "read", "set_names", "table",
-           "unknown_name_message", "unread_names", "who_reads"]
+__all__ = ["CHUNKWISE_PATHS", "CHUNKWISE_PATH_ENV", "CHUNKWISE_SWAP_ENV", "CLONE_NAMES", "GLUE_CHOICES", "GLUE_ENV",
+           "NATIVE_WARNINGS", "NATIVE_WARNINGS_ENV", "NOBODY", "PREFIX", "SETTINGS", "SWAP_POINTS", "EnvSetting", "any_text",
+           "check_environment", "one_of", "read", "set_names", "table", "unknown_name_message", "unread_names", "who_reads"]
 
 PREFIX = "GDN_CP_"
 CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
@@ -46,6 +47,10 @@ CHUNKWISE_PATHS = ("auto", "native", "generic")
 """The values of ``GDN_CP_CHUNKWISE_PATH`` (``Settings.chunkwise_path``, ``gdn_core(chunkwise_path=...)``)."""
 SWAP_POINTS = ("auto", "hidden", "core")
 """The values of ``GDN_CP_CHUNKWISE_SWAP`` (``Settings.chunkwise_swap``): where chunkwise moves a layer's rows."""
+NATIVE_WARNINGS_ENV = "GDN_CP_NATIVE_WARNINGS"
+NATIVE_WARNINGS = ("hide", "show")
+"""The values of ``GDN_CP_NATIVE_WARNINGS``: whether TileLang's compile warnings (C++, on stderr) are kept out of a
+process that runs FlashQLA (:mod:`gdn_cp.ops.flashqla.native_warnings`); read once per process, not per call."""
 
 
 def one_of(*choices: str) -> Callable[[str], str]:
@@ -94,6 +99,11 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_FLASHQLA_AUTO_CP", "gdn_cp", "1",
                    "the FlashQLA backend's auto_cp (FlashQLA's own split of long sequences inside one GPU): 1 on "
                    "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.spec.AUTO_CP_ENV", one_of("0", "1")),
+        EnvSetting(NATIVE_WARNINGS_ENV, "gdn_cp", "hide",
+                   "TileLang's compile warnings (C++, on stderr) while FlashQLA's kernels compile: hide (a filter "
+                   "process keeps them out and counts them in one line at exit) or show (as TileLang prints them; so "
+                   "does gdn_cp's log at DEBUG, gdn-cp -v); see gdn_cp.ops.flashqla.native_warnings",
+                   one_of(*NATIVE_WARNINGS)),
     )
 }
 

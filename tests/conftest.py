@@ -211,13 +211,18 @@ def _megatron_may_change() -> bool:
 def pytest_configure(config):  # noqa: ARG001
     """A bad or unknown GDN_CP_* variable (the library's table or the tests' and benchmarks') stops the
     session before anything is collected, with the one line a gdn-cp command prints (docs/errors.md),
-    not as collection errors of the modules that read it."""
+    not as collection errors of the modules that read it.
+
+    TileLang's compile warnings show in the session and its rank pools (``GDN_CP_NATIVE_WARNINGS=show``): pytest
+    captures fd 2 itself, and the filter's pipe in its place would write behind pytest's back.
+    ``tests/ops/test_native_warnings.py`` runs the filter in processes of its own."""
     from gdn_cp_testing import env
 
     try:
         env.check_environment()
     except ValueError as err:
         raise pytest.UsageError(str(err)) from None
+    os.environ["GDN_CP_NATIVE_WARNINGS"] = "show"
 
 
 def pytest_collection_finish(session):

@@ -87,7 +87,9 @@ _THIRD_PARTY_LOGGERS = ("TileLang", "tilelang", "torch._dynamo", "torch._inducto
 
 def _quiet_third_party() -> None:
     """Without ``-v``: TileLang's compile notes and warnings (FlashQLA's kernels), torch.compile's and sympy's
-    warnings, and Python warnings from libraries stay out of the rank's output; errors still show."""
+    warnings, and Python warnings from libraries stay out of the rank's output; errors still show. TileLang's
+    C++ warnings (straight to fd 2) are hidden by the FlashQLA backend itself, at the rank's log level (shown at
+    DEBUG, i.e. with ``-v``: :mod:`gdn_cp.ops.flashqla.native_warnings`)."""
     import warnings
 
     for name in _THIRD_PARTY_LOGGERS:
