@@ -4,7 +4,7 @@
 # this script reads, with its default.
 #
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q          # stage tests on FLA 0.4.2 (default stack)
-#   GDN_CP_STACK=fla060 GDN_CP_STAGES="warm layer_full" bash benchmarks/gpu_suite.sh
+#   GDN_CP_STACK=fla060 GDN_CP_STAGES=layer_full bash benchmarks/gpu_suite.sh
 #
 # Stacks (GDN_CP_STACK): fla042 (default: the carried wheels .whl/*.whl, FLA 0.4.2 as megatron-core 0.19 pins it,
 # and megatron-core) or fla060 (FLA 0.6.0 + Triton 3.7.1 from a slim-triton pack in GDN_CP_SLIM, default .slim;
@@ -137,9 +137,8 @@ print("python", platform.python_version(), "| torch", torch.__version__, "| cuda
 EOF
 
 # One stage, under its own time limit: tests / tests_core / tests_megatron / flashqla_tests / glue_tests (GPU tests:
-# docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); warm (benchmarks/warm_kernels.py: FLA's
-# kernels of the benchmarks' shapes compiled side by side); syncs, layer_full, layer_full_b (a second run with its
-# own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
+# docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); syncs, layer_full, layer_full_b (a second
+# run with its own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
 # test, Python >= 3.12).
 run_stage() {
   local stage=$1; shift
@@ -175,9 +174,6 @@ run_stage() {
       timeout --signal=INT 300 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
-    warm)
-      # shellcheck disable=SC2086
-      python3 -m benchmarks.warm_kernels --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 -m benchmarks.syncs --out "$OUT/syncs.json" ;;
     layer_full)
