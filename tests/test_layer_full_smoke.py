@@ -505,6 +505,15 @@ def test_the_per_rank_plot_labels_each_bar_by_its_glue_and_lever():
     assert not any("-glue_triton" in label or "-glue_unfused" in label for label in labels)
 
 
+def test_the_per_rank_table_compares_each_row_with_stock_of_its_own_run():
+    """The committed file holds three runs of the same rows: each gdn-cp row against the stock row of its run
+    (run 2026-12-05a's rank 0 at 32K: 12.76 / 16.28 ms, not an earlier run's stock)."""
+    text = plot_layer_full.per_rank_summary(json.loads(GLUE_RESULTS.read_text()))
+    line = next(x for x in text.splitlines() if x.startswith("| 20261205-121340 |") and "| 32K | mixed8 | rank 0 " in x)
+    assert "| 16.28 (16.14-16.37) | 12.76 (12.62-12.92) | 0.784 |" in line, line
+    assert len([x for x in text.splitlines() if "| rank 0 of CP=2 |" in x]) == 4  # a row per run and T
+
+
 def test_the_per_rank_plot_draws_the_committed_rows(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (CI installs none: the labels are tested above)")
     png = tmp_path / "glue.png"
