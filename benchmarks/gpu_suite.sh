@@ -67,14 +67,15 @@ export GDN_CP_STACK=$STACK
 # $GDN_CP_TE (default .te, made by ../shared/tools/slim-te/make.sh) is unpacked once into .site-te/ (an
 # ignored folder of the checkout, so a later call on the same warm machine finds it without carrying
 # the pack) and put on PYTHONPATH; without either, the TE tests skip with their reason.
-TE_PACK=${GDN_CP_TE:-.te}
+# unpack_pack PACK SITE: PACK/unpack.py into SITE once (marked .unpacked), then SITE first on PYTHONPATH
+unpack_pack() {
+  if [ -f "$1/unpack.py" ] && [ ! -f "$2/.unpacked" ]; then
+    python3 "$1/unpack.py" "$2" && touch "$2/.unpacked" || { echo "unpacking $1 failed"; exit 1; }
+  fi
+  if [ -f "$2/.unpacked" ]; then export PYTHONPATH=$2:$PYTHONPATH; fi
+}
 TE_SITE=$ROOT/.site-te
-if [ -f "$TE_PACK/unpack.py" ] && [ ! -f "$TE_SITE/.unpacked" ]; then
-  python3 "$TE_PACK/unpack.py" "$TE_SITE" && touch "$TE_SITE/.unpacked" || { echo "TE unpack failed"; exit 1; }
-fi
-if [ -f "$TE_SITE/.unpacked" ]; then
-  export PYTHONPATH=$TE_SITE:$PYTHONPATH
-fi
+unpack_pack "${GDN_CP_TE:-.te}" "$TE_SITE"
 # A Megatron-LM checkout ($GDN_CP_MLM/*.tar.gz, default .mlm/: e.g. the core_v0.19.0 fixture), patched by
 # gdn-cp, for the train_mlm stage (its scripts import the checkout's own megatron/).
 MLM_TAR=$(ls "${GDN_CP_MLM:-.mlm}"/*.tar.gz 2>/dev/null | head -n 1)
@@ -92,14 +93,8 @@ if [ -n "$MLM_TAR" ] && [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
 fi
 
 # FlashQLA + TileLang (the slim-tilelang pack), unpacked once into .site-tl/ and put first on PYTHONPATH
-TL_PACK=${GDN_CP_TL:-.tl}
 TL_SITE=$ROOT/.site-tl
-if [ -f "$TL_PACK/unpack.py" ] && [ ! -f "$TL_SITE/.unpacked" ]; then
-  python3 "$TL_PACK/unpack.py" "$TL_SITE" && touch "$TL_SITE/.unpacked" || { echo "slim-tilelang unpack failed"; exit 1; }
-fi
-if [ -f "$TL_SITE/.unpacked" ]; then
-  export PYTHONPATH=$TL_SITE:$PYTHONPATH
-fi
+unpack_pack "${GDN_CP_TL:-.tl}" "$TL_SITE"
 export TILELANG_CACHE_DIR=$ROOT/.tl_cache/live
 mkdir -p "$TILELANG_CACHE_DIR"
 if ls .tl_cache/tl_cache.tar.gz.part* >/dev/null 2>&1 && [ ! -f "$TILELANG_CACHE_DIR/.restored" ]; then
@@ -122,19 +117,7 @@ fi
 exec > >(tee -a "$OUT/run.log") 2>&1
 echo "== stack $STACK"
 echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-python3 - <<'EOF'
-import importlib.metadata as m, platform, torch
-def v(d):
-    try: return m.version(d)
-    except Exception: return None
-import triton
-print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
-      "| triton", triton.__version__, "from", triton.__file__.rsplit("/triton/", 1)[0],
-      "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"), "| transformer-engine", v("transformer-engine"),
-      "| flash-qla", v("flash-qla") or v("flash_qla"), "| tilelang", v("tilelang"),
-      "| gpus", torch.cuda.device_count(),
-      "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
-EOF
+python3 -c 'import json, triton, gdn_cp.ops.versions as v; print(json.dumps(v.stack_versions({"triton_from": triton.__file__, "transformer_engine": v.dist_version("transformer-engine")})))'
 
 # One stage, under its own time limit: tests / tests_core / tests_megatron / flashqla_tests / glue_tests (GPU tests:
 # docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); syncs, layer_full, layer_full_b (a second
