@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.metadata as md
 import json
 import os
 import sys
@@ -35,6 +34,7 @@ from gdn_cp.megatron.layer import layer_state, reset_settings
 from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
 from gdn_cp.ops.accuracy import rel_l2
+from gdn_cp.ops.installed import dist_version
 from gdn_cp.ops.fla.detect import fla_available, fla_version, gdn_kernel_backends
 from gdn_cp.ops.fused import glue_path, split
 from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
@@ -172,12 +172,12 @@ def rank_setup(ctx, spec: dict) -> dict:
         _count_fused_norm_calls()
     info = {"rank": ctx.rank, "dist_backend": ctx.backend, "device": str(device), "megatron": mega,
             "torch": torch.__version__, "torch_cuda": torch.version.cuda, "pid": os.getpid(),
-            "spec_errors": spec_errors, "transformer_engine": _version("transformer-engine")}
+            "spec_errors": spec_errors, "transformer_engine": dist_version("transformer-engine")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
                     capability=list(torch.cuda.get_device_capability(device)))
-    info.update(fla=fla_version(), fla_available=fla_available(), triton=_version("triton"),
+    info.update(fla=fla_version(), fla_available=fla_available(), triton=dist_version("triton"),
                 fast_autotune=os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1")
     return info
 
@@ -290,13 +290,6 @@ def fla_gdn_backend() -> str:
     ``flash_qla`` imports; ``FLA_FLASH_QLA=0`` turns it off); otherwise FLA's Triton kernels."""
     active = [b["name"] for b in gdn_kernel_backends() if b["available"] and b["enabled"]]
     return active[0] if active else "triton"
-
-
-def _version(dist_name: str) -> str | None:
-    try:
-        return md.version(dist_name)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 # ---------------------------------------------------------------------------------------------

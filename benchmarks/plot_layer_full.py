@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import save_figure, write_json
+from .common import pyplot, save_figure, write_json
 from .layer_full_math import CASES as CP_CASES, CP1_CASES, GLUE_LEVERS, case_key, run_key
 from .measure import CLASS_NAMES, fmt_tokens as _fmt_t
 
@@ -248,13 +248,8 @@ def plot_per_rank(rows, path) -> bool:
     """The ``--cp 1`` slice rows as stacked bars by kernel class (ms per iteration): one panel per (run, spec,
     T), a bar per rank and case (stock, gdn-cp, each lever off), the median marked. False without matplotlib
     or without such rows (said on stderr)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     panels = {}
     for r in rows:
