@@ -133,7 +133,8 @@ def test_cp1_rows_time_the_whole_packing_and_each_slice(smoke_cp1):
     by = {lfm.case_key(r): r for r in rows}
     assert by["patched_slice[r0]"]["slice_continues"] == {"from_left": False, "to_right": True}
     assert by["patched_slice[r1]"]["slice_continues"] == {"from_left": True, "to_right": False}
-    assert "gdn-cp CP=1 slice[r1]" in stdout and "vs stock" in stdout
+    # the per-rank table: a row for the whole packing and one per slice, each with stock on the same rows
+    assert "| mixed8 | all |" in stdout and "| mixed8 | rank 1 of CP=2 |" in stdout and "| / stock |" in stdout
 
 
 def test_cp1_patched_equals_stock_on_the_same_rows(smoke_cp1):
