@@ -5,7 +5,7 @@
 - how a benchmark measures (timing, statistics, profile splits, token counts): :mod:`.measure`;
 - :func:`add_out_arguments` / :func:`resolve_out`: where a reproduction writes (never over a committed
   result unless told: ``--replace``);
-- :func:`save_figure`, :func:`setup_logging`: script plumbing.
+- :func:`csv_choices`, :func:`pyplot`, :func:`save_figure`, :func:`setup_logging`: script plumbing.
 
 The benchmarks are a package run from the repository root (``python3 -m benchmarks.<name>``), so
 a benchmark runs the ``gdn_cp`` of its own checkout; they use only ``gdn_cp`` (its testing
@@ -14,14 +14,15 @@ toolkit included), never ``tests``.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from pathlib import Path
 
 from gdn_cp_testing.results import machine_info, now_iso, stack_versions as versions, write_json
 
-__all__ = ["REPO_ROOT", "RESULTS_DIR", "REPRODUCED_DIR", "add_out_arguments", "resolve_out", "setup_logging",
-           "machine_info", "versions", "now_iso", "write_json", "save_figure"]
+__all__ = ["REPO_ROOT", "RESULTS_DIR", "REPRODUCED_DIR", "add_out_arguments", "csv_choices", "resolve_out",
+           "setup_logging", "machine_info", "versions", "now_iso", "write_json", "pyplot", "save_figure"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -50,6 +51,29 @@ def resolve_out(args, name: str, parser=None) -> Path:
     if args.out is not None:
         return Path(args.out)
     return (RESULTS_DIR if args.replace else REPRODUCED_DIR) / name
+
+
+def csv_choices(choices):
+    """An argparse type: a comma list of ``choices`` (at least one) -> the list, in the order given."""
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items or any(t not in choices for t in items):
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
+        return items
+    return parse
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None without matplotlib (said on stderr)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
+        return None
+    return plt
 
 
 def save_figure(fig, path) -> bool:

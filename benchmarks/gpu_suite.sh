@@ -4,7 +4,7 @@
 # this script reads, with its default.
 #
 #   GDN_CP_TEST_FAST_AUTOTUNE=1 bash benchmarks/gpu_suite.sh -q          # stage tests on FLA 0.4.2 (default stack)
-#   GDN_CP_STACK=fla060 GDN_CP_STAGES="warm layer_full" bash benchmarks/gpu_suite.sh
+#   GDN_CP_STACK=fla060 GDN_CP_STAGES=layer_full bash benchmarks/gpu_suite.sh
 #
 # Stacks (GDN_CP_STACK): fla042 (default: the carried wheels .whl/*.whl, FLA 0.4.2 as megatron-core 0.19 pins it,
 # and megatron-core) or fla060 (FLA 0.6.0 + Triton 3.7.1 from a slim-triton pack in GDN_CP_SLIM, default .slim;
@@ -67,14 +67,15 @@ export GDN_CP_STACK=$STACK
 # $GDN_CP_TE (default .te, made by ../shared/tools/slim-te/make.sh) is unpacked once into .site-te/ (an
 # ignored folder of the checkout, so a later call on the same warm machine finds it without carrying
 # the pack) and put on PYTHONPATH; without either, the TE tests skip with their reason.
-TE_PACK=${GDN_CP_TE:-.te}
+# unpack_pack PACK SITE: PACK/unpack.py into SITE once (marked .unpacked), then SITE first on PYTHONPATH
+unpack_pack() {
+  if [ -f "$1/unpack.py" ] && [ ! -f "$2/.unpacked" ]; then
+    python3 "$1/unpack.py" "$2" && touch "$2/.unpacked" || { echo "unpacking $1 failed"; exit 1; }
+  fi
+  if [ -f "$2/.unpacked" ]; then export PYTHONPATH=$2:$PYTHONPATH; fi
+}
 TE_SITE=$ROOT/.site-te
-if [ -f "$TE_PACK/unpack.py" ] && [ ! -f "$TE_SITE/.unpacked" ]; then
-  python3 "$TE_PACK/unpack.py" "$TE_SITE" && touch "$TE_SITE/.unpacked" || { echo "TE unpack failed"; exit 1; }
-fi
-if [ -f "$TE_SITE/.unpacked" ]; then
-  export PYTHONPATH=$TE_SITE:$PYTHONPATH
-fi
+unpack_pack "${GDN_CP_TE:-.te}" "$TE_SITE"
 # A Megatron-LM checkout ($GDN_CP_MLM/*.tar.gz, default .mlm/: e.g. the core_v0.19.0 fixture), patched by
 # gdn-cp, for the train_mlm stage (its scripts import the checkout's own megatron/).
 MLM_TAR=$(ls "${GDN_CP_MLM:-.mlm}"/*.tar.gz 2>/dev/null | head -n 1)
@@ -92,14 +93,8 @@ if [ -n "$MLM_TAR" ] && [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
 fi
 
 # FlashQLA + TileLang (the slim-tilelang pack), unpacked once into .site-tl/ and put first on PYTHONPATH
-TL_PACK=${GDN_CP_TL:-.tl}
 TL_SITE=$ROOT/.site-tl
-if [ -f "$TL_PACK/unpack.py" ] && [ ! -f "$TL_SITE/.unpacked" ]; then
-  python3 "$TL_PACK/unpack.py" "$TL_SITE" && touch "$TL_SITE/.unpacked" || { echo "slim-tilelang unpack failed"; exit 1; }
-fi
-if [ -f "$TL_SITE/.unpacked" ]; then
-  export PYTHONPATH=$TL_SITE:$PYTHONPATH
-fi
+unpack_pack "${GDN_CP_TL:-.tl}" "$TL_SITE"
 export TILELANG_CACHE_DIR=$ROOT/.tl_cache/live
 mkdir -p "$TILELANG_CACHE_DIR"
 if ls .tl_cache/tl_cache.tar.gz.part* >/dev/null 2>&1 && [ ! -f "$TILELANG_CACHE_DIR/.restored" ]; then
@@ -122,24 +117,11 @@ fi
 exec > >(tee -a "$OUT/run.log") 2>&1
 echo "== stack $STACK"
 echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-python3 - <<'EOF'
-import importlib.metadata as m, platform, torch
-def v(d):
-    try: return m.version(d)
-    except Exception: return None
-import triton
-print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
-      "| triton", triton.__version__, "from", triton.__file__.rsplit("/triton/", 1)[0],
-      "| fla-core", v("fla-core"), "| megatron-core", v("megatron-core"), "| transformer-engine", v("transformer-engine"),
-      "| flash-qla", v("flash-qla") or v("flash_qla"), "| tilelang", v("tilelang"),
-      "| gpus", torch.cuda.device_count(),
-      "| capability", torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None)
-EOF
+python3 -c 'import json, triton, gdn_cp.ops.versions as v; print(json.dumps(v.stack_versions({"triton_from": triton.__file__, "transformer_engine": v.dist_version("transformer-engine")})))'
 
 # One stage, under its own time limit: tests / tests_core / tests_megatron / flashqla_tests / glue_tests (GPU tests:
-# docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); warm (benchmarks/warm_kernels.py: FLA's
-# kernels of the benchmarks' shapes compiled side by side); syncs, layer_full, layer_full_b (a second run with its
-# own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
+# docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); syncs, layer_full, layer_full_b (a second
+# run with its own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
 # test, Python >= 3.12).
 run_stage() {
   local stage=$1; shift
@@ -175,9 +157,6 @@ run_stage() {
       timeout --signal=INT 300 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
-    warm)
-      # shellcheck disable=SC2086
-      python3 -m benchmarks.warm_kernels --timeout "${GDN_CP_WARM_TIMEOUT:-360}" ${GDN_CP_WARM_ARGS:---cp 2} ;;
     syncs)
       timeout --signal=INT "${GDN_CP_SYNCS_TIMEOUT:-240}" python3 -m benchmarks.syncs --out "$OUT/syncs.json" ;;
     layer_full)

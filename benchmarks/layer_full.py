@@ -57,7 +57,8 @@ from gdn_cp.patch import (BACKUP_SUFFIX, PRISTINE, PatchError, check_patch, ensu
 from gdn_cp_testing.ranks import RankPool
 
 from . import layer_full_rank as rank_side
-from .common import add_out_arguments, machine_info, now_iso, resolve_out, setup_logging, versions, write_json
+from .common import (add_out_arguments, csv_choices as _csv, machine_info, now_iso, resolve_out, setup_logging, versions,
+                     write_json)
 from .layer_full_math import (
     CASES,
     CP1_CASES,
@@ -98,16 +99,6 @@ def _on_signal(signum, frame):  # noqa: ARG001
 # ---------------------------------------------------------------------------------------------
 # arguments
 # ---------------------------------------------------------------------------------------------
-
-def _csv(choices):
-    def parse(text: str) -> list[str]:
-        items = [t.strip() for t in text.split(",") if t.strip()]
-        bad = [t for t in items if t not in choices]
-        if bad or not items:
-            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}; got {text!r}")
-        return items
-    return parse
-
 
 def _tokens(text: str) -> int:
     try:
@@ -686,17 +677,13 @@ def _summary(row: dict, phase: str) -> str:
             + f", {row['bytes_per_token']:.0f} B/token")
 
 
-def _versions(args) -> dict:
-    return versions({"torch_cuda": torch.version.cuda, "fla": fla_version(), "triton": rank_side._version("triton"),
-                     "megatron_core": rank_side._version("megatron-core")})
-
-
 def main(argv=None) -> int:
     args = resolve_args(build_parser().parse_args(argv))
     setup_logging(args.verbose)
     run = {"date": now_iso(), "run_id": f"layer_full-{time.strftime('%Y%m%d-%H%M%S')}",
            "command": " ".join(["layer_full.py", *(sys.argv[1:] if argv is None else argv)]),
-           "machine": machine_info(), "versions": _versions(args), "knobs": knobs(args)}
+           "machine": machine_info(), "versions": versions({"torch_cuda": torch.version.cuda, "fla": fla_version()}),
+           "knobs": knobs(args)}
     run["machine"]["gpu_count"] = args.gpus  # the GPU's name is in each row's rank_info (no CUDA context here)
     planned = plan_rows(args, run)
     rows = Rows(args.out, planned)

@@ -17,13 +17,12 @@ from gdn_cp.ops.fused import GLUE_PATHS
 
 from .measure import parse_tokens
 
-__all__ = ["CASES", "PATCHED_CASES", "CP1_CASES", "SLICE_CASES", "STOCK_CASES", "case_key", "LEVERS", "PACKINGS", "SPECS",
+__all__ = ["CASES", "CP1_CASES", "SLICE_CASES", "STOCK_CASES", "case_key", "LEVERS", "PACKINGS", "SPECS",
            "parse_plan", "GDNDims", "packing", "contiguous_slice", "rows_leaving", "bytes_per_token", "run_key"]
 
 # The cases of one (T, packing) at CP >= 2, in the order they are reported.
 CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "chunkwise_generic", "all_gather",
          "cp1_slice")
-PATCHED_CASES = CASES[1:]
 # ``--cp 1`` (one GPU, one process): per-rank work without communication. ``*_cp1`` run the whole
 # packing, ``*_slice`` one contiguous slice of it per row (``--slice-of-cp N``: rank r's rows of a
 # CP=N run, the ideal's per-rank work); ``stock_*`` run pristine megatron-core, ``patched_*`` gdn-cp's

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import importlib.metadata as md
 import json
 import os
 import sys
@@ -35,9 +34,11 @@ from gdn_cp.megatron.layer import layer_state, reset_settings
 from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
 from gdn_cp.ops.accuracy import rel_l2
+from gdn_cp.ops.installed import dist_version
 from gdn_cp.ops.fla.detect import fla_available, fla_version, gdn_kernel_backends
 from gdn_cp.ops.fused import glue_path, split
-from gdn_cp_testing.megatron.layer import build_gdn, install_cpu_shims, install_gpu_shims, stock_forward, thd_params
+from gdn_cp_testing.megatron.layer import (build_gdn, install_cpu_shims, install_gpu_shims, make_config, stock_forward,
+                                            thd_params)
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import GLUE_LEVERS, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
@@ -104,28 +105,16 @@ def _cpu_stock_kernels() -> None:
 
 
 def gdn_config(cp: int, dims: GDNDims, dtype: torch.dtype, patched: bool, spec: str = "local", backend: str = "auto"):
-    """TransformerConfig of one GDN layer. Stock megatron has no ``linear_cp_mode`` field; the
-    patched one is built with chunkwise (legal for any head count) and set per case.
-    ``backend``: the patched layer's ``linear_cp_backend``. The te spec's modules are built on the GPU,
-    as in training (and as the GPU parity tests build them); the weights are set afterwards either way."""
-    from megatron.core.transformer import TransformerConfig
-
-    kw = dict(
-        num_layers=2, hidden_size=dims.hidden, num_attention_heads=dims.num_k_heads,
-        perform_initialization=False, use_cpu_initialization=True, deterministic_mode=False,
-        activation_func=F.silu, normalization="RMSNorm", experimental_attention_variant="gated_delta_net",
-        linear_attention_freq=2, context_parallel_size=cp, params_dtype=dtype, add_bias_linear=False,
-        linear_num_key_heads=dims.num_k_heads, linear_num_value_heads=dims.num_v_heads,
-        linear_key_head_dim=dims.head_k_dim, linear_value_head_dim=dims.head_v_dim,
-        linear_conv_kernel_dim=dims.conv_width,
-    )
-    if patched:
-        kw["linear_cp_mode"] = "chunkwise"
-        kw["linear_cp_thd_split"] = "per_document"  # THD rows are cut per document here (zigzag_rows)
-        kw["linear_cp_backend"] = backend  # gdn-cp's per-rank kernels (--backend); stock has its own FLA call
-    if spec == "te":
-        kw["use_cpu_initialization"] = False
-    return TransformerConfig(**kw)
+    """TransformerConfig of one GDN layer (``make_config`` at ``dims``). Stock megatron has no ``linear_cp_*``
+    fields; the patched layer is built chunkwise (legal for any head count; set per case), its THD rows cut per
+    document (``zigzag_rows``), on gdn-cp's ``backend``. The te spec's modules are built on the GPU, as in
+    training (and as the GPU parity tests build them); the weights are set afterwards either way."""
+    gdn_cp = dict(linear_cp_thd_split="per_document", linear_cp_backend=backend) if patched else {}
+    return make_config(cp, "chunkwise" if patched else None, dtype, deterministic_mode=False, hidden_size=dims.hidden,
+                       num_attention_heads=dims.num_k_heads, linear_num_key_heads=dims.num_k_heads,
+                       linear_num_value_heads=dims.num_v_heads, linear_key_head_dim=dims.head_k_dim,
+                       linear_value_head_dim=dims.head_v_dim, linear_conv_kernel_dim=dims.conv_width,
+                       use_cpu_initialization=spec != "te", **gdn_cp)
 
 
 def _timing_group(ctx):
@@ -172,12 +161,12 @@ def rank_setup(ctx, spec: dict) -> dict:
         _count_fused_norm_calls()
     info = {"rank": ctx.rank, "dist_backend": ctx.backend, "device": str(device), "megatron": mega,
             "torch": torch.__version__, "torch_cuda": torch.version.cuda, "pid": os.getpid(),
-            "spec_errors": spec_errors, "transformer_engine": _version("transformer-engine")}
+            "spec_errors": spec_errors, "transformer_engine": dist_version("transformer-engine")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
                     capability=list(torch.cuda.get_device_capability(device)))
-    info.update(fla=fla_version(), fla_available=fla_available(), triton=_version("triton"),
+    info.update(fla=fla_version(), fla_available=fla_available(), triton=dist_version("triton"),
                 fast_autotune=os.environ.get("GDN_CP_TEST_FAST_AUTOTUNE") == "1")
     return info
 
@@ -292,13 +281,6 @@ def fla_gdn_backend() -> str:
     return active[0] if active else "triton"
 
 
-def _version(dist_name: str) -> str | None:
-    try:
-        return md.version(dist_name)
-    except Exception:  # noqa: BLE001
-        return None
-
-
 # ---------------------------------------------------------------------------------------------
 # one case
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +297,16 @@ def _barrier() -> None:
 def _randn(shape, seed: int, dtype, device, scale: float = 1.0) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed)
     return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def _layer_inputs(t: int, seed: int, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's input (requiring grad) and output gradient: the same ``t`` rows on every rank and in both pools,
+    then ``rows`` of them (all when None)."""
+    st = _STATE
+    x, dout = (_randn((t, 1, st["dims"].hidden), seed + k, st["dtype"], st["device"]) for k in (1, 2))
+    if rows is not None:
+        x, dout = x.index_select(0, rows), dout.index_select(0, rows)
+    return x.requires_grad_(True), dout
 
 
 def _rows(case: str, layout: str, cu, cp: int, rank: int, device) -> torch.Tensor:
@@ -347,7 +339,7 @@ class _Case:
 
     def __init__(self, spec: dict):
         st = _STATE
-        ctx, device, dims, dtype = st["ctx"], st["device"], st["dims"], st["dtype"]
+        ctx, device = st["ctx"], st["device"]
         self.case, self.layout, self.cu = spec["case"], spec["layout"], list(spec["cu"])
         cp, rank = st["cp"], ctx.rank
         self.sliced = self.case == "cp1_slice" or self.case in SLICE_CASES  # CP=1 on a contiguous slice
@@ -367,12 +359,7 @@ class _Case:
         self.layer1 = layers["layer1"]
         self.module = layers["layer1"] if self.sliced else layers["layer"]
         self.rows = _rows(self.case, self.layout, self.cu, cp, rank, device)
-        x_full = _randn((t, 1, dims.hidden), spec["seed"] + 1, dtype, device)
-        self.x = x_full.index_select(0, self.rows).requires_grad_(True)
-        del x_full
-        dout_full = _randn((t, 1, dims.hidden), spec["seed"] + 2, dtype, device)
-        self.dout = dout_full.index_select(0, self.rows)
-        del dout_full
+        self.x, self.dout = _layer_inputs(t, spec["seed"], self.rows)
         if self.sliced:
             self.local_cu = contiguous_slice(self.cu, cp, rank)
             self.psp = thd_params(self.local_cu, device=device)  # the slice's pieces, THD at CP=1
@@ -675,12 +662,9 @@ def _reference(spec: dict) -> dict:
         return ref
     _STATE["reference"] = None
     _free()
-    st = _STATE
-    device, dims, dtype, t = st["device"], st["dims"], st["dtype"], spec["cu"][-1]
-    module = st["layers"][spec.get("spec") or "local"]["layer1"]
-    x = _randn((t, 1, dims.hidden), spec["seed"] + 1, dtype, device).requires_grad_(True)
-    dout = _randn((t, 1, dims.hidden), spec["seed"] + 2, dtype, device)
-    psp = thd_params(spec["cu"], device=device) if spec["layout"] == "thd" else None
+    module = _STATE["layers"][spec.get("spec") or "local"]["layer1"]
+    x, dout = _layer_inputs(spec["cu"][-1], spec["seed"])
+    psp = thd_params(spec["cu"], device=_STATE["device"]) if spec["layout"] == "thd" else None
     module.zero_grad(set_to_none=True)
     out, bias = module(x, None, packed_seq_params=psp)
     y = out if bias is None else out + bias

@@ -27,15 +27,12 @@ data, no ``rule`` key) were judged by ``noise``, which went in issue 48 (``git s
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import statistics
 from pathlib import Path
 from typing import Optional
 
-from .common import save_figure
-
-logger = logging.getLogger("benchmarks.mlm_verdict")
+from .common import pyplot, save_figure
 
 REFUSED = "refused:"
 """A reference starting with this: the run must stop before its first step, with an error naming what follows."""
@@ -328,13 +325,8 @@ def plot_panels(doc: dict, tols: dict) -> list[dict]:
 def plot(doc: dict, png: Path, tols: dict) -> bool:
     """Per CP=1 reference: the loss per iteration (top) and each run's relative loss difference from it, log
     scale, against the band per iteration (bottom). False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+    plt = pyplot()
+    if plt is None:
         return False
     panels = plot_panels(doc, tols)
     fig, axes = plt.subplots(2, max(len(panels), 1), figsize=(4.2 * max(len(panels), 1), 6.4), squeeze=False)

@@ -10,8 +10,8 @@ row files from several device calls. (The CP>1 plot it drew until issue 48, e.g.
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
 run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
-FLA version), so re-running a T replaces its rows. ``--cp 1`` rows also get the per-rank summary
-(stock and gdn-cp side by side per stack, spec and rank slice, each lever's off / on ratio).
+FLA version), so re-running a T replaces its rows. ``--cp 1`` rows get one table (:func:`per_rank_summary`:
+stock and gdn-cp side by side per run, stack, spec, T and rank slice, each lever's off / on ratio).
 
 The markdown table (for the README) gives, per (T, packing), each case's median fwd+bwd time of
 the whole layer, its ratio to stock headwise (< 1 is faster) and the fraction of the ideal it
@@ -27,7 +27,7 @@ import re
 import sys
 from pathlib import Path
 
-from .common import save_figure, write_json
+from .common import pyplot, save_figure, write_json
 from .layer_full_math import CASES as CP_CASES, CP1_CASES, GLUE_LEVERS, case_key, run_key
 from .measure import CLASS_NAMES, fmt_tokens as _fmt_t
 
@@ -144,8 +144,7 @@ def markdown_tables(rows) -> str:
         any_row = next(iter(next(iter(by_tp.values())).values()))
         gpu = any_row.get("rank_info", {}).get("gpu") or any_row.get("machine", {}).get("cpu_model")
         cases = _ordered(k for v in by_tp.values() for k in v)
-        if cp == 1:
-            parts.append(_cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row))
+        if cp == 1:  # per_rank_summary's rows
             continue
         parts.append(f"**GatedDeltaNet fwd+bwd, CP={cp}** ({gpus} x {gpu}, {backend}, {dtype}; median ms of the "
                      f"slowest rank per iteration over {any_row['iters']} iterations; "
@@ -195,73 +194,52 @@ def markdown_tables(rows) -> str:
     return "\n".join(parts) if parts else "no measured rows"
 
 
-def _cp1_table(by_tp, cases, gpus, gpu, backend, dtype, any_row) -> str:
-    """``--cp 1`` rows: per-rank work on one GPU; each patched row against stock on the same rows,
-    and the three largest kernels."""
-    lines = [f"**GatedDeltaNet fwd+bwd at CP=1, one process** ({gpu}, {_stack(any_row)}, {dtype}; median ms over "
-             f"{any_row['iters']} "
-             "iterations; gdn-cp / stock on the same rows; ms per iteration of the profiled iterations)\n",
-             "| T | packing | case | rows | median | p10-p90 | vs stock | core | compute | memcpy | idle | kernels "
-             "| peak GiB | top kernels (ms) |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for (t, name), by_case in sorted(by_tp.items()):
-        for c in cases:
-            r = by_case.get(c)
-            if r is None:
-                continue
-            stock = by_case.get(_stock_key(c)) if c.startswith("patched") else None
-            ratio = None if stock is None else r["median_ms"] / stock["median_ms"]
-            top = "; ".join(f"{k.split(': ', 1)[-1][:40]} {v:.2f}" for k, v in (r.get("top_kernels_ms") or [])[:3])
-            kernels = sum((r.get("kernels_per_iter") or {}).values()) or None
-            lines.append(
-                f"| {_fmt_t(t)} | {name} | {_label(c)} | {r.get('rows_timed', '-')} | {r['median_ms']:.2f} "
-                f"| {r['p10_ms']:.2f}-{r['p90_ms']:.2f} | {_num(ratio, '{:.3f}x')} | {_num((r.get('core') or {}).get('median_ms'))} "
-                f"| {_num(r.get('compute_ms'))} | {_num(r.get('memcpy_ms'))} | {_num(r.get('idle_ms'))} "
-                f"| {_num(kernels, '{:d}')} | {_num(r.get('peak_gib'))} | {top or '-'} |")
-    lines.append("")
-    return "\n".join(lines)
-
-
 def per_rank_summary(rows) -> str:
-    """The README table of ``--cp 1`` rows: per stack, spec, T and rows (the whole packing or one rank's
-    slice), stock and gdn-cp on the same rows and weights, gdn-cp / stock in time and peak memory, the
-    core alone, and gdn-cp with each lever off (its time / the time with every lever on: > 1 means the
-    lever pays). Empty without such rows."""
+    """The table of ``--cp 1`` rows: per run, stack, spec, T, packing and rows (the whole packing or one rank's slice),
+    stock and gdn-cp on the same rows and weights: median (p10-p90), gdn-cp / stock in time and peak memory, the
+    core alone, kernels and idle per iteration (profiled), and gdn-cp with each lever off (its time / the time with
+    every lever on: > 1 means the lever pays). Empty without such rows."""
     ok = [r for r in rows if r.get("status") == "ok" and r.get("cp") == 1]
     patched = [r for r in ok if r["case"].startswith("patched") and not r.get("lever_off")]
     if not patched:
         return ""
-    index = {(r.get("run_id"), _stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
-              r.get("slice_rank"), r.get("lever_off"), r["case"].startswith("stock")): r for r in ok}
-    levers = sorted({r["lever_off"] for r in ok if r.get("lever_off")})
-    head = ("| stack | gdn-cp backend | spec | T | rows | stock ms | gdn-cp ms | / stock | "
-            + "".join(f"{lv} off ms (off / on) | " for lv in levers)
-            + "core ms | peak GiB stock / gdn-cp | / stock | gdn-cp norm |")
-    lines = ["**Per rank, stock megatron-core 0.19.2 and gdn-cp on the same rows and weights** (median ms of the "
-             "fwd+bwd, p10-p90 in the per-case table below)\n", head, "|---|---|---|---:|---|" + "---:|" * (6 + len(levers))
-             + "---|"]
-    order = lambda r: (r.get("run_id") or "", _stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"],  # noqa: E731
+    where = lambda r: (r.get("run_id", ""), _stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],  # noqa: E731
                        -1 if r.get("slice_rank") is None else r["slice_rank"])
-    for r in sorted(patched, key=order):
-        key = (r.get("run_id"), _stack(r), r.get("spec") or "local", r["T"], r["packing"], r["case"].split("_", 1)[1],
-               r.get("slice_rank"))
-        stock = index.get((*key, None, True))
+    index = {(*where(r), r.get("lever_off"), r["case"].startswith("stock")): r for r in ok}
+    levers = sorted({r["lever_off"] for r in ok if r.get("lever_off")})
+    head = ("| run | stack | gdn-cp backend | spec | T | packing | rows | stock ms | gdn-cp ms | / stock | "
+            + "".join(f"{lv} off ms (off / on) | " for lv in levers)
+            + "core ms | kernels stock / gdn-cp | idle ms stock / gdn-cp | peak GiB stock / gdn-cp | / stock | gdn-cp norm |")
+    lines = ["**Per rank, stock megatron-core 0.19.2 and gdn-cp on the same rows and weights** (median ms of the "
+             "fwd+bwd (p10-p90); kernels and idle per iteration of the profiled iterations)\n", head,
+             "|---|---|---|---|---:|---|---|" + "---:|" * (8 + len(levers)) + "---|"]
+
+    def both(stock, r, f):  # "stock / gdn-cp" of one quantity
+        return f"{_num(None if stock is None else f(stock))} / {_num(f(r))}"
+
+    def spread(r):
+        return f"{r['median_ms']:.2f} ({r['p10_ms']:.2f}-{r['p90_ms']:.2f})"
+
+    kernels = lambda r: sum((r.get("kernels_per_iter") or {}).values()) or None  # noqa: E731
+    for r in sorted(patched, key=where):
+        stock = index.get((*where(r), None, True))
         rows_text = ("all" if r.get("slice_rank") is None else f"rank {r['slice_rank']} of CP={r.get('slice_of_cp')}")
         ratio = None if stock is None else r["median_ms"] / stock["median_ms"]
         mem = None if stock is None or not stock.get("peak_gib") or r.get("peak_gib") is None else \
             r["peak_gib"] / stock["peak_gib"]
         cells = []
         for lv in levers:
-            off = index.get((*key, lv, False))
+            off = index.get((*where(r), lv, False))
             cells.append("-" if off is None else f"{off['median_ms']:.2f} ({off['median_ms'] / r['median_ms']:.3f})")
         norm = str(r.get("norm_path") or "-").split(":", 1)[0]
+        run = r.get("run_id", "-").removeprefix("layer_full-")
         backend = r.get("knobs", {}).get("linear_cp_backend") or "auto"
-        lines.append(f"| {_stack(r)} | {backend} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {rows_text} "
-                     f"| {_num(None if stock is None else stock['median_ms'])} | {r['median_ms']:.2f} "
+        lines.append(f"| {run} | {_stack(r)} | {backend} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {r['packing']} | {rows_text} "
+                     f"| {'-' if stock is None else spread(stock)} | {spread(r)} "
                      f"| {_num(ratio, '{:.3f}')} | " + "".join(c + " | " for c in cells)
-                     + f"{_num((r.get('core') or {}).get('median_ms'))} "
-                     f"| {_num(None if stock is None else stock.get('peak_gib'))} / {_num(r.get('peak_gib'))} "
-                     f"| {_num(mem, '{:.3f}')} | {norm} |")
+                     + f"{_num((r.get('core') or {}).get('median_ms'))} | {both(stock, r, kernels).replace('.00', '')} "
+                     f"| {both(stock, r, lambda x: x.get('idle_ms'))} "
+                     f"| {both(stock, r, lambda x: x.get('peak_gib'))} | {_num(mem, '{:.3f}')} | {norm} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -275,13 +253,8 @@ def plot_per_rank(rows, path) -> bool:
     """The ``--cp 1`` slice rows as stacked bars by kernel class (ms per iteration): one panel per (run, spec,
     T), a bar per rank and case (stock, gdn-cp, each lever off), the median marked. False without matplotlib
     or without such rows (said on stderr)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     panels = {}
     for r in rows:

@@ -36,7 +36,7 @@ from typing import Optional
 from gdn_cp_testing.megatron import byte_text
 from gdn_cp_testing.megatron.lm import RunSpec, build_dataset_helpers, launch, write_sft_set
 
-from .common import machine_info, now_iso, setup_logging, versions, write_json
+from .common import csv_choices, machine_info, now_iso, setup_logging, versions, write_json
 from .mlm_verdict import (GOOD, REFUSED, RULE, RULES, STOCK, SWEEP, base_name, bands, judge,  # noqa: F401
                           model_key, not_as_required, numerics, plot, plot_panels, rel_diffs, still_learning, table)
 
@@ -506,14 +506,6 @@ def dry_run(args) -> int:
     return 0
 
 
-def _groups(text: str) -> tuple[str, ...]:
-    groups = tuple(g.strip() for g in text.split(",") if g.strip())
-    bad = [g for g in groups if g not in GROUPS]
-    if bad or not groups:
-        raise argparse.ArgumentTypeError(f"choose from {','.join(GROUPS)}; got {text!r}")
-    return groups
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkout", help="a patched Megatron-LM checkout (core_v0.19.x)")
@@ -525,7 +517,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="*", help="run only the matrix entries whose name contains one of these")
     p.add_argument("--flashqla-site", help="an unpacked FlashQLA site (e.g. .site-tl), first on the PYTHONPATH of "
                    "the FlashQLA runs only")
-    p.add_argument("--groups", type=_groups, default=("main",),
+    p.add_argument("--groups", type=csv_choices(GROUPS), default=("main",),
                    help=f"comma-separated matrix groups of {', '.join(GROUPS)} (default main)")
     p.add_argument("--stock-checkout", help="an unpatched copy of the checkout, for the stock rows")
     p.add_argument("--resume", metavar="JSON", help="an earlier result of this benchmark: keep its finished rows, "

@@ -61,8 +61,8 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "args", "warm",
-                "syncs", "layer_full", "layer_full_b", "train_mlm")
+SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "args", "syncs",
+                "layer_full", "layer_full_b", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 
@@ -71,7 +71,7 @@ def _stages(text: str) -> tuple[tuple[str, ...], ...]:
     groups = tuple(tuple(group.split("+")) for group in text.split())
     if not groups or any(stage not in SUITE_STAGES for group in groups for stage in group):
         raise ValueError(f"use stages of {', '.join(SUITE_STAGES)}, separated by spaces, joined by + to run side "
-                         'by side, e.g. "warm+tests layer_full"')
+                         'by side, e.g. "tests+args layer_full"')
     return groups
 
 
@@ -121,9 +121,6 @@ SETTINGS: dict[str, EnvSetting] = {
                    _json_argv),
         EnvSetting("GDN_CP_STAGES", "benchmarks", "tests", "stages of benchmarks/gpu_suite.sh", _stages),
         EnvSetting("GDN_CP_SUITE_TIMEOUT", "benchmarks", "420", "benchmarks/gpu_suite.sh: time limit of the test stage",
-                   _SECONDS),
-        EnvSetting("GDN_CP_WARM_ARGS", "benchmarks", "--cp 2", "benchmarks/gpu_suite.sh: arguments of the warm stage"),
-        EnvSetting("GDN_CP_WARM_TIMEOUT", "benchmarks", "360", "benchmarks/gpu_suite.sh: time limit of the warm stage",
                    _SECONDS),
         EnvSetting("GDN_CP_SYNCS_TIMEOUT", "benchmarks", "240", "benchmarks/gpu_suite.sh: time limit of the syncs stage",
                    _SECONDS),

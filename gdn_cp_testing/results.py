@@ -87,28 +87,35 @@ class JsonlRecorder:
     """Append-only JSON lines at ``path`` (None: records nothing, e.g. an unset env variable).
 
     ``record(kind, **fields)`` writes ``{"kind", "date", **defaults, **fields}``; the first record
-    of this process in this file is preceded by a ``{"kind": "context", machine, versions}`` row.
+    of this process in this file is preceded by a ``{"kind": "context", machine, versions}`` row, unless
+    ``context`` is False (another process of the same run writes it: the ranks of one pool share a machine
+    and a stack, so one context row says it for all of them).
     """
 
-    def __init__(self, path, **defaults):
+    def __init__(self, path, *, context: bool = True, **defaults):
         self.path = None if path in (None, "") else Path(path)
         self.defaults = defaults
-        self._context_written = False
+        self._context_written = not context
 
     @classmethod
-    def from_env(cls, variable: str, **defaults) -> "JsonlRecorder":
-        return cls(os.environ.get(variable), **defaults)
+    def from_env(cls, variable: str, *, context: bool = True, **defaults) -> "JsonlRecorder":
+        return cls(os.environ.get(variable), context=context, **defaults)
 
     def _append(self, row: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write(json.dumps(row, default=str) + "\n")
 
-    def record(self, kind: str, **fields) -> None:
-        if self.path is None:
-            return
-        if not self._context_written:
+    def write_context(self) -> None:
+        """The context row now, unless it was written (or left to another process): ahead of a barrier, it
+        comes before every row the other processes write after it."""
+        if self.path is not None and not self._context_written:
             self._append({"kind": "context", "date": now_iso(), "machine": machine_info(),
                           "versions": stack_versions()})
             self._context_written = True
+
+    def record(self, kind: str, **fields) -> None:
+        if self.path is None:
+            return
+        self.write_context()
         self._append({"kind": kind, "date": now_iso(), **self.defaults, **fields})

@@ -93,7 +93,7 @@ def test_the_tests_variables_are_not_the_commands_business(monkeypatch, capsys):
     ("GDN_CP_FUZZ_EXAMPLES", "abc", "use a whole number >= 1"),
     ("GDN_CP_FUZZ_EXAMPLES", "1_000", "use a whole number >= 1"),
     ("GDN_CP_STACK", "bogus", "use one of fla042, fla060"),
-    ("GDN_CP_STAGES", "warm+tests layer", "use stages of tests, tests_core, tests_megatron, flashqla_tests"),
+    ("GDN_CP_STAGES", "tests+args layer", "use stages of tests, tests_core, tests_megatron, flashqla_tests"),
     ("GDN_CP_SUITE_TIMEOUT", "7m", "use a whole number >= 1"),
     ("GDN_CP_GPU_TP_DTYPES", "float16", "use a comma-separated list of bfloat16, float32"),
     ("GDN_CP_ALLOW_SKIP_MEGATRON", "yes", "use one of 0, 1"),
@@ -141,13 +141,13 @@ def test_every_setting_has_a_rule_or_says_it_is_free_form():
     free = sorted(n for n, s in test_env.ALL_SETTINGS.items() if s.parse is env.any_text)
     assert free == ["GDN_CP_BENCHMARKS", "GDN_CP_GLUE_KERNELS_ARGS", "GDN_CP_GPU_RESULTS",
                     "GDN_CP_LAYER_FULL_ARGS", "GDN_CP_LAYER_FULL_B_ARGS", "GDN_CP_MEGATRON_SDIST", "GDN_CP_MLM", "GDN_CP_SLIM",
-                    "GDN_CP_TE", "GDN_CP_TEST_OUTCOMES", "GDN_CP_TL", "GDN_CP_TMP", "GDN_CP_TRAIN_MLM_ARGS", "GDN_CP_WARM_ARGS"], free
+                    "GDN_CP_TE", "GDN_CP_TEST_OUTCOMES", "GDN_CP_TL", "GDN_CP_TMP", "GDN_CP_TRAIN_MLM_ARGS"], free
     for name, setting in test_env.ALL_SETTINGS.items():  # every default passes its own rule
         if setting.default:
             setting.parse(setting.default)
 
 
-@pytest.mark.parametrize("value", ["tests", "warm+tests layer_full", "warm+tests+args syncs", "glue_kernels"])
+@pytest.mark.parametrize("value", ["tests", "tests layer_full", "tests+args syncs", "glue_kernels"])
 def test_the_stage_lists_the_readme_and_the_suite_use_are_accepted(value):
     assert test_env.read("GDN_CP_STAGES", {"GDN_CP_STAGES": value})
 

@@ -133,7 +133,8 @@ def test_cp1_rows_time_the_whole_packing_and_each_slice(smoke_cp1):
     by = {lfm.case_key(r): r for r in rows}
     assert by["patched_slice[r0]"]["slice_continues"] == {"from_left": False, "to_right": True}
     assert by["patched_slice[r1]"]["slice_continues"] == {"from_left": True, "to_right": False}
-    assert "gdn-cp CP=1 slice[r1]" in stdout and "vs stock" in stdout
+    # the per-rank table: a row for the whole packing and one per slice, each with stock on the same rows
+    assert "| mixed8 | all |" in stdout and "| mixed8 | rank 1 of CP=2 |" in stdout and "| / stock |" in stdout
 
 
 def test_cp1_patched_equals_stock_on_the_same_rows(smoke_cp1):
@@ -503,6 +504,16 @@ def test_the_per_rank_plot_labels_each_bar_by_its_glue_and_lever():
     labels = {plot_layer_full._bar_label(r) for r in rows if r["status"] == "ok"}
     assert {"r0 stock", "r0 gdn-cp triton", "r0 gdn-cp unfused", "r1 gdn-cp triton -split_cat"} <= labels, labels
     assert not any("-glue_triton" in label or "-glue_unfused" in label for label in labels)
+
+
+def test_the_per_rank_table_compares_each_row_with_stock_of_its_own_run():
+    """The committed file holds several runs of the same rows: each gdn-cp row against the stock row of its run
+    (run 2026-12-05a's rank 0 at 32K: 12.76 / 16.28 ms, not an earlier run's stock)."""
+    text = plot_layer_full.per_rank_summary(json.loads(GLUE_RESULTS.read_text()))
+    line = next(x for x in text.splitlines() if x.startswith("| 20261205-121340 |") and "| 32K | mixed8 | rank 0 " in x)
+    assert "| 16.28 (16.14-16.37) | 12.76 (12.62-12.92) | 0.784 |" in line, line
+    rank0 = [x.split(" | ")[:7] for x in text.splitlines() if "| rank 0 of CP=2 |" in x]
+    assert len(rank0) == len({tuple(x) for x in rank0}) == 9  # one row per run, stack, backend, spec, T
 
 
 def test_the_per_rank_plot_draws_the_committed_rows(tmp_path):

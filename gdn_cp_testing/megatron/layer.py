@@ -194,15 +194,17 @@ def pg_collection(cp_group, tp_group=None):
 
 def make_config(cp: int, mode: str = "headwise", dtype=torch.float32, **overrides):
     """A TransformerConfig for one GDN layer (deterministic mode, i.e. the reference backend,
-    unless overridden) with :data:`DIMS`."""
+    unless overridden) with :data:`DIMS`; ``mode=None``: no ``linear_cp_mode`` (stock megatron-core's config)."""
     from megatron.core.transformer import TransformerConfig
 
     kw = dict(
         num_layers=2, num_attention_heads=4, perform_initialization=False, use_cpu_initialization=True,
         deterministic_mode=True, activation_func=F.silu, normalization="RMSNorm",
         experimental_attention_variant="gated_delta_net", linear_attention_freq=2,
-        context_parallel_size=cp, params_dtype=dtype, linear_cp_mode=mode, add_bias_linear=False,
+        context_parallel_size=cp, params_dtype=dtype, add_bias_linear=False,
     )
+    if mode is not None:
+        kw["linear_cp_mode"] = mode
     kw.update(DIMS)
     kw.update(overrides)
     return TransformerConfig(**kw)

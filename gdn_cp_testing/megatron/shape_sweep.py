@@ -239,8 +239,11 @@ def sweep_on_rank(ctx, cases, backend: str, dtype_name: str, metric_name: str = 
 
     dtype = getattr(torch, dtype_name)
     metric = getattr(accuracy, metric_name)
-    # each case as it ends (a group's first rank): what a stage killed at its time limit still leaves
-    record = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS", test="shape_sweep", backend=backend).record
+    # each case as it ends (a group's first rank): what a stage killed at its time limit still leaves; the pool's
+    # context row once, from rank 0 before the CP=1 answers' all_gather (so before every case's row)
+    recorder = JsonlRecorder.from_env("GDN_CP_GPU_RESULTS", context=ctx.rank == 0, test="shape_sweep", backend=backend)
+    recorder.write_context()
+    record = recorder.record
     t0 = time.perf_counter()
     by_shape = {c.shape: c for c in sorted(cases)}
     shapes = sorted(by_shape)

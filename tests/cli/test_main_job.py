@@ -61,20 +61,6 @@ def test_check_job_names_fields_for_programmatic_use():
 
 
 @pytest.mark.slow
-def test_default_modes_skip_what_cannot_run_and_pass():
-    lines = []
-    result = run_job(JobConfig(cp_sizes=(2,), **SMALL), echo=lines.append)
-    text = "\n".join(lines)
-    assert result.exit_code == 0, text
-    assert "relative errors against CP=1" in text
-    assert "headwise    skipped: linear_num_key_heads=3 is not divisible by TP*CP=1*2=2" in text
-    assert "skipped: headwise at cp=2" in text and "result: PASS" in text and "1 skipped" in text
-    for mode in ("chunkwise", "all_gather"):
-        row = next(line for line in lines if line.startswith(mode))
-        assert row.endswith("yes"), row
-    assert result.ran == 2 and result.skipped[0][:2] == (2, "headwise")
-
-
 def test_named_mode_that_cannot_run_is_refused_before_spawning(monkeypatch, capsys):
     """`gdn-cp run --modes headwise --cp 8` at 4/8 heads: one line, exit 2, no rank spawned; the
     default modes list it as skipped instead (above)."""
@@ -221,7 +207,8 @@ def test_each_line_prints_when_its_mode_is_done_and_verbose_shows_every_ranks_lo
     `-v` changed nothing visible (spawned ranks inherit no logging setup). Each mode's line is printed while
     the ranks still run (before run_ranks returns), and with rank_log_level the ranks' records reach this
     process's loggers, each prefixed with its rank: the THD cut, the route, the mode and backend, and the
-    library's own (the chunkwise exchange path). One run for both (spawning costs seconds)."""
+    library's own (the chunkwise exchange path); and the default modes skip what cannot run and pass. One run
+    for all three (spawning costs seconds)."""
     import logging
 
     from gdn_cp.cli import main_job
@@ -242,6 +229,15 @@ def test_each_line_prints_when_its_mode_is_done_and_verbose_shows_every_ranks_lo
     assert result.exit_code == 0, lines
     rows = {line.split()[0]: done for line, done in lines if line.startswith(("chunkwise ", "all_gather "))}
     assert rows == {"chunkwise": False, "all_gather": False}, lines
+    # the default modes: headwise skipped (3 key heads at CP=2), the others pass
+    text = "\n".join(line for line, _ in lines)
+    assert "relative errors against CP=1" in text
+    assert "headwise    skipped: linear_num_key_heads=3 is not divisible by TP*CP=1*2=2" in text
+    assert "skipped: headwise at cp=2" in text and "result: PASS" in text and "1 skipped" in text
+    for mode in ("chunkwise", "all_gather"):
+        row = next(line for line, _ in lines if line.startswith(mode))
+        assert row.endswith("yes"), row
+    assert result.ran == 2 and result.skipped[0][:2] == (2, "headwise")
     assert [done for line, done in lines if line.startswith("cached plan reused")] == [True]
     messages = [r.getMessage() for r in caplog.records]
     for rank in (0, 1):

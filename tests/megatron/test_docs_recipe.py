@@ -12,16 +12,21 @@ import pytest
 
 from tests.conftest import start_smoke_run
 
-# the CP=1 and CP=2 runs start in the background when the session starts (tests/conftest.py), unless the
-# session may patch the installed megatron-core while it runs
+# the CP=1 and CP=2 runs start in the background when the session starts (tests/conftest.py queues the runs
+# a selected test names as a fixture), unless the session may patch the installed megatron-core while it runs
 SMOKE_RUNS = {"recipe_runs": ("gdn_cp_testing.cp_pair", ["--docs-recipe", "--timeout", "300"])}
 SMOKE_IMPORTS_MEGATRON = True
 
 
+@pytest.fixture(scope="module")
+def recipe_runs(patched_megatron):
+    return start_smoke_run(sys.modules[__name__], "recipe_runs").result(timeout_s=900)
+
+
 @pytest.mark.megatron
 @pytest.mark.slow
-def test_the_docs_model_recipe_runs_as_written_on_a_cpu(patched_megatron):
-    code, printed, out = start_smoke_run(sys.modules[__name__], "recipe_runs").result(timeout_s=900)
+def test_the_docs_model_recipe_runs_as_written_on_a_cpu(recipe_runs):
+    code, printed, out = recipe_runs
     assert code == 0, printed[-3000:]
     runs = json.loads(out.read_text())
     losses, stderr = {}, {}

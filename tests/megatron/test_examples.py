@@ -45,16 +45,21 @@ def test_the_training_loop_uses_public_api_only():
     assert "gdn_cp_testing" not in LOOP.read_text()
 
 
-# the CP=1 and CP=2 runs start in the background when the session starts (tests/conftest.py), unless the
-# session may patch the installed megatron-core while it runs
+# the CP=1 and CP=2 runs start in the background when the session starts (tests/conftest.py queues the runs
+# a selected test names as a fixture), unless the session may patch the installed megatron-core while it runs
 SMOKE_RUNS = {"loop_runs": ("gdn_cp_testing.cp_pair", ["--script", str(LOOP), "--timeout", "600"])}
 SMOKE_IMPORTS_MEGATRON = True
 
 
+@pytest.fixture(scope="module")
+def loop_runs(patched_megatron):
+    return start_smoke_run(sys.modules[__name__], "loop_runs").result(timeout_s=900)
+
+
 @pytest.mark.megatron
 @pytest.mark.slow
-def test_the_training_loop_trains_the_same_model_at_cp2_as_at_cp1(patched_megatron):
-    code, printed, out = start_smoke_run(sys.modules[__name__], "loop_runs").result(timeout_s=900)
+def test_the_training_loop_trains_the_same_model_at_cp2_as_at_cp1(loop_runs):
+    code, printed, out = loop_runs
     assert code == 0, printed[-3000:]
     runs = json.loads(out.read_text())
     losses, stderr = {}, {}

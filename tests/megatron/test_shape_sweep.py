@@ -16,6 +16,7 @@ The table in docs/megatron.md ("What runs: shapes through the layer") is :func:`
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -88,8 +89,22 @@ def test_cpu_cases_cover_every_mode_cp_and_heads_per_rank():
             assert gpu == {(k, r) for k in layer_key_heads(mode, cp) for r in GVA_RATIOS}, (mode, cp)
 
 
-def test_shape_sweep_cpu(patched_megatron, rank_pool):
-    results = rank_pool(WORLD).run(sweep_on_rank, CPU_CASES, "reference", "float64", timeout_s=300)
+def _sweep_recording(ctx, path: str, *args):
+    """:func:`sweep_on_rank` with ``GDN_CP_GPU_RESULTS`` set to ``path`` in this rank (as the GPU suite sets it)."""
+    os.environ["GDN_CP_GPU_RESULTS"] = path
+    try:
+        return sweep_on_rank(ctx, *args)
+    finally:
+        del os.environ["GDN_CP_GPU_RESULTS"]
+
+
+def test_shape_sweep_cpu(patched_megatron, rank_pool, tmp_path):
+    path = tmp_path / "gpu_results.jsonl"
+    results = rank_pool(WORLD).run(_sweep_recording, str(path), CPU_CASES, "reference", "float64", timeout_s=300)
+    kinds = [json.loads(line)["kind"] for line in path.read_text().splitlines()]
+    # one context row for the pool, first (not one per rank that records), the CP=1 answers', every case's
+    assert kinds[0] == "context" and kinds.count("context") == 1 and kinds.count("shape_sweep_cp1") == 1, kinds
+    assert kinds.count("shape_sweep_case") == len(CPU_CASES), kinds
     bad, counts = _judge(results, CPU_CASES, "reference", "cpu", "float64", lambda q: CP_VS_CP1_MAX_REL[torch.float64])
     assert not bad, "\n".join(bad)
     assert counts["refused"] > 0 and counts["ran"] > counts["refused"], counts

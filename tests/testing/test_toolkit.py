@@ -73,6 +73,8 @@ def test_jsonl_recorder_writes_context_first(tmp_path):
     assert rows[0]["versions"]["torch"] == torch.__version__ and rows[0]["machine"]["logical_cores"] >= 1
     assert rows[2]["value"] == 2.5 and rows[2]["run"] == "x" and rows[2]["date"]
     JsonlRecorder(None).record("case", value=1)  # no path: records nothing, raises nothing
+    JsonlRecorder(path, context=False).record("case", value=3.5)  # another process wrote the context row
+    assert [json.loads(line)["kind"] for line in path.read_text().splitlines()] == ["context", "case", "case", "case"]
 
 
 def test_write_json_replaces_atomically(tmp_path):
@@ -143,3 +145,26 @@ def test_fast_autotune_takes_the_first_config_that_runs(monkeypatch):
     assert benched == ["too_big", "fits"]  # "faster" was never compiled or timed
     assert result["faster"][0] == float("inf") and result["fits"][0] == 2.0
     assert tuner.cache_results is False
+
+
+def test_every_smoke_run_is_a_fixture_of_its_module():
+    """tests/conftest.py starts a module's ``SMOKE_RUNS[key]`` in the background only for the selected tests that
+    name ``key`` as a fixture; a test that calls ``start_smoke_run`` itself waits for the whole run (the example
+    loop and the docs recipe did: 24 s of a CI session spent waiting)."""
+    import ast
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    found = 0
+    for path in sorted(tests.rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        runs = [n.value for n in tree.body if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", None) == "SMOKE_RUNS" for t in n.targets)]
+        if not runs:
+            continue
+        fixtures = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)
+                    and any("fixture" in ast.unparse(d) for d in n.decorator_list)}
+        keys = {k.value for k in runs[0].keys}
+        assert keys <= fixtures, f"{path.name}: smoke runs {sorted(keys - fixtures)} are no fixture of the module"
+        found += len(keys)
+    assert found >= 5, found
