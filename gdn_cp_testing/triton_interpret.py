@@ -54,19 +54,63 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     bias = (0.1 * torch.randn(c, generator=gen)).to(dt).requires_grad_(True)
     h = torch.randn(W - 1, c, generator=gen).to(dt).requires_grad_(True) if halo else None
     leaves = [rows, weight, bias] + ([h] if halo else [])
-    args = (rows[:, 3:3 + c], weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6)
-    got, want = conv_silu_split_triton(*args, one_pass=one_pass), _conv_silu_split(*args)
+    rest = (weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6)
+    x = rows[:, 3:3 + c]
+    got, want = conv_silu_split_triton(x, *rest, one_pass=one_pass), _conv_silu_split(x, *rest)
     douts = [torch.randn(o.shape, generator=gen).to(dt) for o in want]
     names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
     pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
                                             torch.autograd.grad(want, leaves, douts)))
-    # the conv's own input gradient is laid out like x (columns of a [t, c + 7]): split_columns' backward reuses it
-    dx_alone = torch.autograd.grad(conv_silu_split_triton(*args, one_pass=one_pass), [args[0]], douts)[0]
-    return {"dx_laid_out_like_x": dx_alone.stride() == args[0].stride()
-            and dx_alone.storage_offset() - dx_alone._base.storage_offset() == 3,
+    return {"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, one_pass=one_pass),
+                                                     rows, [3, c, 4], douts),
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
+
+
+def _written_into_rows(consumer, rows, sizes, douts) -> bool:
+    """Whether ``consumer``'s gradient for group 1 of ``split_columns(rows, sizes)`` is that group's columns of
+    one in_proj-shaped buffer (what split_columns' backward then returns: no copy, no concatenation)."""
+    from gdn_cp.ops.fused.split import split_columns
+
+    group = split_columns(rows, sizes)[1]
+    grad = torch.autograd.grad(consumer(group), [group], douts)[0]
+    return (grad._base is not None and tuple(grad._base.shape) == tuple(rows.shape)
+            and grad.data_ptr() - grad._base.data_ptr() == sizes[0] * grad.element_size())
+
+
+NORM_CASES = (("float32", 37, 3, 16, 32), ("float16", 20, 2, 24, 256))  # (dtype, T, heads, head dim, rows per
+# backward program): 111 rows in 4 programs (the weight's gradient summed over them), rows past a tile
+
+
+def norm_case(dtype: str, t: int, heads: int, dim: int, span: int) -> dict:
+    """gdn-cp's gated RMSNorm against FLA's math in plain torch (fp32 inside, rounded once), z a strided view
+    of in_proj-like rows."""
+    from gdn_cp.ops.fused import triton_norm
+    from gdn_cp.ops.fused.triton_norm import gated_rms_norm_triton
+
+    triton_norm._SPAN = span
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(t * heads)
+    eps = 1e-6
+    o = torch.randn(t, heads, dim, generator=gen).to(dt).requires_grad_(True)
+    rows = torch.randn(t, heads * dim + 9, generator=gen).to(dt).requires_grad_(True)
+    weight = (1 + 0.2 * torch.randn(dim, generator=gen)).to(dt).requires_grad_(True)
+
+    def plain(o, z, weight):
+        of, zf = o.float(), z.float()
+        y = of * torch.rsqrt((of * of).mean(-1, keepdim=True) + eps) * weight.float() * (zf * torch.sigmoid(zf))
+        return y.to(o.dtype).reshape(-1, dim)
+
+    z = rows[:, 4:4 + heads * dim].reshape(t, heads, dim)
+    got, want = gated_rms_norm_triton(o, z, weight, eps), plain(o, z, weight)
+    dy = torch.randn(want.shape, generator=gen).to(dt)
+    leaves = [o, rows, weight]
+    pairs = [(got, want)] + list(zip(torch.autograd.grad(got, leaves, dy), torch.autograd.grad(want, leaves, dy)))
+    return {"case": f"norm {dtype} T={t} heads={heads} dim={dim} span={span}",
+            "dz_into_rows": _written_into_rows(lambda g: gated_rms_norm_triton(o, g.reshape(t, heads, dim), weight, eps),
+                                               rows, [4, heads * dim, 5], dy),
+            "errors": {n: _rel(a, b) for n, (a, b) in zip(["y", "do", "drows", "dweight"], pairs)}}
 
 
 def gates_case(dtype: str) -> dict:
@@ -99,6 +143,7 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     cases = [conv_case(*c) for c in CONV_CASES]
     cases += [gates_case(d) for d in ("float32", "float16")]
+    cases += [norm_case(*c) for c in NORM_CASES]
     if args.out is not None:
         args.out.write_text(json.dumps(cases))
     print(json.dumps(cases))

@@ -24,7 +24,7 @@ import torch
 from ..modes.context import Projected
 from ..nvtx import phase
 from ..modes.packing import sbhd_to_thd, thd_to_sbhd
-from ..ops.fused import gates, glue_path
+from ..ops.fused import gated_rms_norm, gates, glue_path
 from ..ops.fused.split import split_columns
 
 if TYPE_CHECKING:
@@ -77,6 +77,9 @@ class LayerSegment:
         ``(out [T/batch, batch, H], out_bias)``."""
         layer = self.layer
         fused = self._fused_gated_norm()
+        own = gated_rms_norm(glue_path(self.state.settings.glue, o)) if fused is not None else None
+        if own is not None:  # the glue path's kernel: z read, and its gradient written, where in_proj keeps them
+            fused = (own, *fused[1:])
         with phase("norm"):
             if layer.recompute_norm_out:
                 norm_fn = partial(_gated_norm_to_rows, layer, batch=batch, fused=fused)
@@ -97,7 +100,7 @@ class LayerSegment:
         key = (backend, layer.out_norm_hooked)
         choices = self.state.gated_norms
         if key not in choices:
-            fn = backend.fused_gated_rms_norm()
+            fn = _heads_to_rows(backend.fused_gated_rms_norm())
             weight, eps, why = layer.plain_rms_gated_norm() if fn is not None else (None, None, None)
             if fn is None:
                 why = f"the {backend.name} backend has no fused gated RMSNorm"
@@ -115,6 +118,16 @@ def _gated_norm_to_rows(layer, o, gate, batch: int, fused=None):
         y = layer.gated_norm(o, gate)  # [T*Hv, Dv]
     else:
         fn, weight, eps = fused
-        dv = o.shape[-1]
-        y = fn(o.reshape(-1, dv), gate.reshape(-1, dv), weight, eps)
+        y = fn(o, gate, weight, eps)  # [T*Hv, Dv]
     return thd_to_sbhd(y.reshape(o.shape[0], -1), batch).contiguous()
+
+
+def _heads_to_rows(fn):
+    """A backend's fused gated norm (``x, z [N, D]``) as the segment calls one: ``o, z [T, Hv, Dv]``."""
+    if fn is None:
+        return None
+
+    def rows_norm(o, z, weight, eps):
+        dv = o.shape[-1]
+        return fn(o.reshape(-1, dv), z.reshape(-1, dv), weight, eps)
+    return rows_norm

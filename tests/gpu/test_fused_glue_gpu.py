@@ -111,3 +111,34 @@ def test_gates_paths_equal_stocks_expression(path):
     _record("fused_glue_gates", path=path, errors=errs)
     assert g.dtype == torch.float32 and beta.dtype == torch.bfloat16
     assert all(e < 1e-2 for e in errs.values()), errs
+
+
+@needs_cuda
+def test_gated_norm_kernel_equals_flas():
+    """gdn-cp's gated RMSNorm (glue path ``triton_norm``: z read inside in_proj's rows, dz written there) against
+    FLA's ``rms_norm_gated`` on a contiguous copy, bf16 at Qwen3.5-9B's width: the same math and rounding points
+    (few output bits may differ, from fp32 summation order), every gradient within 1e-2."""
+    fla_norm = pytest.importorskip("fla.modules.fused_norm_gate", reason="FLA is not installed (the reference)")
+    from gdn_cp.ops.fused.split import split_columns
+    from gdn_cp.ops.fused.triton_norm import gated_rms_norm_triton
+
+    torch.manual_seed(0)
+    t = 4099  # rows past a tile
+    rows = torch.randn(t, C + HV * D + 2 * HV, device="cuda").bfloat16().requires_grad_(True)
+    o = torch.randn(t, HV, D, device="cuda").bfloat16().requires_grad_(True)
+    weight = (1 + 0.1 * torch.randn(D, device="cuda")).bfloat16().requires_grad_(True)
+    dy = torch.randn(t * HV, D, device="cuda").bfloat16()
+    z = split_columns(rows, [C, HV * D, HV, HV])[1].reshape(t, HV, D)
+    got = gated_rms_norm_triton(o, z, weight, 1e-6)
+    got_grads = torch.autograd.grad(got, (o, rows, weight), dy)
+    z_plain = torch.split(rows, [C, HV * D, HV, HV], dim=-1)[1].reshape(-1, D)
+    want = fla_norm.rms_norm_gated(o.reshape(-1, D), z_plain, weight, None, activation="swish", eps=1e-6)
+    want_grads = torch.autograd.grad(want, (o, rows, weight), dy)
+    errs = {"y": rel_l2(got.float(), want.float())}
+    errs.update({f"d_{n}": rel_l2(a.float(), b.float()) for n, a, b in zip(("o", "rows", "weight"), got_grads,
+                                                                             want_grads)})
+    differing = _differing(got, want)
+    _record("fused_glue_norm", errors=errs, differing=differing)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert all(e < 1e-2 for e in errs.values()), errs
+    assert differing < 0.02, f"share of bf16 outputs whose bits differ from FLA's: {differing}"

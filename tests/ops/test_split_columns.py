@@ -1,20 +1,24 @@
-"""split_columns: torch.split's values and gradients; where a consumer's gradient is columns of a buffer laid
-out like the whole row (gdn-cp's Triton conv backward makes one), the backward fills that buffer's other columns
-and returns it instead of concatenating (the pass over in_proj's output gradient issue 45 asked to remove)."""
+"""split_columns: torch.split's values and gradients; where consumers write their gradients into the call's
+in_proj-shaped buffer (row_gradient_columns: gdn-cp's Triton conv and gated norm backward do), the backward fills
+only the other columns and returns that buffer instead of concatenating (the passes over in_proj's output
+gradient issue 45 asked to remove)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gdn_cp.ops.fused.split import empty_like_row_columns, split_columns
+from gdn_cp.ops.fused import split
+from gdn_cp.ops.fused.split import row_gradient_columns, split_columns
 
 SIZES = [6, 4, 2, 2]
 
 
 class _IntoBuffer(torch.autograd.Function):
-    """Identity on a column group whose backward hands back its gradient as columns of a fresh [T, D] (what the
-    Triton conv backward does), remembering the buffer."""
+    made: list = []
+
+    """Identity on a column group (or a view of one) whose backward writes its gradient into
+    row_gradient_columns (what the Triton conv and gated norm backward do), remembering where."""
 
     @staticmethod
     def forward(ctx, x):
@@ -24,9 +28,9 @@ class _IntoBuffer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        out = empty_like_row_columns(x)
+        out = row_gradient_columns(x)
         out.copy_(grad)
-        _IntoBuffer.made = out
+        _IntoBuffer.made.append(out)
         return out
 
 
@@ -55,39 +59,58 @@ def test_split_columns_gives_torch_splits_values_and_gradients(first_into_buffer
 
 
 def test_the_backward_returns_the_consumers_buffer():
-    """No concatenation: the gradient of the rows is the very buffer the first group's consumer wrote into."""
+    """No concatenation: the gradient of the rows is the very buffer the groups' consumers wrote into, one a
+    view of its group ([T, 2, 2], as z [T, Hv, Dv]); the groups nobody wrote are filled in."""
+    _IntoBuffer.made = []
     rows = _rows()
     captured = {}
     handle = rows.register_hook(lambda g: captured.update(ptr=g.data_ptr()))
     parts = split_columns(rows, SIZES)
-    (_IntoBuffer.apply(parts[0]).sum() + parts[1].sum() * 2 + parts[3].sum()).backward()
+    z = parts[1].reshape(5, 2, 2)
+    (_IntoBuffer.apply(parts[0]).sum() + 2 * _IntoBuffer.apply(z).sum() + parts[3].sum()).backward()
     handle.remove()
-    assert captured["ptr"] == _IntoBuffer.made.data_ptr()
+    q_cols, z_cols = _IntoBuffer.made[1], _IntoBuffer.made[0]  # backward runs the later consumer first
+    assert captured["ptr"] == q_cols.data_ptr() and z_cols.data_ptr() == q_cols.data_ptr() + 6 * 8
+    assert z_cols.shape == (5, 2, 2) and z_cols.stride() == (14, 2, 1)
     expected = torch.cat([torch.ones(5, 6), 2 * torch.ones(5, 4), torch.zeros(5, 2), torch.ones(5, 2)], dim=-1)
     assert torch.equal(rows.grad, expected.double())
+    assert not split._GROUPS, "a call's groups stay registered after its backward"
 
 
-def test_empty_like_row_columns_keeps_the_column_layout():
-    full = torch.zeros(4, 14)
-    view = full[:, 6:10]
-    made = empty_like_row_columns(view)
-    assert made.shape == view.shape and made.stride() == view.stride() and made._base.shape == (4, 14)
-    assert made.storage_offset() - made._base.storage_offset() == 6
-    plain = empty_like_row_columns(torch.zeros(4, 3))
-    assert plain.is_contiguous() and plain.shape == (4, 3)
+def test_row_gradient_columns_only_for_one_consumer_of_a_whole_group():
+    rows = _rows()
+    parts = split_columns(rows, SIZES)
+    first = row_gradient_columns(parts[0])
+    assert first.stride() == (14, 1) and first._base.shape == (5, 14)
+    again = row_gradient_columns(parts[0])  # a second consumer of the group: its own tensor (autograd sums them)
+    assert again.is_contiguous() and again.data_ptr() != first.data_ptr()
+    assert row_gradient_columns(parts[1][:, :2]).is_contiguous()  # part of a group
+    assert row_gradient_columns(parts[1][1:]).is_contiguous()  # not its first row
+    assert row_gradient_columns(parts[1].float()).is_contiguous()  # another dtype: not the group
+    assert row_gradient_columns(torch.zeros(5, 4, dtype=torch.float64)).is_contiguous()  # never split
+    assert row_gradient_columns(parts[1].reshape(5, 2, 2))._base is first._base
+
+
+def test_a_second_backward_gives_the_same_gradient():
+    """retain_graph: the buffer went to the first backward's caller; the second makes its own."""
+    rows = _rows()
+    parts = split_columns(rows, SIZES)
+    loss = _IntoBuffer.apply(parts[0]).sum() + parts[1].sum()
+    first = torch.autograd.grad(loss, rows, retain_graph=True)[0].clone()
+    second = torch.autograd.grad(loss, rows)[0]
+    assert torch.equal(first, second)
 
 
 def test_switched_off_it_concatenates_as_torch_split(monkeypatch):
     """``GRAD_INTO_CONSUMER_BUFFER`` off (the benchmark's ``split_cat`` lever): same gradient, a new tensor."""
-    from gdn_cp.ops.fused import split
-
     monkeypatch.setattr(split, "GRAD_INTO_CONSUMER_BUFFER", False)
+    _IntoBuffer.made = []
     rows = _rows()
     captured = {}
     handle = rows.register_hook(lambda g: captured.update(ptr=g.data_ptr()))
     parts = split_columns(rows, SIZES)
     (_IntoBuffer.apply(parts[0]).sum() + parts[1].sum() * 2 + parts[3].sum()).backward()
     handle.remove()
-    assert captured["ptr"] != _IntoBuffer.made.data_ptr()
+    assert captured["ptr"] != _IntoBuffer.made[0].data_ptr()
     expected = torch.cat([torch.ones(5, 6), 2 * torch.ones(5, 4), torch.zeros(5, 2), torch.ones(5, 2)], dim=-1)
     assert torch.equal(rows.grad, expected.double())

@@ -1,4 +1,4 @@
-"""gdn-cp's Triton glue kernels (gdn_cp.ops.fused.triton_conv / triton_gates) on the CPU through Triton's
+"""gdn-cp's Triton glue kernels (gdn_cp.ops.fused.triton_conv / triton_gates / triton_norm) on the CPU through Triton's
 interpreter, against the plain-torch glue: packed sequences with empty slots and one-row sequences, a
 halo, grouped value heads, head dims that are not powers of two, strided inputs, forward and backward.
 fp32 must agree to float rounding; fp16 (which the interpreter rounds as a GPU does) to within one
@@ -31,7 +31,8 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 10 and sum(name.startswith("conv") for name in cases) == 8
+    assert len(cases) == 12 and sum(name.startswith("conv") for name in cases) == 8
+    assert sum(name.startswith("norm") for name in cases) == 2
     assert sum("one_pass" in name for name in cases) == 4  # the one-pass backward beside the two-pass one
 
 
@@ -59,6 +60,18 @@ def test_gates_equal_stocks_expression(cases):
     for name in ("gates float32", "gates float16"):
         case = cases[name]
         assert case["dtypes_match"], name
+        tol = 1e-6 if "float32" in name else 2e-3
+        bad = {k: v for k, v in case["errors"].items() if not v <= tol}
+        assert not bad, f"{name}: {bad}"
+
+
+def test_the_gated_norm_equals_flas_math_and_writes_dz_into_in_projs_gradient(cases):
+    """The gated RMSNorm's output, o's, z's (inside in_proj's rows) and the weight's gradients against FLA's
+    rms_norm_gated math in plain torch; dz written as z's columns of one in_proj-shaped buffer."""
+    for name, case in cases.items():
+        if not name.startswith("norm"):
+            continue
+        assert case["dz_into_rows"], name
         tol = 1e-6 if "float32" in name else 2e-3
         bad = {k: v for k, v in case["errors"].items() if not v <= tol}
         assert not bad, f"{name}: {bad}"

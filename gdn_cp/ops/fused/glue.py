@@ -12,6 +12,9 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   l2 norm in one pass each way, the gates in one pass each way;
 - ``triton_one_pass``: the same kernels, the conv's backward in one kernel (no fp32 ``[T, C]`` buffer
   between two; :func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd`);
+- ``triton_norm``: ``triton_one_pass``, and the gated RMSNorm after the core by gdn-cp's kernel, which reads the
+  gate z where in_proj wrote it and writes its gradient into in_proj's (:mod:`.triton_norm`: no copy of z
+  either way);
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -35,14 +38,14 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CUDA_DEFAULT", "GLUE_PATHS", "L2NORM_EPS", "conv_silu_split", "gates", "glue_path"]
+__all__ = ["CUDA_DEFAULT", "GLUE_PATHS", "L2NORM_EPS", "conv_silu_split", "gated_rms_norm", "gates", "glue_path"]
 
 logger = logging.getLogger(__name__)
 
 L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
-GLUE_PATHS = ("triton", "triton_one_pass", "compiled", "unfused")
+GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 CUDA_DEFAULT = "triton_one_pass"
@@ -162,9 +165,9 @@ def _triton_gates():
 
 
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "triton": _triton_gates,
-          "triton_one_pass": _triton_gates, "unfused": lambda: _gates}
+          "triton_one_pass": _triton_gates, "triton_norm": _triton_gates, "unfused": lambda: _gates}
 _CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled, "triton": _triton_conv,
-         "triton_one_pass": lambda: _triton_conv(one_pass=True)}
+         "triton_one_pass": lambda: _triton_conv(one_pass=True), "triton_norm": lambda: _triton_conv(one_pass=True)}
 
 
 def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, path: str = "eager"):
@@ -197,3 +200,14 @@ def conv_silu_split(
     ``triton_one_pass``
     (:func:`glue_path`)."""
     return _CONV[path]()(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)
+
+
+def gated_rms_norm(path: str):
+    """gdn-cp's gated RMSNorm for glue ``path`` where it has one (``triton_norm``:
+    :func:`~gdn_cp.ops.fused.triton_norm.gated_rms_norm_triton`, ``o, z [T, Hv, Dv], weight [Dv], eps ->
+    [T*Hv, Dv]``), else None: the backend's kernel or the layer's own norm runs."""
+    if path != "triton_norm":
+        return None
+    from .triton_norm import gated_rms_norm_triton
+
+    return gated_rms_norm_triton

@@ -1,81 +1,136 @@
-"""in_proj's output split into its column groups, with a backward that writes into the gradient a consumer
-already laid out like the whole row.
+"""in_proj's output split into its column groups, with one gradient buffer that the groups' consumers write into.
 
 ``torch.split``'s backward concatenates the groups' gradients into a new ``[T, D]`` tensor: a pass over all of
-in_proj's output gradient. gdn-cp's Triton conv backward writes ``dx`` as columns of a ``[T, D]`` buffer (laid out
-like its input, a column view of in_proj's output), so :func:`split_columns`'s backward finds that buffer
-through the gradient's base, copies the other groups' gradients (z, beta, alpha: a third of the columns) into
-their columns, and hands the buffer back: no concatenation. Where no gradient is laid out so (another glue
-path, an all-to-all between), it concatenates as ``torch.split`` would. Same values either way.
+in_proj's output gradient. Here each call of :func:`split_columns` gets a :class:`RowGradient`, a ``[T, D]``
+buffer made by the first consumer that asks for its columns (:func:`row_gradient_columns`: gdn-cp's Triton conv
+backward for q|k|v, its gated norm backward for z). Each consumer writes its group's gradient straight into
+its columns; the split's backward copies in only the groups no consumer wrote (beta, alpha: a few columns) and
+hands the buffer back: no concatenation, no copy of a big group. Where no consumer asked (another glue path, an
+all-to-all between), it concatenates as ``torch.split`` would. Same values either way.
+
+A consumer finds its call's buffer by the data pointer of the group it was given (a group, or a view of one
+with the same first element: ``z [T, Hv, Dv]``), looked up while that call's graph lives; after the split's
+backward the buffer belongs to in_proj's backward and is never handed out again.
 """
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["split_columns", "empty_like_row_columns"]
+__all__ = ["RowGradient", "row_gradient_columns", "split_columns"]
 
 GRAD_INTO_CONSUMER_BUFFER = True
-"""On: :func:`split_columns`' backward reuses a gradient laid out like the whole row (above); off: it is
-``torch.split`` (benchmarks/layer_full.py's lever ``split_cat`` times the two in the same run)."""
+"""On: consumers write into one in_proj-shaped gradient (above); off: :func:`split_columns` is ``torch.split``
+(benchmarks/layer_full.py's lever ``split_cat`` times the two in the same run)."""
+
+_GROUPS: dict[int, weakref.ref] = {}
+"""data pointer of a group that :func:`split_columns` returned -> that call's :class:`RowGradient` (while it lives)."""
 
 
-def empty_like_row_columns(x: torch.Tensor) -> torch.Tensor:
-    """An uninitialized tensor shaped and laid out like ``x [T, C]``: where ``x`` is a column slice of rows of D
-    elements (``x.stride() == (D, 1)``, D > C), the same columns of a fresh contiguous ``[T, D]`` (its column offset
-    read from x's storage offset, as in a fresh in_proj output); else a contiguous ``[T, C]``."""
-    t, c = x.shape
-    d = x.stride(0)
-    if x.dim() != 2 or x.stride(1) != 1 or d <= c or t == 0:
-        return torch.empty(t, c, dtype=x.dtype, device=x.device)
-    offset = x.storage_offset() % d
-    if offset + c > d:
-        return torch.empty(t, c, dtype=x.dtype, device=x.device)
-    return torch.empty(t, d, dtype=x.dtype, device=x.device)[:, offset:offset + c]
+class RowGradient:
+    """The ``[T, D]`` gradient of one :func:`split_columns` call's rows, made on the first consumer's request.
+    ``starts``/``sizes``: the column groups; ``claimed``: the groups a consumer writes itself."""
+
+    def __init__(self, rows: torch.Tensor, sizes: Sequence[int]):
+        self.shape, self.dtype, self.device = tuple(rows.shape), rows.dtype, rows.device
+        self.sizes = tuple(sizes)
+        self.starts = tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
+        self.base = rows.data_ptr()
+        self.buffer: Optional[torch.Tensor] = None
+        self.claimed: set[int] = set()
+        self.keys: list[int] = []
+
+    def register(self, groups: Sequence[torch.Tensor]) -> None:
+        for group, size in zip(groups, self.sizes):
+            if size and self.shape[0]:
+                key = group.data_ptr()
+                _GROUPS[key] = weakref.ref(self, partial(_forget, key))
+                self.keys.append(key)
+
+    def unregister(self) -> None:
+        """After the split's backward: the buffer is in_proj's now; a second backward (retain_graph) starts anew."""
+        for key in self.keys:
+            ref = _GROUPS.get(key)
+            if ref is not None and ref() is self:
+                del _GROUPS[key]
+        self.keys, self.buffer, self.claimed = [], None, set()
+
+    def claim(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """Group ``t``'s columns of the buffer, shaped like ``t``; None where ``t`` is not exactly one group laid out
+        in the rows (``[T, n]`` or ``[T, ..., d]`` with row stride D, contiguous within a row) or its group was
+        claimed already (two consumers of one group: autograd sums their gradients, each needs its own)."""
+        rows, width = self.shape
+        offset, size = divmod(t.data_ptr() - self.base, t.element_size())
+        if size or offset not in self.starts or t.dtype != self.dtype or t.device != self.device:
+            return None
+        i = self.starts.index(offset)
+        inner = t.shape[1:]
+        if (t.dim() < 2 or t.shape[0] != rows or t.stride(0) != width or i in self.claimed
+                or torch.Size(inner).numel() != self.sizes[i] or t[0].stride() != _contiguous_strides(inner)):
+            return None
+        if self.buffer is None:
+            self.buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.claimed.add(i)
+        return self.buffer[:, offset:offset + self.sizes[i]].view(t.shape)
 
 
-def _buffer_of(grad: Optional[torch.Tensor], shape, offset: int, dtype) -> Optional[torch.Tensor]:
-    """``grad``'s base where ``grad`` is columns ``[offset, offset + width)`` of a contiguous ``shape`` tensor."""
-    if grad is None or grad._base is None or grad.dtype != dtype or grad.stride() != (shape[1], 1):
-        return None
-    base = grad._base
-    if tuple(base.shape) != tuple(shape) or not base.is_contiguous() or base.dtype != dtype:
-        return None
-    return base if grad.storage_offset() - base.storage_offset() == offset else None
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    if _GROUPS.get(key) is ref:
+        del _GROUPS[key]
+
+
+def row_gradient_columns(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized gradient for ``t``: where ``t`` is a group :func:`split_columns` returned (or a view of one
+    starting at its first element, e.g. ``z [T, Hv, Dv]``) and no other consumer claimed it, that group's columns of
+    the call's in_proj-shaped gradient, shaped like ``t`` (row stride D); else a fresh contiguous tensor."""
+    ref = _GROUPS.get(t.data_ptr()) if t.numel() else None
+    holder = ref() if ref is not None else None
+    columns = holder.claim(t) if holder is not None else None
+    return columns if columns is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 class _SplitColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, sizes):
-        ctx.shape, ctx.sizes = tuple(rows.shape), tuple(sizes)
-        return tuple(torch.split(rows, list(sizes), dim=-1))
+        groups = tuple(torch.split(rows, list(sizes), dim=-1))
+        ctx.holder = RowGradient(rows, sizes)
+        ctx.holder.register(groups)
+        return groups
 
     @staticmethod
     def backward(ctx, *grads):
-        starts = [sum(ctx.sizes[:i]) for i in range(len(ctx.sizes))]
-        dtype = next(g.dtype for g in grads if g is not None)
-        out = next((b for g, a in zip(grads, starts) if (b := _buffer_of(g, ctx.shape, a, dtype)) is not None), None)
-        if out is None:
-            return torch.cat([g if g is not None else torch.zeros(ctx.shape[0], n, dtype=dtype, device=_device(grads))
-                              for g, n in zip(grads, ctx.sizes)], dim=-1), None
-        for g, a, n in zip(grads, starts, ctx.sizes):
-            columns = out[:, a:a + n]
-            if g is None:
-                columns.zero_()
-            elif g.data_ptr() != columns.data_ptr() or g.stride() != columns.stride():
-                columns.copy_(g)
+        holder = ctx.holder
+        out = holder.buffer
+        if out is None:  # no consumer asked for columns: torch.split's concatenation
+            dtype, device = next((g.dtype, g.device) for g in grads if g is not None)
+            out = torch.cat([g if g is not None else torch.zeros(holder.shape[0], n, dtype=dtype, device=device)
+                             for g, n in zip(grads, holder.sizes)], dim=-1)
+        else:
+            for g, a, n in zip(grads, holder.starts, holder.sizes):
+                columns = out[:, a:a + n]
+                if g is None:
+                    columns.zero_()
+                elif g.data_ptr() != columns.data_ptr() or g.stride() != columns.stride():
+                    columns.copy_(g)  # a group no consumer wrote, or two consumers' gradients summed
+        holder.unregister()
         return out, None
 
 
-def _device(grads) -> torch.device:
-    return next(g.device for g in grads if g is not None)
-
-
 def split_columns(rows: torch.Tensor, sizes: Sequence[int]) -> tuple[torch.Tensor, ...]:
-    """``torch.split(rows [T, D], sizes, dim=-1)`` (views), whose backward reuses a gradient laid out like ``rows``
-    (module docstring) instead of concatenating."""
+    """``torch.split(rows [T, D], sizes, dim=-1)`` (views), whose backward returns the gradient its consumers wrote
+    into (module docstring) instead of concatenating."""
     if not GRAD_INTO_CONSUMER_BUFFER or not rows.requires_grad or rows.dim() != 2 or not rows.is_contiguous():
         return tuple(torch.split(rows, list(sizes), dim=-1))
     return _SplitColumns.apply(rows, tuple(sizes))

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .split import empty_like_row_columns
+from .split import row_gradient_columns
 
 __all__ = ["MAX_WIDTH", "conv_silu_split_triton"]
 
@@ -335,7 +335,7 @@ class _ConvSiluSplit(torch.autograd.Function):
         k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass = ctx.meta
         t, c = x.shape
         w = weight.shape[1]
-        dx = empty_like_row_columns(x)  # columns of a [T, D] laid out like in_proj's output: split_columns' backward
+        dx = row_gradient_columns(x)  # q|k|v's columns of in_proj's output gradient where x is split_columns' group
         dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
         db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
         dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
