@@ -203,10 +203,16 @@ def spans_from_trace(trace) -> tuple[dict, dict]:
             continue
         ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
         spans[cat].append((ts, ts + dur))
-        key = f"{cat}: {str(e.get('name'))[:90]}"
+        key = f"{cat}: {str(e.get('name'))[:NAME_CHARS]}"
         by_name[key] = by_name.get(key, 0.0) + dur
     return spans, by_name
 
+
+NAME_CHARS = 240
+"""A kernel's name in a profile's keys: long enough for the functor of torch's templated kernels (``elementwise_kernel<
+... direct_copy_kernel_cuda ...>``, a copy, against an add or a fill), which the first 90 characters hide."""
+CLASS_CHARS = 90
+"""The part of a name :func:`kernel_class` matches (as when keys held 90 characters: the classes of earlier runs)."""
 
 # Kernel classes of a layer's profile, in the order a kernel is matched (first match wins), so that a row
 # says where its time goes against the floor (the GEMMs): what each class's names look like in a CUDA trace
@@ -231,7 +237,7 @@ def kernel_class(key: str) -> str:
     cat, _, name = key.partition(": ")
     if cat == "memcpy":
         return "memcpy"
-    name = name.lower()
+    name = name[:CLASS_CHARS].lower()
     for cls, marks in KERNEL_CLASSES:
         if not marks or any(m in name for m in marks):
             return cls
