@@ -79,11 +79,12 @@ def _written_into_rows(consumer, rows, sizes, douts) -> bool:
             and grad.data_ptr() - grad._base.data_ptr() == sizes[0] * grad.element_size())
 
 
-NORM_CASES = (("float32", 37, 3, 16, 32), ("float16", 20, 2, 24, 256))  # (dtype, T, heads, head dim, rows per
-# backward program): 111 rows in 4 programs (the weight's gradient summed over them), rows past a tile
+NORM_CASES = (("float32", 37, 3, 16, 32, True), ("float16", 20, 2, 24, 256, True), ("float32", 37, 3, 16, 32, False))
+# (dtype, T, heads, head dim, rows per backward program, dz into in_proj's gradient): 111 rows in 4 programs (the
+# weight's gradient summed over them), rows past a tile
 
 
-def norm_case(dtype: str, t: int, heads: int, dim: int, span: int) -> dict:
+def norm_case(dtype: str, t: int, heads: int, dim: int, span: int, in_place: bool) -> dict:
     """gdn-cp's gated RMSNorm against FLA's math in plain torch (fp32 inside, rounded once), z a strided view
     of in_proj-like rows."""
     from gdn_cp.ops.fused import triton_norm
@@ -103,12 +104,13 @@ def norm_case(dtype: str, t: int, heads: int, dim: int, span: int) -> dict:
         return y.to(o.dtype).reshape(-1, dim)
 
     z = rows[:, 4:4 + heads * dim].reshape(t, heads, dim)
-    got, want = gated_rms_norm_triton(o, z, weight, eps), plain(o, z, weight)
+    got, want = gated_rms_norm_triton(o, z, weight, eps, in_place), plain(o, z, weight)
     dy = torch.randn(want.shape, generator=gen).to(dt)
     leaves = [o, rows, weight]
     pairs = [(got, want)] + list(zip(torch.autograd.grad(got, leaves, dy), torch.autograd.grad(want, leaves, dy)))
-    return {"case": f"norm {dtype} T={t} heads={heads} dim={dim} span={span}",
-            "dz_into_rows": _written_into_rows(lambda g: gated_rms_norm_triton(o, g.reshape(t, heads, dim), weight, eps),
+    return {"case": f"norm {dtype} T={t} heads={heads} dim={dim} span={span} dz_in_place={in_place}",
+            "dz_into_rows": _written_into_rows(lambda g: gated_rms_norm_triton(o, g.reshape(t, heads, dim), weight, eps,
+                                                                               in_place),
                                                rows, [4, heads * dim, 5], dy),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(["y", "do", "drows", "dweight"], pairs)}}
 

@@ -771,6 +771,15 @@ def test_the_glue_per_rank_figures_are_their_result_file():
             f"modules); with Megatron's TransformerEngine spec, {vs_stock('te', 32768, 0, 'flashqla'):.3f}x at 32K "
             f"(rank 0's slice). On FLA 0.4.2 with the TE spec, {span(te_fla[32768])} at 32K and {span(te_fla[131072])} "
             "at 128K") in text
+    norm_time = {t: [row("local", t, "patched_slice", k, "flashqla", "triton_norm") for k in (0, 1)]
+                 for t in (32768, 131072)}
+    stock_of = {t: [row("local", t, "stock_slice", k, "flashqla", run=r["run_id"]) for k, r in enumerate(norm_time[t])]
+                for t in norm_time}
+    time_ = {t: [r["median_ms"] / s["median_ms"] for r, s in zip(norm_time[t], stock_of[t])] for t in norm_time}
+    mem = {t: [r["peak_gib"] / s["peak_gib"] for r, s in zip(norm_time[t], stock_of[t])] for t in norm_time}
+    assert (f"`GDN_CP_GLUE=triton_norm` (not the default: it trades memory for time) is {span(time_[32768])} of "
+            f"stock's time at 32K and {span(time_[131072])} at 128K, with {span(mem[32768])} and {span(mem[131072])} "
+            "its peak memory") in text
     assert (f"Its one-pass backward is {span(vs_two_pass)} the time of the two-pass one it replaced, and the glue "
             f"{span(vs_unfused)} the unfused glue's") in text
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "

@@ -14,7 +14,9 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   between two; :func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd`);
 - ``triton_norm``: ``triton_one_pass``, and the gated RMSNorm after the core by gdn-cp's kernel, which reads the
   gate z where in_proj wrote it and writes its gradient into in_proj's (:mod:`.triton_norm`: no copy of z
-  either way);
+  either way; in_proj's gradient is then made before the core's backward, more peak memory);
+- ``triton_norm_dz_copy``: the same, z's gradient in a tensor of its own that the split's backward copies in
+  (one copy back, in_proj's gradient made after the core's backward as in ``triton_one_pass``);
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -33,6 +35,7 @@ Everything is trusted: the boundary that made the call checked it.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -45,7 +48,7 @@ logger = logging.getLogger(__name__)
 L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
-GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "compiled", "unfused")
+GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 CUDA_DEFAULT = "triton_one_pass"
@@ -53,9 +56,10 @@ CUDA_DEFAULT = "triton_one_pass"
 H100, each CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, FlashQLA, bf16:
 ``triton_one_pass`` 0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (its backward kernel alone 1.28
 against 1.57 ms at 16K rows, 3.49 against 5.67 at 64K); ``triton`` was 0.92-0.97x ``unfused`` (runs
-2026-12-04c/d, H200) and ``compiled`` slower than ``unfused`` (run 2026-12-04a). It changes only with a
-committed GPU run that shows another path faster at the sizes users train (tests/ops/test_glue_default.py
-reads them)."""
+2026-12-04c/d, H200) and ``compiled`` slower than ``unfused`` (run 2026-12-04a). ``triton_norm`` (run
+2026-12-06a) is 0.969-0.984x its time but keeps 0.25-1.0 GiB more at peak: a trade, not the default. It changes
+only with a committed GPU run that shows another path faster and no bigger at the sizes users train
+(tests/ops/test_glue_default.py reads them)."""
 
 
 def glue_path(setting: str, x: torch.Tensor) -> str:
@@ -165,9 +169,10 @@ def _triton_gates():
 
 
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "triton": _triton_gates,
-          "triton_one_pass": _triton_gates, "triton_norm": _triton_gates, "unfused": lambda: _gates}
+          "triton_one_pass": _triton_gates, "triton_norm": _triton_gates, "triton_norm_dz_copy": _triton_gates, "unfused": lambda: _gates}
 _CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled, "triton": _triton_conv,
-         "triton_one_pass": lambda: _triton_conv(one_pass=True), "triton_norm": lambda: _triton_conv(one_pass=True)}
+         "triton_one_pass": lambda: _triton_conv(one_pass=True), "triton_norm": lambda: _triton_conv(one_pass=True),
+         "triton_norm_dz_copy": lambda: _triton_conv(one_pass=True)}
 
 
 def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, path: str = "eager"):
@@ -203,11 +208,11 @@ def conv_silu_split(
 
 
 def gated_rms_norm(path: str):
-    """gdn-cp's gated RMSNorm for glue ``path`` where it has one (``triton_norm``:
+    """gdn-cp's gated RMSNorm for glue ``path`` where it has one (``triton_norm``, ``triton_norm_dz_copy``:
     :func:`~gdn_cp.ops.fused.triton_norm.gated_rms_norm_triton`, ``o, z [T, Hv, Dv], weight [Dv], eps ->
     [T*Hv, Dv]``), else None: the backend's kernel or the layer's own norm runs."""
-    if path != "triton_norm":
+    if path not in ("triton_norm", "triton_norm_dz_copy"):
         return None
     from .triton_norm import gated_rms_norm_triton
 
-    return gated_rms_norm_triton
+    return partial(gated_rms_norm_triton, dz_in_place=path == "triton_norm")

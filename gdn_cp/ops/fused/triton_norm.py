@@ -5,7 +5,10 @@ reads the gate ``z`` where in_proj wrote it (CUDA; the Triton interpreter runs i
 ``rms_norm_gated`` take it as ``[T*Hv, Dv]``: a strided copy forward (kept for backward: ``[T, Hv*Dv]`` more
 memory) and, backward, a contiguous ``dz`` that in_proj's gradient then copies in. Here z is read through its
 strides, and ``dz`` is written into z's columns of in_proj's output gradient
-(:func:`~gdn_cp.ops.fused.split.row_gradient_columns`). The math is FLA's ``rms_norm_gated`` (fp32 inside,
+(:func:`~gdn_cp.ops.fused.split.row_gradient_columns`), or, with ``dz_in_place=False``, into a tensor of its own
+that the split's backward copies in: the buffer of in_proj's gradient is then made at the conv's backward, after
+the core's, instead of at the norm's (run 2026-12-06a, one H100: in place costs 1.0 GiB more peak at 64K rows per
+rank, 0.25 at 16K). The math is FLA's ``rms_norm_gated`` (fp32 inside,
 rounded once): ``rstd = 1 / sqrt(mean(o^2) + eps)``, ``y = o * rstd * weight * z * sigmoid(z)``; the weight's
 gradient summed per program in fp32, then over programs.
 
@@ -87,7 +90,7 @@ _SPAN = 256  # rows per backward program (a multiple of every BT): its weight-gr
 
 class _GatedRmsNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, o, z, weight, eps):
+    def forward(ctx, o, z, weight, eps, dz_in_place):
         t, heads, dim = o.shape
         o = o.contiguous()
         rows = t * heads
@@ -98,6 +101,7 @@ class _GatedRmsNorm(torch.autograd.Function):
                 o, z, z.stride(0), z.stride(1), weight, y, rstd, rows, heads, eps, D=dim,
                 BD=triton.next_power_of_2(dim), **_FIXED)
         ctx.save_for_backward(o, z, weight, rstd)
+        ctx.dz_in_place = dz_in_place
         return y
 
     @staticmethod
@@ -107,18 +111,21 @@ class _GatedRmsNorm(torch.autograd.Function):
         rows = t * heads
         dy = dy.contiguous()
         do = torch.empty_like(o)
-        dz = row_gradient_columns(z)  # z's columns of in_proj's output gradient, where z is split_columns' group
+        # z's columns of in_proj's output gradient where z is split_columns' group, or a tensor of its own
+        dz = row_gradient_columns(z) if ctx.dz_in_place else torch.empty(z.shape, dtype=z.dtype, device=z.device)
         programs = triton.cdiv(rows, _SPAN)
         dw = torch.zeros(max(programs, 1), dim, dtype=torch.float32, device=o.device)
         if rows:
             _bwd[(programs,)](o, z, z.stride(0), z.stride(1), weight, rstd, dy, do, dz, dz.stride(0), dz.stride(1), dw,
                               rows, heads, _SPAN, D=dim, BD=triton.next_power_of_2(dim), **_FIXED)
-        return do, dz, dw.sum(0).to(weight.dtype), None
+        return do, dz, dw.sum(0).to(weight.dtype), None, None
 
 
-def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                          dz_in_place: bool = True) -> torch.Tensor:
     """``o, z [T, Hv, Dv]`` (z any head and row stride), ``weight [Dv]`` -> ``[T*Hv, Dv]``: ``o / sqrt(mean(o^2) +
-    eps) * weight * silu(z)`` per head, in fp32, rounded once to o's dtype (module docstring)."""
+    eps) * weight * silu(z)`` per head, in fp32, rounded once to o's dtype; ``dz_in_place``: z's gradient written
+    into in_proj's (module docstring)."""
     if z.stride(-1) != 1:
         z = z.contiguous()
-    return _GatedRmsNorm.apply(o, z, weight, eps)
+    return _GatedRmsNorm.apply(o, z, weight, eps, dz_in_place)
