@@ -30,7 +30,7 @@ CASES = ("stock_headwise", "headwise", "chunkwise_hidden", "chunkwise_core", "ch
 CP1_CASES = ("stock_cp1", "patched_cp1", "stock_slice", "patched_slice")
 SLICE_CASES = ("stock_slice", "patched_slice")
 STOCK_CASES = ("stock_headwise", "stock_cp1", "stock_slice")
-PACKINGS = ("mixed8", "long1", "short64", "sbhd")
+PACKINGS = ("mixed8", "sbhd")
 # Where the layer's submodules come from (``gdn_cp_testing.megatron.layer.SPECS``): ``local``
 # (ColumnParallelLinear / torch RMSNorm / RowParallelLinear) or ``te`` (Megatron's own GDN spec:
 # TransformerEngine's LayerNorm-fused in_proj, TENorm out_norm, TERowParallelLinear out_proj).
@@ -126,8 +126,6 @@ def packing(name: str, t_global: int, align: int) -> tuple[str, list[int]]:
 
     - ``mixed8``: THD, 8 sequences of mixed lengths (31%, 4%, 17%, 9%, 22%, 2%, 10%, 5% of T;
       rounding goes to the longest);
-    - ``long1``: THD, one sequence of T tokens;
-    - ``short64``: THD, 64 sequences of T/64 tokens;
     - ``sbhd``: SBHD, one sequence of T tokens (S = T, B = 1).
 
     ``align`` must be a multiple of 2*cp (Megatron's zigzag cut); 64 (FLA's chunk) by default.
@@ -135,13 +133,8 @@ def packing(name: str, t_global: int, align: int) -> tuple[str, list[int]]:
     if align < 1 or t_global % align:
         raise ValueError(f"T={t_global} must be a positive multiple of --align={align}; pick T or --align to fit")
     units = t_global // align
-    if name in ("long1", "sbhd"):
-        return ("sbhd" if name == "sbhd" else "thd"), [0, t_global]
-    if name == "short64":
-        if units % 64:
-            raise ValueError(f"packing short64 needs T={t_global} divisible by 64*align={64 * align}; "
-                             f"use a larger T or a smaller --align")
-        return "thd", [i * (t_global // 64) for i in range(65)]
+    if name == "sbhd":
+        return "sbhd", [0, t_global]
     if name == "mixed8":
         lengths = [int(units * f) for f in _MIXED8]
         if min(lengths) < 1:

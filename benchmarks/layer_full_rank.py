@@ -33,12 +33,14 @@ from gdn_cp.layout import RouteCache, plan_for_sbhd
 from gdn_cp.megatron.layer import layer_state, reset_settings
 from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
 from gdn_cp.ops import get_backend
-from gdn_cp.ops.accuracy import rel_l2
+from gdn_cp.ops.accuracy import rel_l2, worst
 from gdn_cp.ops.installed import dist_version
 from gdn_cp.ops.fla.detect import fla_available, fla_version, gdn_kernel_backends
 from gdn_cp.ops.fused import glue_path, split
-from gdn_cp_testing.megatron.layer import (build_gdn, install_cpu_shims, install_gpu_shims, make_config, stock_forward,
-                                            thd_params)
+from gdn_cp_testing.megatron.layer import (build_gdn, install_cpu_shims, install_gpu_shims, make_config, run_layer,
+                                            stock_vs_patched, thd_params)
+from gdn_cp_testing.megatron.model import sum_grads
+from gdn_cp_testing.megatron.parity import compare
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import GLUE_LEVERS, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
@@ -368,13 +370,11 @@ class _Case:
             self.psp = thd_params(self.cu, device=device) if self.layout == "thd" else None
         self.group = None if self.sliced or st["cp"] == 1 else ctx.group(cp)
 
-    def step(self, stock=contextlib.nullcontext):
-        """One forward + backward of the layer, as a training step runs it (gradients reset).
-        ``stock``: a context to run it under (``stock_forward``: stock megatron-core's code, the ``--cp 1`` check)."""
+    def step(self):
+        """One forward + backward of the layer, as a training step runs it (gradients reset)."""
         self.module.zero_grad(set_to_none=True)
         self.x.grad = None
-        with stock():
-            out, bias = self.module(self.x, None, packed_seq_params=self.psp)
+        out, bias = self.module(self.x, None, packed_seq_params=self.psp)
         y = out if bias is None else out + bias
         y.backward(self.dout)
         return y
@@ -500,7 +500,7 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
 
             out["gdn_cp_backend"] = layer_state(case.module).backend.name
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
-            out["check"] = _check_vs_stock(case, y)
+            out["check"] = _check_vs_stock(case)
         elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:
             out["check"] = _check(case, y, spec)
         del y
@@ -624,62 +624,43 @@ def _profiled(step, n: int, device) -> dict:
 # correctness: the case against CP=1 on the same weights and inputs
 # ---------------------------------------------------------------------------------------------
 
-def _check_vs_stock(case: _Case, y) -> dict:
-    """``--cp 1``: the patched case's output, input gradient and parameter gradients against stock
-    megatron-core's code (``stock_forward``: gdn-cp's hand-over off) on the same module and rows;
-    relative L2. Run right after the case's first step."""
-    got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
-    ref_out = case.step(stock=stock_forward).detach()
-    errs = {"out": rel_l2(got_out, ref_out), "grad_x": rel_l2(got_gx, case.x.grad.detach()),
-            **_worst_param(got, _grads(case.module)), "against": "stock megatron-core, same module and rows"}
-    case.module.zero_grad(set_to_none=True)
-    return errs
+def _errors(errs: dict, **extra) -> dict:
+    """A parity check's ``{"out", "grad:hidden_states", "grad:<param>"}`` (relative L2) as a row's: the output, the
+    input gradient and the parameter gradient furthest from the reference (:func:`gdn_cp.ops.accuracy.worst`)."""
+    name, err = worst({k[5:]: v for k, v in errs.items() if k.startswith("grad:") and k != "grad:hidden_states"})
+    return {"out": errs["out"], "grad_x": errs["grad:hidden_states"], "grad_params": err, "worst_param": name, **extra}
+
+
+def _check_vs_stock(case: _Case) -> dict:
+    """``--cp 1``: the patched case against stock megatron-core's code (``stock_vs_patched``: gdn-cp's hand-over
+    off) on the same module and rows."""
+    errs = stock_vs_patched(case.module, case.x, case.dout, None, metric=rel_l2, packed_seq_params=case.psp)
+    return _errors(errs, against="stock megatron-core, same module and rows")
 
 
 def _grads(module) -> dict:
     return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
 
 
-def _worst_param(got: dict, ref: dict, group=None) -> dict:
-    """The parameter gradient furthest from ``ref``'s (relative L2), each summed over ``group`` first if given."""
-    worst_name, worst = None, 0.0
-    for name in sorted(ref):
-        g = got.get(name)
-        if g is not None and group is not None:
-            dist.all_reduce(g, group=group)
-        e = rel_l2(g, ref[name])
-        if worst_name is None or e > worst:
-            worst_name, worst = name, e
-    return {"grad_params": worst, "worst_param": worst_name}
-
-
 def _reference(spec: dict) -> dict:
-    """CP=1 on the whole micro-batch (``layer1``: this pool's megatron at CP=1), kept until the
-    time phase: out, x.grad, grads."""
+    """CP=1 on the whole micro-batch (``layer1``: this pool's megatron at CP=1), kept until the time phase:
+    ``(out, x.grad, grads)``."""
     key = (spec["layout"], tuple(spec["cu"]), spec["seed"], spec.get("spec") or "local")
     ref = _STATE.get("reference")
-    if ref is not None and ref["key"] == key:
-        return ref
+    if ref is not None and ref[0] == key:
+        return ref[1]
     _STATE["reference"] = None
     _free()
     module = _STATE["layers"][spec.get("spec") or "local"]["layer1"]
     x, dout = _layer_inputs(spec["cu"][-1], spec["seed"])
     psp = thd_params(spec["cu"], device=_STATE["device"]) if spec["layout"] == "thd" else None
+    _STATE["reference"] = (key, run_layer(module, x, dout, psp))
     module.zero_grad(set_to_none=True)
-    out, bias = module(x, None, packed_seq_params=psp)
-    y = out if bias is None else out + bias
-    y.backward(dout)
-    ref = {"key": key, "out": y.detach(), "grad_x": x.grad.detach(), "grads": _grads(module)}
-    module.zero_grad(set_to_none=True)
-    _STATE["reference"] = ref
-    return ref
+    return _STATE["reference"][1]
 
 
 def _check(case: _Case, y, spec: dict) -> dict:
-    """Relative L2 of this rank's output rows and input-gradient rows, and of every parameter
-    gradient summed over the CP group, against CP=1. Run right after the case's first step."""
-    got_out, got_gx, got = y.detach(), case.x.grad.detach(), _grads(case.module)
-    ref = _reference(spec)
-    return {"out": rel_l2(got_out, ref["out"].index_select(0, case.rows)),
-            "grad_x": rel_l2(got_gx, ref["grad_x"].index_select(0, case.rows)),
-            **_worst_param(got, ref["grads"], case.group)}
+    """This rank's output rows and input-gradient rows, and every parameter gradient summed over the CP group,
+    against CP=1 (relative L2). Run right after the case's first step."""
+    got = (y.detach(), case.x.grad.detach(), sum_grads(_grads(case.module), case.group))
+    return _errors(compare(got, _reference(spec), case.rows, metric=rel_l2))

@@ -1,27 +1,10 @@
 """The verdict of ``benchmarks/train_megatron_lm.py``: each CP > 1 run against its CP=1 run, inside a band made from
-the noise pairs of its own model; the table and the plot of a results file.
-
-A **noise pair** is a CP=1 run of a model again with one harmless perturbation (``train_megatron_lm.PAIRS``), named
-``<reference>_<kind>_noise``. Rule ``pairs_band`` (:data:`RULE`), for the loss and the grad norm alike:
-
-* ``d_p(i) = |pair(i) - ref(i)| / |ref(i)|`` for every pair ``p`` of the model at iteration ``i``;
-* the band at ``i`` is ``max(FLOOR, K x max d_p(j))`` over every pair of the model and ``j`` in ``i-W .. i+W``
-  (``K`` = 3, ``W`` = 1, ``FLOOR`` = 1e-5 for the loss, 2e-3 for the grad norm: below what Megatron's log
-  prints, 7 significant digits and 3 decimals); a model with fewer than 3 pairs that ran judges nothing;
-* a run matches CP=1 when both its quantities stay inside the band at every iteration. A run that leaves it
-  keeps where and by how much (``left_band``: first iteration, difference, band, ratio, iterations over, the
-  worst one), and ``ratio`` (its largest difference / band) says how close every run came.
-
-Per iteration, not a running maximum: where the pairs agree (early iterations, or a calm phase) the band is
-narrow and a small systematic difference stands out; where bf16 training is chaotic every pair diverges and
-so may the run. ``W`` absorbs the iteration at which one pair's difference crosses zero; ``K`` the chance
-that one more perturbation lands beyond the largest of a few. A model is what trains (the layers, their
-sizes, the precision and FP8 recipe, the backend, the schedule); CP, the mode, the data flag, recompute and
-the pipeline / data-parallel layout are how it runs (:func:`model_key`).
-
-The committed file, written before this rule, is judged by its own (:data:`RULES`): ``noise_or_floor`` (one pair per
-precision pooled over every model, loss only; fp32 at 1e-6 / 1e-4). The raw files of runs 2026-12-02b, c, e (mock
-data, no ``rule`` key) were judged by ``noise``, which went in issue 48 (``git show ce16681:benchmarks/mlm_verdict.py``).
+the noise pairs of its own model (a CP=1 run again with one harmless perturbation, ``train_megatron_lm.PAIRS``,
+named ``<reference>_<kind>_noise``); the table and the plot of a results file. docs/performance.md ("Training
+against CP=1: the judgement") states rule ``pairs_band`` (:data:`RULE`, its parameters in :data:`RULES`): the band,
+what a model is (:func:`model_key`), the verdicts, and the legacy rule ``noise_or_floor`` that judges the committed
+file. The raw files of runs 2026-12-02b, c, e (mock data, no ``rule`` key) were judged by ``noise``, which went in
+issue 48 (``git show ce16681:benchmarks/mlm_verdict.py``).
 """
 
 from __future__ import annotations

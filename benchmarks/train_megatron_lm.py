@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import hashlib
 import heapq
 import json
 import logging
@@ -334,10 +333,6 @@ def split_calls(todo: list, *, max_ranks: int, budget_s: float) -> tuple[list[li
 # running the matrix
 # ------------------------------------------------------------------------------------------------
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def prepare_data(data_dir: Path, todo: list, *, source=None, max_bytes: int = byte_text.MAX_BYTES) -> dict:
     """Build the byte-level text and the SFT set cut from it into ``data_dir``; returns the provenance."""
     provenance = byte_text.build(data_dir, source=source, max_bytes=max_bytes)
@@ -346,7 +341,7 @@ def prepare_data(data_dir: Path, todo: list, *, source=None, max_bytes: int = by
     seq = max([s.seq_length for s in sft] + [4096])
     path = write_sft_set(Path(data_dir) / "sft.jsonl", text=byte_text.corpus_text(source, max_bytes), rows=rows,
                          seq_length=seq)
-    return provenance | {"sft": {"path": str(path), "rows": rows, "seq_length": seq, "sha256": _sha256(path)}}
+    return provenance | {"sft": {"path": str(path), "rows": rows, "seq_length": seq, "sha256": byte_text.sha256_of(path)}}
 
 
 RESUME_SAME = ("python", "torch", "triton", "fla", "flash_qla", "megatron_core", "gdn_cp", "gpu")

@@ -13,8 +13,15 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+from gdn_cp_testing import lazy_compile
 from gdn_cp_testing.ranks import RankPool
+
+if not torch.cuda.is_available():
+    # megatron-core's import in this process without TorchInductor's, as in the CPU rank pools (~1.5 CPU s): the
+    # tests here run megatron's modules with dynamo off (install_cpu_shims). A GPU session compiles for real.
+    lazy_compile.install()
 
 SKIP_MEGATRON_ENV = "GDN_CP_ALLOW_SKIP_MEGATRON"
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,7 +123,8 @@ def benchmark_module():
 # ------------------------------------------------------------------------------------------
 class SmokeRun:
     """``python3 -m benchmarks.<script> <args> --out <json>`` in a subprocess (from the repository root; a
-    ``script`` with a dot is a module path of its own, e.g. ``gdn_cp_testing.triton_interpret``, and ``env``
+    ``script`` with a dot is a module path of its own, e.g. ``gdn_cp_testing.triton_interpret``; ``"-c"`` runs
+    the program text ``args[0]`` as ``python3 -c`` does, with ``--out <json>`` in its ``sys.argv``; ``env``
     adds variables to the subprocess's environment). A smoke run is mostly
     process start-up and imports, so the session runs them one after the other in a background
     thread while the in-process tests run (2 cores: one for each); a test that needs a run that
@@ -127,8 +135,8 @@ class SmokeRun:
         name = key.replace(":", ".")
         self.out = workdir / f"{name}.json"
         self._log_path = workdir / f"{name}.log"
-        module = script if "." in script else f"benchmarks.{script}"
-        self.argv = [sys.executable, "-m", module, *args, "--out", str(self.out)]
+        module = ["-c"] if script == "-c" else ["-m", script if "." in script else f"benchmarks.{script}"]
+        self.argv = [sys.executable, *module, *args, "--out", str(self.out)]
         self.env = dict(os.environ, **env) if env else None
         self.proc: subprocess.Popen | None = None
         self._stopped = False
@@ -175,14 +183,16 @@ def _smoke_run(module, fixture: str) -> SmokeRun:
     if key not in _SMOKE:
         if not _SMOKE_DIR:
             _SMOKE_DIR.append(Path(tempfile.mkdtemp(prefix="gdn_cp_smoke_")))
-        script, args, *env = module.SMOKE_RUNS[fixture]
+        spec = module.SMOKE_RUNS[fixture]
+        script, args, *env = spec() if callable(spec) else spec
         _SMOKE[key] = SmokeRun(key, script, list(args), _SMOKE_DIR[0], *env)
     return _SMOKE[key]
 
 
 def start_smoke_run(module, fixture: str) -> SmokeRun:
     """The run behind ``fixture`` of a test module that declares ``SMOKE_RUNS = {fixture: (script,
-    [args])}`` (or ``(script, [args], {env})``), started now unless the session already started it."""
+    [args])}`` (or ``(script, [args], {env})``, or a function that returns one: called once, when the run is
+    queued; an error there is the fixture's), started now unless the session already started it."""
     run = _smoke_run(module, fixture)
     run.start()
     return run
@@ -239,7 +249,13 @@ def pytest_collection_finish(session):
         wanted += [(module, f) for f in sorted(set(runs) & set(getattr(item, "fixturenames", ())))]
     if any(getattr(m, "SMOKE_IMPORTS_MEGATRON", False) for m, _ in wanted) and _megatron_may_change():
         wanted = [(m, f) for m, f in wanted if not getattr(m, "SMOKE_IMPORTS_MEGATRON", False)]
-    queue = list({id(r): r for r in (_smoke_run(m, f) for m, f in wanted)}.values())
+    runs = []
+    for m, f in wanted:
+        try:
+            runs.append(_smoke_run(m, f))
+        except Exception:  # noqa: BLE001 - raised again where the fixture asks for the run
+            pass
+    queue = list({id(r): r for r in runs}.values())
     if queue:
         threading.Thread(target=_run_in_turn, args=(queue,), name="gdn-cp-smoke-runs", daemon=True).start()
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tests.conftest import start_smoke_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ERRORS = (ROOT / "docs" / "errors.md").read_text()
@@ -18,11 +21,21 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_the_fuzz_test_count_is_the_collected_one():
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        str(ROOT / "tests" / "fuzz")], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    (collected,) = re.findall(r"^(\d+) tests? collected", r.stdout, re.M) or [None]
-    assert r.returncode == 0 and collected, r.stdout[-2000:] + r.stderr[-2000:]
+# pytest collecting tests/fuzz in a process of its own (seconds) starts in the background when the session starts
+# (tests/conftest.py); the program drops the --out a smoke run is given
+SMOKE_RUNS = {"fuzz_collected": ("-c", ["import sys, pytest; sys.exit(pytest.main(sys.argv[1:-2]))", "--collect-only",
+                                        "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "fuzz")])}
+
+
+@pytest.fixture(scope="module")
+def fuzz_collected():
+    return start_smoke_run(sys.modules[__name__], "fuzz_collected").result(timeout_s=300)
+
+
+def test_the_fuzz_test_count_is_the_collected_one(fuzz_collected):
+    code, printed, _ = fuzz_collected
+    (collected,) = re.findall(r"^(\d+) tests? collected", printed, re.M) or [None]
+    assert code == 0 and collected, printed[-4000:]
     (said,) = re.findall(r"with hypothesis \((\d+) tests\)", _one_line(ERRORS))
     assert int(said) == int(collected), f"docs/errors.md says tests/fuzz holds {said} tests; {collected} are collected"
 

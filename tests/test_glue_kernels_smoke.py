@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 
 import pytest
+
+from tests.conftest import start_smoke_run
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (the interpreter runs the kernels on the CPU)")
@@ -23,13 +23,19 @@ def test_help_says_what_it_times(benchmark_module, capsys):
     assert "--rows" in out and "--resources" in out and "floor" in out
 
 
-def test_a_dry_run_writes_a_row_per_row_count(tmp_path):
-    out = tmp_path / "glue_kernels.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, "-m", "benchmarks.glue_kernels", "--device", "cpu", "--rows", "40,24",
-                           "--heads", "1,1", "--head-dim", "16", "--iters", "1", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+# the interpreter's dry run starts in the background when the session starts (tests/conftest.py)
+SMOKE_RUNS = {"dry_run": ("glue_kernels", ["--device", "cpu", "--rows", "40,24", "--heads", "1,1", "--head-dim", "16",
+                                           "--iters", "1"], {"TRITON_INTERPRET": "1"})}
+
+
+@pytest.fixture(scope="module")
+def dry_run():
+    return start_smoke_run(sys.modules[__name__], "dry_run").result(timeout_s=300)
+
+
+def test_a_dry_run_writes_a_row_per_row_count(dry_run):
+    code, printed, out = dry_run
+    assert code == 0, printed[-2000:]
     report = json.loads(out.read_text())
     assert [r["rows"] for r in report["results"]] == [40, 24]
     for row in report["results"]:

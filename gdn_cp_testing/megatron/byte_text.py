@@ -38,7 +38,8 @@ import sysconfig
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["EOD", "PAD", "PREFIX", "VOCAB", "build", "corpus_text", "documents", "select_files", "source_files"]
+__all__ = ["EOD", "PAD", "PREFIX", "VOCAB", "build", "corpus_text", "documents", "select_files", "sha256_of",
+           "source_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ def corpus_text(source=None, max_bytes: int = MAX_BYTES) -> bytes:
     return b"".join((root / rel).read_bytes() for rel in select_files(root, max_bytes))
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """The file's sha256, hex (read in 1 MiB blocks)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -148,7 +150,7 @@ def build(out_dir, *, source=None, max_bytes: int = MAX_BYTES, prefix: str = PRE
         "python_implementation": platform.python_implementation(), "files": len(files), "documents": n_docs,
         "bytes": n_bytes, "tokens": n_bytes + n_docs, "vocab_size": VOCAB, "eod": EOD, "max_bytes": max_bytes,
         "files_sha256": hashlib.sha256("\n".join(files).encode()).hexdigest(),
-        "bin_sha256": _sha256(Path(get_bin_path(path_prefix))), "idx_sha256": _sha256(Path(get_idx_path(path_prefix))),
+        "bin_sha256": sha256_of(Path(get_bin_path(path_prefix))), "idx_sha256": sha256_of(Path(get_idx_path(path_prefix))),
     }
     (out_dir / f"{prefix}.json").write_text(json.dumps(provenance, indent=1) + "\n", encoding="utf-8")
     logger.info("byte-level stdlib text: %d files, %d documents, %d tokens in %s (bin sha256 %s)", len(files),

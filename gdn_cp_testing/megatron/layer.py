@@ -401,20 +401,20 @@ def run_layer(module, x, dout, packed_seq_params=None, forward=None, after_backw
     return y.detach(), x.grad.detach(), grads
 
 
-def stock_vs_patched(module, x, dout, group, metric=max_rel) -> dict:
+def stock_vs_patched(module, x, dout, group, metric=max_rel, packed_seq_params=None) -> dict:
     """``metric`` of the patched forward against stock 0.19.2's on the same module and rows:
     output, input gradient and every parameter gradient. Per-rank parameter gradients differ by
     design (stock slices A_log / dt_bias / conv per head; gdn-cp uses every head on its own
-    tokens), so they are compared summed over the CP ``group``."""
+    tokens), so they are compared summed over the CP ``group`` (None: one rank, as they are)."""
     import torch.distributed as dist
 
-    patched = run_layer(module, x, dout)
+    patched = run_layer(module, x, dout, packed_seq_params)
     with stock_forward():
-        stock = run_layer(module, x, dout)
+        stock = run_layer(module, x, dout, packed_seq_params)
     errs = {"out": metric(patched[0], stock[0]), "grad:hidden_states": metric(patched[1], stock[1])}
     for name in stock[2]:
         a, b = patched[2][name], stock[2][name]
-        if a is not None and b is not None:
+        if a is not None and b is not None and group is not None:
             dist.all_reduce(a, group=group)
             dist.all_reduce(b, group=group)
         errs[f"grad:{name}"] = metric(a, b)

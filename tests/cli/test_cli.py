@@ -5,6 +5,7 @@ selftest says what it checked; the package layout the README describes."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
@@ -243,13 +244,21 @@ def test_route_json_is_the_plan_the_summary_describes(capsys):
 def test_route_answers_without_importing_torch():
     """Issue #49: `gdn-cp route --cu 0,100,200 --cp 2` took 2-7 s, torch imported for integer work. The
     layout math imports torch only where it makes a tensor: route runs where torch cannot import at all."""
-    code = ("import sys\nsys.modules['torch'] = None  # any import of torch fails\nfrom gdn_cp.cli import main\n"
-            "sys.exit(main(sys.argv[1:]))\n")
-    for extra in ([], ["--all"], ["--json", "--rank", "1"], ["-q"]):
-        r = subprocess.run([sys.executable, "-c", code, "route", "--cu", "0,100,200", "--cp", "2", *extra],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and r.stderr == "", (extra, r.stderr)
-        assert ("T_global=200" in r.stdout) or ('"t_global": 200' in r.stdout), (extra, r.stdout)
+    code = ("import contextlib, io, json, sys\nsys.modules['torch'] = None  # any import of torch fails\n"
+            "from gdn_cp.cli import main\nout = []\n"
+            "for argv in json.loads(sys.argv[1]):  # one process for every call (each start costs a second)\n"
+            "    o, e = io.StringIO(), io.StringIO()\n"
+            "    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):\n"
+            "        code = main(argv)\n"
+            "    out.append([code, o.getvalue(), e.getvalue()])\n"
+            "print(json.dumps(out))\n")
+    calls = [["route", "--cu", "0,100,200", "--cp", "2", *extra] for extra in ([], ["--all"], ["--json", "--rank", "1"],
+                                                                              ["-q"])]
+    r = subprocess.run([sys.executable, "-c", code, json.dumps(calls)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    for argv, (returncode, stdout, stderr) in zip(calls, json.loads(r.stdout), strict=True):
+        assert returncode == 0 and stderr == "", (argv, stderr)
+        assert ("T_global=200" in stdout) or ('"t_global": 200' in stdout), (argv, stdout)
 
 
 def test_each_command_help_says_what_its_own_v_and_q_print(capsys):

@@ -13,6 +13,7 @@ from gdn_cp.modes import GDNShape
 # 3 key heads: headwise cannot split them over cp=2 (the others can); small and quick.
 SMALL = dict(num_sequences=5, tokens_per_rank=16, shape=GDNShape(num_k_heads=3, num_v_heads=6, head_k_dim=8,
                                                                  head_v_dim=8))
+_REAL_RUN = {"events": [], "answers": None}  # the verbose test's real ranks: what they sent, what they returned
 
 
 @pytest.mark.parametrize("argv,flag,needle", [
@@ -216,8 +217,13 @@ def test_each_line_prints_when_its_mode_is_done_and_verbose_shows_every_ranks_lo
     returned = []
     real = main_job.run_ranks
 
-    def watched(*a, **k):
-        out = real(*a, **k)
+    def watched(*a, on_event, **k):
+        def record(rank, payload):
+            _REAL_RUN["events"].append((rank, payload))
+            on_event(rank, payload)
+
+        out = real(*a, on_event=record, **k)
+        _REAL_RUN["answers"] = out
         returned.append(True)
         return out
 
@@ -297,9 +303,21 @@ def test_the_seed_chooses_the_packing():
 
 
 @pytest.mark.slow
-def test_wrong_answers_fail():
+def test_wrong_answers_fail(monkeypatch):
     """Errors over the tolerance make the exit code 1, with a line saying which (a tolerance no run
-    meets: the comparison is not vacuous)."""
+    meets: the comparison is not vacuous). The ranks' real events, recorded by the verbose test's run of the
+    same job (cp=2, chunkwise among its modes; the parent judges them), are replayed here: no second spawn.
+    Run alone, this test spawns its own ranks."""
+    if _REAL_RUN["answers"] is not None:
+        from gdn_cp.cli import main_job
+
+        def replay(world, fn, cp, cfg, modes, *, on_event, **kw):
+            for rank, payload in _REAL_RUN["events"]:
+                if payload.get("kind") != "mode" or payload.get("mode") in modes:
+                    on_event(rank, payload)
+            return _REAL_RUN["answers"]
+
+        monkeypatch.setattr(main_job, "run_ranks", replay)
     lines = []
     result = run_job(JobConfig(cp_sizes=(2,), modes=("chunkwise",), **SMALL), tolerance=-1.0, echo=lines.append)
     text = "\n".join(lines)

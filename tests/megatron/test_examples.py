@@ -47,7 +47,9 @@ def test_the_training_loop_uses_public_api_only():
 
 # the CP=1 and CP=2 runs start in the background when the session starts (tests/conftest.py queues the runs
 # a selected test names as a fixture), unless the session may patch the installed megatron-core while it runs
-SMOKE_RUNS = {"loop_runs": ("gdn_cp_testing.cp_pair", ["--script", str(LOOP), "--timeout", "600"])}
+SMOKE_RUNS = {"loop_runs": ("gdn_cp_testing.cp_pair", ["--script", str(LOOP), "--timeout", "600"]),
+              # the Megatron-LM command's cases through Megatron-LM's parser, in one process (imports megatron.training)
+              "parsed": lambda: ("-c", [_PARSE, json.dumps(_parse_cases())])}
 SMOKE_IMPORTS_MEGATRON = True
 
 
@@ -112,6 +114,7 @@ if sys.version_info < (3, 12):
     import typing_extensions
     typing.override = typing_extensions.override
 import torch
+from gdn_cp_testing import lazy_compile; lazy_compile.install()  # megatron's import without TorchInductor's
 import megatron.training.arguments as margs
 from megatron.training.argument_utils import core_transformer_config_from_args
 
@@ -121,7 +124,7 @@ if not torch.cuda.is_available():  # this machine's stand-ins for an H200's answ
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # the script sets it
 parser = margs.add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_hybrid.py"))
 out = {}
-for name, (words, world) in json.loads(sys.stdin.read()).items():
+for name, (words, world) in json.loads(sys.argv[1]).items():
     args = parser.parse_args(words)
     args.world_size, args.rank = world, 0
     if importlib.util.find_spec("transformer_engine") is None:
@@ -135,25 +138,34 @@ for name, (words, world) in json.loads(sys.stdin.read()).items():
                  "gate": config.attention_output_gate, "zero_centered": config.layernorm_zero_centered_gamma,
                  "per_token_loss": config.calculate_per_token_loss, "aux_loss": config.moe_aux_loss_coeff,
                  "seq": args.seq_length}
-print("RESULT" + json.dumps(out))
+with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+    json.dump(out, f)
 """
 
 
-@pytest.mark.megatron
-def test_the_megatron_lm_command_passes_megatron_lms_own_parser(patched_megatron):
-    if sys.version_info < (3, 12):
-        pytest.importorskip("typing_extensions", reason="megatron.training needs typing.override (Python >= 3.12)")
-    cases = {
+def _parse_cases() -> dict:
+    """``{case: (the script's arguments, world size)}``."""
+    return {
         "default": (script_args(), 2),
         "eight_gpus": (script_args(GPUS="8", CP="4"), 8),
         "sbhd": (script_args(PACKED="0"), 2),
         "headwise": (script_args(LINEAR_CP_MODE="headwise", LINEAR_CP_BACKEND="reference"), 2),  # fla: refused where no GPU
         "full": (script_args(**full_shape(), GPUS="8", CP="2"), 8),
     }
-    r = subprocess.run([sys.executable, "-c", _PARSE], input=json.dumps(cases), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0 and "RESULT" in r.stdout, r.stderr[-4000:]
-    got = json.loads(r.stdout.split("RESULT", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def parsed(patched_megatron):
+    if sys.version_info < (3, 12):
+        pytest.importorskip("typing_extensions", reason="megatron.training needs typing.override (Python >= 3.12)")
+    code, printed, out = start_smoke_run(sys.modules[__name__], "parsed").result(timeout_s=600)
+    assert code == 0 and out.exists(), printed[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.megatron
+def test_the_megatron_lm_command_passes_megatron_lms_own_parser(parsed):
+    got = parsed
     default = got["default"]
     assert default["mode"] == "chunkwise" and default["backend"] == "auto" and default["cp"] == 2, default
     assert default["thd_split"] == "per_document" and default["per_token_loss"] and default["aux_loss"] in (0, [0]), default

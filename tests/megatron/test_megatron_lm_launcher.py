@@ -12,9 +12,7 @@ The training runs themselves need CUDA and TransformerEngine (the GPU machine:
 from __future__ import annotations
 
 import json
-import os
 import platform
-import subprocess
 import sys
 import sysconfig
 import textwrap
@@ -22,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from gdn_cp_testing.megatron.lm import RunSpec, launch, megatron_lm_args, parse_training_log, write_sft_set
+from gdn_cp_testing.megatron.lm import RunSpec, megatron_lm_args, parse_training_log, write_sft_set
+from tests.conftest import start_smoke_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,6 +62,7 @@ if sys.version_info < (3, 12):
     import typing_extensions
     typing.override = typing_extensions.override
 import numpy as np, torch
+from gdn_cp_testing import lazy_compile; lazy_compile.install()  # megatron's import without TorchInductor's
 import megatron.training.arguments as margs
 from megatron.training.arguments import add_megatron_arguments
 from megatron.training.argument_utils import core_transformer_config_from_args
@@ -72,12 +72,13 @@ if not torch.cuda.is_available():  # an H200's answers (sm_90): --moe-grouped-ge
     margs.get_device_arch_version = lambda: 9
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
 os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+TMP = os.path.join(os.path.dirname(sys.argv[sys.argv.index("--out") + 1]), "mlm_parse")  # the data, the SFT set
 from gdn_cp_testing.megatron import byte_text
 from gdn_cp_testing.megatron.lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
 sys.path.insert(0, os.path.dirname(os.environ["GDN_CP_BENCHMARKS"]))  # the repository root: Megatron-LM runs from its checkout
 from benchmarks.train_megatron_lm import GROUPS, matrix
 
-data_dir = os.path.join(os.environ["GDN_CP_TMP"], "data")
+data_dir = os.path.join(TMP, "data")
 with contextlib.redirect_stdout(io.StringIO()):
     out = {"runs": {}, "text": byte_text.build(data_dir)}
 parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_hybrid.py"))  # the scripts add no flags
@@ -172,7 +173,7 @@ from megatron.core.datasets.utils import Split
 from megatron.core.tokenizers import MegatronTokenizer
 tok = MegatronTokenizer.from_pretrained(metadata_path={"library": "null-text"}, vocab_size=VOCAB, pad_id=VOCAB - 2)
 corpus = byte_text.corpus_text()
-path = write_sft_set(os.path.join(os.environ["GDN_CP_TMP"], "sft.jsonl"), text=corpus, rows=6, seq_length=2048)
+path = write_sft_set(os.path.join(TMP, "sft.jsonl"), text=corpus, rows=6, seq_length=2048)
 out["sft"] = {}
 for cp in (1, 2, 4):
     cfg = GPTDatasetConfig(random_seed=1, sequence_length=2048, blend=None, split="100,0,0", tokenizer=tok,
@@ -190,7 +191,8 @@ for cp in (1, 2, 4):
     out["sft"][cp] = rows
 first = out["sft"][1][0]["targets"][:64]
 out["sft_targets_in_text"] = corpus.find(bytes(first)) >= 0
-print("RESULT" + json.dumps(out))
+with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+    json.dump(out, f)
 """
 
 TEXT_RUNS = {
@@ -201,19 +203,24 @@ TEXT_RUNS = {
 }
 
 
+# the script's process (imports megatron.training, builds the text: seconds) starts in the background when the
+# session starts (tests/conftest.py), unless the session may patch the installed megatron-core while it runs
+SMOKE_RUNS = {"parsed": ("-c", [f"TEXT_RUN_NAMES = {[n for names in TEXT_RUNS.values() for n in names]!r}\n" + _PARSE],
+                         {"GDN_CP_BENCHMARKS": str(REPO / "benchmarks")}),
+              # the fake Megatron-LM scripts below launched through the launcher, one after the other
+              "launched": lambda: ("-c", [_LAUNCH, json.dumps(_SCRIPTS)])}
+SMOKE_IMPORTS_MEGATRON = True
+
+
 @pytest.fixture(scope="module")
-def parsed(patched_megatron, tmp_path_factory):
+def parsed(patched_megatron):
     if sys.version_info < (3, 12):
         typing_extensions = pytest.importorskip("typing_extensions", reason="megatron.training needs typing.override")
         if not hasattr(typing_extensions, "override"):
             pytest.skip("Python < 3.12 and typing_extensions without override: megatron.training cannot import")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               GDN_CP_BENCHMARKS=str(REPO / "benchmarks"), GDN_CP_TMP=str(tmp_path_factory.mktemp("sft")))
-    script = f"TEXT_RUN_NAMES = {[n for names in TEXT_RUNS.values() for n in names]!r}\n" + _PARSE
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
-    return json.loads(lines[0][len("RESULT"):])
+    code, printed, out = start_smoke_run(sys.modules[__name__], "parsed").result(timeout_s=900)
+    assert code == 0 and out.exists(), printed[-6000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.megatron
@@ -390,14 +397,24 @@ def test_sft_stand_ins_feed_megatrons_sft_dataset(parsed):
     assert parsed["sft_targets_in_text"]  # the assistant's tokens are the text's bytes
 
 
-def _fake_checkout(root: Path, body: str) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
+_LAUNCH = """
+import dataclasses, json, sys, textwrap
+from pathlib import Path
+from gdn_cp_testing.megatron.lm import RunSpec, launch
+base, out = Path(sys.argv[-1]).parent / "launched", {}
+for name, (body, spec, kw) in json.loads(sys.argv[1]).items():
+    root = base / name / "mlm"
+    root.mkdir(parents=True)
     (root / "pretrain_hybrid.py").write_text(textwrap.dedent(body))
-    return root
-
-
-def test_launch_reads_the_last_ranks_log(tmp_path):
-    body = """\
+    res = launch(RunSpec(**spec), checkout=root, log_dir=base / name / "logs", data_dir=base / name / "data", gpus=0,
+                 timeout_s=900, **kw)  # generous: an interpreter importing megatron on a loaded 2-core machine
+    out[name] = {k: v for k, v in dataclasses.asdict(res).items() if k != "spec"}
+with open(sys.argv[-1], "w") as f:
+    json.dump(out, f)
+"""
+# fake pretrain_hybrid.py scripts launched as the benchmark launches Megatron-LM's (torchrun, 2 ranks)
+_SCRIPTS = {
+    "reads_the_last_ranks_log": ("""\
         import os, sys
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         assert os.environ["LOCAL_RANK"] == "0" and os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
@@ -413,30 +430,37 @@ def test_launch_reads_the_last_ranks_log(tmp_path):
             assert host_p2p.installed() and dist.isend is host_p2p._REPLACEMENTS["isend"]
             for it in range(1, 21):
                 print(f" iteration {it:8d}/      20 | lm loss: {9 - it / 10:.6E} | grad norm: {1 + it / 100:.3f} |")
-        """
-    spec = RunSpec("fake", cp=2, mode="chunkwise", site="/nonexistent/site-tl", iterations=20)
-    res = launch(spec, checkout=_fake_checkout(tmp_path / "mlm", body), log_dir=tmp_path / "logs", gpus=0,
-                 data_dir=tmp_path / "data",
-                 timeout_s=900)  # generous: an interpreter importing megatron on a loaded 2-core machine
-    assert res.status == "ok", res.error
-    assert res.losses == [round(9 - it / 10, 6) for it in range(1, 21)] and res.grad_norms[-1] == 1.2
-    assert res.dist_backend == "gloo"
-
-
-def test_launch_ends_a_run_when_a_rank_fails(tmp_path):
-    body = """\
+        """, dict(name="fake", cp=2, mode="chunkwise", site="/nonexistent/site-tl", iterations=20), {}),
+    "a_rank_fails": ("""\
         import os, time
         if os.environ["RANK"] == "1":
             raise ValueError("--dataloader-inter-document-masking with attention layers at context_parallel_size=2")
         time.sleep(600)  # rank 0 would wait for its peer forever
-        """
-    res = launch(RunSpec("fail", cp=2, mode="auto"), checkout=_fake_checkout(tmp_path / "mlm", body), data_dir=tmp_path,
-                 log_dir=tmp_path / "logs", gpus=0, timeout_s=900, failure_grace_s=1.0)
+        """, dict(name="fail", cp=2, mode="auto"), {"failure_grace_s": 1.0}),
+}
+
+@pytest.fixture(scope="module")
+def launched():
+    code, printed, out = start_smoke_run(sys.modules[__name__], "launched").result(timeout_s=1200)
+    assert code == 0 and out.exists(), printed[-6000:]
+    return json.loads(out.read_text())
+
+
+def test_launch_reads_the_last_ranks_log(launched):
+    res = launched["reads_the_last_ranks_log"]
+    assert res["status"] == "ok", res["error"]
+    assert res["losses"] == [round(9 - it / 10, 6) for it in range(1, 21)] and res["grad_norms"][-1] == 1.2
+    assert res["dist_backend"] == "gloo"
+
+
+def test_launch_ends_a_run_when_a_rank_fails(launched):
+    res = launched["a_rank_fails"]
     # the sleeping rank is killed after the grace (1 s here, 5 s by default; plus reaping), not left to its
     # 600 s; measured from the failure, so a loaded machine's slow interpreter start does not count
-    assert res.ended_after_failure_s is not None and res.ended_after_failure_s < 16, res.ended_after_failure_s
-    assert res.wall_s < 600
-    assert res.status == "refused" and res.error.startswith("rank 1 (exit code 1): ValueError: --dataloader-inter"), res.error
+    assert res["ended_after_failure_s"] is not None and res["ended_after_failure_s"] < 16, res["ended_after_failure_s"]
+    assert res["wall_s"] < 600
+    assert res["status"] == "refused" and res["error"].startswith("rank 1 (exit code 1): ValueError: --dataloader-inter"), \
+        res["error"]
 
 
 def test_error_tail_reads_the_exception_under_torchruns_prefixes():

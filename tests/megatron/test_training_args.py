@@ -20,14 +20,13 @@ The GPU machine (Python 3.12) runs it without that shim.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from gdn_cp.modes.spec import MODE_CHOICES
+from tests.conftest import start_smoke_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,6 +56,7 @@ if sys.version_info < (3, 12):
     typing.override = typing_extensions.override
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 import torch
+from gdn_cp_testing import lazy_compile; lazy_compile.install()  # megatron's import without TorchInductor's
 from megatron.training.arguments import add_megatron_arguments
 from megatron.training.argument_utils import core_transformer_config_from_args
 
@@ -151,22 +151,31 @@ for flag_name, value in (("--linear-cp-mode", "head_wise"), ("--linear-cp-backen
         out["typo"][flag_name] = "accepted"
     except ValueError as e:
         out["typo"][flag_name] = str(e)
-print("RESULT" + json.dumps(out))
+with open(sys.argv[sys.argv.index("--out") + 1], "w") as f:
+    json.dump(out, f)
 """
 
+# the script's process (imports megatron.training: seconds) starts in the background when the session starts
+# (tests/conftest.py), unless the session may patch the installed megatron-core while it runs
+SMOKE_RUNS = {"parsed": ("-c", [_SCRIPT], {"GDN_CP_README_COMMAND": json.dumps(readme_training_command())})}
+SMOKE_IMPORTS_MEGATRON = True
 
-@pytest.mark.megatron
-def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
+
+@pytest.fixture(scope="module")
+def parsed(patched_megatron):
+    """``(the script's answers, everything it printed)``."""
     if sys.version_info < (3, 12):
         typing_extensions = pytest.importorskip("typing_extensions", reason="megatron.training needs typing.override")
         if not hasattr(typing_extensions, "override"):
             pytest.skip("Python < 3.12 and typing_extensions without override: megatron.training cannot import")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               GDN_CP_README_COMMAND=json.dumps(readme_training_command()))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
-    out = json.loads(lines[0][len("RESULT"):])
+    code, printed, out = start_smoke_run(sys.modules[__name__], "parsed").result(timeout_s=600)
+    assert code == 0 and out.exists(), printed[-6000:]
+    return json.loads(out.read_text()), printed
+
+
+@pytest.mark.megatron
+def test_linear_cp_mode_flag_of_megatron_training(parsed):
+    out, printed = parsed
 
     from gdn_cp.ops.registry import BACKEND_CHOICES
 
@@ -187,7 +196,7 @@ def test_linear_cp_mode_flag_of_megatron_training(patched_megatron):
     for mode in ("headwise", "chunkwise", "all_gather"):
         assert out["modes"][mode] == {"parsed": mode, "config": mode}, out["modes"]
     assert out["modes"]["auto"] == {"parsed": "auto", "config": "chunkwise"}
-    assert "gdn-cp linear_cp_mode: requested=auto" in r.stderr  # logged with the reason
+    assert "gdn-cp linear_cp_mode: requested=auto" in printed  # logged with the reason
     assert out["auto_odd_heads"]["config"] == "chunkwise", out["auto_odd_heads"]
     error = out["auto_nothing_legal"]["error"]
     assert "linear_cp_mode='auto': no mode is legal" in error and "linear_num_key_heads=3" in error and "Fix:" in error

@@ -131,6 +131,9 @@ def test_not_wanted_at_debug_or_with_show(monkeypatch):
 
 SCRIPT = """
 import logging, os, signal, sys
+# Python's own Ctrl-C handler, also where the session itself started with SIGINT ignored (a shell's background job
+# passes that on, and Python then installs none): the interrupt case tests the filter, not how pytest was started
+signal.signal(signal.SIGINT, signal.default_int_handler)
 VECTORIZED, BUFFER_INIT, how = eval(sys.argv[1]), eval(sys.argv[2]), sys.argv[3]
 if how == "debug":
     logging.basicConfig(level=logging.DEBUG)

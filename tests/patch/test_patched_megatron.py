@@ -23,6 +23,7 @@ import json, sys, traceback, typing, warnings
 warnings.filterwarnings("ignore")
 import torch
 import torch.nn.functional as F
+from gdn_cp_testing import lazy_compile; lazy_compile.install()  # megatron's import without TorchInductor's
 
 
 def use_tree(root):

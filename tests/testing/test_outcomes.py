@@ -4,25 +4,35 @@ GDN_CP_TEST_OUTCOMES), read back as passed / failed / skipped / not reached, als
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gdn_cp_testing import outcomes
+from tests.conftest import start_smoke_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_a_session_records_every_test_as_it_ends(tmp_path):
-    log = tmp_path / "outcomes.jsonl"
-    env = {**os.environ, "GDN_CP_TEST_OUTCOMES": str(log)}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_checks.py"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:]
+# a pytest session of its own (seconds) starts in the background when this session starts (tests/conftest.py),
+# recording its outcomes into the smoke run's --out file
+SMOKE_RUNS = {"session": ("-c", ["import os, sys, pytest; os.environ['GDN_CP_TEST_OUTCOMES'] = sys.argv[-1]; "
+                                 "sys.exit(pytest.main(sys.argv[1:-2]))", "-q", "-p", "no:cacheprovider",
+                                 "tests/test_checks.py"])}
+
+
+@pytest.fixture(scope="module")
+def session():
+    return start_smoke_run(sys.modules[__name__], "session").result(timeout_s=300)
+
+
+def test_a_session_records_every_test_as_it_ends(session):
+    code, printed, log = session
+    assert code == 0, printed[-2000:]
     s = outcomes.summarize(log)
     assert s["collected"] >= 5 and s["passed"] == s["collected"] and s["not_reached"] == 0 and not s["failed_ids"]
-    assert f"{s['passed']} passed" in run.stdout
+    assert f"{s['passed']} passed" in printed
 
 
 def test_a_killed_session_says_what_was_not_reached(tmp_path, capsys):
