@@ -94,7 +94,7 @@ def resources(head_dim: int) -> list[dict]:
     without the halo, for q/k (l2 norm) and v heads, compiled for sm_90 (:func:`gdn_cp_testing.triton_compile`)."""
     import triton
 
-    from gdn_cp.ops.fused.triton_conv import TILE_CONFIGS
+    from gdn_cp.ops.fused.triton_launch import TILE_CONFIGS
     from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
 
     rows = []

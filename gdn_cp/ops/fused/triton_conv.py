@@ -21,13 +21,12 @@ Everything is trusted: the boundary that made the call checked it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .split import row_gradient_columns
+from .triton_launch import TILE_CONFIGS, launcher
 
 __all__ = ["MAX_WIDTH", "conv_silu_split_triton"]
 
@@ -267,34 +266,13 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
         tl.store(db_ptr + i_p * width + local, tl.sum(accb, axis=0), mask=d_ok)
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: one fixed config, no autotuning
-
-
-def _launcher(kernel, key: list, configs: list, fixed: dict):
-    """``launch(grid(meta), *args, **kwargs)``: ``kernel`` autotuned over ``configs`` (``(meta, num_warps)``, keyed
-    on ``key``, as FLA tunes its kernels) on a GPU; with the ``fixed`` config under Triton's interpreter."""
-    if _INTERPRETED:
-        def launch(grid, *args, **kwargs):
-            meta = dict(fixed)
-            warps = meta.pop("num_warps")
-            kernel[grid(meta)](*args, **kwargs, **meta, num_warps=warps)
-        return launch
-    tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key)(kernel)
-
-    def launch(grid, *args, **kwargs):
-        tuned[grid](*args, **kwargs)
-    return launch
-
-
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
-TILE_CONFIGS = [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)]
-"""The forward's and the pre-activation kernel's autotuning configs: (meta, num_warps)."""
-_fwd = _launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
-_pre = _launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
-_dx = _launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
+_fwd = launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
-_bwd = _launcher(gdn_cp_glue_conv_bwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_bwd = launcher(gdn_cp_glue_conv_bwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile

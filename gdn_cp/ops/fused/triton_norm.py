@@ -18,13 +18,12 @@ Shapes: ``o [T, Hv, Dv]`` contiguous, ``z [T, Hv, Dv]`` (``z.stride(-1) == 1``),
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .split import row_gradient_columns
+from .triton_launch import TILE_CONFIGS, launcher
 
 __all__ = ["gated_rms_norm_triton"]
 
@@ -80,11 +79,8 @@ def gdn_cp_gated_norm_bwd(o_ptr, z_ptr, z_row, z_head, w_ptr, rstd_ptr, dy_ptr, 
     tl.store(dw_ptr + i_p * D + d, tl.sum(dw, axis=0), mask=d_ok)
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # the CPU tests: one fixed config, no autotuning
-_CONFIGS = [triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)]
-_fwd = gdn_cp_gated_norm_fwd if _INTERPRETED else triton.autotune(configs=_CONFIGS, key=["D"])(gdn_cp_gated_norm_fwd)
-_bwd = gdn_cp_gated_norm_bwd if _INTERPRETED else triton.autotune(configs=_CONFIGS, key=["D"])(gdn_cp_gated_norm_bwd)
-_FIXED = {"BT": 16, "num_warps": 4} if _INTERPRETED else {}
+_fwd = launcher(gdn_cp_gated_norm_fwd, ["D"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_bwd = launcher(gdn_cp_gated_norm_bwd, ["D"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _SPAN = 256  # rows per backward program (a multiple of every BT): its weight-gradient sum
 
 
@@ -97,9 +93,8 @@ class _GatedRmsNorm(torch.autograd.Function):
         y = torch.empty(rows, dim, dtype=o.dtype, device=o.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=o.device)
         if rows:
-            _fwd[lambda meta: (triton.cdiv(rows, meta["BT"]),)](
-                o, z, z.stride(0), z.stride(1), weight, y, rstd, rows, heads, eps, D=dim,
-                BD=triton.next_power_of_2(dim), **_FIXED)
+            _fwd(lambda meta: (triton.cdiv(rows, meta["BT"]),), o, z, z.stride(0), z.stride(1), weight, y, rstd, rows,
+                 heads, eps, D=dim, BD=triton.next_power_of_2(dim))
         ctx.save_for_backward(o, z, weight, rstd)
         ctx.dz_in_place = dz_in_place
         return y
@@ -116,8 +111,8 @@ class _GatedRmsNorm(torch.autograd.Function):
         programs = triton.cdiv(rows, _SPAN)
         dw = torch.zeros(max(programs, 1), dim, dtype=torch.float32, device=o.device)
         if rows:
-            _bwd[(programs,)](o, z, z.stride(0), z.stride(1), weight, rstd, dy, do, dz, dz.stride(0), dz.stride(1), dw,
-                              rows, heads, _SPAN, D=dim, BD=triton.next_power_of_2(dim), **_FIXED)
+            _bwd(lambda meta: (programs,), o, z, z.stride(0), z.stride(1), weight, rstd, dy, do, dz, dz.stride(0),
+                 dz.stride(1), dw, rows, heads, _SPAN, D=dim, BD=triton.next_power_of_2(dim))
         return do, dz, dw.sum(0).to(weight.dtype), None, None
 
 

@@ -1,0 +1,31 @@
+"""How gdn-cp's Triton glue kernels are launched: autotuned on a GPU (as FLA tunes its kernels), one fixed config
+under Triton's interpreter (the CPU tests: ``TRITON_INTERPRET=1`` before Triton is imported)."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+__all__ = ["INTERPRETED", "TILE_CONFIGS", "launcher"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+TILE_CONFIGS = [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)]
+"""The row-tile kernels' autotuning configs, ``(meta, num_warps)``: tiles of 16, 32 or 64 rows, 4 or 8 warps."""
+
+
+def launcher(kernel, key: list, configs: list, fixed: dict):
+    """``launch(grid(meta), *args, **kwargs)``: ``kernel`` autotuned over ``configs`` (``(meta, num_warps)``, keyed
+    on ``key``) on a GPU; with the ``fixed`` config (``meta`` and ``num_warps``) under Triton's interpreter."""
+    if INTERPRETED:
+        def launch(grid, *args, **kwargs):
+            meta = dict(fixed)
+            warps = meta.pop("num_warps")
+            kernel[grid(meta)](*args, **kwargs, **meta, num_warps=warps)
+        return launch
+    tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key)(kernel)
+
+    def launch(grid, *args, **kwargs):
+        tuned[grid](*args, **kwargs)
+    return launch
