@@ -100,6 +100,50 @@ def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, do
 
 
 @triton.jit
+def _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre, acc0, acc1, acc2, acc3,
+              W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The tap gradients' per-row sums with one more tile: ``acc_k += pre * x[t - k]`` (tap W-1-k) at ``rows``, x
+    masked as the forward reads it (each sequence's start; the halo for the sequence that starts at row 0)."""
+    row_ok = rows < T
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    first = pos == rows
+    for j in tl.static_range(W):
+        shift = W - 1 - j
+        src = rows - shift
+        xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                     mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_HALO:
+            xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                          mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if j == W - 1:
+            acc0 += pre * xv
+        elif j == W - 2:
+            acc1 += pre * xv
+        elif j == W - 3:
+            acc2 += pre * xv
+        else:
+            acc3 += pre * xv
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_sums(dw_ptr, db_ptr, i_p, width, local, d_ok, acc0, acc1, acc2, acc3, accb, W: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """Program ``i_p``'s tap and bias sums, reduced over rows, into ``dw [programs, width, W]``, ``db [programs,
+    width]`` at channels ``local``."""
+    base = dw_ptr + (i_p * width + local).to(tl.int64) * W
+    tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
+    if W >= 2:
+        tl.store(base + (W - 2), tl.sum(acc1, axis=0), mask=d_ok)
+    if W >= 3:
+        tl.store(base + (W - 3), tl.sum(acc2, axis=0), mask=d_ok)
+    if W >= 4:
+        tl.store(base + (W - 4), tl.sum(acc3, axis=0), mask=d_ok)
+    if HAS_BIAS:
+        tl.store(db_ptr + i_p * width + local, tl.sum(accb, axis=0), mask=d_ok)
+
+
+@triton.jit
 def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, pre_ptr, dw_ptr,
                              db_ptr, T, ROW0, ROWS, SUM_END, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
                              BT: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
@@ -130,37 +174,9 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
                  mask=row_ok[:, None] & d_ok[None, :])
         pre = tl.where((row_ok & (rows < SUM_END))[:, None], pre, 0.0)
         accb += pre
-        pos = tl.load(pos_ptr + rows, mask=rows < T, other=0)
-        first = pos == rows
-        for j in tl.static_range(W):  # the taps: pre[t] * x[t - (W-1-j)], masked as the forward reads it
-            shift = W - 1 - j
-            src = rows - shift
-            inside = (rows < T) & (pos >= shift)
-            xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                         mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_HALO:
-                xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                              mask=((rows < T) & first & (src < 0))[:, None] & d_ok[None, :],
-                              other=0.0).to(tl.float32)
-            if j == W - 1:
-                acc0 += pre * xv
-            elif j == W - 2:
-                acc1 += pre * xv
-            elif j == W - 3:
-                acc2 += pre * xv
-            else:
-                acc3 += pre * xv
-    width = HEADS * D
-    base = dw_ptr + (i_p * width + local).to(tl.int64) * W
-    tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
-    if W >= 2:
-        tl.store(base + (W - 2), tl.sum(acc1, axis=0), mask=d_ok)
-    if W >= 3:
-        tl.store(base + (W - 3), tl.sum(acc2, axis=0), mask=d_ok)
-    if W >= 4:
-        tl.store(base + (W - 4), tl.sum(acc3, axis=0), mask=d_ok)
-    if HAS_BIAS:
-        tl.store(db_ptr + i_p * width + local, tl.sum(accb, axis=0), mask=d_ok)
+        acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
+                                           acc0, acc1, acc2, acc3, W, HAS_HALO)
+    _store_sums(dw_ptr, db_ptr, i_p, HEADS * D, local, d_ok, acc0, acc1, acc2, acc3, accb, W, HAS_BIAS)
 
 
 @triton.jit
@@ -221,24 +237,8 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
         pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
                          HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)  # zeros at rows >= T
         accb += pre
-        pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-        first = pos == rows
-        for j in tl.static_range(W):  # the taps: pre[t] * x[t - (W-1-j)], masked as the forward reads it
-            shift = W - 1 - j
-            src = rows - shift
-            xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                         mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_HALO:
-                xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                              mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            if j == W - 1:
-                acc0 += pre * xv
-            elif j == W - 2:
-                acc1 += pre * xv
-            elif j == W - 3:
-                acc2 += pre * xv
-            else:
-                acc3 += pre * xv
+        acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
+                                           acc0, acc1, acc2, acc3, W, HAS_HALO)
         if HAS_HALO:
             tl.store(head_ptr + rows[:, None] * width + local[None, :], pre, mask=(rows < W - 1)[:, None] & d_ok[None, :])
         tl.store(scratch + tile[:, None] * BD + d[None, :], pre)
@@ -254,16 +254,7 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
         tl.store(scratch + (BT + after)[:, None] * BD + d[None, :], carried)
         tl.store(dx_ptr + rows[:, None].to(tl.int64) * dx_stride + ch[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
-    base = dw_ptr + (i_p * width + local).to(tl.int64) * W
-    tl.store(base + (W - 1), tl.sum(acc0, axis=0), mask=d_ok)
-    if W >= 2:
-        tl.store(base + (W - 2), tl.sum(acc1, axis=0), mask=d_ok)
-    if W >= 3:
-        tl.store(base + (W - 3), tl.sum(acc2, axis=0), mask=d_ok)
-    if W >= 4:
-        tl.store(base + (W - 4), tl.sum(acc3, axis=0), mask=d_ok)
-    if HAS_BIAS:
-        tl.store(db_ptr + i_p * width + local, tl.sum(accb, axis=0), mask=d_ok)
+    _store_sums(dw_ptr, db_ptr, i_p, width, local, d_ok, acc0, acc1, acc2, acc3, accb, W, HAS_BIAS)
 
 
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
