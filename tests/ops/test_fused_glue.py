@@ -184,3 +184,16 @@ def test_a_bad_glue_setting_names_the_variable():
     with pytest.raises(ValueError, match="GDN_CP_GLUE"):
         Settings.from_environment({"GDN_CP_GLUE": "fast"}, mode="chunkwise")
     assert Settings.from_environment({"GDN_CP_GLUE": "triton"}, mode="chunkwise").glue == "triton"
+
+
+def test_every_glue_path_is_a_setting_with_its_steps_and_words():
+    """A path in GLUE_PATHS is a value of GDN_CP_GLUE, runs its gates and conv (all but ``unfused``, which takes
+    the backend's conv), and is named in the log line that says which path a layer runs."""
+    from gdn_cp.env import GLUE_CHOICES
+    from gdn_cp.modes.local import _GLUE_WORDS
+    from gdn_cp.ops.fused import GLUE_PATHS, glue
+
+    assert GLUE_CHOICES == ("auto", *GLUE_PATHS)
+    assert set(glue._GATES) == {"eager", *GLUE_PATHS}
+    assert set(glue._CONV) == {"eager", *GLUE_PATHS} - {"unfused"}
+    assert set(_GLUE_WORDS) == {"eager", *GLUE_PATHS}

@@ -168,11 +168,14 @@ def _triton_gates():
     return gates_triton
 
 
-_GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "triton": _triton_gates,
-          "triton_one_pass": _triton_gates, "triton_norm": _triton_gates, "triton_norm_dz_copy": _triton_gates, "unfused": lambda: _gates}
-_CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled, "triton": _triton_conv,
-         "triton_one_pass": lambda: _triton_conv(one_pass=True), "triton_norm": lambda: _triton_conv(one_pass=True),
-         "triton_norm_dz_copy": lambda: _triton_conv(one_pass=True)}
+_ONE_PASS = {"triton": False, "triton_one_pass": True, "triton_norm": True, "triton_norm_dz_copy": True}
+"""gdn-cp's Triton paths, and whether each runs the conv's backward in one kernel."""
+_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False}
+"""The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
+_GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
+          **{path: _triton_gates for path in _ONE_PASS}}
+_CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled,
+         **{path: partial(_triton_conv, one_pass) for path, one_pass in _ONE_PASS.items()}}
 
 
 def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, path: str = "eager"):
@@ -201,9 +204,8 @@ def conv_silu_split(
     ``q, k [T, k_heads, Dk]`` (l2-normalized over Dk when ``qk_l2norm``) and ``v [T, v_heads, Dv]`` in
     x's dtype, computed in fp32 (fp64 for fp64) and rounded where FLA's conv and l2norm round: the same
     values as the ops one by one. ``positions [T]`` int32 row offsets within each
-    sequence; ``halo [W-1, C]`` or None (module docstring); ``path``: ``eager``, ``compiled``, ``triton`` or
-    ``triton_one_pass``
-    (:func:`glue_path`)."""
+    sequence; ``halo [W-1, C]`` or None (module docstring); ``path``: ``eager`` or one of :data:`GLUE_PATHS` but
+    ``unfused`` (:func:`glue_path`)."""
     return _CONV[path]()(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)
 
 
@@ -211,8 +213,8 @@ def gated_rms_norm(path: str):
     """gdn-cp's gated RMSNorm for glue ``path`` where it has one (``triton_norm``, ``triton_norm_dz_copy``:
     :func:`~gdn_cp.ops.fused.triton_norm.gated_rms_norm_triton`, ``o, z [T, Hv, Dv], weight [Dv], eps ->
     [T*Hv, Dv]``), else None: the backend's kernel or the layer's own norm runs."""
-    if path not in ("triton_norm", "triton_norm_dz_copy"):
+    if path not in _NORM_DZ_IN_PLACE:
         return None
     from .triton_norm import gated_rms_norm_triton
 
-    return partial(gated_rms_norm_triton, dz_in_place=path == "triton_norm")
+    return partial(gated_rms_norm_triton, dz_in_place=_NORM_DZ_IN_PLACE[path])
