@@ -31,7 +31,7 @@ from gdn_cp_testing.results import JsonlRecorder
 
 __all__ = [
     "CP_SIZES", "Case", "GVA_RATIOS", "HEADS_PER_RANK", "HEAD_DIMS", "LAYOUTS", "MICRO_BATCHES", "MODES",
-    "SEQ", "covering_cases", "expected_refusal", "layer_key_heads", "resolved_mode", "sweep_cases", "sweep_on_rank", "sweep_table",
+    "REPORTED", "SEQ", "covering_cases", "expected_refusal", "layer_key_heads", "resolved_mode", "sweep_cases", "sweep_on_rank", "sweep_table",
 ]
 
 MODES = ("headwise", "chunkwise", "all_gather", "auto")
@@ -74,6 +74,12 @@ class Case:
                 f"mbs{self.mbs} {self.layout}")
 
 
+REPORTED = (Case("headwise", 2, 2, 3, 128, 2, "sbhd"),)
+"""Shapes that crashed in a user's run, kept in the GPU set as they were: issue 46's crash 1, FlashQLA at
+headwise CP=2 on 2 key / 6 value heads of 128 (1 / 3 per rank; TileLang found no layout for 3 value heads),
+micro-batch 2, SBHD (``pretrain_hybrid.py`` without packing)."""
+
+
 def layer_key_heads(mode: str, cp: int) -> tuple:
     """The layer key head counts the sweep gives ``mode`` at ``cp`` (module docstring)."""
     heads = set(HEADS_PER_RANK)
@@ -95,8 +101,9 @@ def covering_cases(modes=MODES, cp_sizes=CP_SIZES, every_ratio: bool = True) -> 
     so that every (mode, CP size) meets every value of each; a given (key heads, ratio, CP size) gets the same ones
     in every mode, so its CP=1 answer is computed once.
 
-    ``every_ratio=True`` (the GPU run: 138 cases): (head dim, micro-batch, layout) cycles through all 12
-    combinations along the (key heads, ratio) pairs. ``every_ratio=False`` (the CPU run: 46 cases): one ratio per
+    ``every_ratio=True`` (the GPU run: 139 cases): (head dim, micro-batch, layout) cycles through all 12
+    combinations along the (key heads, ratio) pairs, and the shapes users reported crashing (:data:`REPORTED`)
+    are added where the cycle does not reach them. ``every_ratio=False`` (the CPU run: 46 cases): one ratio per
     key head count, head dim, micro-batch, layout and ratio each cycling on its own."""
     combos = list(itertools.product(HEAD_DIMS, MICRO_BATCHES, LAYOUTS))
     heads = sorted({k for mode in modes for cp in CP_SIZES for k in layer_key_heads(mode, cp)})
@@ -111,6 +118,8 @@ def covering_cases(modes=MODES, cp_sizes=CP_SIZES, every_ratio: bool = True) -> 
                 else:
                     out.append(Case(mode, cp, k, GVA_RATIOS[(i + 2 * c) % 3], HEAD_DIMS[(i + c) % 2],
                                     MICRO_BATCHES[(i // 2 + c) % 2], LAYOUTS[(i + c) % 3]))
+    if every_ratio:
+        out += [case for case in REPORTED if case.mode in modes and case.cp in cp_sizes and case not in out]
     return out
 
 

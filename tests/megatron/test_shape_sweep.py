@@ -7,7 +7,8 @@ collective, exactly where gdn-cp's own rules (the mode's head rule, the backend'
 * CPU (CI): the reference backend in fp64, 46 cases of the covering set (every mode x CP x key heads, the other
   dimensions in turn) in the session's 4-rank pool, outputs and every gradient within 1e-10 (max_rel);
 * GPU (``-m gpu``, gloo ranks sharing cuda:0): the FLA and FlashQLA backends, named (so FlashQLA's head-dim rule
-  refuses head dim 64 when the config is built), bf16, the 138 cases of the covering set with every GVA ratio,
+  refuses head dim 64 when the config is built), bf16, the 139 cases of the covering set with every GVA ratio
+  (the shapes users reported crashing among them),
   relative L2 within Megatron's bf16 tolerances; one test per backend and mode, each skipped with the reason
   where its backend cannot run. The device machine runs it through the suite's tests stage (``-k shape_sweep``).
 
@@ -87,6 +88,17 @@ def test_cpu_cases_cover_every_mode_cp_and_heads_per_rank():
             assert ran == set(HEADS_PER_RANK), (mode, cp, ran)
             gpu = {(c.key_heads, c.ratio) for c in GPU_CASES if (c.mode, c.cp) == (mode, cp)}
             assert gpu == {(k, r) for k in layer_key_heads(mode, cp) for r in GVA_RATIOS}, (mode, cp)
+
+
+def test_gpu_cases_hold_the_reported_crash_shapes():
+    """Issue 46's crash 1 (FlashQLA, headwise CP=2, 2 key / 6 value heads of 128: 1 / 3 per rank) is a GPU case as
+    it was reported, and FlashQLA's rules accept it (so the GPU test must run it, not see it refused)."""
+    from gdn_cp_testing.megatron.shape_sweep import REPORTED, rank_heads
+
+    crash = REPORTED[0]
+    assert crash in GPU_CASES and (crash.head_dim, crash.layout, crash.mbs) == (128, "sbhd", 2)
+    assert rank_heads(crash) == (1, 3)
+    assert expected_refusal(crash, "flashqla", "cuda", "bfloat16") is None
 
 
 def _sweep_recording(ctx, path: str, *args):
