@@ -131,13 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every sequence length is a multiple of this (a multiple of 2*cp; default 64)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--spec", type=_csv(SPECS), default=None,
-                   help="comma list, in run order: local (Megatron's local modules, default) and/or te (Megatron's own GDN "
-                        "spec, get_gated_delta_net_module_spec: TransformerEngine's LayerNorm-fused in_proj, TENorm "
-                        "out_norm, TERowParallelLinear out_proj; needs TransformerEngine)")
+                   help="comma list, in run order, of local (default) and te (see above)")
     g.add_argument("--levers", type=_csv(LEVERS), default=[],
-                   help=f"comma list of gdn-cp levers ({','.join(LEVERS)}) to time switched off too: extra patched rows "
-                        "beside the ones with every lever on, same run, rows and weights (benchmark-side switch in the "
-                        "rank process)")
+                   help=f"comma list of gdn-cp levers to time switched off too, beside the rows with every lever on "
+                        f"(see above): {','.join(LEVERS)}")
     g.add_argument("--plan", type=str, default=None,
                    help="explicit run order of SPEC[-LEVER]:T units instead of --spec/--levers/--tokens, e.g. "
                         "te:32K,te:128K,te-fused_norm:32K,local:128K (a time limit then cuts the last units)")
