@@ -21,10 +21,9 @@ from pathlib import Path
 
 from gdn_cp_testing.results import machine_info, now_iso, stack_versions as versions, write_json
 
-__all__ = ["REPO_ROOT", "RESULTS_DIR", "REPRODUCED_DIR", "add_out_arguments", "csv_choices", "resolve_out",
+__all__ = ["RESULTS_DIR", "REPRODUCED_DIR", "add_out_arguments", "csv_choices", "resolve_out",
            "setup_logging", "machine_info", "versions", "now_iso", "write_json", "pyplot", "save_figure"]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPRODUCED_DIR = RESULTS_DIR / "reproduced"
 """Where a benchmark writes by default: beside the committed results, git-ignored, so a reproduction
@@ -32,25 +31,19 @@ never overwrites the files the docs quote (compare the two; ``--replace`` writes
 
 
 def add_out_arguments(parser, name: str, what: str = "JSON path") -> None:
-    """``--out`` (default: ``benchmarks/results/reproduced/<name>``) and ``--replace`` (write the
-    committed ``benchmarks/results/<name>`` instead); :func:`resolve_out` reads them."""
-    parser.add_argument("--out", type=Path, default=None,
+    """``--out`` (default: ``benchmarks/results/reproduced/<name>``) or ``--replace`` (write the committed
+    ``benchmarks/results/<name>`` instead; argparse refuses both at once); :func:`resolve_out` reads them."""
+    either = parser.add_mutually_exclusive_group()
+    either.add_argument("--out", type=Path, default=None,
                         help=f"{what} (default: benchmarks/results/reproduced/{name}, beside the committed "
                         f"benchmarks/results/{name}, which only --replace overwrites)")
-    parser.add_argument("--replace", action="store_true",
+    either.add_argument("--replace", action="store_true",
                         help=f"write benchmarks/results/{name}, the committed result the docs quote")
 
 
-def resolve_out(args, name: str, parser=None) -> Path:
-    """The path ``--out`` / ``--replace`` ask for (both at once: ``parser``'s error, else SystemExit)."""
-    if args.replace and args.out is not None:
-        message = "--replace writes the committed result; leave out --out with it"
-        if parser is not None:
-            parser.error(message)
-        raise SystemExit(message)
-    if args.out is not None:
-        return Path(args.out)
-    return (RESULTS_DIR if args.replace else REPRODUCED_DIR) / name
+def resolve_out(args, name: str) -> Path:
+    """The path ``--out`` / ``--replace`` ask for."""
+    return Path(args.out) if args.out is not None else (RESULTS_DIR if args.replace else REPRODUCED_DIR) / name
 
 
 def csv_choices(choices):

@@ -24,6 +24,7 @@ sm_90 by Triton's compiler here, with the registers and stack (spill) bytes per 
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import statistics
 
@@ -43,10 +44,7 @@ def _inputs(rows: int, hk: int, hv: int, dim: int, device: str, dtype: torch.dty
     gen = torch.Generator(device="cpu").manual_seed(rows)
     c = 2 * hk * dim + hv * dim
     proj = torch.randn(rows, c + hv * dim + 2 * hv, generator=gen).to(device=device, dtype=dtype)
-    lengths = [max(1, int(rows * f)) for f in MIXED8[:-1]]
-    cu = [0]
-    for n in lengths:
-        cu.append(min(rows, cu[-1] + n))
+    cu = [min(rows, c) for c in itertools.accumulate((max(1, int(rows * f)) for f in MIXED8[:-1]), initial=0)]
     cu.append(rows)
     weight = (0.5 * torch.randn(c, 4, generator=gen)).to(device=device, dtype=dtype)
     bias = (0.1 * torch.randn(c, generator=gen)).to(device=device, dtype=dtype)
@@ -128,25 +126,23 @@ def main(argv=None) -> dict:
         report = {"benchmark": "glue_kernels --resources", "date": now_iso(), "machine": machine_info(),
                   "versions": versions({"triton": triton.__version__}), "head_dim": args.head_dim,
                   "results": resources(args.head_dim)}
-        if args.out:
-            write_json(args.out, report)
-        return report
-    hk, hv = (int(h) for h in args.heads.split(","))
-    shape, results = (hk, hv, args.head_dim), []
-    for rows in (parse_tokens(r) for r in args.rows.split(",")):
-        c = (2 * hk + hv) * args.head_dim
-        gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
-        floor = {"fwd_ms": 2 * rows * c * 2 / gbs / 1e6, "bwd_ms": 3 * rows * c * 2 / gbs / 1e6}
-        logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
-                    floor["bwd_ms"])
-        row = time_kernels(rows, shape, args.device, args.iters)
-        row.update(copy_gbs=gbs, floor=floor,
-                   bwd_one_pass_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True)["bwd_ms"])
-        results.append(row)
-        logger.info("  fwd %.3f ms  bwd %.3f ms (one pass %.3f ms)", row["fwd_ms"], row["bwd_ms"], row["bwd_one_pass_ms"])
-    report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
-              "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-              "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}
+    else:
+        hk, hv = (int(h) for h in args.heads.split(","))
+        shape, results = (hk, hv, args.head_dim), []
+        for rows in (parse_tokens(r) for r in args.rows.split(",")):
+            c = (2 * hk + hv) * args.head_dim
+            gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
+            floor = {"fwd_ms": 2 * rows * c * 2 / gbs / 1e6, "bwd_ms": 3 * rows * c * 2 / gbs / 1e6}
+            logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
+                        floor["bwd_ms"])
+            row = time_kernels(rows, shape, args.device, args.iters)
+            row.update(copy_gbs=gbs, floor=floor,
+                       bwd_one_pass_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True)["bwd_ms"])
+            results.append(row)
+            logger.info("  fwd %.3f ms  bwd %.3f ms (one pass %.3f ms)", row["fwd_ms"], row["bwd_ms"], row["bwd_one_pass_ms"])
+        report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
+                  "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+                  "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}
     if args.out:
         write_json(args.out, report)
     return report

@@ -34,6 +34,7 @@ On the device machine ``benchmarks/gpu_suite.sh`` installs the stack and keeps t
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import importlib.util
 import json
 import logging
@@ -130,13 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every sequence length is a multiple of this (a multiple of 2*cp; default 64)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--spec", type=_csv(SPECS), default=None,
-                   help="comma list, in run order: local (Megatron's local modules, default) and/or te (Megatron's own GDN "
-                        "spec, get_gated_delta_net_module_spec: TransformerEngine's LayerNorm-fused in_proj, TENorm "
-                        "out_norm, TERowParallelLinear out_proj; needs TransformerEngine)")
+                   help="comma list, in run order, of local (default) and te (see above)")
     g.add_argument("--levers", type=_csv(LEVERS), default=[],
-                   help=f"comma list of gdn-cp levers ({','.join(LEVERS)}) to time switched off too: extra patched rows "
-                        "beside the ones with every lever on, same run, rows and weights (benchmark-side switch in the "
-                        "rank process)")
+                   help=f"comma list of gdn-cp levers to time switched off too, beside the rows with every lever on "
+                        f"(see above): {','.join(LEVERS)}")
     g.add_argument("--plan", type=str, default=None,
                    help="explicit run order of SPEC[-LEVER]:T units instead of --spec/--levers/--tokens, e.g. "
                         "te:32K,te:128K,te-fused_norm:32K,local:128K (a time limit then cuts the last units)")
@@ -173,8 +171,9 @@ def _add_method_run(p: argparse.ArgumentParser) -> None:
 
 def resolve_args(args):
     """Fill the defaults (``--quick``'s where it is given), then check the combination."""
+    if args.plan is not None and (args.spec is not None or args.levers or args.tokens is not None):
+        raise SystemExit("--plan names every unit (spec, lever, T): leave out --spec, --levers and --tokens")
     defaults = QUICK if args.quick else DEFAULTS
-    args.tokens_given = args.tokens is not None
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -214,8 +213,6 @@ def resolve_args(args):
     if args.align % (2 * zigzag_cp):
         raise SystemExit(f"--align {args.align} must be a multiple of 2*cp={2 * zigzag_cp} (Megatron's zigzag cut)")
     if args.plan is not None:
-        if args.spec is not None or args.levers or args.tokens_given:
-            raise SystemExit("--plan names every unit (spec, lever, T): leave out --spec, --levers and --tokens")
         try:
             args.units = parse_plan(args.plan)
         except ValueError as err:
@@ -609,26 +606,14 @@ def _compile_pass(runner: Runner, rows: Rows, group: list[dict], pool_of, setups
         for row in by_kind[kind]:
             _run_row(runner, rows, row, kind, "compile", setups, args)
 
-    if len(by_kind) == 1:
-        for kind in by_kind:
-            work(kind)
-        return
-    failures: dict[str, BaseException] = {}
-
-    def guarded(kind: str) -> None:
-        try:
-            work(kind)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
-            failures[kind] = err
-
-    threads = [threading.Thread(target=guarded, args=(k,), name=f"layer_full-compile-{k}", daemon=True)
-               for k in by_kind]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for err in failures.values():
-        raise err
+    if len(by_kind) == 1:  # in this thread: a signal stops it where it is
+        return work(*by_kind)
+    threads = cf.ThreadPoolExecutor(len(by_kind), thread_name_prefix="layer_full-compile")
+    try:
+        for done in [threads.submit(work, kind) for kind in by_kind]:
+            done.result()  # a pool's failure is raised here
+    finally:
+        threads.shutdown(wait=False)  # a signal: main() stops every pool, and with them the threads' calls
 
 
 def run_units(runner: Runner, rows: Rows, planned: list[dict], pool_of, setups: dict, args) -> None:
@@ -697,32 +682,31 @@ def main(argv=None) -> int:
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _on_signal)
     runner = Runner(args)
-    tmp = None
     stopped = None
     specs = [s for s in args.specs if not (s == "te" and no_te)]
     setup = {"dims": asdict(args.dims), "dtype": args.dtype, "seed": args.seed, "specs": specs,
              "linear_cp_backend": args.backend}
-    try:
-        trees = prepare_megatron_trees(None, Path(tmp := tempfile.mkdtemp(prefix="layer_full_megatron_")))
-        setups = {kind: {**setup, "megatron_root": str(trees[kind]), "expect_state": state}
-                  for kind, state in (("patched", "patched"), ("stock", "pristine"))}
-        run_units(runner, rows, planned, lambda row: "stock" if row["case"] in STOCK_CASES else "patched", setups, args)
-    except _Stop as err:
-        stopped = runner.stopped = str(err)
-        logger.warning("stopped by %s: writing what was collected", stopped)
-    finally:
-        for s in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(s, signal.SIG_IGN)
-        runner.close(kill=stopped is not None)
-        done = {id(r) for r in rows.new}
-        for r in planned:
-            if id(r) not in done:
-                if r["status"] == "skipped" or (r["status"] == "compiled" and not args.compile_only):
-                    r.update(status="skipped", error=r.get("error") or f"not run ({stopped or 'run ended'})")
-                rows.new.append(r)
-        rows.write()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix="layer_full_megatron_", ignore_cleanup_errors=True) as tmp:
+        try:
+            trees = prepare_megatron_trees(None, Path(tmp))
+            setups = {kind: {**setup, "megatron_root": str(trees[kind]), "expect_state": state}
+                      for kind, state in (("patched", "patched"), ("stock", "pristine"))}
+            run_units(runner, rows, planned, lambda row: "stock" if row["case"] in STOCK_CASES else "patched", setups,
+                      args)
+        except _Stop as err:
+            stopped = runner.stopped = str(err)
+            logger.warning("stopped by %s: writing what was collected", stopped)
+        finally:
+            for s in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(s, signal.SIG_IGN)
+            runner.close(kill=stopped is not None)
+            done = {id(r) for r in rows.new}
+            for r in planned:
+                if id(r) not in done:
+                    if r["status"] == "skipped" or (r["status"] == "compiled" and not args.compile_only):
+                        r.update(status="skipped", error=r.get("error") or f"not run ({stopped or 'run ended'})")
+                    rows.new.append(r)
+            rows.write()
     try:
         from .plot_layer_full import markdown_tables
 

@@ -8,6 +8,7 @@ global padded boundaries (Python ints), T_local = T / cp the rows of one rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -141,10 +142,7 @@ def packing(name: str, t_global: int, align: int) -> tuple[str, list[int]]:
             raise ValueError(f"packing mixed8 needs T={t_global} >= {math.ceil(1 / min(_MIXED8))}*align "
                              f"(align={align}); use a larger T or a smaller --align")
         lengths[lengths.index(max(lengths))] += units - sum(lengths)
-        cu = [0]
-        for n in lengths:
-            cu.append(cu[-1] + n * align)
-        return "thd", cu
+        return "thd", list(itertools.accumulate((n * align for n in lengths), initial=0))
     raise ValueError(f"packing must be one of {PACKINGS}, got {name!r}")
 
 
@@ -192,8 +190,7 @@ def _exchange_bytes(path: str, cu: Sequence[int], cp: int, rank: int, dims: GDND
         packed = dims.num_v_heads * dims.head_k_dim * (dims.head_k_dim + dims.head_v_dim) * act_bytes
         return tail * (rank < cp - 1) + tail * (rank > 0) + 2 * (cp - 1) * packed
     if path == "generic":
-        layout_cu = list(cu)
-        if not build_chunkwise_plan(layout_cu, cp, rank, dims.conv_width).any_straddle:
+        if not build_chunkwise_plan(list(cu), cp, rank, dims.conv_width).any_straddle:
             return 0
         return 2 * (cp - 1) * tail + 2 * (cp - 1) * state
     raise ValueError(f"chunkwise exchange path must be 'generic', 'fla' or 'flashqla', got {path!r}")

@@ -22,6 +22,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -200,70 +201,40 @@ def _count_fused_norm_calls() -> None:
     norm.gated_rms_norm = counted
 
 
-def _clear_norm_choice(module) -> None:
-    """Forget the glue's per-layer gated-norm choice (its ``LayerState.gated_norms``), so the next
-    forward decides again."""
-    layer_state(module).gated_norms.clear()
-
-
 @contextlib.contextmanager
+def _switched(modules, patches, forget):
+    """Run with ``patches`` (``unittest.mock`` patchers, undone on exit) in force; ``forget(module)`` on entry and
+    on exit drops what each layer decided under the other setting, so the rows before and after decide afresh."""
+    with contextlib.ExitStack() as stack:
+        for m in modules:
+            forget(m)
+        stack.callback(lambda: [forget(m) for m in modules])  # after the patches are undone
+        for patcher in patches:
+            stack.enter_context(patcher)
+        yield
+
+
 def fused_norm_off(modules):
     """Benchmark-only switch (never a library flag): the Megatron glue takes the layer's own
     ``out_norm * act(z)`` instead of the fused gated RMSNorm, because its release adapter's
-    ``plain_rms_gated_norm`` reports the norm as not plain. The layers' cached choice is dropped on
-    entry and exit, so the rows before and after decide afresh."""
-    classes = {type(layer_state(m).adapter) for m in modules}
-    own = {cls: cls.__dict__.get("plain_rms_gated_norm") for cls in classes}  # None: inherited
-    for m in modules:
-        _clear_norm_choice(m)
-    try:
-        for cls in classes:
-            cls.plain_rms_gated_norm = lambda self: (None, None, "switched off by layer_full.py --levers fused_norm")
-        yield
-    finally:
-        for cls, fn in own.items():
-            if fn is None:
-                del cls.plain_rms_gated_norm
-            else:
-                cls.plain_rms_gated_norm = fn
-        for m in modules:
-            _clear_norm_choice(m)
+    ``plain_rms_gated_norm`` reports the norm as not plain (the layers' choice, ``LayerState.gated_norms``,
+    forgotten around it)."""
+    off = lambda self: (None, None, "switched off by layer_full.py --levers fused_norm")  # noqa: E731
+    return _switched(modules, [mock.patch.object(cls, "plain_rms_gated_norm", off)
+                               for cls in {type(layer_state(m).adapter) for m in modules}],
+                     lambda m: layer_state(m).gated_norms.clear())
 
 
-def _glue(path: str):
-    """Benchmark-side switch: the layers run the glue path ``path`` (``GDN_CP_GLUE``, :mod:`gdn_cp.ops.fused`)
-    instead of the default; each layer reads its settings again on entry and on exit."""
-    @contextlib.contextmanager
-    def switch(modules):
-        old = os.environ.get("GDN_CP_GLUE")
-        os.environ["GDN_CP_GLUE"] = path
-        for m in modules:
-            reset_settings(m)
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("GDN_CP_GLUE", None)
-            else:
-                os.environ["GDN_CP_GLUE"] = old
-            for m in modules:
-                reset_settings(m)
-
-    return switch
-
-
-def _split_cat(modules):
-    """Benchmark-side switch: in_proj's output gradient assembled by ``torch.split``'s concatenation
-    (``gdn_cp.ops.fused.split.GRAD_INTO_CONSUMER_BUFFER`` off) instead of written into the conv's gradient buffer."""
-    old, split.GRAD_INTO_CONSUMER_BUFFER = split.GRAD_INTO_CONSUMER_BUFFER, False
-    try:
-        yield
-    finally:
-        split.GRAD_INTO_CONSUMER_BUFFER = old
-
-
-LEVER_SWITCHES = {"fused_norm": fused_norm_off, **{lever: _glue(path) for lever, path in GLUE_LEVERS.items()},
-                  "split_cat": contextlib.contextmanager(_split_cat)}
+LEVER_SWITCHES = {
+    "fused_norm": fused_norm_off,
+    # the glue path ``path`` (GDN_CP_GLUE, gdn_cp.ops.fused) instead of the default; the layers read their settings again
+    **{lever: lambda modules, path=path: _switched(modules, [mock.patch.dict(os.environ, GDN_CP_GLUE=path)],
+                                                    reset_settings)
+       for lever, path in GLUE_LEVERS.items()},
+    # in_proj's output gradient assembled by torch.split's concatenation instead of written into the conv's buffer
+    "split_cat": lambda modules: _switched(modules, [mock.patch.object(split, "GRAD_INTO_CONSUMER_BUFFER", False)],
+                                           lambda m: None),
+}
 """A lever row runs with its switch: ``fused_norm`` off, the glue path its name says in place of the default
 (``glue_*``: the default's own path too, so every path is timed in the same run), or ``split_cat``: in_proj's
 output gradient concatenated by ``torch.split``'s backward, as before :func:`gdn_cp.ops.fused.split.split_columns`."""
@@ -296,9 +267,9 @@ def _barrier() -> None:
     dist.barrier(group=_STATE["barrier_group"])
 
 
-def _randn(shape, seed: int, dtype, device, scale: float = 1.0) -> torch.Tensor:
+def _randn(shape, seed: int, dtype, device) -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)
+    return torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 
 def _layer_inputs(t: int, seed: int, rows=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,15 +376,14 @@ class _Case:
         m, device, dtype, cp, rank = self.module, st["device"], st["dtype"], st["cp"], st["ctx"].rank
         shape = GDNShape(m.num_k_heads_local_tp, m.num_v_heads_local_tp, m.key_head_dim, m.value_head_dim,
                          qk_l2norm=m.use_qk_l2norm)
-        if self.sliced:
-            plan, group = RouteCache().plan(torch.tensor(self.local_cu), 1, 0), None
-        elif self.group is None:  # --cp 1 on the whole packing
-            plan = RouteCache().plan(torch.tensor(self.cu if self.layout == "thd" else [0, self.cu[-1]]), 1, 0)
-            group = None
-        elif self.layout == "sbhd":
-            plan, group = plan_for_sbhd(self.cu[-1], 1, cp, rank), self.group
+        group = self.group  # None: CP=1 on a slice or (--cp 1) on the whole packing
+        if group is not None and self.layout == "sbhd":
+            plan = plan_for_sbhd(self.cu[-1], 1, cp, rank)
+        elif group is not None:
+            plan = RouteCache().plan(torch.tensor(self.cu), cp, rank)
         else:
-            plan, group = RouteCache().plan(torch.tensor(self.cu), cp, rank), self.group
+            cu = self.local_cu or (self.cu if self.layout == "thd" else [0, self.cu[-1]])
+            plan = RouteCache().plan(torch.tensor(cu), 1, 0)
         settings = layer_state(m).settings
         # chunkwise with its swap at hidden_states: its core takes rows already contiguous
         contiguous = self.case in ("chunkwise_hidden", "chunkwise_generic") and group is not None
@@ -490,15 +460,14 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
                                 "unfused: the layer's out_norm(o) * act(z)")
             # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations)
+            # and the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
             out["glue"] = glue_path(layer_state(case.module).settings.glue, y)
+            out["gdn_cp_backend"] = layer_state(case.module).backend.name
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()
             except Exception as err:  # noqa: BLE001
                 out["fla_gdn_backend"] = f"unknown ({type(err).__name__}: {err})"
-        if case.case not in STOCK_CASES:  # the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
-
-            out["gdn_cp_backend"] = layer_state(case.module).backend.name
         if spec["check"] and st["cp"] == 1 and case.case not in STOCK_CASES:
             out["check"] = _check_vs_stock(case)
         elif spec["check"] and case.case != "cp1_slice" and st["cp"] > 1:
@@ -512,7 +481,7 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             out["core_compile_s"] = time.perf_counter() - t0
         return out
 
-    out.update(_timed(case.step, spec["warmup"], spec["iters"], device, memory=True))
+    out.update(_timed(case.step, spec["warmup"], spec["iters"], device))
     if device.type == "cuda":
         out["memory"] = _memory_split(case, device)
     # The profile and the core explain the timing above; a failure there (the same on every rank:
@@ -525,7 +494,7 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
     core = case.core_step(spec["seed"]) if spec["core"] else None
     if core is not None:
         try:
-            timed = _timed(core, spec["warmup"], spec["iters"], device, memory=True)
+            timed = _timed(core, spec["warmup"], spec["iters"], device)
             out["core"] = {"iter_ms": timed["iter_ms"], "peak_gib": timed.get("peak_gib")}
         except Exception as err:  # noqa: BLE001
             out["core_error"] = f"{type(err).__name__}: {err}"
@@ -554,10 +523,9 @@ def _memory_split(case: "_Case", device) -> dict:
             "peak_gib": peak / GIB, "peak_in": "forward" if peak_fwd >= peak else "backward"}
 
 
-def _timed(step, warmup: int, iters: int, device, memory: bool) -> dict:
+def _timed(step, warmup: int, iters: int, device) -> dict:
     """``warmup`` untimed then ``iters`` timed calls of ``step`` (:func:`benchmarks.measure.timed_steps`),
-    each after a device synchronize and a host barrier; with ``memory``, the peaks over the timed
-    ones (GiB)."""
+    each after a device synchronize and a host barrier; on CUDA, the peaks over the timed ones (GiB)."""
     def before():
         _sync(device)
         _barrier()
@@ -565,11 +533,11 @@ def _timed(step, warmup: int, iters: int, device, memory: bool) -> dict:
     timed_steps(step, warmup, 0, device, before)
     _sync(device)
     out = {}
-    if device.type == "cuda" and memory:
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         out["allocated_before_gib"] = torch.cuda.memory_allocated(device) / GIB
     out["iter_ms"] = timed_steps(step, 0, iters, device, before)
-    if device.type == "cuda" and memory:
+    if device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
     return out
@@ -586,14 +554,9 @@ def _profiled(step, n: int, device) -> dict:
     trace: dict = {}
 
     def on_ready(prof):
-        fd, path = tempfile.mkstemp(suffix=".json", prefix="layer_full_trace_")
-        os.close(fd)
-        try:
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                trace["data"] = json.load(f)
-        finally:
-            os.unlink(path)
+        with tempfile.TemporaryDirectory(prefix="layer_full_trace_") as folder:
+            prof.export_chrome_trace(f"{folder}/trace.json")
+            trace["data"] = json.loads(Path(folder, "trace.json").read_text())
 
     with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=1, warmup=1, active=n, repeat=1),
                  on_trace_ready=on_ready) as prof:
@@ -638,10 +601,6 @@ def _check_vs_stock(case: _Case) -> dict:
     return _errors(errs, against="stock megatron-core, same module and rows")
 
 
-def _grads(module) -> dict:
-    return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in module.named_parameters()}
-
-
 def _reference(spec: dict) -> dict:
     """CP=1 on the whole micro-batch (``layer1``: this pool's megatron at CP=1), kept until the time phase:
     ``(out, x.grad, grads)``."""
@@ -662,5 +621,6 @@ def _reference(spec: dict) -> dict:
 def _check(case: _Case, y, spec: dict) -> dict:
     """This rank's output rows and input-gradient rows, and every parameter gradient summed over the CP group,
     against CP=1 (relative L2). Run right after the case's first step."""
-    got = (y.detach(), case.x.grad.detach(), sum_grads(_grads(case.module), case.group))
+    grads = {n: p.grad for n, p in case.module.named_parameters()}  # summed in place: the next step resets them
+    got = (y.detach(), case.x.grad.detach(), sum_grads(grads, case.group))
     return _errors(compare(got, _reference(spec), case.rows, metric=rel_l2))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 __all__ = ["CATEGORIES", "GIB", "fmt_tokens", "iteration_stats", "parse_tokens", "quantile",
            "spans_from_trace", "split_busy_time", "timed_steps"]
@@ -117,41 +117,6 @@ def fmt_tokens(t: int) -> str:
 CATEGORIES = ("compute", "nccl", "memcpy")  # attribution priority, highest first
 
 
-def _union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[list[float]] = []
-    for a, b in sorted(spans):
-        if b <= a:
-            continue
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def _length(spans: Iterable[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in spans)
-
-
-def _minus(spans: list[tuple[float, float]], cover: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Parts of disjoint sorted ``spans`` not covered by disjoint sorted ``cover``."""
-    out = []
-    j = 0
-    for a, b in spans:
-        start = a
-        while j < len(cover) and cover[j][1] <= start:
-            j += 1
-        k = j
-        while k < len(cover) and cover[k][0] < b:
-            if cover[k][0] > start:
-                out.append((start, cover[k][0]))
-            start = max(start, cover[k][1])
-            k += 1
-        if start < b:
-            out.append((start, b))
-    return out
-
-
 def split_busy_time(spans: dict[str, Sequence[tuple[float, float]]], wall: float) -> dict:
     """Split ``wall`` (the CUDA-event time of the same profiled iterations) into exclusive parts.
 
@@ -166,18 +131,21 @@ def split_busy_time(spans: dict[str, Sequence[tuple[float, float]]], wall: float
     unknown = set(spans) - set(CATEGORIES)
     if unknown:
         raise ValueError(f"span categories must be among {CATEGORIES}, got {sorted(unknown)}")
-    out = {}
-    covered: list[tuple[float, float]] = []
-    for cat in CATEGORIES:
-        mine = _union(spans.get(cat, ()))
-        out[f"{cat}_total"] = sum(b - a for a, b in spans.get(cat, ()))
-        out[cat] = _length(_minus(mine, covered))
-        covered = _union([*covered, *mine])
-    busy = _length(covered)
-    out["busy"] = busy
-    out["idle"] = max(0.0, wall - busy)
-    out["wall"] = wall
-    return out
+    # one sweep over every start (+1) and end (-1): the stretch up to the next one goes to the first
+    # category (in priority order) with a span open over it
+    edges = sorted((t, step, CATEGORIES.index(cat)) for cat, ss in spans.items() for a, b in ss if b > a
+                   for t, step in ((a, 1), (b, -1)))
+    out = {cat: 0.0 for cat in CATEGORIES}
+    open_spans, last = [0] * len(CATEGORIES), None
+    for t, step, i in edges:
+        owner = next((c for c, n in zip(CATEGORIES, open_spans) if n), None)
+        if owner is not None:
+            out[owner] += t - last
+        open_spans[i] += step
+        last = t
+    busy = sum(out.values())
+    out.update({f"{cat}_total": sum(b - a for a, b in spans.get(cat, ())) for cat in CATEGORIES})
+    return {**out, "busy": busy, "idle": max(0.0, wall - busy), "wall": wall}
 
 
 def _category(event: dict) -> str | None:

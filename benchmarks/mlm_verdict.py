@@ -10,6 +10,7 @@ issue 48 (``git show ce16681:benchmarks/mlm_verdict.py``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from pathlib import Path
@@ -78,14 +79,6 @@ def rel_diffs(a, b) -> list[float]:
     return [abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)]
 
 
-def _running_max(values: list[float]) -> list[float]:
-    out, m = [], 0.0
-    for v in values:
-        m = max(m, v)
-        out.append(m)
-    return out
-
-
 def _key(row: dict, by: dict, rule: Rule) -> str:
     """The pool a row is judged in: its reference's model (or its own numerics class, legacy rules)."""
     if rule.by == "numerics":
@@ -110,7 +103,7 @@ def _envelope(diffs: list[list[float]], rule: Rule, n: int) -> list[float]:
     if not diffs:
         return [0.0] * n
     if rule.envelope == "running":
-        per_pair = [_running_max(d) for d in diffs]
+        per_pair = [list(itertools.accumulate(d, max)) for d in diffs]
         env = [max(d[i] for d in per_pair if i < len(d)) for i in range(max(map(len, per_pair)))]
     else:
         top = [max(d[i] for d in diffs if i < len(d)) for i in range(max(map(len, diffs)))]
@@ -252,8 +245,8 @@ def not_as_required(rows: list[dict]) -> list[str]:
 def step_ms(row: dict, skip: int = 3):
     """The median of Megatron's "elapsed time per iteration (ms)" after the first ``skip`` iterations, or None.
     Comparable between runs only with one rank per GPU (ranks sharing one GPU over gloo time the sharing)."""
-    times = sorted(t for t in (row.get("iteration_ms") or [])[skip:] if t is not None)
-    return times[len(times) // 2] if times else None
+    times = [t for t in (row.get("iteration_ms") or [])[skip:] if t is not None]
+    return statistics.median_high(times) if times else None
 
 
 def _e(x) -> str:

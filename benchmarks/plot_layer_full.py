@@ -67,6 +67,12 @@ def _num(v, f: str = "{:.2f}") -> str:
     return "-" if v is None else f.format(v)
 
 
+def _md_table(head: list, aligns: str, body) -> list[str]:
+    """A markdown table's lines: ``head``, its rule (``aligns``: ``l`` or ``r`` per column) and a line per row."""
+    line = lambda cells: "| " + " | ".join(map(str, cells)) + " |"  # noqa: E731
+    return [line(head), "|" + "".join("---:|" if a == "r" else "---|" for a in aligns), *map(line, body)]
+
+
 def _ordered(keys) -> list[str]:
     """Case keys in report order (CASES, then slice rank)."""
     order = {c: i for i, c in enumerate(CASES)}
@@ -80,20 +86,16 @@ def class_table(rows) -> str:
     have = [r for r in rows if r.get("status") == "ok" and r.get("classes_ms")]
     if not have:
         return ""
-    lines = ["**Where the time goes, by kernel class** (ms per iteration of the profiled iterations, critical rank; "
-             "the GEMMs are the floor: the projections; `gdn` = the gated delta rule's kernels, FLA's or FlashQLA's; "
-             "`gdn-cp glue` = gdn-cp's Triton kernels, `compiled glue` = torch.compile's: the conv + split + l2 norm and gates)\n",
-             "| stack | spec | T | packing | case | median | " + " | ".join(CLASS_NAMES) + " | median / GEMM |",
-             "|---|---|---|---|---|---:|" + "---:|" * (len(CLASS_NAMES) + 1)]
-    for r in sorted(have, key=lambda r: (_stack(r), r.get("spec") or "local", r["T"], r["packing"], case_key(r))):
-        cls = r["classes_ms"]
-        gemm = cls.get("gemm") or 0.0
-        lines.append(f"| {_stack(r)} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {r['packing']} | "
-                     f"{_label(case_key(r))} | {r['median_ms']:.2f} | "
-                     + " | ".join(f"{cls.get(c, 0.0):.2f}" for c in CLASS_NAMES)
-                     + f" | {'-' if not gemm else format(r['median_ms'] / gemm, '.2f')} |")
-    lines.append("")
-    return "\n".join(lines)
+    body = [[_stack(r), r.get("spec") or "local", _fmt_t(r["T"]), r["packing"], _label(case_key(r)), f"{r['median_ms']:.2f}",
+             *(f"{r['classes_ms'].get(c, 0.0):.2f}" for c in CLASS_NAMES),
+             _num(r["median_ms"] / r["classes_ms"]["gemm"] if r["classes_ms"].get("gemm") else None)]
+            for r in sorted(have, key=lambda r: (_stack(r), r.get("spec") or "local", r["T"], r["packing"], case_key(r)))]
+    return "\n".join(["**Where the time goes, by kernel class** (ms per iteration of the profiled iterations, critical "
+                      "rank; the GEMMs are the floor: the projections; `gdn` = the gated delta rule's kernels, FLA's or "
+                      "FlashQLA's; `gdn-cp glue` = gdn-cp's Triton kernels, `compiled glue` = torch.compile's: the conv + "
+                      "split + l2 norm and gates)\n",
+                      *_md_table(["stack", "spec", "T", "packing", "case", "median", *CLASS_NAMES, "median / GEMM"],
+                                 "lllllr" + "r" * (len(CLASS_NAMES) + 1), body), ""])
 
 
 def load_rows(paths) -> list[dict]:
@@ -131,6 +133,16 @@ def _cell(row, stock, ideal) -> str:
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
+def _where_row(t, name, case, r) -> list:
+    """A row of the table of where a case's time goes (``markdown_tables``)."""
+    chk = r.get("check") or {}
+    return [_fmt_t(t), name, _label(case), f"{r['median_ms']:.2f}", f"{r['p10_ms']:.2f}-{r['p90_ms']:.2f}",
+            _num((r.get("core") or {}).get("median_ms")),
+            *(_num(r.get(k)) for k in ("compute_ms", "comm_wait_ms", "memcpy_ms", "idle_ms")),
+            _num(r.get("bytes_per_token"), "{:.0f}"), _num(r.get("peak_gib")),
+            "-" if not chk else f"{chk['out']:.1e} / {max(chk['grad_x'], chk['grad_params']):.1e}"]
+
+
 def markdown_tables(rows) -> str:
     """README tables: medians with (x stock, % of ideal), then where the time goes."""
     parts = []
@@ -149,42 +161,24 @@ def markdown_tables(rows) -> str:
         parts.append(f"**GatedDeltaNet fwd+bwd, CP={cp}** ({gpus} x {gpu}, {backend}, {dtype}; median ms of the "
                      f"slowest rank per iteration over {any_row['iters']} iterations; "
                      f"(time / stock headwise, ideal / time))\n")
-        parts.append("| T | packing | " + " | ".join(_label(c) for c in cases) + " |")
-        parts.append("|---|---|" + "---:|" * len(cases))
-        for (t, name), by_case in sorted(by_tp.items()):
-            stock, ideal = by_case.get("stock_headwise"), by_case.get("cp1_slice")
-            parts.append(f"| {_fmt_t(t)} | {name} | " + " | ".join(_cell(by_case.get(c), stock, ideal) for c in cases)
-                         + " |")
+        parts += _md_table(["T", "packing", *map(_label, cases)], "ll" + "r" * len(cases),
+                           [[_fmt_t(t), name, *(_cell(by_case.get(c), by_case.get("stock_headwise"), by_case.get("cp1_slice"))
+                                                for c in cases)] for (t, name), by_case in sorted(by_tp.items())])
         parts.append("\nWhere the time goes (critical rank, ms per iteration from the profiled iterations; "
                      "B/token = bytes leaving a rank per fwd+bwd / T_local, max over ranks):\n")
-        parts.append("| T | packing | case | median | p10-p90 | core | compute | NCCL | memcpy | idle | B/token "
-                     "| peak GiB | vs CP=1 (out / grad) |")
-        parts.append("|---|---|---|" + "---:|" * 10)
-        for (t, name), by_case in sorted(by_tp.items()):
-            for c in cases:
-                r = by_case.get(c)
-                if r is None:
-                    continue
-                core = r.get("core") or {}
-                chk = r.get("check") or {}
-                parts.append(
-                    f"| {_fmt_t(t)} | {name} | {_label(c)} | {r['median_ms']:.2f} | {r['p10_ms']:.2f}-{r['p90_ms']:.2f} "
-                    f"| {_num(core.get('median_ms'))} | {_num(r.get('compute_ms'))} | {_num(r.get('comm_wait_ms'))} "
-                    f"| {_num(r.get('memcpy_ms'))} | {_num(r.get('idle_ms'))} | {_num(r.get('bytes_per_token'), '{:.0f}')} "
-                    f"| {_num(r.get('peak_gib'))} | "
-                    + ("-" if not chk else f"{chk['out']:.1e} / {max(chk['grad_x'], chk['grad_params']):.1e}") + " |")
+        parts += _md_table(["T", "packing", "case", "median", "p10-p90", "core", "compute", "NCCL", "memcpy", "idle",
+                            "B/token", "peak GiB", "vs CP=1 (out / grad)"], "lll" + "r" * 10,
+                           [_where_row(t, name, c, by_case[c]) for (t, name), by_case in sorted(by_tp.items())
+                            for c in cases if c in by_case])
         parts.append("")
     compiled = [r for r in rows if r.get("status") == "compiled"]
     if compiled:
         parts.append("Compile pass only (no timing): first fwd+bwd in seconds (compile and autotune included), "
                      "and the case against CP=1 (relative L2, max over ranks):\n")
-        parts.append("| CP | T | packing | case | compile s | out | grad x | grad params |")
-        parts.append("|---:|---|---|---|---:|---:|---:|---:|")
-        for r in compiled:
-            c = r.get("check") or {}
-            e = lambda k: "-" if k not in c else f"{c[k]:.1e}"  # noqa: E731
-            parts.append(f"| {r['cp']} | {_fmt_t(r['T'])} | {r['packing']} | {_label(case_key(r))} | "
-                         f"{r.get('compile_s', 0):.1f} | {e('out')} | {e('grad_x')} | {e('grad_params')} |")
+        e = lambda c, k: "-" if k not in c else f"{c[k]:.1e}"  # noqa: E731
+        parts += _md_table(["CP", "T", "packing", "case", "compile s", "out", "grad x", "grad params"], "rlllrrrr",
+                           [[r["cp"], _fmt_t(r["T"]), r["packing"], _label(case_key(r)), f"{r.get('compile_s', 0):.1f}",
+                             *(e(r.get("check") or {}, k) for k in ("out", "grad_x", "grad_params"))] for r in compiled])
         parts.append("")
     not_ok = [r for r in rows if r.get("status") not in ("ok", "compiled")]
     if not_ok:
@@ -207,12 +201,6 @@ def per_rank_summary(rows) -> str:
                        -1 if r.get("slice_rank") is None else r["slice_rank"])
     index = {(*where(r), r.get("lever_off"), r["case"].startswith("stock")): r for r in ok}
     levers = sorted({r["lever_off"] for r in ok if r.get("lever_off")})
-    head = ("| run | stack | gdn-cp backend | spec | T | packing | rows | stock ms | gdn-cp ms | / stock | "
-            + "".join(f"{lv} off ms (off / on) | " for lv in levers)
-            + "core ms | kernels stock / gdn-cp | idle ms stock / gdn-cp | peak GiB stock / gdn-cp | / stock | gdn-cp norm |")
-    lines = ["**Per rank, stock megatron-core 0.19.2 and gdn-cp on the same rows and weights** (median ms of the "
-             "fwd+bwd (p10-p90); kernels and idle per iteration of the profiled iterations)\n", head,
-             "|---|---|---|---|---:|---|---|" + "---:|" * (8 + len(levers)) + "---|"]
 
     def both(stock, r, f):  # "stock / gdn-cp" of one quantity
         return f"{_num(None if stock is None else f(stock))} / {_num(f(r))}"
@@ -221,27 +209,27 @@ def per_rank_summary(rows) -> str:
         return f"{r['median_ms']:.2f} ({r['p10_ms']:.2f}-{r['p90_ms']:.2f})"
 
     kernels = lambda r: sum((r.get("kernels_per_iter") or {}).values()) or None  # noqa: E731
+    body = []
     for r in sorted(patched, key=where):
         stock = index.get((*where(r), None, True))
-        rows_text = ("all" if r.get("slice_rank") is None else f"rank {r['slice_rank']} of CP={r.get('slice_of_cp')}")
-        ratio = None if stock is None else r["median_ms"] / stock["median_ms"]
         mem = None if stock is None or not stock.get("peak_gib") or r.get("peak_gib") is None else \
             r["peak_gib"] / stock["peak_gib"]
-        cells = []
-        for lv in levers:
-            off = index.get((*where(r), lv, False))
-            cells.append("-" if off is None else f"{off['median_ms']:.2f} ({off['median_ms'] / r['median_ms']:.3f})")
-        norm = str(r.get("norm_path") or "-").split(":", 1)[0]
-        run = r.get("run_id", "-").removeprefix("layer_full-")
-        backend = r.get("knobs", {}).get("linear_cp_backend") or "auto"
-        lines.append(f"| {run} | {_stack(r)} | {backend} | {r.get('spec') or 'local'} | {_fmt_t(r['T'])} | {r['packing']} | {rows_text} "
-                     f"| {'-' if stock is None else spread(stock)} | {spread(r)} "
-                     f"| {_num(ratio, '{:.3f}')} | " + "".join(c + " | " for c in cells)
-                     + f"{_num((r.get('core') or {}).get('median_ms'))} | {both(stock, r, kernels).replace('.00', '')} "
-                     f"| {both(stock, r, lambda x: x.get('idle_ms'))} "
-                     f"| {both(stock, r, lambda x: x.get('peak_gib'))} | {_num(mem, '{:.3f}')} | {norm} |")
-    lines.append("")
-    return "\n".join(lines)
+        offs = [index.get((*where(r), lv, False)) for lv in levers]
+        body.append([r.get("run_id", "-").removeprefix("layer_full-"), _stack(r),
+                     r.get("knobs", {}).get("linear_cp_backend") or "auto", r.get("spec") or "local", _fmt_t(r["T"]),
+                     r["packing"], "all" if r.get("slice_rank") is None else f"rank {r['slice_rank']} of CP={r.get('slice_of_cp')}",
+                     "-" if stock is None else spread(stock), spread(r),
+                     _num(None if stock is None else r["median_ms"] / stock["median_ms"], "{:.3f}"),
+                     *("-" if off is None else f"{off['median_ms']:.2f} ({off['median_ms'] / r['median_ms']:.3f})" for off in offs),
+                     _num((r.get("core") or {}).get("median_ms")), both(stock, r, kernels).replace(".00", ""),
+                     both(stock, r, lambda x: x.get("idle_ms")), both(stock, r, lambda x: x.get("peak_gib")),
+                     _num(mem, "{:.3f}"), str(r.get("norm_path") or "-").split(":", 1)[0]])
+    head = ["run", "stack", "gdn-cp backend", "spec", "T", "packing", "rows", "stock ms", "gdn-cp ms", "/ stock",
+            *(f"{lv} off ms (off / on)" for lv in levers), "core ms", "kernels stock / gdn-cp", "idle ms stock / gdn-cp",
+            "peak GiB stock / gdn-cp", "/ stock", "gdn-cp norm"]
+    return "\n".join(["**Per rank, stock megatron-core 0.19.2 and gdn-cp on the same rows and weights** (median ms of "
+                      "the fwd+bwd (p10-p90); kernels and idle per iteration of the profiled iterations)\n",
+                      *_md_table(head, "llllrll" + "r" * (8 + len(levers)) + "l", body), ""])
 
 
 CLASS_COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "conv": "tab:red", "gdn": "tab:green",

@@ -51,13 +51,6 @@ def _count_syncs(fn):
     return result, n
 
 
-def _cfg(backend: str) -> dict:
-    """The layer's fields for gdn-cp's ``linear_cp_backend``: FlashQLA takes head dims 128 only."""
-    if backend == "flashqla":
-        return dict(CFG, linear_key_head_dim=128, linear_value_head_dim=128, linear_cp_backend=backend)
-    return dict(CFG, linear_cp_backend=backend)
-
-
 def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
     from gdn_cp.megatron.call import ROUTE_CACHE_ATTR
 
@@ -69,7 +62,8 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
         group = rank_groups()["world"] if cp == ctx.world_size else rank_groups()["self"]
         padded, actual = thd_case(cp)
         rows = zigzag_rows(padded, cp, ctx.rank).to(ctx.device)
-        fields = _cfg(backend)
+        dims = dict(linear_key_head_dim=128, linear_value_head_dim=128) if backend == "flashqla" else {}  # FlashQLA's only
+        fields = dict(CFG, linear_cp_backend=backend, **dims)
         x, dout = hidden_inputs(padded[-1], 1, torch.bfloat16, 5, fields["hidden_size"], ctx.device)
         x, dout = x[rows], dout[rows]
         res = {}
@@ -112,7 +106,7 @@ def parse_args(argv=None):
     parser.add_argument("--backend", choices=("auto", "fla", "flashqla"), default="auto",
                         help="gdn-cp's per-rank kernels (linear_cp_backend; flashqla at head dims 128)")
     args = parser.parse_args(argv)
-    args.out = str(resolve_out(args, "syncs.json", parser))
+    args.out = str(resolve_out(args, "syncs.json"))
     return args
 
 

@@ -67,8 +67,19 @@ def _all_pristine(root: Path) -> bool:
     return set(check_patch(root).values()) == {PRISTINE}
 
 
-def pristine_sources(base: Path) -> Path:
-    """A folder under ``base`` holding a pristine megatron-core 0.19.2 ``megatron/`` package."""
+def start_download(base: Path) -> subprocess.Popen:
+    """``pip download`` of the megatron-core sdist into ``base/download`` (~4 s: pip prepares its metadata in a build
+    environment), started now: the session starts it when it collects a test that needs the sources."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-binary", "megatron-core", "--no-deps",
+        "--ignore-requires-python", f"megatron-core=={VERSION}", "-d", str(base / "download"),
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+
+
+def pristine_sources(base: Path, download: subprocess.Popen | None = None) -> Path:
+    """A folder under ``base`` holding a pristine megatron-core 0.19.2 ``megatron/`` package (``download``: a
+    :func:`start_download` into ``base`` already running)."""
     tried = []
     sdist = os.environ.get("GDN_CP_MEGATRON_SDIST")
     if sdist:
@@ -77,21 +88,17 @@ def pristine_sources(base: Path) -> Path:
             return root
         tried.append(f"GDN_CP_MEGATRON_SDIST={sdist}: not pristine 0.19.2 ({check_patch(root)})")
 
-    dl = base / "download"
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-binary", "megatron-core", "--no-deps",
-        "--ignore-requires-python", f"megatron-core=={VERSION}", "-d", str(dl),
-    ]  # fmt: skip
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        tars = sorted(dl.glob("megatron_core-*.tar.gz"))
+        r = download or start_download(base)
+        stderr = r.communicate(timeout=600)[1]
+        tars = sorted((base / "download").glob("megatron_core-*.tar.gz"))
         if r.returncode == 0 and tars:
             root = _extract(tars[0], base / "sdist")
             if _all_pristine(root):
                 return root
             tried.append(f"pip download: sdist not pristine ({check_patch(root)})")
         else:
-            tried.append(f"pip download failed (rc={r.returncode}): {r.stderr.strip()[-500:]}")
+            tried.append(f"pip download failed (rc={r.returncode}): {stderr.strip()[-500:]}")
     except (OSError, subprocess.TimeoutExpired) as e:
         tried.append(f"pip download failed: {e!r}")
 
