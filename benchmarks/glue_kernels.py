@@ -18,6 +18,7 @@ sm_90 by Triton's compiler here, with the registers and stack (spill) bytes per 
 
     python3 -m benchmarks.glue_kernels --out $OUT/glue_kernels.json                 # on the GPU machine
     python3 -m benchmarks.glue_kernels --resources --out benchmarks/results/glue_kernels_resources.json
+    python3 -m benchmarks.glue_kernels --rows 16K --profile   # under ncu --profile-from-start off (the GPU machine)
     TRITON_INTERPRET=1 python3 -m benchmarks.glue_kernels --device cpu --rows 64 --heads 1,2 --head-dim 16 --iters 1
 """
 
@@ -60,8 +61,9 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = False) -> dict:
-    """The kernels at ``rows``: median forward / backward ms (``one_pass``: the one-kernel backward)."""
+def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = False, profile: bool = False) -> dict:
+    """The kernels at ``rows``: median forward / backward ms (``one_pass``: the one-kernel backward). ``profile``:
+    instead, one backward between cudaProfilerStart / Stop, after autotuning (``ncu --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
     hk, hv, dim = shape
@@ -77,6 +79,14 @@ def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = Fal
 
     for _ in range(3 if device == "cuda" else 1):  # autotuning, then warm
         backward(forward())
+    if profile:
+        outs = forward()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        backward(outs)
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        return {"rows": rows, "profiled": "one-pass backward"}
     outs = [None]
 
     def fresh_outputs():  # untimed, ahead of each timed backward
@@ -117,8 +127,12 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
     p.add_argument("--resources", action="store_true",
                    help="compile the kernel at every config for sm_90 here and report registers / spills (no GPU)")
+    p.add_argument("--profile", action="store_true",
+                   help="one one-pass backward per row count between cudaProfilerStart/Stop, nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
+    if args.profile and args.device != "cuda":
+        p.error("--profile needs --device cuda: ncu profiles CUDA kernels")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.resources:
         import triton
@@ -130,6 +144,9 @@ def main(argv=None) -> dict:
         hk, hv = (int(h) for h in args.heads.split(","))
         shape, results = (hk, hv, args.head_dim), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
+            if args.profile:
+                results.append(time_kernels(rows, shape, args.device, args.iters, one_pass=True, profile=True))
+                continue
             c = (2 * hk + hv) * args.head_dim
             gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
             floor = {"fwd_ms": 2 * rows * c * 2 / gbs / 1e6, "bwd_ms": 3 * rows * c * 2 / gbs / 1e6}

@@ -5,8 +5,7 @@ row files from several device calls. (The CP>1 plot it drew until issue 48, e.g.
 
     python3 -m benchmarks.plot_layer_full a.json b.json --merge-out benchmarks/results/layer_full.json
     python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full.json --md table.md
-    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full_glue.json \
-        --md /tmp/tables.md --png benchmarks/results/layer_full_glue.png
+    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full_glue.json --md /tmp/tables.md --png benchmarks/results/layer_full_glue.png
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
 run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
@@ -237,9 +236,12 @@ CLASS_COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "conv": "tab:
                 "elementwise + copies": "tab:purple", "memcpy": "tab:brown", "idle": "lightgray"}
 
 
+PANELS_PER_ROW = 4
+
+
 def plot_per_rank(rows, path) -> bool:
     """The ``--cp 1`` slice rows as stacked bars by kernel class (ms per iteration): one panel per (run, spec,
-    T), a bar per rank and case (stock, gdn-cp, each lever off), the median marked. False without matplotlib
+    T), :data:`PANELS_PER_ROW` to a row, a bar per rank and case (stock, gdn-cp, each lever off), the median marked. False without matplotlib
     or without such rows (said on stderr)."""
     plt = pyplot()
     if plt is None:
@@ -252,10 +254,13 @@ def plot_per_rank(rows, path) -> bool:
         print("no profiled --cp 1 slice rows: no plot", file=sys.stderr)
         return False
     panels = sorted(panels.items(), key=str)
-    widths = [2 + 0.45 * len(group) for _, group in panels]  # a panel as wide as its bars
-    fig, axes = plt.subplots(1, len(panels), figsize=(sum(widths) + 1.5, 5), squeeze=False,
-                             gridspec_kw={"width_ratios": widths})
-    for ax, ((run, spec, t), group) in zip(axes[0], panels):
+    width = 2 + 0.45 * max(len(group) for _, group in panels)  # a panel as wide as the most bars
+    cols = min(PANELS_PER_ROW, len(panels))
+    rows_of_panels = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(cols * width + 1.5, 5.5 * rows_of_panels), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, ((run, spec, t), group) in zip(axes.flat, panels):
         group.sort(key=lambda r: (r.get("slice_rank"), r["case"] != "stock_slice", r.get("lever_off") or ""))
         xs, bottoms = range(len(group)), [0.0] * len(group)
         for cls in CLASS_NAMES:
@@ -269,7 +274,7 @@ def plot_per_rank(rows, path) -> bool:
         ax.set_ylabel("ms per iteration (profiled, by kernel class)")
         ax.set_title(f"{spec} spec, {_fmt_t(t)} tokens, CP=2 rank slices\n{run}", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[0][cols - 1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return save_figure(fig, path)
 
 
