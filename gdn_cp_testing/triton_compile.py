@@ -57,7 +57,7 @@ def cubin_resources(cubin: bytes) -> dict:
 
 
 def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
-    """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels (both backward forms)."""
+    """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels (every backward form)."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm}
@@ -67,7 +67,8 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
          {**tile, "SPAN": 64, "WP": 4}),
         ("conv_bwd_dx", tc.gdn_cp_glue_conv_bwd_dx, {**BF16_CONV, "pre_ptr": "*fp32", "w_ptr": "*bf16"},
          {"BT": 32, "BC": 128, "W": 4}),
-        ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
+        ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": False}),
+        ("conv_bwd_one_pass_taps", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True}),
     )
 
 

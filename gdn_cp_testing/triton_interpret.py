@@ -20,7 +20,7 @@ from gdn_cp.layout import Boundaries
 from gdn_cp.ops.fused.glue import _conv_silu_split, _gates
 
 W = 4
-CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pass chunk rows | one-pass programs)
+CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pass chunk rows | one-pass form, programs)
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 16384),
     ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), 7),  # chunks of 7 rows: their W-1 overlap, the halo
     ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), 16384),
@@ -29,6 +29,8 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), "one_pass 2048"),  # 1 program, the tail past T
     ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), "one_pass 4"),  # 3 v heads: one program per head
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass 2"),  # rows 50: a span boundary
+    ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), "one_pass_taps 2"),  # the taps loaded once a program
+    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_taps 2"),  # Dv 24: masked taps
 )
 
 
@@ -42,6 +44,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
     one_pass = isinstance(chunk, str)
+    form = {"one_pass": one_pass, "taps_once": one_pass and chunk.startswith("one_pass_taps")}
     if one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
         triton_conv._SPAN, triton_conv._ONE_PASS_PROGRAMS = 16, int(chunk.split()[1])
     else:
@@ -56,12 +59,12 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     leaves = [rows, weight, bias] + ([h] if halo else [])
     rest = (weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6)
     x = rows[:, 3:3 + c]
-    got, want = conv_silu_split_triton(x, *rest, one_pass=one_pass), _conv_silu_split(x, *rest)
+    got, want = conv_silu_split_triton(x, *rest, **form), _conv_silu_split(x, *rest)
     douts = [torch.randn(o.shape, generator=gen).to(dt) for o in want]
     names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
     pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
                                             torch.autograd.grad(want, leaves, douts)))
-    return {"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, one_pass=one_pass),
+    return {"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
                                                      rows, [3, c, 4], douts),
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
             "contiguous": all(o.is_contiguous() for o in got),

@@ -97,6 +97,8 @@ _GLUE_WORDS = {
                    "backward in one pass, z and its gradient where in_proj keeps them",
     "triton_norm_dz_copy": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), the "
                            "conv's backward in one pass, z read where in_proj keeps it",
+    "triton_taps_per_program": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates), the conv's backward "
+                               "in one pass, each program's taps loaded once",
     "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",
     "eager": "gdn-cp's fused conv + SiLU + split + l2 norm and gates in plain torch (fp64)",
 }

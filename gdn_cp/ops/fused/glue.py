@@ -17,6 +17,8 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   either way; in_proj's gradient is then made before the core's backward, more peak memory);
 - ``triton_norm_dz_copy``: the same, z's gradient in a tensor of its own that the split's backward copies in
   (one copy back, in_proj's gradient made after the core's backward as in ``triton_one_pass``);
+- ``triton_taps_per_program``: ``triton_one_pass`` with each backward program loading its conv taps once, not in
+  every tile (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd`'s ``TAPS_ONCE``; not yet measured);
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -48,7 +50,8 @@ logger = logging.getLogger(__name__)
 L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
-GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "compiled", "unfused")
+GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program", "compiled",
+              "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 CUDA_DEFAULT = "triton_one_pass"
@@ -151,13 +154,13 @@ _gates_compiled = _Compiled(_gates, row_args=(0, 1))
 _conv_compiled = _Compiled(_conv_silu_split, row_args=(0, 3))  # x [T, C], positions [T]
 
 
-def _triton_conv(one_pass: bool = False):
+def _triton_conv(backward: dict):
     from .triton_conv import MAX_WIDTH, conv_silu_split_triton  # Triton is imported only where a GPU takes this path
 
     def conv(x, weight, *rest):  # a conv wider than the kernels take runs the plain math (same values)
         if weight.shape[1] > MAX_WIDTH:
             return _conv_silu_split(x, weight, *rest)
-        return conv_silu_split_triton(x, weight, *rest, one_pass=one_pass)
+        return conv_silu_split_triton(x, weight, *rest, **backward)
 
     return conv
 
@@ -168,14 +171,17 @@ def _triton_gates():
     return gates_triton
 
 
-_ONE_PASS = {"triton": False, "triton_one_pass": True, "triton_norm": True, "triton_norm_dz_copy": True}
-"""gdn-cp's Triton paths, and whether each runs the conv's backward in one kernel."""
+_CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_norm": {"one_pass": True},
+                  "triton_norm_dz_copy": {"one_pass": True},
+                  "triton_taps_per_program": {"one_pass": True, "taps_once": True}}
+"""gdn-cp's Triton paths, and how each runs the conv's backward (:func:`.triton_conv.conv_silu_split_triton`'s
+switches: two kernels, one, or one whose programs load their taps once)."""
 _NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
-          **{path: _triton_gates for path in _ONE_PASS}}
+          **{path: _triton_gates for path in _CONV_BACKWARD}}
 _CONV = {"eager": lambda: _conv_silu_split, "compiled": lambda: _conv_compiled,
-         **{path: partial(_triton_conv, one_pass) for path, one_pass in _ONE_PASS.items()}}
+         **{path: partial(_triton_conv, backward) for path, backward in _CONV_BACKWARD.items()}}
 
 
 def gates(alpha: torch.Tensor, beta: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, path: str = "eager"):

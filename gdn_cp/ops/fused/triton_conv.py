@@ -34,17 +34,50 @@ MAX_WIDTH = 4
 """The widest conv the kernels take (they keep four tap sums; Megatron's and FLA's conv widths are at most 4)."""
 
 @triton.jit
-def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
-               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
-    """The conv's pre-activation ``[BT, BD]`` fp32 at ``rows`` (int32 [BT]) for channels ``ch`` ([BD])."""
+def _program_taps(w_ptr, b_ptr, ch, d_ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The taps ``w[:, j]`` (j < W; zeros past W) and the bias of channels ``ch`` as ``[1, BD]`` fp32 tiles, loaded
+    once by a program whose channels stay fixed (inside its row loop a load cannot be hoisted past its stores)."""
+    at = w_ptr + ch[None, :] * W
+    ok = d_ok[None, :]
+    t0 = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    t1 = tl.load(at + 1, mask=ok & (W > 1), other=0.0).to(tl.float32)
+    t2 = tl.load(at + 2, mask=ok & (W > 2), other=0.0).to(tl.float32)
+    t3 = tl.load(at + 3, mask=ok & (W > 3), other=0.0).to(tl.float32)
+    bias = tl.load(b_ptr + ch[None, :], mask=ok & HAS_BIAS, other=0.0).to(tl.float32)
+    return t0, t1, t2, t3, bias
+
+
+@triton.jit
+def _pick(j, t0, t1, t2, t3):
+    """Tap ``j`` (a compile-time index) of the four."""
+    if j == 0:
+        return t0
+    elif j == 1:
+        return t1
+    elif j == 2:
+        return t2
+    else:
+        return t3
+
+
+@triton.jit
+def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
+               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, TAPS_GIVEN: tl.constexpr):
+    """The conv's pre-activation ``[BT, BD]`` fp32 at ``rows`` (int32 [BT]) for channels ``ch`` ([BD]); the taps
+    and bias from ``taps`` (:func:`_program_taps`) where ``TAPS_GIVEN``, else loaded here."""
     acc = tl.zeros((rows.shape[0], ch.shape[0]), dtype=tl.float32)
-    if HAS_BIAS:
+    if TAPS_GIVEN:
+        acc += taps[4]
+    elif HAS_BIAS:
         acc += tl.load(b_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     first = pos == rows  # rows of the sequence that starts at row 0 (continues into the halo)
     for j in tl.static_range(W):
         shift = W - 1 - j
         src = rows - shift
-        tap = tl.load(w_ptr + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)
+        if TAPS_GIVEN:
+            tap = _pick(j, taps[0], taps[1], taps[2], taps[3])
+        else:
+            tap = tl.load(w_ptr + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         inside = row_ok & (pos >= shift)
         xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
                      mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -53,7 +86,7 @@ def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, 
             hv = tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
                          mask=from_halo[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             xv += hv
-        acc += tap[None, :] * xv
+        acc += tap * xv
     return acc
 
 
@@ -68,8 +101,8 @@ def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     row_ok, d_ok = rows < T, d < D
     ch = C0 + i_h * D + d
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
-                   W, HAS_BIAS, HAS_HALO)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, None,
+                   W, HAS_BIAS, HAS_HALO, False)
     a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # SiLU, rounded as FLA's conv
     if NORM:
         a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
@@ -79,13 +112,13 @@ def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
 
 @triton.jit
 def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, ch,
-               d, d_ok, EPS, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
-               NORM: tl.constexpr):
+               d, d_ok, EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
+               NORM: tl.constexpr, TAPS_GIVEN: tl.constexpr):
     """The gradient at the conv's pre-activation ``[BT, BD]`` fp32 for ``rows`` (zeros outside [0, T))."""
     row_ok = (rows >= 0) & (rows < T)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok,
-                   W, HAS_BIAS, HAS_HALO)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
+                   W, HAS_BIAS, HAS_HALO, TAPS_GIVEN)
     s = tl.sigmoid(y)
     ok = row_ok[:, None] & d_ok[None, :]
     da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
@@ -168,7 +201,7 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
         rel = i_p * SPAN + it * BT + tl.arange(0, BT)
         rows = ROW0 + rel
         pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                         HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
+                         HEADS, ch, d, d_ok, EPS, None, D, W, HAS_BIAS, HAS_HALO, NORM, False)
         row_ok = rel < ROWS
         tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -203,7 +236,7 @@ def gdn_cp_glue_conv_bwd_dx(pre_ptr, w_ptr, pos_ptr, dx_ptr, dx_stride, T, ROW0,
 def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
                          scratch_ptr, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                          BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+                         HAS_HALO: tl.constexpr, NORM: tl.constexpr, TAPS_ONCE: tl.constexpr):
     """The whole backward of head ``program_id(1)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` in one pass: ``dx``
     of those rows (bf16 / fp16 / fp32, written once), the tap and bias sums into ``dw [programs, HEADS*D, W]``,
     ``db [programs, HEADS*D]`` and, with a halo, the pre-activation gradient of rows ``[0, W-1)`` into
@@ -211,7 +244,10 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     register tile can shift to: each tile's is kept in this program's ``scratch [BT + 4, BD]`` (fp32, L1/L2
     resident), rows ``[BT, BT + 4)`` holding the W-1 rows after the tile. The tiles run last to first, so those
     rows are the previous tile's first; the span's last tile reads four rows computed up front (rows past T are
-    zeros). Nothing ``[T, C]``-sized in fp32 is written (the two-pass form writes and reads one)."""
+    zeros). Nothing ``[T, C]``-sized in fp32 is written (the two-pass form writes and reads one). ``TAPS_ONCE``:
+    the program's taps and bias loaded once, before its tiles (:func:`_program_taps`), not in every tile (where
+    each tap, loaded 1-D, changes layout through shared memory; compiled for sm_90, 23 barriers a tile fall to 6).
+    Not yet measured on a GPU: ``GDN_CP_GLUE=triton_taps_per_program``."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BD)
     d_ok = d < D
@@ -222,8 +258,12 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     tile = tl.arange(0, BT)
     after = tl.arange(0, 4)
     span0 = i_p * SPAN
+    if TAPS_ONCE:
+        taps = _program_taps(w_ptr, b_ptr, ch, d_ok, W, HAS_BIAS)
+    else:
+        taps = None
     tail = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, span0 + SPAN + after,
-                      T, i_h, HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)
+                      T, i_h, HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE)
     tl.store(scratch + (BT + after)[:, None] * BD + d[None, :], tail)
     acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # sums of pre * x[t - k], k = 0..3 (tap W-1-k)
     acc1 = tl.zeros((BT, BD), dtype=tl.float32)
@@ -235,7 +275,7 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
         rows = span0 + (tiles - 1 - i) * BT + tile
         row_ok = rows < T
         pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                         HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM)  # zeros at rows >= T
+                         HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE)  # 0 at rows >= T
         accb += pre
         acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
                                            acc0, acc1, acc2, acc3, W, HAS_HALO)
@@ -248,7 +288,11 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
             later = rows + s
             keep = (later < T) & (tl.load(pos_ptr + later, mask=later < T, other=0) >= s)
             shifted = tl.load(scratch + (tile + s)[:, None] * BD + d[None, :], mask=keep[:, None], other=0.0)
-            dx += tl.load(w_ptr + ch * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)[None, :] * shifted
+            if TAPS_ONCE:
+                tap = _pick(W - 1 - s, taps[0], taps[1], taps[2], taps[3])
+            else:
+                tap = tl.load(w_ptr + ch * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            dx += tap * shifted
         carried = tl.load(scratch + after[:, None] * BD + d[None, :])  # the W-1 rows after the next tile down
         tl.debug_barrier()
         tl.store(scratch + (BT + after)[:, None] * BD + d[None, :], carried)
@@ -263,7 +307,7 @@ _pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "n
 _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
-_bwd = launcher(gdn_cp_glue_conv_bwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_bwd = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
@@ -281,7 +325,7 @@ def _block(dim: int) -> int:
 
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, one_pass):
+    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, one_pass, taps_once):
         t, c = x.shape
         w = weight.shape[1]
         weight_c = weight.contiguous()
@@ -295,13 +339,13 @@ class _ConvSiluSplit(torch.autograd.Function):
                      D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
-        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass)
+        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass, taps_once)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, dq, dk_, dv_):
         x, weight, bias, positions, halo = ctx.saved_tensors
-        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass = ctx.meta
+        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass, taps_once = ctx.meta
         t, c = x.shape
         w = weight.shape[1]
         dx = row_gradient_columns(x)  # q|k|v's columns of in_proj's output gradient where x is split_columns' group
@@ -312,12 +356,15 @@ class _ConvSiluSplit(torch.autograd.Function):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-            group_backward = _conv_group_backward_one_pass if one_pass else _conv_group_backward
-            group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
+            if one_pass:
+                _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw,
+                                              db, dhalo, taps_once)
+            else:
+                _conv_group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
@@ -355,10 +402,10 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 
 
 def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db,
-                                  dhalo):
+                                  dhalo, taps_once=False):
     """One channel group's backward in one kernel (:func:`gdn_cp_glue_conv_bwd`): dx written once, no fp32
     ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs, each a span of rows (a multiple of every
-    tile) with its own scratch tile."""
+    tile) with its own scratch tile; ``taps_once``: each program loads its taps once (``TAPS_ONCE``)."""
     t, c = x.shape
     w = weight.shape[1]
     width = heads * dim
@@ -373,7 +420,8 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
     _bwd(lambda meta: (programs, heads),
          x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
          c if halo is None else halo.stride(0), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part, t,
-         span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
+         span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
+         TAPS_ONCE=taps_once)
     dw[c0:c0 + width] += dw_part.sum(0)
     if bias is not None:
         db[c0:c0 + width] += db_part.sum(0)
@@ -397,9 +445,11 @@ def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tenso
 
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
-                           head_v_dim: int, qk_l2norm: bool, eps: float, one_pass: bool = False):
+                           head_v_dim: int, qk_l2norm: bool, eps: float, one_pass: bool = False,
+                           taps_once: bool = False):
     """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``. ``one_pass``: the
-    backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer between them."""
+    backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer between them;
+    ``taps_once`` (with ``one_pass``): its programs load their taps once, not in every tile."""
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
-                                qk_l2norm, eps, one_pass)
+                                qk_l2norm, eps, one_pass, taps_once)
