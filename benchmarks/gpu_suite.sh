@@ -95,11 +95,12 @@ fi
 # FlashQLA + TileLang (the slim-tilelang pack), unpacked once into .site-tl/ and put first on PYTHONPATH
 TL_SITE=$ROOT/.site-tl
 unpack_pack "${GDN_CP_TL:-.tl}" "$TL_SITE"
+# unpack_parts TAR DEST: a cache saved in parts (TAR.part00, ...: split_parts below) unpacked into DEST; false if none
+unpack_parts() { ls "$1".part* >/dev/null 2>&1 && cat "$1".part* | tar -xzf - -C "$2"; }
 export TILELANG_CACHE_DIR=$ROOT/.tl_cache/live
 mkdir -p "$TILELANG_CACHE_DIR"
-if ls .tl_cache/tl_cache.tar.gz.part* >/dev/null 2>&1 && [ ! -f "$TILELANG_CACHE_DIR/.restored" ]; then
-  cat .tl_cache/tl_cache.tar.gz.part* | tar -xzf - -C "$TILELANG_CACHE_DIR" && touch "$TILELANG_CACHE_DIR/.restored" \
-    && echo "tilelang cache restored: $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
+if [ ! -f "$TILELANG_CACHE_DIR/.restored" ] && unpack_parts .tl_cache/tl_cache.tar.gz "$TILELANG_CACHE_DIR"; then
+  touch "$TILELANG_CACHE_DIR/.restored" && echo "tilelang cache restored: $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
 fi
 
 export TRITON_CACHE_DIR=$ROOT/.triton_cache/live-$STACK
@@ -109,10 +110,8 @@ export GDN_CP_GPU_RESULTS=$OUT/gpu_results.jsonl
 mkdir -p "$TRITON_CACHE_DIR"
 CACHE_IN=.triton_cache/$STACK
 if ! ls "$CACHE_IN"/cache.tar.gz.part* >/dev/null 2>&1 && [ "$STACK" = fla042 ]; then CACHE_IN=.triton_cache; fi
-if ls "$CACHE_IN"/cache.tar.gz.part* >/dev/null 2>&1; then
-  cat "$CACHE_IN"/cache.tar.gz.part* | tar -xzf - -C "$TRITON_CACHE_DIR" \
-    && echo "triton cache restored from $CACHE_IN: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
-fi
+unpack_parts "$CACHE_IN/cache.tar.gz" "$TRITON_CACHE_DIR" \
+  && echo "triton cache restored from $CACHE_IN: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
 
 exec > >(tee -a "$OUT/run.log") 2>&1
 echo "== stack $STACK"
@@ -202,27 +201,27 @@ run_stage() {
 # and torch.compile's own cache (inductor/: the fused glue's kernels and graphs). Saved after every
 # stage group, so a call killed later keeps what the earlier groups compiled.
 # GDN_CP_SAVE_CACHE=0: none (a second suite beside this one saves its own).
+# split_parts TAR NAME: TAR as $OUT/NAME.part00, part01, ... (15 MiB each); says its size and parts
+split_parts() {
+  rm -f "$OUT/$2".part*
+  split -b 15m -d "$1" "$OUT/$2.part"
+  echo "$(( $(stat -c %s "$1") / 1024 )) KiB in $(ls "$OUT/$2".part* | wc -l) part(s)"
+}
 save_caches() {
   if [ "${GDN_CP_SAVE_CACHE:-1}" != 0 ]; then
-    local TAR=/tmp/triton_cache_$STACK.tar.gz SIZE MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
-    rm -f "$OUT"/cache.tar.gz.part*
+    local TAR=/tmp/triton_cache_$STACK.tar.gz MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
     (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' -o -path './inductor/*' \) \
       -print0 | tar -czf "$TAR" --null -T -)
-    SIZE=$(stat -c %s "$TAR")
-    if [ "$SIZE" -gt "$MAX" ]; then
-      echo "triton cache is $((SIZE / 1048576)) MiB compressed: keeping autotune results only"
+    if [ "$(stat -c %s "$TAR")" -gt "$MAX" ]; then
+      echo "triton cache is $(( $(stat -c %s "$TAR") / 1048576 )) MiB compressed: keeping autotune results only"
       (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$TAR" --null -T -)
-      SIZE=$(stat -c %s "$TAR")
     fi
-    split -b 15m -d "$TAR" "$OUT/cache.tar.gz.part"
-    echo "triton cache saved: $((SIZE / 1024)) KiB in $(ls "$OUT"/cache.tar.gz.part* | wc -l) part(s); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
+    echo "triton cache saved: $(split_parts "$TAR" cache.tar.gz); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
   fi
   # TileLang's kernel cache (FlashQLA's compiled kernels), split like the Triton cache
   if [ "${GDN_CP_SAVE_TL_CACHE:-1}" != 0 ] && [ -n "$(find "$TILELANG_CACHE_DIR" -type f ! -name .restored -print -quit)" ]; then
-    rm -f "$OUT"/tl_cache.tar.gz.part*
     (cd "$TILELANG_CACHE_DIR" && tar -czf /tmp/tl_cache.tar.gz --exclude=.restored .)
-    split -b 15m -d /tmp/tl_cache.tar.gz "$OUT/tl_cache.tar.gz.part"
-    echo "tilelang cache saved: $(( $(stat -c %s /tmp/tl_cache.tar.gz) / 1024 )) KiB in $(ls "$OUT"/tl_cache.tar.gz.part* | wc -l) part(s), $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
+    echo "tilelang cache saved: $(split_parts /tmp/tl_cache.tar.gz tl_cache.tar.gz), $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
   fi
 }
 

@@ -422,8 +422,7 @@ def plan_rows(args, run: dict) -> list[dict]:
 
 def _spec(row: dict, args, phase: str) -> dict:
     return {"phase": phase, "case": row["case"], "layout": row["layout"], "cu": row["cu"], "seed": args.seed,
-            "spec": row["spec"], "lever_off": row["lever_off"],
-            "check": True, "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
+            "spec": row["spec"], "lever_off": row["lever_off"], "core": not args.no_core, "warmup": args.warmup, "iters": args.iters,
             "profile_iters": args.profile_iters, "slice_of_cp": row.get("slice_of_cp"),
             "slice_rank": row.get("slice_rank")}
 

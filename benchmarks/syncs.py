@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import warnings
 
 import torch
 
@@ -26,29 +25,14 @@ from gdn_cp.patch import ensure_patched
 from gdn_cp_testing.inputs import hidden_inputs
 from gdn_cp_testing.megatron.layer import build_gdn, make_config, rank_groups, stock_forward, thd_params
 from gdn_cp_testing.packings import thd_case, zigzag_rows
-from gdn_cp_testing.probes import env_setting
+from gdn_cp_testing.probes import count_syncs, env_setting
 from gdn_cp_testing.ranks import RankPool
 
 from .common import add_out_arguments, machine_info, resolve_out, versions, write_json
 
-SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
 # Shape small enough to compile fast; sync counts do not depend on it.
 CFG = dict(deterministic_mode=False, hidden_size=128, linear_num_key_heads=4, linear_num_value_heads=8,
            linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
-
-
-def _count_syncs(fn):
-    """(result, syncs) of fn() under sync debug mode "warn" (first-use notice excluded)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    n = sum(1 for w in caught if SYNC_WARNING in str(w.message) and "debug mode" not in str(w.message))
-    return result, n
 
 
 def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
@@ -86,12 +70,12 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
             with ctxm, setting:
                 call(first).backward(dout)  # builds routes / FLA context, autotunes
                 before = ctx.collective_count()
-                o, fwd = _count_syncs(lambda: call(second))
-                _, bwd = _count_syncs(lambda: o.backward(dout))
+                o, fwd = count_syncs(lambda: call(second))
+                _, bwd = count_syncs(lambda: o.backward(dout))
             cache = getattr(params, ROUTE_CACHE_ATTR, None)
             res[path] = {
-                "forward": fwd,
-                "backward": bwd,
+                "forward": len(fwd),
+                "backward": len(bwd),
                 "collectives": ctx.collective_count() - before,
                 "route_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
             }

@@ -402,6 +402,13 @@ def _finish(fut, spec: RunSpec, ref: str, log_dir: Path) -> dict:
     return row
 
 
+def _todo(args, done) -> list:
+    """The runs of ``--groups`` (``--only``: those named) not ``done``, each with what judges it (:func:`with_references`)."""
+    todo = [(s, ref) for s, ref in matrix(args.groups, args.flashqla_site)
+            if (not args.only or any(k in s.name for k in args.only)) and s.name not in done]
+    return with_references(todo, done, args.flashqla_site)
+
+
 def _setup(args) -> tuple[list, dict, float]:
     """The runs still to do, the results document (data built, helpers compiled, resumed rows kept), the start."""
     t0 = time.monotonic()  # --budget-s counts from here: the data and the helpers (~10-60 s) are in it
@@ -410,9 +417,7 @@ def _setup(args) -> tuple[list, dict, float]:
     if earlier:
         judge(earlier["rows"], earlier["rule"])
     kept = [r for r in (earlier or {}).get("rows", []) if _finished(r)]
-    todo = [(s, ref) for s, ref in matrix(args.groups, args.flashqla_site)
-            if (not args.only or any(k in s.name for k in args.only)) and s.name not in {r["name"] for r in kept}]
-    todo = with_references(todo, [r["name"] for r in kept], args.flashqla_site)
+    todo = _todo(args, [r["name"] for r in kept])
     data, stack = prepare_data(work / "data", todo, source=args.text_source, max_bytes=args.text_bytes), versions()
     if kept:
         check_resume(earlier, data, stack, args.resume)
@@ -484,8 +489,7 @@ def run_matrix(args) -> dict:
 def dry_run(args) -> int:
     """Build the data, write the SFT set and print the plan over device calls of ``--budget-s`` each (less
     :data:`PREP_S`); FlashQLA rows only with ``--flashqla-site`` (as on the device); run nothing."""
-    todo = [(s, ref) for s, ref in matrix(args.groups, args.flashqla_site) if not args.only or any(k in s.name for k in args.only)]
-    todo = with_references(todo, (), args.flashqla_site)
+    todo = _todo(args, ())
     work = Path(args.work or tempfile.mkdtemp(prefix="gdn_cp_mlm_"))
     print(json.dumps(prepare_data(work / "data", todo, source=args.text_source, max_bytes=args.text_bytes), indent=1))
     refs = dict((s.name, ref) for s, ref in todo)

@@ -1,6 +1,6 @@
 """Looks into a run that the library does not offer: which swap points chunkwise took, how many bytes
-the all-to-alls sent, how many route and plan builds a micro-batch cost; and a setting of the
-environment for the length of a block.
+the all-to-alls sent, how many route and plan builds a micro-batch cost, which device->host syncs a call
+made; and a setting of the environment for the length of a block.
 
 Each is a context manager that wraps one library function (or one torch.distributed call) for the
 length of the block, in this process, and gives it back afterwards, so the library keeps no
@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
-__all__ = ["AllToAllBytes", "PlanBuilds", "all_to_all_bytes", "env_setting", "plan_builds", "swap_points"]
+__all__ = ["AllToAllBytes", "PlanBuilds", "all_to_all_bytes", "count_syncs", "env_setting", "plan_builds",
+           "swap_points"]
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -121,3 +125,22 @@ def plan_builds() -> Iterator[PlanBuilds]:
     finally:
         for key, name in names.items():
             setattr(plan_module, name, originals[key])
+
+
+def count_syncs(fn: Callable[[], T]) -> tuple[T, list[str]]:
+    """``(fn(), messages)``: the device->host syncs ``fn`` makes, as torch's sync debug mode "warn" reports them,
+    after a device synchronize (torch's one-time notice that the mode is a prototype feature is not a sync). The
+    GPU tests and ``benchmarks/syncs.py`` count them this one way."""
+    import torch
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    messages = [str(w.message) for w in caught]
+    return result, [m for m in messages if "synchroniz" in m.lower() and "prototype feature" not in m
+                    and "debug mode" not in m]

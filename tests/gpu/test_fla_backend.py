@@ -17,7 +17,6 @@ Tolerances (relative L2 = ||a-b|| / ||b||, i.e. normalized RMS; gdn_cp.ops.accur
 from __future__ import annotations
 
 import time
-import warnings
 
 import pytest
 import torch
@@ -31,6 +30,7 @@ from gdn_cp.cli.selftest import compare, conv_case, gdn_case
 from gdn_cp_testing.inputs import fla_core_inputs
 from gdn_cp.ops.accuracy import max_rel, rel_l2
 from gdn_cp_testing.ranks import maybe_fast_autotune
+from gdn_cp_testing.probes import count_syncs
 from gdn_cp_testing.results import JsonlRecorder
 from gdn_cp_testing.compare import gather_rows
 from gdn_cp.ops.accuracy import FLA_CP_CEILING_REL_L2 as CEILING
@@ -114,20 +114,9 @@ def _rank_chunkwise(rctx, inp: dict, cu: list[int], dtype: str, cp: int, check_s
         entry = cache.get(native_cp._CACHE_KEY)
         ctx_before = entry.ctx if entry is not None else None
         t2 = _leaves(inp, DTYPES[dtype], dev, rows)
-        torch.cuda.synchronize(dev)
         n_coll = rctx.collective_count()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                o2 = _fwd_bwd(t2, do, cu, group, cache)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
+        o2, syncs = count_syncs(lambda: _fwd_bwd(t2, do, cu, group, cache))
         torch.cuda.synchronize(dev)
-        # torch prints a one-time notice when the mode is first switched on ("... is a prototype
-        # feature ..."): that is not a sync.
-        syncs = [str(w.message) for w in caught
-                 if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
         out["sync_warnings"] = len(syncs)
         out["sync_messages"] = syncs[:3]
         out["collectives_second_call"] = rctx.collective_count() - n_coll

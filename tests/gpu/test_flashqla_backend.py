@@ -32,7 +32,6 @@ Measured errors are appended as JSON lines to ``$GDN_CP_GPU_RESULTS``.
 from __future__ import annotations
 
 import time
-import warnings
 
 import pytest
 import torch
@@ -41,6 +40,7 @@ from gdn_cp.ops import GDNShape
 from gdn_cp.ops.flashqla.detect import flashqla_problem
 from gdn_cp_testing.inputs import fla_core_inputs
 from gdn_cp.ops.accuracy import max_rel, rel_l2
+from gdn_cp_testing.probes import count_syncs
 from gdn_cp_testing.results import JsonlRecorder
 from gdn_cp_testing.compare import gather_rows
 from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
@@ -358,16 +358,7 @@ def _rank_syncs(rctx, inp: dict, cp: int, path: str):
         (o.float() * do).sum().backward()
 
     step()
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught
-             if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
+    _, syncs = count_syncs(step)
     return {"syncs": len(syncs), "messages": syncs[:3]}
 
 

@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from gdn_cp.patch import apply_patch
 
+from .conftest import started_runs
 from .sources import REPO, Layout
 
 
@@ -156,22 +158,36 @@ STOCK_MODES = [None]
 PATCHED_MODES = [None, "headwise", "chunkwise", "all_gather", "auto", "ring", "HEADWISE"]
 
 
-@pytest.fixture(scope="module")
-def runs(pristine_megatron, tmp_path_factory) -> dict:
-    """The jobs' results: ``table_stock`` (a pristine site-packages tree), ``table_patched`` and
-    ``forward`` (a patched one), from one Python (see ``_SCRIPT``)."""
-    stock = Layout("site-packages", tmp_path_factory.mktemp("stock"), pristine_megatron)
-    patched = Layout("site-packages", tmp_path_factory.mktemp("patched"), pristine_megatron)
+def start_runs(pristine: Path, base: Path, nice: int = 0) -> tuple[list[str], subprocess.Popen]:
+    """Lay out a stock and a patched tree under ``base`` and start the one Python of ``_SCRIPT`` on them (at
+    ``nice``): the job names, and the process. ``tests/patch/conftest.py`` starts it in the background (nice 10:
+    on what CPU the session's own tests leave) once the sources are there."""
+    stock = Layout("site-packages", base / "stock", pristine)
+    patched = Layout("site-packages", base / "patched", pristine)
     apply_patch(patched.root)
     jobs = {"table_stock": dict(kind="table", root=str(stock.root), shapes=_SHAPES, modes=STOCK_MODES),
             "table_patched": dict(kind="table", root=str(patched.root), shapes=_SHAPES, modes=PATCHED_MODES),
             "forward": dict(kind="forward", root=str(patched.root))}
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(list(jobs.values()))],
-                       capture_output=True, text=True, env=env, cwd=tmp_path_factory.getbasetemp(), timeout=600)
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
-    assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
-    return dict(zip(jobs, json.loads(lines[0][len("RESULT"):])))
+    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, json.dumps(list(jobs.values()))], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env, cwd=base,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    return list(jobs), proc
+
+
+@pytest.fixture(scope="module")
+def runs(pristine_megatron, tmp_path_factory) -> dict:
+    """The jobs' results: ``table_stock`` (a pristine site-packages tree), ``table_patched`` and
+    ``forward`` (a patched one), from one Python (see ``_SCRIPT``), started in the background if it was."""
+    names, proc = started_runs() or start_runs(pristine_megatron, tmp_path_factory.mktemp("runs"))
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-3000:]
+    return dict(zip(names, json.loads(lines[0][len("RESULT"):])))
 
 
 def _table(result) -> tuple:
