@@ -4,7 +4,9 @@ Triton's interpreter (:mod:`gdn_cp_testing.triton_interpret`) runs a kernel's Py
 code the compiler refuses (two returns of different shapes from one function, say); this module runs the real
 compiler, to a cubin with the ptxas Triton ships, and reads the cubin's registers and stack (spill) bytes per
 thread with the cuobjdump Triton ships. The tests compile every kernel once; ``benchmarks/glue_kernels.py
---resources`` reads the pre-activation kernel at every autotuning config. Triton's own compile API (``ASTSource``,
+--resources`` reads the pre-activation kernel at every autotuning config, and ``python3 -m
+gdn_cp_testing.triton_compile --out benchmarks/results/glue_kernels_loop.json`` the one-pass backward's tile loop
+in both forms (:func:`one_pass_loops`, about 90 s). Triton's own compile API (``ASTSource``,
 ``triton.compile``) is internal: a Triton that moves it fails here loudly, not silently.
 """
 
@@ -25,9 +27,16 @@ BF16_GATES = {"a_ptr": "*bf16", "b_ptr": "*bf16", "decay_ptr": "*fp32", "dtb_ptr
               "ddecay_ptr": "*fp32", "ddtb_ptr": "*fp32"}
 
 
-def compile_sm90(kernel, pointers: dict, constexprs: dict, num_warps: int = 4) -> dict:
+AS_LAUNCHED_INTS = ("x_stride", "dx_stride", "halo_stride", "C0", "T", "SPAN", "HEADS")
+"""Integer arguments that a launch at the layer's shapes passes as multiples of 16 (Triton specializes a launch on
+that, as it does on every pointer's 16-byte alignment): with those hints the compiled code is what the GPU runs, its
+loads vectorized; without them it is much longer."""
+
+
+def compile_sm90(kernel, pointers: dict, constexprs: dict, num_warps: int = 4, as_launched: bool = False) -> dict:
     """``kernel`` (a ``@triton.jit`` function) compiled for sm_90 -> ``{"registers": n, "stack_bytes": n}`` per
-    thread; raises Triton's CompilationError where the compiler refuses the code."""
+    thread; raises Triton's CompilationError where the compiler refuses the code. ``as_launched``: with the hints
+    of :data:`AS_LAUNCHED_INTS` and aligned pointers, and the tile loop read too (:func:`tile_loop`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -35,21 +44,43 @@ def compile_sm90(kernel, pointers: dict, constexprs: dict, num_warps: int = 4) -
     names = list(kernel.arg_names)
     signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "fp32" if n == "EPS" else "i32")
                  for n in names}
-    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    hints = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if as_launched and n not in constexprs and (n.endswith("_ptr") or n in AS_LAUNCHED_INTS)}
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                       attrs=hints)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns without it; the GPU's default
     compiled = triton.compile(source, target=GPUTarget(*SM90), options={"num_warps": num_warps})
-    return cubin_resources(compiled.asm["cubin"])
+    used = cubin_resources(compiled.asm["cubin"])
+    return {**used, **tile_loop(compiled.asm["cubin"])} if as_launched else used
 
 
-def cubin_resources(cubin: bytes) -> dict:
-    """Registers and stack bytes per thread of the one kernel in ``cubin`` (cuobjdump -res-usage)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def tile_loop(cubin: bytes) -> dict:
+    """``{"loop_instructions": n, "loop_barriers": n}`` per thread in one pass of the kernel's widest loop (the
+    longest backward branch of its SASS: a row-tile loop), a static count: what one tile costs in issued
+    instructions, and how often its warps wait for each other (BAR)."""
+    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", _cuobjdump(cubin, "-sass"))
+    spans = [(int(m.group(1), 16), int(at, 16)) for at, op, rest in code if op.startswith("BRA")
+             for m in [re.search(r"0x([0-9a-f]+)", rest)] if m and int(m.group(1), 16) < int(at, 16)]
+    if not spans:
+        return {"loop_instructions": 0, "loop_barriers": 0}
+    low, high = max(spans, key=lambda span: span[1] - span[0])
+    body = [op for at, op, _ in code if low <= int(at, 16) <= high]
+    return {"loop_instructions": len(body), "loop_barriers": sum(op.startswith("BAR") for op in body)}
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """Registers and stack bytes per thread of the one kernel in ``cubin`` (cuobjdump -res-usage)."""
+    text = _cuobjdump(cubin, "-res-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", text)
     if found is None:
         raise RuntimeError(f"cuobjdump printed no resource usage:\n{text}")
@@ -77,3 +108,39 @@ def gates_kernels():
 
     return (("gates_fwd", tg.gdn_cp_glue_gates_fwd, BF16_GATES, {"BT": 64, "BH": 32}),
             ("gates_bwd", tg.gdn_cp_glue_gates_bwd, BF16_GATES, {"BT": 64, "BH": 32, "RUN": 16}))
+
+
+def one_pass_loops(head_dim: int = 128) -> list[dict]:
+    """The conv's one-pass backward, both forms (taps in every tile, ``TAPS_ONCE``), at every autotuning config,
+    with and without the l2 norm and the bias (no halo: a rank's rows at CP=1 or chunkwise's inner ranks), compiled
+    as launched: registers, spills, and one tile's instructions and barriers."""
+    import triton
+
+    from gdn_cp.ops.fused.triton_launch import TILE_CONFIGS
+
+    rows = []
+    for meta, warps in TILE_CONFIGS:
+        for norm in (True, False):
+            for bias in (True, False):
+                for name, kernel, pointers, constexprs in conv_kernels(meta["BT"], head_dim, norm, halo=False)[3:]:
+                    used = compile_sm90(kernel, pointers, {**constexprs, "HAS_BIAS": bias}, warps, as_launched=True)
+                    rows.append({"kernel": name, "BT": meta["BT"], "num_warps": warps, "l2norm": norm, "bias": bias,
+                                 **used})
+    return [{**r, "head_dim": head_dim, "triton": triton.__version__, "target": "sm_90"} for r in rows]
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="The conv's one-pass backward compiled for sm_90 here, as launched: "
+                                     "registers, spills, one tile's instructions and barriers, per form and config.")
+    parser.add_argument("--out", help="JSON file for the rows (default: print them)")
+    text = json.dumps(one_pass_loops(), indent=1)
+    args = parser.parse_args()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+

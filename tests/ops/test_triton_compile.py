@@ -36,3 +36,19 @@ def test_the_gate_kernels_compile_for_sm90():
 
     for name, kernel, pointers, constexprs in gates_kernels():
         assert compile_sm90(kernel, pointers, constexprs)["registers"] > 0, name
+
+
+def test_the_taps_once_form_waits_less_in_each_tile():
+    """``GDN_CP_GLUE=triton_taps_per_program``'s reason to exist, as compiled (the GPU has not timed it): with its
+    taps loaded once a program, the one-pass backward's tile loop (16 rows, 4 warps, l2 norm, bias, as launched)
+    has fewer barriers and fewer instructions than the shipped form's, which loads each tap 1-D in every tile."""
+    if _ptxas_missing():
+        pytest.skip("this Triton ships no ptxas (Triton's CUDA backend is needed to compile for sm_90)")
+    from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
+
+    (_, kernel, pointers, shipped), (_, _, _, taps_once) = conv_kernels(16, 128, norm=True, halo=False)[3:]
+    every_tile, once = (compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
+                        for c in (shipped, taps_once))
+    assert once["loop_barriers"] < every_tile["loop_barriers"], (once, every_tile)
+    assert once["loop_instructions"] < 0.9 * every_tile["loop_instructions"], (once, every_tile)
+
