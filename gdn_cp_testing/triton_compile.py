@@ -129,18 +129,31 @@ def one_pass_loops(head_dim: int = 128) -> list[dict]:
     return [{**r, "head_dim": head_dim, "triton": triton.__version__, "target": "sm_90"} for r in rows]
 
 
+def report(rows: list[dict]) -> dict:
+    """``rows`` with the date, the machine and the versions (as every file in benchmarks/results has them)."""
+    import platform
+    from datetime import datetime, timezone
+
+    import torch
+    import triton
+
+    return {"benchmark": "gdn_cp_testing.triton_compile", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "logical_cores": os.cpu_count()},
+            "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__},
+            "results": rows}
+
+
 if __name__ == "__main__":
     import argparse
     import json
 
     parser = argparse.ArgumentParser(description="The conv's one-pass backward compiled for sm_90 here, as launched: "
                                      "registers, spills, one tile's instructions and barriers, per form and config.")
-    parser.add_argument("--out", help="JSON file for the rows (default: print them)")
-    text = json.dumps(one_pass_loops(), indent=1)
+    parser.add_argument("--out", help="JSON file for the report (default: print it)")
     args = parser.parse_args()
+    text = json.dumps(report(one_pass_loops()), indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     else:
         print(text)
-
