@@ -18,6 +18,7 @@ sm_90 by Triton's compiler here, with the registers and stack (spill) bytes per 
 
     python3 -m benchmarks.glue_kernels --out $OUT/glue_kernels.json                 # on the GPU machine
     python3 -m benchmarks.glue_kernels --resources --out benchmarks/results/glue_kernels_resources.json
+    python3 -m benchmarks.glue_kernels --loops --out benchmarks/results/glue_kernels_loop.json   # ~90 s, no GPU
     python3 -m benchmarks.glue_kernels --rows 16K --profile   # under ncu --profile-from-start off (the GPU machine)
     TRITON_INTERPRET=1 python3 -m benchmarks.glue_kernels --device cpu --rows 64 --heads 1,2 --head-dim 16 --iters 1
 """
@@ -125,8 +126,13 @@ def main(argv=None) -> dict:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
-    p.add_argument("--resources", action="store_true",
-                   help="compile the kernel at every config for sm_90 here and report registers / spills (no GPU)")
+    compiled_here = p.add_mutually_exclusive_group()
+    compiled_here.add_argument("--resources", action="store_true",
+                               help="compile the kernel at every config for sm_90 here and report registers / spills "
+                               "(no GPU)")
+    compiled_here.add_argument("--loops", action="store_true",
+                               help="the one-pass backward's two forms at every config for sm_90 here, as launched: "
+                               "registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true",
                    help="one one-pass backward per row count between cudaProfilerStart/Stop, nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
@@ -134,12 +140,15 @@ def main(argv=None) -> dict:
     if args.profile and args.device != "cuda":
         p.error("--profile needs --device cuda: ncu profiles CUDA kernels")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.resources:
+    if args.resources or args.loops:
         import triton
 
-        report = {"benchmark": "glue_kernels --resources", "date": now_iso(), "machine": machine_info(),
-                  "versions": versions({"triton": triton.__version__}), "head_dim": args.head_dim,
-                  "results": resources(args.head_dim)}
+        from gdn_cp_testing.triton_compile import one_pass_loops
+
+        report = {"benchmark": f"glue_kernels --{'loops' if args.loops else 'resources'}", "date": now_iso(),
+                  "machine": machine_info(), "versions": versions({"triton": triton.__version__}),
+                  "head_dim": args.head_dim,
+                  "results": one_pass_loops(args.head_dim) if args.loops else resources(args.head_dim)}
     else:
         hk, hv = (int(h) for h in args.heads.split(","))
         shape, results = (hk, hv, args.head_dim), []

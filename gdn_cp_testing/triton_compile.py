@@ -4,9 +4,8 @@ Triton's interpreter (:mod:`gdn_cp_testing.triton_interpret`) runs a kernel's Py
 code the compiler refuses (two returns of different shapes from one function, say); this module runs the real
 compiler, to a cubin with the ptxas Triton ships, and reads the cubin's registers and stack (spill) bytes per
 thread with the cuobjdump Triton ships. The tests compile every kernel once; ``benchmarks/glue_kernels.py
---resources`` reads the pre-activation kernel at every autotuning config, and ``python3 -m
-gdn_cp_testing.triton_compile --out benchmarks/results/glue_kernels_loop.json`` the one-pass backward's tile loop
-in both forms (:func:`one_pass_loops`, about 90 s). Triton's own compile API (``ASTSource``,
+--resources`` reads the pre-activation kernel at every autotuning config, and ``--loops`` the one-pass
+backward's tile loop in both forms (:func:`one_pass_loops`, about 90 s). Triton's own compile API (``ASTSource``,
 ``triton.compile``) is internal: a Triton that moves it fails here loudly, not silently.
 """
 
@@ -126,34 +125,4 @@ def one_pass_loops(head_dim: int = 128) -> list[dict]:
                     used = compile_sm90(kernel, pointers, {**constexprs, "HAS_BIAS": bias}, warps, as_launched=True)
                     rows.append({"kernel": name, "BT": meta["BT"], "num_warps": warps, "l2norm": norm, "bias": bias,
                                  **used})
-    return [{**r, "head_dim": head_dim, "triton": triton.__version__, "target": "sm_90"} for r in rows]
-
-
-def report(rows: list[dict]) -> dict:
-    """``rows`` with the date, the machine and the versions (as every file in benchmarks/results has them)."""
-    import platform
-    from datetime import datetime, timezone
-
-    import torch
-    import triton
-
-    return {"benchmark": "gdn_cp_testing.triton_compile", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": {"platform": platform.platform(), "logical_cores": os.cpu_count()},
-            "versions": {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__},
-            "results": rows}
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    parser = argparse.ArgumentParser(description="The conv's one-pass backward compiled for sm_90 here, as launched: "
-                                     "registers, spills, one tile's instructions and barriers, per form and config.")
-    parser.add_argument("--out", help="JSON file for the report (default: print it)")
-    args = parser.parse_args()
-    text = json.dumps(report(one_pass_loops()), indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    return [{**r, "triton": triton.__version__, "target": "sm_90"} for r in rows]
