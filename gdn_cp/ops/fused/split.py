@@ -64,8 +64,8 @@ class RowGradient:
         in the rows (``[T, n]`` or ``[T, ..., d]`` with row stride D, contiguous within a row) or its group was
         claimed already (two consumers of one group: autograd sums their gradients, each needs its own)."""
         rows, width = self.shape
-        offset, size = divmod(t.data_ptr() - self.base, t.element_size())
-        if size or offset not in self.starts or t.dtype != self.dtype or t.device != self.device:
+        offset, misaligned = divmod(t.data_ptr() - self.base, t.element_size())
+        if misaligned or offset not in self.starts or t.dtype != self.dtype or t.device != self.device:
             return None
         i = self.starts.index(offset)
         inner = t.shape[1:]
