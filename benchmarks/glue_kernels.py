@@ -62,9 +62,11 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = False, profile: bool = False) -> dict:
-    """The kernels at ``rows``: median forward / backward ms (``one_pass``: the one-kernel backward). ``profile``:
-    instead, one backward between cudaProfilerStart / Stop, after autotuning (``ncu --profile-from-start off``)."""
+def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = False, profile: bool = False,
+                 taps_once: bool = False, x_once: bool = False) -> dict:
+    """The kernels at ``rows``: median forward / backward ms (``one_pass``: the one-kernel backward; ``taps_once``:
+    its form whose programs load the taps once; ``x_once``: and each tile's x rows once). ``profile``: instead, one
+    backward between cudaProfilerStart / Stop, after autotuning (``ncu --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
     hk, hv, dim = shape
@@ -73,7 +75,8 @@ def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = Fal
 
     def forward():
         return triton_conv.conv_silu_split_triton(leaves[0], leaves[1], leaves[2], positions, None, hk, hv, dim, dim,
-                                                  True, 1e-6, one_pass=one_pass)
+                                                  True, 1e-6, one_pass=one_pass, taps_once=taps_once,
+                                                  x_once=x_once)
 
     def backward(outs):
         return torch.autograd.grad(outs, leaves, douts)
@@ -87,7 +90,8 @@ def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = Fal
         backward(outs)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        return {"rows": rows, "profiled": "one-pass backward"}
+        return {"rows": rows, "profiled": "one-pass backward" + (", x once" if x_once else ", taps once" if taps_once
+                                                                 else "")}
     outs = [None]
 
     def fresh_outputs():  # untimed, ahead of each timed backward
@@ -131,10 +135,11 @@ def main(argv=None) -> dict:
                                help="compile the kernel at every config for sm_90 here and report registers / spills "
                                "(no GPU)")
     compiled_here.add_argument("--loops", action="store_true",
-                               help="the one-pass backward's two forms at every config for sm_90 here, as launched: "
+                               help="the one-pass backward's three forms at every config for sm_90 here, as launched: "
                                "registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true",
-                   help="one one-pass backward per row count between cudaProfilerStart/Stop, nothing timed (under ncu)")
+                   help="one one-pass backward per row count and form (taps per tile, taps once, x once) between "
+                   "cudaProfilerStart/Stop, nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
     if args.profile and args.device != "cuda":
@@ -154,7 +159,8 @@ def main(argv=None) -> dict:
         shape, results = (hk, hv, args.head_dim), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
-                results.append(time_kernels(rows, shape, args.device, args.iters, one_pass=True, profile=True))
+                for taps_once, x_once in ((False, False), (True, False), (True, True)):  # 3 launches each (q, k, v)
+                    results.append(time_kernels(rows, shape, args.device, args.iters, True, True, taps_once, x_once))
                 continue
             c = (2 * hk + hv) * args.head_dim
             gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
@@ -163,9 +169,12 @@ def main(argv=None) -> dict:
                         floor["bwd_ms"])
             row = time_kernels(rows, shape, args.device, args.iters)
             row.update(copy_gbs=gbs, floor=floor,
-                       bwd_one_pass_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True)["bwd_ms"])
+                       bwd_one_pass_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True)["bwd_ms"],
+                       bwd_taps_once_ms=time_kernels(rows, shape, args.device, args.iters, True, False, True)["bwd_ms"],
+                       bwd_x_once_ms=time_kernels(rows, shape, args.device, args.iters, True, False, True, True)["bwd_ms"])
             results.append(row)
-            logger.info("  fwd %.3f ms  bwd %.3f ms (one pass %.3f ms)", row["fwd_ms"], row["bwd_ms"], row["bwd_one_pass_ms"])
+            logger.info("  fwd %.3f ms  bwd %.3f ms (one pass %.3f ms, taps once %.3f ms, x once %.3f ms)", row["fwd_ms"],
+                        row["bwd_ms"], row["bwd_one_pass_ms"], row["bwd_taps_once_ms"], row["bwd_x_once_ms"])
         report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
                   "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
                   "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}

@@ -157,6 +157,8 @@ def _first_line(error: str) -> str:
 def _not_ok(r: dict) -> str:
     """The verdict of a row that logged no full run (refusals, failures, rows not run)."""
     ref = r["reference"]
+    if r["status"].startswith("not run"):  # never started: nothing to judge, refusal or not
+        return r["status"]
     if ref.startswith(REFUSED):
         named = ref[len(REFUSED):]
         if r["status"] == "refused":
@@ -168,7 +170,7 @@ def _not_ok(r: dict) -> str:
         return "refused before step 1 (with its reason)"
     if r["status"] == "refused":
         return f"failed before step 1 ({_first_line(r.get('error', ''))})"
-    return r["status"] if r["status"].startswith("not run") else f"did not run ({r['status']})"
+    return f"did not run ({r['status']})"
 
 
 def _left(diffs: list[float], band: list[float]) -> tuple[float, Optional[dict]]:

@@ -4,12 +4,15 @@ row files from several device calls. (The CP>1 plot it drew until issue 48, e.g.
 ``benchmarks/results/layer_full_cp1.png``, is in git history: the tables carry those numbers.)
 
     python3 -m benchmarks.plot_layer_full a.json b.json --merge-out benchmarks/results/layer_full.json
+    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full_glue.json NEW.json --keep-runs \
+        --merge-out benchmarks/results/layer_full_glue.json
     python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full.json --md table.md
     python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full_glue.json --md /tmp/tables.md --png benchmarks/results/layer_full_glue.png
 
 Merging: files are read in order; the rows of a later file replace every earlier row of the same
 run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
-FLA version), so re-running a T replaces its rows. ``--cp 1`` rows get one table (:func:`per_rank_summary`:
+FLA version), so re-running a T replaces its rows; ``--keep-runs`` keeps every run's rows instead (``layer_full_glue.json``,
+whose every run compares glue variants: tests/ops/test_glue_default.py reads each run apart). ``--cp 1`` rows get one table (:func:`per_rank_summary`:
 stock and gdn-cp side by side per run, stack, spec, T and rank slice, each lever's off / on ratio).
 
 The markdown table (for the README) gives, per (T, packing), each case's median fwd+bwd time of
@@ -97,13 +100,18 @@ def class_table(rows) -> str:
                                  "lllllr" + "r" * (len(CLASS_NAMES) + 1), body), ""])
 
 
-def load_rows(paths) -> list[dict]:
-    """Rows of every file, later files replacing earlier rows of the same run."""
+def load_rows(paths, keep_runs: bool = False) -> list[dict]:
+    """Rows of every file, later files replacing earlier rows of the same run; ``keep_runs``: every device run's
+    rows kept side by side instead (a file's rows whose ``run_id`` is already there are not added twice)."""
     rows: list[dict] = []
     for path in paths:
         new = json.loads(Path(path).read_text())
         if not isinstance(new, list):
             raise ValueError(f"{path} is not a list of layer_full rows (got {type(new).__name__})")
+        if keep_runs:
+            seen = {r.get("run_id") for r in rows}
+            rows += [r for r in new if r.get("run_id") not in seen]
+            continue
         keys = {run_key(r) for r in new}
         rows = [r for r in rows if run_key(r) not in keys] + new
     return rows
@@ -292,11 +300,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", type=Path, nargs="+", help="layer_full.py row files (later ones win)")
     ap.add_argument("--merge-out", type=Path, default=None, help="write the merged rows here")
+    ap.add_argument("--keep-runs", action="store_true",
+                    help="keep every run's rows (layer_full_glue.json: each run compares its variants) instead of "
+                    "a later run replacing an earlier one's")
     ap.add_argument("--md", type=Path, default=None, help="markdown tables (default: print them)")
     ap.add_argument("--png", type=Path, default=None,
                     help="also draw the --cp 1 slice rows by kernel class here (needs matplotlib)")
     args = ap.parse_args(argv)
-    rows = load_rows(args.json)
+    rows = load_rows(args.json, keep_runs=args.keep_runs)
     if args.merge_out:
         write_json(args.merge_out, rows)
         print(f"merged {len(rows)} rows into {args.merge_out}")

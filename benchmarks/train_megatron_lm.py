@@ -26,6 +26,7 @@ import dataclasses
 import heapq
 import json
 import logging
+import subprocess
 import sys
 import tempfile
 import time
@@ -279,6 +280,34 @@ REFUSED_S = 60.0
 """A run that must stop in ``validate_args``: its ranks import Megatron-LM and stop."""
 
 
+GIB_PER_RANK = 9.9
+"""GPU memory one bf16 rank process of these runs may take, start-up and autotuning included: 14 ran side by side
+on a 140.4 GiB H200 (runs 2026-12-03a to 2026-12-05j); 14 on an 79.6 GiB H100 ran out of memory in their first
+step (run 2026-12-06c, the CUDA and NCCL allocations of every process; Megatron-LM's own report said 2.6 GiB
+reserved per rank). fp32 rows take twice (16 on the H200 ran out of memory, 8 ran). Each call's JSON records the
+GPU memory it saw used (``gpu_memory``), to replace this figure with a measured one."""
+H100_GIB = 79.6
+"""The GPU a plan assumes where none is visible (``--dry-run`` here): plain device calls mostly get an H100."""
+
+
+def gpu_memory_mib(field: str) -> Optional[float]:
+    """GPU 0's ``memory.total`` or ``memory.used`` in MiB from ``nvidia-smi`` (no CUDA context in this process:
+    it would take memory from the ranks); None where there is no GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return float(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def ranks_that_fit(gpu_gib: float, todo: list) -> int:
+    """Rank processes side by side on a GPU of ``gpu_gib``: :data:`GIB_PER_RANK` each, twice that when a run of
+    ``todo`` is fp32."""
+    per = GIB_PER_RANK * (2 if any(s.precision == "fp32" for s, _ in todo) else 1)
+    return max(1, int(gpu_gib // per))
+
+
 def estimate_s(spec: RunSpec, ref: str = "") -> float:
     """Seconds ``spec`` takes on one H200 shared by ~14 ranks (:data:`START_S`, :data:`ITERATION_S`,
     :data:`FACTORS`); :data:`REFUSED_S` when ``ref`` says it must be refused."""
@@ -435,8 +464,18 @@ def _setup(args) -> tuple[list, dict, float]:
 def run_matrix(args) -> dict:
     todo, doc, t0 = _setup(args)
     work, checkout = Path(doc["work"]), Path(args.checkout)
+    total_mib = gpu_memory_mib("total")
+    max_ranks = _max_ranks(args, total_mib, todo)
+    memory = doc["gpu_memory"] = {"total_mib": total_mib, "max_ranks": max_ranks, "gib_per_rank_assumed":
+                                  None if args.max_ranks else round(GIB_PER_RANK, 2), "max_used_mib": None,
+                                  "ranks_at_max": None}
     pool = cf.ThreadPoolExecutor(max_workers=len(todo) or 1)
     pending, running, used = list(todo), [], 0
+
+    def sample_memory():  # the most any moment of the call used, and how many ranks ran then
+        used_mib = gpu_memory_mib("used")
+        if used_mib is not None and used_mib > (memory["max_used_mib"] or 0):
+            memory.update(max_used_mib=used_mib, ranks_at_max=used)
 
     def save():
         doc["tolerance"] = judge(doc["rows"])
@@ -445,7 +484,7 @@ def run_matrix(args) -> dict:
 
     while pending or running:
         left = args.budget_s - (time.monotonic() - t0)
-        while pending and used + pending[0][0].world <= args.max_ranks:
+        while pending and used + pending[0][0].world <= max_ranks:
             spec, ref = pending.pop(0)
             if spec.stock and not args.stock_checkout:
                 doc["rows"].append(_not_run(spec, ref, "not run (no --stock-checkout)"))
@@ -465,11 +504,12 @@ def run_matrix(args) -> dict:
                 running.append((fut, spec, ref))
         if pending and not running:  # the head needs more ranks than --max-ranks
             spec, ref = pending.pop(0)
-            doc["rows"].append(_not_run(spec, ref, f"not run (needs {spec.world} ranks, --max-ranks {args.max_ranks})"))
+            doc["rows"].append(_not_run(spec, ref, f"not run (needs {spec.world} ranks, {max_ranks} fit side by side)"))
             continue
         if not running:
             break
         done, _ = cf.wait([f for f, _, _ in running], timeout=5, return_when=cf.FIRST_COMPLETED)
+        sample_memory()
         for fut, spec, ref in [x for x in running if x[0] in done]:
             running.remove((fut, spec, ref))
             used -= spec.world
@@ -480,6 +520,18 @@ def run_matrix(args) -> dict:
             save()
     save()
     return doc
+
+
+def _max_ranks(args, total_mib: Optional[float], todo: list) -> int:
+    """``--max-ranks``, else what fits this GPU (:func:`ranks_that_fit`; an H100's where no GPU is seen), logged."""
+    if args.max_ranks:
+        return args.max_ranks
+    gib = total_mib / 1024 if total_mib else H100_GIB
+    ranks = ranks_that_fit(gib, todo)
+    logger.info("%d rank processes side by side: %.1f GiB of GPU memory%s, ~%.1f GiB each%s", ranks, gib,
+                "" if total_mib else " (no GPU seen: an H100's)", GIB_PER_RANK,
+                " (x2: fp32 rows)" if any(s.precision == "fp32" for s, _ in todo) else "")
+    return ranks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -494,13 +546,14 @@ def dry_run(args) -> int:
     print(json.dumps(prepare_data(work / "data", todo, source=args.text_source, max_bytes=args.text_bytes), indent=1))
     refs = dict((s.name, ref) for s, ref in todo)
     runnable = [(s, ref) for s, ref in todo if not (s.backend == "flashqla" and s.site is None)]
-    calls, never = split_calls(runnable, max_ranks=args.max_ranks, budget_s=args.budget_s - PREP_S)
+    max_ranks = _max_ranks(args, gpu_memory_mib("total"), runnable)
+    calls, never = split_calls(runnable, max_ranks=max_ranks, budget_s=args.budget_s - PREP_S)
     for k, steps in enumerate(calls, 1):
         print(f"call {k}: {len(steps)} runs, the last ending ~{max(s['end_s'] for s in steps)} s after the data")
         for s in steps:
             print(f"  {s['name']:34s} {s['world']:2d} ranks  {s['start_s']:4d} -> {s['end_s']:4d} s  ref {refs[s['name']] or '-'}")
     print(f"{len(runnable)} runs in {len(calls)} call(s) of --budget-s {args.budget_s:.0f} (the data: ~{PREP_S:.0f} s), "
-          f"--max-ranks {args.max_ranks}; never started: {', '.join(never) or 'none'}; without --flashqla-site: "
+          f"{max_ranks} ranks side by side; never started: {', '.join(never) or 'none'}; without --flashqla-site: "
           f"{len(todo) - len(runnable)} FlashQLA runs")
     return 0
 
@@ -512,7 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", help="folder for the data, the SFT set and the per-rank logs (default: a temp dir)")
     p.add_argument("--budget-s", type=float, default=480, help="every run ends by then; none starts that would not")
     p.add_argument("--run-timeout-s", type=float, default=300, help="kill a run after this many seconds")
-    p.add_argument("--max-ranks", type=int, default=14, help="rank processes side by side")
+    p.add_argument("--max-ranks", type=int, help="rank processes side by side (default: as many as the GPU's memory "
+                   f"holds at ~{GIB_PER_RANK:.1f} GiB each, twice that for fp32: 14 on an H200, 8 on an H100)")
     p.add_argument("--only", nargs="*", help="run only the matrix entries whose name contains one of these")
     p.add_argument("--flashqla-site", help="an unpacked FlashQLA site (e.g. .site-tl), first on the PYTHONPATH of "
                    "the FlashQLA runs only")

@@ -97,8 +97,9 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
          {**tile, "SPAN": 64, "WP": 4}),
         ("conv_bwd_dx", tc.gdn_cp_glue_conv_bwd_dx, {**BF16_CONV, "pre_ptr": "*fp32", "w_ptr": "*bf16"},
          {"BT": 32, "BC": 128, "W": 4}),
-        ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": False}),
-        ("conv_bwd_one_pass_taps", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True}),
+        ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": False, "X_ONCE": False}),
+        ("conv_bwd_one_pass_taps", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": False}),
+        ("conv_bwd_one_pass_x", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": True}),
     )
 
 
@@ -110,7 +111,8 @@ def gates_kernels():
 
 
 def one_pass_loops(head_dim: int = 128) -> list[dict]:
-    """The conv's one-pass backward, both forms (taps in every tile, ``TAPS_ONCE``), at every autotuning config,
+    """The conv's one-pass backward, its three forms (taps in every tile, ``TAPS_ONCE``, and with it ``X_ONCE``), at
+    every autotuning config,
     with and without the l2 norm and the bias (no halo: a rank's rows at CP=1 or chunkwise's inner ranks), compiled
     as launched: registers, spills, and one tile's instructions and barriers."""
     import triton

@@ -31,6 +31,8 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass 2"),  # rows 50: a span boundary
     ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), "one_pass_taps 2"),  # the taps loaded once a program
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_taps 2"),  # Dv 24: masked taps
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "one_pass_x 2"),  # each tile's x loaded once
+    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_x 2"),  # (and the halo's rows)
 )
 
 
@@ -44,7 +46,8 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
     one_pass = isinstance(chunk, str)
-    form = {"one_pass": one_pass, "taps_once": one_pass and chunk.startswith("one_pass_taps")}
+    form = {"one_pass": one_pass, "taps_once": one_pass and chunk.startswith("one_pass_taps"),
+            "x_once": one_pass and chunk.startswith("one_pass_x")}
     if one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
         triton_conv._SPAN, triton_conv._ONE_PASS_PROGRAMS = 16, int(chunk.split()[1])
     else:

@@ -727,9 +727,9 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
 
 def test_the_glue_per_rank_figures_are_their_result_file():
     """README's per-rank figures with the default glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d,
-    2026-12-05a and g-i), each rank's slice of a CP=2 split at CP=1, the default glue (``CUDA_DEFAULT``) against
-    stock (the newest run that has the row), against the two-pass Triton backward and the unfused glue (in the
-    runs that timed both)."""
+    2026-12-05a and g-i, 2026-12-06a/b/d/e), each rank's slice of a CP=2 split at CP=1, the default glue
+    (``CUDA_DEFAULT``) against stock (the newest run that has the row) and against the one-pass path it replaced;
+    that path against the two-pass Triton backward and the unfused glue (in the runs that timed both)."""
     import json
 
     from benchmarks.layer_full_math import GLUE_LEVERS
@@ -751,9 +751,14 @@ def test_the_glue_per_rank_figures_are_their_result_file():
         gdn_cp = row(spec, t, "patched_slice", rank, backend, CUDA_DEFAULT)
         return gdn_cp[key] / row(spec, t, "stock_slice", rank, backend, run=gdn_cp["run_id"])[key]
 
-    def vs_path(spec, t, rank, backend, other):
-        base = row(spec, t, "patched_slice", rank, backend, other)
-        return row(spec, t, "patched_slice", rank, backend, CUDA_DEFAULT, run=base["run_id"])["median_ms"] / base["median_ms"]
+    def vs_path(spec, t, rank, backend, other, path=CUDA_DEFAULT):  # in the newest run that timed both
+        runs = {r["run_id"] for r in rows if r.get("glue") == path} & {r["run_id"] for r in rows if r.get("glue") == other}
+        runs = [run for run in runs if all(any(r["spec"] == spec and r["T"] == t and r["slice_rank"] == rank
+                                               and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == g
+                                               and r["run_id"] == run and r["case"] == "patched_slice" for r in rows)
+                                           for g in (path, other))]
+        base = row(spec, t, "patched_slice", rank, backend, other, run=max(runs))
+        return row(spec, t, "patched_slice", rank, backend, path, run=base["run_id"])["median_ms"] / base["median_ms"]
 
     def span(values):
         return f"{min(values):.3f}-{max(values):.3f}x"
@@ -762,15 +767,17 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     memory = [vs_stock("local", t, k, "flashqla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
     te_fla = {t: [vs_stock("te", t, k, "fla") for k in (0, 1)] for t in (32768, 131072)}
     units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
-    units += [("te", t, k, "fla") for t in (32768, 131072) for k in (0, 1)] + [("te", 32768, 0, "flashqla")]
-    vs_two_pass = [vs_path(*unit, "triton") for unit in units]
-    vs_unfused = [vs_path("te", 32768, k, "fla", "unfused") for k in (0, 1)]
+    units += [("te", t, k, "fla") for t in (32768, 131072) for k in (0, 1)]
+    vs_one_pass = [vs_path(*unit, "triton_one_pass") for unit in units]
+    vs_two_pass = [vs_path(*unit, "triton", "triton_one_pass") for unit in units + [("te", 32768, 0, "flashqla")]]
+    vs_unfused = [vs_path("te", 32768, k, "fla", "unfused", "triton_one_pass") for k in (0, 1)]
     text = _one_line(README)
     assert (f"**Per rank, with gdn-cp's Triton glue (the default)**: on FlashQLA, {span(ratio[32768])} of stock's "
             f"time at 32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory (Megatron's local "
-            f"modules); with Megatron's TransformerEngine spec, {vs_stock('te', 32768, 0, 'flashqla'):.3f}x at 32K "
-            f"(rank 0's slice). On FLA 0.4.2 with the TE spec, {span(te_fla[32768])} at 32K and {span(te_fla[131072])} "
+            f"modules). On FLA 0.4.2 with the TE spec, {span(te_fla[32768])} at 32K and {span(te_fla[131072])} "
             "at 128K") in text
+    assert (f"| per rank, FlashQLA + Triton glue (default path), local modules, 32K / 128K, one H100 | "
+            f"{span(ratio[32768])} / {span(ratio[131072])} stock's time, {span(memory)} its peak memory |") in text
     norm_time = {t: [row("local", t, "patched_slice", k, "flashqla", "triton_norm") for k in (0, 1)]
                  for t in (32768, 131072)}
     stock_of = {t: [row("local", t, "stock_slice", k, "flashqla", run=r["run_id"]) for k, r in enumerate(norm_time[t])]
@@ -780,8 +787,9 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     assert (f"`GDN_CP_GLUE=triton_norm` (not the default: it trades memory for time) is {span(time_[32768])} of "
             f"stock's time at 32K and {span(time_[131072])} at 128K, with {span(mem[32768])} and {span(mem[131072])} "
             "its peak memory") in text
-    assert (f"Its one-pass backward is {span(vs_two_pass)} the time of the two-pass one it replaced, and the glue "
-            f"{span(vs_unfused)} the unfused glue's") in text
+    assert (f"The default (`triton_norm_dz_copy`, since 2026-12-06) is {span(vs_one_pass)} the time of the one-pass "
+            f"path it replaced, at the same peak memory; that path's backward was {span(vs_two_pass)} the time of the "
+            f"two-pass one, and its glue {span(vs_unfused)} the unfused glue's") in text
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
             "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
 

@@ -99,6 +99,9 @@ _GLUE_WORDS = {
                            "conv's backward in one pass, z read where in_proj keeps it",
     "triton_taps_per_program": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates), the conv's backward "
                                "in one pass, each program's taps loaded once",
+    "triton_norm_dz_copy_x_once": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), "
+                                     "the conv's backward in one pass, each program's taps and each tile's x loaded "
+                                     "once, z read where in_proj keeps it",
     "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",
     "eager": "gdn-cp's fused conv + SiLU + split + l2 norm and gates in plain torch (fp64)",
 }

@@ -55,7 +55,8 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["triton", "triton_one_pass", "triton_taps_per_program", "compiled"])
+@pytest.mark.parametrize("path", ["triton", "triton_one_pass", "triton_taps_per_program",
+                                  "triton_norm_dz_copy_x_once", "compiled"])
 @pytest.mark.parametrize("halo", [False, True])
 def test_conv_split_paths_equal_eager_and_fp64(path, halo):
     """Each GPU path of the conv + SiLU + split + l2 norm against the plain-torch step in bf16 (the same
@@ -114,8 +115,10 @@ def test_gates_paths_equal_stocks_expression(path):
 
 
 @needs_cuda
-def test_gated_norm_kernel_equals_flas():
-    """gdn-cp's gated RMSNorm (glue path ``triton_norm``: z read inside in_proj's rows, dz written there) against
+@pytest.mark.parametrize("dz_in_place", [True, False], ids=["triton_norm", "triton_norm_dz_copy"])
+def test_gated_norm_kernel_equals_flas(dz_in_place):
+    """gdn-cp's gated RMSNorm (glue path ``triton_norm``: z read inside in_proj's rows, dz written there;
+    ``triton_norm_dz_copy``, the default: dz in a tensor of its own, copied into in_proj's gradient) against
     FLA's ``rms_norm_gated`` on a contiguous copy, bf16 at Qwen3.5-9B's width: the same math and rounding points
     (few output bits may differ, from fp32 summation order), every gradient within 1e-2."""
     fla_norm = pytest.importorskip("fla.modules.fused_norm_gate", reason="FLA is not installed (the reference)")
@@ -129,7 +132,7 @@ def test_gated_norm_kernel_equals_flas():
     weight = (1 + 0.1 * torch.randn(D, device="cuda")).bfloat16().requires_grad_(True)
     dy = torch.randn(t * HV, D, device="cuda").bfloat16()
     z = split_columns(rows, [C, HV * D, HV, HV])[1].reshape(t, HV, D)
-    got = gated_rms_norm_triton(o, z, weight, 1e-6)
+    got = gated_rms_norm_triton(o, z, weight, 1e-6, dz_in_place=dz_in_place)
     got_grads = torch.autograd.grad(got, (o, rows, weight), dy)
     z_plain = torch.split(rows, [C, HV * D, HV, HV], dim=-1)[1].reshape(-1, D)
     want = fla_norm.rms_norm_gated(o.reshape(-1, D), z_plain, weight, None, activation="swish", eps=1e-6)
@@ -138,7 +141,7 @@ def test_gated_norm_kernel_equals_flas():
     errs.update({f"d_{n}": rel_l2(a.float(), b.float()) for n, a, b in zip(("o", "rows", "weight"), got_grads,
                                                                              want_grads)})
     differing = _differing(got, want)
-    _record("fused_glue_norm", errors=errs, differing=differing)
+    _record("fused_glue_norm", errors=errs, differing=differing, dz_in_place=dz_in_place)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     assert all(e < 1e-2 for e in errs.values()), errs
     assert differing < 0.02, f"share of bf16 outputs whose bits differ from FLA's: {differing}"

@@ -156,7 +156,8 @@ def test_refusals_failures_and_the_sweeps_either_or():
             row("s_cp2", "sweep:s_cp1", cp=2, losses=falling()),
             row("t_cp1", "sweep:", status="refused", losses=[], error=err, reached_training=True),
             row("u_cp2", "m_cp1", cp=2, status="refused", losses=[], error="rank 1 (exit code 1): RuntimeError: CUDA out "
-                "of memory\nmore"), row("b_cp2", "m_cp1", cp=2, status="not run (budget)", losses=[])]
+                "of memory\nmore"), row("b_cp2", "m_cp1", cp=2, status="not run (budget)", losses=[]),
+            row("rb_cp2", "refused:--flag", cp=2, status="not run (budget)", losses=[])]
     bench.judge(rows)
     assert {r["name"]: r["verdict"] for r in rows} == {
         "r_cp2": "refused before step 1 (as required)",
@@ -164,9 +165,9 @@ def test_refusals_failures_and_the_sweeps_either_or():
         "s_cp1": "refused before step 1 (with its reason)", "s_cp2": "no CP=1 reference",
         "t_cp1": "failed before step 1 (ValueError: packed (THD) input needs batch 1, got hidden_states of shape "
                  "(4096, 2, 512))", "u_cp2": "failed before step 1 (RuntimeError: CUDA out of memory)",
-        "b_cp2": "not run (budget)"}
+        "b_cp2": "not run (budget)", "rb_cp2": "not run (budget)"}  # a refusal that never started was not refused
     assert rows[3]["refusal"].startswith("ValueError: packed (THD)")
-    assert bench.not_as_required(rows) == ["r2_cp2", "r3_cp2", "s_cp2", "t_cp1", "u_cp2", "b_cp2"]
+    assert bench.not_as_required(rows) == ["r2_cp2", "r3_cp2", "s_cp2", "t_cp1", "u_cp2", "b_cp2", "rb_cp2"]
 
 
 def test_the_legacy_rule_judges_the_committed_file():
@@ -273,6 +274,17 @@ def test_the_plan_keeps_the_rank_budget_and_the_time_budget_and_splits_into_call
     assert bench.split_calls(todo, max_ranks=2, budget_s=415)[1] == [s.name for s, _ in todo if s.world > 2]
 
 
+def test_the_ranks_side_by_side_follow_the_gpus_memory():
+    """14 bf16 rank processes ran on an H200 and ran out of memory on an H100 (run 2026-12-06c): the default
+    fits the GPU (nvidia-smi's totals of both), fp32 rows take twice, and --max-ranks overrides."""
+    bf16, fp32 = bench.with_references(bench.matrix(("main",)), ()), bench.with_references(bench.matrix(("fp32",)), ())
+    h200, h100 = 143771 / 1024, 81559 / 1024
+    assert (bench.ranks_that_fit(h200, bf16), bench.ranks_that_fit(h100, bf16)) == (14, 8)
+    assert (bench.ranks_that_fit(h200, fp32), bench.ranks_that_fit(h100, fp32)) == (7, 4)
+    assert bench._max_ranks(bench.argparse.Namespace(max_ranks=None), None, bf16) == 8  # no GPU seen: an H100
+    assert bench._max_ranks(bench.argparse.Namespace(max_ranks=3), 143771, bf16) == 3
+
+
 def test_the_docs_list_the_calls_the_plan_makes():
     """docs/performance.md, "Not run yet": each training command's groups and budget give as many calls as the
     docs say (the dry run's split), every call within 9 minutes with the suite's ~60 s around the stage."""
@@ -285,12 +297,14 @@ def test_the_docs_list_the_calls_the_plan_makes():
         assert int(timeout) + 60 <= 540, timeout
         words = args.split()
         groups = tuple(words[words.index("--groups") + 1].split(","))
-        ranks = int(words[words.index("--max-ranks") + 1]) if "--max-ranks" in words else 14
         site = "/site" if "flashqla" in groups else None
         todo = bench.with_references(bench.matrix(groups, site), ())
         todo = [(s, r) for s, r in todo if (s.backend == "flashqla") is (site is not None) or "fp32" in groups]
+        # on the H100 plain device calls mostly get (run 2026-12-06f: 14 ranks side by side ran out of memory there)
+        ranks = int(words[words.index("--max-ranks") + 1]) if "--max-ranks" in words else \
+            bench.ranks_that_fit(bench.H100_GIB, todo)
         calls, never = bench.split_calls(todo, max_ranks=ranks, budget_s=int(timeout) - bench.PREP_S)
-        assert never == [] and len(calls) == int(n), (groups, len(calls), n)
+        assert never == [] and len(calls) == int(n), (groups, ranks, len(calls), n)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -369,6 +383,17 @@ def test_run_matrix_builds_data_and_helpers_first_and_writes_a_row_per_run(tmp_p
     assert written["rule"] == bench.RULE and written["data"]["files"] == 12 and set(written["pairs"]) == set(bench.PAIRS)
     assert {r["name"]: r["verdict"] for r in written["rows"]}["hybrid_cp2_stock"] == "stock: matches CP=1"
     assert all(r["reached_training"] for r in written["rows"])
+
+
+@pytest.mark.megatron
+def test_run_matrix_fits_the_gpu_and_records_the_memory_it_saw_used(tmp_path, fake_runs, monkeypatch):
+    """No --max-ranks: as many ranks as the GPU's memory holds; the JSON keeps the most memory any moment used."""
+    used = iter(range(1000, 100_000, 1000))
+    monkeypatch.setattr(bench, "gpu_memory_mib", lambda field: 81559.0 if field == "total" else float(next(used)))
+    doc = bench.run_matrix(_args(tmp_path, only=["hybrid_cp1"], max_ranks=None))
+    memory = doc["gpu_memory"]
+    assert memory["total_mib"] == 81559.0 and memory["max_ranks"] == 8 and memory["gib_per_rank_assumed"] == 9.9
+    assert memory["max_used_mib"] >= 1000 and 0 <= memory["ranks_at_max"] <= 8
 
 
 @pytest.mark.megatron

@@ -46,9 +46,15 @@ def test_the_taps_once_form_waits_less_in_each_tile():
         pytest.skip("this Triton ships no ptxas (Triton's CUDA backend is needed to compile for sm_90)")
     from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
 
-    (_, kernel, pointers, shipped), (_, _, _, taps_once) = conv_kernels(16, 128, norm=True, halo=False)[3:]
-    every_tile, once = (compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
-                        for c in (shipped, taps_once))
+    (_, kernel, pointers, shipped), (_, _, _, taps_once), (_, _, _, x_once) = \
+        conv_kernels(16, 128, norm=True, halo=False)[3:]
+    every_tile, once, x = (compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
+                           for c in (shipped, taps_once, x_once))
     assert once["loop_barriers"] < every_tile["loop_barriers"], (once, every_tile)
     assert once["loop_instructions"] < 0.9 * every_tile["loop_instructions"], (once, every_tile)
+    # ``X_ONCE`` (GDN_CP_GLUE=triton_norm_dz_copy_x_once): each tile's x rows loaded once, not twice: fewer
+    # instructions again, and none of the taps form's spill (it kept 255 registers and spilled on the H100, run
+    # 2026-12-06c, which its layer rows paid back)
+    assert x["loop_instructions"] < 0.8 * every_tile["loop_instructions"] and x["stack_bytes"] == 0, (x, once)
+    assert x["loop_barriers"] == once["loop_barriers"], (x, once)
 

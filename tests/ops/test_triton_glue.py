@@ -31,10 +31,11 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 15 and sum(name.startswith("conv") for name in cases) == 10
+    assert len(cases) == 17 and sum(name.startswith("conv") for name in cases) == 12
     assert sum(name.startswith("norm") for name in cases) == 3
-    assert sum("one_pass" in name for name in cases) == 6  # the one-pass backward beside the two-pass one
+    assert sum("one_pass" in name for name in cases) == 8  # the one-pass backward beside the two-pass one
     assert sum("one_pass_taps" in name for name in cases) == 2  # its programs loading their taps once
+    assert sum("one_pass_x" in name for name in cases) == 2  # and each tile's x rows once
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):

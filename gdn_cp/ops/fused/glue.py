@@ -18,7 +18,12 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
 - ``triton_norm_dz_copy``: the same, z's gradient in a tensor of its own that the split's backward copies in
   (one copy back, in_proj's gradient made after the core's backward as in ``triton_one_pass``);
 - ``triton_taps_per_program``: ``triton_one_pass`` with each backward program loading its conv taps once, not in
-  every tile (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd`'s ``TAPS_ONCE``; not yet measured);
+  every tile (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd`'s ``TAPS_ONCE``; its kernel 0.90x, the layer
+  not faster in every row: :data:`CUDA_DEFAULT`);
+- ``triton_norm_dz_copy_x_once``: ``triton_norm_dz_copy`` with ``triton_taps_per_program``'s conv backward, which
+  also loads each tile's x rows once (for the pre-activation and the tap sums; the other forms load them twice).
+  Compiled for sm_90 at 16 rows and 4 warps: 0.77x the default's tile-loop instructions and no spill; not yet
+  measured on a GPU;
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -50,19 +55,21 @@ logger = logging.getLogger(__name__)
 L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
-GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program", "compiled",
-              "unfused")
+GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program",
+              "triton_norm_dz_copy_x_once", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
-CUDA_DEFAULT = "triton_one_pass"
-"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Run 2026-12-05g on one
-H100, each CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, FlashQLA, bf16:
-``triton_one_pass`` 0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (its backward kernel alone 1.28
-against 1.57 ms at 16K rows, 3.49 against 5.67 at 64K); ``triton`` was 0.92-0.97x ``unfused`` (runs
-2026-12-04c/d, H200) and ``compiled`` slower than ``unfused`` (run 2026-12-04a). ``triton_norm`` (run
-2026-12-06a) is 0.969-0.984x its time but keeps 0.25-1.0 GiB more at peak: a trade, not the default. It changes
-only with a committed GPU run that shows another path faster and no bigger at the sizes users train
-(tests/ops/test_glue_default.py reads them)."""
+CUDA_DEFAULT = "triton_norm_dz_copy"
+"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-06b/d/e on
+one H100, each CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, bf16:
+``triton_norm_dz_copy`` 0.983-0.999x ``triton_one_pass``'s time in all 8 rank rows (FlashQLA with the local
+modules, FLA 0.4.2 with the TE spec), at the same peak memory (within 6 KiB). Before it: ``triton_one_pass``
+0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (run 2026-12-05g); ``triton`` 0.92-0.97x ``unfused``
+(runs 2026-12-04c/d, H200); ``compiled`` slower than ``unfused`` (run 2026-12-04a). ``triton_norm`` (run
+2026-12-06a) is 0.969-0.984x ``triton_one_pass``'s time but keeps 0.25-1.0 GiB more at peak: a trade, not the
+default. ``triton_taps_per_program`` (runs 2026-12-06d/e): its backward kernel alone 0.90x, the layer 0.982-1.006x
+``triton_one_pass``: not faster in every row. It changes only with a committed GPU run that shows another path
+faster and no bigger at the sizes users train (tests/ops/test_glue_default.py reads them)."""
 
 
 def glue_path(setting: str, x: torch.Tensor) -> str:
@@ -173,10 +180,11 @@ def _triton_gates():
 
 _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_norm": {"one_pass": True},
                   "triton_norm_dz_copy": {"one_pass": True},
-                  "triton_taps_per_program": {"one_pass": True, "taps_once": True}}
+                  "triton_taps_per_program": {"one_pass": True, "taps_once": True},
+                  "triton_norm_dz_copy_x_once": {"one_pass": True, "taps_once": True, "x_once": True}}
 """gdn-cp's Triton paths, and how each runs the conv's backward (:func:`.triton_conv.conv_silu_split_triton`'s
 switches: two kernels, one, or one whose programs load their taps once)."""
-_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False}
+_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_x_once": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
           **{path: _triton_gates for path in _CONV_BACKWARD}}

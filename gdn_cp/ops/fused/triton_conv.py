@@ -133,6 +133,52 @@ def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, do
 
 
 @triton.jit
+def _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, shift: tl.constexpr,
+            W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """x at ``rows - shift`` ``[BT, BD]`` in x's dtype, masked as the forward reads it (each sequence's start; the
+    halo for the sequence that starts at row 0)."""
+    src = rows - shift
+    xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                 mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0)
+    if HAS_HALO:  # exclusive masks: one of the two is zero, so the sum in x's dtype is exact
+        xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                      mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(xv.dtype)
+    return xv
+
+
+@triton.jit
+def _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, d, ch, d_ok,
+                         EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+    """:func:`_dpre_tile` (taps given, W <= 4) that also returns the x rows it read, ``x[t - k]`` for k = 0..3 in
+    x's dtype (zeros for k >= W), so the tap sums need not load them again."""
+    row_ok = (rows >= 0) & (rows < T)
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    first = pos == rows
+    x0 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 0), first, ch, d_ok, 0, W, HAS_HALO)
+    x1 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 1), first, ch, d_ok, 1, W, HAS_HALO)
+    x2 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 2), first, ch, d_ok, 2, W, HAS_HALO)
+    x3 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 3), first, ch, d_ok, 3, W, HAS_HALO)
+    y = taps[4] + _pick(W - 1, taps[0], taps[1], taps[2], taps[3]) * x0.to(tl.float32)  # tap W-1-k reads x[t - k]
+    if W > 1:
+        y += _pick(W - 2, taps[0], taps[1], taps[2], taps[3]) * x1.to(tl.float32)
+    if W > 2:
+        y += _pick(W - 3, taps[0], taps[1], taps[2], taps[3]) * x2.to(tl.float32)
+    if W > 3:
+        y += taps[0] * x3.to(tl.float32)
+    s = tl.sigmoid(y)
+    ok = row_ok[:, None] & d_ok[None, :]
+    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    if NORM:
+        a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
+        r = tl.rsqrt(tl.sum(a * a, axis=1) + EPS)
+        n = a * r[:, None]
+        da = r[:, None] * (da - n * tl.sum(da * n, axis=1)[:, None])
+        da = da.to(dout_ptr.dtype.element_ty).to(tl.float32)  # FLA's l2norm backward returns x's dtype
+    return tl.where(ok, da * (s * (1.0 + y * (1.0 - s))), 0.0), x0, x1, x2, x3
+
+
+@triton.jit
 def _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre, acc0, acc1, acc2, acc3,
               W: tl.constexpr, HAS_HALO: tl.constexpr):
     """The tap gradients' per-row sums with one more tile: ``acc_k += pre * x[t - k]`` (tap W-1-k) at ``rows``, x
@@ -236,7 +282,7 @@ def gdn_cp_glue_conv_bwd_dx(pre_ptr, w_ptr, pos_ptr, dx_ptr, dx_stride, T, ROW0,
 def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
                          scratch_ptr, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                          BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HAS_HALO: tl.constexpr, NORM: tl.constexpr, TAPS_ONCE: tl.constexpr):
+                         HAS_HALO: tl.constexpr, NORM: tl.constexpr, TAPS_ONCE: tl.constexpr, X_ONCE: tl.constexpr):
     """The whole backward of head ``program_id(1)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` in one pass: ``dx``
     of those rows (bf16 / fp16 / fp32, written once), the tap and bias sums into ``dw [programs, HEADS*D, W]``,
     ``db [programs, HEADS*D]`` and, with a halo, the pre-activation gradient of rows ``[0, W-1)`` into
@@ -246,8 +292,9 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     rows are the previous tile's first; the span's last tile reads four rows computed up front (rows past T are
     zeros). Nothing ``[T, C]``-sized in fp32 is written (the two-pass form writes and reads one). ``TAPS_ONCE``:
     the program's taps and bias loaded once, before its tiles (:func:`_program_taps`), not in every tile (where
-    each tap, loaded 1-D, changes layout through shared memory; compiled for sm_90, 23 barriers a tile fall to 6).
-    Not yet measured on a GPU: ``GDN_CP_GLUE=triton_taps_per_program``."""
+    each tap, loaded 1-D, changes layout through shared memory; compiled for sm_90, 23 barriers a tile fall to 6;
+    ``GDN_CP_GLUE=triton_taps_per_program``). ``X_ONCE`` (with ``TAPS_ONCE``): each tile's x rows loaded once, for
+    the pre-activation and the tap sums (:func:`_dpre_tile_keeping_x`), where the other forms load them twice."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BD)
     d_ok = d < D
@@ -274,11 +321,19 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     for i in range(tiles):
         rows = span0 + (tiles - 1 - i) * BT + tile
         row_ok = rows < T
-        pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                         HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE)  # 0 at rows >= T
+        if X_ONCE:
+            pre, x0, x1, x2, x3 = _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows,
+                                                       T, i_h, HEADS, d, ch, d_ok, EPS, taps, D, W, HAS_HALO, NORM)
+            acc0 += pre * x0.to(tl.float32)
+            acc1 += pre * x1.to(tl.float32)
+            acc2 += pre * x2.to(tl.float32)
+            acc3 += pre * x3.to(tl.float32)
+        else:
+            pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
+                             HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE)  # 0 at rows >= T
+            acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
+                                               acc0, acc1, acc2, acc3, W, HAS_HALO)
         accb += pre
-        acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
-                                           acc0, acc1, acc2, acc3, W, HAS_HALO)
         if HAS_HALO:
             tl.store(head_ptr + rows[:, None] * width + local[None, :], pre, mask=(rows < W - 1)[:, None] & d_ok[None, :])
         tl.store(scratch + tile[:, None] * BD + d[None, :], pre)
@@ -307,7 +362,7 @@ _pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "n
 _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
-_bwd = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_bwd = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
@@ -325,7 +380,8 @@ def _block(dim: int) -> int:
 
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, one_pass, taps_once):
+    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, one_pass, taps_once,
+                x_once):
         t, c = x.shape
         w = weight.shape[1]
         weight_c = weight.contiguous()
@@ -339,13 +395,13 @@ class _ConvSiluSplit(torch.autograd.Function):
                      D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
-        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass, taps_once)
+        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass, taps_once, x_once)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, dq, dk_, dv_):
         x, weight, bias, positions, halo = ctx.saved_tensors
-        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass, taps_once = ctx.meta
+        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass, taps_once, x_once = ctx.meta
         t, c = x.shape
         w = weight.shape[1]
         dx = row_gradient_columns(x)  # q|k|v's columns of in_proj's output gradient where x is split_columns' group
@@ -358,13 +414,13 @@ class _ConvSiluSplit(torch.autograd.Function):
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
             if one_pass:
                 _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw,
-                                              db, dhalo, taps_once)
+                                              db, dhalo, taps_once, x_once)
             else:
                 _conv_group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
@@ -402,10 +458,11 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 
 
 def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db,
-                                  dhalo, taps_once=False):
+                                  dhalo, taps_once=False, x_once=False):
     """One channel group's backward in one kernel (:func:`gdn_cp_glue_conv_bwd`): dx written once, no fp32
     ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs, each a span of rows (a multiple of every
-    tile) with its own scratch tile; ``taps_once``: each program loads its taps once (``TAPS_ONCE``)."""
+    tile) with its own scratch tile; ``taps_once``: each program loads its taps once (``TAPS_ONCE``); ``x_once``
+    (with it): each tile's x rows loaded once (``X_ONCE``)."""
     t, c = x.shape
     w = weight.shape[1]
     width = heads * dim
@@ -421,7 +478,7 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
          x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
          c if halo is None else halo.stride(0), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part, t,
          span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
-         TAPS_ONCE=taps_once)
+         TAPS_ONCE=taps_once or x_once, X_ONCE=x_once)
     dw[c0:c0 + width] += dw_part.sum(0)
     if bias is not None:
         db[c0:c0 + width] += db_part.sum(0)
@@ -446,10 +503,12 @@ def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tenso
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
                            head_v_dim: int, qk_l2norm: bool, eps: float, one_pass: bool = False,
-                           taps_once: bool = False):
+                           taps_once: bool = False, x_once: bool = False):
     """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``. ``one_pass``: the
     backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer between them;
-    ``taps_once`` (with ``one_pass``): its programs load their taps once, not in every tile."""
+    ``taps_once`` (with ``one_pass``): its programs load their taps once, not in every tile; ``x_once`` (with
+    ``one_pass``, taps once too): each tile's x rows loaded once, not once for the pre-activation and again for the
+    tap sums."""
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
-                                qk_l2norm, eps, one_pass, taps_once)
+                                qk_l2norm, eps, one_pass, taps_once, x_once)
