@@ -111,14 +111,9 @@ def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
 
 
 @triton.jit
-def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, ch,
-               d, d_ok, EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
-               NORM: tl.constexpr, TAPS_GIVEN: tl.constexpr):
-    """The gradient at the conv's pre-activation ``[BT, BD]`` fp32 for ``rows`` (zeros outside [0, T))."""
-    row_ok = (rows >= 0) & (rows < T)
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
-                   W, HAS_BIAS, HAS_HALO, TAPS_GIVEN)
+def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.constexpr, NORM: tl.constexpr):
+    """From the conv's pre-activation ``y [BT, BD]`` (fp32) and the output gradient at ``rows``: the gradient at
+    ``y`` through SiLU, its rounding to the output dtype as FLA's conv rounds, and the l2 norm where ``NORM``."""
     s = tl.sigmoid(y)
     ok = row_ok[:, None] & d_ok[None, :]
     da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
@@ -130,6 +125,18 @@ def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, do
         da = r[:, None] * (da - n * tl.sum(da * n, axis=1)[:, None])
         da = da.to(dout_ptr.dtype.element_ty).to(tl.float32)  # FLA's l2norm backward returns x's dtype
     return tl.where(ok, da * (s * (1.0 + y * (1.0 - s))), 0.0)
+
+
+@triton.jit
+def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, ch,
+               d, d_ok, EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
+               NORM: tl.constexpr, TAPS_GIVEN: tl.constexpr):
+    """The gradient at the conv's pre-activation ``[BT, BD]`` fp32 for ``rows`` (zeros outside [0, T))."""
+    row_ok = (rows >= 0) & (rows < T)
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
+                   W, HAS_BIAS, HAS_HALO, TAPS_GIVEN)
+    return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM)
 
 
 @triton.jit
@@ -165,17 +172,7 @@ def _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_p
         y += _pick(W - 3, taps[0], taps[1], taps[2], taps[3]) * x2.to(tl.float32)
     if W > 3:
         y += taps[0] * x3.to(tl.float32)
-    s = tl.sigmoid(y)
-    ok = row_ok[:, None] & d_ok[None, :]
-    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
-                 other=0.0).to(tl.float32)
-    if NORM:
-        a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
-        r = tl.rsqrt(tl.sum(a * a, axis=1) + EPS)
-        n = a * r[:, None]
-        da = r[:, None] * (da - n * tl.sum(da * n, axis=1)[:, None])
-        da = da.to(dout_ptr.dtype.element_ty).to(tl.float32)  # FLA's l2norm backward returns x's dtype
-    return tl.where(ok, da * (s * (1.0 + y * (1.0 - s))), 0.0), x0, x1, x2, x3
+    return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM), x0, x1, x2, x3
 
 
 @triton.jit
@@ -324,6 +321,7 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
         if X_ONCE:
             pre, x0, x1, x2, x3 = _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows,
                                                        T, i_h, HEADS, d, ch, d_ok, EPS, taps, D, W, HAS_HALO, NORM)
+            accb += pre
             acc0 += pre * x0.to(tl.float32)
             acc1 += pre * x1.to(tl.float32)
             acc2 += pre * x2.to(tl.float32)
@@ -331,9 +329,9 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
         else:
             pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
                              HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE)  # 0 at rows >= T
+            accb += pre
             acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
                                                acc0, acc1, acc2, acc3, W, HAS_HALO)
-        accb += pre
         if HAS_HALO:
             tl.store(head_ptr + rows[:, None] * width + local[None, :], pre, mask=(rows < W - 1)[:, None] & d_ok[None, :])
         tl.store(scratch + tile[:, None] * BD + d[None, :], pre)
