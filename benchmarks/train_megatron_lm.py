@@ -285,7 +285,7 @@ GIB_PER_RANK = 9.9
 on a 140.4 GiB H200 (runs 2026-12-03a to 2026-12-05j); 14 on an 79.6 GiB H100 ran out of memory in their first
 step (run 2026-12-06c, the CUDA and NCCL allocations of every process; Megatron-LM's own report said 2.6 GiB
 reserved per rank). fp32 rows take twice (16 on the H200 ran out of memory, 8 ran). Each call's JSON records the
-GPU memory it saw used (``gpu_memory``), to replace this figure with a measured one."""
+GPU memory it saw used every ~5 s and at most (``gpu_memory``), to replace this figure with a measured one."""
 H100_GIB = 79.6
 """The GPU a plan assumes where none is visible (``--dry-run`` here): plain device calls mostly get an H100."""
 
@@ -468,13 +468,16 @@ def run_matrix(args) -> dict:
     max_ranks = _max_ranks(args, total_mib, todo)
     memory = doc["gpu_memory"] = {"total_mib": total_mib, "max_ranks": max_ranks, "gib_per_rank_assumed":
                                   None if args.max_ranks else round(GIB_PER_RANK, 2), "max_used_mib": None,
-                                  "ranks_at_max": None}
+                                  "ranks_at_max": None, "samples": []}
     pool = cf.ThreadPoolExecutor(max_workers=len(todo) or 1)
     pending, running, used = list(todo), [], 0
 
-    def sample_memory():  # the most any moment of the call used, and how many ranks ran then
+    def sample_memory():  # every ~5 s: [s since the start, MiB used, ranks running, runs running]; and the most
         used_mib = gpu_memory_mib("used")
-        if used_mib is not None and used_mib > (memory["max_used_mib"] or 0):
+        if used_mib is None:
+            return
+        memory["samples"].append([round(time.monotonic() - t0), used_mib, used, len(running)])
+        if used_mib > (memory["max_used_mib"] or 0):
             memory.update(max_used_mib=used_mib, ranks_at_max=used)
 
     def save():

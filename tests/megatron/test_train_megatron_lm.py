@@ -387,13 +387,16 @@ def test_run_matrix_builds_data_and_helpers_first_and_writes_a_row_per_run(tmp_p
 
 @pytest.mark.megatron
 def test_run_matrix_fits_the_gpu_and_records_the_memory_it_saw_used(tmp_path, fake_runs, monkeypatch):
-    """No --max-ranks: as many ranks as the GPU's memory holds; the JSON keeps the most memory any moment used."""
+    """No --max-ranks: as many ranks as the GPU's memory holds; the JSON keeps the memory used every ~5 s (with the
+    ranks and runs running then) and the most any moment used."""
     used = iter(range(1000, 100_000, 1000))
     monkeypatch.setattr(bench, "gpu_memory_mib", lambda field: 81559.0 if field == "total" else float(next(used)))
     doc = bench.run_matrix(_args(tmp_path, only=["hybrid_cp1"], max_ranks=None))
     memory = doc["gpu_memory"]
     assert memory["total_mib"] == 81559.0 and memory["max_ranks"] == 8 and memory["gib_per_rank_assumed"] == 9.9
     assert memory["max_used_mib"] >= 1000 and 0 <= memory["ranks_at_max"] <= 8
+    assert memory["samples"] and all(len(s) == 4 and s[2] <= 8 for s in memory["samples"])
+    assert max(s[1] for s in memory["samples"]) == memory["max_used_mib"]
 
 
 @pytest.mark.megatron
