@@ -740,9 +740,12 @@ def test_the_glue_per_rank_figures_are_their_result_file():
             if r["status"] == "ok" and r.get("lever_off") in path_levers]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
+    def matching(spec, t, case, rank, backend, glue=None, run=None):
+        return [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case and r["slice_rank"] == rank
+                and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == glue and run in (None, r["run_id"])]
+
     def row(spec, t, case, rank, backend, glue=None, run=None):
-        found = [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case and r["slice_rank"] == rank
-                 and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == glue and run in (None, r["run_id"])]
+        found = matching(spec, t, case, rank, backend, glue, run)
         newest = max(r["run_id"] for r in found)
         (one,) = [r for r in found if r["run_id"] == newest]
         return one
@@ -752,13 +755,11 @@ def test_the_glue_per_rank_figures_are_their_result_file():
         return gdn_cp[key] / row(spec, t, "stock_slice", rank, backend, run=gdn_cp["run_id"])[key]
 
     def vs_path(spec, t, rank, backend, other, path=CUDA_DEFAULT):  # in the newest run that timed both
-        runs = {r["run_id"] for r in rows if r.get("glue") == path} & {r["run_id"] for r in rows if r.get("glue") == other}
-        runs = [run for run in runs if all(any(r["spec"] == spec and r["T"] == t and r["slice_rank"] == rank
-                                               and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == g
-                                               and r["run_id"] == run and r["case"] == "patched_slice" for r in rows)
-                                           for g in (path, other))]
-        base = row(spec, t, "patched_slice", rank, backend, other, run=max(runs))
-        return row(spec, t, "patched_slice", rank, backend, path, run=base["run_id"])["median_ms"] / base["median_ms"]
+        both = set.intersection(*({r["run_id"] for r in matching(spec, t, "patched_slice", rank, backend, g)}
+                                  for g in (path, other)))
+        run = max(both)
+        return (row(spec, t, "patched_slice", rank, backend, path, run)["median_ms"]
+                / row(spec, t, "patched_slice", rank, backend, other, run)["median_ms"])
 
     def span(values):
         return f"{min(values):.3f}-{max(values):.3f}x"
