@@ -61,6 +61,20 @@ def _pick(j, t0, t1, t2, t3):
 
 
 @triton.jit
+def _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, shift: tl.constexpr,
+            W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """x at ``rows - shift`` ``[BT, BD]`` in x's dtype, masked as the forward reads it (each sequence's start; the
+    halo for the sequence that starts at row 0)."""
+    src = rows - shift
+    xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
+                 mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0)
+    if HAS_HALO:  # exclusive masks: one of the two is zero, so the sum in x's dtype is exact
+        xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
+                      mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(xv.dtype)
+    return xv
+
+
+@triton.jit
 def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
                W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, TAPS_GIVEN: tl.constexpr):
     """The conv's pre-activation ``[BT, BD]`` fp32 at ``rows`` (int32 [BT]) for channels ``ch`` ([BD]); the taps
@@ -72,21 +86,12 @@ def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, 
         acc += tl.load(b_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     first = pos == rows  # rows of the sequence that starts at row 0 (continues into the halo)
     for j in tl.static_range(W):
-        shift = W - 1 - j
-        src = rows - shift
         if TAPS_GIVEN:
             tap = _pick(j, taps[0], taps[1], taps[2], taps[3])
         else:
             tap = tl.load(w_ptr + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-        inside = row_ok & (pos >= shift)
-        xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                     mask=inside[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_HALO:
-            from_halo = row_ok & first & (src < 0)
-            hv = tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                         mask=from_halo[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            xv += hv
-        acc += tap * xv
+        acc += tap * _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, W - 1 - j,
+                             W, HAS_HALO).to(tl.float32)
     return acc
 
 
@@ -140,20 +145,6 @@ def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, do
 
 
 @triton.jit
-def _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, shift: tl.constexpr,
-            W: tl.constexpr, HAS_HALO: tl.constexpr):
-    """x at ``rows - shift`` ``[BT, BD]`` in x's dtype, masked as the forward reads it (each sequence's start; the
-    halo for the sequence that starts at row 0)."""
-    src = rows - shift
-    xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                 mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0)
-    if HAS_HALO:  # exclusive masks: one of the two is zero, so the sum in x's dtype is exact
-        xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                      mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(xv.dtype)
-    return xv
-
-
-@triton.jit
 def _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, d, ch, d_ok,
                          EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
     """:func:`_dpre_tile` (taps given, W <= 4) that also returns the x rows it read, ``x[t - k]`` for k = 0..3 in
@@ -161,7 +152,7 @@ def _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_p
     row_ok = (rows >= 0) & (rows < T)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     first = pos == rows
-    x0 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 0), first, ch, d_ok, 0, W, HAS_HALO)
+    x0 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, 0, W, HAS_HALO)
     x1 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 1), first, ch, d_ok, 1, W, HAS_HALO)
     x2 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 2), first, ch, d_ok, 2, W, HAS_HALO)
     x3 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 3), first, ch, d_ok, 3, W, HAS_HALO)
@@ -184,13 +175,8 @@ def _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     first = pos == rows
     for j in tl.static_range(W):
-        shift = W - 1 - j
-        src = rows - shift
-        xv = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :],
-                     mask=(row_ok & (pos >= shift))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_HALO:
-            xv += tl.load(halo_ptr + (src + W - 1)[:, None] * halo_stride + ch[None, :],
-                          mask=(row_ok & first & (src < 0))[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        xv = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, W - 1 - j, W,
+                     HAS_HALO).to(tl.float32)
         if j == W - 1:
             acc0 += pre * xv
         elif j == W - 2:
