@@ -65,7 +65,7 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
 def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = False, profile: bool = False,
                  taps_once: bool = False, x_once: bool = False) -> dict:
     """The kernels at ``rows``: median forward / backward ms (``one_pass``: the one-kernel backward; ``taps_once``:
-    its form whose programs load the taps once; ``x_once``: and each tile's x rows once). ``profile``: instead, one
+    its form whose programs load the taps once; ``x_once``: the taps and each tile's x rows once). ``profile``: instead, one
     backward between cudaProfilerStart / Stop, after autotuning (``ncu --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
@@ -159,8 +159,8 @@ def main(argv=None) -> dict:
         shape, results = (hk, hv, args.head_dim), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
-                for taps_once, x_once in ((False, False), (True, False), (True, True)):  # 3 launches each (q, k, v)
-                    results.append(time_kernels(rows, shape, args.device, args.iters, True, True, taps_once, x_once))
+                for form in ({}, {"taps_once": True}, {"x_once": True}):  # 3 launches each (q, k, v)
+                    results.append(time_kernels(rows, shape, args.device, args.iters, one_pass=True, profile=True, **form))
                 continue
             c = (2 * hk + hv) * args.head_dim
             gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
@@ -170,8 +170,10 @@ def main(argv=None) -> dict:
             row = time_kernels(rows, shape, args.device, args.iters)
             row.update(copy_gbs=gbs, floor=floor,
                        bwd_one_pass_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True)["bwd_ms"],
-                       bwd_taps_once_ms=time_kernels(rows, shape, args.device, args.iters, True, False, True)["bwd_ms"],
-                       bwd_x_once_ms=time_kernels(rows, shape, args.device, args.iters, True, False, True, True)["bwd_ms"])
+                       bwd_taps_once_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True,
+                                                     taps_once=True)["bwd_ms"],
+                       bwd_x_once_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True,
+                                                  x_once=True)["bwd_ms"])
             results.append(row)
             logger.info("  fwd %.3f ms  bwd %.3f ms (one pass %.3f ms, taps once %.3f ms, x once %.3f ms)", row["fwd_ms"],
                         row["bwd_ms"], row["bwd_one_pass_ms"], row["bwd_taps_once_ms"], row["bwd_x_once_ms"])

@@ -181,9 +181,9 @@ def _triton_gates():
 _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_norm": {"one_pass": True},
                   "triton_norm_dz_copy": {"one_pass": True},
                   "triton_taps_per_program": {"one_pass": True, "taps_once": True},
-                  "triton_norm_dz_copy_x_once": {"one_pass": True, "taps_once": True, "x_once": True}}
+                  "triton_norm_dz_copy_x_once": {"one_pass": True, "x_once": True}}
 """gdn-cp's Triton paths, and how each runs the conv's backward (:func:`.triton_conv.conv_silu_split_triton`'s
-switches: two kernels, one, or one whose programs load their taps once)."""
+switches: two kernels, one, or one whose programs load their taps once, or their taps and each tile's x once)."""
 _NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_x_once": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
