@@ -727,7 +727,7 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
 
 def test_the_glue_per_rank_figures_are_their_result_file():
     """README's per-rank figures with the default glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d,
-    2026-12-05a and g-i, 2026-12-06a/b/d/e), each rank's slice of a CP=2 split at CP=1, the default glue
+    2026-12-05a and g-i, 2026-12-06a/b/d/e/j/k), each rank's slice of a CP=2 split at CP=1, the default glue
     (``CUDA_DEFAULT``) against stock (the newest run that has the row) and against the one-pass path it replaced;
     that path against the two-pass Triton backward and the unfused glue (in the runs that timed both)."""
     import json
@@ -740,18 +740,19 @@ def test_the_glue_per_rank_figures_are_their_result_file():
             if r["status"] == "ok" and r.get("lever_off") in path_levers]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
-    def matching(spec, t, case, rank, backend, glue=None, run=None):
+    def matching(spec, t, case, rank, backend, glue=None, run=None, gpu=""):
         return [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case and r["slice_rank"] == rank
-                and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == glue and run in (None, r["run_id"])]
+                and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == glue and run in (None, r["run_id"])
+                and gpu in r["versions"]["gpu"]]
 
-    def row(spec, t, case, rank, backend, glue=None, run=None):
-        found = matching(spec, t, case, rank, backend, glue, run)
+    def row(spec, t, case, rank, backend, glue=None, run=None, gpu=""):
+        found = matching(spec, t, case, rank, backend, glue, run, gpu)
         newest = max(r["run_id"] for r in found)
         (one,) = [r for r in found if r["run_id"] == newest]
         return one
 
-    def vs_stock(spec, t, rank, backend, key="median_ms"):
-        gdn_cp = row(spec, t, "patched_slice", rank, backend, CUDA_DEFAULT)
+    def vs_stock(spec, t, rank, backend, key="median_ms", gpu="H100"):  # the newest run on that GPU
+        gdn_cp = row(spec, t, "patched_slice", rank, backend, CUDA_DEFAULT, gpu=gpu)
         return gdn_cp[key] / row(spec, t, "stock_slice", rank, backend, run=gdn_cp["run_id"])[key]
 
     def vs_path(spec, t, rank, backend, other, path=CUDA_DEFAULT):  # in the newest run that timed both
@@ -767,6 +768,8 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     ratio = {t: [vs_stock("local", t, k, "flashqla") for k in (0, 1)] for t in (32768, 131072)}
     memory = [vs_stock("local", t, k, "flashqla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
     te_fla = {t: [vs_stock("te", t, k, "fla") for k in (0, 1)] for t in (32768, 131072)}
+    h200_flashqla = [vs_stock("local", 32768, k, "flashqla", gpu="H200") for k in (0, 1)]
+    h200_fla = {t: [vs_stock("te", t, k, "fla", gpu="H200") for k in (0, 1)] for t in (32768, 131072)}
     units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
     units += [("te", t, k, "fla") for t in (32768, 131072) for k in (0, 1)]
     vs_one_pass = [vs_path(*unit, "triton_one_pass") for unit in units]
@@ -777,6 +780,8 @@ def test_the_glue_per_rank_figures_are_their_result_file():
             f"time at 32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory (Megatron's local "
             f"modules). On FLA 0.4.2 with the TE spec, {span(te_fla[32768])} at 32K and {span(te_fla[131072])} "
             "at 128K") in text
+    assert (f"On one H200 (2026-12-06): FlashQLA {span(h200_flashqla)} at 32K; FLA 0.4.2 with the TE spec "
+            f"{span(h200_fla[32768])} at 32K and {span(h200_fla[131072])} at 128K") in text
     assert (f"| per rank, FlashQLA + Triton glue (default path), local modules, 32K / 128K, one H100 | "
             f"{span(ratio[32768])} / {span(ratio[131072])} stock's time, {span(memory)} its peak memory |") in text
     norm_time = {t: [row("local", t, "patched_slice", k, "flashqla", "triton_norm") for k in (0, 1)]
@@ -791,6 +796,15 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     assert (f"The default (`triton_norm_dz_copy`, since 2026-12-06) is {span(vs_one_pass)} the time of the one-pass "
             f"path it replaced, at the same peak memory; that path's backward was {span(vs_two_pass)} the time of the "
             f"two-pass one, and its glue {span(vs_unfused)} the unfused glue's") in text
+    x_once_units = [("local", 32768, k, "flashqla") for k in (0, 1)] + [("te", t, k, "fla") for t in (32768, 131072)
+                                                                        for k in (0, 1)]
+    vs_x_once = [vs_path(*unit, CUDA_DEFAULT, "triton_norm_dz_copy_x_once") for unit in x_once_units]
+    peaks = [{row(*unit[:2], "patched_slice", *unit[2:], g, gpu="H200")["peak_gib"]
+              for g in (CUDA_DEFAULT, "triton_norm_dz_copy_x_once")} for unit in x_once_units]
+    assert all(max(p) - min(p) < 1e-3 for p in peaks), peaks  # "at the same peak memory"
+    assert (f"`GDN_CP_GLUE=triton_norm_dz_copy_x_once` (opt-in: its conv backward loads each tile's x once) is "
+            f"{span(vs_x_once)} the default's time, slower in {sum(v > 1 for v in vs_x_once)} of {len(vs_x_once)} "
+            "rank rows, at the same peak memory (one H200)") in text
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
             "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
 

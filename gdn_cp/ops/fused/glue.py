@@ -22,8 +22,9 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   not faster in every row: :data:`CUDA_DEFAULT`);
 - ``triton_norm_dz_copy_x_once``: ``triton_norm_dz_copy`` with ``triton_taps_per_program``'s conv backward, which
   also loads each tile's x rows once (for the pre-activation and the tap sums; the other forms load them twice).
-  Compiled for sm_90 at 16 rows and 4 warps: 0.77x the default's tile-loop instructions and no spill; not yet
-  measured on a GPU;
+  Compiled for sm_90 at 16 rows and 4 warps: 0.77x the default's tile-loop instructions and no spill; on one
+  H200 its conv backward 4-11% faster in 5 of 6 rank rows, the layer 0.991-1.003x the default's: not faster in
+  every row yet (:data:`CUDA_DEFAULT`);
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -68,7 +69,8 @@ modules, FLA 0.4.2 with the TE spec), at the same peak memory (within 6 KiB). Be
 (runs 2026-12-04c/d, H200); ``compiled`` slower than ``unfused`` (run 2026-12-04a). ``triton_norm`` (run
 2026-12-06a) is 0.969-0.984x ``triton_one_pass``'s time but keeps 0.25-1.0 GiB more at peak: a trade, not the
 default. ``triton_taps_per_program`` (runs 2026-12-06d/e): its backward kernel alone 0.90x, the layer 0.982-1.006x
-``triton_one_pass``: not faster in every row. It changes only with a committed GPU run that shows another path
+``triton_one_pass``: not faster in every row. ``triton_norm_dz_copy_x_once`` (runs 2026-12-06j/k, H200):
+0.991-1.003x this default's time, slower in 1 of 6 rows. It changes only with a committed GPU run that shows another path
 faster and no bigger at the sizes users train (tests/ops/test_glue_default.py reads them)."""
 
 
