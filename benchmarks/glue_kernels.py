@@ -62,11 +62,16 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = False, profile: bool = False,
-                 taps_once: bool = False, x_once: bool = False) -> dict:
-    """The kernels at ``rows``: median forward / backward ms (``one_pass``: the one-kernel backward; ``taps_once``:
-    its form whose programs load the taps once; ``x_once``: the taps and each tile's x rows once). ``profile``: instead, one
-    backward between cudaProfilerStart / Stop, after autotuning (``ncu --profile-from-start off``)."""
+BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "taps_once": {"one_pass": True, "taps_once": True},
+                  "x_once": {"one_pass": True, "x_once": True}, "v64": {"one_pass": True, "channel_block": 64}}
+"""The one-pass backward's forms beside the two-pass one: conv_silu_split_triton's switches (the default's; its
+programs loading the taps once; the taps and each tile's x once; v in blocks of 64 channels)."""
+
+
+def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
+    """The kernels at ``rows``: median forward / backward ms, the backward in ``form`` (:data:`BACKWARD_FORMS`; none:
+    two passes). ``profile``: instead, one backward between cudaProfilerStart / Stop, after autotuning (``ncu
+    --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
     hk, hv, dim = shape
@@ -75,8 +80,7 @@ def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = Fal
 
     def forward():
         return triton_conv.conv_silu_split_triton(leaves[0], leaves[1], leaves[2], positions, None, hk, hv, dim, dim,
-                                                  True, 1e-6, one_pass=one_pass, taps_once=taps_once,
-                                                  x_once=x_once)
+                                                  True, 1e-6, **form)
 
     def backward(outs):
         return torch.autograd.grad(outs, leaves, douts)
@@ -90,8 +94,7 @@ def time_kernels(rows: int, shape, device: str, iters: int, one_pass: bool = Fal
         backward(outs)
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
-        return {"rows": rows, "profiled": "one-pass backward" + (", x once" if x_once else ", taps once" if taps_once
-                                                                 else "")}
+        return {"rows": rows, "profiled": form}
     outs = [None]
 
     def fresh_outputs():  # untimed, ahead of each timed backward
@@ -138,8 +141,8 @@ def main(argv=None) -> dict:
                                help="the one-pass backward's three forms at every config for sm_90 here, as launched: "
                                "registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true",
-                   help="one one-pass backward per row count and form (taps per tile, taps once, x once) between "
-                   "cudaProfilerStart/Stop, nothing timed (under ncu)")
+                   help="one one-pass backward per row count and form (taps per tile, taps once, x once, v in 64-channel "
+                   "blocks) between cudaProfilerStart/Stop, nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
     if args.profile and args.device != "cuda":
@@ -159,8 +162,8 @@ def main(argv=None) -> dict:
         shape, results = (hk, hv, args.head_dim), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
-                for form in ({}, {"taps_once": True}, {"x_once": True}):  # 3 launches each (q, k, v)
-                    results.append(time_kernels(rows, shape, args.device, args.iters, one_pass=True, profile=True, **form))
+                for form in BACKWARD_FORMS.values():  # 3 launches each (q, k, v; v64: v's in 64-channel blocks)
+                    results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
                 continue
             c = (2 * hk + hv) * args.head_dim
             gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
@@ -168,15 +171,12 @@ def main(argv=None) -> dict:
             logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
                         floor["bwd_ms"])
             row = time_kernels(rows, shape, args.device, args.iters)
-            row.update(copy_gbs=gbs, floor=floor,
-                       bwd_one_pass_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True)["bwd_ms"],
-                       bwd_taps_once_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True,
-                                                     taps_once=True)["bwd_ms"],
-                       bwd_x_once_ms=time_kernels(rows, shape, args.device, args.iters, one_pass=True,
-                                                  x_once=True)["bwd_ms"])
+            row.update(copy_gbs=gbs, floor=floor, **{f"bwd_{name}_ms": time_kernels(rows, shape, args.device,
+                                                                                    args.iters, **form)["bwd_ms"]
+                                                     for name, form in BACKWARD_FORMS.items()})
             results.append(row)
-            logger.info("  fwd %.3f ms  bwd %.3f ms (one pass %.3f ms, taps once %.3f ms, x once %.3f ms)", row["fwd_ms"],
-                        row["bwd_ms"], row["bwd_one_pass_ms"], row["bwd_taps_once_ms"], row["bwd_x_once_ms"])
+            logger.info("  fwd %.3f ms  bwd %.3f ms (%s)", row["fwd_ms"], row["bwd_ms"],
+                        ", ".join(f"{name} {row[f'bwd_{name}_ms']:.3f} ms" for name in BACKWARD_FORMS))
         report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
                   "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
                   "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}

@@ -150,8 +150,11 @@ run_stage() {
       (exit $prc) ;;
     glue_tests)
       # the glue's GPU paths (gdn-cp's Triton kernels, torch.compile) against the plain math, bf16 at a real width;
-      # 540 s: cold, 7 of its 15 cases took 330 s (run 2026-12-06h: each form's halo case compiles ~70 s)
-      timeout --signal=INT 540 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA -q ;;
+      # 540 s: cold, 7 of its 15 cases took 330 s (run 2026-12-06h: each form's halo case compiles ~70 s); the
+      # suite's arguments go to pytest, as for the test stages (e.g. -k "not compiled")
+      local GARGS=("$@"); [ ${#GARGS[@]} -eq 0 ] && GARGS=(-q)
+      timeout --signal=INT 540 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA \
+        "${GARGS[@]}" ;;
     glue_kernels)
       # shellcheck disable=SC2086
       timeout --signal=INT 300 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;

@@ -58,3 +58,16 @@ def test_the_taps_once_form_waits_less_in_each_tile():
     assert x["loop_instructions"] < 0.8 * every_tile["loop_instructions"] and x["stack_bytes"] == 0, (x, once)
     assert x["loop_barriers"] == once["loop_barriers"], (x, once)
 
+
+def test_channel_blocks_take_fewer_registers():
+    """``GDN_CP_GLUE=triton_norm_dz_copy_v64``'s reason to exist, as compiled (the GPU has not timed it): v's
+    one-pass backward (no l2 norm, 16 rows, 4 warps, bias, as launched) in blocks of 64 channels needs well under
+    the registers of whole 128-channel heads, which hold the default to 2 programs an SM (255 a thread on the
+    GPU's Triton, run 2026-12-06h), so at least twice as many programs fit."""
+    if _ptxas_missing():
+        pytest.skip("this Triton ships no ptxas (Triton's CUDA backend is needed to compile for sm_90)")
+    from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
+
+    head, block = (compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
+                   for _, kernel, pointers, c in (conv_kernels(16, dim, norm=False, halo=False)[3] for dim in (128, 64)))
+    assert 2 * block["registers"] <= head["registers"] and block["stack_bytes"] <= 8, (block, head)

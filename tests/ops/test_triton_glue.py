@@ -31,11 +31,12 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 17 and sum(name.startswith("conv") for name in cases) == 12
+    assert len(cases) == 19 and sum(name.startswith("conv") for name in cases) == 14
     assert sum(name.startswith("norm") for name in cases) == 3
-    assert sum("one_pass" in name for name in cases) == 8  # the one-pass backward beside the two-pass one
+    assert sum("one_pass" in name for name in cases) == 10  # the one-pass backward beside the two-pass one
     assert sum("one_pass_taps" in name for name in cases) == 2  # its programs loading their taps once
     assert sum("one_pass_x" in name for name in cases) == 2  # and each tile's x rows once
+    assert sum("one_pass_c16" in name for name in cases) == 2  # the groups without the l2 norm in channel blocks
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -78,3 +79,15 @@ def test_the_gated_norm_equals_flas_math_and_writes_dz_into_in_projs_gradient(ca
         tol = 1e-6 if "float32" in name else 2e-3
         bad = {k: v for k, v in case["errors"].items() if not v <= tol}
         assert not bad, f"{name}: {bad}"
+
+
+def test_only_groups_without_the_norm_run_in_channel_blocks():
+    """``channel_block`` (``GDN_CP_GLUE=triton_norm_dz_copy_v64``) splits a group's heads only where nothing is
+    reduced over the head dim and the block divides it; the memory a launch reads is the same either way."""
+    from gdn_cp.ops.fused.triton_conv import _launch_heads
+
+    assert _launch_heads(32, 128, False, 64) == (64, 64)  # v of Qwen3.5-9B's GDN
+    assert _launch_heads(16, 128, True, 64) == (16, 128)  # q / k with the l2 norm: a program needs the whole head
+    assert _launch_heads(4, 24, False, 16) == (4, 24)  # 16 does not divide 24
+    assert _launch_heads(4, 64, False, 64) == (4, 64)
+    assert _launch_heads(32, 128, False, None) == (32, 128)

@@ -358,6 +358,17 @@ def _groups(k_heads, v_heads, dk, dv, qk_l2norm):
     return ((0, k_heads, dk, qk_l2norm), (kd, k_heads, dk, qk_l2norm), (2 * kd, v_heads, dv, False))
 
 
+def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None) -> tuple[int, int]:
+    """(heads, head dim) a group's kernels run with. A group without the l2 norm (nothing reduced over its head
+    dim: v, and q / k where the norm is off) runs in blocks of ``channel_block`` channels where that divides its
+    head dim: the same memory (``[T, heads * dim]`` contiguous), twice the programs or more, each with half the
+    channels or fewer, so fewer registers (compiled for sm_90, Dv 128 -> 64, 16 rows, 4 warps, with a bias: 255 ->
+    127 a thread in the one-pass backward) and more programs resident on each SM."""
+    if channel_block and not norm and dim > channel_block and dim % channel_block == 0:
+        return heads * (dim // channel_block), channel_block
+    return heads, dim
+
+
 def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
@@ -365,7 +376,7 @@ def _block(dim: int) -> int:
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, one_pass, taps_once,
-                x_once):
+                x_once, channel_block):
         t, c = x.shape
         w = weight.shape[1]
         weight_c = weight.contiguous()
@@ -373,19 +384,20 @@ class _ConvSiluSplit(torch.autograd.Function):
         for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
             out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
             if t and heads:
-                _fwd(lambda meta, t=t, heads=heads: (triton.cdiv(t, meta["BT"]), heads),
+                n, d = _launch_heads(heads, dim, norm, channel_block)
+                _fwd(lambda meta, t=t, n=n: (triton.cdiv(t, meta["BT"]), n),
                      x, x.stride(0), weight_c, bias if bias is not None else weight_c, halo if halo is not None else x,
-                     c if halo is None else halo.stride(0), positions, out, t, c0, heads, eps,
-                     D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
+                     c if halo is None else halo.stride(0), positions, out, t, c0, n, eps,
+                     D=d, BD=_block(d), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
-        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass, taps_once, x_once)
+        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass, taps_once, x_once, channel_block)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, dq, dk_, dv_):
         x, weight, bias, positions, halo = ctx.saved_tensors
-        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass, taps_once, x_once = ctx.meta
+        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass, taps_once, x_once, channel_block = ctx.meta
         t, c = x.shape
         w = weight.shape[1]
         dx = row_gradient_columns(x)  # q|k|v's columns of in_proj's output gradient where x is split_columns' group
@@ -396,15 +408,16 @@ class _ConvSiluSplit(torch.autograd.Function):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            n, d = _launch_heads(heads, dim, norm, channel_block)
             if one_pass:
-                _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw,
-                                              db, dhalo, taps_once, x_once)
+                _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw,
+                                              db, dhalo, taps_once, x_once, span_heads=heads)
             else:
-                _conv_group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo)
+                _conv_group_backward(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw, db, dhalo)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
@@ -442,15 +455,16 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 
 
 def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db,
-                                  dhalo, taps_once=False, x_once=False):
+                                  dhalo, taps_once=False, x_once=False, span_heads=None):
     """One channel group's backward in one kernel (:func:`gdn_cp_glue_conv_bwd`): dx written once, no fp32
-    ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs, each a span of rows (a multiple of every
-    tile) with its own scratch tile; ``taps_once``: each program loads its taps once (``TAPS_ONCE``); ``x_once``
-    (with it): each tile's x rows loaded once (``X_ONCE``)."""
+    ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs per ``span_heads`` heads (default ``heads``:
+    a group in channel blocks keeps its heads' spans of rows, so its programs multiply), each a span of rows (a
+    multiple of every tile) with its own scratch tile; ``taps_once``: each program loads its taps once
+    (``TAPS_ONCE``); ``x_once`` (with it): each tile's x rows loaded once (``X_ONCE``)."""
     t, c = x.shape
     w = weight.shape[1]
     width = heads * dim
-    per_head = max(1, _ONE_PASS_PROGRAMS // heads)
+    per_head = max(1, _ONE_PASS_PROGRAMS // (span_heads or heads))
     span = triton.cdiv(triton.cdiv(t, per_head), _SPAN) * _SPAN
     programs = triton.cdiv(t, span)
     block = _block(dim)
@@ -487,12 +501,13 @@ def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tenso
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
                            head_v_dim: int, qk_l2norm: bool, eps: float, one_pass: bool = False,
-                           taps_once: bool = False, x_once: bool = False):
+                           taps_once: bool = False, x_once: bool = False, channel_block: int | None = None):
     """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``. ``one_pass``: the
     backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer between them;
     ``taps_once`` (with ``one_pass``): its programs load their taps once, not in every tile; ``x_once`` (with
     ``one_pass``, taps once too): each tile's x rows loaded once, not once for the pre-activation and again for the
-    tap sums."""
+    tap sums; ``channel_block``: the groups without the l2 norm run in blocks of that many channels
+    (:func:`_launch_heads`)."""
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
-                                qk_l2norm, eps, one_pass, taps_once, x_once)
+                                qk_l2norm, eps, one_pass, taps_once, x_once, channel_block)
