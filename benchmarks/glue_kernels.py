@@ -63,9 +63,11 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
 
 
 BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "taps_once": {"one_pass": True, "taps_once": True},
-                  "x_once": {"one_pass": True, "x_once": True}, "v64": {"one_pass": True, "channel_block": 64}}
-"""The one-pass backward's forms beside the two-pass one: conv_silu_split_triton's switches (the default's; its
-programs loading the taps once; the taps and each tile's x once; v in blocks of 64 channels)."""
+                  "x_once": {"one_pass": True, "x_once": True}, "v64": {"one_pass": True, "channel_block": 64},
+                  "fine": {"one_pass": True, "fine_tiles": True}}
+"""The one-pass backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): the
+default's; its programs loading the taps once; the taps and each tile's x once; v in blocks of 64 channels; tiles
+of 8 rows offered to its autotuning (the last two: ``GDN_CP_GLUE=triton_norm_dz_copy_narrow``)."""
 
 
 def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
@@ -141,8 +143,8 @@ def main(argv=None) -> dict:
                                help="the one-pass backward's three forms at every config for sm_90 here, as launched: "
                                "registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true",
-                   help="one one-pass backward per row count and form (taps per tile, taps once, x once, v in 64-channel "
-                   "blocks) between cudaProfilerStart/Stop, nothing timed (under ncu)")
+                   help="one one-pass backward per row count and form (BACKWARD_FORMS) between cudaProfilerStart/Stop, "
+                   "nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
     if args.profile and args.device != "cuda":
@@ -162,7 +164,7 @@ def main(argv=None) -> dict:
         shape, results = (hk, hv, args.head_dim), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
-                for form in BACKWARD_FORMS.values():  # 3 launches each (q, k, v; v64: v's in 64-channel blocks)
+                for form in BACKWARD_FORMS.values():  # 3 launches each (q, k, v)
                     results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
                 continue
             c = (2 * hk + hv) * args.head_dim

@@ -33,8 +33,8 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_taps 2"),  # Dv 24: masked taps
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "one_pass_x 2"),  # each tile's x loaded once
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_x 2"),  # (and the halo's rows)
-    ("float32", True, 1, 2, 16, 32, True, (0, 5, 5, 17, 18, 33), "one_pass_c16 2"),  # v in blocks of 16 channels
-    ("float16", False, 2, 1, 32, 32, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_c16 2"),  # q, k, v in blocks
+    ("float32", True, 1, 2, 16, 32, True, (0, 5, 5, 17, 18, 33), "one_pass_narrow 2"),  # v in blocks of 16
+    ("float16", False, 2, 1, 32, 32, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_narrow 2"),  # channels, tiles of 8
 )
 
 
@@ -50,7 +50,8 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     one_pass = isinstance(chunk, str)
     form = {"one_pass": one_pass, "taps_once": one_pass and chunk.startswith("one_pass_taps"),
             "x_once": one_pass and chunk.startswith("one_pass_x"),
-            "channel_block": 16 if one_pass and chunk.startswith("one_pass_c16") else None}
+            "channel_block": 16 if one_pass and chunk.startswith("one_pass_narrow") else None,
+            "fine_tiles": one_pass and chunk.startswith("one_pass_narrow")}  # the interpreter runs 8-row tiles
     if one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
         triton_conv._SPAN, triton_conv._ONE_PASS_PROGRAMS = 16, int(chunk.split()[1])
     else:

@@ -102,8 +102,9 @@ _GLUE_WORDS = {
     "triton_norm_dz_copy_x_once": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), "
                                      "the conv's backward in one pass, each program's taps and each tile's x loaded "
                                      "once, z read where in_proj keeps it",
-    "triton_norm_dz_copy_v64": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), the "
-                               "conv's backward in one pass, v in blocks of 64 channels, z read where in_proj keeps it",
+    "triton_norm_dz_copy_narrow": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), the "
+                               "conv's backward in one pass, in narrower programs (v in 64-channel blocks, tiles of 8 rows "
+                                  "offered), z read where in_proj keeps it",
     "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",
     "eager": "gdn-cp's fused conv + SiLU + split + l2 norm and gates in plain torch (fp64)",
 }

@@ -59,15 +59,21 @@ def test_the_taps_once_form_waits_less_in_each_tile():
     assert x["loop_barriers"] == once["loop_barriers"], (x, once)
 
 
-def test_channel_blocks_take_fewer_registers():
-    """``GDN_CP_GLUE=triton_norm_dz_copy_v64``'s reason to exist, as compiled (the GPU has not timed it): v's
-    one-pass backward (no l2 norm, 16 rows, 4 warps, bias, as launched) in blocks of 64 channels needs well under
-    the registers of whole 128-channel heads, which hold the default to 2 programs an SM (255 a thread on the
-    GPU's Triton, run 2026-12-06h), so at least twice as many programs fit."""
+def test_narrow_programs_take_fewer_registers():
+    """``GDN_CP_GLUE=triton_norm_dz_copy_narrow``'s reason to exist, as compiled (the GPU has not timed it): the
+    one-pass backward (4 warps, a bias, as launched) keeps 255 registers a thread at 16 rows of whole 128-channel
+    heads, which holds it to 2 programs an SM (run 2026-12-06h). v (no l2 norm) in blocks of 64 channels, and q / k
+    (the norm needs the whole head) in tiles of 8 rows, each take at most 128, so 4 programs fit an SM (65,536
+    registers, 128 threads a program)."""
     if _ptxas_missing():
         pytest.skip("this Triton ships no ptxas (Triton's CUDA backend is needed to compile for sm_90)")
     from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
 
-    head, block = (compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
-                   for _, kernel, pointers, c in (conv_kernels(16, dim, norm=False, halo=False)[3] for dim in (128, 64)))
-    assert 2 * block["registers"] <= head["registers"] and block["stack_bytes"] <= 8, (block, head)
+    def one_pass(bt, dim, norm):
+        _, kernel, pointers, c = conv_kernels(bt, dim, norm=norm, halo=False)[3]
+        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
+
+    whole, v_block, q_fine = one_pass(16, 128, True), one_pass(16, 64, False), one_pass(8, 128, True)
+    assert whole["registers"] == 255, whole
+    assert v_block["registers"] <= 128 and v_block["stack_bytes"] == 0, v_block
+    assert q_fine["registers"] <= 128 and q_fine["stack_bytes"] == 0, q_fine

@@ -36,7 +36,7 @@ def test_every_case_ran(cases):
     assert sum("one_pass" in name for name in cases) == 10  # the one-pass backward beside the two-pass one
     assert sum("one_pass_taps" in name for name in cases) == 2  # its programs loading their taps once
     assert sum("one_pass_x" in name for name in cases) == 2  # and each tile's x rows once
-    assert sum("one_pass_c16" in name for name in cases) == 2  # the groups without the l2 norm in channel blocks
+    assert sum("one_pass_narrow" in name for name in cases) == 2  # channel blocks without the norm, 8-row tiles
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -82,7 +82,7 @@ def test_the_gated_norm_equals_flas_math_and_writes_dz_into_in_projs_gradient(ca
 
 
 def test_only_groups_without_the_norm_run_in_channel_blocks():
-    """``channel_block`` (``GDN_CP_GLUE=triton_norm_dz_copy_v64``) splits a group's heads only where nothing is
+    """``channel_block`` (``GDN_CP_GLUE=triton_norm_dz_copy_narrow``) splits a group's heads only where nothing is
     reduced over the head dim and the block divides it; the memory a launch reads is the same either way."""
     from gdn_cp.ops.fused.triton_conv import _launch_heads
 

@@ -25,12 +25,13 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   Compiled for sm_90 at 16 rows and 4 warps: 0.77x the default's tile-loop instructions and no spill; on one
   H200 its conv backward 4-11% faster in 5 of 6 rank rows, the layer 0.991-1.003x the default's: not faster in
   every row yet (:data:`CUDA_DEFAULT`);
-- ``triton_norm_dz_copy_v64``: ``triton_norm_dz_copy`` with the groups that have no l2 norm (v; q and k where the
-  norm is off) run in blocks of 64 channels, forward and backward: nothing is reduced over their head dim, so a
-  program needs only its block; compiled for sm_90 (Dv 128, 16 rows, 4 warps) the one-pass backward then takes
-  127 registers a thread instead of 255 (96 instead of 241 without a conv bias) and 3 barriers a tile instead of
-  23, so more programs share an SM (the default's v backward: 2 programs an SM, 12.5% of its warps, run
-  2026-12-06h). Not yet measured on a GPU;
+- ``triton_norm_dz_copy_narrow``: ``triton_norm_dz_copy`` with narrower conv programs, which need fewer registers
+  so that more of them share an SM (the default's backward keeps 255 registers a thread and 2 programs an SM,
+  12.5% of its warps: run 2026-12-06h): the groups that have no l2 norm (v; q and k where the norm is off) in
+  blocks of 64 channels, forward and backward (nothing is reduced over their head dim), and the one-pass
+  backward's autotuning also offered tiles of 8 rows (for q and k, whose norm needs the whole head). Compiled for
+  sm_90 (16 / 32 heads of 128, 4 warps, a bias): v's backward 127 registers instead of 255, 3 barriers a tile
+  instead of 23; q's and k's at 8 rows 128 registers. Not yet measured on a GPU;
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -63,7 +64,7 @@ L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
 GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program",
-              "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_v64", "compiled", "unfused")
+              "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 CUDA_DEFAULT = "triton_norm_dz_copy"
@@ -190,12 +191,12 @@ _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_n
                   "triton_norm_dz_copy": {"one_pass": True},
                   "triton_taps_per_program": {"one_pass": True, "taps_once": True},
                   "triton_norm_dz_copy_x_once": {"one_pass": True, "x_once": True},
-                  "triton_norm_dz_copy_v64": {"one_pass": True, "channel_block": 64}}
-"""gdn-cp's Triton paths, and how each runs the conv (:func:`.triton_conv.conv_silu_split_triton`'s switches: the
-backward in two kernels, one, or one whose programs load their taps once, or their taps and each tile's x once;
-the groups without the l2 norm in blocks of 64 channels)."""
+                  "triton_norm_dz_copy_narrow": {"one_pass": True, "channel_block": 64, "fine_tiles": True}}
+"""gdn-cp's Triton paths, and how each runs the conv (the fields of :class:`.triton_conv.ConvForm`: the backward in
+two kernels, one, or one whose programs load their taps once, or their taps and each tile's x once; narrower
+programs)."""
 _NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_x_once": False,
-                     "triton_norm_dz_copy_v64": False}
+                     "triton_norm_dz_copy_narrow": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
           **{path: _triton_gates for path in _CONV_BACKWARD}}

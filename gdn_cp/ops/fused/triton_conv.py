@@ -21,6 +21,8 @@ Everything is trusted: the boundary that made the call checked it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -28,7 +30,7 @@ import triton.language as tl
 from .split import row_gradient_columns
 from .triton_launch import TILE_CONFIGS, launcher
 
-__all__ = ["MAX_WIDTH", "conv_silu_split_triton"]
+__all__ = ["MAX_WIDTH", "ConvForm", "conv_silu_split_triton"]
 
 MAX_WIDTH = 4
 """The widest conv the kernels take (they keep four tap sums; Megatron's and FLA's conv widths are at most 4)."""
@@ -347,6 +349,11 @@ _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"B
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
 _bwd = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_FINE_TILES = [({"BT": 8}, 4), ({"BT": 8}, 2)]
+"""Tiles of 8 rows, which the one-pass backward may also take (``ConvForm.fine_tiles``): compiled for sm_90 with the
+l2 norm and a bias, 4 warps, 128 registers a thread against 255 at 16 rows, so twice the programs fit an SM."""
+_bwd_fine = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], _FINE_TILES + TILE_CONFIGS,
+                     {"BT": 8, "num_warps": 4})
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
@@ -356,6 +363,22 @@ def _groups(k_heads, v_heads, dk, dv, qk_l2norm):
     """(first channel, heads, head dim, l2-normalized) of q, k, v in the pre-conv channels."""
     kd = k_heads * dk
     return ((0, k_heads, dk, qk_l2norm), (kd, k_heads, dk, qk_l2norm), (2 * kd, v_heads, dv, False))
+
+
+@dataclass(frozen=True)
+class ConvForm:
+    """How the kernels run the conv (every field off: the backward in two passes, whole heads, tiles of 16-64 rows).
+    ``one_pass``: the backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer
+    between them; ``taps_once`` (with it): its programs load their taps once, not in every tile; ``x_once`` (with it,
+    taps once too): each tile's x rows loaded once, not again for the tap sums; ``channel_block``: the groups without
+    the l2 norm in blocks of that many channels (:func:`_launch_heads`); ``fine_tiles`` (with ``one_pass``): its
+    autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`)."""
+
+    one_pass: bool = False
+    taps_once: bool = False
+    x_once: bool = False
+    channel_block: int | None = None
+    fine_tiles: bool = False
 
 
 def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None) -> tuple[int, int]:
@@ -375,8 +398,7 @@ def _block(dim: int) -> int:
 
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, one_pass, taps_once,
-                x_once, channel_block):
+    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, form):
         t, c = x.shape
         w = weight.shape[1]
         weight_c = weight.contiguous()
@@ -384,20 +406,20 @@ class _ConvSiluSplit(torch.autograd.Function):
         for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
             out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
             if t and heads:
-                n, d = _launch_heads(heads, dim, norm, channel_block)
+                n, d = _launch_heads(heads, dim, norm, form.channel_block)
                 _fwd(lambda meta, t=t, n=n: (triton.cdiv(t, meta["BT"]), n),
                      x, x.stride(0), weight_c, bias if bias is not None else weight_c, halo if halo is not None else x,
                      c if halo is None else halo.stride(0), positions, out, t, c0, n, eps,
                      D=d, BD=_block(d), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
-        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, one_pass, taps_once, x_once, channel_block)
+        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, form)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, dq, dk_, dv_):
         x, weight, bias, positions, halo = ctx.saved_tensors
-        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, one_pass, taps_once, x_once, channel_block = ctx.meta
+        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, form = ctx.meta
         t, c = x.shape
         w = weight.shape[1]
         dx = row_gradient_columns(x)  # q|k|v's columns of in_proj's output gradient where x is split_columns' group
@@ -408,16 +430,16 @@ class _ConvSiluSplit(torch.autograd.Function):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-            n, d = _launch_heads(heads, dim, norm, channel_block)
-            if one_pass:
+            n, d = _launch_heads(heads, dim, norm, form.channel_block)
+            if form.one_pass:
                 _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw,
-                                              db, dhalo, taps_once, x_once, span_heads=heads)
+                                              db, dhalo, form, span_heads=heads)
             else:
                 _conv_group_backward(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw, db, dhalo)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
-                None, None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
@@ -455,16 +477,16 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 
 
 def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db,
-                                  dhalo, taps_once=False, x_once=False, span_heads=None):
+                                  dhalo, form, span_heads):
     """One channel group's backward in one kernel (:func:`gdn_cp_glue_conv_bwd`): dx written once, no fp32
-    ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs per ``span_heads`` heads (default ``heads``:
-    a group in channel blocks keeps its heads' spans of rows, so its programs multiply), each a span of rows (a
-    multiple of every tile) with its own scratch tile; ``taps_once``: each program loads its taps once
-    (``TAPS_ONCE``); ``x_once`` (with it): each tile's x rows loaded once (``X_ONCE``)."""
+    ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs per ``span_heads`` heads (a group in channel
+    blocks keeps its heads' spans of rows, so its programs multiply), each a span of rows (a multiple of every
+    tile) with its own scratch tile; ``form`` (:class:`ConvForm`): taps once (``TAPS_ONCE``), x once
+    (``X_ONCE``), tiles of 8 rows among the autotuned."""
     t, c = x.shape
     w = weight.shape[1]
     width = heads * dim
-    per_head = max(1, _ONE_PASS_PROGRAMS // (span_heads or heads))
+    per_head = max(1, _ONE_PASS_PROGRAMS // span_heads)
     span = triton.cdiv(triton.cdiv(t, per_head), _SPAN) * _SPAN
     programs = triton.cdiv(t, span)
     block = _block(dim)
@@ -472,11 +494,12 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else scratch
     dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
     db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
-    _bwd(lambda meta: (programs, heads),
-         x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
-         c if halo is None else halo.stride(0), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part, t,
-         span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
-         TAPS_ONCE=taps_once or x_once, X_ONCE=x_once)
+    launch = _bwd_fine if form.fine_tiles else _bwd
+    launch(lambda meta: (programs, heads),
+           x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
+           c if halo is None else halo.stride(0), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
+           t, span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
+           NORM=norm, TAPS_ONCE=form.taps_once or form.x_once, X_ONCE=form.x_once)
     dw[c0:c0 + width] += dw_part.sum(0)
     if bias is not None:
         db[c0:c0 + width] += db_part.sum(0)
@@ -500,14 +523,9 @@ def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tenso
 
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
-                           head_v_dim: int, qk_l2norm: bool, eps: float, one_pass: bool = False,
-                           taps_once: bool = False, x_once: bool = False, channel_block: int | None = None):
-    """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``. ``one_pass``: the
-    backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer between them;
-    ``taps_once`` (with ``one_pass``): its programs load their taps once, not in every tile; ``x_once`` (with
-    ``one_pass``, taps once too): each tile's x rows loaded once, not once for the pre-activation and again for the
-    tap sums; ``channel_block``: the groups without the l2 norm run in blocks of that many channels
-    (:func:`_launch_heads`)."""
+                           head_v_dim: int, qk_l2norm: bool, eps: float, **form):
+    """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``; ``form``: the fields
+    of :class:`ConvForm` (how the kernels run)."""
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
-                                qk_l2norm, eps, one_pass, taps_once, x_once, channel_block)
+                                qk_l2norm, eps, ConvForm(**form))
