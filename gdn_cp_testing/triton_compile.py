@@ -87,7 +87,8 @@ def cubin_resources(cubin: bytes) -> dict:
 
 
 def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
-    """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels (every backward form)."""
+    """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels: the forward, the two-pass backward's two,
+    the one-pass backward's three forms (``[3:6]``) and the l2 norm's backward alone."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm}
@@ -100,6 +101,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
         ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": False, "X_ONCE": False}),
         ("conv_bwd_one_pass_taps", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": False}),
         ("conv_bwd_one_pass_x", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": True}),
+        ("l2norm_bwd", tc.gdn_cp_glue_l2norm_bwd, BF16_CONV, {k: v for k, v in tile.items() if k != "NORM"}),
     )
 
 
@@ -123,7 +125,7 @@ def one_pass_loops(head_dim: int = 128) -> list[dict]:
     for meta, warps in TILE_CONFIGS:
         for norm in (True, False):
             for bias in (True, False):
-                for name, kernel, pointers, constexprs in conv_kernels(meta["BT"], head_dim, norm, halo=False)[3:]:
+                for name, kernel, pointers, constexprs in conv_kernels(meta["BT"], head_dim, norm, halo=False)[3:6]:
                     used = compile_sm90(kernel, pointers, {**constexprs, "HAS_BIAS": bias}, warps, as_launched=True)
                     rows.append({"kernel": name, "BT": meta["BT"], "num_warps": warps, "l2norm": norm, "bias": bias,
                                  **used})

@@ -35,6 +35,8 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_x 2"),  # (and the halo's rows)
     ("float32", True, 1, 2, 16, 32, True, (0, 5, 5, 17, 18, 33), "one_pass_narrow 2"),  # v in blocks of 16
     ("float16", False, 2, 1, 32, 32, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_narrow 2"),  # channels, tiles of 8
+    ("float32", True, 1, 2, 32, 16, True, (0, 5, 5, 17, 18, 33), "one_pass_norm 2"),  # the l2 norm's backward first,
+    ("float16", True, 2, 1, 32, 32, True, (0, 2, 15, 33, 50), "one_pass_norm 2"),  # then q, k, v in 16-channel blocks
 )
 
 
@@ -50,8 +52,9 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     one_pass = isinstance(chunk, str)
     form = {"one_pass": one_pass, "taps_once": one_pass and chunk.startswith("one_pass_taps"),
             "x_once": one_pass and chunk.startswith("one_pass_x"),
-            "channel_block": 16 if one_pass and chunk.startswith("one_pass_narrow") else None,
-            "fine_tiles": one_pass and chunk.startswith("one_pass_narrow")}  # the interpreter runs 8-row tiles
+            "channel_block": 16 if one_pass and chunk.startswith(("one_pass_narrow", "one_pass_norm")) else None,
+            "fine_tiles": one_pass and chunk.startswith("one_pass_narrow"),  # the interpreter runs 8-row tiles
+            "norm_pass": one_pass and chunk.startswith("one_pass_norm")}
     if one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
         triton_conv._SPAN, triton_conv._ONE_PASS_PROGRAMS = 16, int(chunk.split()[1])
     else:
@@ -69,10 +72,14 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     got, want = conv_silu_split_triton(x, *rest, **form), _conv_silu_split(x, *rest)
     douts = [torch.randn(o.shape, generator=gen).to(dt) for o in want]
     names = ["q", "k", "v", "dx", "dweight", "dbias"] + (["dhalo"] if halo else [])
-    pairs = list(zip(got, want)) + list(zip(torch.autograd.grad(got, leaves, douts),
-                                            torch.autograd.grad(want, leaves, douts)))
-    return {"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
-                                                     rows, [3, c, 4], douts),
+    grads = torch.autograd.grad(got, leaves, douts)
+    pairs = list(zip(got, want)) + list(zip(grads, torch.autograd.grad(want, leaves, douts)))
+    same = {}
+    if form["norm_pass"]:  # the same bits as the one-pass backward with the norm inside (the rounding points kept)
+        plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True), leaves, douts)
+        same = {"grads_equal_one_pass": all(torch.equal(a, b) for a, b in zip(grads, plain))}
+    return {**same, "dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
+                                                             rows, [3, c, 4], douts),
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}

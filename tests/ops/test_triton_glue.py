@@ -31,12 +31,13 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 19 and sum(name.startswith("conv") for name in cases) == 14
+    assert len(cases) == 21 and sum(name.startswith("conv") for name in cases) == 16
     assert sum(name.startswith("norm") for name in cases) == 3
-    assert sum("one_pass" in name for name in cases) == 10  # the one-pass backward beside the two-pass one
+    assert sum("one_pass" in name for name in cases) == 12  # the one-pass backward beside the two-pass one
     assert sum("one_pass_taps" in name for name in cases) == 2  # its programs loading their taps once
     assert sum("one_pass_x" in name for name in cases) == 2  # and each tile's x rows once
     assert sum("one_pass_narrow" in name for name in cases) == 2  # channel blocks without the norm, 8-row tiles
+    assert sum("one_pass_norm" in name for name in cases) == 2  # the l2 norm's backward in a pass of its own
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -50,6 +51,13 @@ def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
         tol = 1e-6 if "float32" in name else 2e-3
         bad = {k: v for k, v in case["errors"].items() if not v <= tol}
         assert not bad, f"{name}: {bad}"
+
+
+def test_the_norm_pass_gives_the_one_pass_backwards_bits(cases):
+    """``GDN_CP_GLUE=triton_norm_dz_copy_norm_pass`` rounds the l2 norm's gradient where the one-pass backward does,
+    then runs the conv's backward without the norm in channel blocks: every gradient bit for bit the same."""
+    norm_pass = [case for name, case in cases.items() if "one_pass_norm" in name]
+    assert len(norm_pass) == 2 and all(case["grads_equal_one_pass"] for case in norm_pass), norm_pass
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):

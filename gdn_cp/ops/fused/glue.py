@@ -32,6 +32,13 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   backward's autotuning also offered tiles of 8 rows (for q and k, whose norm needs the whole head). Compiled for
   sm_90 (16 / 32 heads of 128, 4 warps, a bias): v's backward 127 registers instead of 255, 3 barriers a tile
   instead of 23; q's and k's at 8 rows 128 registers. Not yet measured on a GPU;
+- ``triton_norm_dz_copy_norm_pass``: ``triton_norm_dz_copy`` with the l2 norm's backward in a kernel of its own
+  (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_l2norm_bwd`: the conv and SiLU recomputed, q's and k's gradient at
+  the SiLU output written in the activations' dtype, where the one-pass backward rounds it), then every group's
+  conv backward without the norm, in blocks of 64 channels: the same values as the default's backward, one more
+  read and write of q's and k's columns, and programs of 127 registers instead of 255 (Megatron-LM's pre-GDR
+  fusion cuts its backward there too: its l2 norm's gradient, then causal-conv1d's backward). Not yet measured on
+  a GPU;
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -64,7 +71,8 @@ L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
 GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program",
-              "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow", "compiled", "unfused")
+              "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow", "triton_norm_dz_copy_norm_pass", "compiled",
+              "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 CUDA_DEFAULT = "triton_norm_dz_copy"
@@ -191,12 +199,13 @@ _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_n
                   "triton_norm_dz_copy": {"one_pass": True},
                   "triton_taps_per_program": {"one_pass": True, "taps_once": True},
                   "triton_norm_dz_copy_x_once": {"one_pass": True, "x_once": True},
-                  "triton_norm_dz_copy_narrow": {"one_pass": True, "channel_block": 64, "fine_tiles": True}}
+                  "triton_norm_dz_copy_narrow": {"one_pass": True, "channel_block": 64, "fine_tiles": True},
+                  "triton_norm_dz_copy_norm_pass": {"one_pass": True, "norm_pass": True, "channel_block": 64}}
 """gdn-cp's Triton paths, and how each runs the conv (the fields of :class:`.triton_conv.ConvForm`: the backward in
 two kernels, one, or one whose programs load their taps once, or their taps and each tile's x once; narrower
 programs)."""
 _NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_x_once": False,
-                     "triton_norm_dz_copy_narrow": False}
+                     "triton_norm_dz_copy_narrow": False, "triton_norm_dz_copy_norm_pass": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
           **{path: _triton_gates for path in _CONV_BACKWARD}}

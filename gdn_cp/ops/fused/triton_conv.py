@@ -118,6 +118,16 @@ def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
 
 
 @triton.jit
+def _l2norm_gradient(a, da, EPS):
+    """The gradient at the SiLU output ``a [BT, BD]`` (fp32, rounded where the forward rounds) from the gradient
+    ``da`` at its l2 norm over each row, in fp32 (rounded by the caller to the activations' dtype, as FLA's l2norm
+    backward returns it)."""
+    r = tl.rsqrt(tl.sum(a * a, axis=1) + EPS)
+    n = a * r[:, None]
+    return r[:, None] * (da - n * tl.sum(da * n, axis=1)[:, None])
+
+
+@triton.jit
 def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.constexpr, NORM: tl.constexpr):
     """From the conv's pre-activation ``y [BT, BD]`` (fp32) and the output gradient at ``rows``: the gradient at
     ``y`` through SiLU, its rounding to the output dtype as FLA's conv rounds, and the l2 norm where ``NORM``."""
@@ -127,11 +137,33 @@ def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.con
                  other=0.0).to(tl.float32)
     if NORM:
         a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
-        r = tl.rsqrt(tl.sum(a * a, axis=1) + EPS)
-        n = a * r[:, None]
-        da = r[:, None] * (da - n * tl.sum(da * n, axis=1)[:, None])
+        da = _l2norm_gradient(a, da, EPS)
         da = da.to(dout_ptr.dtype.element_ty).to(tl.float32)  # FLA's l2norm backward returns x's dtype
     return tl.where(ok, da * (s * (1.0 + y * (1.0 - s))), 0.0)
+
+
+@triton.jit
+def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, out_ptr, T, C0,
+                           HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The l2 norm's backward alone (``ConvForm.norm_pass``): ``out [T, HEADS, D]`` <- the gradient at the SiLU
+    output of head ``program_id(1)`` (channels from ``C0``), from the gradient ``dout [T, HEADS, D]`` at its
+    normalized output, in ``out``'s dtype: the value :func:`_pre_gradient` rounds to and multiplies by SiLU's
+    derivative, so the conv's backward (``NORM`` off) then reads it and computes what the one-pass backward with
+    ``NORM`` computes. The forward's conv and SiLU recomputed, as there."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    rows = i_t * BT + tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    row_ok, d_ok = rows < T, d < D
+    ch = C0 + i_h * D + d
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, None,
+                   W, HAS_BIAS, HAS_HALO, False)
+    a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # SiLU, rounded as the forward rounds
+    at = (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :]
+    ok = row_ok[:, None] & d_ok[None, :]
+    da = tl.load(dout_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, _l2norm_gradient(a, da, EPS).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -349,6 +381,7 @@ _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"B
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
 _bwd = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_l2norm_bwd = launcher(gdn_cp_glue_l2norm_bwd, ["D", "W", "HAS_HALO"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _FINE_TILES = [({"BT": 8}, 4), ({"BT": 8}, 2)]
 """Tiles of 8 rows, which the one-pass backward may also take (``ConvForm.fine_tiles``): compiled for sm_90 with the
 l2 norm and a bias, 4 warps, 128 registers a thread against 255 at 16 rows, so twice the programs fit an SM."""
@@ -372,13 +405,17 @@ class ConvForm:
     between them; ``taps_once`` (with it): its programs load their taps once, not in every tile; ``x_once`` (with it,
     taps once too): each tile's x rows loaded once, not again for the tap sums; ``channel_block``: the groups without
     the l2 norm in blocks of that many channels (:func:`_launch_heads`); ``fine_tiles`` (with ``one_pass``): its
-    autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`)."""
+    autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`); ``norm_pass`` (with ``one_pass``): the l2
+    norm's backward in a kernel of its own (:func:`gdn_cp_glue_l2norm_bwd`), whose gradient (in the activations'
+    dtype, where the one-pass backward rounds it) the conv's backward then reads without the norm, so q and k too
+    run in ``channel_block`` blocks."""
 
     one_pass: bool = False
     taps_once: bool = False
     x_once: bool = False
     channel_block: int | None = None
     fine_tiles: bool = False
+    norm_pass: bool = False
 
 
 def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None) -> tuple[int, int]:
@@ -430,6 +467,8 @@ class _ConvSiluSplit(torch.autograd.Function):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            if form.norm_pass and norm:
+                g, norm = _l2norm_backward(x, weight, bias, halo, positions, g, c0, heads, dim, eps), False
             n, d = _launch_heads(heads, dim, norm, form.channel_block)
             if form.one_pass:
                 _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw,
@@ -440,6 +479,18 @@ class _ConvSiluSplit(torch.autograd.Function):
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
                 None, None, None, None, None, None, None)
+
+
+def _l2norm_backward(x, weight, bias, halo, positions, dout, c0, heads, dim, eps) -> torch.Tensor:
+    """The gradient at the SiLU output of one l2-normalized group, ``[T, heads, dim]`` in x's dtype
+    (:func:`gdn_cp_glue_l2norm_bwd`)."""
+    t, c = x.shape
+    d_silu = torch.empty_like(dout)
+    _l2norm_bwd(lambda meta: (triton.cdiv(t, meta["BT"]), heads),
+                x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
+                c if halo is None else halo.stride(0), positions, dout, d_silu, t, c0, heads, eps,
+                D=dim, BD=_block(dim), W=weight.shape[1], HAS_BIAS=bias is not None, HAS_HALO=halo is not None)
+    return d_silu
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
