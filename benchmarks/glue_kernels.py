@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
         shape, results = (hk, hv, args.head_dim), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
-                for form in BACKWARD_FORMS.values():  # 3 launches each (q, k, v)
+                for form in BACKWARD_FORMS.values():  # 3 launches each (q, k, v; norm_pass: q|k and v)
                     results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
                 continue
             c = (2 * hk + hv) * args.head_dim

@@ -144,13 +144,13 @@ def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.con
 
 @triton.jit
 def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, out_ptr, T, C0,
-                           HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
-    """The l2 norm's backward alone (``ConvForm.norm_pass``): ``out [T, HEADS, D]`` <- the gradient at the SiLU
-    output of head ``program_id(1)`` (channels from ``C0``), from the gradient ``dout [T, HEADS, D]`` at its
-    normalized output, in ``out``'s dtype: the value :func:`_pre_gradient` rounds to and multiplies by SiLU's
-    derivative, so the conv's backward (``NORM`` off) then reads it and computes what the one-pass backward with
-    ``NORM`` computes. The forward's conv and SiLU recomputed, as there."""
+                           HEADS, OUT_HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
+                           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The l2 norm's backward alone (``ConvForm.norm_pass``): ``out`` (rows of ``OUT_HEADS`` heads of D) <- the
+    gradient at the SiLU output of head ``program_id(1)`` (channels from ``C0``), from the gradient ``dout [T,
+    HEADS, D]`` at its normalized output, in ``out``'s dtype: the value :func:`_pre_gradient` rounds to and
+    multiplies by SiLU's derivative, so the conv's backward (``NORM`` off) then reads it and computes what the
+    one-pass backward with ``NORM`` computes. The forward's conv and SiLU recomputed, as there."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     rows = i_t * BT + tl.arange(0, BT)
     d = tl.arange(0, BD)
@@ -160,10 +160,11 @@ def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride,
     y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, None,
                    W, HAS_BIAS, HAS_HALO, False)
     a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # SiLU, rounded as the forward rounds
-    at = (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :]
     ok = row_ok[:, None] & d_ok[None, :]
-    da = tl.load(dout_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + at, _l2norm_gradient(a, da, EPS).to(out_ptr.dtype.element_ty), mask=ok)
+    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    tl.store(out_ptr + (rows[:, None].to(tl.int64) * OUT_HEADS + i_h) * D + d[None, :],
+             _l2norm_gradient(a, da, EPS).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -407,8 +408,8 @@ class ConvForm:
     the l2 norm in blocks of that many channels (:func:`_launch_heads`); ``fine_tiles`` (with ``one_pass``): its
     autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`); ``norm_pass`` (with ``one_pass``): the l2
     norm's backward in a kernel of its own (:func:`gdn_cp_glue_l2norm_bwd`), whose gradient (in the activations'
-    dtype, where the one-pass backward rounds it) the conv's backward then reads without the norm, so q and k too
-    run in ``channel_block`` blocks."""
+    dtype, where the one-pass backward rounds it) the conv's backward then reads without the norm, q and k as one
+    group, in ``channel_block`` blocks."""
 
     one_pass: bool = False
     taps_once: bool = False
@@ -463,16 +464,19 @@ class _ConvSiluSplit(torch.autograd.Function):
         dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
         db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
         dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
-        for (c0, heads, dim, norm), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm), (dq, dk_, dv_)):
+        groups = [(c0, heads, dim, norm, heads, g)
+                  for (c0, heads, dim, norm), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm), (dq, dk_, dv_))]
+        if form.norm_pass and qk_l2norm and t and k_heads:  # q and k then run as one group without the norm
+            groups = [(0, 2 * k_heads, dk, False, k_heads,
+                       _l2norm_backward(x, weight, bias, halo, positions, dq, dk_, k_heads, dk, eps)), groups[2]]
+        for c0, heads, dim, norm, span_heads, g in groups:
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-            if form.norm_pass and norm:
-                g, norm = _l2norm_backward(x, weight, bias, halo, positions, g, c0, heads, dim, eps), False
             n, d = _launch_heads(heads, dim, norm, form.channel_block)
             if form.one_pass:
                 _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw,
-                                              db, dhalo, form, span_heads=heads)
+                                              db, dhalo, form, span_heads=span_heads)
             else:
                 _conv_group_backward(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw, db, dhalo)
         dweight = dw.to(w_dtype)
@@ -481,15 +485,20 @@ class _ConvSiluSplit(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
-def _l2norm_backward(x, weight, bias, halo, positions, dout, c0, heads, dim, eps) -> torch.Tensor:
-    """The gradient at the SiLU output of one l2-normalized group, ``[T, heads, dim]`` in x's dtype
-    (:func:`gdn_cp_glue_l2norm_bwd`)."""
+def _l2norm_backward(x, weight, bias, halo, positions, dq, dk, heads, dim, eps) -> torch.Tensor:
+    """The gradient at q's and k's SiLU output (:func:`gdn_cp_glue_l2norm_bwd`) as one ``[T, 2 * heads, dim]`` group
+    in x's dtype: q's heads, then k's, as their channels lie in x (``dq``, ``dk`` ``[T, heads, dim]``; None: zeros)."""
     t, c = x.shape
-    d_silu = torch.empty_like(dout)
-    _l2norm_bwd(lambda meta: (triton.cdiv(t, meta["BT"]), heads),
-                x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
-                c if halo is None else halo.stride(0), positions, dout, d_silu, t, c0, heads, eps,
-                D=dim, BD=_block(dim), W=weight.shape[1], HAS_BIAS=bias is not None, HAS_HALO=halo is not None)
+    d_silu = torch.empty(t, 2 * heads, dim, dtype=x.dtype, device=x.device)
+    for half, dout in enumerate((dq, dk)):
+        if dout is None:
+            d_silu[:, half * heads:(half + 1) * heads].zero_()
+            continue
+        _l2norm_bwd(lambda meta: (triton.cdiv(t, meta["BT"]), heads),
+                    x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
+                    c if halo is None else halo.stride(0), positions, dout.contiguous(), d_silu[:, half * heads:], t,
+                    half * heads * dim, heads, 2 * heads, eps, D=dim, BD=_block(dim), W=weight.shape[1],
+                    HAS_BIAS=bias is not None, HAS_HALO=halo is not None)
     return d_silu
 
 
