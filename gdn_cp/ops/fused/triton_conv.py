@@ -98,19 +98,28 @@ def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, 
 
 
 @triton.jit
+def _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, C0, D: tl.constexpr,
+               BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
+    """This program's tile (rows ``program_id(0)``, head ``program_id(1)`` of the channels from ``C0``): its rows,
+    channels, their masks, and the conv + SiLU ``[BT, BD]`` fp32, rounded to ``out``'s dtype as FLA's conv rounds."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    d = tl.arange(0, BD)
+    row_ok, d_ok = rows < T, d < D
+    ch = C0 + tl.program_id(1) * D + d
+    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, None,
+                   W, HAS_BIAS, HAS_HALO, False)
+    return rows, d, row_ok, d_ok, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, C0, HEADS, EPS,
                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                 HAS_HALO: tl.constexpr, NORM: tl.constexpr):
     """``out [T, HEADS, D]`` <- head ``program_id(1)`` of the channels starting at ``C0``."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    rows = i_t * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    row_ok, d_ok = rows < T, d < D
-    ch = C0 + i_h * D + d
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, None,
-                   W, HAS_BIAS, HAS_HALO, False)
-    a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # SiLU, rounded as FLA's conv
+    i_h = tl.program_id(1)
+    rows, d, row_ok, d_ok, a = _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T,
+                                          C0, D, BD, BT, W, HAS_BIAS, HAS_HALO)
     if NORM:
         a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
     dst = out_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :]
@@ -151,15 +160,9 @@ def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride,
     HEADS, D]`` at its normalized output, in ``out``'s dtype: the value :func:`_pre_gradient` rounds to and
     multiplies by SiLU's derivative, so the conv's backward (``NORM`` off) then reads it and computes what the
     one-pass backward with ``NORM`` computes. The forward's conv and SiLU recomputed, as there."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    rows = i_t * BT + tl.arange(0, BT)
-    d = tl.arange(0, BD)
-    row_ok, d_ok = rows < T, d < D
-    ch = C0 + i_h * D + d
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, None,
-                   W, HAS_BIAS, HAS_HALO, False)
-    a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # SiLU, rounded as the forward rounds
+    i_h = tl.program_id(1)
+    rows, d, row_ok, d_ok, a = _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T,
+                                          C0, D, BD, BT, W, HAS_BIAS, HAS_HALO)
     ok = row_ok[:, None] & d_ok[None, :]
     da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
                  other=0.0).to(tl.float32)
