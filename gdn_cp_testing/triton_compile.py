@@ -130,3 +130,44 @@ def one_pass_loops(head_dim: int = 128) -> list[dict]:
                     rows.append({"kernel": name, "BT": meta["BT"], "num_warps": warps, "l2norm": norm, "bias": bias,
                                  **used})
     return [{**r, "triton": triton.__version__, "target": "sm_90"} for r in rows]
+
+
+def ptxas_missing() -> str | None:
+    """Why nothing can compile for sm_90 here, or None: this Triton ships no ptxas (its CUDA backend)."""
+    import triton
+
+    if os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        return None
+    return "this Triton ships no ptxas (Triton's CUDA backend is needed to compile for sm_90)"
+
+
+def tests_report() -> dict:
+    """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
+    session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward's three forms as
+    launched (16 rows, 4 warps, l2 norm, bias); the narrow programs (v in 64-channel blocks, q at 8 rows, the l2
+    norm's backward alone)."""
+    skipped = ptxas_missing()
+    if skipped:
+        return {"skipped": skipped}
+
+    def as_launched(bt, dim, norm, index):
+        _, kernel, pointers, c = conv_kernels(bt, dim, norm=norm, halo=False)[index]
+        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
+
+    return {"conv": {name: compile_sm90(k, p, c) for name, k, p, c in conv_kernels()},
+            "gates": {name: compile_sm90(k, p, c) for name, k, p, c in gates_kernels()},
+            "forms": {name: as_launched(16, 128, True, i) for i, name in ((3, "every_tile"), (4, "taps_once"),
+                                                                           (5, "x_once"))},
+            "narrow": {"v_block": as_launched(16, 64, False, 3), "q_fine": as_launched(8, 128, True, 3),
+                       "l2norm_bwd": as_launched(16, 128, True, 6)}}
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="gdn-cp's Triton kernels compiled for sm_90 here, as the CPU tests "
+                                     "check them (tests/ops/test_triton_compile.py): registers, spills, tile loops")
+    parser.add_argument("--out", required=True, help="JSON file for the report")
+    with open(parser.parse_args().out, "w") as f:
+        json.dump(tests_report(), f)
