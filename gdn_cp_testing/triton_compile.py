@@ -114,9 +114,8 @@ def gates_kernels():
 
 def one_pass_loops(head_dim: int = 128) -> list[dict]:
     """The conv's one-pass backward, its three forms (taps in every tile, ``TAPS_ONCE``, and with it ``X_ONCE``), at
-    every autotuning config,
-    with and without the l2 norm and the bias (no halo: a rank's rows at CP=1 or chunkwise's inner ranks), compiled
-    as launched: registers, spills, and one tile's instructions and barriers."""
+    every autotuning config, with and without the l2 norm and the bias (no halo: a rank's rows at CP=1 or
+    chunkwise's inner ranks), compiled as launched: registers, spills, and one tile's instructions and barriers."""
     import triton
 
     from gdn_cp.ops.fused.triton_launch import TILE_CONFIGS

@@ -36,10 +36,9 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_l2norm_bwd`: the conv and SiLU recomputed, q's and k's gradient at
   the SiLU output written in the activations' dtype, where the one-pass backward rounds it), then the conv's
   backward without the norm, q and k as one group, in blocks of 64 channels: the same values as the default's
-  backward, one more
-  read and write of q's and k's columns, and programs of 127 registers instead of 255 (Megatron-LM's pre-GDR
-  fusion cuts its backward there too: its l2 norm's gradient, then causal-conv1d's backward). Not yet measured on
-  a GPU;
+  backward, one more read and write of q's and k's columns, and programs of 127 registers instead of 255
+  (Megatron-LM's pre-GDR fusion cuts its backward there too: its l2 norm's gradient, then causal-conv1d's
+  backward). Not yet measured on a GPU;
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);

@@ -437,10 +437,17 @@ def _block(dim: int) -> int:
     return max(16, triton.next_power_of_2(dim))
 
 
+def _conv_inputs(x, weight, bias, halo) -> tuple:
+    """The arguments every conv kernel starts with: ``x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride`` (an
+    absent bias or halo passed as a tensor the kernel never reads: ``HAS_BIAS`` / ``HAS_HALO`` off)."""
+    return (x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
+            x.shape[1] if halo is None else halo.stride(0))
+
+
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, form):
-        t, c = x.shape
+        t = x.shape[0]
         w = weight.shape[1]
         weight_c = weight.contiguous()
         outs = []
@@ -449,8 +456,7 @@ class _ConvSiluSplit(torch.autograd.Function):
             if t and heads:
                 n, d = _launch_heads(heads, dim, norm, form.channel_block)
                 _fwd(lambda meta, t=t, n=n: (triton.cdiv(t, meta["BT"]), n),
-                     x, x.stride(0), weight_c, bias if bias is not None else weight_c, halo if halo is not None else x,
-                     c if halo is None else halo.stride(0), positions, out, t, c0, n, eps,
+                     *_conv_inputs(x, weight_c, bias, halo), positions, out, t, c0, n, eps,
                      D=d, BD=_block(d), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
@@ -491,15 +497,14 @@ class _ConvSiluSplit(torch.autograd.Function):
 def _l2norm_backward(x, weight, bias, halo, positions, dq, dk, heads, dim, eps) -> torch.Tensor:
     """The gradient at q's and k's SiLU output (:func:`gdn_cp_glue_l2norm_bwd`) as one ``[T, 2 * heads, dim]`` group
     in x's dtype: q's heads, then k's, as their channels lie in x (``dq``, ``dk`` ``[T, heads, dim]``; None: zeros)."""
-    t, c = x.shape
+    t = x.shape[0]
     d_silu = torch.empty(t, 2 * heads, dim, dtype=x.dtype, device=x.device)
     for half, dout in enumerate((dq, dk)):
         if dout is None:
             d_silu[:, half * heads:(half + 1) * heads].zero_()
             continue
         _l2norm_bwd(lambda meta: (triton.cdiv(t, meta["BT"]), heads),
-                    x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
-                    c if halo is None else halo.stride(0), positions, dout.contiguous(), d_silu[:, half * heads:], t,
+                    *_conv_inputs(x, weight, bias, halo), positions, dout.contiguous(), d_silu[:, half * heads:], t,
                     half * heads * dim, heads, 2 * heads, eps, D=dim, BD=_block(dim), W=weight.shape[1],
                     HAS_BIAS=bias is not None, HAS_HALO=halo is not None)
     return d_silu
@@ -513,7 +518,7 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
     rows and the W-1 after them (:func:`gdn_cp_glue_conv_bwd_pre`), then dx from it
     (:func:`gdn_cp_glue_conv_bwd_dx`); dw, db and the halo's gradient accumulated into the fp32 ``dw``, ``db``,
     ``dhalo``."""
-    t, c = x.shape
+    t = x.shape[0]
     w = weight.shape[1]
     width = heads * dim
     for row0 in range(0, t, _CHUNK):
@@ -525,8 +530,7 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
         dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
         db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
         _pre(lambda meta, programs=programs: (programs, heads),
-             x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
-             c if halo is None else halo.stride(0), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
+             *_conv_inputs(x, weight, bias, halo), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
              heads, eps, D=dim, BD=_block(dim), SPAN=_SPAN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
              HAS_HALO=halo is not None, NORM=norm)
         dw[c0:c0 + width] += dw_part.sum(0)
@@ -546,7 +550,7 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
     blocks keeps its heads' spans of rows, so its programs multiply), each a span of rows (a multiple of every
     tile) with its own scratch tile; ``form`` (:class:`ConvForm`): taps once (``TAPS_ONCE``), x once
     (``X_ONCE``), tiles of 8 rows among the autotuned."""
-    t, c = x.shape
+    t = x.shape[0]
     w = weight.shape[1]
     width = heads * dim
     per_head = max(1, _ONE_PASS_PROGRAMS // span_heads)
@@ -559,8 +563,7 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
     db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
     launch = _bwd_fine if form.fine_tiles else _bwd
     launch(lambda meta: (programs, heads),
-           x, x.stride(0), weight, bias if bias is not None else weight, halo if halo is not None else x,
-           c if halo is None else halo.stride(0), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
+           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
            t, span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
            NORM=norm, TAPS_ONCE=form.taps_once or form.x_once, X_ONCE=form.x_once)
     dw[c0:c0 + width] += dw_part.sum(0)
