@@ -88,7 +88,7 @@ def cubin_resources(cubin: bytes) -> dict:
 
 def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
     """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels: the forward, the two-pass backward's two,
-    the one-pass backward's three forms (``[3:6]``) and the l2 norm's backward alone."""
+    the one-pass backward's three forms (``[3:6]``), the l2 norm's backward alone and the scan (4 heads a program)."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm}
@@ -102,6 +102,8 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
         ("conv_bwd_one_pass_taps", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": False}),
         ("conv_bwd_one_pass_x", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": True}),
         ("l2norm_bwd", tc.gdn_cp_glue_l2norm_bwd, BF16_CONV, {k: v for k, v in tile.items() if k != "NORM"}),
+        ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
+         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4}),
     )
 
 
@@ -144,7 +146,7 @@ def tests_report() -> dict:
     """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward's three forms as
     launched (16 rows, 4 warps, l2 norm, bias); the narrow programs (v in 64-channel blocks, q at 8 rows, the l2
-    norm's backward alone)."""
+    norm's backward alone); the scan (4 heads a program, 4 warps), with and without the l2 norm."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
@@ -158,7 +160,8 @@ def tests_report() -> dict:
             "forms": {name: as_launched(16, 128, True, i) for i, name in ((3, "every_tile"), (4, "taps_once"),
                                                                            (5, "x_once"))},
             "narrow": {"v_block": as_launched(16, 64, False, 3), "q_fine": as_launched(8, 128, True, 3),
-                       "l2norm_bwd": as_launched(16, 128, True, 6)}}
+                       "l2norm_bwd": as_launched(16, 128, True, 6)},
+            "scan": {"q": as_launched(16, 128, True, 7), "v": as_launched(16, 128, False, 7)}}
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float16", False, 2, 1, 32, 32, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_narrow 2"),  # channels, tiles of 8
     ("float32", True, 1, 2, 32, 16, True, (0, 5, 5, 17, 18, 33), "one_pass_norm 2"),  # the l2 norm's backward first,
     ("float16", True, 2, 1, 32, 32, True, (0, 2, 15, 33, 50), "one_pass_norm 2"),  # then q, k, v in 16-channel blocks
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16"),  # spans of 16 rows: 3 programs
+    ("float16", False, 1, 3, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "scan 16"),  # 3 heads: a program's 2nd masked
+    ("float16", True, 2, 1, 32, 32, True, (0, 2, 15, 33, 50), "scan_norm 16"),  # after the l2 norm's pass
 )
 
 
@@ -54,8 +57,11 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
             "x_once": one_pass and chunk.startswith("one_pass_x"),
             "channel_block": 16 if one_pass and chunk.startswith(("one_pass_narrow", "one_pass_norm")) else None,
             "fine_tiles": one_pass and chunk.startswith("one_pass_narrow"),  # the interpreter runs 8-row tiles
-            "norm_pass": one_pass and chunk.startswith("one_pass_norm")}
-    if one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
+            "norm_pass": one_pass and chunk.startswith(("one_pass_norm", "scan_norm")),
+            "scan": one_pass and chunk.startswith("scan")}
+    if form["scan"]:  # spans of that many rows
+        triton_conv._SCAN_SPAN = int(chunk.split()[1])
+    elif one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
         triton_conv._SPAN, triton_conv._ONE_PASS_PROGRAMS = 16, int(chunk.split()[1])
     else:
         triton_conv._SPAN, triton_conv._CHUNK = 64, chunk
@@ -81,6 +87,10 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
         k_v = torch.autograd.grad(conv_silu_split_triton(x, *rest, **form)[1:], leaves, douts[1:])
         k_v_plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True)[1:], leaves, douts[1:])
         same = {"grads_equal_one_pass": all(torch.equal(a, b) for a, b in zip(grads + k_v, plain + k_v_plain))}
+    if form["scan"]:  # dx and the halo's gradient: the one-pass backward's bits (the tap sums: fp32 order only)
+        plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True, norm_pass=form["norm_pass"]),
+                                    leaves, douts)
+        same = {"dx_dhalo_equal_one_pass": all(torch.equal(grads[i], plain[i]) for i in ([0, 3] if halo else [0]))}
     return {**same, "dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
                                                              rows, [3, c, 4], douts),
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",

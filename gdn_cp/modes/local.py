@@ -108,6 +108,8 @@ _GLUE_WORDS = {
     "triton_norm_dz_copy_norm_pass": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated "
                                      "norm), the l2 norm's backward in a pass of its own, then the conv's in "
                                      "64-channel blocks, z read where in_proj keeps it",
+    "triton_norm_dz_copy_scan": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), "
+                                "the conv's backward as a scan down the rows, z read where in_proj keeps it",
     "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",
     "eager": "gdn-cp's fused conv + SiLU + split + l2 norm and gates in plain torch (fp64)",
 }

@@ -57,7 +57,7 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_cuda
 @pytest.mark.parametrize("path", ["triton", "triton_one_pass", "triton_taps_per_program",
                                   "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow",
-                                  "triton_norm_dz_copy_norm_pass", "compiled"])
+                                  "triton_norm_dz_copy_norm_pass", "triton_norm_dz_copy_scan", "compiled"])
 @pytest.mark.parametrize("halo", [False, True])
 def test_conv_split_paths_equal_eager_and_fp64(path, halo):
     """Each GPU path of the conv + SiLU + split + l2 norm against the plain-torch step in bf16 (the same

@@ -31,13 +31,14 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 21 and sum(name.startswith("conv") for name in cases) == 16
+    assert len(cases) == 24 and sum(name.startswith("conv") for name in cases) == 19
     assert sum(name.startswith("norm") for name in cases) == 3
     assert sum("one_pass" in name for name in cases) == 12  # the one-pass backward beside the two-pass one
     assert sum("one_pass_taps" in name for name in cases) == 2  # its programs loading their taps once
     assert sum("one_pass_x" in name for name in cases) == 2  # and each tile's x rows once
     assert sum("one_pass_narrow" in name for name in cases) == 2  # channel blocks without the norm, 8-row tiles
     assert sum("one_pass_norm" in name for name in cases) == 2  # the l2 norm's backward in a pass of its own
+    assert sum("chunk=scan" in name for name in cases) == 3  # the backward as a scan down the rows
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -58,6 +59,15 @@ def test_the_norm_pass_gives_the_one_pass_backwards_bits(cases):
     then runs the conv's backward without the norm in channel blocks: every gradient bit for bit the same."""
     norm_pass = [case for name, case in cases.items() if "one_pass_norm" in name]
     assert len(norm_pass) == 2 and all(case["grads_equal_one_pass"] for case in norm_pass), norm_pass
+
+
+def test_the_scan_gives_the_one_pass_backwards_dx(cases):
+    """``GDN_CP_GLUE=triton_norm_dz_copy_scan`` computes each element's pre-activation gradient and dx with the
+    one-pass backward's arithmetic in its order, rows rolled in registers instead of a scratch tile: dx and the
+    halo's gradient bit for bit the same (with and without the l2 norm's pass first; spans whose W-1 rows after
+    them belong to the next program; a program whose second head is past the group)."""
+    scan = [case for name, case in cases.items() if "chunk=scan" in name]
+    assert len(scan) == 3 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):

@@ -39,6 +39,13 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   backward, one more read and write of q's and k's columns, and programs of 127 registers instead of 255
   (Megatron-LM's pre-GDR fusion cuts its backward there too: its l2 norm's gradient, then causal-conv1d's
   backward). Not yet measured on a GPU;
+- ``triton_norm_dz_copy_scan``: ``triton_norm_dz_copy`` with the conv's backward as a scan down each span of 64
+  rows, one row of a few heads a step (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd_scan`): a thread
+  keeps its channels at every row, so the conv's shifts in time are registers that roll from step to step (no
+  scratch tile, no barrier, tap sums of one row's size), and each step's loads for the next row go out before its
+  arithmetic. The same dx bits as the default's backward. Compiled for sm_90 (4 heads of 128 a program, 4 warps,
+  the l2 norm, a halo, as launched): 115 registers a thread and no barrier, against the default's 255 and 6.
+  Not yet measured on a GPU;
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -71,8 +78,8 @@ L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
 GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program",
-              "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow", "triton_norm_dz_copy_norm_pass", "compiled",
-              "unfused")
+              "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow", "triton_norm_dz_copy_norm_pass",
+              "triton_norm_dz_copy_scan", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 CUDA_DEFAULT = "triton_norm_dz_copy"
@@ -200,12 +207,14 @@ _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_n
                   "triton_taps_per_program": {"one_pass": True, "taps_once": True},
                   "triton_norm_dz_copy_x_once": {"one_pass": True, "x_once": True},
                   "triton_norm_dz_copy_narrow": {"one_pass": True, "channel_block": 64, "fine_tiles": True},
-                  "triton_norm_dz_copy_norm_pass": {"one_pass": True, "norm_pass": True, "channel_block": 64}}
+                  "triton_norm_dz_copy_norm_pass": {"one_pass": True, "norm_pass": True, "channel_block": 64},
+                  "triton_norm_dz_copy_scan": {"scan": True}}
 """gdn-cp's Triton paths, and how each runs the conv (the fields of :class:`.triton_conv.ConvForm`: the backward in
 two kernels, one, or one whose programs load their taps once, or their taps and each tile's x once; narrower
 programs)."""
 _NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_x_once": False,
-                     "triton_norm_dz_copy_narrow": False, "triton_norm_dz_copy_norm_pass": False}
+                     "triton_norm_dz_copy_narrow": False, "triton_norm_dz_copy_norm_pass": False,
+                     "triton_norm_dz_copy_scan": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
           **{path: _triton_gates for path in _CONV_BACKWARD}}

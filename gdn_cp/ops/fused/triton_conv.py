@@ -39,13 +39,18 @@ MAX_WIDTH = 4
 def _program_taps(w_ptr, b_ptr, ch, d_ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The taps ``w[:, j]`` (j < W; zeros past W) and the bias of channels ``ch`` as ``[1, BD]`` fp32 tiles, loaded
     once by a program whose channels stay fixed (inside its row loop a load cannot be hoisted past its stores)."""
-    at = w_ptr + ch[None, :] * W
-    ok = d_ok[None, :]
+    return _taps_at(w_ptr, b_ptr, ch[None, :], d_ok[None, :], W, HAS_BIAS)
+
+
+@triton.jit
+def _taps_at(w_ptr, b_ptr, ch, ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The four taps and the bias of the channels ``ch`` (a tile of any shape; masked by ``ok``) in fp32."""
+    at = w_ptr + ch * W
     t0 = tl.load(at, mask=ok, other=0.0).to(tl.float32)
     t1 = tl.load(at + 1, mask=ok & (W > 1), other=0.0).to(tl.float32)
     t2 = tl.load(at + 2, mask=ok & (W > 2), other=0.0).to(tl.float32)
     t3 = tl.load(at + 3, mask=ok & (W > 3), other=0.0).to(tl.float32)
-    bias = tl.load(b_ptr + ch[None, :], mask=ok & HAS_BIAS, other=0.0).to(tl.float32)
+    bias = tl.load(b_ptr + ch, mask=ok & HAS_BIAS, other=0.0).to(tl.float32)
     return t0, t1, t2, t3, bias
 
 
@@ -137,18 +142,26 @@ def _l2norm_gradient(a, da, EPS):
 
 
 @triton.jit
-def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.constexpr, NORM: tl.constexpr):
-    """From the conv's pre-activation ``y [BT, BD]`` (fp32) and the output gradient at ``rows``: the gradient at
-    ``y`` through SiLU, its rounding to the output dtype as FLA's conv rounds, and the l2 norm where ``NORM``."""
+def _silu_gradient(y, da, ok, dout_ptr, EPS, NORM: tl.constexpr):
+    """The gradient at the conv's pre-activation ``y`` (fp32, any 2-D tile whose rows are heads' vectors) from the
+    output gradient ``da`` (fp32): through the l2 norm over each row where ``NORM`` (rounded to the output dtype
+    as FLA's l2norm backward returns it), then SiLU; zeros outside ``ok``."""
     s = tl.sigmoid(y)
-    ok = row_ok[:, None] & d_ok[None, :]
-    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
-                 other=0.0).to(tl.float32)
     if NORM:
         a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
         da = _l2norm_gradient(a, da, EPS)
         da = da.to(dout_ptr.dtype.element_ty).to(tl.float32)  # FLA's l2norm backward returns x's dtype
     return tl.where(ok, da * (s * (1.0 + y * (1.0 - s))), 0.0)
+
+
+@triton.jit
+def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.constexpr, NORM: tl.constexpr):
+    """From the conv's pre-activation ``y [BT, BD]`` (fp32) and the output gradient at ``rows``: the gradient at
+    ``y`` through SiLU, its rounding to the output dtype as FLA's conv rounds, and the l2 norm where ``NORM``."""
+    ok = row_ok[:, None] & d_ok[None, :]
+    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
+                 other=0.0).to(tl.float32)
+    return _silu_gradient(y, da, ok, dout_ptr, EPS, NORM)
 
 
 @triton.jit
@@ -378,6 +391,115 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     _store_sums(dw_ptr, db_ptr, i_p, width, local, d_ok, acc0, acc1, acc2, acc3, accb, W, HAS_BIAS)
 
 
+@triton.jit
+def _x_row(x_ptr, x_stride, halo_ptr, halo_stride, r, T, ch, ok, W: tl.constexpr, HAS_HALO: tl.constexpr):
+    """x at row ``r`` (a scalar; the halo's row ``r + W - 1`` where ``r < 0``; zeros past T) at channels ``ch``,
+    unmasked by sequence: the caller masks each lag by the row it feeds."""
+    xv = tl.load(x_ptr + r.to(tl.int64) * x_stride + ch, mask=ok & (r >= 0) & (r < T), other=0.0)
+    if HAS_HALO:
+        xv += tl.load(halo_ptr + (r + W - 1) * halo_stride + ch, mask=ok & (r < 0) & (r > -W), other=0.0).to(xv.dtype)
+    return xv
+
+
+@triton.jit
+def _lag_tap(k: tl.constexpr, taps, W: tl.constexpr):
+    """The tap that reads ``x[t - k]`` (``w[:, W-1-k]``; zeros for k >= W)."""
+    if k < W:
+        return _pick(W - 1 - k, taps[0], taps[1], taps[2], taps[3])
+    else:
+        return taps[0] * 0.0
+
+
+@triton.jit
+def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
+                              dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
+                              BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+    """The whole backward of heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a scan
+    down the rows, one row a step (``ConvForm.scan``): each step's tile is ``[HB, BD]``, the program's heads at one
+    row, so a thread keeps the same channels at every row and the conv's shifts in time are registers: the last
+    four rows' x and the next three rows' pre-activation gradient roll from step to step (no scratch tile, no
+    barrier, sums ``[HB, BD]`` instead of ``[BT, BD]``). Each step's loads for the next row go out before its
+    arithmetic. The span's first W-1 steps are the W-1 rows after it (their gradient feeds dx of its last rows;
+    nothing of theirs is written). Writes what :func:`gdn_cp_glue_conv_bwd` writes: ``dx``, ``dw [programs,
+    HEADS*D, W]``, ``db [programs, HEADS*D]`` and, with a halo, ``head [W-1, HEADS*D]``; the same arithmetic in the
+    same order for each element, so dx is the same bits."""
+    i_p, i_b = tl.program_id(0), tl.program_id(1)
+    h = i_b * HB + tl.arange(0, HB)
+    d = tl.arange(0, BD)
+    ok = (h < HEADS)[:, None] & (d < D)[None, :]
+    local = h[:, None] * D + d[None, :]  # the channel in the group (dw, db, head)
+    ch = C0 + local
+    taps = _taps_at(w_ptr, b_ptr, ch, ok, W, HAS_BIAS)
+    span0 = i_p * SPAN
+    end = tl.minimum(span0 + SPAN, T)
+    top = tl.minimum(end + W - 2, T - 1)
+    x0 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top, T, ch, ok, W, HAS_HALO)  # raw x[t - k], k = 0..3
+    x1 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 1, T, ch, ok, W, HAS_HALO)
+    x2 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 2, T, ch, ok, W, HAS_HALO)
+    x3 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 3, T, ch, ok, W, HAS_HALO)
+    at = (top * HEADS + h[:, None]).to(tl.int64) * D + d[None, :]
+    da = tl.load(dout_ptr + at, mask=ok, other=0.0)
+    pos = tl.load(pos_ptr + top)
+    p1 = tl.zeros((HB, BD), dtype=tl.float32)  # pre-activation gradient at t + 1, t + 2, t + 3 (0 past T)
+    p2 = tl.zeros((HB, BD), dtype=tl.float32)
+    p3 = tl.zeros((HB, BD), dtype=tl.float32)
+    pos1 = pos * 0  # their positions (0 past T: no later row reaches back past it)
+    pos2 = pos * 0
+    pos3 = pos * 0
+    acc0 = tl.zeros((HB, BD), dtype=tl.float32)  # sums of pre * x[t - k] (tap W-1-k)
+    acc1 = tl.zeros((HB, BD), dtype=tl.float32)
+    acc2 = tl.zeros((HB, BD), dtype=tl.float32)
+    acc3 = tl.zeros((HB, BD), dtype=tl.float32)
+    accb = tl.zeros((HB, BD), dtype=tl.float32)
+    for i in range(top - span0 + 1):
+        t = top - i
+        nxt = tl.maximum(t - 1, 0)  # the next step's row (loads of a row that is not stepped to are harmless)
+        x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 4, T, ch, ok, W, HAS_HALO)
+        da_next = tl.load(dout_ptr + (nxt * HEADS + h[:, None]).to(tl.int64) * D + d[None, :], mask=ok, other=0.0)
+        pos_next = tl.load(pos_ptr + nxt)
+        first = pos == t  # the sequence that starts at row 0 (continues into the halo)
+        e1 = tl.where((pos >= 1) | (first & (t < 1)), x1, 0.0).to(tl.float32)  # x[t - k] as the forward reads it
+        e2 = tl.where((pos >= 2) | (first & (t < 2)), x2, 0.0).to(tl.float32)
+        e3 = tl.where((pos >= 3) | (first & (t < 3)), x3, 0.0).to(tl.float32)
+        e0 = x0.to(tl.float32)
+        y = taps[4]
+        y += _lag_tap(3, taps, W) * e3  # the forward's order: tap 0 first
+        y += _lag_tap(2, taps, W) * e2
+        y += _lag_tap(1, taps, W) * e1
+        y += _lag_tap(0, taps, W) * e0
+        pre = _silu_gradient(y, da.to(tl.float32), ok, dout_ptr, EPS, NORM)
+        dx = tl.zeros((HB, BD), dtype=tl.float32)
+        dx += _lag_tap(0, taps, W) * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
+        dx += _lag_tap(1, taps, W) * tl.where(pos1 >= 1, p1, 0.0)
+        dx += _lag_tap(2, taps, W) * tl.where(pos2 >= 2, p2, 0.0)
+        dx += _lag_tap(3, taps, W) * tl.where(pos3 >= 3, p3, 0.0)
+        mine = t < end  # a row of this span (not one of the W-1 after it)
+        tl.store(dx_ptr + t.to(tl.int64) * dx_stride + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok & mine)
+        if HAS_HALO:
+            tl.store(head_ptr + t * (HEADS * D) + local, pre, mask=ok & (t < W - 1))
+        summed = tl.where(mine, pre, 0.0)
+        accb += summed
+        acc0 += summed * e0
+        acc1 += summed * e1
+        acc2 += summed * e2
+        acc3 += summed * e3
+        p3, p2, p1 = p2, p1, pre
+        pos3, pos2, pos1 = pos2, pos1, pos
+        x0, x1, x2, x3 = x1, x2, x3, x_next
+        da, pos = da_next, pos_next
+    base = dw_ptr + (i_p * (HEADS * D) + local).to(tl.int64) * W
+    tl.store(base + (W - 1), acc0, mask=ok)
+    if W >= 2:
+        tl.store(base + (W - 2), acc1, mask=ok)
+    if W >= 3:
+        tl.store(base + (W - 3), acc2, mask=ok)
+    if W >= 4:
+        tl.store(base + (W - 4), acc3, mask=ok)
+    if HAS_BIAS:
+        tl.store(db_ptr + i_p * (HEADS * D) + local, accb, mask=ok)
+
+
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
 _fwd = launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
@@ -391,6 +513,10 @@ _FINE_TILES = [({"BT": 8}, 4), ({"BT": 8}, 2)]
 l2 norm and a bias, 4 warps, 128 registers a thread against 255 at 16 rows, so twice the programs fit an SM."""
 _bwd_fine = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], _FINE_TILES + TILE_CONFIGS,
                      {"BT": 8, "num_warps": 4})
+_SCAN_CONFIGS = [({"HB": 2}, 1), ({"HB": 4}, 2), ({"HB": 8}, 4), ({"HB": 4}, 4), ({"HB": 8}, 8), ({"HB": 16}, 8)]
+"""The scan's autotuning configs, ``(heads a program, num_warps)``: 8 or 4 channels a thread at head dim 128."""
+_scan = launcher(gdn_cp_glue_conv_bwd_scan, _TILE_KEY, _SCAN_CONFIGS, {"HB": 2, "num_warps": 1})
+_SCAN_SPAN = 64  # rows per scan program: W-1 more are recomputed before them (5% at W 4)
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
@@ -412,7 +538,9 @@ class ConvForm:
     autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`); ``norm_pass`` (with ``one_pass``): the l2
     norm's backward in a kernel of its own (:func:`gdn_cp_glue_l2norm_bwd`), whose gradient (in the activations'
     dtype, where the one-pass backward rounds it) the conv's backward then reads without the norm, q and k as one
-    group, in ``channel_block`` blocks."""
+    group, in ``channel_block`` blocks; ``scan``: the backward in one kernel that scans each span of rows one row a
+    step (:func:`gdn_cp_glue_conv_bwd_scan`; with ``norm_pass``, q and k without the norm), the other fields
+    unused."""
 
     one_pass: bool = False
     taps_once: bool = False
@@ -420,6 +548,7 @@ class ConvForm:
     channel_block: int | None = None
     fine_tiles: bool = False
     norm_pass: bool = False
+    scan: bool = False
 
 
 def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None) -> tuple[int, int]:
@@ -482,6 +611,10 @@ class _ConvSiluSplit(torch.autograd.Function):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            if form.scan:
+                _conv_group_backward_scan(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db,
+                                          dhalo)
+                continue
             n, d = _launch_heads(heads, dim, norm, form.channel_block)
             if form.one_pass:
                 _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw,
@@ -566,6 +699,27 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
            *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
            t, span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
            NORM=norm, TAPS_ONCE=form.taps_once or form.x_once, X_ONCE=form.x_once)
+    dw[c0:c0 + width] += dw_part.sum(0)
+    if bias is not None:
+        db[c0:c0 + width] += db_part.sum(0)
+    if halo is not None:
+        dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
+
+
+def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db, dhalo):
+    """One channel group's backward as a scan down each span of rows (:func:`gdn_cp_glue_conv_bwd_scan`): dx
+    written once, the tap and bias sums per span, no fp32 ``[T, width]`` buffer and no scratch."""
+    t = x.shape[0]
+    w = weight.shape[1]
+    width = heads * dim
+    programs = triton.cdiv(t, _SCAN_SPAN)
+    head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
+    dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
+    db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+    _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
+          *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
+          _SCAN_SPAN, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
+          HAS_HALO=halo is not None, NORM=norm)
     dw[c0:c0 + width] += dw_part.sum(0)
     if bias is not None:
         db[c0:c0 + width] += db_part.sum(0)
