@@ -402,6 +402,14 @@ def _x_row(x_ptr, x_stride, halo_ptr, halo_stride, r, T, ch, ok, W: tl.constexpr
 
 
 @triton.jit
+def _dout_row(dout_ptr, r, HEADS, h, d, ok, D: tl.constexpr):
+    """The output gradient ``dout [T, HEADS, D]`` at row ``r`` (clamped to 0: a row below the first is never used)
+    for heads ``h`` ``[HB, BD]``."""
+    at = (tl.maximum(r, 0) * HEADS + h[:, None]).to(tl.int64) * D + d[None, :]
+    return tl.load(dout_ptr + at, mask=ok, other=0.0)
+
+
+@triton.jit
 def _lag_tap(k: tl.constexpr, taps, W: tl.constexpr):
     """The tap that reads ``x[t - k]`` (``w[:, W-1-k]``; zeros for k >= W)."""
     if k < W:
@@ -419,8 +427,8 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     down the rows, one row a step (``ConvForm.scan``): each step's tile is ``[HB, BD]``, the program's heads at one
     row, so a thread keeps the same channels at every row and the conv's shifts in time are registers: the last
     four rows' x and the next three rows' pre-activation gradient roll from step to step (no scratch tile, no
-    barrier, sums ``[HB, BD]`` instead of ``[BT, BD]``). Each step's loads for the next row go out before its
-    arithmetic. The span's first W-1 steps are the W-1 rows after it (their gradient feeds dx of its last rows;
+    barrier, sums ``[HB, BD]`` instead of ``[BT, BD]``). Each step loads the rows four steps ahead before its
+    arithmetic, so a program keeps four rows' loads in flight. The span's first W-1 steps are the W-1 rows after it (their gradient feeds dx of its last rows;
     nothing of theirs is written). Writes what :func:`gdn_cp_glue_conv_bwd` writes: ``dx``, ``dw [programs,
     HEADS*D, W]``, ``db [programs, HEADS*D]`` and, with a halo, ``head [W-1, HEADS*D]``; the same arithmetic in the
     same order for each element, so dx is the same bits."""
@@ -434,13 +442,26 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     span0 = i_p * SPAN
     end = tl.minimum(span0 + SPAN, T)
     top = tl.minimum(end + W - 2, T - 1)
-    x0 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top, T, ch, ok, W, HAS_HALO)  # raw x[t - k], k = 0..3
+    # raw x[t - k] for k = 0..7 (the window, then four rows loaded ahead), dout and the position at t - k for
+    # k = 0..4: each step loads the rows four steps below it, so four rows' loads are in flight at every step
+    x0 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top, T, ch, ok, W, HAS_HALO)
     x1 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 1, T, ch, ok, W, HAS_HALO)
     x2 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 2, T, ch, ok, W, HAS_HALO)
     x3 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 3, T, ch, ok, W, HAS_HALO)
-    at = (top * HEADS + h[:, None]).to(tl.int64) * D + d[None, :]
-    da = tl.load(dout_ptr + at, mask=ok, other=0.0)
+    x4 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 4, T, ch, ok, W, HAS_HALO)
+    x5 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 5, T, ch, ok, W, HAS_HALO)
+    x6 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 6, T, ch, ok, W, HAS_HALO)
+    x7 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 7, T, ch, ok, W, HAS_HALO)
+    da = _dout_row(dout_ptr, top, HEADS, h, d, ok, D)
+    da1 = _dout_row(dout_ptr, top - 1, HEADS, h, d, ok, D)
+    da2 = _dout_row(dout_ptr, top - 2, HEADS, h, d, ok, D)
+    da3 = _dout_row(dout_ptr, top - 3, HEADS, h, d, ok, D)
+    da4 = _dout_row(dout_ptr, top - 4, HEADS, h, d, ok, D)
     pos = tl.load(pos_ptr + top)
+    pos_1 = tl.load(pos_ptr + tl.maximum(top - 1, 0))
+    pos_2 = tl.load(pos_ptr + tl.maximum(top - 2, 0))
+    pos_3 = tl.load(pos_ptr + tl.maximum(top - 3, 0))
+    pos_4 = tl.load(pos_ptr + tl.maximum(top - 4, 0))
     p1 = tl.zeros((HB, BD), dtype=tl.float32)  # pre-activation gradient at t + 1, t + 2, t + 3 (0 past T)
     p2 = tl.zeros((HB, BD), dtype=tl.float32)
     p3 = tl.zeros((HB, BD), dtype=tl.float32)
@@ -454,10 +475,9 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     accb = tl.zeros((HB, BD), dtype=tl.float32)
     for i in range(top - span0 + 1):
         t = top - i
-        nxt = tl.maximum(t - 1, 0)  # the next step's row (loads of a row that is not stepped to are harmless)
-        x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 4, T, ch, ok, W, HAS_HALO)
-        da_next = tl.load(dout_ptr + (nxt * HEADS + h[:, None]).to(tl.int64) * D + d[None, :], mask=ok, other=0.0)
-        pos_next = tl.load(pos_ptr + nxt)
+        x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 8, T, ch, ok, W, HAS_HALO)
+        da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D)
+        pos_next = tl.load(pos_ptr + tl.maximum(t - 5, 0))  # (rows below the span: loaded, never stepped to)
         first = pos == t  # the sequence that starts at row 0 (continues into the halo)
         e1 = tl.where((pos >= 1) | (first & (t < 1)), x1, 0.0).to(tl.float32)  # x[t - k] as the forward reads it
         e2 = tl.where((pos >= 2) | (first & (t < 2)), x2, 0.0).to(tl.float32)
@@ -486,8 +506,9 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
         acc3 += summed * e3
         p3, p2, p1 = p2, p1, pre
         pos3, pos2, pos1 = pos2, pos1, pos
-        x0, x1, x2, x3 = x1, x2, x3, x_next
-        da, pos = da_next, pos_next
+        x0, x1, x2, x3, x4, x5, x6, x7 = x1, x2, x3, x4, x5, x6, x7, x_next
+        da, da1, da2, da3, da4 = da1, da2, da3, da4, da_next
+        pos, pos_1, pos_2, pos_3, pos_4 = pos_1, pos_2, pos_3, pos_4, pos_next
     base = dw_ptr + (i_p * (HEADS * D) + local).to(tl.int64) * W
     tl.store(base + (W - 1), acc0, mask=ok)
     if W >= 2:
