@@ -146,14 +146,15 @@ def tests_report() -> dict:
     """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward's three forms as
     launched (16 rows, 4 warps, l2 norm, bias); the narrow programs (v in 64-channel blocks, q at 8 rows, the l2
-    norm's backward alone); the scan (4 heads a program, 4 warps), with and without the l2 norm."""
+    norm's backward alone); the scan (4 heads a program, 4 warps), with and without the l2 norm, without a
+    bias (Megatron's GDN conv has none by default) and, for q, with one."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
 
-    def as_launched(bt, dim, norm, index):
+    def as_launched(bt, dim, norm, index, bias=True):
         _, kernel, pointers, c = conv_kernels(bt, dim, norm=norm, halo=False)[index]
-        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": True}, 4, as_launched=True)
+        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": bias}, 4, as_launched=True)
 
     return {"conv": {name: compile_sm90(k, p, c) for name, k, p, c in conv_kernels()},
             "gates": {name: compile_sm90(k, p, c) for name, k, p, c in gates_kernels()},
@@ -161,7 +162,8 @@ def tests_report() -> dict:
                                                                            (5, "x_once"))},
             "narrow": {"v_block": as_launched(16, 64, False, 3), "q_fine": as_launched(8, 128, True, 3),
                        "l2norm_bwd": as_launched(16, 128, True, 6)},
-            "scan": {"q": as_launched(16, 128, True, 7), "v": as_launched(16, 128, False, 7)}}
+            "scan": {"q": as_launched(16, 128, True, 7, bias=False), "v": as_launched(16, 128, False, 7, bias=False),
+                     "q_bias": as_launched(16, 128, True, 7)}}
 
 
 if __name__ == "__main__":

@@ -70,10 +70,10 @@ def test_narrow_programs_take_fewer_registers(compiled):
 
 def test_the_scan_keeps_few_registers_and_no_barrier(compiled):
     """``GDN_CP_GLUE=triton_norm_dz_copy_scan``'s reason to exist, as compiled (the GPU has not timed it): a step of
-    the scan (one row of 4 heads of 128, 4 warps, a bias, as launched) needs no barrier (its time shifts are
-    registers), where the one-pass backward's tile waits at 6 or more, and at most 128 registers a thread with
-    the l2 norm and without: 4 programs an SM instead of 2."""
+    the scan (one row of 4 heads of 128, 4 warps, as launched) needs no barrier (its time shifts are registers),
+    where the one-pass backward's tile waits at 6 or more; without a conv bias (Megatron's GDN default) at most 128
+    registers a thread with the l2 norm and without: 4 programs an SM instead of 2 (with a bias, q's: 146, 3)."""
     for name, used in compiled["scan"].items():
         assert used["loop_barriers"] == 0 and used["stack_bytes"] == 0, (name, used)
-        assert used["registers"] <= 128, (name, used)
+        assert used["registers"] <= (128 if name in ("q", "v") else 168), (name, used)
     assert compiled["forms"]["x_once"]["loop_barriers"] >= 6, compiled["forms"]["x_once"]
