@@ -428,10 +428,11 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     row, so a thread keeps the same channels at every row and the conv's shifts in time are registers: the last
     four rows' x and the next three rows' pre-activation gradient roll from step to step (no scratch tile, no
     barrier, sums ``[HB, BD]`` instead of ``[BT, BD]``). Each step loads the rows four steps ahead before its
-    arithmetic, so a program keeps four rows' loads in flight. The span's first W-1 steps are the W-1 rows after it (their gradient feeds dx of its last rows;
-    nothing of theirs is written). Writes what :func:`gdn_cp_glue_conv_bwd` writes: ``dx``, ``dw [programs,
-    HEADS*D, W]``, ``db [programs, HEADS*D]`` and, with a halo, ``head [W-1, HEADS*D]``; the same arithmetic in the
-    same order for each element, so dx is the same bits."""
+    arithmetic, so a program keeps four rows' loads in flight. The span's first W-1 steps are the W-1 rows after
+    it (their gradient feeds dx of its last rows; nothing of theirs is written). Writes what
+    :func:`gdn_cp_glue_conv_bwd` writes: ``dx``, ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` and, with
+    a halo, ``head [W-1, HEADS*D]``; the same arithmetic in the same order for each element, so dx is the same
+    bits."""
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     h = i_b * HB + tl.arange(0, HB)
     d = tl.arange(0, BD)
