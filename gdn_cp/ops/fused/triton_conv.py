@@ -440,6 +440,10 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     local = h[:, None] * D + d[None, :]  # the channel in the group (dw, db, head)
     ch = C0 + local
     taps = _taps_at(w_ptr, b_ptr, ch, ok, W, HAS_BIAS)
+    lag0 = _lag_tap(0, taps, W)  # the tap that reads x[t - k], for k = 0..3
+    lag1 = _lag_tap(1, taps, W)
+    lag2 = _lag_tap(2, taps, W)
+    lag3 = _lag_tap(3, taps, W)
     span0 = i_p * SPAN
     end = tl.minimum(span0 + SPAN, T)
     top = tl.minimum(end + W - 2, T - 1)
@@ -485,16 +489,16 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
         e3 = tl.where((pos >= 3) | (first & (t < 3)), x3, 0.0).to(tl.float32)
         e0 = x0.to(tl.float32)
         y = taps[4]
-        y += _lag_tap(3, taps, W) * e3  # the forward's order: tap 0 first
-        y += _lag_tap(2, taps, W) * e2
-        y += _lag_tap(1, taps, W) * e1
-        y += _lag_tap(0, taps, W) * e0
+        y += lag3 * e3  # the forward's order: tap 0 first
+        y += lag2 * e2
+        y += lag1 * e1
+        y += lag0 * e0
         pre = _silu_gradient(y, da.to(tl.float32), ok, dout_ptr, EPS, NORM)
         dx = tl.zeros((HB, BD), dtype=tl.float32)
-        dx += _lag_tap(0, taps, W) * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
-        dx += _lag_tap(1, taps, W) * tl.where(pos1 >= 1, p1, 0.0)
-        dx += _lag_tap(2, taps, W) * tl.where(pos2 >= 2, p2, 0.0)
-        dx += _lag_tap(3, taps, W) * tl.where(pos3 >= 3, p3, 0.0)
+        dx += lag0 * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
+        dx += lag1 * tl.where(pos1 >= 1, p1, 0.0)
+        dx += lag2 * tl.where(pos2 >= 2, p2, 0.0)
+        dx += lag3 * tl.where(pos3 >= 3, p3, 0.0)
         mine = t < end  # a row of this span (not one of the W-1 after it)
         tl.store(dx_ptr + t.to(tl.int64) * dx_stride + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok & mine)
         if HAS_HALO:
