@@ -88,7 +88,8 @@ def cubin_resources(cubin: bytes) -> dict:
 
 def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
     """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels: the forward, the two-pass backward's two,
-    the one-pass backward's three forms (``[3:6]``), the l2 norm's backward alone and the scan (4 heads a program)."""
+    the one-pass backward's three forms (``[3:6]``), the l2 norm's backward alone, the backward's and the forward's
+    scans (4 heads a program)."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm}
@@ -103,6 +104,8 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
         ("conv_bwd_one_pass_x", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": True}),
         ("l2norm_bwd", tc.gdn_cp_glue_l2norm_bwd, BF16_CONV, {k: v for k, v in tile.items() if k != "NORM"}),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
+         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4}),
+        ("conv_fwd_scan", tc.gdn_cp_glue_conv_fwd_scan, BF16_CONV,
          {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4}),
     )
 
@@ -146,8 +149,8 @@ def tests_report() -> dict:
     """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward's three forms as
     launched (16 rows, 4 warps, l2 norm, bias); the narrow programs (v in 64-channel blocks, q at 8 rows, the l2
-    norm's backward alone); the scan (4 heads a program, 4 warps), with and without the l2 norm, without a
-    bias (Megatron's GDN conv has none by default) and, for q, with one."""
+    norm's backward alone); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm, without
+    a bias (Megatron's GDN conv has none by default) and, for q, with one; the forward's scan for q."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
@@ -163,7 +166,7 @@ def tests_report() -> dict:
             "narrow": {"v_block": as_launched(16, 64, False, 3), "q_fine": as_launched(8, 128, True, 3),
                        "l2norm_bwd": as_launched(16, 128, True, 6)},
             "scan": {"q": as_launched(16, 128, True, 7, bias=False), "v": as_launched(16, 128, False, 7, bias=False),
-                     "q_bias": as_launched(16, 128, True, 7)}}
+                     "q_bias": as_launched(16, 128, True, 7), "q_fwd": as_launched(16, 128, True, 8, bias=False)}}
 
 
 if __name__ == "__main__":

@@ -87,10 +87,12 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
         k_v = torch.autograd.grad(conv_silu_split_triton(x, *rest, **form)[1:], leaves, douts[1:])
         k_v_plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True)[1:], leaves, douts[1:])
         same = {"grads_equal_one_pass": all(torch.equal(a, b) for a, b in zip(grads + k_v, plain + k_v_plain))}
-    if form["scan"]:  # dx and the halo's gradient: the one-pass backward's bits (the tap sums: fp32 order only)
-        plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True, norm_pass=form["norm_pass"]),
-                                    leaves, douts)
-        same = {"dx_dhalo_equal_one_pass": all(torch.equal(grads[i], plain[i]) for i in ([0, 3] if halo else [0]))}
+    if form["scan"]:  # q, k, v: the tile forward's bits; dx and the halo's gradient: the one-pass backward's (the tap
+        # sums: fp32 order only)
+        tiled = conv_silu_split_triton(x, *rest, one_pass=True, norm_pass=form["norm_pass"])
+        plain = torch.autograd.grad(tiled, leaves, douts)
+        same = {"dx_dhalo_equal_one_pass": all(torch.equal(grads[i], plain[i]) for i in ([0, 3] if halo else [0])),
+                "outputs_equal_tiles": all(torch.equal(a, b) for a, b in zip(got, tiled))}
     return {**same, "dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
                                                              rows, [3, c, 4], douts),
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",

@@ -40,5 +40,5 @@ def test_a_dry_run_writes_a_row_per_row_count(dry_run):
     assert [r["rows"] for r in report["results"]] == [40, 24]
     for row in report["results"]:
         assert row["fwd_ms"] > 0 and row["bwd_ms"] > 0 and row["floor"]["bwd_ms"] > 0
-        assert all(row[f"bwd_{name}_ms"] > 0 for name in ("one_pass", "taps_once", "x_once", "v64", "fine", "norm_pass", "scan",
-                                                                  "scan_norm_pass")), row
+        forms = ("one_pass", "taps_once", "x_once", "v64", "fine", "norm_pass", "scan", "scan_norm_pass")
+        assert all(row[f"fwd_{name}_ms"] > 0 and row[f"bwd_{name}_ms"] > 0 for name in forms), row

@@ -31,7 +31,7 @@ def compiled():
 
 
 def test_the_conv_kernels_compile_for_sm90(compiled):
-    assert len(compiled["conv"]) == 8
+    assert len(compiled["conv"]) == 9
     for name, used in compiled["conv"].items():
         assert 0 < used["registers"] <= 255, (name, used)
 
@@ -75,5 +75,5 @@ def test_the_scan_keeps_few_registers_and_no_barrier(compiled):
     registers a thread with the l2 norm and without: 4 programs an SM instead of 2 (with a bias, q's: 146, 3)."""
     for name, used in compiled["scan"].items():
         assert used["loop_barriers"] == 0 and used["stack_bytes"] == 0, (name, used)
-        assert used["registers"] <= (128 if name in ("q", "v") else 168), (name, used)
+        assert used["registers"] <= (128 if name in ("q", "v", "q_fwd") else 168), (name, used)
     assert compiled["forms"]["x_once"]["loop_barriers"] >= 6, compiled["forms"]["x_once"]

@@ -61,13 +61,15 @@ def test_the_norm_pass_gives_the_one_pass_backwards_bits(cases):
     assert len(norm_pass) == 2 and all(case["grads_equal_one_pass"] for case in norm_pass), norm_pass
 
 
-def test_the_scan_gives_the_one_pass_backwards_dx(cases):
-    """``GDN_CP_GLUE=triton_norm_dz_copy_scan`` computes each element's pre-activation gradient and dx with the
-    one-pass backward's arithmetic in its order, rows rolled in registers instead of a scratch tile: dx and the
-    halo's gradient bit for bit the same (with and without the l2 norm's pass first; spans whose W-1 rows after
-    them belong to the next program; a program whose second head is past the group)."""
+def test_the_scan_gives_the_tile_kernels_bits(cases):
+    """``GDN_CP_GLUE=triton_norm_dz_copy_scan`` computes each element with the tile kernels' arithmetic in their
+    order, rows rolled in registers instead of re-read or shared through a scratch tile: q, k, v (the forward), dx
+    and the halo's gradient (the one-pass backward) bit for bit the same (with and without the l2 norm's pass
+    first; spans whose W-1 rows after them belong to the next program; a program whose second head is past the
+    group)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
     assert len(scan) == 3 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert all(case["outputs_equal_tiles"] for case in scan), scan
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):

@@ -419,6 +419,81 @@ def _lag_tap(k: tl.constexpr, taps, W: tl.constexpr):
 
 
 @triton.jit
+def _lagged(x0, x1, x2, x3, pos, t):
+    """x[t - k] (k = 0..3, raw rows of x or the halo) as the forward reads them at row ``t`` (position ``pos``):
+    zeros before the sequence's start, but for the sequence that starts at row 0, which reads the halo; fp32."""
+    first = pos == t
+    e1 = tl.where((pos >= 1) | (first & (t < 1)), x1, 0.0).to(tl.float32)
+    e2 = tl.where((pos >= 2) | (first & (t < 2)), x2, 0.0).to(tl.float32)
+    e3 = tl.where((pos >= 3) | (first & (t < 3)), x3, 0.0).to(tl.float32)
+    return x0.to(tl.float32), e1, e2, e3
+
+
+@triton.jit
+def _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W: tl.constexpr):
+    """The conv's pre-activation at one row (fp32) in :func:`_conv_tile`'s order: the bias, then tap 0 (the
+    oldest row) first."""
+    y = bias
+    if W > 3:
+        y += lag3 * e3
+    if W > 2:
+        y += lag2 * e2
+    if W > 1:
+        y += lag1 * e1
+    y += lag0 * e0
+    return y
+
+
+@triton.jit
+def gdn_cp_glue_conv_fwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, SPAN, C0,
+                              HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr,
+                              HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+    """``out [T, HEADS, D]`` <- heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a
+    scan up the rows, one row of ``[HB, BD]`` a step (``ConvForm.scan``): each row of x is loaded once, the last
+    four roll in registers, and each step loads the row five above it first. :func:`gdn_cp_glue_conv_fwd`'s
+    arithmetic in its order: the same bits."""
+    i_p, i_b = tl.program_id(0), tl.program_id(1)
+    h = i_b * HB + tl.arange(0, HB)
+    d = tl.arange(0, BD)
+    ok = (h < HEADS)[:, None] & (d < D)[None, :]
+    ch = C0 + h[:, None] * D + d[None, :]
+    taps = _taps_at(w_ptr, b_ptr, ch, ok, W, HAS_BIAS)
+    lag0 = _lag_tap(0, taps, W)
+    lag1 = _lag_tap(1, taps, W)
+    lag2 = _lag_tap(2, taps, W)
+    lag3 = _lag_tap(3, taps, W)
+    span0 = i_p * SPAN
+    end = tl.minimum(span0 + SPAN, T)
+    # raw x[t - k] for k = 3..0 and the four rows above (x[t + 1..4]); the position at t and the four above
+    x3 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 - 3, T, ch, ok, W, HAS_HALO)
+    x2 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 - 2, T, ch, ok, W, HAS_HALO)
+    x1 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 - 1, T, ch, ok, W, HAS_HALO)
+    x0 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0, T, ch, ok, W, HAS_HALO)
+    xa = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 1, T, ch, ok, W, HAS_HALO)
+    xb = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 2, T, ch, ok, W, HAS_HALO)
+    xc = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 3, T, ch, ok, W, HAS_HALO)
+    xd = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 4, T, ch, ok, W, HAS_HALO)
+    pos = tl.load(pos_ptr + span0)
+    pos_a = tl.load(pos_ptr + tl.minimum(span0 + 1, T - 1))
+    pos_b = tl.load(pos_ptr + tl.minimum(span0 + 2, T - 1))
+    pos_c = tl.load(pos_ptr + tl.minimum(span0 + 3, T - 1))
+    pos_d = tl.load(pos_ptr + tl.minimum(span0 + 4, T - 1))
+    for i in range(end - span0):
+        t = span0 + i
+        x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t + 5, T, ch, ok, W, HAS_HALO)
+        pos_next = tl.load(pos_ptr + tl.minimum(t + 5, T - 1))  # (rows past the span: loaded, never stepped to)
+        e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
+        y = _conv_row(taps[4], lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
+        a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded where FLA's conv rounds
+        if NORM:
+            a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
+        tl.store(out_ptr + (t * HEADS + h[:, None]).to(tl.int64) * D + d[None, :], a.to(out_ptr.dtype.element_ty),
+                 mask=ok)
+        x3, x2, x1, x0, xa, xb, xc, xd = x2, x1, x0, xa, xb, xc, xd, x_next
+        pos, pos_a, pos_b, pos_c, pos_d = pos_a, pos_b, pos_c, pos_d, pos_next
+
+
+@triton.jit
 def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
                               dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                               BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -483,22 +558,15 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
         x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 8, T, ch, ok, W, HAS_HALO)
         da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D)
         pos_next = tl.load(pos_ptr + tl.maximum(t - 5, 0))  # (rows below the span: loaded, never stepped to)
-        first = pos == t  # the sequence that starts at row 0 (continues into the halo)
-        e1 = tl.where((pos >= 1) | (first & (t < 1)), x1, 0.0).to(tl.float32)  # x[t - k] as the forward reads it
-        e2 = tl.where((pos >= 2) | (first & (t < 2)), x2, 0.0).to(tl.float32)
-        e3 = tl.where((pos >= 3) | (first & (t < 3)), x3, 0.0).to(tl.float32)
-        e0 = x0.to(tl.float32)
-        y = taps[4]
-        y += lag3 * e3  # the forward's order: tap 0 first
-        y += lag2 * e2
-        y += lag1 * e1
-        y += lag0 * e0
+        e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
+        y = _conv_row(taps[4], lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
         pre = _silu_gradient(y, da.to(tl.float32), ok, dout_ptr, EPS, NORM)
         dx = tl.zeros((HB, BD), dtype=tl.float32)
         dx += lag0 * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
         dx += lag1 * tl.where(pos1 >= 1, p1, 0.0)
         dx += lag2 * tl.where(pos2 >= 2, p2, 0.0)
-        dx += lag3 * tl.where(pos3 >= 3, p3, 0.0)
+        if W > 3:
+            dx += lag3 * tl.where(pos3 >= 3, p3, 0.0)
         mine = t < end  # a row of this span (not one of the W-1 after it)
         tl.store(dx_ptr + t.to(tl.int64) * dx_stride + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok & mine)
         if HAS_HALO:
@@ -542,6 +610,7 @@ _bwd_fine = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], 
 _SCAN_CONFIGS = [({"HB": 2}, 1), ({"HB": 4}, 2), ({"HB": 8}, 4), ({"HB": 4}, 4), ({"HB": 8}, 8), ({"HB": 16}, 8)]
 """The scan's autotuning configs, ``(heads a program, num_warps)``: 8 or 4 channels a thread at head dim 128."""
 _scan = launcher(gdn_cp_glue_conv_bwd_scan, _TILE_KEY, _SCAN_CONFIGS, {"HB": 2, "num_warps": 1})
+_fwd_scan = launcher(gdn_cp_glue_conv_fwd_scan, _TILE_KEY, _SCAN_CONFIGS, {"HB": 2, "num_warps": 1})
 _SCAN_SPAN = 64  # rows per scan program: W-1 more are recomputed before them (5% at W 4)
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
@@ -564,9 +633,9 @@ class ConvForm:
     autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`); ``norm_pass`` (with ``one_pass``): the l2
     norm's backward in a kernel of its own (:func:`gdn_cp_glue_l2norm_bwd`), whose gradient (in the activations'
     dtype, where the one-pass backward rounds it) the conv's backward then reads without the norm, q and k as one
-    group, in ``channel_block`` blocks; ``scan``: the backward in one kernel that scans each span of rows one row a
-    step (:func:`gdn_cp_glue_conv_bwd_scan`; with ``norm_pass``, q and k without the norm), the other fields
-    unused."""
+    group, in ``channel_block`` blocks; ``scan``: the forward and the backward as scans along each span of rows,
+    one row a step (:func:`gdn_cp_glue_conv_fwd_scan`, :func:`gdn_cp_glue_conv_bwd_scan`; with ``norm_pass``, the
+    backward's q and k without the norm), the other fields unused."""
 
     one_pass: bool = False
     taps_once: bool = False
@@ -608,7 +677,12 @@ class _ConvSiluSplit(torch.autograd.Function):
         outs = []
         for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
             out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
-            if t and heads:
+            if t and heads and form.scan:
+                programs = triton.cdiv(t, _SCAN_SPAN)
+                _fwd_scan(lambda meta, programs=programs, heads=heads: (programs, triton.cdiv(heads, meta["HB"])),
+                          *_conv_inputs(x, weight_c, bias, halo), positions, out, t, _SCAN_SPAN, c0, heads, eps, D=dim,
+                          BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
+            elif t and heads:
                 n, d = _launch_heads(heads, dim, norm, form.channel_block)
                 _fwd(lambda meta, t=t, n=n: (triton.cdiv(t, meta["BT"]), n),
                      *_conv_inputs(x, weight_c, bias, halo), positions, out, t, c0, n, eps,
