@@ -48,7 +48,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int) -> dict:
+def backward_family(chunk) -> str:
+    """Which backward a conv case's ``chunk`` runs: ``two_pass``, ``one_pass`` (its forms) or ``scan``."""
+    return "two_pass" if isinstance(chunk, int) else "scan" if chunk.startswith("scan") else "one_pass"
+
+
+def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int,
+              check_layout: bool = True) -> dict:
+    """One case through the kernels against the plain glue. ``check_layout``: also whether dx is written into
+    in_proj-like rows (one more forward and backward; ``_ConvSiluSplit.backward`` allocates dx the same way for
+    every form, so the session checks it once per :func:`backward_family`)."""
     from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
@@ -93,8 +102,9 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
         plain = torch.autograd.grad(tiled, leaves, douts)
         same = {"dx_dhalo_equal_one_pass": all(torch.equal(grads[i], plain[i]) for i in ([0, 3] if halo else [0])),
                 "outputs_equal_tiles": all(torch.equal(a, b) for a, b in zip(got, tiled))}
-    return {**same, "dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
-                                                             rows, [3, c, 4], douts),
+    layout = ({"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
+                                                        rows, [3, c, 4], douts)} if check_layout else {})
+    return {**same, **layout, "family": backward_family(chunk),
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
@@ -175,7 +185,8 @@ def main(argv=None) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
-    cases = [conv_case(*c) for c in CONV_CASES]
+    families = [backward_family(c[-1]) for c in CONV_CASES]
+    cases = [conv_case(*c, check_layout=families.index(f) == i) for i, (c, f) in enumerate(zip(CONV_CASES, families))]
     cases += [gates_case(d) for d in ("float32", "float16")]
     cases += [norm_case(*c) for c in NORM_CASES]
     if args.out is not None:
