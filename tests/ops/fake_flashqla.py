@@ -8,7 +8,9 @@ heads, an odd number of value heads: TileLang's layout failure on an H200), then
 reference kernels (fp32 math) on the unbatched rows, value
 head h reading key head h // (HV / H) as FlashQLA's GVA does. Every call is recorded in
 :data:`CALLS`. :func:`install` puts the fake package into ``sys.modules`` and makes the backend
-take CPU tensors; :func:`uninstall` undoes both.
+take CPU tensors; :func:`uninstall` undoes both. ``install(record_only=True)``: the calls are checked and
+recorded, their outputs zeros (of the right shapes, connected to every input for autograd), for a test that
+needs only which calls a run makes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 CALLS: list[dict] = []
 _SAVED: dict = {}
+_RECORD_ONLY = [False]
 _NAMES = ("flash_qla", "flash_qla.ops", "flash_qla.ops.gated_delta_rule", "flash_qla.ops.gated_delta_rule.chunk")
 
 
@@ -48,6 +51,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                   "cu": cu, "dtype": q.dtype, "beta_dtype": beta.dtype, "h0": initial_state is not None,
                   "final": output_final_state, "l2norm": use_qk_l2norm_in_kernel, "auto_cp": auto_cp,
                   "scale": scale})
+    if _RECORD_ONLY[0]:
+        touched = sum(t.float().sum() for t in (q, k, g, beta, initial_state) if t is not None) * 0.0
+        fs = (torch.zeros(len(cu) - 1, v.shape[2], k.shape[-1], v.shape[-1]) + touched) if output_final_state else None
+        return v * 0 + touched.to(v.dtype), fs
     o, fs = reference.chunk_gated_delta_rule(
         q[0], k[0], v[0], g[0], beta[0], cu_seqlens=cu, scale=scale, initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm_in_kernel)
@@ -74,8 +81,9 @@ def _package() -> dict:
     return dict(zip(_NAMES, (top, ops, gdr, chunk)))
 
 
-def install() -> None:
+def install(record_only: bool = False) -> None:
     """The fake into ``sys.modules``; the backend probed as usable (sm_90) and taking CPU tensors."""
+    _RECORD_ONLY[0] = record_only
     from gdn_cp.ops.flashqla import detect, kernels
 
     for name, module in _package().items():
@@ -107,3 +115,4 @@ def uninstall() -> None:
     detect.features.cache_clear()
     kernels.flashqla_api.cache_clear()
     CALLS.clear()
+    _RECORD_ONLY[0] = False
