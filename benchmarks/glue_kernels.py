@@ -66,12 +66,13 @@ BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "taps_once": {"one_pass": True
                   "x_once": {"one_pass": True, "x_once": True}, "v64": {"one_pass": True, "channel_block": 64},
                   "fine": {"one_pass": True, "fine_tiles": True},
                   "norm_pass": {"one_pass": True, "norm_pass": True, "channel_block": 64},
-                  "scan": {"scan": True}, "scan_norm_pass": {"scan": True, "norm_pass": True}}
+                  "scan": {"scan": True, "scan_forward": True}, "scan_norm_pass": {"scan": True, "norm_pass": True}}
 """The one-pass backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): the
 default's; its programs loading the taps once; the taps and each tile's x once; v in blocks of 64 channels; tiles
 of 8 rows offered to its autotuning (these two: ``GDN_CP_GLUE=triton_norm_dz_copy_narrow``); the l2 norm's
 backward first, then every group in 64-channel blocks (``triton_norm_dz_copy_norm_pass``); the backward as a scan
-down the rows, one row of a few heads a step (``triton_norm_dz_copy_scan``), and after the l2 norm's pass."""
+down the rows, one row of a few heads a step (``triton_norm_dz_copy_scan``; its row also times the forward's scan),
+and after the l2 norm's pass."""
 
 
 def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:

@@ -67,7 +67,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
             "channel_block": 16 if one_pass and chunk.startswith(("one_pass_narrow", "one_pass_norm")) else None,
             "fine_tiles": one_pass and chunk.startswith("one_pass_narrow"),  # the interpreter runs 8-row tiles
             "norm_pass": one_pass and chunk.startswith(("one_pass_norm", "scan_norm")),
-            "scan": one_pass and chunk.startswith("scan")}
+            "scan": one_pass and chunk.startswith("scan"), "scan_forward": one_pass and chunk.startswith("scan")}
     if form["scan"]:  # spans of that many rows
         triton_conv._SCAN_SPAN = int(chunk.split()[1])
     elif one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group

@@ -42,11 +42,11 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
 - ``triton_norm_dz_copy_scan``: ``triton_norm_dz_copy`` with the conv's backward as a scan down each span of 64
   rows, one row of a few heads a step (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd_scan`): a thread
   keeps its channels at every row, so the conv's shifts in time are registers that roll from step to step (no
-  scratch tile, no barrier, tap sums of one row's size), and each step's loads for the next row go out before its
-  arithmetic; the forward likewise (each row of x loaded once). The same bits as the default's forward and
-  dx. Compiled for sm_90 (4 heads of 128 a program, 4 warps,
-  the l2 norm, a halo, as launched): 128 registers a thread and no barrier, against the default's 255 and 6.
-  Not yet measured on a GPU;
+  scratch tile, no barrier, tap sums of one row's size), and each step loads the rows 4 steps ahead first (the
+  forward stays the tile kernel: a scan of it issues more instructions an element, timed apart by
+  ``benchmarks/glue_kernels.py``). The same dx bits as the default's. Compiled for sm_90 (4 heads of 128 a
+  program, 4 warps, the l2 norm, no bias, as launched): 128 registers a thread and no barrier, against the
+  default's 255 and 6. Not yet measured on a GPU;
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);

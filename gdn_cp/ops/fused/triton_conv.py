@@ -633,9 +633,10 @@ class ConvForm:
     autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`); ``norm_pass`` (with ``one_pass``): the l2
     norm's backward in a kernel of its own (:func:`gdn_cp_glue_l2norm_bwd`), whose gradient (in the activations'
     dtype, where the one-pass backward rounds it) the conv's backward then reads without the norm, q and k as one
-    group, in ``channel_block`` blocks; ``scan``: the forward and the backward as scans along each span of rows,
-    one row a step (:func:`gdn_cp_glue_conv_fwd_scan`, :func:`gdn_cp_glue_conv_bwd_scan`; with ``norm_pass``, the
-    backward's q and k without the norm), the other fields unused."""
+    group, in ``channel_block`` blocks; ``scan``: the backward as a scan down each span of rows, one row a step
+    (:func:`gdn_cp_glue_conv_bwd_scan`; with ``norm_pass``, q and k without the norm), the backward's other fields
+    unused; ``scan_forward``: the forward likewise (:func:`gdn_cp_glue_conv_fwd_scan`; compiled for sm_90 it issues
+    more instructions an element than the tile forward, 52 against 37-43 with the l2 norm, so it is timed apart)."""
 
     one_pass: bool = False
     taps_once: bool = False
@@ -644,6 +645,7 @@ class ConvForm:
     fine_tiles: bool = False
     norm_pass: bool = False
     scan: bool = False
+    scan_forward: bool = False
 
 
 def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None) -> tuple[int, int]:
@@ -677,7 +679,7 @@ class _ConvSiluSplit(torch.autograd.Function):
         outs = []
         for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
             out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
-            if t and heads and form.scan:
+            if t and heads and form.scan_forward:
                 programs = triton.cdiv(t, _SCAN_SPAN)
                 _fwd_scan(lambda meta, programs=programs, heads=heads: (programs, triton.cdiv(heads, meta["HB"])),
                           *_conv_inputs(x, weight_c, bias, halo), positions, out, t, _SCAN_SPAN, c0, heads, eps, D=dim,
