@@ -611,7 +611,16 @@ _SCAN_CONFIGS = [({"HB": 2}, 1), ({"HB": 4}, 2), ({"HB": 8}, 4), ({"HB": 4}, 4),
 """The scan's autotuning configs, ``(heads a program, num_warps)``: 8 or 4 channels a thread at head dim 128."""
 _scan = launcher(gdn_cp_glue_conv_bwd_scan, _TILE_KEY, _SCAN_CONFIGS, {"HB": 2, "num_warps": 1})
 _fwd_scan = launcher(gdn_cp_glue_conv_fwd_scan, _TILE_KEY, _SCAN_CONFIGS, {"HB": 2, "num_warps": 1})
-_SCAN_SPAN = 64  # rows per scan program: W-1 more are recomputed before them (5% at W 4)
+_SCAN_SPAN = 64  # rows per scan program at least: the backward recomputes W-1 more (5% at W 4)
+_SCAN_PROGRAMS = 512  # spans per head block at most: longer rows take longer spans, so the backward's per-span tap
+# sums (programs x width x W fp32: 33 MB for v at 128K rows) stay small
+
+
+def _scan_span(t: int) -> int:
+    """Rows per scan program for ``t`` rows: :data:`_SCAN_SPAN`, or more (a multiple of it) past
+    :data:`_SCAN_PROGRAMS` spans."""
+    return triton.cdiv(triton.cdiv(t, _SCAN_PROGRAMS), _SCAN_SPAN) * _SCAN_SPAN if t > _SCAN_SPAN * _SCAN_PROGRAMS \
+        else _SCAN_SPAN
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
@@ -680,9 +689,10 @@ class _ConvSiluSplit(torch.autograd.Function):
         for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
             out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
             if t and heads and form.scan_forward:
-                programs = triton.cdiv(t, _SCAN_SPAN)
+                span = _scan_span(t)
+                programs = triton.cdiv(t, span)
                 _fwd_scan(lambda meta, programs=programs, heads=heads: (programs, triton.cdiv(heads, meta["HB"])),
-                          *_conv_inputs(x, weight_c, bias, halo), positions, out, t, _SCAN_SPAN, c0, heads, eps, D=dim,
+                          *_conv_inputs(x, weight_c, bias, halo), positions, out, t, span, c0, heads, eps, D=dim,
                           BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
             elif t and heads:
                 n, d = _launch_heads(heads, dim, norm, form.channel_block)
@@ -814,13 +824,14 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     t = x.shape[0]
     w = weight.shape[1]
     width = heads * dim
-    programs = triton.cdiv(t, _SCAN_SPAN)
+    span = _scan_span(t)
+    programs = triton.cdiv(t, span)
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
     dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
     db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
     _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
-          _SCAN_SPAN, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
+          span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
           HAS_HALO=halo is not None, NORM=norm)
     dw[c0:c0 + width] += dw_part.sum(0)
     if bias is not None:
