@@ -39,7 +39,7 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   backward, one more read and write of q's and k's columns, and programs of 127 registers instead of 255
   (Megatron-LM's pre-GDR fusion cuts its backward there too: its l2 norm's gradient, then causal-conv1d's
   backward). Not yet measured on a GPU;
-- ``triton_norm_dz_copy_scan``: ``triton_norm_dz_copy`` with the conv's backward as a scan down each span of 64
+- ``triton_norm_dz_copy_scan``: ``triton_norm_dz_copy`` with the conv's backward as a scan down each span of 64+
   rows, one row of a few heads a step (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd_scan`): a thread
   keeps its channels at every row, so the conv's shifts in time are registers that roll from step to step (no
   scratch tile, no barrier, tap sums of one row's size), and each step loads the rows 4 steps ahead first (the
