@@ -139,6 +139,8 @@ def main(argv=None) -> dict:
     p.add_argument("--heads", default="16,32", help="key,value heads per rank (default: Qwen3.5-9B's at chunkwise)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--forms", default=",".join(BACKWARD_FORMS),
+                   help="comma list of the backward forms to time beside the default (BACKWARD_FORMS; default: all)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
     compiled_here = p.add_mutually_exclusive_group()
     compiled_here.add_argument("--resources", action="store_true",
@@ -152,6 +154,10 @@ def main(argv=None) -> dict:
                    "nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
+    forms = {name: BACKWARD_FORMS[name] for name in args.forms.split(",") if name in BACKWARD_FORMS}
+    unknown = sorted(set(args.forms.split(",")) - set(BACKWARD_FORMS))
+    if unknown or not forms:
+        p.error(f"--forms {args.forms}: unknown {unknown or 'none given'}; choose from {', '.join(BACKWARD_FORMS)}")
     if args.profile and args.device != "cuda":
         p.error("--profile needs --device cuda: ncu profiles CUDA kernels")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -169,7 +175,7 @@ def main(argv=None) -> dict:
         shape, results = (hk, hv, args.head_dim), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
-                for form in BACKWARD_FORMS.values():  # 3 launches each (q, k, v; norm_pass: q|k and v)
+                for form in forms.values():  # 3 launches each (q, k, v; norm_pass: q|k and v)
                     results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
                 continue
             c = (2 * hk + hv) * args.head_dim
@@ -179,13 +185,13 @@ def main(argv=None) -> dict:
                         floor["bwd_ms"])
             row = time_kernels(rows, shape, args.device, args.iters)
             row.update(copy_gbs=gbs, floor=floor)
-            for name, form in BACKWARD_FORMS.items():  # the forward too: channel blocks and the scan change it
+            for name, form in forms.items():  # the forward too: channel blocks and the scan change it
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})
             results.append(row)
             logger.info("  fwd %.3f ms  bwd %.3f ms (%s)", row["fwd_ms"], row["bwd_ms"],
                         ", ".join(f"{name} {row[f'fwd_{name}_ms']:.3f} / {row[f'bwd_{name}_ms']:.3f} ms"
-                                  for name in BACKWARD_FORMS))
+                                  for name in forms))
         report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
                   "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
                   "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}
