@@ -1,23 +1,19 @@
 #!/usr/bin/env python
 """gdn-cp's Triton conv glue kernels (:mod:`gdn_cp.ops.fused.triton_conv`) alone, against the memory floor, in
 one short GPU call (seconds after autotuning): a kernel change is timed here before the layer times it
-(``benchmarks/layer_full.py``). Two candidate forms of the backward were timed here and in the layer (run
-2026-12-05a: slower in the layer) and removed.
+(``benchmarks/layer_full.py``), which decides (run 2026-12-05a: two forms faster here were slower there).
 
 Per row count: the median forward and backward of ``conv_silu_split_triton`` (CUDA events, ``--iters`` each
 after 3 warm-up calls that autotune). The floor is the bytes each direction must move (forward: read x, write
 q/k/v; backward: read x and the output gradients, write dx) at the bandwidth a plain device copy reaches on the
 same GPU.
 
-Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4,
-q/k l2-normalized), bf16, x a strided view of in_proj's output as in the layer, eight mixed-length sequences.
-
-``--resources`` (no GPU needed): the pre-activation kernel at every autotuning config, compiled for
-sm_90 by Triton's compiler here, with the registers and stack (spill) bytes per thread its cubin declares
-(:mod:`gdn_cp_testing.triton_compile`): what the GPU will run, before it runs.
+Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4
+without a bias, as Megatron's GDN builds it; ``--conv-bias`` adds one; q/k l2-normalized), bf16, x a strided view
+of in_proj's output as in the layer, eight mixed-length sequences. ``--loops`` (no GPU needed): the one-pass
+backward's forms compiled for sm_90 here (:mod:`gdn_cp_testing.triton_compile`): registers, spills, a tile's cost.
 
     python3 -m benchmarks.glue_kernels --out $OUT/glue_kernels.json                 # on the GPU machine
-    python3 -m benchmarks.glue_kernels --resources --out benchmarks/results/glue_kernels_resources.json
     python3 -m benchmarks.glue_kernels --loops --out benchmarks/results/glue_kernels_loop.json   # ~90 s, no GPU
     python3 -m benchmarks.glue_kernels --rows 16K --profile   # under ncu --profile-from-start off (the GPU machine)
     TRITON_INTERPRET=1 python3 -m benchmarks.glue_kernels --device cpu --rows 64 --heads 1,2 --head-dim 16 --iters 1
@@ -81,13 +77,14 @@ def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = Fals
     --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
-    hk, hv, dim = shape
+    hk, hv, dim, with_bias = shape
     x, weight, bias, positions, douts = _inputs(rows, hk, hv, dim, device, torch.bfloat16)
-    leaves = [x.detach().requires_grad_(True), weight.requires_grad_(True), bias.requires_grad_(True)]
+    leaves = [x.detach().requires_grad_(True), weight.requires_grad_(True)] + ([bias.requires_grad_(True)]
+                                                                              if with_bias else [])
 
     def forward():
-        return triton_conv.conv_silu_split_triton(leaves[0], leaves[1], leaves[2], positions, None, hk, hv, dim, dim,
-                                                  True, 1e-6, **form)
+        return triton_conv.conv_silu_split_triton(leaves[0], leaves[1], bias if with_bias else None, positions, None,
+                                                  hk, hv, dim, dim, True, 1e-6, **form)
 
     def backward(outs):
         return torch.autograd.grad(outs, leaves, douts)
@@ -112,27 +109,8 @@ def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = Fals
     return {"rows": rows, "fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms)}
 
 
-def resources(head_dim: int) -> list[dict]:
-    """Registers and stack bytes per thread of the pre-activation kernel at every autotuning config, with and
-    without the halo, for q/k (l2 norm) and v heads, compiled for sm_90 (:func:`gdn_cp_testing.triton_compile`)."""
-    import triton
-
-    from gdn_cp.ops.fused.triton_launch import TILE_CONFIGS
-    from gdn_cp_testing.triton_compile import compile_sm90, conv_kernels
-
-    rows = []
-    for (meta, warps) in TILE_CONFIGS:
-        for halo in (False, True):
-            for norm in (True, False):
-                _, kernel, pointers, constexprs = conv_kernels(meta["BT"], head_dim, norm, halo)[1]
-                used = compile_sm90(kernel, pointers, constexprs, warps)
-                rows.append({"BT": meta["BT"], "num_warps": warps, "halo": halo, "l2norm": norm, **used})
-                logger.info("BT %2d warps %d halo %-5s l2norm %-5s: %3d registers, %4d stack bytes",
-                            meta["BT"], warps, halo, norm, used["registers"], used["stack_bytes"])
-    return [{**r, "triton": triton.__version__, "target": "sm_90"} for r in rows]
-
-
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
+    """The command's arguments, and the backward forms (:data:`BACKWARD_FORMS`) that ``--forms`` names."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--rows", default="16K,64K", help="comma list of row counts per rank (16K: a CP=2 rank of 32K tokens)")
@@ -142,13 +120,9 @@ def main(argv=None) -> dict:
     p.add_argument("--forms", default=",".join(BACKWARD_FORMS),
                    help="comma list of the backward forms to time beside the default (BACKWARD_FORMS; default: all)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
-    compiled_here = p.add_mutually_exclusive_group()
-    compiled_here.add_argument("--resources", action="store_true",
-                               help="compile the kernel at every config for sm_90 here and report registers / spills "
-                               "(no GPU)")
-    compiled_here.add_argument("--loops", action="store_true",
-                               help="the one-pass backward's three forms at every config for sm_90 here, as launched: "
-                               "registers, spills, one tile's instructions and barriers (no GPU)")
+    p.add_argument("--conv-bias", action="store_true", help="the conv with a bias (Megatron's GDN has none by default)")
+    p.add_argument("--loops", action="store_true", help="the one-pass backward's three forms at every config for sm_90 "
+                   "here, as launched: registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true",
                    help="one one-pass backward per row count and form (BACKWARD_FORMS) between cudaProfilerStart/Stop, "
                    "nothing timed (under ncu)")
@@ -160,19 +134,23 @@ def main(argv=None) -> dict:
         p.error(f"--forms {args.forms}: unknown {unknown or 'none given'}; choose from {', '.join(BACKWARD_FORMS)}")
     if args.profile and args.device != "cuda":
         p.error("--profile needs --device cuda: ncu profiles CUDA kernels")
+    return args, forms
+
+
+def main(argv=None) -> dict:
+    args, forms = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.resources or args.loops:
+    if args.loops:
         import triton
 
         from gdn_cp_testing.triton_compile import one_pass_loops
 
-        report = {"benchmark": f"glue_kernels --{'loops' if args.loops else 'resources'}", "date": now_iso(),
-                  "machine": machine_info(), "versions": versions({"triton": triton.__version__}),
-                  "head_dim": args.head_dim,
-                  "results": one_pass_loops(args.head_dim) if args.loops else resources(args.head_dim)}
+        report = {"benchmark": "glue_kernels --loops", "date": now_iso(), "machine": machine_info(),
+                  "versions": versions({"triton": triton.__version__}), "head_dim": args.head_dim,
+                  "results": one_pass_loops(args.head_dim)}
     else:
         hk, hv = (int(h) for h in args.heads.split(","))
-        shape, results = (hk, hv, args.head_dim), []
+        shape, results = (hk, hv, args.head_dim, args.conv_bias), []
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
                 for form in forms.values():  # 3 launches each (q, k, v; norm_pass: q|k and v)
@@ -194,7 +172,8 @@ def main(argv=None) -> dict:
                                   for name in forms))
         report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
                   "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                  "heads": [hk, hv], "head_dim": args.head_dim, "dtype": "bfloat16", "results": results}
+                  "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "dtype": "bfloat16",
+                  "results": results}
     if args.out:
         write_json(args.out, report)
     return report

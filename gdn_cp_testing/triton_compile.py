@@ -4,9 +4,9 @@ Triton's interpreter (:mod:`gdn_cp_testing.triton_interpret`) runs a kernel's Py
 code the compiler refuses (two returns of different shapes from one function, say); this module runs the real
 compiler, to a cubin with the ptxas Triton ships, and reads the cubin's registers and stack (spill) bytes per
 thread with the cuobjdump Triton ships. The tests compile every kernel once; ``benchmarks/glue_kernels.py
---resources`` reads the pre-activation kernel at every autotuning config, and ``--loops`` the one-pass
-backward's tile loop in both forms (:func:`one_pass_loops`, about 90 s). Triton's own compile API (``ASTSource``,
-``triton.compile``) is internal: a Triton that moves it fails here loudly, not silently.
+--loops`` reads the one-pass backward's tile loop in its forms at every config (:func:`one_pass_loops`, ~90 s).
+Triton's own compile API (``ASTSource``, ``triton.compile``) is internal: a Triton that moves it fails here
+loudly, not silently.
 """
 
 from __future__ import annotations
