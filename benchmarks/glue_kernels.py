@@ -151,6 +151,10 @@ def main(argv=None) -> dict:
     else:
         hk, hv = (int(h) for h in args.heads.split(","))
         shape, results = (hk, hv, args.head_dim, args.conv_bias), []
+        report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
+                  "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+                  "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "dtype": "bfloat16",
+                  "results": results}
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
                 for form in forms.values():  # 3 launches each (q, k, v; norm_pass: q|k and v)
@@ -167,13 +171,11 @@ def main(argv=None) -> dict:
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})
             results.append(row)
+            if args.out:  # each row count as it ends: a stage cut at its time limit keeps the rows before
+                write_json(args.out, report)
             logger.info("  fwd %.3f ms  bwd %.3f ms (%s)", row["fwd_ms"], row["bwd_ms"],
                         ", ".join(f"{name} {row[f'fwd_{name}_ms']:.3f} / {row[f'bwd_{name}_ms']:.3f} ms"
                                   for name in forms))
-        report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
-                  "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                  "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "dtype": "bfloat16",
-                  "results": results}
     if args.out:
         write_json(args.out, report)
     return report

@@ -157,7 +157,7 @@ run_stage() {
         "${GARGS[@]}" ;;
     glue_kernels)
       # shellcheck disable=SC2086
-      timeout --signal=INT 300 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
+      timeout --signal=INT 400 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
     syncs)
