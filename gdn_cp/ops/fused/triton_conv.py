@@ -449,8 +449,8 @@ def gdn_cp_glue_conv_fwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
                               HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr,
                               HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
     """``out [T, HEADS, D]`` <- heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a
-    scan up the rows, one row of ``[HB, BD]`` a step (``ConvForm.scan``): each row of x is loaded once, the last
-    four roll in registers, and each step loads the row five above it first. :func:`gdn_cp_glue_conv_fwd`'s
+    scan up the rows, one row of ``[HB, BD]`` a step (``ConvForm.scan_forward``): each row of x is loaded once,
+    the last four roll in registers, and each step loads the row five above it first. :func:`gdn_cp_glue_conv_fwd`'s
     arithmetic in its order: the same bits."""
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     h = i_b * HB + tl.arange(0, HB)
@@ -621,6 +621,8 @@ def _scan_span(t: int) -> int:
     :data:`_SCAN_PROGRAMS` spans."""
     return triton.cdiv(triton.cdiv(t, _SCAN_PROGRAMS), _SCAN_SPAN) * _SCAN_SPAN if t > _SCAN_SPAN * _SCAN_PROGRAMS \
         else _SCAN_SPAN
+
+
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
@@ -772,15 +774,12 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
         rows = end - row0
         pre = torch.empty(rows, width, dtype=torch.float32, device=x.device)
         programs = triton.cdiv(rows, _SPAN)  # whatever tile autotuning picks: the sums' rows never depend on it
-        dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
-        db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+        dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
         _pre(lambda meta, programs=programs: (programs, heads),
              *_conv_inputs(x, weight, bias, halo), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
              heads, eps, D=dim, BD=_block(dim), SPAN=_SPAN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
              HAS_HALO=halo is not None, NORM=norm)
-        dw[c0:c0 + width] += dw_part.sum(0)
-        if bias is not None:
-            db[c0:c0 + width] += db_part.sum(0)
+        _add_partial_sums(dw, db, c0, dw_part, db_part)
         n = end_sum - row0
         _dx(lambda meta, n=n: (triton.cdiv(n, meta["BT"]), triton.cdiv(width, meta["BC"])),
             pre, weight, positions, dx, dx.stride(0), t, row0, n, end, c0, width, W=w)
@@ -804,16 +803,13 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
     block = _block(dim)
     scratch = torch.empty(programs * heads * (_MAX_BT + 4) * block, dtype=torch.float32, device=x.device)
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else scratch
-    dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
-    db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+    dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
     launch = _bwd_fine if form.fine_tiles else _bwd
     launch(lambda meta: (programs, heads),
            *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
            t, span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
            NORM=norm, TAPS_ONCE=form.taps_once or form.x_once, X_ONCE=form.x_once)
-    dw[c0:c0 + width] += dw_part.sum(0)
-    if bias is not None:
-        db[c0:c0 + width] += db_part.sum(0)
+    _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
 
@@ -827,17 +823,29 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     span = _scan_span(t)
     programs = triton.cdiv(t, span)
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
-    dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=x.device)
-    db_part = torch.empty(programs, width, dtype=torch.float32, device=x.device) if bias is not None else dw_part
+    dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
     _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
           span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
           HAS_HALO=halo is not None, NORM=norm)
-    dw[c0:c0 + width] += dw_part.sum(0)
-    if bias is not None:
-        db[c0:c0 + width] += db_part.sum(0)
+    _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
+
+
+def _partial_sums(programs: int, width: int, w: int, with_bias: bool, device) -> tuple:
+    """Empty ``dw_part [programs, width, W]`` and ``db_part [programs, width]`` (fp32): each backward program's tap
+    and bias sums. Without a bias ``db_part`` is ``dw_part``, a stand-in the kernels never write (``HAS_BIAS`` off)."""
+    dw_part = torch.empty(programs, width, w, dtype=torch.float32, device=device)
+    return dw_part, (torch.empty(programs, width, dtype=torch.float32, device=device) if with_bias else dw_part)
+
+
+def _add_partial_sums(dw, db, c0, dw_part, db_part) -> None:
+    """The programs' sums into the group's channels ``[c0, c0 + width)`` of ``dw [C, W]`` and (with a bias) ``db``."""
+    width = dw_part.shape[1]
+    dw[c0:c0 + width] += dw_part.sum(0)
+    if db is not None:
+        db[c0:c0 + width] += db_part.sum(0)
 
 
 def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
