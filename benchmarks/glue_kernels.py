@@ -171,6 +171,9 @@ def main(argv=None) -> dict:
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})
             results.append(row)
+            from gdn_cp.ops.fused.triton_launch import tuned_configs
+
+            report["tuned"] = tuned_configs()  # the configs autotuning chose, every form's and row count's so far
             if args.out:  # each row count as it ends: a stage cut at its time limit keeps the rows before
                 write_json(args.out, report)
             logger.info("  fwd %.3f ms  bwd %.3f ms (%s)", row["fwd_ms"], row["bwd_ms"],

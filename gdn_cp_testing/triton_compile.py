@@ -104,7 +104,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
         ("conv_bwd_one_pass_x", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": True}),
         ("l2norm_bwd", tc.gdn_cp_glue_l2norm_bwd, BF16_CONV, {k: v for k, v in tile.items() if k != "NORM"}),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
-         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4}),
+         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1}),
         ("conv_fwd_scan", tc.gdn_cp_glue_conv_fwd_scan, BF16_CONV,
          {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4}),
     )
@@ -150,14 +150,15 @@ def tests_report() -> dict:
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward's three forms as
     launched (16 rows, 4 warps, l2 norm, bias); the narrow programs (v in 64-channel blocks, q at 8 rows, the l2
     norm's backward alone); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm, without
-    a bias (Megatron's GDN conv has none by default) and, for q, with one; the forward's scan for q."""
+    a bias (Megatron's GDN conv has none by default) and, for q, with one, and unrolled by 4; the forward's scan for
+    q."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
 
-    def as_launched(bt, dim, norm, index, bias=True):
+    def as_launched(bt, dim, norm, index, bias=True, **more):
         _, kernel, pointers, c = conv_kernels(bt, dim, norm=norm, halo=False)[index]
-        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": bias}, 4, as_launched=True)
+        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": bias, **more}, 4, as_launched=True)
 
     return {"conv": {name: compile_sm90(k, p, c) for name, k, p, c in conv_kernels()},
             "gates": {name: compile_sm90(k, p, c) for name, k, p, c in gates_kernels()},
@@ -166,7 +167,9 @@ def tests_report() -> dict:
             "narrow": {"v_block": as_launched(16, 64, False, 3), "q_fine": as_launched(8, 128, True, 3),
                        "l2norm_bwd": as_launched(16, 128, True, 6)},
             "scan": {"q": as_launched(16, 128, True, 7, bias=False), "v": as_launched(16, 128, False, 7, bias=False),
-                     "q_bias": as_launched(16, 128, True, 7), "q_fwd": as_launched(16, 128, True, 8, bias=False)}}
+                     "q_bias": as_launched(16, 128, True, 7), "q_fwd": as_launched(16, 128, True, 8, bias=False),
+                     "q_unroll4": as_launched(16, 128, True, 7, bias=False, UNROLL=4),
+                     "v_unroll4": as_launched(16, 128, False, 7, bias=False, UNROLL=4)}}
 
 
 if __name__ == "__main__":

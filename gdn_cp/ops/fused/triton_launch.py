@@ -7,12 +7,16 @@ import os
 
 import triton
 
-__all__ = ["INTERPRETED", "TILE_CONFIGS", "launcher"]
+__all__ = ["INTERPRETED", "TILE_CONFIGS", "launcher", "tuned_configs"]
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 TILE_CONFIGS = [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)]
 """The row-tile kernels' autotuning configs, ``(meta, num_warps)``: tiles of 16, 32 or 64 rows, 4 or 8 warps."""
+
+
+_TUNED: dict = {}
+"""Each autotuned kernel by name (:func:`launcher`), for :func:`tuned_configs`."""
 
 
 def launcher(kernel, key: list, configs: list, fixed: dict):
@@ -25,7 +29,15 @@ def launcher(kernel, key: list, configs: list, fixed: dict):
             kernel[grid(meta)](*args, **kwargs, **meta, num_warps=warps)
         return launch
     tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key)(kernel)
+    _TUNED[kernel.__name__] = tuned
 
     def launch(grid, *args, **kwargs):
         tuned[grid](*args, **kwargs)
     return launch
+
+
+def tuned_configs() -> dict:
+    """``{kernel: {key: "meta, num_warps"}}``: the config autotuning chose for each key so far in this process
+    (``benchmarks/glue_kernels.py`` records them beside its timings; empty under the interpreter)."""
+    return {name: {str(key): f"{config.kwargs}, num_warps {config.num_warps}" for key, config in tuned.cache.items()}
+            for name, tuned in _TUNED.items() if tuned.cache}
