@@ -37,7 +37,7 @@ from gdn_cp.ops import get_backend
 from gdn_cp.ops.accuracy import rel_l2, worst
 from gdn_cp.ops.installed import dist_version
 from gdn_cp.ops.fla.detect import fla_available, fla_version, gdn_kernel_backends
-from gdn_cp.ops.fused import glue_path, split
+from gdn_cp.ops.fused import glue, glue_path, split
 from gdn_cp_testing.megatron.layer import (build_gdn, install_cpu_shims, install_gpu_shims, make_config, run_layer,
                                             stock_vs_patched, thd_params)
 from gdn_cp_testing.megatron.model import sum_grads
@@ -234,10 +234,14 @@ LEVER_SWITCHES = {
     # in_proj's output gradient assembled by torch.split's concatenation instead of written into the conv's buffer
     "split_cat": lambda modules: _switched(modules, [mock.patch.object(split, "GRAD_INTO_CONSUMER_BUFFER", False)],
                                            lambda m: None),
+    # q and k written repeated by the conv where the backend repeats them for its kernel (off by default)
+    "key_heads_in_conv": lambda modules: _switched(modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", True)],
+                                                   lambda m: None),
 }
 """A lever row runs with its switch: ``fused_norm`` off, the glue path its name says in place of the default
-(``glue_*``: the default's own path too, so every path is timed in the same run), or ``split_cat``: in_proj's
-output gradient concatenated by ``torch.split``'s backward, as before :func:`gdn_cp.ops.fused.split.split_columns`."""
+(``glue_*``: the default's own path too, so every path is timed in the same run), ``split_cat``: in_proj's
+output gradient concatenated by ``torch.split``'s backward, as before :func:`gdn_cp.ops.fused.split.split_columns`,
+or ``key_heads_in_conv`` on (:data:`gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV`)."""
 
 
 def _modules_of(module) -> dict:

@@ -92,7 +92,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
     scans (4 heads a program)."""
     from gdn_cp.ops.fused import triton_conv as tc
 
-    tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm}
+    tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm, "REPEAT": 1}
     return (
         ("conv_fwd", tc.gdn_cp_glue_conv_fwd, BF16_CONV, tile),
         ("conv_bwd_pre", tc.gdn_cp_glue_conv_bwd_pre, BF16_CONV,

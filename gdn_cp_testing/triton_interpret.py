@@ -20,7 +20,8 @@ from gdn_cp.layout import Boundaries
 from gdn_cp.ops.fused.glue import _conv_silu_split, _gates
 
 W = 4
-CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pass chunk rows | one-pass form, programs)
+CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pass chunk rows | one-pass form, programs
+    # [, copies of each key head written: q and k as a kernel without grouped value heads reads them])
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 16384),
     ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), 7),  # chunks of 7 rows: their W-1 overlap, the halo
     ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), 16384),
@@ -40,6 +41,10 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16"),  # spans of 16 rows: 3 programs
     ("float16", False, 1, 3, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "scan 16"),  # 3 heads: a program's 2nd masked
     ("float16", True, 2, 1, 32, 32, True, (0, 2, 15, 33), "scan_norm 16"),  # after the l2 norm's pass
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 7, 2),  # q, k written twice a head, their
+    ("float16", False, 1, 3, 16, 24, True, (0, 1, 2, 3, 17, 20, 50), "one_pass_x 2", 3),  # gradients summed in the
+    ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), "one_pass_norm 4", 3),  # kernels that read them
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16", 2),
 )
 
 
@@ -53,11 +58,12 @@ def backward_family(chunk) -> str:
     return "two_pass" if isinstance(chunk, int) else "scan" if chunk.startswith("scan") else "one_pass"
 
 
-def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int,
+def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int, repeat: int = 1,
               check_layout: bool = True) -> dict:
-    """One case through the kernels against the plain glue. ``check_layout``: also whether dx is written into
-    in_proj-like rows (one more forward and backward; ``_ConvSiluSplit.backward`` allocates dx the same way for
-    every form, so the session checks it once per :func:`backward_family`)."""
+    """One case through the kernels against the plain glue. ``repeat``: q and k written that many times a head
+    (``kv_repeat``). ``check_layout``: also whether dx is written into in_proj-like rows (one more forward and
+    backward; ``_ConvSiluSplit.backward`` allocates dx the same way for every form, so the session checks it once
+    per :func:`backward_family`)."""
     from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
@@ -82,7 +88,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     bias = (0.1 * torch.randn(c, generator=gen)).to(dt).requires_grad_(True)
     h = torch.randn(W - 1, c, generator=gen).to(dt).requires_grad_(True) if halo else None
     leaves = [rows, weight, bias] + ([h] if halo else [])
-    rest = (weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6)
+    rest = (weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6, repeat)
     x = rows[:, 3:3 + c]
     got, want = conv_silu_split_triton(x, *rest, **form), _conv_silu_split(x, *rest)
     douts = [torch.randn(o.shape, generator=gen).to(dt) for o in want]
@@ -105,7 +111,8 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     layout = ({"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
                                                         rows, [3, c, 4], douts)} if check_layout else {})
     return {**same, **layout, "family": backward_family(chunk),
-            "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}",
+            "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}"
+                    + (f" repeat={repeat}" if repeat > 1 else ""),
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
 
@@ -185,7 +192,7 @@ def main(argv=None) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
-    families = [backward_family(c[-1]) for c in CONV_CASES]
+    families = [backward_family(c[8]) for c in CONV_CASES]  # c[8]: the chunk rows or form
     cases = [conv_case(*c, check_layout=families.index(f) == i) for i, (c, f) in enumerate(zip(CONV_CASES, families))]
     cases += [gates_case(d) for d in ("float32", "float16")]
     cases += [norm_case(*c) for c in NORM_CASES]

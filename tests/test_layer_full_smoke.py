@@ -236,6 +236,17 @@ def test_fused_norm_switch_turns_the_lever_off_and_back_on(rank_pool):
     assert res["out"] < 1e-5 and res["grad_x"] < 1e-5, res  # the same math either way (fp32)
 
 
+def test_every_lever_has_its_switch_and_key_heads_in_conv_turns_its_flag_on_for_the_row():
+    from benchmarks.layer_full_rank import LEVER_SWITCHES
+    from gdn_cp.ops.fused import glue
+
+    assert set(LEVER_SWITCHES) == set(lfm.LEVERS)
+    assert not glue.REPEAT_KEY_HEADS_IN_CONV  # off by default: not measured on a GPU yet
+    with LEVER_SWITCHES["key_heads_in_conv"]([]):
+        assert glue.REPEAT_KEY_HEADS_IN_CONV
+    assert not glue.REPEAT_KEY_HEADS_IN_CONV
+
+
 def test_plan_units_and_keys():
     assert lfm.parse_plan("te:32K, te:128K,te-fused_norm:32K,local:128K") == [
         ("te", None, 32768), ("te", None, 131072), ("te", "fused_norm", 32768), ("local", None, 131072)]

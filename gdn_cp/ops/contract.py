@@ -162,6 +162,10 @@ def _nothing() -> None:
     return None
 
 
+def _reads_grouped_heads() -> bool:
+    return False
+
+
 def _no_native_cp() -> str:
     return "it has no native context-parallel core"
 
@@ -198,7 +202,10 @@ class Backend:
       backend's); chunkwise's own exchange then starts the summary all-gather before scanning;
     - ``fused_gated_rms_norm() -> fn | None``: ``fn(x [N, D], z [N, D], weight [D], eps) -> x / rms(x)
       * weight * silu(z)`` in one kernel (FLA's); the Megatron glue uses it in place of the layer's
-      ``out_norm`` then ``* act(z)`` where that is exactly what the layer computes.
+      ``out_norm`` then ``* act(z)`` where that is exactly what the layer computes;
+    - ``repeats_key_heads() -> bool``: whether its ``chunk_gated_delta_rule`` repeats q and k to the value heads
+      for its kernel (one without grouped value heads: FLA < 0.5); gdn-cp's glue may then hand them over repeated
+      (``gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV``), which it takes as ``Hk = Hv``, the same values.
     """
 
     spec: BackendSpec
@@ -210,6 +217,7 @@ class Backend:
     check_native_rows: Callable[[Sequence[int], int, int], None] = _any_rows
     chunk_state_summary: Optional[Callable[..., Any]] = None
     fused_gated_rms_norm: Callable[[], Optional[Callable]] = _nothing
+    repeats_key_heads: Callable[[], bool] = _reads_grouped_heads
 
     @property
     def name(self) -> str:

@@ -155,6 +155,43 @@ def test_the_unfused_path_runs_the_backends_conv_and_the_kernel_normalizes(monke
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("switch, repeats, heads_read", [(False, True, 2), (True, True, 4), (True, False, 2)])
+def test_key_heads_are_repeated_by_the_glue_only_for_a_backend_that_repeats_them(monkeypatch, switch, repeats,
+                                                                                  heads_read):
+    """``REPEAT_KEY_HEADS_IN_CONV`` on and a backend that repeats q and k for its kernel (FLA 0.4.2): the glue hands
+    them over repeated, the core reads 4 key heads (Hk = Hv), and the output and every gradient are what they are
+    with the switch off (fp64); off, or for a backend that reads grouped heads, q and k keep their 2 heads."""
+    from gdn_cp.modes import local
+
+    class Backend:
+        def __init__(self):
+            self.heads = []
+
+        def repeats_key_heads(self):
+            return repeats
+
+        def chunk_gated_delta_rule(self, q, k, *a, **kw):
+            self.heads.append(q.shape[1])
+            return REFERENCE.chunk_gated_delta_rule(q, k, *a, **kw)
+
+    torch.manual_seed(6)
+    cu, c = [0, 9, 9, 30], SHAPE.conv_dim
+    leaves = [torch.randn(30, c, dtype=torch.float64), -torch.rand(30, 4, dtype=torch.float64),
+              torch.rand(30, 4, dtype=torch.float64), torch.randn(c, W, dtype=torch.float64)]
+    leaves = [t.requires_grad_(True) for t in leaves]
+
+    def core(backend):
+        o = local.local_core(*leaves, None, shape=SHAPE, cu_seqlens=cu, backend=backend, glue="auto")
+        return [o] + list(torch.autograd.grad(o.sum(), leaves))
+
+    plain = core(REFERENCE)
+    monkeypatch.setattr(glue, "REPEAT_KEY_HEADS_IN_CONV", switch)
+    backend = Backend()
+    for a, b in zip(core(backend), plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert backend.heads == [heads_read]
+
+
 class _FakeCuda:
     """Stands in for a CUDA tensor in glue_path (it reads the device type and the dtype only)."""
 

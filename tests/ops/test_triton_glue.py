@@ -31,14 +31,19 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 24 and sum(name.startswith("conv") for name in cases) == 19
+    assert len(cases) == 28 and sum(name.startswith("conv") for name in cases) == 23
     assert sum(name.startswith("norm") for name in cases) == 3
-    assert sum("one_pass" in name for name in cases) == 12  # the one-pass backward beside the two-pass one
+    assert sum("one_pass" in name for name in cases) == 14  # the one-pass backward beside the two-pass one
     assert sum("one_pass_taps" in name for name in cases) == 2  # its programs loading their taps once
-    assert sum("one_pass_x" in name for name in cases) == 2  # and each tile's x rows once
+    assert sum("one_pass_x" in name for name in cases) == 3  # and each tile's x rows once
     assert sum("one_pass_narrow" in name for name in cases) == 2  # channel blocks without the norm, 8-row tiles
-    assert sum("one_pass_norm" in name for name in cases) == 2  # the l2 norm's backward in a pass of its own
-    assert sum("chunk=scan" in name for name in cases) == 3  # the backward as a scan down the rows
+    assert sum("one_pass_norm" in name for name in cases) == 3  # the l2 norm's backward in a pass of its own
+    assert sum("chunk=scan" in name for name in cases) == 4  # the backward as a scan down the rows
+    # q and k written 2 or 3 times a head (``kv_repeat``): one case per kernel that writes or reads them (the forward
+    # tiles and scan, the two-pass, one-pass, l2-norm-pass and scan backwards); the values are checked against
+    # the plain glue's ``repeat_interleave`` with every other case
+    assert {name.split("chunk=")[1].split()[0] for name in cases if "repeat=" in name} == {
+        "7", "one_pass_x", "one_pass_norm", "scan"}
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -65,7 +70,7 @@ def test_the_norm_pass_gives_the_one_pass_backwards_bits(cases):
     """``GDN_CP_GLUE=triton_norm_dz_copy_norm_pass`` rounds the l2 norm's gradient where the one-pass backward does,
     then runs the conv's backward without the norm in channel blocks: every gradient bit for bit the same."""
     norm_pass = [case for name, case in cases.items() if "one_pass_norm" in name]
-    assert len(norm_pass) == 2 and all(case["grads_equal_one_pass"] for case in norm_pass), norm_pass
+    assert len(norm_pass) == 3 and all(case["grads_equal_one_pass"] for case in norm_pass), norm_pass
 
 
 def test_the_scan_gives_the_tile_kernels_bits(cases):
@@ -75,7 +80,7 @@ def test_the_scan_gives_the_tile_kernels_bits(cases):
     first; spans whose W-1 rows after them belong to the next program; a program whose second head is past the
     group)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
-    assert len(scan) == 3 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert len(scan) == 4 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
     assert all(case["outputs_equal_tiles"] for case in scan), scan
 
 

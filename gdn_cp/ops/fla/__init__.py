@@ -30,5 +30,5 @@ def load(settings: Mapping[str, Any]) -> Backend:
         SPEC, causal_conv1d=kernels.causal_conv1d, chunk_gated_delta_rule=kernels.chunk_gated_delta_rule,
         native_cp_core=native_cp.native_cp_core, native_zigzag_cp_core=native_cp.native_zigzag_cp_core,
         native_cp_problem=native_cp.native_cp_problem, check_native_rows=native_cp.check_native_rows,
-        fused_gated_rms_norm=norm.fused_gated_rms_norm,
+        fused_gated_rms_norm=norm.fused_gated_rms_norm, repeats_key_heads=kernels.repeats_key_heads,
     )

@@ -59,6 +59,11 @@ def expand_kv_groups(x: torch.Tensor, ratio: int) -> torch.Tensor:
     return x if ratio == 1 else x.repeat_interleave(ratio, dim=1)
 
 
+def repeats_key_heads() -> bool:
+    """Whether :func:`kv_heads_for_kernel` repeats q and k (this FLA has no grouped value heads)."""
+    return not features().grouped_value_heads
+
+
 def kv_heads_for_kernel(x: torch.Tensor, ratio: int) -> torch.Tensor:
     """q or k ``[T, Hk, D]`` as this FLA's chunk_gated_delta_rule takes it: unchanged where it
     takes grouped value heads (FLA >= 0.5: value head h reads key head h // ratio inside the

@@ -83,6 +83,15 @@ GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy",
               "triton_norm_dz_copy_scan", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
+REPEAT_KEY_HEADS_IN_CONV = False
+"""Where the core kernel reads q and k at the value heads (FLA 0.4.2, which megatron-core 0.19 pins, has no grouped
+value heads: its backend repeats them, then autograd sums the copies' gradients), whether the conv writes them
+repeated (:func:`conv_silu_split`'s ``kv_repeat``), and its backward sums the copies' gradients as it reads them:
+no copy kernel, no sum kernel (run 2026-12-06j, one H200, FLA 0.4.2 with the TE spec, a CP=2 rank of 32K tokens:
+0.47 ms of copies and a 0.29 ms bf16 sum a step, against 0.18 ms of copies and no sum on FlashQLA, which reads
+grouped heads). Off until a GPU run times it (``benchmarks/layer_full.py``'s lever ``key_heads_in_conv``: the row
+with it on)."""
+
 CUDA_DEFAULT = "triton_norm_dz_copy"
 """What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-06b/d/e on
 one H100, each CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, bf16:
@@ -130,11 +139,11 @@ def _l2norm(x: torch.Tensor, dtype: torch.dtype, eps: float) -> torch.Tensor:
 
 
 def _conv_silu_split(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
-                     head_v_dim: int, qk_l2norm: bool, eps: float):
+                     head_v_dim: int, qk_l2norm: bool, eps: float, kv_repeat: int = 1):
     """``y = silu(bias + sum_j weight[:, j] * x[t - (W-1) + j])`` per sequence (taps before a
     sequence's first row read zeros, except into ``halo`` for the sequence that starts at row 0),
-    then ``q, k [T, heads, Dk]`` (l2-normalized when ``qk_l2norm``) and ``v [T, heads, Dv]``,
-    each contiguous and in x's dtype."""
+    then ``q, k [T, heads, Dk]`` (l2-normalized when ``qk_l2norm``; each head repeated ``kv_repeat`` times:
+    ``repeat_interleave``) and ``v [T, heads, Dv]``, each contiguous and in x's dtype."""
     t, c = x.shape
     w = weight.shape[1]
     dtype = _compute_dtype(x.dtype)
@@ -161,6 +170,8 @@ def _conv_silu_split(x, weight, bias, positions, halo, k_heads: int, v_heads: in
     q, k, v = q.reshape(t, k_heads, head_k_dim), k.reshape(t, k_heads, head_k_dim), v.reshape(t, v_heads, head_v_dim)
     if qk_l2norm:
         q, k = _l2norm(q, x.dtype, eps), _l2norm(k, x.dtype, eps)
+    if kv_repeat > 1:
+        q, k = q.repeat_interleave(kv_repeat, dim=1), k.repeat_interleave(kv_repeat, dim=1)
     return q.contiguous(), k.contiguous(), v.contiguous()
 
 
@@ -244,14 +255,18 @@ def conv_silu_split(
     qk_l2norm: bool,
     eps: float = L2NORM_EPS,
     path: str = "eager",
+    kv_repeat: int = 1,
 ):
     """Causal conv + SiLU of ``x [T, C]`` (C = 2*k_heads*Dk + v_heads*Dv), split into contiguous
     ``q, k [T, k_heads, Dk]`` (l2-normalized over Dk when ``qk_l2norm``) and ``v [T, v_heads, Dv]`` in
     x's dtype, computed in fp32 (fp64 for fp64) and rounded where FLA's conv and l2norm round: the same
     values as the ops one by one. ``positions [T]`` int32 row offsets within each
     sequence; ``halo [W-1, C]`` or None (module docstring); ``path``: ``eager`` or one of :data:`GLUE_PATHS` but
-    ``unfused`` (:func:`glue_path`)."""
-    return _CONV[path]()(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps)
+    ``unfused`` (:func:`glue_path`). ``kv_repeat``: q and k with each head repeated that many times, ``[T, k_heads *
+    kv_repeat, Dk]`` (``repeat_interleave``: what a core kernel without grouped value heads reads; the Triton paths
+    write the copies and sum their gradients in the conv's kernels: :data:`REPEAT_KEY_HEADS_IN_CONV`)."""
+    return _CONV[path]()(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim, qk_l2norm, eps,
+                         kv_repeat)
 
 
 def gated_rms_norm(path: str):

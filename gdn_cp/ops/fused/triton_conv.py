@@ -120,15 +120,40 @@ def _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, ou
 @triton.jit
 def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, C0, HEADS, EPS,
                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_HALO: tl.constexpr, NORM: tl.constexpr):
-    """``out [T, HEADS, D]`` <- head ``program_id(1)`` of the channels starting at ``C0``."""
+                HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr):
+    """``out [T, HEADS * REPEAT, D]`` <- head ``program_id(1)`` of the channels starting at ``C0``, written
+    ``REPEAT`` times (heads ``h * REPEAT + j``: :func:`_store_copies`)."""
     i_h = tl.program_id(1)
     rows, d, row_ok, d_ok, a = _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T,
                                           C0, D, BD, BT, W, HAS_BIAS, HAS_HALO)
     if NORM:
         a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
-    dst = out_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :]
-    tl.store(dst, a.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    _store_copies(out_ptr, rows[:, None].to(tl.int64) * HEADS + i_h, d[None, :], a.to(out_ptr.dtype.element_ty),
+                  row_ok[:, None] & d_ok[None, :], D, REPEAT)
+
+
+@triton.jit
+def _store_copies(out_ptr, row_head, d, value, ok, D: tl.constexpr, REPEAT: tl.constexpr):
+    """``value`` at (row, head) ``row_head`` (``row * HEADS + head``, int64) of ``out [T, HEADS * REPEAT, D]``, once per
+    copy: heads ``head * REPEAT + j``, as ``repeat_interleave(REPEAT, dim=1)`` lays q and k out for a kernel that
+    reads them at the value heads (``kv_repeat``: :func:`conv_silu_split_triton`)."""
+    for j in tl.static_range(REPEAT):
+        tl.store(out_ptr + (row_head * REPEAT + j) * D + d, value, mask=ok)
+
+
+@triton.jit
+def _load_gradient(dout_ptr, row_head, d, ok, D: tl.constexpr, REPEAT: tl.constexpr):
+    """The output gradient at (row, head) ``row_head`` in dout's dtype: with copies (``REPEAT`` > 1) the sum of theirs,
+    in fp32 in head order, rounded once (what autograd hands back through ``repeat_interleave``); zeros outside
+    ``ok``."""
+    base = row_head * REPEAT
+    g = tl.load(dout_ptr + base * D + d, mask=ok, other=0.0)
+    if REPEAT > 1:
+        total = g.to(tl.float32)
+        for j in tl.static_range(1, REPEAT):
+            total += tl.load(dout_ptr + (base + j) * D + d, mask=ok, other=0.0).to(tl.float32)
+        g = total.to(dout_ptr.dtype.element_ty)
+    return g
 
 
 @triton.jit
@@ -155,19 +180,19 @@ def _silu_gradient(y, da, ok, dout_ptr, EPS, NORM: tl.constexpr):
 
 
 @triton.jit
-def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.constexpr, NORM: tl.constexpr):
+def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.constexpr, NORM: tl.constexpr,
+                  REPEAT: tl.constexpr):
     """From the conv's pre-activation ``y [BT, BD]`` (fp32) and the output gradient at ``rows``: the gradient at
     ``y`` through SiLU, its rounding to the output dtype as FLA's conv rounds, and the l2 norm where ``NORM``."""
     ok = row_ok[:, None] & d_ok[None, :]
-    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
-                 other=0.0).to(tl.float32)
+    da = _load_gradient(dout_ptr, rows[:, None].to(tl.int64) * HEADS + i_h, d[None, :], ok, D, REPEAT).to(tl.float32)
     return _silu_gradient(y, da, ok, dout_ptr, EPS, NORM)
 
 
 @triton.jit
 def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, out_ptr, T, C0,
                            HEADS, OUT_HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-                           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
+                           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, REPEAT: tl.constexpr):
     """The l2 norm's backward alone (``ConvForm.norm_pass``): ``out`` (rows of ``OUT_HEADS`` heads of D) <- the
     gradient at the SiLU output of head ``program_id(1)`` (channels from ``C0``), from the gradient ``dout [T,
     HEADS, D]`` at its normalized output, in ``out``'s dtype: the value :func:`_pre_gradient` rounds to and
@@ -177,8 +202,7 @@ def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride,
     rows, d, row_ok, d_ok, a = _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T,
                                           C0, D, BD, BT, W, HAS_BIAS, HAS_HALO)
     ok = row_ok[:, None] & d_ok[None, :]
-    da = tl.load(dout_ptr + (rows[:, None].to(tl.int64) * HEADS + i_h) * D + d[None, :], mask=ok,
-                 other=0.0).to(tl.float32)
+    da = _load_gradient(dout_ptr, rows[:, None].to(tl.int64) * HEADS + i_h, d[None, :], ok, D, REPEAT).to(tl.float32)
     tl.store(out_ptr + (rows[:, None].to(tl.int64) * OUT_HEADS + i_h) * D + d[None, :],
              _l2norm_gradient(a, da, EPS).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -186,18 +210,19 @@ def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride,
 @triton.jit
 def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, ch,
                d, d_ok, EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
-               NORM: tl.constexpr, TAPS_GIVEN: tl.constexpr):
+               NORM: tl.constexpr, TAPS_GIVEN: tl.constexpr, REPEAT: tl.constexpr):
     """The gradient at the conv's pre-activation ``[BT, BD]`` fp32 for ``rows`` (zeros outside [0, T))."""
     row_ok = (rows >= 0) & (rows < T)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
                    W, HAS_BIAS, HAS_HALO, TAPS_GIVEN)
-    return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM)
+    return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM, REPEAT)
 
 
 @triton.jit
 def _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, d, ch, d_ok,
-                         EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+                         EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr,
+                         REPEAT: tl.constexpr):
     """:func:`_dpre_tile` (taps given, W <= 4) that also returns the x rows it read, ``x[t - k]`` for k = 0..3 in
     x's dtype (zeros for k >= W), so the tap sums need not load them again."""
     row_ok = (rows >= 0) & (rows < T)
@@ -214,7 +239,7 @@ def _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_p
         y += _pick(W - 3, taps[0], taps[1], taps[2], taps[3]) * x2.to(tl.float32)
     if W > 3:
         y += taps[0] * x3.to(tl.float32)
-    return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM), x0, x1, x2, x3
+    return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM, REPEAT), x0, x1, x2, x3
 
 
 @triton.jit
@@ -260,7 +285,7 @@ def _store_sums(dw_ptr, db_ptr, i_p, width, local, d_ok, acc0, acc1, acc2, acc3,
 def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, pre_ptr, dw_ptr,
                              db_ptr, T, ROW0, ROWS, SUM_END, C0, HEADS, EPS, D: tl.constexpr, BD: tl.constexpr,
                              BT: tl.constexpr, SPAN: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
+                             HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr):
     """The gradient at the conv's pre-activation of rows ``[ROW0, ROW0 + ROWS)``, head ``program_id(1)``, into
     ``pre [ROWS, HEADS*D]`` (fp32), and the sums over this program's ``SPAN`` rows (those below ``SUM_END``) of
     the tap and bias gradients into ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32). The sums
@@ -281,7 +306,7 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
         rel = i_p * SPAN + it * BT + tl.arange(0, BT)
         rows = ROW0 + rel
         pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                         HEADS, ch, d, d_ok, EPS, None, D, W, HAS_BIAS, HAS_HALO, NORM, False)
+                         HEADS, ch, d, d_ok, EPS, None, D, W, HAS_BIAS, HAS_HALO, NORM, False, REPEAT)
         row_ok = rel < ROWS
         tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -316,7 +341,8 @@ def gdn_cp_glue_conv_bwd_dx(pre_ptr, w_ptr, pos_ptr, dx_ptr, dx_stride, T, ROW0,
 def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
                          scratch_ptr, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                          BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HAS_HALO: tl.constexpr, NORM: tl.constexpr, TAPS_ONCE: tl.constexpr, X_ONCE: tl.constexpr):
+                         HAS_HALO: tl.constexpr, NORM: tl.constexpr, TAPS_ONCE: tl.constexpr, X_ONCE: tl.constexpr,
+                         REPEAT: tl.constexpr):
     """The whole backward of head ``program_id(1)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` in one pass: ``dx``
     of those rows (bf16 / fp16 / fp32, written once), the tap and bias sums into ``dw [programs, HEADS*D, W]``,
     ``db [programs, HEADS*D]`` and, with a halo, the pre-activation gradient of rows ``[0, W-1)`` into
@@ -344,7 +370,7 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     else:
         taps = None
     tail = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, span0 + SPAN + after,
-                      T, i_h, HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE)
+                      T, i_h, HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE, REPEAT)
     tl.store(scratch + (BT + after)[:, None] * BD + d[None, :], tail)
     acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # sums of pre * x[t - k], k = 0..3 (tap W-1-k)
     acc1 = tl.zeros((BT, BD), dtype=tl.float32)
@@ -357,7 +383,8 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
         row_ok = rows < T
         if X_ONCE:
             pre, x0, x1, x2, x3 = _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows,
-                                                       T, i_h, HEADS, d, ch, d_ok, EPS, taps, D, W, HAS_HALO, NORM)
+                                                       T, i_h, HEADS, d, ch, d_ok, EPS, taps, D, W, HAS_HALO, NORM,
+                                                       REPEAT)
             accb += pre
             acc0 += pre * x0.to(tl.float32)
             acc1 += pre * x1.to(tl.float32)
@@ -365,7 +392,8 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
             acc3 += pre * x3.to(tl.float32)
         else:
             pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                             HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE)  # 0 at rows >= T
+                             HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE,
+                             REPEAT)  # 0 at rows >= T
             accb += pre
             acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
                                                acc0, acc1, acc2, acc3, W, HAS_HALO)
@@ -402,11 +430,10 @@ def _x_row(x_ptr, x_stride, halo_ptr, halo_stride, r, T, ch, ok, W: tl.constexpr
 
 
 @triton.jit
-def _dout_row(dout_ptr, r, HEADS, h, d, ok, D: tl.constexpr):
-    """The output gradient ``dout [T, HEADS, D]`` at row ``r`` (clamped to 0: a row below the first is never used)
-    for heads ``h`` ``[HB, BD]``."""
-    at = (tl.maximum(r, 0) * HEADS + h[:, None]).to(tl.int64) * D + d[None, :]
-    return tl.load(dout_ptr + at, mask=ok, other=0.0)
+def _dout_row(dout_ptr, r, HEADS, h, d, ok, D: tl.constexpr, REPEAT: tl.constexpr):
+    """The output gradient ``dout [T, HEADS * REPEAT, D]`` at row ``r`` (clamped to 0: a row below the first is never
+    used) for heads ``h`` ``[HB, BD]`` (:func:`_load_gradient`)."""
+    return _load_gradient(dout_ptr, (tl.maximum(r, 0) * HEADS + h[:, None]).to(tl.int64), d[None, :], ok, D, REPEAT)
 
 
 @triton.jit
@@ -447,8 +474,8 @@ def _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W: tl.constexpr):
 @triton.jit
 def gdn_cp_glue_conv_fwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, SPAN, C0,
                               HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr):
-    """``out [T, HEADS, D]`` <- heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a
+                              HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr):
+    """``out [T, HEADS * REPEAT, D]`` <- heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a
     scan up the rows, one row of ``[HB, BD]`` a step (``ConvForm.scan_forward``): each row of x is loaded once,
     the last four roll in registers, and each step loads the row five above it first. :func:`gdn_cp_glue_conv_fwd`'s
     arithmetic in its order: the same bits."""
@@ -487,8 +514,8 @@ def gdn_cp_glue_conv_fwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
         a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded where FLA's conv rounds
         if NORM:
             a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
-        tl.store(out_ptr + (t * HEADS + h[:, None]).to(tl.int64) * D + d[None, :], a.to(out_ptr.dtype.element_ty),
-                 mask=ok)
+        _store_copies(out_ptr, (t * HEADS + h[:, None]).to(tl.int64), d[None, :], a.to(out_ptr.dtype.element_ty), ok,
+                      D, REPEAT)
         x3, x2, x1, x0, xa, xb, xc, xd = x2, x1, x0, xa, xb, xc, xd, x_next
         pos, pos_a, pos_b, pos_c, pos_d = pos_a, pos_b, pos_c, pos_d, pos_next
 
@@ -497,7 +524,7 @@ def gdn_cp_glue_conv_fwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
 def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
                               dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                               BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              HAS_HALO: tl.constexpr, NORM: tl.constexpr, UNROLL: tl.constexpr):
+                              HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, UNROLL: tl.constexpr):
     """The whole backward of heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a scan
     down the rows, one row a step (``ConvForm.scan``): each step's tile is ``[HB, BD]``, the program's heads at one
     row, so a thread keeps the same channels at every row and the conv's shifts in time are registers: the last
@@ -533,11 +560,11 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     x5 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 5, T, ch, ok, W, HAS_HALO)
     x6 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 6, T, ch, ok, W, HAS_HALO)
     x7 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, top - 7, T, ch, ok, W, HAS_HALO)
-    da = _dout_row(dout_ptr, top, HEADS, h, d, ok, D)
-    da1 = _dout_row(dout_ptr, top - 1, HEADS, h, d, ok, D)
-    da2 = _dout_row(dout_ptr, top - 2, HEADS, h, d, ok, D)
-    da3 = _dout_row(dout_ptr, top - 3, HEADS, h, d, ok, D)
-    da4 = _dout_row(dout_ptr, top - 4, HEADS, h, d, ok, D)
+    da = _dout_row(dout_ptr, top, HEADS, h, d, ok, D, REPEAT)
+    da1 = _dout_row(dout_ptr, top - 1, HEADS, h, d, ok, D, REPEAT)
+    da2 = _dout_row(dout_ptr, top - 2, HEADS, h, d, ok, D, REPEAT)
+    da3 = _dout_row(dout_ptr, top - 3, HEADS, h, d, ok, D, REPEAT)
+    da4 = _dout_row(dout_ptr, top - 4, HEADS, h, d, ok, D, REPEAT)
     pos = tl.load(pos_ptr + top)
     pos_1 = tl.load(pos_ptr + tl.maximum(top - 1, 0))
     pos_2 = tl.load(pos_ptr + tl.maximum(top - 2, 0))
@@ -557,7 +584,7 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     for i in tl.range(top - span0 + 1, loop_unroll_factor=UNROLL):
         t = top - i
         x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 8, T, ch, ok, W, HAS_HALO)
-        da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D)
+        da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D, REPEAT)
         pos_next = tl.load(pos_ptr + tl.maximum(t - 5, 0))  # (rows below the span: loaded, never stepped to)
         e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
         y = _conv_row(taps[4], lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
@@ -595,14 +622,14 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
         tl.store(db_ptr + i_p * (HEADS * D) + local, accb, mask=ok)
 
 
-_TILE_KEY = ["D", "W", "HAS_HALO", "NORM"]
+_TILE_KEY = ["D", "W", "HAS_HALO", "NORM", "REPEAT"]
 _fwd = launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
 _bwd = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
-_l2norm_bwd = launcher(gdn_cp_glue_l2norm_bwd, ["D", "W", "HAS_HALO"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_l2norm_bwd = launcher(gdn_cp_glue_l2norm_bwd, ["D", "W", "HAS_HALO", "REPEAT"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _FINE_TILES = [({"BT": 8}, 4), ({"BT": 8}, 2)]
 """Tiles of 8 rows, which the one-pass backward may also take (``ConvForm.fine_tiles``): compiled for sm_90 with the
 l2 norm and a bias, 4 warps, 128 registers a thread against 255 at 16 rows, so twice the programs fit an SM."""
@@ -633,10 +660,12 @@ _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
 
 
-def _groups(k_heads, v_heads, dk, dv, qk_l2norm):
-    """(first channel, heads, head dim, l2-normalized) of q, k, v in the pre-conv channels."""
+def _groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat=1):
+    """(first channel, heads, head dim, l2-normalized, copies of each head written) of q, k, v in the pre-conv
+    channels."""
     kd = k_heads * dk
-    return ((0, k_heads, dk, qk_l2norm), (kd, k_heads, dk, qk_l2norm), (2 * kd, v_heads, dv, False))
+    return ((0, k_heads, dk, qk_l2norm, kv_repeat), (kd, k_heads, dk, qk_l2norm, kv_repeat),
+            (2 * kd, v_heads, dv, False, 1))
 
 
 @dataclass(frozen=True)
@@ -664,13 +693,14 @@ class ConvForm:
     scan_forward: bool = False
 
 
-def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None) -> tuple[int, int]:
+def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None, repeat: int = 1) -> tuple[int, int]:
     """(heads, head dim) a group's kernels run with. A group without the l2 norm (nothing reduced over its head
     dim: v, and q / k where the norm is off) runs in blocks of ``channel_block`` channels where that divides its
     head dim: the same memory (``[T, heads * dim]`` contiguous), twice the programs or more, each with half the
     channels or fewer, so fewer registers (compiled for sm_90, Dv 128 -> 64, 16 rows, 4 warps, with a bias: 255 ->
-    127 a thread in the one-pass backward) and more programs resident on each SM."""
-    if channel_block and not norm and dim > channel_block and dim % channel_block == 0:
+    127 a thread in the one-pass backward) and more programs resident on each SM. A group whose heads are written
+    ``repeat`` > 1 times keeps whole heads (its copies are laid out by head)."""
+    if channel_block and not norm and repeat == 1 and dim > channel_block and dim % channel_block == 0:
         return heads * (dim // channel_block), channel_block
     return heads, dim
 
@@ -688,67 +718,72 @@ def _conv_inputs(x, weight, bias, halo) -> tuple:
 
 class _ConvSiluSplit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, form):
+    def forward(ctx, x, weight, bias, positions, halo, k_heads, v_heads, dk, dv, qk_l2norm, eps, kv_repeat, form):
         t = x.shape[0]
         w = weight.shape[1]
         weight_c = weight.contiguous()
         outs = []
-        for c0, heads, dim, norm in _groups(k_heads, v_heads, dk, dv, qk_l2norm):
-            out = torch.empty(t, heads, dim, dtype=x.dtype, device=x.device)
+        for c0, heads, dim, norm, repeat in _groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat):
+            out = torch.empty(t, heads * repeat, dim, dtype=x.dtype, device=x.device)
             if t and heads and form.scan_forward:
                 span = _scan_span(t)
                 programs = triton.cdiv(t, span)
                 _fwd_scan(lambda meta, programs=programs, heads=heads: (programs, triton.cdiv(heads, meta["HB"])),
                           *_conv_inputs(x, weight_c, bias, halo), positions, out, t, span, c0, heads, eps, D=dim,
-                          BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
+                          BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
+                          REPEAT=repeat)
             elif t and heads:
-                n, d = _launch_heads(heads, dim, norm, form.channel_block)
+                n, d = _launch_heads(heads, dim, norm, form.channel_block, repeat)
                 _fwd(lambda meta, t=t, n=n: (triton.cdiv(t, meta["BT"]), n),
                      *_conv_inputs(x, weight_c, bias, halo), positions, out, t, c0, n, eps,
-                     D=d, BD=_block(d), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm)
+                     D=d, BD=_block(d), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
+                     REPEAT=repeat)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
-        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, weight.dtype, form)
+        ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, kv_repeat, weight.dtype, form)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, dq, dk_, dv_):
         x, weight, bias, positions, halo = ctx.saved_tensors
-        k_heads, v_heads, dk, dv, qk_l2norm, eps, w_dtype, form = ctx.meta
+        k_heads, v_heads, dk, dv, qk_l2norm, eps, kv_repeat, w_dtype, form = ctx.meta
         t, c = x.shape
         w = weight.shape[1]
         dx = row_gradient_columns(x)  # q|k|v's columns of in_proj's output gradient where x is split_columns' group
         dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
         db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
         dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
-        groups = [(c0, heads, dim, norm, heads, g)
-                  for (c0, heads, dim, norm), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm), (dq, dk_, dv_))]
+        groups = [(c0, heads, dim, norm, repeat, heads, g) for (c0, heads, dim, norm, repeat), g in
+                  zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat), (dq, dk_, dv_))]
         if form.norm_pass and qk_l2norm and t and k_heads:  # q and k then run as one group without the norm
-            groups = [(0, 2 * k_heads, dk, False, k_heads,
-                       _l2norm_backward(x, weight, bias, halo, positions, dq, dk_, k_heads, dk, eps)), groups[2]]
-        for c0, heads, dim, norm, span_heads, g in groups:
+            groups = [(0, 2 * k_heads, dk, False, 1, k_heads,
+                       _l2norm_backward(x, weight, bias, halo, positions, dq, dk_, k_heads, dk, eps, kv_repeat)),
+                      groups[2]]
+        for c0, heads, dim, norm, repeat, span_heads, g in groups:
             if not (t and heads):
                 continue
-            g = torch.zeros(t, heads, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            g = torch.zeros(t, heads * repeat, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
             if form.scan:
                 _conv_group_backward_scan(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db,
-                                          dhalo)
+                                          dhalo, repeat)
                 continue
-            n, d = _launch_heads(heads, dim, norm, form.channel_block)
+            n, d = _launch_heads(heads, dim, norm, form.channel_block, repeat)
             if form.one_pass:
                 _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw,
-                                              db, dhalo, form, span_heads=span_heads)
+                                              db, dhalo, form, span_heads=span_heads, repeat=repeat)
             else:
-                _conv_group_backward(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw, db, dhalo)
+                _conv_group_backward(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw, db, dhalo,
+                                     repeat)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
 
 
-def _l2norm_backward(x, weight, bias, halo, positions, dq, dk, heads, dim, eps) -> torch.Tensor:
+def _l2norm_backward(x, weight, bias, halo, positions, dq, dk, heads, dim, eps, repeat) -> torch.Tensor:
     """The gradient at q's and k's SiLU output (:func:`gdn_cp_glue_l2norm_bwd`) as one ``[T, 2 * heads, dim]`` group
-    in x's dtype: q's heads, then k's, as their channels lie in x (``dq``, ``dk`` ``[T, heads, dim]``; None: zeros)."""
+    in x's dtype: q's heads, then k's, as their channels lie in x (``dq``, ``dk`` ``[T, heads * repeat, dim]``, each
+    head's copies summed; None: zeros)."""
     t = x.shape[0]
     d_silu = torch.empty(t, 2 * heads, dim, dtype=x.dtype, device=x.device)
     for half, dout in enumerate((dq, dk)):
@@ -758,14 +793,15 @@ def _l2norm_backward(x, weight, bias, halo, positions, dq, dk, heads, dim, eps) 
         _l2norm_bwd(lambda meta: (triton.cdiv(t, meta["BT"]), heads),
                     *_conv_inputs(x, weight, bias, halo), positions, dout.contiguous(), d_silu[:, half * heads:], t,
                     half * heads * dim, heads, 2 * heads, eps, D=dim, BD=_block(dim), W=weight.shape[1],
-                    HAS_BIAS=bias is not None, HAS_HALO=halo is not None)
+                    HAS_BIAS=bias is not None, HAS_HALO=halo is not None, REPEAT=repeat)
     return d_silu
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
 
 
-def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db, dhalo):
+def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db, dhalo,
+                         repeat):
     """One channel group's backward (q, k or v), ``_CHUNK`` rows at a time: the pre-activation gradient of the
     rows and the W-1 after them (:func:`gdn_cp_glue_conv_bwd_pre`), then dx from it
     (:func:`gdn_cp_glue_conv_bwd_dx`); dw, db and the halo's gradient accumulated into the fp32 ``dw``, ``db``,
@@ -783,7 +819,7 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
         _pre(lambda meta, programs=programs: (programs, heads),
              *_conv_inputs(x, weight, bias, halo), positions, dout, pre, dw_part, db_part, t, row0, rows, end_sum, c0,
              heads, eps, D=dim, BD=_block(dim), SPAN=_SPAN, W=w, WP=triton.next_power_of_2(w), HAS_BIAS=bias is not None,
-             HAS_HALO=halo is not None, NORM=norm)
+             HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat)
         _add_partial_sums(dw, db, c0, dw_part, db_part)
         n = end_sum - row0
         _dx(lambda meta, n=n: (triton.cdiv(n, meta["BT"]), triton.cdiv(width, meta["BC"])),
@@ -793,7 +829,7 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 
 
 def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db,
-                                  dhalo, form, span_heads):
+                                  dhalo, form, span_heads, repeat):
     """One channel group's backward in one kernel (:func:`gdn_cp_glue_conv_bwd`): dx written once, no fp32
     ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs per ``span_heads`` heads (a group in channel
     blocks keeps its heads' spans of rows, so its programs multiply), each a span of rows (a multiple of every
@@ -813,13 +849,14 @@ def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, he
     launch(lambda meta: (programs, heads),
            *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
            t, span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
-           NORM=norm, TAPS_ONCE=form.taps_once or form.x_once, X_ONCE=form.x_once)
+           NORM=norm, TAPS_ONCE=form.taps_once or form.x_once, X_ONCE=form.x_once, REPEAT=repeat)
     _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
 
 
-def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db, dhalo):
+def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db, dhalo,
+                              repeat):
     """One channel group's backward as a scan down each span of rows (:func:`gdn_cp_glue_conv_bwd_scan`): dx
     written once, the tap and bias sums per span, no fp32 ``[T, width]`` buffer and no scratch."""
     t = x.shape[0]
@@ -832,7 +869,7 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
           span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
-          HAS_HALO=halo is not None, NORM=norm)
+          HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat)
     _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
@@ -869,9 +906,10 @@ def _halo_gradient(pre: torch.Tensor, taps: torch.Tensor, positions: torch.Tenso
 
 
 def conv_silu_split_triton(x, weight, bias, positions, halo, k_heads: int, v_heads: int, head_k_dim: int,
-                           head_v_dim: int, qk_l2norm: bool, eps: float, **form):
-    """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``; ``form``: the fields
-    of :class:`ConvForm` (how the kernels run)."""
+                           head_v_dim: int, qk_l2norm: bool, eps: float, kv_repeat: int = 1, **form):
+    """:func:`gdn_cp.ops.fused.conv_silu_split`'s contract, by the kernels above: ``(q, k, v)``, q and k written
+    ``kv_repeat`` times per head (``[T, k_heads * kv_repeat, Dk]``; their gradients' copies summed in the backward's
+    kernels); ``form``: the fields of :class:`ConvForm` (how the kernels run)."""
     halo = halo.contiguous() if halo is not None else None
     return _ConvSiluSplit.apply(x, weight, bias, positions, halo, k_heads, v_heads, head_k_dim, head_v_dim,
-                                qk_l2norm, eps, ConvForm(**form))
+                                qk_l2norm, eps, kv_repeat, ConvForm(**form))
