@@ -4,9 +4,9 @@ one short GPU call (seconds after autotuning): a kernel change is timed here bef
 (``benchmarks/layer_full.py``), which decides (run 2026-12-05a: two forms faster here were slower there).
 
 Per row count: the median forward and backward of ``conv_silu_split_triton`` (CUDA events, ``--iters`` each
-after 3 warm-up calls that autotune). The floor is the bytes each direction must move (forward: read x, write
-q/k/v; backward: read x and the output gradients, write dx) at the bandwidth a plain device copy reaches on the
-same GPU.
+after 3 warm-up calls that autotune; ``tuned``: the configs autotuning chose). The floor is the bytes each direction
+must move (forward: read x, write q/k/v; backward: read x and the output gradients, write dx) at the bandwidth a
+plain device copy reaches on the same GPU.
 
 Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4
 without a bias, as Megatron's GDN builds it; ``--conv-bias`` adds one; q/k l2-normalized), bf16, x a strided view
@@ -149,6 +149,8 @@ def main(argv=None) -> dict:
                   "versions": versions({"triton": triton.__version__}), "head_dim": args.head_dim,
                   "results": one_pass_loops(args.head_dim)}
     else:
+        from gdn_cp.ops.fused import triton_launch
+
         hk, hv = (int(h) for h in args.heads.split(","))
         shape, results = (hk, hv, args.head_dim, args.conv_bias), []
         report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
@@ -171,9 +173,7 @@ def main(argv=None) -> dict:
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})
             results.append(row)
-            from gdn_cp.ops.fused.triton_launch import tuned_configs
-
-            report["tuned"] = tuned_configs()  # the configs autotuning chose, every form's and row count's so far
+            report["tuned"] = triton_launch.tuned_configs()  # autotuning's picks, every form's and row count's so far
             if args.out:  # each row count as it ends: a stage cut at its time limit keeps the rows before
                 write_json(args.out, report)
             logger.info("  fwd %.3f ms  bwd %.3f ms (%s)", row["fwd_ms"], row["bwd_ms"],

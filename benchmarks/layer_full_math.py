@@ -42,8 +42,7 @@ SPECS = ("local", "te")
 # ``glue_triton`` / ``glue_compiled`` / ``glue_unfused``: the glue path of that name (GDN_CP_GLUE) in place of the
 # default (gdn_cp.ops.fused), so that every path is timed beside the default in the same run;
 # ``split_cat``: in_proj's output gradient concatenated by torch.split's backward (gdn_cp.ops.fused.split);
-# ``key_heads_in_conv``, the other way round: a switch that is off by default turned on (the conv writes q and k
-# repeated where the backend would repeat them: gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV).
+# ``key_heads_in_conv``: a switch off by default turned on (gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV).
 GLUE_LEVERS = {f"glue_{path}": path for path in GLUE_PATHS}
 """The levers that only pick the glue path (``glue_<path>`` -> path): a row of one is named by its path."""
 LEVERS = ("fused_norm", *GLUE_LEVERS, "split_cat", "key_heads_in_conv")

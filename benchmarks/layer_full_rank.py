@@ -231,17 +231,14 @@ LEVER_SWITCHES = {
     **{lever: lambda modules, path=path: _switched(modules, [mock.patch.dict(os.environ, GDN_CP_GLUE=path)],
                                                     reset_settings)
        for lever, path in GLUE_LEVERS.items()},
-    # in_proj's output gradient assembled by torch.split's concatenation instead of written into the conv's buffer
     "split_cat": lambda modules: _switched(modules, [mock.patch.object(split, "GRAD_INTO_CONSUMER_BUFFER", False)],
                                            lambda m: None),
-    # q and k written repeated by the conv where the backend repeats them for its kernel (off by default)
     "key_heads_in_conv": lambda modules: _switched(modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", True)],
                                                    lambda m: None),
 }
-"""A lever row runs with its switch: ``fused_norm`` off, the glue path its name says in place of the default
-(``glue_*``: the default's own path too, so every path is timed in the same run), ``split_cat``: in_proj's
-output gradient concatenated by ``torch.split``'s backward, as before :func:`gdn_cp.ops.fused.split.split_columns`,
-or ``key_heads_in_conv`` on (:data:`gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV`)."""
+"""A lever row runs with its switch (``layer_full_math.LEVERS``): ``fused_norm`` off, the glue path its name says in
+place of the default (``glue_*``: the default's too, so every path is timed in the same run), ``split_cat`` (off:
+``torch.split``'s concatenation), ``key_heads_in_conv`` (on: :data:`gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV`)."""
 
 
 def _modules_of(module) -> dict:

@@ -96,6 +96,29 @@ def test_conv_split_paths_equal_eager_and_fp64(path, halo):
 
 
 @needs_cuda
+@pytest.mark.parametrize("path", ["triton", glue.CUDA_DEFAULT, "triton_norm_dz_copy_norm_pass",
+                                  "triton_norm_dz_copy_scan"])
+def test_key_heads_written_repeated_are_the_repeated_outputs_bit_for_bit(path):
+    """``kv_repeat=2`` (``REPEAT_KEY_HEADS_IN_CONV``, for FLA 0.4.2): q and k written twice a head by the kernels,
+    their copies' gradients summed as the backward reads them, against the same path's q and k repeated by
+    ``repeat_interleave`` (autograd sums the copies in bf16): every output and gradient bit for bit the same, with a
+    halo, bf16 at Qwen3.5-9B's width."""
+    cu = [0, 1000, 1000, 3000, 4096]
+    rows, weight, bias, h = _inputs(cu, True, seed=7)
+
+    def repeated_after(x, *rest, **kw):
+        q, k, v = glue.conv_silu_split(x, *rest, **kw, path=path)
+        return q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1), v
+
+    got = _run(partial(glue.conv_silu_split, path=path, kv_repeat=2), rows, weight, bias, h, cu, 7)
+    want = _run(repeated_after, rows, weight, bias, h, cu, 7)
+    names = ["q", "k", "v", "d_rows", "d_weight", "d_bias", "d_halo"]
+    same = {n: torch.equal(a, b) for n, a, b in zip(names, got[0] + got[1], want[0] + want[1])}
+    _record("fused_glue_kv_repeat", path=path, same=same)
+    assert got[0][0].shape == (4096, 2 * HK, D) and all(same.values()), same
+
+
+@needs_cuda
 @pytest.mark.parametrize("path", ["triton", "triton_one_pass", "compiled"])
 def test_gates_paths_equal_stocks_expression(path):
     torch.manual_seed(0)
