@@ -42,8 +42,7 @@ def _inputs(rows: int, hk: int, hv: int, dim: int, device: str, dtype: torch.dty
     gen = torch.Generator(device="cpu").manual_seed(rows)
     c = 2 * hk * dim + hv * dim
     proj = torch.randn(rows, c + hv * dim + 2 * hv, generator=gen).to(device=device, dtype=dtype)
-    cu = [min(rows, c) for c in itertools.accumulate((max(1, int(rows * f)) for f in MIXED8[:-1]), initial=0)]
-    cu.append(rows)
+    cu = [min(rows, c) for c in itertools.accumulate((max(1, int(rows * f)) for f in MIXED8[:-1]), initial=0)] + [rows]
     weight = (0.5 * torch.randn(c, 4, generator=gen)).to(device=device, dtype=dtype)
     bias = (0.1 * torch.randn(c, generator=gen)).to(device=device, dtype=dtype)
     douts = [torch.randn(rows, h, dim, generator=gen).to(device=device, dtype=dtype) for h in (hk, hk, hv)]
@@ -63,12 +62,11 @@ BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "taps_once": {"one_pass": True
                   "fine": {"one_pass": True, "fine_tiles": True},
                   "norm_pass": {"one_pass": True, "norm_pass": True, "channel_block": 64},
                   "scan": {"scan": True, "scan_forward": True}, "scan_norm_pass": {"scan": True, "norm_pass": True}}
-"""The one-pass backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): the
-default's; its programs loading the taps once; the taps and each tile's x once; v in blocks of 64 channels; tiles
-of 8 rows offered to its autotuning (these two: ``GDN_CP_GLUE=triton_norm_dz_copy_narrow``); the l2 norm's
-backward first, then every group in 64-channel blocks (``triton_norm_dz_copy_norm_pass``); the backward as a scan
-down the rows, one row of a few heads a step (``triton_norm_dz_copy_scan``; its row also times the forward's scan),
-and after the l2 norm's pass."""
+"""The backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): one pass; its
+programs loading the taps once; the taps and each tile's x once; v in 64-channel blocks; 8-row tiles offered to its
+autotuning (``GDN_CP_GLUE=triton_norm_dz_copy_narrow``); the l2 norm's backward first, then every group in 64-channel
+blocks (``triton_norm_dz_copy_norm_pass``); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``; its
+row also times the forward's scan), and after the l2 norm's pass."""
 
 
 def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:

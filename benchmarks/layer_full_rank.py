@@ -233,12 +233,12 @@ LEVER_SWITCHES = {
        for lever, path in GLUE_LEVERS.items()},
     "split_cat": lambda modules: _switched(modules, [mock.patch.object(split, "GRAD_INTO_CONSUMER_BUFFER", False)],
                                            lambda m: None),
-    "key_heads_in_conv": lambda modules: _switched(modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", True)],
-                                                   lambda m: None),
+    "key_heads_by_backend": lambda modules: _switched(
+        modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
 }
 """A lever row runs with its switch (``layer_full_math.LEVERS``): ``fused_norm`` off, the glue path its name says in
 place of the default (``glue_*``: the default's too, so every path is timed in the same run), ``split_cat`` (off:
-``torch.split``'s concatenation), ``key_heads_in_conv`` (on: :data:`gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV`)."""
+``torch.split``'s concatenation), ``key_heads_by_backend`` (:data:`gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV` off)."""
 
 
 def _modules_of(module) -> dict:
@@ -460,10 +460,12 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
         else:
             out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
                                 "unfused: the layer's out_norm(o) * act(z)")
-            # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations)
-            # and the per-rank kernels gdn-cp ran (linear_cp_backend as resolved)
+            # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations), the
+            # per-rank kernels gdn-cp ran (linear_cp_backend as resolved), whether the conv repeated q and k for them
+            backend = layer_state(case.module).backend
             out["glue"] = glue_path(layer_state(case.module).settings.glue, y)
-            out["gdn_cp_backend"] = layer_state(case.module).backend.name
+            out["gdn_cp_backend"], out["key_heads_in_glue"] = backend.name, glue.REPEAT_KEY_HEADS_IN_CONV and \
+                backend.repeats_key_heads()
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()

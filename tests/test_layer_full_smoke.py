@@ -68,7 +68,8 @@ def test_rows_say_which_backend_gdn_cp_ran(smoke):
     for r in rows:
         assert r["knobs"]["linear_cp_backend"] == "auto"
         if r["case"] not in lfm.STOCK_CASES and r["status"] == "ok":
-            assert r["gdn_cp_backend"] == "reference", r["case"]
+            # the reference reads grouped heads: the conv never repeats q and k for it
+            assert r["gdn_cp_backend"] == "reference" and r["key_heads_in_glue"] is False, r["case"]
     row = dict(rows[0], knobs=dict(rows[0]["knobs"], linear_cp_backend="flashqla"))
     assert lfm.run_key(row) != lfm.run_key(rows[0])
     patched = next(r for r in rows if r["case"] not in lfm.STOCK_CASES)
@@ -236,15 +237,15 @@ def test_fused_norm_switch_turns_the_lever_off_and_back_on(rank_pool):
     assert res["out"] < 1e-5 and res["grad_x"] < 1e-5, res  # the same math either way (fp32)
 
 
-def test_every_lever_has_its_switch_and_key_heads_in_conv_turns_its_flag_on_for_the_row():
+def test_every_lever_has_its_switch_and_key_heads_by_backend_turns_the_glues_copies_off_for_the_row():
     from benchmarks.layer_full_rank import LEVER_SWITCHES
     from gdn_cp.ops.fused import glue
 
     assert set(LEVER_SWITCHES) == set(lfm.LEVERS)
-    assert not glue.REPEAT_KEY_HEADS_IN_CONV  # off by default: not measured on a GPU yet
-    with LEVER_SWITCHES["key_heads_in_conv"]([]):
-        assert glue.REPEAT_KEY_HEADS_IN_CONV
-    assert not glue.REPEAT_KEY_HEADS_IN_CONV
+    assert glue.REPEAT_KEY_HEADS_IN_CONV  # on by default since runs 2026-12-06l/o
+    with LEVER_SWITCHES["key_heads_by_backend"]([]):
+        assert not glue.REPEAT_KEY_HEADS_IN_CONV
+    assert glue.REPEAT_KEY_HEADS_IN_CONV
 
 
 def test_plan_units_and_keys():

@@ -727,26 +727,31 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
 
 def test_the_glue_per_rank_figures_are_their_result_file():
     """README's per-rank figures with the default glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d,
-    2026-12-05a and g-i, 2026-12-06a/b/d/e/j/k), each rank's slice of a CP=2 split at CP=1, the default glue
-    (``CUDA_DEFAULT``) against stock (the newest run that has the row) and against the one-pass path it replaced;
-    that path against the two-pass Triton backward and the unfused glue (in the runs that timed both)."""
+    2026-12-05a and g-i, 2026-12-06a/b/d/e/j-o), each rank's slice of a CP=2 split at CP=1: the default glue
+    (``CUDA_DEFAULT``, q and k repeated by the conv for FLA 0.4.2) against stock (the newest run that has the row)
+    and against the path it replaced; the copies against the backend's; the older paths against theirs (in the runs
+    that timed both)."""
     import json
 
     from benchmarks.layer_full_math import GLUE_LEVERS
     from gdn_cp.ops.fused import CUDA_DEFAULT
 
-    path_levers = {None, *GLUE_LEVERS}  # rows that change only the glue path
+    path_levers = {None, "key_heads_in_conv", "key_heads_by_backend", *GLUE_LEVERS}  # rows that change the glue only
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
             if r["status"] == "ok" and r.get("lever_off") in path_levers]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
-    def matching(spec, t, case, rank, backend, glue=None, run=None, gpu=""):
+    def kv(r):  # the conv wrote q and k repeated (rows before the field: runs l/o's key_heads_in_conv rows)
+        return r.get("key_heads_in_glue", r.get("lever_off") == "key_heads_in_conv")
+
+    def matching(spec, t, case, rank, backend, glue=None, run=None, gpu="", heads=None):
+        heads = backend == "fla" and glue == CUDA_DEFAULT if heads is None else heads  # the default's copies
         return [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case and r["slice_rank"] == rank
                 and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == glue and run in (None, r["run_id"])
-                and gpu in r["versions"]["gpu"]]
+                and gpu in r["versions"]["gpu"] and kv(r) == heads]
 
-    def row(spec, t, case, rank, backend, glue=None, run=None, gpu=""):
-        found = matching(spec, t, case, rank, backend, glue, run, gpu)
+    def row(spec, t, case, rank, backend, glue=None, run=None, gpu="", heads=None):
+        found = matching(spec, t, case, rank, backend, glue, run, gpu, heads)
         newest = max(r["run_id"] for r in found)
         (one,) = [r for r in found if r["run_id"] == newest]
         return one
@@ -755,14 +760,15 @@ def test_the_glue_per_rank_figures_are_their_result_file():
         gdn_cp = row(spec, t, "patched_slice", rank, backend, CUDA_DEFAULT, gpu=gpu)
         return gdn_cp[key] / row(spec, t, "stock_slice", rank, backend, run=gdn_cp["run_id"])[key]
 
-    def both_rows(spec, t, rank, backend, other, path=CUDA_DEFAULT):  # the two, in the newest run that timed both
-        both = set.intersection(*({r["run_id"] for r in matching(spec, t, "patched_slice", rank, backend, g)}
-                                  for g in (path, other)))
+    def both_rows(spec, t, rank, backend, path, other, heads=(False, False)):  # in the newest run that timed both
+        both = set.intersection(*({r["run_id"] for r in matching(spec, t, "patched_slice", rank, backend, g, heads=h)}
+                                  for g, h in zip((path, other), heads)))
         run = max(both)
-        return [row(spec, t, "patched_slice", rank, backend, g, run) for g in (path, other)]
+        return [row(spec, t, "patched_slice", rank, backend, g, run, heads=h) for g, h in zip((path, other), heads)]
 
-    def vs_path(*unit_and_paths):
-        ours, theirs = both_rows(*unit_and_paths)
+    def vs_path(*unit_and_paths, heads=(False, False), same_peak=False):
+        ours, theirs = both_rows(*unit_and_paths, heads=heads)
+        assert not same_peak or abs(ours["peak_gib"] - theirs["peak_gib"]) < 1e-3  # "at the same peak memory"
         return ours["median_ms"] / theirs["median_ms"]
 
     def span(values):
@@ -770,21 +776,28 @@ def test_the_glue_per_rank_figures_are_their_result_file():
 
     ratio = {t: [vs_stock("local", t, k, "flashqla") for k in (0, 1)] for t in (32768, 131072)}
     memory = [vs_stock("local", t, k, "flashqla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
-    te_fla = {t: [vs_stock("te", t, k, "fla") for k in (0, 1)] for t in (32768, 131072)}
-    h200_flashqla = [vs_stock("local", 32768, k, "flashqla", gpu="H200") for k in (0, 1)]
-    h200_fla = {t: [vs_stock("te", t, k, "fla", gpu="H200") for k in (0, 1)] for t in (32768, 131072)}
+    fla = [vs_stock("local", 32768, k, "fla") for k in (0, 1)]
+    scan_units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
+    scan_units += [("local", 32768, k, "fla") for k in (0, 1)]
+    vs_dz_copy = [vs_path(*unit, CUDA_DEFAULT, "triton_norm_dz_copy", same_peak=True) for unit in scan_units]
+    vs_backend = [vs_path("local", 32768, k, "fla", p, p, heads=(True, False), same_peak=True) for k in (0, 1)
+                  for p in (CUDA_DEFAULT, "triton_norm_dz_copy")]
     units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
     units += [("te", t, k, "fla") for t in (32768, 131072) for k in (0, 1)]
-    vs_one_pass = [vs_path(*unit, "triton_one_pass") for unit in units]
-    vs_two_pass = [vs_path(*unit, "triton", "triton_one_pass") for unit in units + [("te", 32768, 0, "flashqla")]]
-    vs_unfused = [vs_path("te", 32768, k, "fla", "unfused", "triton_one_pass") for k in (0, 1)]
+    vs_one_pass = [vs_path(*unit, "triton_norm_dz_copy", "triton_one_pass", same_peak=True) for unit in units]
+    vs_two_pass = [vs_path(*unit, "triton_one_pass", "triton") for unit in units + [("te", 32768, 0, "flashqla")]]
+    vs_unfused = [vs_path("te", 32768, k, "fla", "triton_one_pass", "unfused") for k in (0, 1)]
     text = _one_line(README)
     assert (f"**Per rank, with gdn-cp's Triton glue (the default)**: on FlashQLA, {span(ratio[32768])} of stock's "
             f"time at 32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory (Megatron's local "
-            f"modules). On FLA 0.4.2 with the TE spec, {span(te_fla[32768])} at 32K and {span(te_fla[131072])} "
-            "at 128K") in text
-    assert (f"On one H200 (2026-12-06): FlashQLA {span(h200_flashqla)} at 32K; FLA 0.4.2 with the TE spec "
-            f"{span(h200_fla[32768])} at 32K and {span(h200_fla[131072])} at 128K") in text
+            f"modules); on FLA 0.4.2, {span(fla)} at 32K (one H100, 2026-12-06)") in text
+    assert (f"The default (`triton_norm_dz_copy_scan`, since 2026-12-06: the conv's backward as a scan down the rows) "
+            f"is {span(vs_dz_copy)} the time of the path it replaced, `triton_norm_dz_copy`, and q and k repeated by "
+            f"the conv for FLA 0.4.2 (no grouped value heads) {span(vs_backend)} the time of the backend's copies, "
+            "each at the same peak memory") in text
+    assert (f"Before it, `triton_norm_dz_copy` was {span(vs_one_pass)} the time of the one-pass path, whose backward "
+            f"was {span(vs_two_pass)} the time of the two-pass one, and whose glue was {span(vs_unfused)} the unfused "
+            "glue's") in text
     assert (f"| per rank, FlashQLA + Triton glue (default path), local modules, 32K / 128K, one H100 | "
             f"{span(ratio[32768])} / {span(ratio[131072])} stock's time, {span(memory)} its peak memory |") in text
     norm_time = {t: [row("local", t, "patched_slice", k, "flashqla", "triton_norm") for k in (0, 1)]
@@ -796,19 +809,15 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     assert (f"`GDN_CP_GLUE=triton_norm` (not the default: it trades memory for time) is {span(time_[32768])} of "
             f"stock's time at 32K and {span(time_[131072])} at 128K, with {span(mem[32768])} and {span(mem[131072])} "
             "its peak memory") in text
-    assert (f"The default (`triton_norm_dz_copy`, since 2026-12-06) is {span(vs_one_pass)} the time of the one-pass "
-            f"path it replaced, at the same peak memory; that path's backward was {span(vs_two_pass)} the time of the "
-            f"two-pass one, and its glue {span(vs_unfused)} the unfused glue's") in text
     x_once_units = [("local", 32768, k, "flashqla") for k in (0, 1)] + [("te", t, k, "fla") for t in (32768, 131072)
                                                                         for k in (0, 1)]
-    x_once_rows = [both_rows(*unit, CUDA_DEFAULT, "triton_norm_dz_copy_x_once") for unit in x_once_units]
-    vs_x_once = [x_once["median_ms"] / default["median_ms"] for x_once, default in x_once_rows]
-    peaks = [(x_once["peak_gib"], default["peak_gib"]) for x_once, default in x_once_rows]
-    assert all(abs(a - b) < 1e-3 for a, b in peaks), peaks  # "at the same peak memory"
-    assert {x_once["versions"]["gpu"] for x_once, _ in x_once_rows} == {"NVIDIA H200"}  # "(one H200)"
+    x_once_rows = [both_rows(*unit, "triton_norm_dz_copy", "triton_norm_dz_copy_x_once") for unit in x_once_units]
+    vs_x_once = [x_once["median_ms"] / dz_copy["median_ms"] for dz_copy, x_once in x_once_rows]
+    assert all(abs(a["peak_gib"] - b["peak_gib"]) < 1e-3 for a, b in x_once_rows)  # "at the same peak memory"
+    assert {x_once["versions"]["gpu"] for _, x_once in x_once_rows} == {"NVIDIA H200"}  # "(one H200)"
     assert (f"`GDN_CP_GLUE=triton_norm_dz_copy_x_once` (opt-in: its conv backward loads each tile's x once) is "
-            f"{span(vs_x_once)} the default's time, slower in {sum(v > 1 for v in vs_x_once)} of {len(vs_x_once)} "
-            "rank rows, at the same peak memory (one H200)") in text
+            f"{span(vs_x_once)} the time of `triton_norm_dz_copy`, slower in {sum(v > 1 for v in vs_x_once)} of "
+            f"{len(vs_x_once)} rank rows, at the same peak memory (one H200)") in text
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
             "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
 

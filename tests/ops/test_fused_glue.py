@@ -136,6 +136,9 @@ def test_the_unfused_path_runs_the_backends_conv_and_the_kernel_normalizes(monke
         def chunk_gated_delta_rule(self, *a, **kw):
             return REFERENCE.chunk_gated_delta_rule(*a, **kw)
 
+        def repeats_key_heads(self):
+            return False
+
     torch.manual_seed(5)
     cu, c = [0, 9, 9, 30], SHAPE.conv_dim
     leaves = [torch.randn(30, c, dtype=torch.float64), -torch.rand(30, 4, dtype=torch.float64),

@@ -3,22 +3,27 @@ lever at its default) is a path the committed per-rank GPU results measured best
 spec, T, rank slice) of benchmarks/results/layer_full_glue.json where more than one variant ran, no other variant
 beats the default's row in time (by more than 1%, run-to-run noise) without costing more peak memory (by more than
 1%; a variant named in ``PENDING`` is excused in its one run): a faster path that keeps more memory is a trade a
-user may take (``triton_norm``: docs/performance.md), not a better default. A variant is the glue path plus the
-lever the row switched away from its default (``lever_off``: e.g. ``split_cat``; a lever that only picks the path,
-``glue_<path>``, is the path). A default can then never again ship unmeasured, slower or bigger."""
+user may take (``triton_norm``: docs/performance.md), not a better default. A variant is the glue path, the lever
+the row switched away from its default (``lever_off``: e.g. ``split_cat``; a lever that only picks the path,
+``glue_<path>``, is the path), and whether the conv wrote q and k repeated for the backend (``key_heads_in_glue``:
+``REPEAT_KEY_HEADS_IN_CONV`` where the backend repeats them, FLA < 0.5). A default can then never again ship
+unmeasured, slower or bigger."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.layer_full_math import GLUE_LEVERS
-from gdn_cp.ops.fused import CUDA_DEFAULT, GLUE_PATHS
+from gdn_cp.ops.fused import CUDA_DEFAULT, GLUE_PATHS, glue
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "layer_full_glue.json"
 PERFORMANCE = RESULTS.parents[2] / "docs" / "performance.md"
-DEFAULT = (CUDA_DEFAULT, None)
+KEY_HEAD_LEVERS = ("key_heads_in_conv", "key_heads_by_backend")
+"""The levers that only switch ``REPEAT_KEY_HEADS_IN_CONV`` (``key_heads_in_conv``: on, runs 2026-12-06l/o, when off
+was the default): a row of one is named by ``key_heads_in_glue``."""
 PENDING: dict = {}
 """A variant that beat the default in one run whose evidence is not complete, with that run: the default cannot
 move to it yet, because it would then be unmeasured elsewhere. It is excused in that run alone, and the command
@@ -26,30 +31,44 @@ that completes its evidence is in docs/performance.md, "Not run yet". (``triton_
 run 2026-12-06b until runs 2026-12-06d/e completed it and it became the default.)"""
 
 
+def _key_heads_in_glue(row) -> bool:
+    """Whether the row's conv wrote q and k repeated for its backend (rows from before the field: only the
+    ``key_heads_in_conv`` lever rows of runs 2026-12-06l/o did)."""
+    return row.get("key_heads_in_glue", row.get("lever_off") == "key_heads_in_conv")
+
+
 def _groups():
-    """``{(run, stack, backend, spec, T, rank): {(glue path, lever_off): (median ms, peak GiB)}}``, groups of 2+
-    variants."""
+    """``{(run, stack, backend, spec, T, rank): {(glue path, lever_off, key heads in glue): (median ms, peak
+    GiB)}}``, groups of 2+ variants."""
     rows = [r for r in json.loads(RESULTS.read_text()) if r.get("status") == "ok" and r.get("glue")]
     groups = defaultdict(dict)
     for r in rows:
         key = (r["run_id"], r.get("stack"), r.get("gdn_cp_backend"), r.get("spec") or "local", r["T"],
                r.get("slice_rank"))
         lever = r.get("lever_off")
-        variant = (r["glue"], None if lever in GLUE_LEVERS else lever)
+        variant = (r["glue"], None if lever in GLUE_LEVERS or lever in KEY_HEAD_LEVERS else lever,
+                   _key_heads_in_glue(r))
         assert variant not in groups[key], f"two rows of {variant} in {key}"
         groups[key][variant] = (r["median_ms"], r["peak_gib"])
     return {k: v for k, v in groups.items() if len(v) > 1}
 
 
+def _default(key) -> tuple:
+    """The default's variant in a group: ``CUDA_DEFAULT``, no lever, and q and k repeated by the conv where the
+    backend repeats them (FLA < 0.5: the stack names FLA's version)."""
+    fla = re.match(r"fla (\d+)\.(\d+)", key[1] or "")
+    repeats = key[2] == "fla" and fla is not None and (int(fla[1]), int(fla[2])) < (0, 5)
+    return CUDA_DEFAULT, None, glue.REPEAT_KEY_HEADS_IN_CONV and repeats
+
+
 def test_every_row_names_a_glue_path():
-    assert all(p in GLUE_PATHS for by_variant in _groups().values() for p, _ in by_variant)
+    assert all(p in GLUE_PATHS for by_variant in _groups().values() for p, _, _ in by_variant)
 
 
 def test_the_default_was_measured_against_another_path_on_each_backend():
     groups = _groups()
     assert groups, "no per-rank rows with two glue variants: the default is unmeasured"
-    backends = {key[2] for key, by_variant in groups.items()
-                if DEFAULT in by_variant and any(p != CUDA_DEFAULT for p, _ in by_variant)}
+    backends = {key[2] for key, by_variant in groups.items() if _default(key) in by_variant}
     assert {"fla", "flashqla"} <= backends, backends
 
 
@@ -60,8 +79,9 @@ def _beats(a, b) -> bool:
 
 def test_the_default_is_not_beaten_by_a_measured_variant():
     beaten = {key: by_variant for key, by_variant in _groups().items()
-              if DEFAULT in by_variant and any(_beats(v, by_variant[DEFAULT]) for variant, v in by_variant.items()
-                                               if PENDING.get(variant) != key[0])}
+              if _default(key) in by_variant and any(_beats(v, by_variant[_default(key)])
+                                                     for variant, v in by_variant.items()
+                                                     if PENDING.get(variant) != key[0])}
     assert not beaten, f"GDN_CP_GLUE=auto runs {CUDA_DEFAULT!r}, slower and no smaller than another variant in: {beaten}"
 
 
@@ -69,9 +89,10 @@ def test_a_pending_variant_did_beat_the_default_and_its_next_run_is_written_down
     """Each excused variant beat the default in its run (else its excuse is stale: remove it) and the command that
     decides it is in "Not run yet"."""
     not_run = PERFORMANCE.read_text().split("## Not run yet", 1)[1]
-    for (path, lever), run in PENDING.items():
-        rows = [v for key, v in _groups().items() if key[0] == run and DEFAULT in v and (path, lever) in v]
-        assert any(_beats(v[(path, lever)], v[DEFAULT]) for v in rows), (path, run)
+    for (path, lever, key_heads), run in PENDING.items():
+        rows = [(key, v) for key, v in _groups().items() if key[0] == run and _default(key) in v
+                and (path, lever, key_heads) in v]
+        assert any(_beats(v[(path, lever, key_heads)], v[_default(key)]) for key, v in rows), (path, run)
         assert f"glue_{path}" in not_run, path
 
 
@@ -84,20 +105,36 @@ def test_triton_norm_trades_memory_for_time():
     """Run 2026-12-06a: ``triton_norm`` is faster than ``triton_one_pass`` (the default then) in every row and keeps
     more peak memory (its in_proj gradient buffer is made before the core's backward); if a later run shows it no
     bigger than the default, the test above fails until it is the default."""
-    rows = [v for v in _groups().values() if ("triton_one_pass", None) in v and ("triton_norm", None) in v]
+    rows = [v for v in _groups().values() if ("triton_one_pass", None, False) in v and ("triton_norm", None, False) in v]
     assert len(rows) == 4
     for v in rows:
-        (ms, gib), (ms0, gib0) = v[("triton_norm", None)], v[("triton_one_pass", None)]
+        (ms, gib), (ms0, gib0) = v[("triton_norm", None, False)], v[("triton_one_pass", None, False)]
         assert ms < ms0 and gib > gib0, v
 
 
-def test_the_dz_copy_default_is_faster_than_one_pass_at_the_same_peak_everywhere_both_ran():
-    """Why ``triton_norm_dz_copy`` is the default (runs 2026-12-06b, d, e; one H100): in each of the 8 rank rows
-    that ran it beside ``triton_one_pass`` (FlashQLA local and FLA + TE, 32K and 128K) it took less time, at the
-    same peak memory within 8 KiB. Margins are small (0.983-0.999x), so the rows are counted: a later run where it
-    is slower fails here and asks for the choice to be made again."""
-    rows = [v for v in _groups().values() if ("triton_one_pass", None) in v and ("triton_norm_dz_copy", None) in v]
+def test_the_dz_copy_path_is_faster_than_one_pass_at_the_same_peak_everywhere_both_ran():
+    """Why ``triton_norm_dz_copy`` became the default (runs 2026-12-06b, d, e; one H100), before the scan: in each of
+    the 8 rank rows that ran it beside ``triton_one_pass`` (FlashQLA local and FLA + TE, 32K and 128K) it took less
+    time, at the same peak memory within 8 KiB."""
+    rows = [v for v in _groups().values()
+            if ("triton_one_pass", None, False) in v and ("triton_norm_dz_copy", None, False) in v]
     assert len(rows) == 8
     for v in rows:
-        (ms, gib), (ms0, gib0) = v[("triton_norm_dz_copy", None)], v[("triton_one_pass", None)]
+        (ms, gib), (ms0, gib0) = v[("triton_norm_dz_copy", None, False)], v[("triton_one_pass", None, False)]
         assert ms < ms0 and abs(gib - gib0) * 2**20 < 8, v  # KiB
+
+
+def test_the_scan_and_the_glues_key_head_copies_are_faster_at_the_same_peak_in_every_row_that_ran_them():
+    """Why the default is the scan (``triton_norm_dz_copy_scan``) with q and k repeated by the conv for FLA 0.4.2
+    (runs 2026-12-06l, n, o; one H100; each CP=2 rank's slice of 32K and 128K tokens): the scan took less time than
+    ``triton_norm_dz_copy`` in all 6 rank rows that ran both (FlashQLA 32K / 128K, FLA 32K), the copies less than
+    the backend's in all 4 (FLA 32K, after either path), each at the same peak memory within 8 KiB. Counted: a later
+    run where either is slower fails here and asks for the choice to be made again."""
+    groups = list(_groups().values())
+    pairs = [(v[("triton_norm_dz_copy_scan", None, k)], v[("triton_norm_dz_copy", None, k)]) for v in groups
+             for k in (False, True) if ("triton_norm_dz_copy_scan", None, k) in v and ("triton_norm_dz_copy", None, k) in v]
+    pairs_kv = [(v[(p, None, True)], v[(p, None, False)]) for v in groups for p in ("triton_norm_dz_copy",
+                CUDA_DEFAULT) if (p, None, True) in v and (p, None, False) in v]
+    assert len(pairs) == 6 and len(pairs_kv) == 4, (pairs, pairs_kv)
+    for (ms, gib), (ms0, gib0) in pairs + pairs_kv:
+        assert ms < ms0 and abs(gib - gib0) * 2**20 < 8, (ms, ms0, gib, gib0)

@@ -22,11 +22,11 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   not faster in every row: :data:`CUDA_DEFAULT`);
 - ``triton_norm_dz_copy_x_once``: ``triton_norm_dz_copy`` with ``triton_taps_per_program``'s conv backward, which
   also loads each tile's x rows once (for the pre-activation and the tap sums; the other forms load them twice).
-  Compiled for sm_90 at 16 rows and 4 warps: 0.77x the default's tile-loop instructions and no spill; on one
-  H200 its conv backward 4-11% faster in 5 of 6 rank rows, the layer 0.991-1.003x the default's: not faster in
+  Compiled for sm_90 at 16 rows and 4 warps: 0.77x the one-pass tile-loop instructions and no spill; on one
+  H200 its conv backward 4-11% faster in 5 of 6 rank rows, the layer 0.991-1.003x ``triton_norm_dz_copy``'s: not faster in
   every row yet (:data:`CUDA_DEFAULT`);
 - ``triton_norm_dz_copy_narrow``: ``triton_norm_dz_copy`` with narrower conv programs, which need fewer registers
-  so that more of them share an SM (the default's backward keeps 255 registers a thread and 2 programs an SM,
+  so that more of them share an SM (the one-pass backward keeps 255 registers a thread and 2 programs an SM,
   12.5% of its warps: run 2026-12-06h): the groups that have no l2 norm (v; q and k where the norm is off) in
   blocks of 64 channels, forward and backward (nothing is reduced over their head dim), and the one-pass
   backward's autotuning also offered tiles of 8 rows (for q and k, whose norm needs the whole head). Compiled for
@@ -35,7 +35,7 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
 - ``triton_norm_dz_copy_norm_pass``: ``triton_norm_dz_copy`` with the l2 norm's backward in a kernel of its own
   (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_l2norm_bwd`: the conv and SiLU recomputed, q's and k's gradient at
   the SiLU output written in the activations' dtype, where the one-pass backward rounds it), then the conv's
-  backward without the norm, q and k as one group, in blocks of 64 channels: the same values as the default's
+  backward without the norm, q and k as one group, in blocks of 64 channels: the same values as the one-pass
   backward, one more read and write of q's and k's columns, and programs of 127 registers instead of 255
   (Megatron-LM's pre-GDR fusion cuts its backward there too: its l2 norm's gradient, then causal-conv1d's
   backward). Not yet measured on a GPU;
@@ -44,9 +44,10 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   keeps its channels at every row, so the conv's shifts in time are registers that roll from step to step (no
   scratch tile, no barrier, tap sums of one row's size), and each step loads the rows 4 steps ahead first (the
   forward stays the tile kernel: a scan of it issues more instructions an element, timed apart by
-  ``benchmarks/glue_kernels.py``). The same dx bits as the default's. Compiled for sm_90 (4 heads of 128 a
-  program, 4 warps, the l2 norm, no bias, as launched): 128 registers a thread and no barrier, against the
-  default's 255 and 6. Not yet measured on a GPU;
+  ``benchmarks/glue_kernels.py``). The same dx bits as ``triton_norm_dz_copy``'s. Compiled for sm_90 (4 heads of
+  128 a program, 4 warps, the l2 norm, no bias, as launched): 128 registers a thread and no barrier, against the
+  one-pass backward's 255 and 6; autotuning picks 4 steps a loop pass on an H100. **The default** since runs
+  2026-12-06l/n (:data:`CUDA_DEFAULT`);
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -83,26 +84,28 @@ GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy",
               "triton_norm_dz_copy_scan", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
-REPEAT_KEY_HEADS_IN_CONV = False
+REPEAT_KEY_HEADS_IN_CONV = True
 """Where the core kernel reads q and k at the value heads (FLA 0.4.2, which megatron-core 0.19 pins, has no grouped
 value heads: its backend repeats them, then autograd sums the copies' gradients), whether the conv writes them
-repeated (:func:`conv_silu_split`'s ``kv_repeat``), and its backward sums the copies' gradients as it reads them:
-no copy kernel, no sum kernel (run 2026-12-06j, one H200, FLA 0.4.2 with the TE spec, a CP=2 rank of 32K tokens:
-0.47 ms of copies and a 0.29 ms bf16 sum a step, against 0.18 ms of copies and no sum on FlashQLA, which reads
-grouped heads). Off until a GPU run times it (``benchmarks/layer_full.py``'s lever ``key_heads_in_conv``: the row
-with it on)."""
+repeated (:func:`conv_silu_split`'s ``kv_repeat``) and its backward sums the copies' gradients as it reads them: no
+copy kernel, no bf16 sum kernel. On since runs 2026-12-06l/o (one H100, FLA 0.4.2, local modules, each CP=2 rank's
+slice of 32K tokens): 0.964-0.966x the layer's time with the default glue then, 0.964-0.968x with the scan's, at
+the same peak memory. ``benchmarks/layer_full.py``'s lever ``key_heads_by_backend`` times it off."""
 
-CUDA_DEFAULT = "triton_norm_dz_copy"
-"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-06b/d/e on
-one H100, each CP=2 rank's slice of 32K / 128K mixed-length tokens, Qwen3.5-9B's GDN shape, bf16:
-``triton_norm_dz_copy`` 0.983-0.999x ``triton_one_pass``'s time in all 8 rank rows (FlashQLA with the local
-modules, FLA 0.4.2 with the TE spec), at the same peak memory (within 6 KiB). Before it: ``triton_one_pass``
-0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (run 2026-12-05g); ``triton`` 0.92-0.97x ``unfused``
+CUDA_DEFAULT = "triton_norm_dz_copy_scan"
+"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-06l/n on one
+H100, each CP=2 rank's slice of mixed-length tokens, Qwen3.5-9B's GDN shape, bf16: ``triton_norm_dz_copy_scan``
+0.968-0.978x ``triton_norm_dz_copy``'s time at 32K and 0.954-0.977x at 128K on FlashQLA (local modules), 0.972-0.973x
+at 32K on FLA 0.4.2, at the same peak memory, in all 6 rank rows (``benchmarks/glue_kernels.py``: its conv backward
+0.74 ms at 16K rows and 1.79 at 64K, the two-pass backward's 1.40 and 4.96, the x-once one-pass form's 1.20 and
+3.22). Before it: ``triton_norm_dz_copy`` (runs 2026-12-06b/d/e) 0.983-0.999x ``triton_one_pass``'s time in all 8
+rank rows (FlashQLA with the local modules, FLA 0.4.2 with the TE spec), at the same peak memory (within 6 KiB);
+``triton_one_pass`` 0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (run 2026-12-05g); ``triton`` 0.92-0.97x ``unfused``
 (runs 2026-12-04c/d, H200); ``compiled`` slower than ``unfused`` (run 2026-12-04a). ``triton_norm`` (run
 2026-12-06a) is 0.969-0.984x ``triton_one_pass``'s time but keeps 0.25-1.0 GiB more at peak: a trade, not the
 default. ``triton_taps_per_program`` (runs 2026-12-06d/e): its backward kernel alone 0.90x, the layer 0.982-1.006x
 ``triton_one_pass``: not faster in every row. ``triton_norm_dz_copy_x_once`` (runs 2026-12-06j/k, H200):
-0.991-1.003x this default's time, slower in 1 of 6 rows. It changes only with a committed GPU run that shows another path
+0.991-1.003x ``triton_norm_dz_copy``'s time, slower in 1 of 6 rows. It changes only with a committed GPU run that shows another path
 faster and no bigger at the sizes users train (tests/ops/test_glue_default.py reads them)."""
 
 
