@@ -142,7 +142,7 @@ def test_gates_paths_equal_stocks_expression(path):
 @pytest.mark.parametrize("dz_in_place", [True, False], ids=["triton_norm", "triton_norm_dz_copy"])
 def test_gated_norm_kernel_equals_flas(dz_in_place):
     """gdn-cp's gated RMSNorm (glue path ``triton_norm``: z read inside in_proj's rows, dz written there;
-    ``triton_norm_dz_copy``, the default: dz in a tensor of its own, copied into in_proj's gradient) against
+    ``triton_norm_dz_copy`` and the default, its scan: dz in a tensor of its own, copied into in_proj's gradient) against
     FLA's ``rms_norm_gated`` on a contiguous copy, bf16 at Qwen3.5-9B's width: the same math and rounding points
     (few output bits may differ, from fp32 summation order), every gradient within 1e-2."""
     fla_norm = pytest.importorskip("fla.modules.fused_norm_gate", reason="FLA is not installed (the reference)")

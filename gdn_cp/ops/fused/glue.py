@@ -85,8 +85,8 @@ GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy",
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 REPEAT_KEY_HEADS_IN_CONV = True
-"""Where the core kernel reads q and k at the value heads (FLA 0.4.2, which megatron-core 0.19 pins, has no grouped
-value heads: its backend repeats them, then autograd sums the copies' gradients), whether the conv writes them
+"""Where the core kernel reads q and k at the value heads (FLA 0.4.2, the version the pinned megatron-core names, has
+no grouped value heads: its backend repeats them, then autograd sums the copies' gradients), whether the conv writes them
 repeated (:func:`conv_silu_split`'s ``kv_repeat``) and its backward sums the copies' gradients as it reads them: no
 copy kernel, no bf16 sum kernel. On since runs 2026-12-06l/o (one H100, FLA 0.4.2, local modules, each CP=2 rank's
 slice of 32K tokens): 0.964-0.966x the layer's time with the default glue then, 0.964-0.968x with the scan's, at
