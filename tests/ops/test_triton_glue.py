@@ -123,3 +123,18 @@ def test_only_groups_without_the_norm_run_in_channel_blocks():
     assert _launch_heads(4, 24, False, 16) == (4, 24)  # 16 does not divide 24
     assert _launch_heads(4, 64, False, 64) == (4, 64)
     assert _launch_heads(32, 128, False, None) == (32, 128)
+
+
+def test_tuned_configs_report_every_launchers_picks(monkeypatch):
+    """``benchmarks/glue_kernels.py`` records autotuning's picks: a kernel with two launchers (the one-pass backward
+    with and without 8-row tiles) keeps both's, a launcher that picked nothing yet is left out."""
+    from types import SimpleNamespace
+
+    from gdn_cp.ops.fused import triton_launch
+
+    pick = SimpleNamespace(kwargs={"HB": 4, "UNROLL": 4}, num_warps=4)
+    monkeypatch.setattr(triton_launch, "_TUNED", {
+        "bwd": [SimpleNamespace(cache={(128, 4): pick}), SimpleNamespace(cache={(64, 4): pick})],
+        "unused": [SimpleNamespace(cache={})]})
+    assert triton_launch.tuned_configs() == {"bwd": {"(128, 4)": "{'HB': 4, 'UNROLL': 4}, num_warps 4",
+                                                      "(64, 4)": "{'HB': 4, 'UNROLL': 4}, num_warps 4"}}
