@@ -33,6 +33,7 @@ from gdn_cp import patch
 from gdn_cp.layout import RouteCache, plan_for_sbhd
 from gdn_cp.megatron.layer import layer_state, reset_settings
 from gdn_cp.modes import CallContext, GDNShape, gdn_core, prepare_mode
+from gdn_cp.modes.local import kv_repeat
 from gdn_cp.ops import get_backend
 from gdn_cp.ops.accuracy import rel_l2, worst
 from gdn_cp.ops.installed import dist_version
@@ -460,12 +461,10 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
         else:
             out["norm_path"] = ("fused: FLA rms_norm_gated" if _FUSED_NORM_CALLS[0] else
                                 "unfused: the layer's out_norm(o) * act(z)")
-            # the glue path the layer ran (GDN_CP_GLUE as read on its first call, resolved for its activations), the
-            # per-rank kernels gdn-cp ran (linear_cp_backend as resolved), whether the conv repeated q and k for them
-            backend = layer_state(case.module).backend
-            out["glue"] = glue_path(layer_state(case.module).settings.glue, y)
-            out["gdn_cp_backend"], out["key_heads_in_glue"] = backend.name, glue.REPEAT_KEY_HEADS_IN_CONV and \
-                backend.repeats_key_heads()
+            # what ran: the glue path (GDN_CP_GLUE, resolved), the backend, whether the conv repeated q and k for it
+            state, dims = layer_state(case.module), st["dims"]
+            out["glue"], out["gdn_cp_backend"] = glue_path(state.settings.glue, y), state.backend.name
+            out["key_heads_in_glue"] = kv_repeat(out["glue"], state.backend, dims.num_k_heads, dims.num_v_heads) > 1
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()

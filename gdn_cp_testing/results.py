@@ -5,7 +5,9 @@
 * :func:`write_json`: one JSON document, replaced atomically (a killed run leaves the old file or
   the new one, never half of one);
 * :class:`JsonlRecorder`: appends one JSON object per line (GPU test records, incremental runs);
-  the first row a process writes to a file is a ``"context"`` row with machine and versions.
+  the first row a process writes to a file is a ``"context"`` row with machine and versions;
+* :func:`key_heads_in_glue`: what a committed ``benchmarks/layer_full.py`` row ran, read the same way by every test
+  that judges the rows.
 """
 
 from __future__ import annotations
@@ -14,12 +16,35 @@ import datetime
 import json
 import os
 import platform
+import re
 from pathlib import Path
 from typing import Any, Optional
 
 from gdn_cp.ops.versions import stack_versions
 
-__all__ = ["JsonlRecorder", "load_average", "machine_info", "now_iso", "stack_versions", "write_json"]
+__all__ = ["KEY_HEAD_LEVERS", "JsonlRecorder", "default_key_heads_in_glue", "key_heads_in_glue", "load_average",
+           "machine_info", "now_iso", "stack_versions", "write_json"]
+
+KEY_HEAD_LEVERS = ("key_heads_by_backend", "key_heads_in_conv")
+"""``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV``: off, and
+on (runs 2026-12-06l/o, when off was the default; no longer offered). A row of one is told by
+:func:`key_heads_in_glue`."""
+
+
+def key_heads_in_glue(row: dict) -> bool:
+    """Whether a layer_full row's conv wrote q and k at the value heads for its backend (the row's
+    ``key_heads_in_glue``; of the rows from before that field, only the ``key_heads_in_conv`` lever rows did)."""
+    return row.get("key_heads_in_glue", row.get("lever_off") == KEY_HEAD_LEVERS[1])
+
+
+def default_key_heads_in_glue(stack: str | None, backend: str | None) -> bool:
+    """What :func:`key_heads_in_glue` is for gdn-cp's default on a row of this ``stack`` (``"fla 0.4.2 + triton
+    3.6.0"``) and gdn-cp ``backend``: ``REPEAT_KEY_HEADS_IN_CONV`` where the backend repeats q and k (FLA < 0.5, which
+    has no grouped value heads)."""
+    from gdn_cp.ops.fused import glue
+
+    fla = re.match(r"fla (\d+)\.(\d+)", stack or "")
+    return glue.REPEAT_KEY_HEADS_IN_CONV and backend == "fla" and fla is not None and (int(fla[1]), int(fla[2])) < (0, 5)
 
 
 def now_iso() -> str:

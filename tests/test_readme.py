@@ -735,20 +735,18 @@ def test_the_glue_per_rank_figures_are_their_result_file():
 
     from benchmarks.layer_full_math import GLUE_LEVERS
     from gdn_cp.ops.fused import CUDA_DEFAULT
+    from gdn_cp_testing.results import KEY_HEAD_LEVERS, default_key_heads_in_glue, key_heads_in_glue
 
-    path_levers = {None, "key_heads_in_conv", "key_heads_by_backend", *GLUE_LEVERS}  # rows that change the glue only
+    path_levers = {None, *KEY_HEAD_LEVERS, *GLUE_LEVERS}  # rows that change the glue only
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
             if r["status"] == "ok" and r.get("lever_off") in path_levers]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
-    def kv(r):  # the conv wrote q and k repeated (rows before the field: runs l/o's key_heads_in_conv rows)
-        return r.get("key_heads_in_glue", r.get("lever_off") == "key_heads_in_conv")
-
-    def matching(spec, t, case, rank, backend, glue=None, run=None, gpu="", heads=None):
-        heads = backend == "fla" and glue == CUDA_DEFAULT if heads is None else heads  # the default's copies
+    def matching(spec, t, case, rank, backend, glue=None, run=None, gpu="", heads=None):  # heads None: the default's
         return [r for r in rows if r["spec"] == spec and r["T"] == t and r["case"] == case and r["slice_rank"] == rank
                 and r["knobs"]["linear_cp_backend"] == backend and r.get("glue") == glue and run in (None, r["run_id"])
-                and gpu in r["versions"]["gpu"] and kv(r) == heads]
+                and gpu in r["versions"]["gpu"] and key_heads_in_glue(r) == (
+                    (glue == CUDA_DEFAULT and default_key_heads_in_glue(r["stack"], backend)) if heads is None else heads)]
 
     def row(spec, t, case, rank, backend, glue=None, run=None, gpu="", heads=None):
         found = matching(spec, t, case, rank, backend, glue, run, gpu, heads)

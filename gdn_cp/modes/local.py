@@ -22,7 +22,7 @@ from ..ops.fused import glue as fused_glue
 from ..ops.shape import GDNShape
 from .context import CallContext, Mode
 
-__all__ = ["ConvSplit", "Local", "conv_split", "local_core", "split_qkv", "stack_gates", "unstack_gates",
+__all__ = ["ConvSplit", "Local", "conv_split", "kv_repeat", "local_core", "split_qkv", "stack_gates", "unstack_gates",
            "log_once"]
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def split_qkv(x: torch.Tensor, shape: GDNShape, k_heads: int, v_heads: int):
 
 class ConvSplit(NamedTuple):
     """What :func:`conv_split` hands the scan: contiguous ``q, k [T, k_heads, Dk]`` (``[T, v_heads, Dk]`` where the
-    glue repeated them for the backend: :func:`_kv_repeat`), ``v [T, v_heads, Dv]``, and whether the kernel must
+    glue repeated them for the backend: :func:`kv_repeat`), ``v [T, v_heads, Dv]``, and whether the kernel must
     still l2-normalize q and k (``use_qk_l2norm``)."""
 
     q: torch.Tensor
@@ -87,14 +87,15 @@ def conv_split(qkv, conv_weight, conv_bias, *, shape: GDNShape, cu_seqlens: Sequ
             return ConvSplit(*split_qkv(x, shape, k_heads, v_heads), kernel_l2norm=shape.qk_l2norm)
         q, k, v = conv_silu_split(qkv, conv_weight, conv_bias, cu.positions(qkv.device), halo, k_heads=k_heads,
                                   v_heads=v_heads, head_k_dim=shape.head_k_dim, head_v_dim=shape.head_v_dim,
-                                  qk_l2norm=shape.qk_l2norm, path=path, kv_repeat=_kv_repeat(backend, k_heads, v_heads))
+                                  qk_l2norm=shape.qk_l2norm, path=path, kv_repeat=kv_repeat(path, backend, k_heads, v_heads))
     return ConvSplit(q, k, v, kernel_l2norm=False)
 
 
-def _kv_repeat(backend, k_heads: int, v_heads: int) -> int:
-    """How many copies of each key head the fused glue writes: the value heads' share where the backend would repeat
-    q and k for its kernel anyway and ``REPEAT_KEY_HEADS_IN_CONV`` is on (the kernel then reads ``Hk = Hv``), else 1."""
-    if fused_glue.REPEAT_KEY_HEADS_IN_CONV and v_heads > k_heads and backend.repeats_key_heads():
+def kv_repeat(path: str, backend, k_heads: int, v_heads: int) -> int:
+    """How many copies of each key head the glue ``path`` writes: on a fused path, the value heads' share where the
+    backend would repeat q and k for its kernel anyway and ``REPEAT_KEY_HEADS_IN_CONV`` is on (the kernel then reads
+    ``Hk = Hv``); else 1 (``unfused``: the backend's conv, and the backend repeats them)."""
+    if path != "unfused" and fused_glue.REPEAT_KEY_HEADS_IN_CONV and v_heads > k_heads and backend.repeats_key_heads():
         return v_heads // k_heads
     return 1
 

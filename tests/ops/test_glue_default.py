@@ -12,29 +12,20 @@ unmeasured, slower or bigger."""
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
 from pathlib import Path
 
 from benchmarks.layer_full_math import GLUE_LEVERS
-from gdn_cp.ops.fused import CUDA_DEFAULT, GLUE_PATHS, glue
+from gdn_cp.ops.fused import CUDA_DEFAULT, GLUE_PATHS
+from gdn_cp_testing.results import KEY_HEAD_LEVERS, default_key_heads_in_glue, key_heads_in_glue
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "layer_full_glue.json"
 PERFORMANCE = RESULTS.parents[2] / "docs" / "performance.md"
-KEY_HEAD_LEVERS = ("key_heads_in_conv", "key_heads_by_backend")
-"""The levers that only switch ``REPEAT_KEY_HEADS_IN_CONV`` (``key_heads_in_conv``: on, runs 2026-12-06l/o, when off
-was the default): a row of one is named by ``key_heads_in_glue``."""
 PENDING: dict = {}
 """A variant that beat the default in one run whose evidence is not complete, with that run: the default cannot
 move to it yet, because it would then be unmeasured elsewhere. It is excused in that run alone, and the command
 that completes its evidence is in docs/performance.md, "Not run yet". (``triton_norm_dz_copy`` was excused so in
 run 2026-12-06b until runs 2026-12-06d/e completed it and it became the default.)"""
-
-
-def _key_heads_in_glue(row) -> bool:
-    """Whether the row's conv wrote q and k repeated for its backend (rows from before the field: only the
-    ``key_heads_in_conv`` lever rows of runs 2026-12-06l/o did)."""
-    return row.get("key_heads_in_glue", row.get("lever_off") == "key_heads_in_conv")
 
 
 def _groups():
@@ -47,7 +38,7 @@ def _groups():
                r.get("slice_rank"))
         lever = r.get("lever_off")
         variant = (r["glue"], None if lever in GLUE_LEVERS or lever in KEY_HEAD_LEVERS else lever,
-                   _key_heads_in_glue(r))
+                   key_heads_in_glue(r))
         assert variant not in groups[key], f"two rows of {variant} in {key}"
         groups[key][variant] = (r["median_ms"], r["peak_gib"])
     return {k: v for k, v in groups.items() if len(v) > 1}
@@ -56,9 +47,7 @@ def _groups():
 def _default(key) -> tuple:
     """The default's variant in a group: ``CUDA_DEFAULT``, no lever, and q and k repeated by the conv where the
     backend repeats them (FLA < 0.5: the stack names FLA's version)."""
-    fla = re.match(r"fla (\d+)\.(\d+)", key[1] or "")
-    repeats = key[2] == "fla" and fla is not None and (int(fla[1]), int(fla[2])) < (0, 5)
-    return CUDA_DEFAULT, None, glue.REPEAT_KEY_HEADS_IN_CONV and repeats
+    return CUDA_DEFAULT, None, default_key_heads_in_glue(key[1], key[2])
 
 
 def test_every_row_names_a_glue_path():
