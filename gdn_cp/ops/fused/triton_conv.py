@@ -446,6 +446,12 @@ def _lag_tap(k: tl.constexpr, taps, W: tl.constexpr):
 
 
 @triton.jit
+def _lag_taps(taps, W: tl.constexpr):
+    """The taps that read ``x[t - k]`` for k = 0..3 (:func:`_lag_tap`), picked once before a scan's loop."""
+    return _lag_tap(0, taps, W), _lag_tap(1, taps, W), _lag_tap(2, taps, W), _lag_tap(3, taps, W)
+
+
+@triton.jit
 def _lagged(x0, x1, x2, x3, pos, t):
     """x[t - k] (k = 0..3, raw rows of x or the halo) as the forward reads them at row ``t`` (position ``pos``):
     zeros before the sequence's start, but for the sequence that starts at row 0, which reads the halo; fp32."""
@@ -485,10 +491,7 @@ def gdn_cp_glue_conv_fwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     ok = (h < HEADS)[:, None] & (d < D)[None, :]
     ch = C0 + h[:, None] * D + d[None, :]
     taps = _taps_at(w_ptr, b_ptr, ch, ok, W, HAS_BIAS)
-    lag0 = _lag_tap(0, taps, W)
-    lag1 = _lag_tap(1, taps, W)
-    lag2 = _lag_tap(2, taps, W)
-    lag3 = _lag_tap(3, taps, W)
+    lag0, lag1, lag2, lag3 = _lag_taps(taps, W)
     span0 = i_p * SPAN
     end = tl.minimum(span0 + SPAN, T)
     # raw x[t - k] for k = 3..0 and the four rows above (x[t + 1..4]); the position at t and the four above
@@ -543,10 +546,7 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     local = h[:, None] * D + d[None, :]  # the channel in the group (dw, db, head)
     ch = C0 + local
     taps = _taps_at(w_ptr, b_ptr, ch, ok, W, HAS_BIAS)
-    lag0 = _lag_tap(0, taps, W)  # the tap that reads x[t - k], for k = 0..3
-    lag1 = _lag_tap(1, taps, W)
-    lag2 = _lag_tap(2, taps, W)
-    lag3 = _lag_tap(3, taps, W)
+    lag0, lag1, lag2, lag3 = _lag_taps(taps, W)
     span0 = i_p * SPAN
     end = tl.minimum(span0 + SPAN, T)
     top = tl.minimum(end + W - 2, T - 1)
