@@ -11,10 +11,10 @@ plain device copy reaches on the same GPU.
 Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4
 without a bias, as Megatron's GDN builds it; ``--conv-bias`` adds one; q/k l2-normalized), bf16, x a strided view
 of in_proj's output as in the layer, eight mixed-length sequences. ``--loops`` (no GPU needed): the one-pass
-backward's forms compiled for sm_90 here (:mod:`gdn_cp_testing.triton_compile`): registers, spills, a tile's cost.
+backward compiled for sm_90 here (:mod:`gdn_cp_testing.triton_compile`): registers, spills, a tile's cost.
 
     python3 -m benchmarks.glue_kernels --out $OUT/glue_kernels.json                 # on the GPU machine
-    python3 -m benchmarks.glue_kernels --loops --out benchmarks/results/glue_kernels_loop.json   # ~90 s, no GPU
+    python3 -m benchmarks.glue_kernels --loops --out benchmarks/results/glue_kernels_loop.json   # ~65 s, no GPU
     python3 -m benchmarks.glue_kernels --rows 16K --profile   # under ncu --profile-from-start off (the GPU machine)
     TRITON_INTERPRET=1 python3 -m benchmarks.glue_kernels --device cpu --rows 64 --heads 1,2 --head-dim 16 --iters 1
 """
@@ -57,16 +57,10 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "taps_once": {"one_pass": True, "taps_once": True},
-                  "x_once": {"one_pass": True, "x_once": True}, "v64": {"one_pass": True, "channel_block": 64},
-                  "fine": {"one_pass": True, "fine_tiles": True},
-                  "norm_pass": {"one_pass": True, "norm_pass": True, "channel_block": 64},
-                  "scan": {"scan": True, "scan_forward": True}, "scan_norm_pass": {"scan": True, "norm_pass": True}}
-"""The backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): one pass; its
-programs loading the taps once; the taps and each tile's x once; v in 64-channel blocks; 8-row tiles offered to its
-autotuning (``GDN_CP_GLUE=triton_norm_dz_copy_narrow``); the l2 norm's backward first, then every group in 64-channel
-blocks (``triton_norm_dz_copy_norm_pass``); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``; its
-row also times the forward's scan), and after the l2 norm's pass."""
+BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True, "scan_forward": True}}
+"""The backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): one pass
+(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``; its row
+also times the forward's scan)."""
 
 
 def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
@@ -119,8 +113,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
                    help="comma list of the backward forms to time beside the default (BACKWARD_FORMS; default: all)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
     p.add_argument("--conv-bias", action="store_true", help="the conv with a bias (Megatron's GDN has none by default)")
-    p.add_argument("--loops", action="store_true", help="the one-pass backward's three forms at every config for sm_90 "
-                   "here, as launched: registers, spills, one tile's instructions and barriers (no GPU)")
+    p.add_argument("--loops", action="store_true", help="the one-pass backward at every config for sm_90 here, as "
+                   "launched: registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true",
                    help="one one-pass backward per row count and form (BACKWARD_FORMS) between cudaProfilerStart/Stop, "
                    "nothing timed (under ncu)")
@@ -157,7 +151,7 @@ def main(argv=None) -> dict:
                   "results": results}
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:
-                for form in forms.values():  # 3 launches each (q, k, v; norm_pass: q|k and v)
+                for form in forms.values():  # 3 launches each (q, k, v)
                     results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
                 continue
             c = (2 * hk + hv) * args.head_dim
@@ -167,7 +161,7 @@ def main(argv=None) -> dict:
                         floor["bwd_ms"])
             row = time_kernels(rows, shape, args.device, args.iters)
             row.update(copy_gbs=gbs, floor=floor)
-            for name, form in forms.items():  # the forward too: channel blocks and the scan change it
+            for name, form in forms.items():  # the forward too: the scan's row times the forward's scan
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})
             results.append(row)

@@ -29,8 +29,10 @@ import re
 import sys
 from pathlib import Path
 
+from gdn_cp_testing.results import picks_glue_path
+
 from .common import pyplot, save_figure, write_json
-from .layer_full_math import CASES as CP_CASES, CP1_CASES, GLUE_LEVERS, case_key, run_key
+from .layer_full_math import CASES as CP_CASES, CP1_CASES, case_key, run_key
 from .measure import CLASS_NAMES, fmt_tokens as _fmt_t
 
 CASES = CP_CASES + CP1_CASES
@@ -292,7 +294,7 @@ def _bar_label(row: dict) -> str:
     if row["case"] == "stock_slice":
         return f"r{row.get('slice_rank')} stock"
     lever = row.get("lever_off")
-    shown = f" -{lever}" if lever and lever not in GLUE_LEVERS else ""
+    shown = f" -{lever}" if lever and not picks_glue_path(lever) else ""
     return f"r{row.get('slice_rank')} gdn-cp {row.get('glue', '')}{shown}"
 
 

@@ -40,9 +40,8 @@ PREFIX = "GDN_CP_"
 CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
 CHUNKWISE_SWAP_ENV = "GDN_CP_CHUNKWISE_SWAP"
 GLUE_ENV = "GDN_CP_GLUE"
-GLUE_CHOICES = ("auto", "triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program",
-                "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow", "triton_norm_dz_copy_norm_pass",
-                "triton_norm_dz_copy_scan", "compiled", "unfused")
+GLUE_CHOICES = ("auto", "triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_norm_dz_copy_scan",
+                "compiled", "unfused")
 """The values of ``GDN_CP_GLUE`` (``Settings.glue``): how a GPU runs the conv + SiLU + split + l2 norm and
 the gates (:mod:`gdn_cp.ops.fused`); ``auto`` is the measured default."""
 CHUNKWISE_PATHS = ("auto", "native", "generic")

@@ -6,8 +6,8 @@
   the new one, never half of one);
 * :class:`JsonlRecorder`: appends one JSON object per line (GPU test records, incremental runs);
   the first row a process writes to a file is a ``"context"`` row with machine and versions;
-* :func:`key_heads_in_glue`: what a committed ``benchmarks/layer_full.py`` row ran, read the same way by every test
-  that judges the rows.
+* :func:`key_heads_in_glue`, :func:`picks_glue_path`: what a committed ``benchmarks/layer_full.py`` row ran, read the
+  same way by every test that judges the rows (:data:`REMOVED_GLUE_PATHS`: the paths they name that are gone).
 """
 
 from __future__ import annotations
@@ -22,13 +22,27 @@ from typing import Any, Optional
 
 from gdn_cp.ops.versions import stack_versions
 
-__all__ = ["KEY_HEAD_LEVERS", "JsonlRecorder", "default_key_heads_in_glue", "key_heads_in_glue", "load_average",
-           "machine_info", "now_iso", "stack_versions", "write_json"]
+__all__ = ["KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "JsonlRecorder", "default_key_heads_in_glue", "key_heads_in_glue",
+           "load_average", "machine_info", "now_iso", "picks_glue_path", "stack_versions", "write_json"]
 
 KEY_HEAD_LEVERS = ("key_heads_by_backend", "key_heads_in_conv")
 """``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV``: off, and
 on (runs 2026-12-06l/o, when off was the default; no longer offered). A row of one is told by
 :func:`key_heads_in_glue`."""
+
+
+REMOVED_GLUE_PATHS = ("triton_taps_per_program", "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow",
+                      "triton_norm_dz_copy_norm_pass")
+"""Glue paths (``GDN_CP_GLUE``) removed after runs 2026-12-06l-o, the default's scan faster than each that ran
+(CHANGELOG.md); committed rows still name some of them."""
+
+
+def picks_glue_path(lever: str | None) -> bool:
+    """Whether a layer_full row's ``lever_off`` only picked its glue path (``glue_<path>``, a path of ``GLUE_PATHS`` or
+    :data:`REMOVED_GLUE_PATHS`): such a row is named by its path."""
+    from gdn_cp.ops.fused import GLUE_PATHS
+
+    return lever is not None and lever.startswith("glue_") and lever[5:] in (*GLUE_PATHS, *REMOVED_GLUE_PATHS)
 
 
 def key_heads_in_glue(row: dict) -> bool:

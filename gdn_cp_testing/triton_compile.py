@@ -4,7 +4,7 @@ Triton's interpreter (:mod:`gdn_cp_testing.triton_interpret`) runs a kernel's Py
 code the compiler refuses (two returns of different shapes from one function, say); this module runs the real
 compiler, to a cubin with the ptxas Triton ships, and reads the cubin's registers and stack (spill) bytes per
 thread with the cuobjdump Triton ships. The tests compile every kernel once; ``benchmarks/glue_kernels.py
---loops`` reads the one-pass backward's tile loop in its forms at every config (:func:`one_pass_loops`, ~90 s).
+--loops`` reads the one-pass backward's tile loop at every config (:func:`one_pass_loops`, ~65 s).
 Triton's own compile API (``ASTSource``, ``triton.compile``) is internal: a Triton that moves it fails here
 loudly, not silently.
 """
@@ -88,8 +88,7 @@ def cubin_resources(cubin: bytes) -> dict:
 
 def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
     """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels: the forward, the two-pass backward's two,
-    the one-pass backward's three forms (``[3:6]``), the l2 norm's backward alone, the backward's and the forward's
-    scans (4 heads a program)."""
+    the one-pass backward (``[3]``), the backward's and the forward's scans (4 heads a program)."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm, "REPEAT": 1}
@@ -99,10 +98,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
          {**tile, "SPAN": 64, "WP": 4}),
         ("conv_bwd_dx", tc.gdn_cp_glue_conv_bwd_dx, {**BF16_CONV, "pre_ptr": "*fp32", "w_ptr": "*bf16"},
          {"BT": 32, "BC": 128, "W": 4}),
-        ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": False, "X_ONCE": False}),
-        ("conv_bwd_one_pass_taps", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": False}),
-        ("conv_bwd_one_pass_x", tc.gdn_cp_glue_conv_bwd, BF16_CONV, {**tile, "TAPS_ONCE": True, "X_ONCE": True}),
-        ("l2norm_bwd", tc.gdn_cp_glue_l2norm_bwd, BF16_CONV, {k: v for k, v in tile.items() if k != "NORM"}),
+        ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
          {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1}),
         ("conv_fwd_scan", tc.gdn_cp_glue_conv_fwd_scan, BF16_CONV,
@@ -118,9 +114,9 @@ def gates_kernels():
 
 
 def one_pass_loops(head_dim: int = 128) -> list[dict]:
-    """The conv's one-pass backward, its three forms (taps in every tile, ``TAPS_ONCE``, and with it ``X_ONCE``), at
-    every autotuning config, with and without the l2 norm and the bias (no halo: a rank's rows at CP=1 or
-    chunkwise's inner ranks), compiled as launched: registers, spills, and one tile's instructions and barriers."""
+    """The conv's one-pass backward at every autotuning config, with and without the l2 norm and the bias (no halo: a
+    rank's rows at CP=1 or chunkwise's inner ranks), compiled as launched: registers, spills, and one tile's
+    instructions and barriers."""
     import triton
 
     from gdn_cp.ops.fused.triton_launch import TILE_CONFIGS
@@ -129,10 +125,10 @@ def one_pass_loops(head_dim: int = 128) -> list[dict]:
     for meta, warps in TILE_CONFIGS:
         for norm in (True, False):
             for bias in (True, False):
-                for name, kernel, pointers, constexprs in conv_kernels(meta["BT"], head_dim, norm, halo=False)[3:6]:
-                    used = compile_sm90(kernel, pointers, {**constexprs, "HAS_BIAS": bias}, warps, as_launched=True)
-                    rows.append({"kernel": name, "BT": meta["BT"], "num_warps": warps, "l2norm": norm, "bias": bias,
-                                 **used})
+                name, kernel, pointers, constexprs = conv_kernels(meta["BT"], head_dim, norm, halo=False)[3]
+                used = compile_sm90(kernel, pointers, {**constexprs, "HAS_BIAS": bias}, warps, as_launched=True)
+                rows.append({"kernel": name, "BT": meta["BT"], "num_warps": warps, "l2norm": norm, "bias": bias,
+                             **used})
     return [{**r, "triton": triton.__version__, "target": "sm_90"} for r in rows]
 
 
@@ -147,11 +143,10 @@ def ptxas_missing() -> str | None:
 
 def tests_report() -> dict:
     """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
-    session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward's three forms as
-    launched (16 rows, 4 warps, l2 norm, bias); the narrow programs (v in 64-channel blocks, q at 8 rows, the l2
-    norm's backward alone); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm, without
-    a bias (Megatron's GDN conv has none by default) and, for q, with one, and unrolled by 4; the forward's scan for
-    q."""
+    session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward as launched (16
+    rows, 4 warps, l2 norm, bias); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm,
+    without a bias (Megatron's GDN conv has none by default) and, for q, with one, and unrolled by 4; the forward's
+    scan for q."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
@@ -162,14 +157,11 @@ def tests_report() -> dict:
 
     return {"conv": {name: compile_sm90(k, p, c) for name, k, p, c in conv_kernels()},
             "gates": {name: compile_sm90(k, p, c) for name, k, p, c in gates_kernels()},
-            "forms": {name: as_launched(16, 128, True, i) for i, name in ((3, "every_tile"), (4, "taps_once"),
-                                                                           (5, "x_once"))},
-            "narrow": {"v_block": as_launched(16, 64, False, 3), "q_fine": as_launched(8, 128, True, 3),
-                       "l2norm_bwd": as_launched(16, 128, True, 6)},
-            "scan": {"q": as_launched(16, 128, True, 7, bias=False), "v": as_launched(16, 128, False, 7, bias=False),
-                     "q_bias": as_launched(16, 128, True, 7), "q_fwd": as_launched(16, 128, True, 8, bias=False),
-                     "q_unroll4": as_launched(16, 128, True, 7, bias=False, UNROLL=4),
-                     "v_unroll4": as_launched(16, 128, False, 7, bias=False, UNROLL=4)}}
+            "one_pass": as_launched(16, 128, True, 3),
+            "scan": {"q": as_launched(16, 128, True, 4, bias=False), "v": as_launched(16, 128, False, 4, bias=False),
+                     "q_bias": as_launched(16, 128, True, 4), "q_fwd": as_launched(16, 128, True, 5, bias=False),
+                     "q_unroll4": as_launched(16, 128, True, 4, bias=False, UNROLL=4),
+                     "v_unroll4": as_launched(16, 128, False, 4, bias=False, UNROLL=4)}}
 
 
 if __name__ == "__main__":

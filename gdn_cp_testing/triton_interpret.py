@@ -30,21 +30,11 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), "one_pass 2048"),  # 1 program, the tail past T
     ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), "one_pass 4"),  # 3 v heads: one program per head
     ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass 2"),  # rows 50: a span boundary
-    ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), "one_pass_taps 2"),  # the taps loaded once a program
-    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_taps 2"),  # Dv 24: masked taps
-    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "one_pass_x 2"),  # each tile's x loaded once
-    ("float16", False, 1, 1, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_x 2"),  # (and the halo's rows)
-    ("float32", True, 1, 2, 16, 32, True, (0, 5, 5, 17, 18, 33), "one_pass_narrow 2"),  # v in blocks of 16
-    ("float16", False, 2, 1, 32, 32, False, (0, 1, 2, 3, 17, 20, 50), "one_pass_narrow 2"),  # channels, tiles of 8
-    ("float32", True, 1, 2, 32, 16, True, (0, 5, 5, 17, 18, 33), "one_pass_norm 2"),  # the l2 norm's backward first,
-    ("float16", True, 2, 1, 32, 32, True, (0, 2, 15, 33), "one_pass_norm 2"),  # then q, k, v in 16-channel blocks
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16"),  # spans of 16 rows: 3 programs
     ("float16", False, 1, 3, 16, 24, False, (0, 1, 2, 3, 17, 20, 50), "scan 16"),  # 3 heads: a program's 2nd masked
-    ("float16", True, 2, 1, 32, 32, True, (0, 2, 15, 33), "scan_norm 16"),  # after the l2 norm's pass
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 7, 2),  # q, k written twice a head, their
-    ("float16", False, 1, 3, 16, 24, True, (0, 1, 2, 3, 17, 20, 50), "one_pass_x 2", 3),  # gradients summed in the
-    ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), "one_pass_norm 4", 3),  # kernels that read them
-    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16", 2),
+    ("float16", False, 1, 3, 16, 24, True, (0, 1, 2, 3, 17, 20, 50), "one_pass 2", 3),  # gradients summed in the
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16", 2),  # kernels that read them
 )
 
 
@@ -54,7 +44,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def backward_family(chunk) -> str:
-    """Which backward a conv case's ``chunk`` runs: ``two_pass``, ``one_pass`` (its forms) or ``scan``."""
+    """Which backward a conv case's ``chunk`` runs: ``two_pass``, ``one_pass`` or ``scan``."""
     return "two_pass" if isinstance(chunk, int) else "scan" if chunk.startswith("scan") else "one_pass"
 
 
@@ -67,16 +57,11 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
-    one_pass = isinstance(chunk, str)
-    form = {"one_pass": one_pass, "taps_once": one_pass and chunk.startswith("one_pass_taps"),
-            "x_once": one_pass and chunk.startswith("one_pass_x"),
-            "channel_block": 16 if one_pass and chunk.startswith(("one_pass_narrow", "one_pass_norm")) else None,
-            "fine_tiles": one_pass and chunk.startswith("one_pass_narrow"),  # the interpreter runs 8-row tiles
-            "norm_pass": one_pass and chunk.startswith(("one_pass_norm", "scan_norm")),
-            "scan": one_pass and chunk.startswith("scan"), "scan_forward": one_pass and chunk.startswith("scan")}
+    family = backward_family(chunk)
+    form = {"one_pass": family == "one_pass", "scan": family == "scan", "scan_forward": family == "scan"}
     if form["scan"]:  # spans of that many rows
         triton_conv._SCAN_SPAN = int(chunk.split()[1])
-    elif one_pass:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
+    elif form["one_pass"]:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
         triton_conv._SPAN, triton_conv._ONE_PASS_PROGRAMS = 16, int(chunk.split()[1])
     else:
         triton_conv._SPAN, triton_conv._CHUNK = 64, chunk
@@ -96,21 +81,15 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     grads = torch.autograd.grad(got, leaves, douts)
     pairs = list(zip(got, want)) + list(zip(grads, torch.autograd.grad(want, leaves, douts)))
     same = {}
-    if form["norm_pass"]:  # the same bits as the one-pass backward with the norm inside (the rounding points kept),
-        plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True), leaves, douts)
-        # also where q's output is unused (its gradient None: zeros)
-        k_v = torch.autograd.grad(conv_silu_split_triton(x, *rest, **form)[1:], leaves, douts[1:])
-        k_v_plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True)[1:], leaves, douts[1:])
-        same = {"grads_equal_one_pass": all(torch.equal(a, b) for a, b in zip(grads + k_v, plain + k_v_plain))}
     if form["scan"]:  # q, k, v: the tile forward's bits; dx and the halo's gradient: the one-pass backward's (the tap
         # sums: fp32 order only)
-        tiled = conv_silu_split_triton(x, *rest, one_pass=True, norm_pass=form["norm_pass"])
+        tiled = conv_silu_split_triton(x, *rest, one_pass=True)
         plain = torch.autograd.grad(tiled, leaves, douts)
         same = {"dx_dhalo_equal_one_pass": all(torch.equal(grads[i], plain[i]) for i in ([0, 3] if halo else [0])),
                 "outputs_equal_tiles": all(torch.equal(a, b) for a, b in zip(got, tiled))}
     layout = ({"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
                                                         rows, [3, c, 4], douts)} if check_layout else {})
-    return {**same, **layout, "family": backward_family(chunk),
+    return {**same, **layout, "family": family,
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}"
                     + (f" repeat={repeat}" if repeat > 1 else ""),
             "contiguous": all(o.is_contiguous() for o in got),

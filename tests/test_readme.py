@@ -733,13 +733,14 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     that timed both)."""
     import json
 
-    from benchmarks.layer_full_math import GLUE_LEVERS
     from gdn_cp.ops.fused import CUDA_DEFAULT
-    from gdn_cp_testing.results import KEY_HEAD_LEVERS, default_key_heads_in_glue, key_heads_in_glue
+    from gdn_cp_testing.results import KEY_HEAD_LEVERS, default_key_heads_in_glue, key_heads_in_glue, picks_glue_path
 
-    path_levers = {None, *KEY_HEAD_LEVERS, *GLUE_LEVERS}  # rows that change the glue only
+    def glue_only(lever):  # rows that change the glue only
+        return lever in (None, *KEY_HEAD_LEVERS) or picks_glue_path(lever)
+
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
-            if r["status"] == "ok" and r.get("lever_off") in path_levers]
+            if r["status"] == "ok" and glue_only(r.get("lever_off"))]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
     def matching(spec, t, case, rank, backend, glue=None, run=None, gpu="", heads=None):  # heads None: the default's
@@ -807,15 +808,6 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     assert (f"`GDN_CP_GLUE=triton_norm` (not the default: it trades memory for time) is {span(time_[32768])} of "
             f"stock's time at 32K and {span(time_[131072])} at 128K, with {span(mem[32768])} and {span(mem[131072])} "
             "its peak memory") in text
-    x_once_units = [("local", 32768, k, "flashqla") for k in (0, 1)] + [("te", t, k, "fla") for t in (32768, 131072)
-                                                                        for k in (0, 1)]
-    x_once_rows = [both_rows(*unit, "triton_norm_dz_copy", "triton_norm_dz_copy_x_once") for unit in x_once_units]
-    vs_x_once = [x_once["median_ms"] / dz_copy["median_ms"] for dz_copy, x_once in x_once_rows]
-    assert all(abs(a["peak_gib"] - b["peak_gib"]) < 1e-3 for a, b in x_once_rows)  # "at the same peak memory"
-    assert {x_once["versions"]["gpu"] for _, x_once in x_once_rows} == {"NVIDIA H200"}  # "(one H200)"
-    assert (f"`GDN_CP_GLUE=triton_norm_dz_copy_x_once` (opt-in: its conv backward loads each tile's x once) is "
-            f"{span(vs_x_once)} the time of `triton_norm_dz_copy`, slower in {sum(v > 1 for v in vs_x_once)} of "
-            f"{len(vs_x_once)} rank rows, at the same peak memory (one H200)") in text
     assert ("a CP=1 process run on one rank's slice of the rows of a CP=2 split, gdn-cp and stock on the same rows "
             "and weights (`benchmarks/layer_full.py --cp 1 --slice-of-cp 2`), not a CP run") in text
 

@@ -108,17 +108,6 @@ _GLUE_WORDS = {
                    "backward in one pass, z and its gradient where in_proj keeps them",
     "triton_norm_dz_copy": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), the "
                            "conv's backward in one pass, z read where in_proj keeps it",
-    "triton_taps_per_program": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates), the conv's backward "
-                               "in one pass, each program's taps loaded once",
-    "triton_norm_dz_copy_x_once": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), "
-                                     "the conv's backward in one pass, each program's taps and each tile's x loaded "
-                                     "once, z read where in_proj keeps it",
-    "triton_norm_dz_copy_narrow": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), "
-                                  "the conv's backward in one pass, in narrower programs (v in 64-channel blocks, "
-                                  "tiles of 8 rows offered), z read where in_proj keeps it",
-    "triton_norm_dz_copy_norm_pass": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated "
-                                     "norm), the l2 norm's backward in a pass of its own, then the conv's in "
-                                     "64-channel blocks, z read where in_proj keeps it",
     "triton_norm_dz_copy_scan": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), "
                                 "the conv's backward as a scan down the rows, z read where in_proj keeps it",
     "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",

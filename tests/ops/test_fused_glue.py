@@ -15,6 +15,7 @@ from gdn_cp.modes.local import conv_split, split_qkv
 from gdn_cp.ops import GDNShape, get_backend
 from gdn_cp.ops.fused import conv_silu_split, gates, glue
 from gdn_cp.ops.reference.gated_delta_rule import l2norm
+from gdn_cp_testing.results import REMOVED_GLUE_PATHS
 
 SHAPE = GDNShape(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6)
 W = 4
@@ -224,6 +225,20 @@ def test_a_bad_glue_setting_names_the_variable():
     with pytest.raises(ValueError, match="GDN_CP_GLUE"):
         Settings.from_environment({"GDN_CP_GLUE": "fast"}, mode="chunkwise")
     assert Settings.from_environment({"GDN_CP_GLUE": "triton"}, mode="chunkwise").glue == "triton"
+
+
+@pytest.mark.parametrize("path", REMOVED_GLUE_PATHS)
+def test_a_removed_glue_path_is_refused_naming_the_value_and_the_choices(path):
+    """A path since removed (``gdn_cp_testing.results.REMOVED_GLUE_PATHS``) is no setting: set in the environment or
+    given as ``Settings(glue=...)``, a ValueError names it and every value that is one."""
+    from gdn_cp.env import GLUE_CHOICES
+    from gdn_cp.modes.settings import Settings
+
+    for make in (lambda: Settings.from_environment({"GDN_CP_GLUE": path}, mode="chunkwise"),
+                 lambda: Settings(mode="chunkwise", glue=path)):
+        with pytest.raises(ValueError) as refused:
+            make()
+        assert f"{path!r}" in str(refused.value) and ", ".join(GLUE_CHOICES) in str(refused.value), refused.value
 
 
 def test_every_glue_path_is_a_setting_with_its_steps_and_words():

@@ -31,19 +31,14 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 28 and sum(name.startswith("conv") for name in cases) == 23
+    assert len(cases) == 18 and sum(name.startswith("conv") for name in cases) == 13
     assert sum(name.startswith("norm") for name in cases) == 3
-    assert sum("one_pass" in name for name in cases) == 14  # the one-pass backward beside the two-pass one
-    assert sum("one_pass_taps" in name for name in cases) == 2  # its programs loading their taps once
-    assert sum("one_pass_x" in name for name in cases) == 3  # and each tile's x rows once
-    assert sum("one_pass_narrow" in name for name in cases) == 2  # channel blocks without the norm, 8-row tiles
-    assert sum("one_pass_norm" in name for name in cases) == 3  # the l2 norm's backward in a pass of its own
-    assert sum("chunk=scan" in name for name in cases) == 4  # the backward as a scan down the rows
+    assert sum("chunk=one_pass" in name for name in cases) == 5  # the one-pass backward beside the two-pass one
+    assert sum("chunk=scan" in name for name in cases) == 3  # the backward as a scan down the rows
     # q and k written 2 or 3 times a head (``kv_repeat``): one case per kernel that writes or reads them (the forward
-    # tiles and scan, the two-pass, one-pass, l2-norm-pass and scan backwards); the values are checked against
-    # the plain glue's ``repeat_interleave`` with every other case
-    assert {name.split("chunk=")[1].split()[0] for name in cases if "repeat=" in name} == {
-        "7", "one_pass_x", "one_pass_norm", "scan"}
+    # tiles and scan, the two-pass, one-pass and scan backwards); the values are checked against the plain glue's
+    # ``repeat_interleave`` with every other case
+    assert {name.split("chunk=")[1].split()[0] for name in cases if "repeat=" in name} == {"7", "one_pass", "scan"}
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -66,21 +61,13 @@ def test_every_backward_writes_dx_into_in_projs_rows(cases):
     assert checked == {"two_pass", "one_pass", "scan"}, checked
 
 
-def test_the_norm_pass_gives_the_one_pass_backwards_bits(cases):
-    """``GDN_CP_GLUE=triton_norm_dz_copy_norm_pass`` rounds the l2 norm's gradient where the one-pass backward does,
-    then runs the conv's backward without the norm in channel blocks: every gradient bit for bit the same."""
-    norm_pass = [case for name, case in cases.items() if "one_pass_norm" in name]
-    assert len(norm_pass) == 3 and all(case["grads_equal_one_pass"] for case in norm_pass), norm_pass
-
-
 def test_the_scan_gives_the_tile_kernels_bits(cases):
     """``GDN_CP_GLUE=triton_norm_dz_copy_scan`` computes each element with the tile kernels' arithmetic in their
     order, rows rolled in registers instead of re-read or shared through a scratch tile: q, k, v (the forward), dx
-    and the halo's gradient (the one-pass backward) bit for bit the same (with and without the l2 norm's pass
-    first; spans whose W-1 rows after them belong to the next program; a program whose second head is past the
-    group)."""
+    and the halo's gradient (the one-pass backward) bit for bit the same (spans whose W-1 rows after them belong to
+    the next program; a program whose second head is past the group; q and k written twice a head)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
-    assert len(scan) == 4 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert len(scan) == 3 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
     assert all(case["outputs_equal_tiles"] for case in scan), scan
 
 
@@ -113,28 +100,15 @@ def test_the_gated_norm_equals_flas_math_and_writes_dz_into_in_projs_gradient(ca
         assert not bad, f"{name}: {bad}"
 
 
-def test_only_groups_without_the_norm_run_in_channel_blocks():
-    """``channel_block`` (``GDN_CP_GLUE=triton_norm_dz_copy_narrow``) splits a group's heads only where nothing is
-    reduced over the head dim and the block divides it; the memory a launch reads is the same either way."""
-    from gdn_cp.ops.fused.triton_conv import _launch_heads
-
-    assert _launch_heads(32, 128, False, 64) == (64, 64)  # v of Qwen3.5-9B's GDN
-    assert _launch_heads(16, 128, True, 64) == (16, 128)  # q / k with the l2 norm: a program needs the whole head
-    assert _launch_heads(4, 24, False, 16) == (4, 24)  # 16 does not divide 24
-    assert _launch_heads(4, 64, False, 64) == (4, 64)
-    assert _launch_heads(32, 128, False, None) == (32, 128)
-
-
 def test_tuned_configs_report_every_launchers_picks(monkeypatch):
-    """``benchmarks/glue_kernels.py`` records autotuning's picks: a kernel with two launchers (the one-pass backward
-    with and without 8-row tiles) keeps both's, a launcher that picked nothing yet is left out."""
+    """``benchmarks/glue_kernels.py`` records autotuning's picks: every key a launcher tuned, a launcher that picked
+    nothing yet left out."""
     from types import SimpleNamespace
 
     from gdn_cp.ops.fused import triton_launch
 
     pick = SimpleNamespace(kwargs={"HB": 4, "UNROLL": 4}, num_warps=4)
     monkeypatch.setattr(triton_launch, "_TUNED", {
-        "bwd": [SimpleNamespace(cache={(128, 4): pick}), SimpleNamespace(cache={(64, 4): pick})],
-        "unused": [SimpleNamespace(cache={})]})
+        "bwd": SimpleNamespace(cache={(128, 4): pick, (64, 4): pick}), "unused": SimpleNamespace(cache={})})
     assert triton_launch.tuned_configs() == {"bwd": {"(128, 4)": "{'HB': 4, 'UNROLL': 4}, num_warps 4",
                                                       "(64, 4)": "{'HB': 4, 'UNROLL': 4}, num_warps 4"}}

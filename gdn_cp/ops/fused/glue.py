@@ -17,28 +17,6 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   either way; in_proj's gradient is then made before the core's backward, more peak memory);
 - ``triton_norm_dz_copy``: the same, z's gradient in a tensor of its own that the split's backward copies in
   (one copy back, in_proj's gradient made after the core's backward as in ``triton_one_pass``);
-- ``triton_taps_per_program``: ``triton_one_pass`` with each backward program loading its conv taps once, not in
-  every tile (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd`'s ``TAPS_ONCE``; its kernel 0.90x, the layer
-  not faster in every row: :data:`CUDA_DEFAULT`);
-- ``triton_norm_dz_copy_x_once``: ``triton_norm_dz_copy`` with ``triton_taps_per_program``'s conv backward, which
-  also loads each tile's x rows once (for the pre-activation and the tap sums; the other forms load them twice).
-  Compiled for sm_90 at 16 rows and 4 warps: 0.77x the one-pass tile-loop instructions and no spill; on one
-  H200 its conv backward 4-11% faster in 5 of 6 rank rows, the layer 0.991-1.003x ``triton_norm_dz_copy``'s: not faster in
-  every row yet (:data:`CUDA_DEFAULT`);
-- ``triton_norm_dz_copy_narrow``: ``triton_norm_dz_copy`` with narrower conv programs, which need fewer registers
-  so that more of them share an SM (the one-pass backward keeps 255 registers a thread and 2 programs an SM,
-  12.5% of its warps: run 2026-12-06h): the groups that have no l2 norm (v; q and k where the norm is off) in
-  blocks of 64 channels, forward and backward (nothing is reduced over their head dim), and the one-pass
-  backward's autotuning also offered tiles of 8 rows (for q and k, whose norm needs the whole head). Compiled for
-  sm_90 (16 / 32 heads of 128, 4 warps, a bias): v's backward 127 registers instead of 255, 3 barriers a tile
-  instead of 23; q's and k's at 8 rows 128 registers. Not yet measured on a GPU;
-- ``triton_norm_dz_copy_norm_pass``: ``triton_norm_dz_copy`` with the l2 norm's backward in a kernel of its own
-  (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_l2norm_bwd`: the conv and SiLU recomputed, q's and k's gradient at
-  the SiLU output written in the activations' dtype, where the one-pass backward rounds it), then the conv's
-  backward without the norm, q and k as one group, in blocks of 64 channels: the same values as the one-pass
-  backward, one more read and write of q's and k's columns, and programs of 127 registers instead of 255
-  (Megatron-LM's pre-GDR fusion cuts its backward there too: its l2 norm's gradient, then causal-conv1d's
-  backward). Not yet measured on a GPU;
 - ``triton_norm_dz_copy_scan``: ``triton_norm_dz_copy`` with the conv's backward as a scan down each span of 64+
   rows, one row of a few heads a step (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd_scan`): a thread
   keeps its channels at every row, so the conv's shifts in time are registers that roll from step to step (no
@@ -79,9 +57,8 @@ logger = logging.getLogger(__name__)
 L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
-GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_taps_per_program",
-              "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow", "triton_norm_dz_copy_norm_pass",
-              "triton_norm_dz_copy_scan", "compiled", "unfused")
+GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_norm_dz_copy_scan",
+              "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 REPEAT_KEY_HEADS_IN_CONV = True
@@ -93,20 +70,22 @@ slice of 32K tokens): 0.964-0.966x the layer's time with the default glue then, 
 the same peak memory. ``benchmarks/layer_full.py``'s lever ``key_heads_by_backend`` times it off."""
 
 CUDA_DEFAULT = "triton_norm_dz_copy_scan"
-"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-06l/n on one
-H100, each CP=2 rank's slice of mixed-length tokens, Qwen3.5-9B's GDN shape, bf16: ``triton_norm_dz_copy_scan``
+"""What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-06l/n on one H100,
+each CP=2 rank's slice of mixed-length tokens, Qwen3.5-9B's GDN shape, bf16: ``triton_norm_dz_copy_scan``
 0.968-0.978x ``triton_norm_dz_copy``'s time at 32K and 0.954-0.977x at 128K on FlashQLA (local modules), 0.972-0.973x
 at 32K on FLA 0.4.2, at the same peak memory, in all 6 rank rows (``benchmarks/glue_kernels.py``: its conv backward
-0.74 ms at 16K rows and 1.79 at 64K, the two-pass backward's 1.40 and 4.96, the x-once one-pass form's 1.20 and
-3.22). Before it: ``triton_norm_dz_copy`` (runs 2026-12-06b/d/e) 0.983-0.999x ``triton_one_pass``'s time in all 8
-rank rows (FlashQLA with the local modules, FLA 0.4.2 with the TE spec), at the same peak memory (within 6 KiB);
-``triton_one_pass`` 0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (run 2026-12-05g); ``triton`` 0.92-0.97x ``unfused``
-(runs 2026-12-04c/d, H200); ``compiled`` slower than ``unfused`` (run 2026-12-04a). ``triton_norm`` (run
-2026-12-06a) is 0.969-0.984x ``triton_one_pass``'s time but keeps 0.25-1.0 GiB more at peak: a trade, not the
-default. ``triton_taps_per_program`` (runs 2026-12-06d/e): its backward kernel alone 0.90x, the layer 0.982-1.006x
-``triton_one_pass``: not faster in every row. ``triton_norm_dz_copy_x_once`` (runs 2026-12-06j/k, H200):
-0.991-1.003x ``triton_norm_dz_copy``'s time, slower in 1 of 6 rows. It changes only with a committed GPU run that shows another path
-faster and no bigger at the sizes users train (tests/ops/test_glue_default.py reads them)."""
+0.74 ms at 16K rows and 1.79 at 64K, the two-pass backward's 1.40 and 4.96, the x-once one-pass form's 1.20 and 3.22,
+since removed). Before it: ``triton_norm_dz_copy`` (runs 2026-12-06b/d/e) 0.983-0.999x ``triton_one_pass``'s time in
+all 8 rank rows (FlashQLA with the local modules, FLA 0.4.2 with the TE spec), at the same peak memory (within 6
+KiB); ``triton_one_pass`` 0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128K (run 2026-12-05g); ``triton``
+0.92-0.97x ``unfused`` (runs 2026-12-04c/d, H200); ``compiled`` slower than ``unfused`` (run 2026-12-04a).
+``triton_norm`` (run 2026-12-06a) is 0.969-0.984x ``triton_one_pass``'s time but keeps 0.25-1.0 GiB more at peak: a
+trade, not the default. ``triton_taps_per_program`` (runs 2026-12-06d/e): its backward kernel alone 0.90x, the layer
+0.982-1.006x ``triton_one_pass``: not faster in every row. ``triton_norm_dz_copy_x_once`` (runs 2026-12-06j/k, H200):
+0.991-1.003x ``triton_norm_dz_copy``'s time, slower in 1 of 6 rows. Both were removed once the scan beat them (with
+``triton_norm_dz_copy_narrow`` and ``triton_norm_dz_copy_norm_pass``: CHANGELOG.md). It changes only with a committed
+GPU run that shows another path faster and no bigger at the sizes users train (tests/ops/test_glue_default.py reads
+them)."""
 
 
 def glue_path(setting: str, x: torch.Tensor) -> str:
@@ -218,18 +197,10 @@ def _triton_gates():
 
 
 _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_norm": {"one_pass": True},
-                  "triton_norm_dz_copy": {"one_pass": True},
-                  "triton_taps_per_program": {"one_pass": True, "taps_once": True},
-                  "triton_norm_dz_copy_x_once": {"one_pass": True, "x_once": True},
-                  "triton_norm_dz_copy_narrow": {"one_pass": True, "channel_block": 64, "fine_tiles": True},
-                  "triton_norm_dz_copy_norm_pass": {"one_pass": True, "norm_pass": True, "channel_block": 64},
-                  "triton_norm_dz_copy_scan": {"scan": True}}
+                  "triton_norm_dz_copy": {"one_pass": True}, "triton_norm_dz_copy_scan": {"scan": True}}
 """gdn-cp's Triton paths, and how each runs the conv (the fields of :class:`.triton_conv.ConvForm`: the backward in
-two kernels, one, or one whose programs load their taps once, or their taps and each tile's x once; narrower
-programs)."""
-_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_x_once": False,
-                     "triton_norm_dz_copy_narrow": False, "triton_norm_dz_copy_norm_pass": False,
-                     "triton_norm_dz_copy_scan": False}
+two kernels, one, or a scan down the rows)."""
+_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_scan": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
           **{path: _triton_gates for path in _CONV_BACKWARD}}

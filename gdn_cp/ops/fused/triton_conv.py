@@ -36,13 +36,6 @@ MAX_WIDTH = 4
 """The widest conv the kernels take (they keep four tap sums; Megatron's and FLA's conv widths are at most 4)."""
 
 @triton.jit
-def _program_taps(w_ptr, b_ptr, ch, d_ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The taps ``w[:, j]`` (j < W; zeros past W) and the bias of channels ``ch`` as ``[1, BD]`` fp32 tiles, loaded
-    once by a program whose channels stay fixed (inside its row loop a load cannot be hoisted past its stores)."""
-    return _taps_at(w_ptr, b_ptr, ch[None, :], d_ok[None, :], W, HAS_BIAS)
-
-
-@triton.jit
 def _taps_at(w_ptr, b_ptr, ch, ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The four taps and the bias of the channels ``ch`` (a tile of any shape; masked by ``ok``) in fp32."""
     at = w_ptr + ch * W
@@ -82,21 +75,15 @@ def _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch
 
 
 @triton.jit
-def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
-               W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, TAPS_GIVEN: tl.constexpr):
-    """The conv's pre-activation ``[BT, BD]`` fp32 at ``rows`` (int32 [BT]) for channels ``ch`` ([BD]); the taps
-    and bias from ``taps`` (:func:`_program_taps`) where ``TAPS_GIVEN``, else loaded here."""
+def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, W: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
+    """The conv's pre-activation ``[BT, BD]`` fp32 at ``rows`` (int32 [BT]) for channels ``ch`` ([BD])."""
     acc = tl.zeros((rows.shape[0], ch.shape[0]), dtype=tl.float32)
-    if TAPS_GIVEN:
-        acc += taps[4]
-    elif HAS_BIAS:
+    if HAS_BIAS:
         acc += tl.load(b_ptr + ch, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     first = pos == rows  # rows of the sequence that starts at row 0 (continues into the halo)
     for j in tl.static_range(W):
-        if TAPS_GIVEN:
-            tap = _pick(j, taps[0], taps[1], taps[2], taps[3])
-        else:
-            tap = tl.load(w_ptr + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        tap = tl.load(w_ptr + ch * W + j, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         acc += tap * _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, W - 1 - j,
                              W, HAS_HALO).to(tl.float32)
     return acc
@@ -112,8 +99,8 @@ def _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, ou
     row_ok, d_ok = rows < T, d < D
     ch = C0 + tl.program_id(1) * D + d
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, None,
-                   W, HAS_BIAS, HAS_HALO, False)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, W, HAS_BIAS,
+                   HAS_HALO)
     return rows, d, row_ok, d_ok, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)
 
 
@@ -190,56 +177,15 @@ def _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D: tl.con
 
 
 @triton.jit
-def gdn_cp_glue_l2norm_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, out_ptr, T, C0,
-                           HEADS, OUT_HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr,
-                           W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, REPEAT: tl.constexpr):
-    """The l2 norm's backward alone (``ConvForm.norm_pass``): ``out`` (rows of ``OUT_HEADS`` heads of D) <- the
-    gradient at the SiLU output of head ``program_id(1)`` (channels from ``C0``), from the gradient ``dout [T,
-    HEADS, D]`` at its normalized output, in ``out``'s dtype: the value :func:`_pre_gradient` rounds to and
-    multiplies by SiLU's derivative, so the conv's backward (``NORM`` off) then reads it and computes what the
-    one-pass backward with ``NORM`` computes. The forward's conv and SiLU recomputed, as there."""
-    i_h = tl.program_id(1)
-    rows, d, row_ok, d_ok, a = _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T,
-                                          C0, D, BD, BT, W, HAS_BIAS, HAS_HALO)
-    ok = row_ok[:, None] & d_ok[None, :]
-    da = _load_gradient(dout_ptr, rows[:, None].to(tl.int64) * HEADS + i_h, d[None, :], ok, D, REPEAT).to(tl.float32)
-    tl.store(out_ptr + (rows[:, None].to(tl.int64) * OUT_HEADS + i_h) * D + d[None, :],
-             _l2norm_gradient(a, da, EPS).to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, ch,
-               d, d_ok, EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
-               NORM: tl.constexpr, TAPS_GIVEN: tl.constexpr, REPEAT: tl.constexpr):
+               d, d_ok, EPS, D: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
+               NORM: tl.constexpr, REPEAT: tl.constexpr):
     """The gradient at the conv's pre-activation ``[BT, BD]`` fp32 for ``rows`` (zeros outside [0, T))."""
     row_ok = (rows >= 0) & (rows < T)
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, taps,
-                   W, HAS_BIAS, HAS_HALO, TAPS_GIVEN)
+    y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, W, HAS_BIAS,
+                   HAS_HALO)
     return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM, REPEAT)
-
-
-@triton.jit
-def _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS, d, ch, d_ok,
-                         EPS, taps, D: tl.constexpr, W: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr,
-                         REPEAT: tl.constexpr):
-    """:func:`_dpre_tile` (taps given, W <= 4) that also returns the x rows it read, ``x[t - k]`` for k = 0..3 in
-    x's dtype (zeros for k >= W), so the tap sums need not load them again."""
-    row_ok = (rows >= 0) & (rows < T)
-    pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
-    first = pos == rows
-    x0 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok, first, ch, d_ok, 0, W, HAS_HALO)
-    x1 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 1), first, ch, d_ok, 1, W, HAS_HALO)
-    x2 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 2), first, ch, d_ok, 2, W, HAS_HALO)
-    x3 = _x_rows(x_ptr, x_stride, halo_ptr, halo_stride, rows, pos, row_ok & (W > 3), first, ch, d_ok, 3, W, HAS_HALO)
-    y = taps[4] + _pick(W - 1, taps[0], taps[1], taps[2], taps[3]) * x0.to(tl.float32)  # tap W-1-k reads x[t - k]
-    if W > 1:
-        y += _pick(W - 2, taps[0], taps[1], taps[2], taps[3]) * x1.to(tl.float32)
-    if W > 2:
-        y += _pick(W - 3, taps[0], taps[1], taps[2], taps[3]) * x2.to(tl.float32)
-    if W > 3:
-        y += taps[0] * x3.to(tl.float32)
-    return _pre_gradient(y, dout_ptr, rows, row_ok, i_h, HEADS, d, d_ok, EPS, D, NORM, REPEAT), x0, x1, x2, x3
 
 
 @triton.jit
@@ -306,7 +252,7 @@ def gdn_cp_glue_conv_bwd_pre(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_strid
         rel = i_p * SPAN + it * BT + tl.arange(0, BT)
         rows = ROW0 + rel
         pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                         HEADS, ch, d, d_ok, EPS, None, D, W, HAS_BIAS, HAS_HALO, NORM, False, REPEAT)
+                         HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM, REPEAT)
         row_ok = rel < ROWS
         tl.store(pre_ptr + rel[:, None].to(tl.int64) * (HEADS * D) + local[None, :], pre,
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -341,8 +287,7 @@ def gdn_cp_glue_conv_bwd_dx(pre_ptr, w_ptr, pos_ptr, dx_ptr, dx_stride, T, ROW0,
 def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
                          scratch_ptr, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                          BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         HAS_HALO: tl.constexpr, NORM: tl.constexpr, TAPS_ONCE: tl.constexpr, X_ONCE: tl.constexpr,
-                         REPEAT: tl.constexpr):
+                         HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr):
     """The whole backward of head ``program_id(1)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` in one pass: ``dx``
     of those rows (bf16 / fp16 / fp32, written once), the tap and bias sums into ``dw [programs, HEADS*D, W]``,
     ``db [programs, HEADS*D]`` and, with a halo, the pre-activation gradient of rows ``[0, W-1)`` into
@@ -350,11 +295,7 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     register tile can shift to: each tile's is kept in this program's ``scratch [BT + 4, BD]`` (fp32, L1/L2
     resident), rows ``[BT, BT + 4)`` holding the W-1 rows after the tile. The tiles run last to first, so those
     rows are the previous tile's first; the span's last tile reads four rows computed up front (rows past T are
-    zeros). Nothing ``[T, C]``-sized in fp32 is written (the two-pass form writes and reads one). ``TAPS_ONCE``:
-    the program's taps and bias loaded once, before its tiles (:func:`_program_taps`), not in every tile (where
-    each tap, loaded 1-D, changes layout through shared memory; compiled for sm_90, 23 barriers a tile fall to 6;
-    ``GDN_CP_GLUE=triton_taps_per_program``). ``X_ONCE`` (with ``TAPS_ONCE``): each tile's x rows loaded once, for
-    the pre-activation and the tap sums (:func:`_dpre_tile_keeping_x`), where the other forms load them twice."""
+    zeros). Nothing ``[T, C]``-sized in fp32 is written (the two-pass form writes and reads one)."""
     i_p, i_h = tl.program_id(0), tl.program_id(1)
     d = tl.arange(0, BD)
     d_ok = d < D
@@ -365,12 +306,8 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     tile = tl.arange(0, BT)
     after = tl.arange(0, 4)
     span0 = i_p * SPAN
-    if TAPS_ONCE:
-        taps = _program_taps(w_ptr, b_ptr, ch, d_ok, W, HAS_BIAS)
-    else:
-        taps = None
     tail = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, span0 + SPAN + after,
-                      T, i_h, HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE, REPEAT)
+                      T, i_h, HEADS, ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM, REPEAT)
     tl.store(scratch + (BT + after)[:, None] * BD + d[None, :], tail)
     acc0 = tl.zeros((BT, BD), dtype=tl.float32)  # sums of pre * x[t - k], k = 0..3 (tap W-1-k)
     acc1 = tl.zeros((BT, BD), dtype=tl.float32)
@@ -381,22 +318,11 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
     for i in range(tiles):
         rows = span0 + (tiles - 1 - i) * BT + tile
         row_ok = rows < T
-        if X_ONCE:
-            pre, x0, x1, x2, x3 = _dpre_tile_keeping_x(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows,
-                                                       T, i_h, HEADS, d, ch, d_ok, EPS, taps, D, W, HAS_HALO, NORM,
-                                                       REPEAT)
-            accb += pre
-            acc0 += pre * x0.to(tl.float32)
-            acc1 += pre * x1.to(tl.float32)
-            acc2 += pre * x2.to(tl.float32)
-            acc3 += pre * x3.to(tl.float32)
-        else:
-            pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h,
-                             HEADS, ch, d, d_ok, EPS, taps, D, W, HAS_BIAS, HAS_HALO, NORM, TAPS_ONCE,
-                             REPEAT)  # 0 at rows >= T
-            accb += pre
-            acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
-                                               acc0, acc1, acc2, acc3, W, HAS_HALO)
+        pre = _dpre_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, rows, T, i_h, HEADS,
+                         ch, d, d_ok, EPS, D, W, HAS_BIAS, HAS_HALO, NORM, REPEAT)  # 0 at rows >= T
+        accb += pre
+        acc0, acc1, acc2, acc3 = _tap_sums(x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, rows, T, ch, d_ok, pre,
+                                           acc0, acc1, acc2, acc3, W, HAS_HALO)
         if HAS_HALO:
             tl.store(head_ptr + rows[:, None] * width + local[None, :], pre, mask=(rows < W - 1)[:, None] & d_ok[None, :])
         tl.store(scratch + tile[:, None] * BD + d[None, :], pre)
@@ -406,10 +332,7 @@ def gdn_cp_glue_conv_bwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, p
             later = rows + s
             keep = (later < T) & (tl.load(pos_ptr + later, mask=later < T, other=0) >= s)
             shifted = tl.load(scratch + (tile + s)[:, None] * BD + d[None, :], mask=keep[:, None], other=0.0)
-            if TAPS_ONCE:
-                tap = _pick(W - 1 - s, taps[0], taps[1], taps[2], taps[3])
-            else:
-                tap = tl.load(w_ptr + ch * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            tap = tl.load(w_ptr + ch * W + (W - 1 - s), mask=d_ok, other=0.0).to(tl.float32)[None, :]
             dx += tap * shifted
         carried = tl.load(scratch + after[:, None] * BD + d[None, :])  # the W-1 rows after the next tile down
         tl.debug_barrier()
@@ -628,13 +551,7 @@ _pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "n
 _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
-_bwd = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
-_l2norm_bwd = launcher(gdn_cp_glue_l2norm_bwd, ["D", "W", "HAS_HALO", "REPEAT"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
-_FINE_TILES = [({"BT": 8}, 4), ({"BT": 8}, 2)]
-"""Tiles of 8 rows, which the one-pass backward may also take (``ConvForm.fine_tiles``): compiled for sm_90 with the
-l2 norm and a bias, 4 warps, 128 registers a thread against 255 at 16 rows, so twice the programs fit an SM."""
-_bwd_fine = launcher(gdn_cp_glue_conv_bwd, [*_TILE_KEY, "TAPS_ONCE", "X_ONCE"], _FINE_TILES + TILE_CONFIGS,
-                     {"BT": 8, "num_warps": 4})
+_bwd = launcher(gdn_cp_glue_conv_bwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _SCAN_CONFIGS = [({"HB": 2}, 1), ({"HB": 4}, 2), ({"HB": 8}, 4), ({"HB": 4}, 4), ({"HB": 8}, 8), ({"HB": 16}, 8)]
 """The scans' autotuning configs, ``(heads a program, num_warps)``: 8 or 4 channels a thread at head dim 128."""
 _SCAN_BWD_CONFIGS = [({**meta, "UNROLL": 1}, w) for meta, w in _SCAN_CONFIGS] + [
@@ -670,39 +587,16 @@ def _groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat=1):
 
 @dataclass(frozen=True)
 class ConvForm:
-    """How the kernels run the conv (every field off: the backward in two passes, whole heads, tiles of 16-64 rows).
+    """How the kernels run the conv (every field off: the backward in two passes, tiles of 16-64 rows).
     ``one_pass``: the backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer
-    between them; ``taps_once`` (with it): its programs load their taps once, not in every tile; ``x_once`` (with it,
-    taps once too): each tile's x rows loaded once, not again for the tap sums; ``channel_block``: the groups without
-    the l2 norm in blocks of that many channels (:func:`_launch_heads`); ``fine_tiles`` (with ``one_pass``): its
-    autotuning may also pick tiles of 8 rows (:data:`_FINE_TILES`); ``norm_pass`` (with ``one_pass``): the l2
-    norm's backward in a kernel of its own (:func:`gdn_cp_glue_l2norm_bwd`), whose gradient (in the activations'
-    dtype, where the one-pass backward rounds it) the conv's backward then reads without the norm, q and k as one
-    group, in ``channel_block`` blocks; ``scan``: the backward as a scan down each span of rows, one row a step
-    (:func:`gdn_cp_glue_conv_bwd_scan`; with ``norm_pass``, q and k without the norm), the backward's other fields
-    unused; ``scan_forward``: the forward likewise (:func:`gdn_cp_glue_conv_fwd_scan`; compiled for sm_90 it issues
-    more instructions an element than the tile forward, 52 against 37-43 with the l2 norm, so it is timed apart)."""
+    between them; ``scan``: the backward as a scan down each span of rows, one row a step
+    (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused; ``scan_forward``: the forward likewise
+    (:func:`gdn_cp_glue_conv_fwd_scan`; compiled for sm_90 it issues more instructions an element than the tile
+    forward, 52 against 37-43 with the l2 norm, so it is timed apart)."""
 
     one_pass: bool = False
-    taps_once: bool = False
-    x_once: bool = False
-    channel_block: int | None = None
-    fine_tiles: bool = False
-    norm_pass: bool = False
     scan: bool = False
     scan_forward: bool = False
-
-
-def _launch_heads(heads: int, dim: int, norm: bool, channel_block: int | None, repeat: int = 1) -> tuple[int, int]:
-    """(heads, head dim) a group's kernels run with. A group without the l2 norm (nothing reduced over its head
-    dim: v, and q / k where the norm is off) runs in blocks of ``channel_block`` channels where that divides its
-    head dim: the same memory (``[T, heads * dim]`` contiguous), twice the programs or more, each with half the
-    channels or fewer, so fewer registers (compiled for sm_90, Dv 128 -> 64, 16 rows, 4 warps, with a bias: 255 ->
-    127 a thread in the one-pass backward) and more programs resident on each SM. A group whose heads are written
-    ``repeat`` > 1 times keeps whole heads (its copies are laid out by head)."""
-    if channel_block and not norm and repeat == 1 and dim > channel_block and dim % channel_block == 0:
-        return heads * (dim // channel_block), channel_block
-    return heads, dim
 
 
 def _block(dim: int) -> int:
@@ -733,10 +627,9 @@ class _ConvSiluSplit(torch.autograd.Function):
                           BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
                           REPEAT=repeat)
             elif t and heads:
-                n, d = _launch_heads(heads, dim, norm, form.channel_block, repeat)
-                _fwd(lambda meta, t=t, n=n: (triton.cdiv(t, meta["BT"]), n),
-                     *_conv_inputs(x, weight_c, bias, halo), positions, out, t, c0, n, eps,
-                     D=d, BD=_block(d), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
+                _fwd(lambda meta, t=t, heads=heads: (triton.cdiv(t, meta["BT"]), heads),
+                     *_conv_inputs(x, weight_c, bias, halo), positions, out, t, c0, heads, eps,
+                     D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
                      REPEAT=repeat)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
@@ -753,48 +646,18 @@ class _ConvSiluSplit(torch.autograd.Function):
         dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
         db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
         dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
-        groups = [(c0, heads, dim, norm, repeat, heads, g) for (c0, heads, dim, norm, repeat), g in
-                  zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat), (dq, dk_, dv_))]
-        if form.norm_pass and qk_l2norm and t and k_heads:  # q and k then run as one group without the norm
-            groups = [(0, 2 * k_heads, dk, False, 1, k_heads,
-                       _l2norm_backward(x, weight, bias, halo, positions, dq, dk_, k_heads, dk, eps, kv_repeat)),
-                      groups[2]]
-        for c0, heads, dim, norm, repeat, span_heads, g in groups:
+        group_backward = (_conv_group_backward_scan if form.scan else
+                          _conv_group_backward_one_pass if form.one_pass else _conv_group_backward)
+        for (c0, heads, dim, norm, repeat), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat),
+                                                     (dq, dk_, dv_)):
             if not (t and heads):
                 continue
             g = torch.zeros(t, heads * repeat, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
-            if form.scan:
-                _conv_group_backward_scan(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db,
-                                          dhalo, repeat)
-                continue
-            n, d = _launch_heads(heads, dim, norm, form.channel_block, repeat)
-            if form.one_pass:
-                _conv_group_backward_one_pass(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw,
-                                              db, dhalo, form, span_heads=span_heads, repeat=repeat)
-            else:
-                _conv_group_backward(x, weight, bias, halo, positions, g, c0, n, d, norm, eps, dx, dw, db, dhalo,
-                                     repeat)
+            group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo, repeat)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
                 None, None, None, None, None, None, None, None)
-
-
-def _l2norm_backward(x, weight, bias, halo, positions, dq, dk, heads, dim, eps, repeat) -> torch.Tensor:
-    """The gradient at q's and k's SiLU output (:func:`gdn_cp_glue_l2norm_bwd`) as one ``[T, 2 * heads, dim]`` group
-    in x's dtype: q's heads, then k's, as their channels lie in x (``dq``, ``dk`` ``[T, heads * repeat, dim]``, each
-    head's copies summed; None: zeros)."""
-    t = x.shape[0]
-    d_silu = torch.empty(t, 2 * heads, dim, dtype=x.dtype, device=x.device)
-    for half, dout in enumerate((dq, dk)):
-        if dout is None:
-            d_silu[:, half * heads:(half + 1) * heads].zero_()
-            continue
-        _l2norm_bwd(lambda meta: (triton.cdiv(t, meta["BT"]), heads),
-                    *_conv_inputs(x, weight, bias, halo), positions, dout.contiguous(), d_silu[:, half * heads:], t,
-                    half * heads * dim, heads, 2 * heads, eps, D=dim, BD=_block(dim), W=weight.shape[1],
-                    HAS_BIAS=bias is not None, HAS_HALO=halo is not None, REPEAT=repeat)
-    return d_silu
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
@@ -829,27 +692,24 @@ def _conv_group_backward(x, weight, bias, halo, positions, dout, c0, heads, dim,
 
 
 def _conv_group_backward_one_pass(x, weight, bias, halo, positions, dout, c0, heads, dim, norm, eps, dx, dw, db,
-                                  dhalo, form, span_heads, repeat):
+                                  dhalo, repeat):
     """One channel group's backward in one kernel (:func:`gdn_cp_glue_conv_bwd`): dx written once, no fp32
-    ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs per ``span_heads`` heads (a group in channel
-    blocks keeps its heads' spans of rows, so its programs multiply), each a span of rows (a multiple of every
-    tile) with its own scratch tile; ``form`` (:class:`ConvForm`): taps once (``TAPS_ONCE``), x once
-    (``X_ONCE``), tiles of 8 rows among the autotuned."""
+    ``[T, width]`` buffer; about :data:`_ONE_PASS_PROGRAMS` programs for the group, each a span of rows (a multiple of
+    every tile) of one head with its own scratch tile."""
     t = x.shape[0]
     w = weight.shape[1]
     width = heads * dim
-    per_head = max(1, _ONE_PASS_PROGRAMS // span_heads)
+    per_head = max(1, _ONE_PASS_PROGRAMS // heads)
     span = triton.cdiv(triton.cdiv(t, per_head), _SPAN) * _SPAN
     programs = triton.cdiv(t, span)
     block = _block(dim)
     scratch = torch.empty(programs * heads * (_MAX_BT + 4) * block, dtype=torch.float32, device=x.device)
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else scratch
     dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
-    launch = _bwd_fine if form.fine_tiles else _bwd
-    launch(lambda meta: (programs, heads),
-           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
-           t, span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
-           NORM=norm, TAPS_ONCE=form.taps_once or form.x_once, X_ONCE=form.x_once, REPEAT=repeat)
+    _bwd(lambda meta: (programs, heads),
+         *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), scratch, head, dw_part, db_part,
+         t, span, c0, heads, eps, D=dim, BD=block, W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None,
+         NORM=norm, REPEAT=repeat)
     _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)

@@ -16,8 +16,7 @@ TILE_CONFIGS = [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)]
 
 
 _TUNED: dict = {}
-"""The autotuned launchers of each kernel, by its name (:func:`launcher`; one kernel may have two, with other configs),
-for :func:`tuned_configs`."""
+"""The autotuned launcher of each kernel, by its name (:func:`launcher`), for :func:`tuned_configs`."""
 
 
 def launcher(kernel, key: list, configs: list, fixed: dict):
@@ -30,7 +29,7 @@ def launcher(kernel, key: list, configs: list, fixed: dict):
             kernel[grid(meta)](*args, **kwargs, **meta, num_warps=warps)
         return launch
     tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key)(kernel)
-    _TUNED.setdefault(kernel.__name__, []).append(tuned)
+    _TUNED[kernel.__name__] = tuned
 
     def launch(grid, *args, **kwargs):
         tuned[grid](*args, **kwargs)
@@ -40,6 +39,6 @@ def launcher(kernel, key: list, configs: list, fixed: dict):
 def tuned_configs() -> dict:
     """``{kernel: {key: "meta, num_warps"}}``: the config autotuning chose for each key so far in this process
     (``benchmarks/glue_kernels.py`` records them beside its timings; empty under the interpreter)."""
-    picks = {name: {str(key): f"{config.kwargs}, num_warps {config.num_warps}" for tuned in launchers
-                    for key, config in tuned.cache.items()} for name, launchers in _TUNED.items()}
+    picks = {name: {str(key): f"{config.kwargs}, num_warps {config.num_warps}" for key, config in tuned.cache.items()}
+             for name, tuned in _TUNED.items()}
     return {name: chosen for name, chosen in picks.items() if chosen}
