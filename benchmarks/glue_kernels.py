@@ -57,10 +57,9 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True, "scan_forward": True}}
+BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}}
 """The backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): one pass
-(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``; its row
-also times the forward's scan)."""
+(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``)."""
 
 
 def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
@@ -161,7 +160,7 @@ def main(argv=None) -> dict:
                         floor["bwd_ms"])
             row = time_kernels(rows, shape, args.device, args.iters)
             row.update(copy_gbs=gbs, floor=floor)
-            for name, form in forms.items():  # the forward too: the scan's row times the forward's scan
+            for name, form in forms.items():  # the forward too (the same tile kernel in every form)
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})
             results.append(row)

@@ -88,7 +88,7 @@ def cubin_resources(cubin: bytes) -> dict:
 
 def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = True):
     """``(name, kernel, pointers, constexprs)`` of the conv glue's kernels: the forward, the two-pass backward's two,
-    the one-pass backward (``[3]``), the backward's and the forward's scans (4 heads a program)."""
+    the one-pass backward (``[3]``), the backward's scan (4 heads a program)."""
     from gdn_cp.ops.fused import triton_conv as tc
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm, "REPEAT": 1}
@@ -101,8 +101,6 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
         ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
          {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1}),
-        ("conv_fwd_scan", tc.gdn_cp_glue_conv_fwd_scan, BF16_CONV,
-         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4}),
     )
 
 
@@ -145,8 +143,7 @@ def tests_report() -> dict:
     """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward as launched (16
     rows, 4 warps, l2 norm, bias); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm,
-    without a bias (Megatron's GDN conv has none by default) and, for q, with one, and unrolled by 4; the forward's
-    scan for q."""
+    without a bias (Megatron's GDN conv has none by default) and, for q, with one, and unrolled by 4."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
@@ -159,7 +156,7 @@ def tests_report() -> dict:
             "gates": {name: compile_sm90(k, p, c) for name, k, p, c in gates_kernels()},
             "one_pass": as_launched(16, 128, True, 3),
             "scan": {"q": as_launched(16, 128, True, 4, bias=False), "v": as_launched(16, 128, False, 4, bias=False),
-                     "q_bias": as_launched(16, 128, True, 4), "q_fwd": as_launched(16, 128, True, 5, bias=False),
+                     "q_bias": as_launched(16, 128, True, 4),
                      "q_unroll4": as_launched(16, 128, True, 4, bias=False, UNROLL=4),
                      "v_unroll4": as_launched(16, 128, False, 4, bias=False, UNROLL=4)}}
 

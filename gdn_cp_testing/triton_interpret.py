@@ -58,7 +58,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
     family = backward_family(chunk)
-    form = {"one_pass": family == "one_pass", "scan": family == "scan", "scan_forward": family == "scan"}
+    form = {"one_pass": family == "one_pass", "scan": family == "scan"}
     if form["scan"]:  # spans of that many rows
         triton_conv._SCAN_SPAN = int(chunk.split()[1])
     elif form["one_pass"]:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
@@ -81,12 +81,9 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     grads = torch.autograd.grad(got, leaves, douts)
     pairs = list(zip(got, want)) + list(zip(grads, torch.autograd.grad(want, leaves, douts)))
     same = {}
-    if form["scan"]:  # q, k, v: the tile forward's bits; dx and the halo's gradient: the one-pass backward's (the tap
-        # sums: fp32 order only)
-        tiled = conv_silu_split_triton(x, *rest, one_pass=True)
-        plain = torch.autograd.grad(tiled, leaves, douts)
-        same = {"dx_dhalo_equal_one_pass": all(torch.equal(grads[i], plain[i]) for i in ([0, 3] if halo else [0])),
-                "outputs_equal_tiles": all(torch.equal(a, b) for a, b in zip(got, tiled))}
+    if form["scan"]:  # dx and the halo's gradient: the one-pass backward's bits (the tap sums: fp32 order only)
+        plain = torch.autograd.grad(conv_silu_split_triton(x, *rest, one_pass=True), leaves, douts)
+        same = {"dx_dhalo_equal_one_pass": all(torch.equal(grads[i], plain[i]) for i in ([0, 3] if halo else [0]))}
     layout = ({"dx_laid_out_like_x": _written_into_rows(lambda x: conv_silu_split_triton(x, *rest, **form),
                                                         rows, [3, c, 4], douts)} if check_layout else {})
     return {**same, **layout, "family": family,

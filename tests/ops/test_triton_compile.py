@@ -31,7 +31,7 @@ def compiled():
 
 
 def test_the_conv_kernels_compile_for_sm90(compiled):
-    assert len(compiled["conv"]) == 6
+    assert len(compiled["conv"]) == 5
     for name, used in compiled["conv"].items():
         assert 0 < used["registers"] <= 255, (name, used)
 
@@ -48,7 +48,7 @@ def test_the_scan_keeps_few_registers_and_no_barrier(compiled):
     programs an SM, where the one-pass backward's 255 fit 2 (with a bias, q's: 146, 3)."""
     for name, used in compiled["scan"].items():
         assert used["loop_barriers"] == 0 and used["stack_bytes"] == 0, (name, used)
-        assert used["registers"] <= (128 if name in ("q", "v", "q_fwd") else 168), (name, used)
+        assert used["registers"] <= (128 if name in ("q", "v") else 168), (name, used)
     one_pass = compiled["one_pass"]
     assert one_pass["loop_barriers"] >= 6 and one_pass["registers"] == 255, one_pass
 

@@ -21,10 +21,10 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   rows, one row of a few heads a step (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_bwd_scan`): a thread
   keeps its channels at every row, so the conv's shifts in time are registers that roll from step to step (no
   scratch tile, no barrier, tap sums of one row's size), and each step loads the rows 4 steps ahead first (the
-  forward stays the tile kernel: a scan of it issues more instructions an element, timed apart by
-  ``benchmarks/glue_kernels.py``). The same dx bits as ``triton_norm_dz_copy``'s. Compiled for sm_90 (4 heads of
-  128 a program, 4 warps, the l2 norm, no bias, as launched): 128 registers a thread and no barrier, against the
-  one-pass backward's 255 and 6; autotuning picks 4 steps a loop pass on an H100. **The default** since runs
+  forward stays the tile kernel: a scan of it was slower on an H100, 0.390 ms at 16K rows against 0.321, and is
+  removed). The same dx bits as ``triton_norm_dz_copy``'s. Compiled for sm_90 (4 heads of 128 a program, 4 warps,
+  the l2 norm, no bias, as launched): 128 registers a thread and no barrier, against the one-pass backward's 241
+  and 21 (16 rows, 4 warps); autotuning picks 4 steps a loop pass on an H100. **The default** since runs
   2026-12-06l/n (:data:`CUDA_DEFAULT`);
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the

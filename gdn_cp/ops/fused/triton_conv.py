@@ -401,52 +401,6 @@ def _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W: tl.constexpr):
 
 
 @triton.jit
-def gdn_cp_glue_conv_fwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, SPAN, C0,
-                              HEADS, EPS, D: tl.constexpr, BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr,
-                              HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr):
-    """``out [T, HEADS * REPEAT, D]`` <- heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a
-    scan up the rows, one row of ``[HB, BD]`` a step (``ConvForm.scan_forward``): each row of x is loaded once,
-    the last four roll in registers, and each step loads the row five above it first. :func:`gdn_cp_glue_conv_fwd`'s
-    arithmetic in its order: the same bits."""
-    i_p, i_b = tl.program_id(0), tl.program_id(1)
-    h = i_b * HB + tl.arange(0, HB)
-    d = tl.arange(0, BD)
-    ok = (h < HEADS)[:, None] & (d < D)[None, :]
-    ch = C0 + h[:, None] * D + d[None, :]
-    taps = _taps_at(w_ptr, b_ptr, ch, ok, W, HAS_BIAS)
-    lag0, lag1, lag2, lag3 = _lag_taps(taps, W)
-    span0 = i_p * SPAN
-    end = tl.minimum(span0 + SPAN, T)
-    # raw x[t - k] for k = 3..0 and the four rows above (x[t + 1..4]); the position at t and the four above
-    x3 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 - 3, T, ch, ok, W, HAS_HALO)
-    x2 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 - 2, T, ch, ok, W, HAS_HALO)
-    x1 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 - 1, T, ch, ok, W, HAS_HALO)
-    x0 = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0, T, ch, ok, W, HAS_HALO)
-    xa = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 1, T, ch, ok, W, HAS_HALO)
-    xb = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 2, T, ch, ok, W, HAS_HALO)
-    xc = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 3, T, ch, ok, W, HAS_HALO)
-    xd = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, span0 + 4, T, ch, ok, W, HAS_HALO)
-    pos = tl.load(pos_ptr + span0)
-    pos_a = tl.load(pos_ptr + tl.minimum(span0 + 1, T - 1))
-    pos_b = tl.load(pos_ptr + tl.minimum(span0 + 2, T - 1))
-    pos_c = tl.load(pos_ptr + tl.minimum(span0 + 3, T - 1))
-    pos_d = tl.load(pos_ptr + tl.minimum(span0 + 4, T - 1))
-    for i in range(end - span0):
-        t = span0 + i
-        x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t + 5, T, ch, ok, W, HAS_HALO)
-        pos_next = tl.load(pos_ptr + tl.minimum(t + 5, T - 1))  # (rows past the span: loaded, never stepped to)
-        e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
-        y = _conv_row(taps[4], lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
-        a = (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded where FLA's conv rounds
-        if NORM:
-            a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
-        _store_copies(out_ptr, (t * HEADS + h[:, None]).to(tl.int64), d[None, :], a.to(out_ptr.dtype.element_ty), ok,
-                      D, REPEAT)
-        x3, x2, x1, x0, xa, xb, xc, xd = x2, x1, x0, xa, xb, xc, xd, x_next
-        pos, pos_a, pos_b, pos_c, pos_d = pos_a, pos_b, pos_c, pos_d, pos_next
-
-
-@triton.jit
 def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
                               dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                               BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -552,14 +506,12 @@ _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"B
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
                                                  ({"BT": 128, "BC": 128}, 8)], {"BT": 16, "BC": 32, "num_warps": 4})
 _bwd = launcher(gdn_cp_glue_conv_bwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
-_SCAN_CONFIGS = [({"HB": 2}, 1), ({"HB": 4}, 2), ({"HB": 8}, 4), ({"HB": 4}, 4), ({"HB": 8}, 8), ({"HB": 16}, 8)]
-"""The scans' autotuning configs, ``(heads a program, num_warps)``: 8 or 4 channels a thread at head dim 128."""
-_SCAN_BWD_CONFIGS = [({**meta, "UNROLL": 1}, w) for meta, w in _SCAN_CONFIGS] + [
+_SCAN_BWD_CONFIGS = [({"HB": hb, "UNROLL": 1}, w) for hb, w in ((2, 1), (4, 2), (8, 4), (4, 4), (8, 8), (16, 8))] + [
     ({"HB": hb, "UNROLL": 4}, w) for hb, w in ((2, 1), (4, 2), (4, 4), (8, 8))]
-"""The backward scan's: each of :data:`_SCAN_CONFIGS` one step a loop pass, and the likeliest four unrolled by 4
-(fewer instructions a step, more registers: which wins is the GPU's to say)."""
+"""The backward scan's autotuning configs, ``(heads a program and steps a loop pass, num_warps)``: 8 or 4 channels a
+thread at head dim 128, one step a loop pass, and the likeliest four unrolled by 4 (fewer instructions a step, more
+registers: which wins is the GPU's to say)."""
 _scan = launcher(gdn_cp_glue_conv_bwd_scan, _TILE_KEY, _SCAN_BWD_CONFIGS, {"HB": 2, "UNROLL": 1, "num_warps": 1})
-_fwd_scan = launcher(gdn_cp_glue_conv_fwd_scan, _TILE_KEY, _SCAN_CONFIGS, {"HB": 2, "num_warps": 1})
 _SCAN_SPAN = 64  # rows per scan program at least: the backward recomputes W-1 more (5% at W 4)
 _SCAN_PROGRAMS = 512  # spans per head block at most: longer rows take longer spans, so the backward's per-span tap
 # sums (programs x width x W fp32: 33 MB for v at 128K rows) stay small
@@ -590,13 +542,11 @@ class ConvForm:
     """How the kernels run the conv (every field off: the backward in two passes, tiles of 16-64 rows).
     ``one_pass``: the backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer
     between them; ``scan``: the backward as a scan down each span of rows, one row a step
-    (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused; ``scan_forward``: the forward likewise
-    (:func:`gdn_cp_glue_conv_fwd_scan`; compiled for sm_90 it issues more instructions an element than the tile
-    forward, 52 against 37-43 with the l2 norm, so it is timed apart)."""
+    (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused. The forward is the tile kernel in every form (a scan
+    of it, timed on an H100, took 0.390 ms at 16K rows against the tile kernel's 0.321: run 2026-12-06l)."""
 
     one_pass: bool = False
     scan: bool = False
-    scan_forward: bool = False
 
 
 def _block(dim: int) -> int:
@@ -619,14 +569,7 @@ class _ConvSiluSplit(torch.autograd.Function):
         outs = []
         for c0, heads, dim, norm, repeat in _groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat):
             out = torch.empty(t, heads * repeat, dim, dtype=x.dtype, device=x.device)
-            if t and heads and form.scan_forward:
-                span = _scan_span(t)
-                programs = triton.cdiv(t, span)
-                _fwd_scan(lambda meta, programs=programs, heads=heads: (programs, triton.cdiv(heads, meta["HB"])),
-                          *_conv_inputs(x, weight_c, bias, halo), positions, out, t, span, c0, heads, eps, D=dim,
-                          BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
-                          REPEAT=repeat)
-            elif t and heads:
+            if t and heads:
                 _fwd(lambda meta, t=t, heads=heads: (triton.cdiv(t, meta["BT"]), heads),
                      *_conv_inputs(x, weight_c, bias, halo), positions, out, t, c0, heads, eps,
                      D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
