@@ -21,7 +21,7 @@ from gdn_cp.ops.fused.glue import _conv_silu_split, _gates
 
 W = 4
 CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pass chunk rows | one-pass form, programs
-    # [, copies of each key head written: q and k as a kernel without grouped value heads reads them])
+    # [, copies of each key head written: q and k as a kernel without grouped value heads reads them[, conv width]])
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 16384),
     ("float32", True, 1, 1, 16, 16, True, (0, 2, 15, 33), 7),  # chunks of 7 rows: their W-1 overlap, the halo
     ("float16", True, 1, 3, 32, 16, True, (0, 2, 20), 16384),
@@ -35,6 +35,9 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 7, 2),  # q, k written twice a head, their
     ("float16", False, 1, 3, 16, 24, True, (0, 1, 2, 3, 17, 20, 50), "one_pass 2", 3),  # gradients summed in the
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16", 2),  # kernels that read them
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 7, 1, 3),  # narrower convs: the taps past W are
+    ("float16", True, 1, 3, 16, 16, True, (0, 2, 20), "one_pass 2", 1, 3),  # zeros, the halo W-1 rows, the tap
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16", 1, 2),  # sums only W of the four
 )
 
 
@@ -49,11 +52,11 @@ def backward_family(chunk) -> str:
 
 
 def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int, repeat: int = 1,
-              check_layout: bool = True) -> dict:
+              width: int = W, check_layout: bool = True) -> dict:
     """One case through the kernels against the plain glue. ``repeat``: q and k written that many times a head
-    (``kv_repeat``). ``check_layout``: also whether dx is written into in_proj-like rows (one more forward and
-    backward; ``_ConvSiluSplit.backward`` allocates dx the same way for every form, so the session checks it once
-    per :func:`backward_family`)."""
+    (``kv_repeat``); ``width``: the conv's taps (Megatron's default 4; the kernels take 1-4). ``check_layout``: also
+    whether dx is written into in_proj-like rows (one more forward and backward; ``_ConvSiluSplit.backward``
+    allocates dx the same way for every form, so the session checks it once per :func:`backward_family`)."""
     from gdn_cp.ops.fused import triton_conv
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
@@ -69,9 +72,9 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     t, c = cu[-1], 2 * hk * dk + hv * dv
     gen = torch.Generator().manual_seed(t + c)
     rows = torch.randn(t, c + 7, generator=gen).to(dt).requires_grad_(True)  # x is a strided view, as in a layer
-    weight = (0.5 * torch.randn(c, W, generator=gen)).to(dt).requires_grad_(True)
+    weight = (0.5 * torch.randn(c, width, generator=gen)).to(dt).requires_grad_(True)
     bias = (0.1 * torch.randn(c, generator=gen)).to(dt).requires_grad_(True)
-    h = torch.randn(W - 1, c, generator=gen).to(dt).requires_grad_(True) if halo else None
+    h = torch.randn(width - 1, c, generator=gen).to(dt).requires_grad_(True) if halo else None
     leaves = [rows, weight, bias] + ([h] if halo else [])
     rest = (weight, bias, Boundaries(list(cu)).positions("cpu"), h, hk, hv, dk, dv, norm, 1e-6, repeat)
     x = rows[:, 3:3 + c]
@@ -88,7 +91,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
                                                         rows, [3, c, 4], douts)} if check_layout else {})
     return {**same, **layout, "family": family,
             "case": f"conv {dtype} halo={halo} heads={hk}/{hv} dims={dk}/{dv} l2norm={norm} cu={list(cu)} chunk={chunk}"
-                    + (f" repeat={repeat}" if repeat > 1 else ""),
+                    + (f" repeat={repeat}" if repeat > 1 else "") + (f" width={width}" if width != W else ""),
             "contiguous": all(o.is_contiguous() for o in got),
             "errors": {n: _rel(a, b) for n, (a, b) in zip(names, pairs)}}
 
