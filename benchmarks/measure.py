@@ -189,13 +189,15 @@ KERNEL_CLASSES = (
     ("communication", ("nccl",)),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas", "sm90_", "sm100_")),
     ("conv", ("causal_conv", "conv1d")),
-    ("gdn", ("chunk_", "gdr", "kkt", "solve_tril", "recompute_w_u", "fused_recurrent", "cumsum", "prepare_h",
-             "wy_", "l2norm", "group_reduce", "main_kernel", "tilelang", "delta_rule")),
+    ("gdn", ("chunk_", "gdr", "kkt", "solve_tril", "_inverse_kernel", "recompute_w_u", "fused_recurrent", "cumsum",
+             "prepare_h", "wy_", "l2norm", "group_reduce", "main_kernel", "tilelang", "delta_rule")),
     ("norm", ("rms", "layer_norm", "layernorm", "_norm")),
     ("gdn-cp glue", ("gdn_cp_glue",)),  # gdn-cp's Triton kernels: conv + SiLU + split + l2 norm, gates
     ("compiled glue", ("triton_",)),  # torch.compile's kernels: gdn-cp's fused conv / split / l2 norm / gates
     ("elementwise + copies", ()),  # everything else: elementwise, copy, cat, fill, reduce
 )
+# (``_inverse_kernel``: FLA's solve_tril merges, ``merge_16x16_to_64x64_inverse_kernel``; rows before run 2026-12-07a
+# count them, 0.32 ms a 16K-row slice, under "elementwise + copies")
 CLASS_NAMES = tuple(c for c, _ in KERNEL_CLASSES) + ("memcpy", "idle")
 
 

@@ -727,7 +727,7 @@ def test_the_per_rank_figures_are_the_result_file_and_say_how_they_were_taken():
 
 def test_the_glue_per_rank_figures_are_their_result_file():
     """README's per-rank figures with the default glue: benchmarks/results/layer_full_glue.json (runs 2026-12-04c/d,
-    2026-12-05a and g-i, 2026-12-06a/b/d/e/j-o), each rank's slice of a CP=2 split at CP=1: the default glue
+    2026-12-05a and g-i, 2026-12-06a/b/d/e/j-o, 2026-12-07a), each rank's slice of a CP=2 split at CP=1: the default glue
     (``CUDA_DEFAULT``, q and k repeated by the conv for FLA 0.4.2) against stock (the newest run that has the row)
     and against the path it replaced; the copies against the backend's; the older paths against theirs (in the runs
     that timed both)."""
@@ -776,11 +776,16 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     ratio = {t: [vs_stock("local", t, k, "flashqla") for k in (0, 1)] for t in (32768, 131072)}
     memory = [vs_stock("local", t, k, "flashqla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
     fla = [vs_stock("local", 32768, k, "fla") for k in (0, 1)]
+    fla_te = {t: [vs_stock("te", t, k, "fla") for k in (0, 1)] for t in (32768, 131072)}
     scan_units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
     scan_units += [("local", 32768, k, "fla") for k in (0, 1)]
     vs_dz_copy = [vs_path(*unit, CUDA_DEFAULT, "triton_norm_dz_copy", same_peak=True) for unit in scan_units]
+    te_units = [("te", t, k, "fla") for t in (32768, 131072) for k in (0, 1)]  # run 2026-12-07a: copies in both
+    vs_dz_copy += [vs_path(*unit, CUDA_DEFAULT, "triton_norm_dz_copy", heads=(True, True), same_peak=True)
+                   for unit in te_units]
     vs_backend = [vs_path("local", 32768, k, "fla", p, p, heads=(True, False), same_peak=True) for k in (0, 1)
                   for p in (CUDA_DEFAULT, "triton_norm_dz_copy")]
+    vs_backend += [vs_path(*unit, CUDA_DEFAULT, CUDA_DEFAULT, heads=(True, False), same_peak=True) for unit in te_units]
     units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
     units += [("te", t, k, "fla") for t in (32768, 131072) for k in (0, 1)]
     vs_one_pass = [vs_path(*unit, "triton_norm_dz_copy", "triton_one_pass", same_peak=True) for unit in units]
@@ -789,7 +794,8 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     text = _one_line(README)
     assert (f"**Per rank, with gdn-cp's Triton glue (the default)**: on FlashQLA, {span(ratio[32768])} of stock's "
             f"time at 32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory (Megatron's local "
-            f"modules); on FLA 0.4.2, {span(fla)} at 32K (one H100, 2026-12-06)") in text
+            f"modules); on FLA 0.4.2, {span(fla)} at 32K with the local modules and, with the TE spec, "
+            f"{span(fla_te[32768])} at 32K and {span(fla_te[131072])} at 128K (one H100, 2026-12-06 and 07)") in text
     assert (f"The default (`triton_norm_dz_copy_scan`, since 2026-12-06: the conv's backward as a scan down the rows) "
             f"is {span(vs_dz_copy)} the time of the path it replaced, `triton_norm_dz_copy`, and q and k repeated by "
             f"the conv for FLA 0.4.2 (no grouped value heads) {span(vs_backend)} the time of the backend's copies, "
@@ -799,6 +805,9 @@ def test_the_glue_per_rank_figures_are_their_result_file():
             "glue's") in text
     assert (f"| per rank, FlashQLA + Triton glue (default path), local modules, 32K / 128K, one H100 | "
             f"{span(ratio[32768])} / {span(ratio[131072])} stock's time, {span(memory)} its peak memory |") in text
+    memory_te = [vs_stock("te", t, k, "fla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
+    assert (f"| per rank, FLA 0.4.2 + Triton glue (default path), TE spec, 32K / 128K, one H100 | "
+            f"{span(fla_te[32768])} / {span(fla_te[131072])} stock's time, {span(memory_te)} its peak memory |") in text
     norm_time = {t: [row("local", t, "patched_slice", k, "flashqla", "triton_norm") for k in (0, 1)]
                  for t in (32768, 131072)}
     stock_of = {t: [row("local", t, "stock_slice", k, "flashqla", run=r["run_id"]) for k, r in enumerate(norm_time[t])]

@@ -119,15 +119,16 @@ def test_the_dz_copy_path_is_faster_than_one_pass_at_the_same_peak_everywhere_bo
 
 def test_the_scan_and_the_glues_key_head_copies_are_faster_at_the_same_peak_in_every_row_that_ran_them():
     """Why the default is the scan (``triton_norm_dz_copy_scan``) with q and k repeated by the conv for FLA 0.4.2
-    (runs 2026-12-06l, n, o; one H100; each CP=2 rank's slice of 32K and 128K tokens): the scan took less time than
-    ``triton_norm_dz_copy`` in all 6 rank rows that ran both (FlashQLA 32K / 128K, FLA 32K), the copies less than
-    the backend's in all 4 (FLA 32K, after either path), each at the same peak memory within 8 KiB. Counted: a later
-    run where either is slower fails here and asks for the choice to be made again."""
+    (runs 2026-12-06l, n, o and 2026-12-07a; one H100; each CP=2 rank's slice of 32K and 128K tokens): the scan took
+    less time than ``triton_norm_dz_copy`` in all 10 rank rows that ran both (FlashQLA 32K / 128K and FLA 32K with the
+    local modules, FLA 32K / 128K with the TE spec), the copies less than the backend's in all 8 (FLA 32K local after
+    either path; FLA 32K / 128K TE after the scan), each at the same peak memory within 8 KiB. Counted: a later run
+    where either is slower fails here and asks for the choice to be made again."""
     groups = list(_groups().values())
     pairs = [(v[("triton_norm_dz_copy_scan", None, k)], v[("triton_norm_dz_copy", None, k)]) for v in groups
              for k in (False, True) if ("triton_norm_dz_copy_scan", None, k) in v and ("triton_norm_dz_copy", None, k) in v]
     pairs_kv = [(v[(p, None, True)], v[(p, None, False)]) for v in groups for p in ("triton_norm_dz_copy",
                 CUDA_DEFAULT) if (p, None, True) in v and (p, None, False) in v]
-    assert len(pairs) == 6 and len(pairs_kv) == 4, (pairs, pairs_kv)
+    assert len(pairs) == 10 and len(pairs_kv) == 8, (pairs, pairs_kv)
     for (ms, gib), (ms0, gib0) in pairs + pairs_kv:
         assert ms < ms0 and abs(gib - gib0) * 2**20 < 8, (ms, ms0, gib, gib0)
