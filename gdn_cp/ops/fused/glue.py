@@ -67,13 +67,15 @@ no grouped value heads: its backend repeats them, then autograd sums the copies'
 repeated (:func:`conv_silu_split`'s ``kv_repeat``) and its backward sums the copies' gradients as it reads them: no
 copy kernel, no bf16 sum kernel. On since runs 2026-12-06l/o (one H100, FLA 0.4.2, local modules, each CP=2 rank's
 slice of 32K tokens): 0.964-0.966x the layer's time with the default glue then, 0.964-0.968x with the scan's, at
-the same peak memory. ``benchmarks/layer_full.py``'s lever ``key_heads_by_backend`` times it off."""
+the same peak memory; with the TE spec at 32K and 128K 0.963-0.973x (run 2026-12-07a). ``benchmarks/layer_full.py``'s
+lever ``key_heads_by_backend`` times it off."""
 
 CUDA_DEFAULT = "triton_norm_dz_copy_scan"
 """What ``auto`` means on CUDA: the path measured fastest per rank (module docstring). Runs 2026-12-06l/n on one H100,
 each CP=2 rank's slice of mixed-length tokens, Qwen3.5-9B's GDN shape, bf16: ``triton_norm_dz_copy_scan``
 0.968-0.978x ``triton_norm_dz_copy``'s time at 32K and 0.954-0.977x at 128K on FlashQLA (local modules), 0.972-0.973x
-at 32K on FLA 0.4.2, at the same peak memory, in all 6 rank rows (``benchmarks/glue_kernels.py``: its conv backward
+at 32K on FLA 0.4.2, at the same peak memory, in all 6 rank rows, and 0.971-0.975x on FLA 0.4.2 with the TE spec at
+32K and 128K in all 4 (run 2026-12-07a) (``benchmarks/glue_kernels.py``: its conv backward
 0.74 ms at 16K rows and 1.79 at 64K, the two-pass backward's 1.40 and 4.96, the x-once one-pass form's 1.20 and 3.22,
 since removed). Before it: ``triton_norm_dz_copy`` (runs 2026-12-06b/d/e) 0.983-0.999x ``triton_one_pass``'s time in
 all 8 rank rows (FlashQLA with the local modules, FLA 0.4.2 with the TE spec), at the same peak memory (within 6
