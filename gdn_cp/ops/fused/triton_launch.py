@@ -39,6 +39,5 @@ def launcher(kernel, key: list, configs: list, fixed: dict):
 def tuned_configs() -> dict:
     """``{kernel: {key: "meta, num_warps"}}``: the config autotuning chose for each key so far in this process
     (``benchmarks/glue_kernels.py`` records them beside its timings; empty under the interpreter)."""
-    picks = {name: {str(key): f"{config.kwargs}, num_warps {config.num_warps}" for key, config in tuned.cache.items()}
-             for name, tuned in _TUNED.items()}
-    return {name: chosen for name, chosen in picks.items() if chosen}
+    return {name: {str(key): f"{config.kwargs}, num_warps {config.num_warps}" for key, config in tuned.cache.items()}
+            for name, tuned in _TUNED.items() if tuned.cache}
