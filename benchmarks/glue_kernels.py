@@ -31,6 +31,7 @@ import torch
 from benchmarks.common import machine_info, now_iso, versions, write_json
 from benchmarks.measure import parse_tokens, timed_steps
 from gdn_cp.layout import Boundaries
+from gdn_cp.ops.fused.split import as_words
 
 logger = logging.getLogger("benchmarks.glue_kernels")
 
@@ -55,6 +56,15 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     dst = torch.empty_like(src)
     ms = statistics.median(timed_steps(lambda: dst.copy_(src), 3, 10, torch.device(device)))
     return 2 * nbytes / ms / 1e6
+
+
+def column_copy_ms(rows: int, device: str, iters: int) -> dict:
+    """z's gradient into its columns of in_proj's (4096 of 12352 a rank): torch's element copy (``narrow``) against
+    :func:`gdn_cp.ops.fused.split.copy_columns`' 8-byte words (``wide``: the same bits)."""
+    grad, buffer = (torch.randn(rows, n, device=device).to(torch.bfloat16) for n in (4096, 12352))
+    pairs = {"narrow": (buffer[:, 8192:12288], grad), "wide": (as_words(buffer[:, 8192:12288]), as_words(grad))}
+    return {name: statistics.median(timed_steps(lambda d=d, s=s: d.copy_(s), 3, iters, torch.device(device)))
+            for name, (d, s) in pairs.items()}
 
 
 BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}}
@@ -114,9 +124,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
     p.add_argument("--conv-bias", action="store_true", help="the conv with a bias (Megatron's GDN has none by default)")
     p.add_argument("--loops", action="store_true", help="the one-pass backward at every config for sm_90 here, as "
                    "launched: registers, spills, one tile's instructions and barriers (no GPU)")
-    p.add_argument("--profile", action="store_true",
-                   help="one one-pass backward per row count and form (BACKWARD_FORMS) between cudaProfilerStart/Stop, "
-                   "nothing timed (under ncu)")
+    p.add_argument("--profile", action="store_true", help="one backward per row count and form (BACKWARD_FORMS) "
+                   "between cudaProfilerStart/Stop, nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
     args = p.parse_args(argv)
     forms = {name: BACKWARD_FORMS[name] for name in args.forms.split(",") if name in BACKWARD_FORMS}
@@ -159,7 +168,7 @@ def main(argv=None) -> dict:
             logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
                         floor["bwd_ms"])
             row = time_kernels(rows, shape, args.device, args.iters)
-            row.update(copy_gbs=gbs, floor=floor)
+            row.update(copy_gbs=gbs, floor=floor, column_copy_ms=column_copy_ms(rows, args.device, args.iters))
             for name, form in forms.items():  # the forward too (the same tile kernel in every form)
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})

@@ -60,22 +60,8 @@ from gdn_cp_testing.ranks import RankPool
 from . import layer_full_rank as rank_side
 from .common import (add_out_arguments, csv_choices as _csv, machine_info, now_iso, resolve_out, setup_logging, versions,
                      write_json)
-from .layer_full_math import (
-    CASES,
-    CP1_CASES,
-    LEVERS,
-    PACKINGS,
-    SLICE_CASES,
-    SPECS,
-    STOCK_CASES,
-    GDNDims,
-    bytes_per_token,
-    case_key,
-    contiguous_slice,
-    packing,
-    parse_plan,
-    run_key,
-)
+from .layer_full_math import (CASES, CP1_CASES, LEVERS, PACKINGS, SLICE_CASES, SPECS, STOCK_CASES, GDNDims,
+                              bytes_per_token, case_key, contiguous_slice, packing, parse_plan, run_key)
 from .measure import fmt_tokens, iteration_stats, parse_tokens
 
 

@@ -236,10 +236,9 @@ LEVER_SWITCHES = {
                                            lambda m: None),
     "key_heads_by_backend": lambda modules: _switched(
         modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
+    "wide_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", True)], lambda m: None),
 }
-"""A lever row runs with its switch (``layer_full_math.LEVERS``): ``fused_norm`` off, the glue path its name says in
-place of the default (``glue_*``: the default's too, so every path is timed in the same run), ``split_cat`` (off:
-``torch.split``'s concatenation), ``key_heads_by_backend`` (:data:`gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV` off)."""
+"""A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 
 
 def _modules_of(module) -> dict:

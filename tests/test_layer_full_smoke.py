@@ -246,6 +246,12 @@ def test_every_lever_has_its_switch_and_key_heads_by_backend_turns_the_glues_cop
     with LEVER_SWITCHES["key_heads_by_backend"]([]):
         assert not glue.REPEAT_KEY_HEADS_IN_CONV
     assert glue.REPEAT_KEY_HEADS_IN_CONV
+    from gdn_cp.ops.fused import split
+
+    assert not split.WIDE_COLUMN_COPY  # off until a GPU run times it: the lever turns it on for its row
+    with LEVER_SWITCHES["wide_copy"]([]):
+        assert split.WIDE_COLUMN_COPY
+    assert not split.WIDE_COLUMN_COPY
 
 
 def test_plan_units_and_keys():

@@ -114,3 +114,36 @@ def test_switched_off_it_concatenates_as_torch_split(monkeypatch):
     assert captured["ptr"] != _IntoBuffer.made[0].data_ptr()
     expected = torch.cat([torch.ones(5, 6), 2 * torch.ones(5, 4), torch.zeros(5, 2), torch.ones(5, 2)], dim=-1)
     assert torch.equal(rows.grad, expected.double())
+
+
+def test_wide_column_copy_moves_the_same_bits_as_8_byte_words(monkeypatch):
+    """``WIDE_COLUMN_COPY`` on: a bf16 group's gradient goes into its strided columns as int64 words (NaN payloads
+    and signed zeros included), and falls back to the element copy where a row or the start is not 8-byte aligned."""
+    monkeypatch.setattr(split, "WIDE_COLUMN_COPY", True)
+    buffer = torch.zeros(6, 12 + 8 + 4, dtype=torch.bfloat16)
+    grad = torch.randn(6, 8).to(torch.bfloat16)
+    grad[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
+    grad.view(torch.int16)[1, 0] = 0x7FC1  # a NaN with a payload: copied as its bits
+    columns = buffer[:, 12:20]
+    assert split.as_words(columns).shape == (6, 2) and split.as_words(columns).stride() == (6, 1)
+    split.copy_columns(columns, grad)
+    assert torch.equal(columns.view(torch.int16), grad.view(torch.int16))
+    assert torch.equal(buffer[:, :12].float(), torch.zeros(6, 12)) and torch.equal(buffer[:, 20:].float(),
+                                                                                     torch.zeros(6, 4))
+    odd = buffer[:, 2:10]  # starts 4 bytes into a word: the element copy
+    assert split.as_words(odd) is None
+    split.copy_columns(odd, grad)
+    assert torch.equal(odd.view(torch.int16), grad.view(torch.int16))
+    assert split.as_words(torch.zeros(6, 3, dtype=torch.bfloat16)) is None  # a row of 6 bytes
+
+
+def test_the_split_backward_copies_through_copy_columns(monkeypatch):
+    """Groups no consumer wrote reach in_proj's gradient through copy_columns (the wide copy when it is on)."""
+    calls = []
+    monkeypatch.setattr(split, "copy_columns", lambda columns, g: (calls.append(columns.shape), columns.copy_(g)))
+    rows = _rows()
+    parts = split_columns(rows, SIZES)
+    (_IntoBuffer.apply(parts[0]).sum() + 2 * parts[1].sum()).backward()
+    assert calls == [(5, 4), (5, 2), (5, 2)]
+    expected = torch.cat([torch.ones(5, 6), 2 * torch.ones(5, 4), torch.zeros(5, 4)], dim=-1)
+    assert torch.equal(rows.grad, expected.double())

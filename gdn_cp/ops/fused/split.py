@@ -21,11 +21,17 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["RowGradient", "row_gradient_columns", "split_columns"]
+__all__ = ["RowGradient", "as_words", "copy_columns", "row_gradient_columns", "split_columns"]
 
 GRAD_INTO_CONSUMER_BUFFER = True
 """On: consumers write into one in_proj-shaped gradient (above); off: :func:`split_columns` is ``torch.split``
 (benchmarks/layer_full.py's lever ``split_cat`` times the two in the same run)."""
+
+WIDE_COLUMN_COPY = False
+"""On: :func:`copy_columns` copies a group's gradient into its columns as 8-byte words (the same bits). A bf16 group's
+columns are a strided ``[T, n]`` view, which torch copies 2 bytes a thread with no vector loads: z's gradient (16K
+rows of 4096, 268 MB moved) took 0.180 ms on an H100 in run 2026-12-07a, ~1.5 TB/s. Off until a GPU run times both
+(``benchmarks/glue_kernels.py``: ``column_copy``)."""
 
 _GROUPS: dict[int, weakref.ref] = {}
 """data pointer of a group that :func:`split_columns` returned -> that call's :class:`RowGradient` (while it lives)."""
@@ -101,6 +107,26 @@ def row_gradient_columns(t: torch.Tensor) -> torch.Tensor:
     return columns if columns is not None else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
+def as_words(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """``t [T, n]`` (row stride any, contiguous within a row) as 8-byte words ``[T, n * itemsize / 8]``; None where its
+    rows, row stride or first element do not fall on 8-byte boundaries."""
+    size = t.element_size()
+    if (t.dim() != 2 or t.stride(1) != 1 or size >= 8 or (t.shape[1] * size) % 8 or (t.stride(0) * size) % 8
+            or t.data_ptr() % 8):
+        return None
+    return t.view(torch.int64)
+
+
+def copy_columns(columns: torch.Tensor, grad: torch.Tensor) -> None:
+    """``columns.copy_(grad)``, as 8-byte words where both allow it and :data:`WIDE_COLUMN_COPY` is on: the same bits."""
+    if WIDE_COLUMN_COPY and columns.dtype == grad.dtype and columns.shape == grad.shape:
+        wide, src = as_words(columns), as_words(grad)
+        if wide is not None and src is not None:
+            wide.copy_(src)
+            return
+    columns.copy_(grad)
+
+
 class _SplitColumns(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, sizes):
@@ -123,7 +149,7 @@ class _SplitColumns(torch.autograd.Function):
                 if g is None:
                     columns.zero_()
                 elif g.data_ptr() != columns.data_ptr() or g.stride() != columns.stride():
-                    columns.copy_(g)  # a group no consumer wrote, or two consumers' gradients summed
+                    copy_columns(columns, g)  # a group no consumer wrote, or two consumers' gradients summed
         holder.unregister()
         return out, None
 
