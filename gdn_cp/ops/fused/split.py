@@ -29,9 +29,10 @@ GRAD_INTO_CONSUMER_BUFFER = True
 
 WIDE_COLUMN_COPY = False
 """On: :func:`copy_columns` copies a group's gradient into its columns as 8-byte words (the same bits). A bf16 group's
-columns are a strided ``[T, n]`` view, which torch copies 2 bytes a thread with no vector loads: z's gradient (16K
-rows of 4096, 268 MB moved) took 0.180 ms on an H100 in run 2026-12-07a, ~1.5 TB/s. Off until a GPU run times both
-(``benchmarks/glue_kernels.py``: ``column_copy``)."""
+columns are a strided ``[T, n]`` view, which torch copies element by element (its profiled kernel was
+``elementwise_kernel``, not the vectorized one): z's gradient (16K rows of 4096, 268 MB moved) took 0.180 ms on an
+H100 in run 2026-12-07a, ~1.5 TB/s. Off until a GPU run times both (``benchmarks/glue_kernels.py``'s
+``column_copy_ms``, ``benchmarks/layer_full.py``'s lever ``wide_copy``)."""
 
 _GROUPS: dict[int, weakref.ref] = {}
 """data pointer of a group that :func:`split_columns` returned -> that call's :class:`RowGradient` (while it lives)."""
