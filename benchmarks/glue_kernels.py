@@ -58,11 +58,15 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
-def column_copy_ms(rows: int, device: str, iters: int) -> dict:
-    """z's gradient into its columns of in_proj's (4096 of 12352 a rank): torch's element copy (``narrow``) against
+def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
+    """z's gradient into its columns of in_proj's (``[rows, (2*Hk + 2*Hv)*D + 2*Hv]``, z's ``Hv*D`` after q|k|v, as
+    :func:`_inputs` lays in_proj's output out): torch's element copy (``narrow``) against
     :func:`gdn_cp.ops.fused.split.copy_columns`' 8-byte words (``wide``: the same bits)."""
-    grad, buffer = (torch.randn(rows, n, device=device).to(torch.bfloat16) for n in (4096, 12352))
-    pairs = {"narrow": (buffer[:, 8192:12288], grad), "wide": (as_words(buffer[:, 8192:12288]), as_words(grad))}
+    hk, hv, dim, _ = shape
+    z_at, z_width = (2 * hk + hv) * dim, hv * dim
+    grad, buffer = (torch.randn(rows, n, device=device).to(torch.bfloat16) for n in (z_width, z_at + z_width + 2 * hv))
+    columns = buffer[:, z_at:z_at + z_width]
+    pairs = {"narrow": (columns, grad), "wide": (as_words(columns), as_words(grad))}
     return {name: statistics.median(timed_steps(lambda d=d, s=s: d.copy_(s), 3, iters, torch.device(device)))
             for name, (d, s) in pairs.items()}
 
@@ -168,7 +172,7 @@ def main(argv=None) -> dict:
             logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
                         floor["bwd_ms"])
             row = time_kernels(rows, shape, args.device, args.iters)
-            row.update(copy_gbs=gbs, floor=floor, column_copy_ms=column_copy_ms(rows, args.device, args.iters))
+            row.update(copy_gbs=gbs, floor=floor, column_copy_ms=column_copy_ms(rows, shape, args.device, args.iters))
             for name, form in forms.items():  # the forward too (the same tile kernel in every form)
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
                 row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})

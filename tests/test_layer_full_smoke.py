@@ -237,7 +237,7 @@ def test_fused_norm_switch_turns_the_lever_off_and_back_on(rank_pool):
     assert res["out"] < 1e-5 and res["grad_x"] < 1e-5, res  # the same math either way (fp32)
 
 
-def test_every_lever_has_its_switch_and_key_heads_by_backend_turns_the_glues_copies_off_for_the_row():
+def test_every_lever_has_its_switch_and_the_flag_levers_turn_their_flag_for_the_row_only():
     from benchmarks.layer_full_rank import LEVER_SWITCHES
     from gdn_cp.ops.fused import glue
 
