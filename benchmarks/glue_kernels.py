@@ -61,14 +61,15 @@ def copy_bandwidth_gbs(device: str, nbytes: int) -> float:
 def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
     """z's gradient into its columns of in_proj's (``[rows, (2*Hk + 2*Hv)*D + 2*Hv]``, z's ``Hv*D`` after q|k|v, as
     :func:`_inputs` lays in_proj's output out): torch's element copy (``narrow``) against
-    :func:`gdn_cp.ops.fused.split.copy_columns`' 8-byte words (``wide``: the same bits)."""
+    :func:`gdn_cp.ops.fused.split.copy_columns`' 8-byte words (``wide``: the same bits; None where the shape's columns
+    are not 8-byte aligned, as copy_columns then copies element by element)."""
     hk, hv, dim, _ = shape
     z_at, z_width = (2 * hk + hv) * dim, hv * dim
     grad, buffer = (torch.randn(rows, n, device=device).to(torch.bfloat16) for n in (z_width, z_at + z_width + 2 * hv))
     columns = buffer[:, z_at:z_at + z_width]
-    pairs = {"narrow": (columns, grad), "wide": (as_words(columns), as_words(grad))}
+    pairs = {"narrow": (columns, grad), "wide": (as_words(columns), as_words(grad))}  # wide: None where unaligned
     return {name: statistics.median(timed_steps(lambda d=d, s=s: d.copy_(s), 3, iters, torch.device(device)))
-            for name, (d, s) in pairs.items()}
+            if d is not None and s is not None else None for name, (d, s) in pairs.items()}
 
 
 BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}}
