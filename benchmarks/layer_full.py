@@ -441,7 +441,8 @@ def fill_compile(row: dict, outs: list[dict]) -> None:
     row["chunkwise_path"] = outs[0]["chunkwise_path"]
     # what ran, seen in the rank (not assumed from the flags): the layer's submodules, the gated norm
     # path of this very step, the FLA backend of chunk_gated_delta_rule, the glue path the layer resolved
-    for k in ("modules", "norm_path", "fla_gdn_backend", "gdn_cp_backend", "glue", "key_heads_in_glue"):
+    for k in ("modules", "norm_path", "fla_gdn_backend", "gdn_cp_backend", "glue", "key_heads_in_glue",
+              "wide_column_copy"):
         if k in outs[0]:
             row[k] = outs[0][k]
 

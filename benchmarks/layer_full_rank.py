@@ -236,7 +236,8 @@ LEVER_SWITCHES = {
                                            lambda m: None),
     "key_heads_by_backend": lambda modules: _switched(
         modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
-    "wide_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", True)], lambda m: None),
+    "narrow_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", False)],
+                                             lambda m: None),
 }
 """A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 
@@ -464,6 +465,7 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             state, dims = layer_state(case.module), st["dims"]
             out["glue"], out["gdn_cp_backend"] = glue_path(state.settings.glue, y), state.backend.name
             out["key_heads_in_glue"] = kv_repeat(out["glue"], state.backend, dims.num_k_heads, dims.num_v_heads) > 1
+            out["wide_column_copy"] = split.WIDE_COLUMN_COPY
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()

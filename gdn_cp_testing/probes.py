@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, TypeVar
 
-__all__ = ["AllToAllBytes", "PlanBuilds", "all_to_all_bytes", "count_syncs", "env_setting", "plan_builds",
-           "swap_points"]
+__all__ = ["AllToAllBytes", "PlanBuilds", "all_to_all_bytes", "count_syncs", "env_setting", "first_sync_site",
+           "plan_builds", "swap_points"]
 
 T = TypeVar("T")
 
@@ -127,20 +128,57 @@ def plan_builds() -> Iterator[PlanBuilds]:
             setattr(plan_module, name, originals[key])
 
 
+def _site(frames, depth: int = 3) -> str:
+    """The innermost ``depth`` frames of ``frames`` outside torch, ``warnings`` and this module, innermost first:
+    ``"flash_qla/utils/index.py:116 _fallback_prepare_chunk_offsets <- ..."``."""
+    import torch
+
+    skip = (os.path.dirname(torch.__file__) + os.sep, warnings.__file__, __file__)
+    kept = [f for f in frames if not f.filename.startswith(skip)]
+    return " <- ".join(f"{'/'.join(f.filename.split(os.sep)[-3:])}:{f.lineno} {f.name}"
+                       for f in reversed(kept[-depth:])) or "?"
+
+
 def count_syncs(fn: Callable[[], T]) -> tuple[T, list[str]]:
     """``(fn(), messages)``: the device->host syncs ``fn`` makes, as torch's sync debug mode "warn" reports them,
-    after a device synchronize (torch's one-time notice that the mode is a prototype feature is not a sync). The
+    after a device synchronize (torch's one-time notice that the mode is a prototype feature is not a sync), each
+    with the Python frames that made it (``"... at file:line function <- caller"``; a sync in a backward that
+    autograd ran on its own thread is reported at the ``backward()`` call: :func:`first_sync_site` finds it). The
     GPU tests and ``benchmarks/syncs.py`` count them this one way."""
     import torch
 
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    found: list[str] = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "synchroniz" in text.lower() and "prototype feature" not in text and "debug mode" not in text:
+            found.append(f"{text} at {_site(traceback.extract_stack())}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
         try:
             result = fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    messages = [str(w.message) for w in caught]
-    return result, [m for m in messages if "synchroniz" in m.lower() and "prototype feature" not in m
-                    and "debug mode" not in m]
+    return result, found
+
+
+def first_sync_site(fn: Callable[[], object]) -> Optional[str]:
+    """Where ``fn``'s first device->host sync is, backward included: ``fn`` run under torch's sync debug mode
+    "error", the frames of the error it raises (None: it made none). For a failure message: ``fn`` stops there."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    except RuntimeError as err:
+        if "synchroniz" not in str(err):
+            raise
+        return _site(traceback.extract_tb(err.__traceback__), depth=5)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return None

@@ -22,13 +22,20 @@ from typing import Any, Optional
 
 from gdn_cp.ops.versions import stack_versions
 
-__all__ = ["KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "JsonlRecorder", "default_key_heads_in_glue", "key_heads_in_glue",
-           "load_average", "machine_info", "now_iso", "picks_glue_path", "stack_versions", "write_json"]
+__all__ = ["COPY_LEVERS", "KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "JsonlRecorder", "default_key_heads_in_glue",
+           "key_heads_in_glue", "load_average", "machine_info", "now_iso", "picks_glue_path", "stack_versions",
+           "wide_column_copy", "write_json"]
 
 KEY_HEAD_LEVERS = ("key_heads_by_backend", "key_heads_in_conv")
 """``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV``: off, and
 on (runs 2026-12-06l/o, when off was the default; no longer offered). A row of one is told by
 :func:`key_heads_in_glue`."""
+
+
+COPY_LEVERS = ("wide_copy", "narrow_copy")
+"""``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.split.WIDE_COLUMN_COPY``: on (runs
+2026-12-07d/e, when off was the default; no longer offered), and off. A row of one is told by
+:func:`wide_column_copy`."""
 
 
 REMOVED_GLUE_PATHS = ("triton_taps_per_program", "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow",
@@ -49,6 +56,12 @@ def key_heads_in_glue(row: dict) -> bool:
     """Whether a layer_full row's conv wrote q and k at the value heads for its backend (the row's
     ``key_heads_in_glue``; of the rows from before that field, only the ``key_heads_in_conv`` lever rows did)."""
     return row.get("key_heads_in_glue", row.get("lever_off") == KEY_HEAD_LEVERS[1])
+
+
+def wide_column_copy(row: dict) -> bool:
+    """Whether a layer_full row copied the split's gradient groups into in_proj's as 8-byte words (the row's
+    ``wide_column_copy``; of the rows from before that field, only the ``wide_copy`` lever rows did)."""
+    return row.get("wide_column_copy", row.get("lever_off") == COPY_LEVERS[0])
 
 
 def default_key_heads_in_glue(stack: str | None, backend: str | None) -> bool:

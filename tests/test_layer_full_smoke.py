@@ -70,6 +70,7 @@ def test_rows_say_which_backend_gdn_cp_ran(smoke):
         if r["case"] not in lfm.STOCK_CASES and r["status"] == "ok":
             # the reference reads grouped heads: the conv never repeats q and k for it
             assert r["gdn_cp_backend"] == "reference" and r["key_heads_in_glue"] is False, r["case"]
+            assert r["wide_column_copy"] is (r.get("lever_off") != "narrow_copy"), r["case"]  # what the row ran
     row = dict(rows[0], knobs=dict(rows[0]["knobs"], linear_cp_backend="flashqla"))
     assert lfm.run_key(row) != lfm.run_key(rows[0])
     patched = next(r for r in rows if r["case"] not in lfm.STOCK_CASES)
@@ -248,10 +249,10 @@ def test_every_lever_has_its_switch_and_the_flag_levers_turn_their_flag_for_the_
     assert glue.REPEAT_KEY_HEADS_IN_CONV
     from gdn_cp.ops.fused import split
 
-    assert not split.WIDE_COLUMN_COPY  # off until a GPU run times it: the lever turns it on for its row
-    with LEVER_SWITCHES["wide_copy"]([]):
-        assert split.WIDE_COLUMN_COPY
-    assert not split.WIDE_COLUMN_COPY
+    assert split.WIDE_COLUMN_COPY  # on by default since runs 2026-12-07c-e: the lever turns it off for its row
+    with LEVER_SWITCHES["narrow_copy"]([]):
+        assert not split.WIDE_COLUMN_COPY
+    assert split.WIDE_COLUMN_COPY
 
 
 def test_plan_units_and_keys():
@@ -533,7 +534,7 @@ def test_the_per_rank_table_compares_each_row_with_stock_of_its_own_run():
     line = next(x for x in text.splitlines() if x.startswith("| 20261205-121340 |") and "| 32K | mixed8 | rank 0 " in x)
     assert "| 16.28 (16.14-16.37) | 12.76 (12.62-12.92) | 0.784 |" in line, line
     rank0 = [x.split(" | ")[:7] for x in text.splitlines() if "| rank 0 of CP=2 |" in x]
-    assert len(rank0) == len({tuple(x) for x in rank0}) == 25  # one row per run, stack, backend, spec, T
+    assert len(rank0) == len({tuple(x) for x in rank0}) == 29  # one row per run, stack, backend, spec, T
 
 
 def test_the_per_rank_plot_draws_the_committed_rows(tmp_path):

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 DOCS = {name: (ROOT / name).read_text() for name in
         ("README.md", "docs/megatron.md", "docs/errors.md", "docs/architecture.md", "docs/testing.md",
-         "docs/performance.md")}
+         "docs/performance.md", "docs/flashqla.md")}
 MEGATRON_DOC, ERRORS_DOC, PERFORMANCE_DOC = DOCS["docs/megatron.md"], DOCS["docs/errors.md"], DOCS["docs/performance.md"]
 ALL_DOCS = "\n".join(DOCS.values())
 
@@ -734,9 +734,10 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     import json
 
     from gdn_cp.ops.fused import CUDA_DEFAULT
-    from gdn_cp_testing.results import KEY_HEAD_LEVERS, default_key_heads_in_glue, key_heads_in_glue, picks_glue_path
+    from gdn_cp_testing.results import (COPY_LEVERS, KEY_HEAD_LEVERS, default_key_heads_in_glue, key_heads_in_glue,
+                                        picks_glue_path)
 
-    def glue_only(lever):  # rows that change the glue only
+    def glue_only(lever):  # rows that change the glue only (the copies' form: its own sentence, below)
         return lever in (None, *KEY_HEAD_LEVERS) or picks_glue_path(lever)
 
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
@@ -777,6 +778,7 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     memory = [vs_stock("local", t, k, "flashqla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
     fla = [vs_stock("local", 32768, k, "fla") for k in (0, 1)]
     fla_te = {t: [vs_stock("te", t, k, "fla") for k in (0, 1)] for t in (32768, 131072)}
+    qla_te = {t: [vs_stock("te", t, k, "flashqla") for k in (0, 1)] for t in (32768, 131072)}
     scan_units = [("local", t, k, "flashqla") for t in (32768, 131072) for k in (0, 1)]
     scan_units += [("local", 32768, k, "fla") for k in (0, 1)]
     vs_dz_copy = [vs_path(*unit, CUDA_DEFAULT, "triton_norm_dz_copy", same_peak=True) for unit in scan_units]
@@ -794,8 +796,16 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     text = _one_line(README)
     assert (f"**Per rank, with gdn-cp's Triton glue (the default)**: on FlashQLA, {span(ratio[32768])} of stock's "
             f"time at 32K tokens and {span(ratio[131072])} at 128K, {span(memory)} its peak memory (Megatron's local "
-            f"modules); on FLA 0.4.2, {span(fla)} at 32K with the local modules and, with the TE spec, "
-            f"{span(fla_te[32768])} at 32K and {span(fla_te[131072])} at 128K (one H100, 2026-12-06 and 07)") in text
+            f"modules), and with the TE spec {span(qla_te[32768])} at 32K and {span(qla_te[131072])} at 128K; on FLA "
+            f"0.4.2, {span(fla)} at 32K with the local modules and, with the TE spec, {span(fla_te[32768])} at 32K and "
+            f"{span(fla_te[131072])} at 128K (one H100, 2026-12-06 and 07)") in text
+    wide_rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
+                 if r["status"] == "ok" and r.get("lever_off") == COPY_LEVERS[0]]  # runs 2026-12-07d/e
+    wide_vs = [w["median_ms"] / row(w["spec"], w["T"], "patched_slice", w["slice_rank"], w["gdn_cp_backend"],
+                                    CUDA_DEFAULT, run=w["run_id"])["median_ms"] for w in wide_rows]
+    assert len(wide_vs) == 6, wide_vs
+    assert (f"since 2026-12-07 they go as 8-byte words, {span(wide_vs)} the layer's time in the {len(wide_vs)} rank rows "
+            "that timed both (the TE spec, FLA and FlashQLA), at the same peak memory") in text
     assert (f"The default (`triton_norm_dz_copy_scan`, since 2026-12-06: the conv's backward as a scan down the rows) "
             f"is {span(vs_dz_copy)} the time of the path it replaced, `triton_norm_dz_copy`, and q and k repeated by "
             f"the conv for FLA 0.4.2 (no grouped value heads) {span(vs_backend)} the time of the backend's copies, "
@@ -805,6 +815,9 @@ def test_the_glue_per_rank_figures_are_their_result_file():
             "glue's") in text
     assert (f"| per rank, FlashQLA + Triton glue (default path), local modules, 32K / 128K, one H100 | "
             f"{span(ratio[32768])} / {span(ratio[131072])} stock's time, {span(memory)} its peak memory |") in text
+    memory_qla_te = [vs_stock("te", t, k, "flashqla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
+    assert (f"| per rank, FlashQLA + Triton glue (default path), TE spec, 32K / 128K, one H100 | "
+            f"{span(qla_te[32768])} / {span(qla_te[131072])} stock's time, {span(memory_qla_te)} its peak memory |") in text
     memory_te = [vs_stock("te", t, k, "fla", "peak_gib") for t in (32768, 131072) for k in (0, 1)]
     assert (f"| per rank, FLA 0.4.2 + Triton glue (default path), TE spec, 32K / 128K, one H100 | "
             f"{span(fla_te[32768])} / {span(fla_te[131072])} stock's time, {span(memory_te)} its peak memory |") in text
@@ -841,9 +854,10 @@ def test_the_package_says_what_it_is():
 
 
 def test_the_sync_and_route_build_figures_are_their_result_files():
-    """README's "0 in every mode (stock: 5 in the forward)" and "Stock makes 5 per forward" are
-    benchmarks/results/syncs.json; "0.108 ms against stock's per-token 23.2 ms" (T=1M, 64 sequences,
-    cp=8) is route_build.json's plan + index and per-token times (issue #41: every figure from a file)."""
+    """README's "0 in every mode on FLA (stock: 5 in the forward)" and "Stock makes 5 per forward" are
+    benchmarks/results/syncs.json, FlashQLA's chunkwise count run 2026-12-07f's GPU test record; "0.108 ms against
+    stock's per-token 23.2 ms" (T=1M, 64 sequences, cp=8) is route_build.json's plan + index and per-token times
+    (issue #41: every figure from a file)."""
     import json
 
     syncs = json.loads((ROOT / "benchmarks" / "results" / "syncs.json").read_text())["cp"]
@@ -852,7 +866,13 @@ def test_the_sync_and_route_build_figures_are_their_result_files():
     stock = {per_cp["stock headwise"]["forward"] for per_cp in syncs.values() if "stock headwise" in per_cp}
     assert ours == {0} and len(stock) == 1, (ours, stock)
     text = _one_line(README)
-    assert f"| 0 in every mode (stock: {stock.pop()} in the forward) |" in text
+    flashqla = [json.loads(line) for line in (ROOT / "benchmarks" / "results" / "runs" / "run_2026-12-07f" /
+                                              "gpu_results.jsonl").read_text().splitlines()]
+    flashqla = {r["syncs"] for rec in flashqla if rec.get("kind") == "flashqla_zero_sync" for r in rec["ranks"]}
+    assert len(flashqla) == 1, flashqla  # every rank, both chunkwise paths
+    assert (f"| 0 in every mode on FLA (stock: {stock.pop()} in the forward); FlashQLA's chunkwise: {flashqla.pop()} "
+            "a forward and backward |") in text
+    assert "On FlashQLA, chunkwise's second call (a later layer) made 5 in a forward and backward at CP=2" in text
     assert f"Stock makes {max(per_cp['stock headwise']['forward'] for per_cp in syncs.values())} per forward" in text
     build = json.loads((ROOT / "benchmarks" / "results" / "route_build.json").read_text())["results"]
     (row,) = [r for r in build if (r["T_global"], r["num_sequences"], r["cp"]) == (1 << 20, 64, 8)]

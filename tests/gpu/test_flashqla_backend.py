@@ -40,7 +40,7 @@ from gdn_cp.ops import GDNShape
 from gdn_cp.ops.flashqla.detect import flashqla_problem
 from gdn_cp_testing.inputs import fla_core_inputs
 from gdn_cp.ops.accuracy import max_rel, rel_l2
-from gdn_cp_testing.probes import count_syncs
+from gdn_cp_testing.probes import count_syncs, first_sync_site
 from gdn_cp_testing.results import JsonlRecorder
 from gdn_cp_testing.compare import gather_rows
 from gdn_cp.ops.accuracy import FLA_VS_FP64_REL_L2 as TOLERANCES
@@ -340,26 +340,40 @@ def test_realistic_shape_chunkwise_cp2(cuda_pool, path):
 
 def _rank_syncs(rctx, inp: dict, cp: int, path: str):
     """A second identical call (same plan, same boundaries objects: a later layer of the micro-batch)
-    under torch's sync debug mode: the device->host syncs it makes."""
+    under torch's sync debug mode: the device->host syncs its forward and its backward make, each with where
+    (:func:`count_syncs`; a backward's at the ``backward()`` call). Where there are any, the same rows'
+    boundaries through the CP=1 core twice (no collective: a rank raising between two would leave the others
+    waiting) say whether FlashQLA's call alone syncs again, and where first (:func:`first_sync_site`)."""
     import torch.distributed as dist
 
+    from gdn_cp.layout import host_boundaries
     from gdn_cp.modes import gdn_core
     from gdn_cp.ops import get_backend
 
-    group = rctx.group(cp)
+    group, backend = rctx.group(cp), get_backend("flashqla")
     r = dist.get_rank(group)
     plan, rows = _plan("thd_docs", cp, r), _rows("thd_docs", cp, r)
     do = inp["do"][rows].to(rctx.device)
 
-    def step():
+    def forward():
         t = _leaves(inp, rctx.device, rows)
-        o = gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
-                     group=group, backend=get_backend("flashqla"), chunkwise_path=path)
-        (o.float() * do).sum().backward()
+        return gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
+                        group=group, backend=backend, chunkwise_path=path)
 
-    step()
-    _, syncs = count_syncs(step)
-    return {"syncs": len(syncs), "messages": syncs[:3]}
+    (forward().float() * do).sum().backward()
+    o, fwd = count_syncs(forward)
+    _, bwd = count_syncs(lambda: (o.float() * do).sum().backward())
+    out = {"syncs": len(fwd) + len(bwd), "forward": fwd, "backward": bwd}
+    if fwd or bwd:
+        cu, do_all = host_boundaries(CASES["thd_docs"][0]), inp["do"].to(rctx.device)
+
+        def cp1_step():
+            (_core_cp1(backend, _leaves(inp, rctx.device), cu).float() * do_all).sum().backward()
+
+        cp1_step()
+        _, cp1 = count_syncs(cp1_step)
+        out.update(cp1_second_call=cp1, cp1_first_sync=first_sync_site(cp1_step) if cp1 else None)
+    return out
 
 
 @pytest.mark.parametrize("path", ["generic", "native"])

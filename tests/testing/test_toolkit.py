@@ -114,6 +114,34 @@ def test_probes(monkeypatch):
     assert chunkwise.Chunkwise.__dict__["prepare"] is original
 
 
+def _kernel_library_call(fail: bool):
+    """Stands for a kernel library's function that reads a device value back (a sync)."""
+    if fail:
+        raise RuntimeError("called a synchronizing CUDA operation")
+    import warnings
+
+    warnings.warn("called a synchronizing CUDA operation")
+    return 7
+
+
+def test_sync_probes_name_where_each_sync_is(monkeypatch):
+    """A failing zero-sync GPU test says where the syncs are (run 2026-12-07f's FlashQLA test said only "5"): each
+    message names the frames that made it, the library's function first; ``first_sync_site`` names the first one
+    from the error torch's "error" mode raises (backward included). Torch's CUDA calls are stubbed: the CPU has none."""
+    from gdn_cp_testing import probes
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    result, syncs = probes.count_syncs(lambda: _kernel_library_call(False))
+    assert result == 7 and len(syncs) == 1 and modes == ["warn", 0], (syncs, modes)
+    assert syncs[0].startswith("called a synchronizing CUDA operation at tests/testing/test_toolkit.py:"), syncs
+    assert " _kernel_library_call <- tests/testing/test_toolkit.py:" in syncs[0] and "<lambda>" in syncs[0], syncs
+    site = probes.first_sync_site(lambda: _kernel_library_call(True))
+    assert site.startswith("tests/testing/test_toolkit.py:") and " _kernel_library_call <- " in site, site
+    assert probes.first_sync_site(lambda: None) is None and modes[-2:] == ["error", 0]
+
+
 def test_fast_autotune_takes_the_first_config_that_runs(monkeypatch):
     """GDN_CP_TEST_FAST_AUTOTUNE=1 on a stub run/_bench of Triton's Autotuner: a config that does
     not fit (inf) is skipped, the first that runs is taken, later ones are never compiled, and

@@ -27,12 +27,13 @@ GRAD_INTO_CONSUMER_BUFFER = True
 """On: consumers write into one in_proj-shaped gradient (above); off: :func:`split_columns` is ``torch.split``
 (benchmarks/layer_full.py's lever ``split_cat`` times the two in the same run)."""
 
-WIDE_COLUMN_COPY = False
+WIDE_COLUMN_COPY = True
 """On: :func:`copy_columns` copies a group's gradient into its columns as 8-byte words (the same bits). A bf16 group's
-columns are a strided ``[T, n]`` view, which torch copies element by element (its profiled kernel was
-``elementwise_kernel``, not the vectorized one): z's gradient (16K rows of 4096, 268 MB moved) took 0.180 ms on an
-H100 in run 2026-12-07a, ~1.5 TB/s. Off until a GPU run times both (``benchmarks/glue_kernels.py``'s
-``column_copy_ms``, ``benchmarks/layer_full.py``'s lever ``wide_copy``)."""
+columns are a strided ``[T, n]`` view, which torch copies element by element (``elementwise_kernel``, not the
+vectorized one): z's gradient (16K rows of 4096) took 0.174 ms that way on an H100 and 0.101 ms as words (65K rows:
+0.670 / 0.379 ms; run 2026-12-07c, ``benchmarks/glue_kernels.py``'s ``column_copy_ms``). In the layer (lever
+``narrow_copy`` turns it off for a row) it was faster in 5 of the 6 rank rows that ran both and level in the sixth,
+at the same peak (runs 2026-12-07d/e; ``tests/ops/test_glue_default.py``)."""
 
 _GROUPS: dict[int, weakref.ref] = {}
 """data pointer of a group that :func:`split_columns` returned -> that call's :class:`RowGradient` (while it lives)."""
