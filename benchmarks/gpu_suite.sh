@@ -116,6 +116,9 @@ unpack_parts "$CACHE_IN/cache.tar.gz" "$TRITON_CACHE_DIR" \
 exec > >(tee -a "$OUT/run.log") 2>&1
 echo "== stack $STACK"
 echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+# the training benchmark beside a test stage needs more than an 80 GB card (gdn_cp_testing.env.side_by_side_problem)
+python3 -c 'import sys; from gdn_cp_testing.env import side_by_side_problem as p; s, m = sys.argv[1:]; sys.exit(p(s, int(m)) if m.strip() else None)' \
+  "${GDN_CP_STAGES:-tests}" "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)" || exit 2
 python3 -c 'import json, triton, gdn_cp.ops.versions as v; print(json.dumps(v.stack_versions({"triton_from": triton.__file__, "transformer_engine": v.dist_version("transformer-engine")})))'
 
 # One stage, under its own time limit: tests / tests_core / tests_megatron / flashqla_tests / glue_tests (GPU tests:

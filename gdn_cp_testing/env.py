@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 from gdn_cp import env as library
 from gdn_cp.env import EnvSetting, one_of
 
-__all__ = ["ALL_SETTINGS", "SETTINGS", "SUITE_STAGES", "check_environment", "read"]
+__all__ = ["ALL_SETTINGS", "SETTINGS", "SUITE_STAGES", "check_environment", "read", "side_by_side_problem"]
 
 
 MIN_PG_TIMEOUT_S = 1.0
@@ -73,6 +73,25 @@ def _stages(text: str) -> tuple[tuple[str, ...], ...]:
         raise ValueError(f"use stages of {', '.join(SUITE_STAGES)}, separated by spaces, joined by + to run side "
                          'by side, e.g. "tests+args layer_full"')
     return groups
+
+
+SMALL_GPU_MIB = 100_000
+"""A GPU with less memory (an 80 GB H100: 81559 MiB) runs the training benchmark apart from the test stages."""
+
+
+def side_by_side_problem(stages: str, gpu_mib: int) -> Optional[str]:
+    """Why ``GDN_CP_STAGES=stages`` cannot run on a GPU of ``gpu_mib`` MiB, naming the fix (None: it can). On an
+    80 GB H100 the training benchmark's ranks beside the test stages ran a test out of GPU memory
+    (``CUBLAS_STATUS_ALLOC_FAILED``) and took 1.8x their time alone (run 2026-12-07c); an H200 ran them together
+    (runs 2026-12-03a/b)."""
+    for group in _stages(stages):
+        tests = [s for s in group if s.endswith("tests") or s.startswith("tests")]
+        if "train_mlm" in group and tests and gpu_mib < SMALL_GPU_MIB:
+            apart = " ".join(["+".join(s for s in group if s != "train_mlm"), "train_mlm"])
+            return (f"GDN_CP_STAGES={stages!r} runs train_mlm beside {', '.join(tests)} on a GPU of {gpu_mib} MiB "
+                    f"(< {SMALL_GPU_MIB}): on an 80 GB H100 that ran a test out of memory (run 2026-12-07c). Fix: "
+                    f"run them one after another (GDN_CP_STAGES=\"{apart}\") or in separate calls")
+    return None
 
 
 def _json_argv(text: str) -> list[str]:

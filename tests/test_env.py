@@ -159,6 +159,27 @@ def test_the_suite_stages_are_the_stages_of_gpu_suite_sh():
     assert tuple(stages) == test_env.SUITE_STAGES
 
 
+@pytest.mark.parametrize("stages,mib,refused", [
+    ("tests_core+tests_megatron+train_mlm", 81559, True),  # run 2026-12-07c's call on an H100
+    ("layer_full flashqla_tests+train_mlm", 81559, True),
+    ("tests_core+tests_megatron+train_mlm", 143771, False),  # an H200 ran them together (runs 2026-12-03a/b)
+    ("tests_core+tests_megatron train_mlm", 81559, False),  # one after another
+    ("train_mlm+layer_full", 81559, False),  # no test stage beside it
+])
+def test_the_suite_refuses_training_beside_tests_on_an_80_gb_card(stages, mib, refused):
+    """gpu_suite.sh runs the rule with this machine's memory (its exact ``python3 -c`` line, run here): exit 1 and
+    one line naming the fix where refused, before any stage."""
+    text = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
+    (snippet,) = re.findall(r"python3 -c '([^']*side_by_side_problem[^']*)'", text)
+    r = subprocess.run([sys.executable, "-c", snippet, stages, str(mib)], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT, env=_clean_env())
+    assert r.returncode == (1 if refused else 0), r
+    assert not refused or ("Fix: run them one after another" in r.stderr and len(r.stderr.splitlines()) == 1), r
+    r = subprocess.run([sys.executable, "-c", snippet, stages, ""], capture_output=True, timeout=60, cwd=ROOT,
+                       env=_clean_env())
+    assert r.returncode == 0, r  # no nvidia-smi answer: nothing to judge by
+
+
 def test_an_unknown_name_gets_a_short_line_with_the_closest_names(monkeypatch):
     monkeypatch.setenv("GDN_CP_STAGE", "tests")
     with pytest.raises(ValueError) as err:

@@ -855,9 +855,8 @@ def test_the_package_says_what_it_is():
 
 def test_the_sync_and_route_build_figures_are_their_result_files():
     """README's "0 in every mode on FLA (stock: 5 in the forward)" and "Stock makes 5 per forward" are
-    benchmarks/results/syncs.json, FlashQLA's chunkwise count run 2026-12-07f's GPU test record; "0.108 ms against
-    stock's per-token 23.2 ms" (T=1M, 64 sequences, cp=8) is route_build.json's plan + index and per-token times
-    (issue #41: every figure from a file)."""
+    benchmarks/results/syncs.json (run on FLA; it has no FlashQLA rows); "0.108 ms against stock's per-token 23.2 ms" (T=1M, 64
+    sequences, cp=8) is route_build.json's plan + index and per-token times (issue #41: every figure from a file)."""
     import json
 
     syncs = json.loads((ROOT / "benchmarks" / "results" / "syncs.json").read_text())["cp"]
@@ -866,13 +865,7 @@ def test_the_sync_and_route_build_figures_are_their_result_files():
     stock = {per_cp["stock headwise"]["forward"] for per_cp in syncs.values() if "stock headwise" in per_cp}
     assert ours == {0} and len(stock) == 1, (ours, stock)
     text = _one_line(README)
-    flashqla = [json.loads(line) for line in (ROOT / "benchmarks" / "results" / "runs" / "run_2026-12-07f" /
-                                              "gpu_results.jsonl").read_text().splitlines()]
-    flashqla = {r["syncs"] for rec in flashqla if rec.get("kind") == "flashqla_zero_sync" for r in rec["ranks"]}
-    assert len(flashqla) == 1, flashqla  # every rank, both chunkwise paths
-    assert (f"| 0 in every mode on FLA (stock: {stock.pop()} in the forward); FlashQLA's chunkwise: {flashqla.pop()} "
-            "a forward and backward |") in text
-    assert "On FlashQLA, chunkwise's second call (a later layer) made 5 in a forward and backward at CP=2" in text
+    assert f"| 0 in every mode on FLA (stock: {stock.pop()} in the forward); FlashQLA: not measured yet |" in text
     assert f"Stock makes {max(per_cp['stock headwise']['forward'] for per_cp in syncs.values())} per forward" in text
     build = json.loads((ROOT / "benchmarks" / "results" / "route_build.json").read_text())["results"]
     (row,) = [r for r in build if (r["T_global"], r["num_sequences"], r["cp"]) == (1 << 20, 64, 8)]

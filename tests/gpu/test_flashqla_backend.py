@@ -341,7 +341,9 @@ def test_realistic_shape_chunkwise_cp2(cuda_pool, path):
 def _rank_syncs(rctx, inp: dict, cp: int, path: str):
     """A second identical call (same plan, same boundaries objects: a later layer of the micro-batch)
     under torch's sync debug mode: the device->host syncs its forward and its backward make, each with where
-    (:func:`count_syncs`; a backward's at the ``backward()`` call). Where there are any, the same rows'
+    (:func:`count_syncs`; a backward's at the ``backward()`` call). The inputs are on the device before the count
+    starts: a host->device copy syncs (torch's ``memcpy_and_sync``), and run 2026-12-07f counted the test's own five
+    (qkv, g, beta, the conv's weight and bias) as 5 syncs of the layer's. Where there are any, the same rows'
     boundaries through the CP=1 core twice (no collective: a rank raising between two would leave the others
     waiting) say whether FlashQLA's call alone syncs again, and where first (:func:`first_sync_site`)."""
     import torch.distributed as dist
@@ -355,31 +357,33 @@ def _rank_syncs(rctx, inp: dict, cp: int, path: str):
     plan, rows = _plan("thd_docs", cp, r), _rows("thd_docs", cp, r)
     do = inp["do"][rows].to(rctx.device)
 
-    def forward():
-        t = _leaves(inp, rctx.device, rows)
+    def forward(t):
         return gdn_core(t["qkv"], t["g"], t["beta"], t["w"], t["b"], shape=SHAPE, mode="chunkwise", plan=plan,
                         group=group, backend=backend, chunkwise_path=path)
 
-    (forward().float() * do).sum().backward()
-    o, fwd = count_syncs(forward)
+    (forward(_leaves(inp, rctx.device, rows)).float() * do).sum().backward()
+    second = _leaves(inp, rctx.device, rows)
+    o, fwd = count_syncs(lambda: forward(second))
     _, bwd = count_syncs(lambda: (o.float() * do).sum().backward())
     out = {"syncs": len(fwd) + len(bwd), "forward": fwd, "backward": bwd}
     if fwd or bwd:
         cu, do_all = host_boundaries(CASES["thd_docs"][0]), inp["do"].to(rctx.device)
 
-        def cp1_step():
-            (_core_cp1(backend, _leaves(inp, rctx.device), cu).float() * do_all).sum().backward()
+        def cp1_step(t):
+            (_core_cp1(backend, t, cu).float() * do_all).sum().backward()
 
-        cp1_step()
-        _, cp1 = count_syncs(cp1_step)
-        out.update(cp1_second_call=cp1, cp1_first_sync=first_sync_site(cp1_step) if cp1 else None)
+        cp1_step(_leaves(inp, rctx.device))
+        t2, t3 = _leaves(inp, rctx.device), _leaves(inp, rctx.device)
+        _, cp1 = count_syncs(lambda: cp1_step(t2))
+        out.update(cp1_second_call=cp1, cp1_first_sync=first_sync_site(lambda: cp1_step(t3)) if cp1 else None)
     return out
 
 
 @pytest.mark.parametrize("path", ["generic", "native"])
 def test_second_call_makes_no_sync(cuda_pool, path):
     """gdn-cp's rule: after the first layer of a micro-batch, a layer call makes no device->host sync.
-    FlashQLA's caches (boundaries-derived tensors, keyed on the tensor object, 4 entries) must hit."""
+    FlashQLA's caches (boundaries-derived tensors, keyed on the tensor object, 4 entries) must hit. Its inputs are
+    on the device before the count (``_rank_syncs``)."""
     from gdn_cp.ops.flashqla.native_cp import native_cp_problem
 
     if path == "native" and native_cp_problem() is not None:

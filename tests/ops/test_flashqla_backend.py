@@ -391,3 +391,47 @@ def test_the_gpu_tests_compile_ahead_every_variant_they_call(rank_pool, fake, mo
     assert max(len(cu) - 1 for hk, hv, cu, _, _ in gpu.WARM if hv <= 8) <= 5
     assert (SELFTEST_DIMS["num_k_heads"], SELFTEST_DIMS["num_v_heads"], tuple(sorted(set(SELFTEST_CU))), True,
             True) in gpu.WARM
+
+
+def _rank_sync_test_counts(ctx):
+    """tests/gpu/test_flashqla_backend.py's ``_rank_syncs`` through the stand-in, with torch's sync count stubbed:
+    which of the test's own calls ran inside a counted call."""
+    from tests.gpu import test_flashqla_backend as gpu
+
+    fake_flashqla.install(record_only=True)
+    counting, inside = [False], []
+    saved = {name: getattr(gpu, name) for name in ("_leaves", "count_syncs", "first_sync_site", "BASELINE_DEVICE",
+                                                   "_BASELINES")}
+    leaves = gpu._leaves
+
+    def recording_leaves(*args, **kwargs):
+        inside.append(counting[0])
+        return leaves(*args, **kwargs)
+
+    def count(fn):
+        counting[0] = True
+        try:
+            return fn(), ["called a synchronizing CUDA operation at x"]  # "syncs": the CP=1 check runs too
+        finally:
+            counting[0] = False
+
+    try:
+        gpu.BASELINE_DEVICE, gpu._BASELINES, gpu._leaves, gpu.count_syncs = "cpu", {}, recording_leaves, count
+        gpu.first_sync_site = lambda fn: count(fn)[1][0]
+        inp, _ = gpu._baseline("thd_docs")
+        inside.clear()
+        out = gpu._rank_syncs(ctx, inp, 2, "generic")
+        return inside, sorted(out)
+    finally:
+        for name, value in saved.items():  # the pool's processes serve later tests
+            setattr(gpu, name, value)
+        fake_flashqla.uninstall()
+
+
+def test_the_gpu_sync_test_makes_its_inputs_before_it_counts(rank_pool):
+    """Run 2026-12-07f's FlashQLA zero-sync test counted its own inputs' five host->device copies (each a
+    ``memcpy_and_sync``) as the layer's 5 syncs: the leaves were made inside the counted call. Every ``_leaves``
+    call of the test now comes before a count starts, the CP=1 check's included."""
+    for inside, keys in rank_pool(2).run(_rank_sync_test_counts):
+        assert len(inside) == 5 and not any(inside), inside  # chunkwise: first, second; CP=1: first, second, third
+        assert keys == ["backward", "cp1_first_sync", "cp1_second_call", "forward", "syncs"], keys
