@@ -143,6 +143,8 @@ SETTINGS: dict[str, EnvSetting] = {
                    _SECONDS),
         EnvSetting("GDN_CP_SYNCS_TIMEOUT", "benchmarks", "240", "benchmarks/gpu_suite.sh: time limit of the syncs stage",
                    _SECONDS),
+        EnvSetting("GDN_CP_SYNCS_ARGS", "benchmarks", "",
+                   "benchmarks/gpu_suite.sh: arguments of benchmarks/syncs.py (stage syncs; e.g. --backend flashqla)"),
         EnvSetting("GDN_CP_LAYER_FULL_ARGS", "benchmarks", "", "arguments of benchmarks/layer_full.py in the suite"),
         EnvSetting("GDN_CP_LAYER_FULL_TIMEOUT", "benchmarks", "480", "benchmarks/gpu_suite.sh: time limit of layer_full",
                    _SECONDS),
