@@ -865,7 +865,8 @@ def test_the_sync_and_route_build_figures_are_their_result_files():
     stock = {per_cp["stock headwise"]["forward"] for per_cp in syncs.values() if "stock headwise" in per_cp}
     assert ours == {0} and len(stock) == 1, (ours, stock)
     text = _one_line(README)
-    assert f"| 0 in every mode on FLA (stock: {stock.pop()} in the forward); FlashQLA: not measured yet |" in text
+    assert (f"| 0 in every mode on FLA (stock: {stock.pop()} in the forward), 2026-11-29, before the Triton glue; "
+            "FlashQLA: not measured yet |") in text
     assert f"Stock makes {max(per_cp['stock headwise']['forward'] for per_cp in syncs.values())} per forward" in text
     build = json.loads((ROOT / "benchmarks" / "results" / "route_build.json").read_text())["results"]
     (row,) = [r for r in build if (r["T_global"], r["num_sequences"], r["cp"]) == (1 << 20, 64, 8)]
