@@ -9,6 +9,8 @@ one GPU, gloo stages CUDA tensors through the host, which NCCL does not (the ran
 
     python3 -m benchmarks.syncs      # needs CUDA + FLA + megatron; exit 2 without a GPU
 
+Counts do not depend on kernel configs: ``GDN_CP_TEST_FAST_AUTOTUNE=1`` skips the cold autotuning. Rank 0 logs each path.
+
 Writes JSON (machine, versions, dtype, the layer's shape; per cp and path: syncs in forward and
 backward, collectives) and prints a table.
 """
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
+import time
 
 import torch
 
@@ -30,6 +34,8 @@ from gdn_cp_testing.ranks import RankPool
 
 from .common import add_out_arguments, machine_info, resolve_out, versions, write_json
 
+logger = logging.getLogger("benchmarks.syncs")
+
 # Shape small enough to compile fast; sync counts do not depend on it.
 CFG = dict(deterministic_mode=False, hidden_size=128, linear_num_key_heads=4, linear_num_value_heads=8,
            linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4)
@@ -39,6 +45,8 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
     from gdn_cp.megatron.call import ROUTE_CACHE_ATTR
 
     rank_groups()  # every rank creates every group, in the same order, before any rank goes on
+    if ctx.rank == 0 and not logging.getLogger().handlers:  # a rank process: its progress into the run's log
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     out = {}
     for cp in cp_sizes:
         if ctx.rank >= cp:  # a CP=1 baseline runs on rank 0 alone
@@ -52,6 +60,7 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
         x, dout = x[rows], dout[rows]
         res = {}
         for path in ("headwise", "chunkwise", "chunkwise generic", "all_gather", "stock headwise"):
+            start = time.monotonic()
             mode = {"stock headwise": "headwise", "chunkwise generic": "chunkwise"}.get(path, path)
             # gdn-cp's own chunkwise exchange (async summary gather on NCCL), else the auto path
             setting = env_setting("GDN_CP_CHUNKWISE_PATH", "generic" if path == "chunkwise generic" else None)
@@ -79,6 +88,9 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
                 "collectives": ctx.collective_count() - before,
                 "route_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
             }
+            if ctx.rank == 0:
+                logger.info("cp=%d %s: %d / %d syncs (forward / backward) in %.0f s", cp, path, len(fwd), len(bwd),
+                            time.monotonic() - start)
         out[cp] = res
     return out
 

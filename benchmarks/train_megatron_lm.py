@@ -88,10 +88,15 @@ def _with_pairs(ref: RunSpec, kinds="default") -> list[tuple[RunSpec, str]]:
     return [(ref, "")] + noise_pairs(ref, PAIRS_OF[kinds])
 
 
+NO_GDN_MAIN = dict(model="hybrid", pattern="*-*-*-")
+"""Group ``main``'s control: the hybrid's sizes, attention for GDN: Megatron's own CP only (docs/performance.md, run g)."""
+
+
 def _main() -> list[tuple[RunSpec, str]]:
     rows = []
     for name, kind in (("hybrid", _H), ("gpt", _P)):
         rows += _with_pairs(RunSpec(f"{name}_cp1", **kind), "main")
+    rows += _with_pairs(RunSpec("nogdn_cp1", **NO_GDN_MAIN), "no_gdn") + [(RunSpec("nogdn_cp2", **NO_GDN_MAIN, cp=2), "nogdn_cp1")]
     for name, kind in (("hybrid", _H), ("gpt", _P)):
         rows += [(RunSpec(f"{name}_cp{cp}_{m}", **kind, cp=cp, mode=m), f"{name}_cp1") for cp in (4, 2) for m in MODES]
     return rows + [(RunSpec(f"{name}_cp2_stock", **kind, cp=2, stock=True), STOCK + f"{name}_cp1")
@@ -567,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="train_megatron_lm.json", help="JSON written after every run")
     p.add_argument("--work", help="folder for the data, the SFT set and the per-rank logs (default: a temp dir)")
     p.add_argument("--budget-s", type=float, default=480, help="every run ends by then; none starts that would not")
-    p.add_argument("--run-timeout-s", type=float, default=300, help="kill a run after this many seconds")
+    p.add_argument("--run-timeout-s", type=float, default=600, help="kill a run after this many seconds (and at "
+                   "--budget-s; run 2026-12-07g: a CP=4 run beside 4 others on an H100 took over 300 s to iteration 1)")
     p.add_argument("--max-ranks", type=int, help="rank processes side by side (default: as many as the GPU's memory "
                    f"holds at ~{GIB_PER_RANK:.1f} GiB each, twice that for fp32: 14 on an H200, 8 on an H100)")
     p.add_argument("--only", nargs="*", help="run only the matrix entries whose name contains one of these")
