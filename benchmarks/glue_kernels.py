@@ -63,7 +63,7 @@ def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
     :func:`_inputs` lays in_proj's output out): torch's element copy (``narrow``) against
     :func:`gdn_cp.ops.fused.split.copy_columns`' 8-byte words (``wide``: the same bits; None where the shape's columns
     are not 8-byte aligned, as copy_columns then copies element by element)."""
-    hk, hv, dim, _ = shape
+    hk, hv, dim = shape[:3]
     z_at, z_width = (2 * hk + hv) * dim, hv * dim
     grad, buffer = (torch.randn(rows, n, device=device).to(torch.bfloat16) for n in (z_width, z_at + z_width + 2 * hv))
     columns = buffer[:, z_at:z_at + z_width]
@@ -72,9 +72,10 @@ def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
             if d is not None and s is not None else None for name, (d, s) in pairs.items()}
 
 
-BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}}
+BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}, "scan_few": {"scan": True, "few_launches": True}}
 """The backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): one pass
-(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``)."""
+(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``); the
+scan with fewer kernels around it (``triton_norm_dz_copy_scan_few``'s)."""
 
 
 def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
@@ -83,13 +84,14 @@ def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = Fals
     --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
-    hk, hv, dim, with_bias = shape
+    hk, hv, dim, with_bias, with_halo = shape
     x, weight, bias, positions, douts = _inputs(rows, hk, hv, dim, device, torch.bfloat16)
-    leaves = [x.detach().requires_grad_(True), weight.requires_grad_(True)] + ([bias.requires_grad_(True)]
-                                                                              if with_bias else [])
+    halo = torch.randn(weight.shape[1] - 1, x.shape[1], device=device).to(torch.bfloat16) if with_halo else None
+    leaves = [x.detach().requires_grad_(True), weight.requires_grad_(True)] + [
+        t.requires_grad_(True) for t in ((bias if with_bias else None), halo) if t is not None]
 
     def forward():
-        return triton_conv.conv_silu_split_triton(leaves[0], leaves[1], bias if with_bias else None, positions, None,
+        return triton_conv.conv_silu_split_triton(leaves[0], leaves[1], bias if with_bias else None, positions, halo,
                                                   hk, hv, dim, dim, True, 1e-6, **form)
 
     def backward(outs):
@@ -127,6 +129,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
                    help="comma list of the backward forms to time beside the default (BACKWARD_FORMS; default: all)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
     p.add_argument("--conv-bias", action="store_true", help="the conv with a bias (Megatron's GDN has none by default)")
+    p.add_argument("--halo", action="store_true", help="the rows continue a sequence from the previous rank (a "
+                   "chunkwise rank past the first): the conv reads the W-1 rows before them, and their gradient")
     p.add_argument("--loops", action="store_true", help="the one-pass backward at every config for sm_90 here, as "
                    "launched: registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true", help="one backward per row count and form (BACKWARD_FORMS) "
@@ -157,10 +161,11 @@ def main(argv=None) -> dict:
         from gdn_cp.ops.fused import triton_launch
 
         hk, hv = (int(h) for h in args.heads.split(","))
-        shape, results = (hk, hv, args.head_dim, args.conv_bias), []
+        shape, results = (hk, hv, args.head_dim, args.conv_bias, args.halo), []
         report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
                   "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                  "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "dtype": "bfloat16",
+                  "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "halo": args.halo,
+                  "dtype": "bfloat16",
                   "results": results}
         for rows in (parse_tokens(r) for r in args.rows.split(",")):
             if args.profile:

@@ -19,7 +19,7 @@ import tempfile
 SM90 = ("cuda", 90, 32)
 BF16_CONV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "halo_ptr": "*bf16", "pos_ptr": "*i32",
              "dout_ptr": "*bf16", "out_ptr": "*bf16", "pre_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32",
-             "dx_ptr": "*bf16", "scratch_ptr": "*fp32", "head_ptr": "*fp32"}
+             "dx_ptr": "*bf16", "scratch_ptr": "*fp32", "head_ptr": "*fp32", "dhalo_ptr": "*bf16"}
 """Pointer types of the conv kernels' arguments in a bf16 layer (every other argument: i32, EPS fp32)."""
 BF16_GATES = {"a_ptr": "*bf16", "b_ptr": "*bf16", "decay_ptr": "*fp32", "dtb_ptr": "*bf16", "g_ptr": "*fp32",
               "beta_ptr": "*bf16", "dg_ptr": "*fp32", "dbeta_ptr": "*bf16", "da_ptr": "*bf16", "db_ptr": "*bf16",
@@ -101,6 +101,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
         ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
          {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1}),
+        ("conv_halo_bwd", tc.gdn_cp_glue_conv_halo_bwd, BF16_CONV, {"W": 4, "BC": 256}),
     )
 
 
@@ -143,13 +144,13 @@ def tests_report() -> dict:
     """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward as launched (16
     rows, 4 warps, l2 norm, bias); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm,
-    without a bias (Megatron's GDN conv has none by default) and, for q, with one, and unrolled by 4."""
+    without a bias (Megatron's GDN conv has none by default) and, for q, with one, with a halo, and unrolled by 4."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
 
-    def as_launched(bt, dim, norm, index, bias=True, **more):
-        _, kernel, pointers, c = conv_kernels(bt, dim, norm=norm, halo=False)[index]
+    def as_launched(bt, dim, norm, index, bias=True, halo=False, **more):
+        _, kernel, pointers, c = conv_kernels(bt, dim, norm=norm, halo=halo)[index]
         return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": bias, **more}, 4, as_launched=True)
 
     return {"conv": {name: compile_sm90(k, p, c) for name, k, p, c in conv_kernels()},
@@ -157,6 +158,7 @@ def tests_report() -> dict:
             "one_pass": as_launched(16, 128, True, 3),
             "scan": {"q": as_launched(16, 128, True, 4, bias=False), "v": as_launched(16, 128, False, 4, bias=False),
                      "q_bias": as_launched(16, 128, True, 4),
+                     "q_halo": as_launched(16, 128, True, 4, bias=False, halo=True),
                      "q_unroll4": as_launched(16, 128, True, 4, bias=False, UNROLL=4),
                      "v_unroll4": as_launched(16, 128, False, 4, bias=False, UNROLL=4)}}
 

@@ -38,6 +38,10 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 7, 1, 3),  # narrower convs: the taps past W are
     ("float16", True, 1, 3, 16, 16, True, (0, 2, 20), "one_pass 2", 1, 3),  # zeros, the halo W-1 rows, the tap
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16", 1, 2),  # sums only W of the four
+    # the scan with few kernels around it: the halo's gradient from rows 0..2 where row 1 starts another sequence
+    # (masked) or row 2 does; q and k written twice; 3 v heads (a program's second masked)
+    ("float32", True, 1, 2, 16, 16, True, (0, 1, 15, 33), "scan_few 16", 2),
+    ("float16", True, 1, 3, 16, 24, True, (0, 2, 3, 17, 20, 50), "scan_few 16"),
 )
 
 
@@ -47,8 +51,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def backward_family(chunk) -> str:
-    """Which backward a conv case's ``chunk`` runs: ``two_pass``, ``one_pass`` or ``scan``."""
-    return "two_pass" if isinstance(chunk, int) else "scan" if chunk.startswith("scan") else "one_pass"
+    """Which backward a conv case's ``chunk`` runs: ``two_pass``, ``one_pass``, ``scan`` or ``scan_few``."""
+    return "two_pass" if isinstance(chunk, int) else chunk.split()[0]
 
 
 def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: bool, cu, chunk: int, repeat: int = 1,
@@ -61,7 +65,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
     family = backward_family(chunk)
-    form = {"one_pass": family == "one_pass", "scan": family == "scan"}
+    form = {"one_pass": family == "one_pass", "scan": family.startswith("scan"), "few_launches": family == "scan_few"}
     if form["scan"]:  # spans of that many rows
         triton_conv._SCAN_SPAN = int(chunk.split()[1])
     elif form["one_pass"]:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group

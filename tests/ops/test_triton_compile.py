@@ -31,7 +31,7 @@ def compiled():
 
 
 def test_the_conv_kernels_compile_for_sm90(compiled):
-    assert len(compiled["conv"]) == 5
+    assert len(compiled["conv"]) == 6
     for name, used in compiled["conv"].items():
         assert 0 < used["registers"] <= 255, (name, used)
 
@@ -44,11 +44,13 @@ def test_the_scan_keeps_few_registers_and_no_barrier(compiled):
     """``GDN_CP_GLUE=triton_norm_dz_copy_scan``'s reason to exist, as compiled (the GPU timed it since: runs
     2026-12-06l-o): a step of the scan (one row of 4 heads of 128, 4 warps, as launched) needs no barrier (its time
     shifts are registers), where the one-pass backward's tile (16 rows, 4 warps, l2 norm, bias) waits at 6 or more;
-    without a conv bias (Megatron's GDN default) at most 128 registers a thread with the l2 norm and without: 4
-    programs an SM, where the one-pass backward's 255 fit 2 (with a bias, q's: 146, 3)."""
+    without a conv bias (Megatron's GDN default) at most 128 registers a thread with the l2 norm and without, and
+    with a halo (a CP rank's rows that continue a sequence): 4 programs an SM, where the one-pass backward's 255 fit 2
+    (with a bias, q's: 146, 3). The halo's gradient is a launch of its own: computed in the scan after its loop, or
+    with the groups' tap sums in one buffer, the halo's q scan took 146 registers."""
     for name, used in compiled["scan"].items():
         assert used["loop_barriers"] == 0 and used["stack_bytes"] == 0, (name, used)
-        assert used["registers"] <= (128 if name in ("q", "v") else 168), (name, used)
+        assert used["registers"] <= (128 if name in ("q", "v", "q_halo") else 168), (name, used)
     one_pass = compiled["one_pass"]
     assert one_pass["loop_barriers"] >= 6 and one_pass["registers"] == 255, one_pass
 

@@ -31,16 +31,18 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 21 and sum(name.startswith("conv") for name in cases) == 16
+    assert len(cases) == 23 and sum(name.startswith("conv") for name in cases) == 18
     assert sum(name.startswith("norm") for name in cases) == 3
     assert sum("chunk=one_pass" in name for name in cases) == 6  # the one-pass backward beside the two-pass one
-    assert sum("chunk=scan" in name for name in cases) == 4  # the backward as a scan down the rows
+    assert sum("chunk=scan " in name for name in cases) == 4  # the backward as a scan down the rows
+    assert sum("chunk=scan_few " in name for name in cases) == 2  # the same with few kernels around it
     # a conv narrower than Megatron's 4 taps through each backward (the kernels keep four tap sums and lags)
     assert {name.split("chunk=")[1].split()[0] for name in cases if "width=" in name} == {"7", "one_pass", "scan"}
     # q and k written 2 or 3 times a head (``kv_repeat``): one case per backward that reads them (the two-pass,
     # one-pass and scan backwards; the forward writes them in each); the values are checked against the plain glue's
     # ``repeat_interleave`` with every other case
-    assert {name.split("chunk=")[1].split()[0] for name in cases if "repeat=" in name} == {"7", "one_pass", "scan"}
+    assert {name.split("chunk=")[1].split()[0] for name in cases if "repeat=" in name} == {"7", "one_pass", "scan",
+                                                                                         "scan_few"}
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -60,16 +62,18 @@ def test_every_backward_writes_dx_into_in_projs_rows(cases):
     """dx is in_proj's gradient's columns of x's group (no copy, no concatenation in split_columns' backward):
     checked once per backward (the first case of each; they allocate dx alike)."""
     checked = {case["family"] for case in cases.values() if case.get("dx_laid_out_like_x")}
-    assert checked == {"two_pass", "one_pass", "scan"}, checked
+    assert checked == {"two_pass", "one_pass", "scan", "scan_few"}, checked
 
 
 def test_the_scan_gives_the_one_pass_backwards_bits(cases):
     """``GDN_CP_GLUE=triton_norm_dz_copy_scan``'s backward computes each element with the one-pass backward's
     arithmetic in its order, rows rolled in registers instead of shared through a scratch tile: dx and the halo's
     gradient bit for bit the same (spans whose W-1 rows after them belong to the next program; a program whose second
-    head is past the group; q and k written twice a head; a conv of 2 taps)."""
+    head is past the group; q and k written twice a head; a conv of 2 taps). So does the scan with few kernels around
+    it (``GDN_CP_GLUE=triton_norm_dz_copy_scan_few``): its halo gradient, by a kernel of its own from rows 0..W-2, where
+    row 0's sequence is 1 and 2 rows long."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
-    assert len(scan) == 4 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert len(scan) == 6 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):

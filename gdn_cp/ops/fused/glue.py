@@ -26,6 +26,11 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   the l2 norm, no bias, as launched): 128 registers a thread and no barrier, against the one-pass backward's 241
   and 21 (16 rows, 4 warps); autotuning picks 4 steps a loop pass on an H100. **The default** since runs
   2026-12-06l/n (:data:`CUDA_DEFAULT`);
+- ``triton_norm_dz_copy_scan_few``: ``triton_norm_dz_copy_scan`` with fewer kernels around the scans: each group's
+  per-span tap sums reduced straight into the weight's gradient, and the halo's gradient by one small kernel from
+  the rows the scans keep (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_halo_bwd`), ~45 launches down to
+  5-10 with a halo; the same scan kernel (128 registers, sm_90), the same dx and halo-gradient bits (Triton's
+  interpreter). Not timed on a GPU yet: not the default (docs/performance.md, "Not run yet");
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -58,7 +63,7 @@ L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
 GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_norm_dz_copy_scan",
-              "compiled", "unfused")
+              "triton_norm_dz_copy_scan_few", "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 REPEAT_KEY_HEADS_IN_CONV = True
@@ -199,10 +204,12 @@ def _triton_gates():
 
 
 _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_norm": {"one_pass": True},
-                  "triton_norm_dz_copy": {"one_pass": True}, "triton_norm_dz_copy_scan": {"scan": True}}
+                  "triton_norm_dz_copy": {"one_pass": True}, "triton_norm_dz_copy_scan": {"scan": True},
+                  "triton_norm_dz_copy_scan_few": {"scan": True, "few_launches": True}}
 """gdn-cp's Triton paths, and how each runs the conv (the fields of :class:`.triton_conv.ConvForm`: the backward in
 two kernels, one, or a scan down the rows)."""
-_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_scan": False}
+_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_scan": False,
+                     "triton_norm_dz_copy_scan_few": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
           **{path: _triton_gates for path in _CONV_BACKWARD}}
