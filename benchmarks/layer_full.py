@@ -83,9 +83,7 @@ def _on_signal(signum, frame):  # noqa: ARG001
     raise _Stop(f"signal {signum}")
 
 
-# ---------------------------------------------------------------------------------------------
-# arguments
-# ---------------------------------------------------------------------------------------------
+# ---- arguments ----
 
 def _tokens(text: str) -> int:
     try:
@@ -235,9 +233,7 @@ def knobs(args) -> dict:
                            "micro-batch share it); stock rebuilds its per-token permutation every call"}
 
 
-# ---------------------------------------------------------------------------------------------
-# megatron trees
-# ---------------------------------------------------------------------------------------------
+# ---- megatron trees ----
 
 def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path]:
     """Two copies of megatron-core 0.19.2's ``megatron/`` package: ``stock`` (pristine) and
@@ -262,9 +258,7 @@ def prepare_megatron_trees(source: Path | None, workdir: Path) -> dict[str, Path
     return {"stock": stock, "patched": patched}
 
 
-# ---------------------------------------------------------------------------------------------
-# rank pools under a time guard
-# ---------------------------------------------------------------------------------------------
+# ---- rank pools under a time guard ----
 
 class Runner:
     """The rank pools of this run (stock and patched: both stay up, so that one (T, spec) unit
@@ -339,9 +333,7 @@ class Runner:
                 pool.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# rows
-# ---------------------------------------------------------------------------------------------
+# ---- rows ----
 
 class Rows:
     """This run's rows, merged into the rows already in ``path`` (written after every change)."""

@@ -156,9 +156,7 @@ def contiguous_slice(cu: Sequence[int], cp: int, rank: int) -> list[int]:
     return [0] + sorted({c - lo for c in cu if lo < c < hi}) + [part]
 
 
-# ---------------------------------------------------------------------------------------------
-# bytes per token, from the plan
-# ---------------------------------------------------------------------------------------------
+# ---- bytes per token, from the plan ----
 
 def rows_leaving(layout: str, cu: Sequence[int], cp: int, rank: int, source: str, target: str) -> int:
     """Rows of rank ``rank`` that a ``source -> target`` route sends to OTHER ranks (rows that

@@ -52,9 +52,7 @@ TOP_KERNELS = 40  # CUDA kernels by total time kept per profiled rank (40: every
 _STATE: dict = {}
 
 
-# ---------------------------------------------------------------------------------------------
-# setup
-# ---------------------------------------------------------------------------------------------
+# ---- setup ----
 
 def _select_megatron(root: str | None) -> dict:
     """Import megatron-core from ``root`` (first on sys.path), or the installed one (None)."""
@@ -175,9 +173,7 @@ def rank_setup(ctx, spec: dict) -> dict:
     return info
 
 
-# ---------------------------------------------------------------------------------------------
-# levers: what ran, and the benchmark-side switch
-# ---------------------------------------------------------------------------------------------
+# ---- levers: what ran, and the benchmark-side switch ----
 
 _FUSED_NORM_CALLS = [0]
 
@@ -256,9 +252,7 @@ def fla_gdn_backend() -> str:
     return active[0] if active else "triton"
 
 
-# ---------------------------------------------------------------------------------------------
-# one case
-# ---------------------------------------------------------------------------------------------
+# ---- one case ----
 
 def _sync(device) -> None:
     if device.type == "cuda":
@@ -546,9 +540,7 @@ def _timed(step, warmup: int, iters: int, device) -> dict:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# profile
-# ---------------------------------------------------------------------------------------------
+# ---- profile ----
 
 def _profiled(step, n: int, device) -> dict:
     """``n`` iterations under torch.profiler (schedule: 1 wait, 1 warm-up, ``n`` active; CUDA
@@ -586,9 +578,7 @@ def _profiled(step, n: int, device) -> dict:
             "classes_ms": kernel_classes(by_name, split["idle"], n)}
 
 
-# ---------------------------------------------------------------------------------------------
-# correctness: the case against CP=1 on the same weights and inputs
-# ---------------------------------------------------------------------------------------------
+# ---- correctness: the case against CP=1 on the same weights and inputs ----
 
 def _errors(errs: dict, **extra) -> dict:
     """A parity check's ``{"out", "grad:hidden_states", "grad:<param>"}`` (relative L2) as a row's: the output, the

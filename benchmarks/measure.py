@@ -110,9 +110,7 @@ def fmt_tokens(t: int) -> str:
     return str(t)
 
 
-# ---------------------------------------------------------------------------------------------
-# profile split
-# ---------------------------------------------------------------------------------------------
+# ---- profile split ----
 
 CATEGORIES = ("compute", "nccl", "memcpy")  # attribution priority, highest first
 

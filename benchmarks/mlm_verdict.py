@@ -240,9 +240,7 @@ def not_as_required(rows: list[dict]) -> list[str]:
     return [r["name"] for r in rows if r.get("verdict") not in GOOD and not r.get("verdict", "").startswith("stock: ")]
 
 
-# ------------------------------------------------------------------------------------------------
-# the table and the plot
-# ------------------------------------------------------------------------------------------------
+# ---- the table and the plot ----
 
 def step_ms(row: dict, skip: int = 3):
     """The median of Megatron's "elapsed time per iteration (ms)" after the first ``skip`` iterations, or None.

@@ -262,9 +262,7 @@ def with_references(todo: list, done=(), flashqla_site: Optional[str] = None) ->
     return out
 
 
-# ------------------------------------------------------------------------------------------------
-# time estimates, the plan and the device calls
-# ------------------------------------------------------------------------------------------------
+# ---- time estimates, the plan and the device calls ----
 
 START_S = {"hybrid": {1: 120.0, 2: 60.0, 4: 95.0}, "gpt": {1: 120.0, 2: 40.0, 4: 45.0}, "tiny": {1: 50.0, 2: 55.0}}
 """Start-up and the first two iterations with ~14 ranks side by side on one H200 (run 2026-12-03a, cold Triton
@@ -363,9 +361,7 @@ def split_calls(todo: list, *, max_ranks: int, budget_s: float) -> tuple[list[li
     return calls, [s.name for s, _ in left]
 
 
-# ------------------------------------------------------------------------------------------------
-# running the matrix
-# ------------------------------------------------------------------------------------------------
+# ---- running the matrix ----
 
 def prepare_data(data_dir: Path, todo: list, *, source=None, max_bytes: int = byte_text.MAX_BYTES) -> dict:
     """Build the byte-level text and the SFT set cut from it into ``data_dir``; returns the provenance."""
@@ -542,9 +538,7 @@ def _max_ranks(args, total_mib: Optional[float], todo: list) -> int:
     return ranks
 
 
-# ------------------------------------------------------------------------------------------------
-# the command
-# ------------------------------------------------------------------------------------------------
+# ---- the command ----
 
 def dry_run(args) -> int:
     """Build the data, write the SFT set and print the plan over device calls of ``--budget-s`` each (less

@@ -855,7 +855,7 @@ def test_the_package_says_what_it_is():
 
 def test_the_sync_and_route_build_figures_are_their_result_files():
     """README's "0 in every mode on FLA (stock: 5 in the forward)" and "Stock makes 5 per forward" are
-    benchmarks/results/syncs.json (run on FLA; it has no FlashQLA rows); "0.108 ms against stock's per-token 23.2 ms" (T=1M, 64
+    benchmarks/results/syncs.json (run on FLA; it has no FlashQLA rows), FlashQLA's the GPU test's records; "0.108 ms against stock's per-token 23.2 ms" (T=1M, 64
     sequences, cp=8) is route_build.json's plan + index and per-token times (issue #41: every figure from a file)."""
     import json
 
@@ -865,8 +865,14 @@ def test_the_sync_and_route_build_figures_are_their_result_files():
     stock = {per_cp["stock headwise"]["forward"] for per_cp in syncs.values() if "stock headwise" in per_cp}
     assert ours == {0} and len(stock) == 1, (ours, stock)
     text = _one_line(README)
+    # FlashQLA's: the GPU test's records of run 2026-12-07h (both chunkwise paths, every rank, forward and backward)
+    runs = ROOT / "benchmarks" / "results" / "runs" / "run_2026-12-07h" / "gpu_results.jsonl"
+    qla = [json.loads(line) for line in runs.read_text().splitlines() if '"flashqla_zero_sync"' in line]
+    assert {r["path"] for r in qla} == {"generic", "native"}, qla
+    assert all(rank["syncs"] == 0 and not rank["forward"] and not rank["backward"] for r in qla for rank in r["ranks"])
     assert (f"| 0 in every mode on FLA (stock: {stock.pop()} in the forward), 2026-11-29, before the Triton glue; "
-            "FlashQLA: not measured yet |") in text
+            "FlashQLA: 0 in chunkwise's second call, forward and backward, both paths, CP=2 (the GPU test's shape, "
+            "one H100, 2026-12-07); its other modes not counted yet |") in text
     assert f"Stock makes {max(per_cp['stock headwise']['forward'] for per_cp in syncs.values())} per forward" in text
     build = json.loads((ROOT / "benchmarks" / "results" / "route_build.json").read_text())["results"]
     (row,) = [r for r in build if (r["T_global"], r["num_sequences"], r["cp"]) == (1 << 20, 64, 8)]
