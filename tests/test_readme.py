@@ -855,8 +855,9 @@ def test_the_package_says_what_it_is():
 
 def test_the_sync_and_route_build_figures_are_their_result_files():
     """README's "0 in every mode on FLA (stock: 5 in the forward)" and "Stock makes 5 per forward" are
-    benchmarks/results/syncs.json (run on FLA; it has no FlashQLA rows), FlashQLA's the GPU test's records; "0.108 ms against stock's per-token 23.2 ms" (T=1M, 64
-    sequences, cp=8) is route_build.json's plan + index and per-token times (issue #41: every figure from a file)."""
+    benchmarks/results/syncs.json (run on FLA; it has no FlashQLA rows), FlashQLA's the GPU test's records; "0.108 ms
+    against stock's per-token 23.2 ms" (T=1M, 64 sequences, cp=8) is route_build.json's plan + index and per-token
+    times (issue #41: every figure from a file)."""
     import json
 
     syncs = json.loads((ROOT / "benchmarks" / "results" / "syncs.json").read_text())["cp"]

@@ -30,7 +30,9 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   per-span tap sums reduced straight into the weight's gradient, and the halo's gradient by one small kernel from
   the rows the scans keep (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_halo_bwd`), ~45 launches down to
   5-10 with a halo; the same scan kernel (128 registers, sm_90), the same dx and halo-gradient bits (Triton's
-  interpreter). Not timed on a GPU yet: not the default (docs/performance.md, "Not run yet");
+  interpreter). The conv alone on an H100 (run 2026-12-07i, ``benchmarks/glue_kernels.py``): its backward 0.75x /
+  0.93x the default's at 16K / 64K rows with a halo (1.139 against 1.525 ms, 2.033 against 2.187), 0.976x / 0.994x
+  without. Not yet timed in the layer, which decides: not the default (docs/performance.md, "Not run yet");
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);

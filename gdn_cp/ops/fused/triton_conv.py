@@ -416,8 +416,9 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     sums ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32) and, with a halo, the pre-activation
     gradient of rows 0..W-2, ``head [W-1, HEADS*D]`` fp32, for :func:`gdn_cp_glue_conv_halo_bwd`. (On sm_90 at 4 warps,
     computing the halo's gradient here after the scan took 146 registers against 128, and so did indexing one
-    ``[programs, C, W]`` buffer of every group's sums; indexing one ``head [W-1, C]`` spilled 8 bytes.) ``UNROLL`` steps a loop pass (Triton's ``loop_unroll_factor``): unrolled, the rolling windows are renamed,
-    not moved (sm_90, 4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126)."""
+    ``[programs, C, W]`` buffer of every group's sums; indexing one ``head [W-1, C]`` spilled 8 bytes.) ``UNROLL``
+    steps a loop pass (Triton's ``loop_unroll_factor``): unrolled, the rolling windows are renamed, not moved (sm_90,
+    4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126)."""
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     h = i_b * HB + tl.arange(0, HB)
     d = tl.arange(0, BD)
@@ -571,9 +572,10 @@ class ConvForm:
     ``one_pass``: the backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer
     between them; ``scan``: the backward as a scan down each span of rows, one row a step
     (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused; ``few_launches`` (with ``scan``): the same scans with
-    5-10 kernels around them instead of ~45 (:func:`_conv_backward_scan`; not timed on a GPU yet, so not the
-    default). The forward is the tile kernel in every form (a scan of it, timed on an H100, took 0.390 ms at 16K
-    rows against the tile kernel's 0.321: run 2026-12-06l)."""
+    5-10 kernels around them instead of ~45 (:func:`_conv_backward_scan`; 0.75-0.99x the scan's backward time
+    alone on an H100, run 2026-12-07i; not yet timed in the layer, so not the default). The forward is the tile
+    kernel in every form (a scan of it, timed on an H100, took 0.390 ms at 16K rows against the tile kernel's 0.321:
+    run 2026-12-06l)."""
 
     one_pass: bool = False
     scan: bool = False
