@@ -41,7 +41,7 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     # the scan with few kernels around it: the halo's gradient from rows 0..2 where row 1 starts another sequence
     # (masked) or row 2 does; q and k written twice; 3 v heads (a program's second masked)
     ("float32", True, 1, 2, 16, 16, True, (0, 1, 15, 33), "scan_few 16", 2),
-    ("float16", True, 1, 3, 16, 24, True, (0, 2, 3, 17, 20, 50), "scan_few 16"),
+    ("float16", True, 1, 3, 16, 24, True, (0, 2, 3, 17), "scan_few 16"),
 )
 
 
@@ -176,7 +176,9 @@ def main(argv=None) -> None:
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
     families = [backward_family(c[8]) for c in CONV_CASES]  # c[8]: the chunk rows or form
-    cases = [conv_case(*c, check_layout=families.index(f) == i) for i, (c, f) in enumerate(zip(CONV_CASES, families))]
+    # dx's layout once per backward family (scan_few allocates dx as scan does: the same code before the kernels)
+    cases = [conv_case(*c, check_layout=families.index(f) == i and f != "scan_few")
+             for i, (c, f) in enumerate(zip(CONV_CASES, families))]
     cases += [gates_case(d) for d in ("float32", "float16")]
     cases += [norm_case(*c) for c in NORM_CASES]
     if args.out is not None:

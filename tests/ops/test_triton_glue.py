@@ -62,7 +62,7 @@ def test_every_backward_writes_dx_into_in_projs_rows(cases):
     """dx is in_proj's gradient's columns of x's group (no copy, no concatenation in split_columns' backward):
     checked once per backward (the first case of each; they allocate dx alike)."""
     checked = {case["family"] for case in cases.values() if case.get("dx_laid_out_like_x")}
-    assert checked == {"two_pass", "one_pass", "scan", "scan_few"}, checked
+    assert checked == {"two_pass", "one_pass", "scan"}, checked
 
 
 def test_the_scan_gives_the_one_pass_backwards_bits(cases):
@@ -71,7 +71,7 @@ def test_the_scan_gives_the_one_pass_backwards_bits(cases):
     gradient bit for bit the same (spans whose W-1 rows after them belong to the next program; a program whose second
     head is past the group; q and k written twice a head; a conv of 2 taps). So does the scan with few kernels around
     it (``GDN_CP_GLUE=triton_norm_dz_copy_scan_few``): its halo gradient, by a kernel of its own from rows 0..W-2, where
-    row 0's sequence is 1 and 2 rows long."""
+    row 0's sequence is 1 and 2 rows long (dx's layout: checked on the scan's case, the same allocation)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
     assert len(scan) == 6 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
 
