@@ -28,9 +28,9 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   2026-12-06l/n (:data:`CUDA_DEFAULT`);
 - ``triton_norm_dz_copy_scan_few``: ``triton_norm_dz_copy_scan`` with fewer kernels around the scans: each group's
   per-span tap sums reduced straight into the weight's gradient, and the halo's gradient by one small kernel from
-  the rows the scans keep (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_halo_bwd`), ~45 launches down to
-  5-10 with a halo; the same scan kernel (128 registers, sm_90), the same dx and halo-gradient bits (Triton's
-  interpreter). The conv alone on an H100 (run 2026-12-07i, ``benchmarks/glue_kernels.py``): its backward 0.75x /
+  the rows the scans keep (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_halo_bwd`), about 50 launches
+  down to 7-8 with a halo (no conv bias); the same scan kernel (128 registers, sm_90), the same dx and
+  halo-gradient bits (Triton's interpreter). The conv alone on an H100 (run 2026-12-07i, ``benchmarks/glue_kernels.py``): its backward 0.75x /
   0.93x the default's at 16K / 64K rows with a halo (1.139 against 1.525 ms, 2.033 against 2.187), 0.976x / 0.994x
   without. Not yet timed in the layer, which decides: not the default (docs/performance.md, "Not run yet");
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);

@@ -571,8 +571,8 @@ class ConvForm:
     """How the kernels run the conv (every field off: the backward in two passes, tiles of 16-64 rows).
     ``one_pass``: the backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer
     between them; ``scan``: the backward as a scan down each span of rows, one row a step
-    (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused; ``few_launches`` (with ``scan``): the same scans with
-    5-10 kernels around them instead of ~45 (:func:`_conv_backward_scan`; 0.75-0.99x the scan's backward time
+    (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused; ``few_launches`` (with ``scan``): the same scans,
+    7-8 launches in all instead of ~50 with a halo (:func:`_conv_backward_scan`; 0.75-0.99x the scan's backward time
     alone on an H100, run 2026-12-07i; not yet timed in the layer, so not the default). The forward is the tile
     kernel in every form (a scan of it, timed on an H100, took 0.390 ms at 16K rows against the tile kernel's 0.321:
     run 2026-12-06l)."""
@@ -709,17 +709,25 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     t = x.shape[0]
     w = weight.shape[1]
     width = heads * dim
+    head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
+    dw_part, db_part = _launch_scan(x, weight, bias, halo, positions, dout, dx, head, c0, heads, dim, norm, eps, repeat)
+    _add_partial_sums(dw, db, c0, dw_part, db_part)
+    if halo is not None:
+        dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
+
+
+def _launch_scan(x, weight, bias, halo, positions, dout, dx, head, c0, heads, dim, norm, eps, repeat) -> tuple:
+    """One group's :func:`gdn_cp_glue_conv_bwd_scan` over every span of rows (dx and, with a halo, ``head`` written);
+    returns its per-span sums ``(dw_part [programs, width, W], db_part)`` (:func:`_partial_sums`)."""
+    t, w = x.shape[0], weight.shape[1]
     span = _scan_span(t)
     programs = triton.cdiv(t, span)
-    head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
-    dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
+    dw_part, db_part = _partial_sums(programs, heads * dim, w, bias is not None, x.device)
     _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
           span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
           HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat)
-    _add_partial_sums(dw, db, c0, dw_part, db_part)
-    if halo is not None:
-        dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
+    return dw_part, db_part
 
 
 def _conv_backward_scan(x, weight, bias, halo, positions, groups, eps, dx, form) -> tuple:
@@ -727,13 +735,12 @@ def _conv_backward_scan(x, weight, bias, halo, positions, groups, eps, dx, form)
     (``groups``: as :func:`_conv_backward_by_group` takes them), with fewer kernels around it.
     Each group's per-span sums are reduced straight into its channels of ``dw`` / ``db`` (no zero fill, no add), and
     its scan writes its block of one ``head`` (rows 0..W-2), from which one launch (:func:`gdn_cp_glue_conv_halo_bwd`)
-    writes the halo's gradient in its dtype: 7-10 kernels in all on a GPU with a halo, where the backward took ~45
-    (zero fills, sums and adds, and 11 small torch ops for the halo's gradient, per group). Returns ``(dw [C, W]
-    fp32, db [C] fp32 or None, dhalo [W-1, C] or None)``."""
+    writes the halo's gradient in its dtype: 7-8 launches in all without a conv bias (Megatron's default; 12 with
+    one), where the group-by-group scan takes about 50 with a halo (zero fills, sums and adds, and 11 small torch ops
+    for the halo's gradient, per group). Returns ``(dw [C, W] fp32, db [C] fp32 or None, dhalo [W-1, C] or
+    None)``."""
     t = x.shape[0]
     c, w = weight.shape
-    span = _scan_span(t)
-    programs = triton.cdiv(t, span)
     alloc = torch.empty if t else torch.zeros  # every channel is a group's: written below where there are rows
     dw = alloc(c, w, dtype=torch.float32, device=x.device)
     db = alloc(c, dtype=torch.float32, device=x.device) if bias is not None else None
@@ -742,12 +749,9 @@ def _conv_backward_scan(x, weight, bias, halo, positions, groups, eps, dx, form)
         if g is None:
             continue
         width = heads * dim
-        dw_g, db_g = _partial_sums(programs, width, w, db is not None, x.device)  # a group's at a time (peak memory)
         head_g = head[(w - 1) * c0:(w - 1) * (c0 + width)] if head is not None else dx  # its block [W-1, width]
-        _scan(lambda meta, heads=heads: (programs, triton.cdiv(heads, meta["HB"])),
-              *_conv_inputs(x, weight, bias, halo), positions, g, dx, dx.stride(0), head_g, dw_g, db_g, t, span, c0,
-              heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
-              REPEAT=repeat)
+        # the partial sums a group's at a time (peak memory), reduced into its channels
+        dw_g, db_g = _launch_scan(x, weight, bias, halo, positions, g, dx, head_g, c0, heads, dim, norm, eps, repeat)
         torch.sum(dw_g, 0, out=dw[c0:c0 + width])
         if db is not None:
             torch.sum(db_g, 0, out=db[c0:c0 + width])
