@@ -53,9 +53,9 @@ PAIRS = {
                  dict(env=(("GDN_CP_TEST_FAST_AUTOTUNE", "1"),))),
     "ce": ("the loss by Megatron's fused cross-entropy kernel (--cross-entropy-loss-fusion): the same softmax "
            "cross-entropy in one kernel", dict(extra_args=("--cross-entropy-loss-fusion",))),
-    "attn": ("attention by TransformerEngine's unfused path (NVTE_FUSED_ATTN=0: softmax of the materialised scores) "
-             "instead of cuDNN's fused kernel: the same attention, rounded elsewhere",
-             dict(env=(("NVTE_FUSED_ATTN", "0"), ("NVTE_FLASH_ATTN", "0")))),
+    "attn": ("attention by TransformerEngine's unfused path (--attention-backend unfused: softmax of the materialised "
+             "scores; Megatron refuses NVTE_* switches beside its default auto, run 2026-12-07k) instead of a fused "
+             "kernel: the same attention, rounded elsewhere", dict(extra_args=("--attention-backend", "unfused"))),
 }
 """Harmless perturbations of a CP=1 run: ``kind -> (what, changes)``. None changes the model, the data, the
 samples or their order; each changes only how the same arithmetic is rounded."""
