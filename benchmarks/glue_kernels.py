@@ -4,17 +4,16 @@ one short GPU call (seconds after autotuning): a kernel change is timed here bef
 (``benchmarks/layer_full.py``), which decides (run 2026-12-05a: two forms faster here were slower there).
 
 Per row count: the median forward and backward of ``conv_silu_split_triton`` (CUDA events, ``--iters`` each
-after 3 warm-up calls that autotune; ``tuned``: the configs autotuning chose). The floor is the bytes each direction
+after 3 warm-up calls that autotune; ``*_gpu_ms``: the kernels' own time, torch.profiler's, which the events exceed
+where the host launches slower than the GPU runs; ``tuned``: the configs autotuning chose). The floor is the bytes each direction
 must move (forward: read x, write q/k/v; backward: read x and the output gradients, write dx) at the bandwidth a
 plain device copy reaches on the same GPU.
 
 Shapes: a CP=2 rank's chunkwise rows of Qwen3.5-9B's GDN layer (16 key / 32 value heads of 128, conv width 4
 without a bias, as Megatron's GDN builds it; ``--conv-bias`` adds one; q/k l2-normalized), bf16, x a strided view
-of in_proj's output as in the layer, eight mixed-length sequences. ``--loops`` (no GPU needed): the one-pass
-backward compiled for sm_90 here (:mod:`gdn_cp_testing.triton_compile`): registers, spills, a tile's cost.
+of in_proj's output as in the layer, eight mixed-length sequences.
 
     python3 -m benchmarks.glue_kernels --out $OUT/glue_kernels.json                 # on the GPU machine
-    python3 -m benchmarks.glue_kernels --loops --out benchmarks/results/glue_kernels_loop.json   # ~65 s, no GPU
     python3 -m benchmarks.glue_kernels --rows 16K --profile   # under ncu --profile-from-start off (the GPU machine)
     TRITON_INTERPRET=1 python3 -m benchmarks.glue_kernels --device cpu --rows 64 --heads 1,2 --head-dim 16 --iters 1
 """
@@ -72,10 +71,20 @@ def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
             if d is not None and s is not None else None for name, (d, s) in pairs.items()}
 
 
-BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}, "scan_few": {"scan": True, "few_launches": True}}
+BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}}
 """The backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): one pass
-(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``); the
-scan with fewer kernels around it (``triton_norm_dz_copy_scan_few``'s)."""
+(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``)."""
+
+
+def gpu_ms(calls) -> float:
+    """Kernel time per call of ``calls`` (torch.profiler's CUDA kernels summed): what the GPU spends, where CUDA events
+    time the host's pace once launches are slower than kernels (run 2026-12-07j: a backward of 0.51 ms of kernels timed
+    0.73 by events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3 / len(calls)
 
 
 def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
@@ -114,7 +123,11 @@ def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = Fals
 
     fwd_ms = timed_steps(forward, 0, iters, torch.device(device))
     bwd_ms = timed_steps(lambda: backward(outs[0]), 0, iters, torch.device(device), before=fresh_outputs)
-    return {"rows": rows, "fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms)}
+    timed = {"rows": rows, "fwd_ms": statistics.median(fwd_ms), "bwd_ms": statistics.median(bwd_ms)}
+    if device == "cuda":  # the kernels' own time, 5 calls each
+        outs = [forward() for _ in range(5)]
+        timed.update(fwd_gpu_ms=gpu_ms([forward] * 5), bwd_gpu_ms=gpu_ms([lambda o=o: backward(o) for o in outs]))
+    return timed
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
@@ -131,8 +144,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
     p.add_argument("--conv-bias", action="store_true", help="the conv with a bias (Megatron's GDN has none by default)")
     p.add_argument("--halo", action="store_true", help="the rows continue a sequence from the previous rank (a "
                    "chunkwise rank past the first): the conv reads the W-1 rows before them, and their gradient")
-    p.add_argument("--loops", action="store_true", help="the one-pass backward at every config for sm_90 here, as "
-                   "launched: registers, spills, one tile's instructions and barriers (no GPU)")
     p.add_argument("--profile", action="store_true", help="one backward per row count and form (BACKWARD_FORMS) "
                    "between cudaProfilerStart/Stop, nothing timed (under ncu)")
     p.add_argument("--out", help="JSON file for the rows")
@@ -149,46 +160,37 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
 def main(argv=None) -> dict:
     args, forms = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.loops:
-        import triton
+    from gdn_cp.ops.fused import triton_launch
 
-        from gdn_cp_testing.triton_compile import one_pass_loops
-
-        report = {"benchmark": "glue_kernels --loops", "date": now_iso(), "machine": machine_info(),
-                  "versions": versions({"triton": triton.__version__}), "head_dim": args.head_dim,
-                  "results": one_pass_loops(args.head_dim)}
-    else:
-        from gdn_cp.ops.fused import triton_launch
-
-        hk, hv = (int(h) for h in args.heads.split(","))
-        shape, results = (hk, hv, args.head_dim, args.conv_bias, args.halo), []
-        report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
-                  "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-                  "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "halo": args.halo,
-                  "dtype": "bfloat16",
-                  "results": results}
-        for rows in (parse_tokens(r) for r in args.rows.split(",")):
-            if args.profile:
-                for form in forms.values():  # 3 launches each (q, k, v)
-                    results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
-                continue
-            c = (2 * hk + hv) * args.head_dim
-            gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
-            floor = {"fwd_ms": 2 * rows * c * 2 / gbs / 1e6, "bwd_ms": 3 * rows * c * 2 / gbs / 1e6}
-            logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
-                        floor["bwd_ms"])
-            row = time_kernels(rows, shape, args.device, args.iters)
-            row.update(copy_gbs=gbs, floor=floor, column_copy_ms=column_copy_ms(rows, shape, args.device, args.iters))
-            for name, form in forms.items():  # the forward too (the same tile kernel in every form)
-                timed = time_kernels(rows, shape, args.device, args.iters, **form)
-                row.update({f"fwd_{name}_ms": timed["fwd_ms"], f"bwd_{name}_ms": timed["bwd_ms"]})
-            results.append(row)
-            report["tuned"] = triton_launch.tuned_configs()  # autotuning's picks, every form's and row count's so far
-            if args.out:  # each row count as it ends: a stage cut at its time limit keeps the rows before
-                write_json(args.out, report)
-            logger.info("  fwd %.3f ms  bwd %.3f ms (%s)", row["fwd_ms"], row["bwd_ms"],
-                        ", ".join(f"{name} {row[f'fwd_{name}_ms']:.3f} / {row[f'bwd_{name}_ms']:.3f} ms"
-                                  for name in forms))
+    hk, hv = (int(h) for h in args.heads.split(","))
+    shape, results = (hk, hv, args.head_dim, args.conv_bias, args.halo), []
+    report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
+              "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+              "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "halo": args.halo,
+              "dtype": "bfloat16", "results": results}
+    for rows in (parse_tokens(r) for r in args.rows.split(",")):
+        if args.profile:
+            for form in forms.values():  # 3 launches each (q, k, v)
+                results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
+            continue
+        c = (2 * hk + hv) * args.head_dim
+        gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
+        floor = {"fwd_ms": 2 * rows * c * 2 / gbs / 1e6, "bwd_ms": 3 * rows * c * 2 / gbs / 1e6}
+        logger.info("%d rows: copy %.0f GB/s, floor fwd %.3f ms, bwd %.3f ms", rows, gbs, floor["fwd_ms"],
+                    floor["bwd_ms"])
+        row = time_kernels(rows, shape, args.device, args.iters)
+        row.update(copy_gbs=gbs, floor=floor, column_copy_ms=column_copy_ms(rows, shape, args.device, args.iters))
+        for name, form in forms.items():  # the forward too (the same tile kernel in every form)
+            timed = time_kernels(rows, shape, args.device, args.iters, **form)
+            row.update({f"{key[:3]}_{name}{key[3:]}": v for key, v in timed.items() if key != "rows"})
+        results.append(row)
+        report["tuned"] = triton_launch.tuned_configs()  # autotuning's picks, every form's and row count's so far
+        if args.out:  # each row count as it ends: a stage cut at its time limit keeps the rows before
+            write_json(args.out, report)
+        logger.info("  fwd %.3f ms  bwd %.3f ms, kernels %s / %s ms (%s)", row["fwd_ms"], row["bwd_ms"],
+                    row.get("fwd_gpu_ms"), row.get("bwd_gpu_ms"), ", ".join(
+                        f"{name} {row[f'fwd_{name}_ms']:.3f} / {row[f'bwd_{name}_ms']:.3f} ms, kernels "
+                        f"{row.get(f'fwd_{name}_gpu_ms')} / {row.get(f'bwd_{name}_gpu_ms')}" for name in forms))
     if args.out:
         write_json(args.out, report)
     return report

@@ -542,8 +542,9 @@ def _max_ranks(args, total_mib: Optional[float], todo: list) -> int:
 
 def dry_run(args) -> int:
     """Build the data, write the SFT set and print the plan over device calls of ``--budget-s`` each (less
-    :data:`PREP_S`); FlashQLA rows only with ``--flashqla-site`` (as on the device); run nothing."""
-    todo = _todo(args, ())
+    :data:`PREP_S`); FlashQLA rows only with ``--flashqla-site`` (as on the device); ``--resume``'s finished rows
+    left out, as the call would; run nothing."""
+    todo = _todo(args, [r["name"] for r in load_resume(args.resume).get("rows", []) if _finished(r)] if args.resume else ())
     work = Path(args.work or tempfile.mkdtemp(prefix="gdn_cp_mlm_"))
     print(json.dumps(prepare_data(work / "data", todo, source=args.text_source, max_bytes=args.text_bytes), indent=1))
     refs = dict((s.name, ref) for s, ref in todo)

@@ -41,7 +41,7 @@ CHUNKWISE_PATH_ENV = "GDN_CP_CHUNKWISE_PATH"
 CHUNKWISE_SWAP_ENV = "GDN_CP_CHUNKWISE_SWAP"
 GLUE_ENV = "GDN_CP_GLUE"
 GLUE_CHOICES = ("auto", "triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_norm_dz_copy_scan",
-                "triton_norm_dz_copy_scan_few", "compiled", "unfused")
+                "compiled", "unfused")
 """The values of ``GDN_CP_GLUE`` (``Settings.glue``): how a GPU runs the conv + SiLU + split + l2 norm and
 the gates (:mod:`gdn_cp.ops.fused`); ``auto`` is the measured default."""
 CHUNKWISE_PATHS = ("auto", "native", "generic")

@@ -3,8 +3,7 @@
 Triton's interpreter (:mod:`gdn_cp_testing.triton_interpret`) runs a kernel's Python on the CPU, so it accepts
 code the compiler refuses (two returns of different shapes from one function, say); this module runs the real
 compiler, to a cubin with the ptxas Triton ships, and reads the cubin's registers and stack (spill) bytes per
-thread with the cuobjdump Triton ships. The tests compile every kernel once; ``benchmarks/glue_kernels.py
---loops`` reads the one-pass backward's tile loop at every config (:func:`one_pass_loops`, ~65 s).
+thread with the cuobjdump Triton ships. The tests compile every kernel once.
 Triton's own compile API (``ASTSource``, ``triton.compile``) is internal: a Triton that moves it fails here
 loudly, not silently.
 """
@@ -101,7 +100,6 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
         ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
          {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1}),
-        ("conv_halo_bwd", tc.gdn_cp_glue_conv_halo_bwd, BF16_CONV, {"W": 4, "BC": 256}),
     )
 
 
@@ -110,25 +108,6 @@ def gates_kernels():
 
     return (("gates_fwd", tg.gdn_cp_glue_gates_fwd, BF16_GATES, {"BT": 64, "BH": 32}),
             ("gates_bwd", tg.gdn_cp_glue_gates_bwd, BF16_GATES, {"BT": 64, "BH": 32, "RUN": 16}))
-
-
-def one_pass_loops(head_dim: int = 128) -> list[dict]:
-    """The conv's one-pass backward at every autotuning config, with and without the l2 norm and the bias (no halo: a
-    rank's rows at CP=1 or chunkwise's inner ranks), compiled as launched: registers, spills, and one tile's
-    instructions and barriers."""
-    import triton
-
-    from gdn_cp.ops.fused.triton_launch import TILE_CONFIGS
-
-    rows = []
-    for meta, warps in TILE_CONFIGS:
-        for norm in (True, False):
-            for bias in (True, False):
-                name, kernel, pointers, constexprs = conv_kernels(meta["BT"], head_dim, norm, halo=False)[3]
-                used = compile_sm90(kernel, pointers, {**constexprs, "HAS_BIAS": bias}, warps, as_launched=True)
-                rows.append({"kernel": name, "BT": meta["BT"], "num_warps": warps, "l2norm": norm, "bias": bias,
-                             **used})
-    return [{**r, "triton": triton.__version__, "target": "sm_90"} for r in rows]
 
 
 def ptxas_missing() -> str | None:
@@ -156,6 +135,8 @@ def tests_report() -> dict:
     return {"conv": {name: compile_sm90(k, p, c) for name, k, p, c in conv_kernels()},
             "gates": {name: compile_sm90(k, p, c) for name, k, p, c in gates_kernels()},
             "one_pass": as_launched(16, 128, True, 3),
+            "forward": {"plain": as_launched(16, 128, True, 0, bias=False),
+                        "halo": as_launched(16, 128, True, 0, bias=False, halo=True)},
             "scan": {"q": as_launched(16, 128, True, 4, bias=False), "v": as_launched(16, 128, False, 4, bias=False),
                      "q_bias": as_launched(16, 128, True, 4),
                      "q_halo": as_launched(16, 128, True, 4, bias=False, halo=True),

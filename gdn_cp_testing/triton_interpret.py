@@ -38,10 +38,9 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), 7, 1, 3),  # narrower convs: the taps past W are
     ("float16", True, 1, 3, 16, 16, True, (0, 2, 20), "one_pass 2", 1, 3),  # zeros, the halo W-1 rows, the tap
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16", 1, 2),  # sums only W of the four
-    # the scan with few kernels around it: the halo's gradient from rows 0..2 where row 1 starts another sequence
-    # (masked) or row 2 does; q and k written twice; 3 v heads (a program's second masked)
-    ("float32", True, 1, 2, 16, 16, True, (0, 1, 15, 33), "scan_few 16", 2),
-    ("float16", True, 1, 3, 16, 24, True, (0, 2, 3, 17), "scan_few 16"),
+    # row 0's sequence 1 row long: the forward's second launch (rows 0..W-2, with the halo) and the halo's gradient
+    # where row 1 starts another sequence
+    ("float32", True, 1, 2, 16, 16, True, (0, 1, 15, 33), "scan 16", 2),
 )
 
 
@@ -51,7 +50,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def backward_family(chunk) -> str:
-    """Which backward a conv case's ``chunk`` runs: ``two_pass``, ``one_pass``, ``scan`` or ``scan_few``."""
+    """Which backward a conv case's ``chunk`` runs: ``two_pass``, ``one_pass`` or ``scan``."""
     return "two_pass" if isinstance(chunk, int) else chunk.split()[0]
 
 
@@ -65,7 +64,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     from gdn_cp.ops.fused.triton_conv import conv_silu_split_triton
 
     family = backward_family(chunk)
-    form = {"one_pass": family == "one_pass", "scan": family.startswith("scan"), "few_launches": family == "scan_few"}
+    form = {"one_pass": family == "one_pass", "scan": family == "scan"}
     if form["scan"]:  # spans of that many rows
         triton_conv._SCAN_SPAN = int(chunk.split()[1])
     elif form["one_pass"]:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group
@@ -176,8 +175,8 @@ def main(argv=None) -> None:
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
     families = [backward_family(c[8]) for c in CONV_CASES]  # c[8]: the chunk rows or form
-    # dx's layout once per backward family (scan_few allocates dx as scan does: the same code before the kernels)
-    cases = [conv_case(*c, check_layout=families.index(f) == i and f != "scan_few")
+    # dx's layout once per backward family
+    cases = [conv_case(*c, check_layout=families.index(f) == i)
              for i, (c, f) in enumerate(zip(CONV_CASES, families))]
     cases += [gates_case(d) for d in ("float32", "float16")]
     cases += [norm_case(*c) for c in NORM_CASES]

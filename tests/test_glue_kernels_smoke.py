@@ -20,7 +20,7 @@ def test_help_says_what_it_times(benchmark_module, capsys):
         benchmark_module("glue_kernels").main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "--rows" in out and "--loops" in out and "--conv-bias" in out and "floor" in out
+    assert "--rows" in out and "--halo" in out and "--conv-bias" in out and "floor" in out
 
 
 # the interpreter's dry run starts in the background when the session starts (tests/conftest.py)

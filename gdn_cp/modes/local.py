@@ -110,9 +110,6 @@ _GLUE_WORDS = {
                            "conv's backward in one pass, z read where in_proj keeps it",
     "triton_norm_dz_copy_scan": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated norm), "
                                 "the conv's backward as a scan down the rows, z read where in_proj keeps it",
-    "triton_norm_dz_copy_scan_few": "gdn-cp's Triton kernels (conv + SiLU + split + l2 norm, gates, the gated "
-                                    "norm), the conv's backward as a scan down the rows with few kernels around it, "
-                                    "z read where in_proj keeps it",
     "compiled": "gdn-cp's fused conv + SiLU + split + l2 norm and gates, compiled with torch.compile",
     "eager": "gdn-cp's fused conv + SiLU + split + l2 norm and gates in plain torch (fp64)",
 }

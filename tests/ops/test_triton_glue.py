@@ -31,18 +31,16 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 23 and sum(name.startswith("conv") for name in cases) == 18
+    assert len(cases) == 22 and sum(name.startswith("conv") for name in cases) == 17
     assert sum(name.startswith("norm") for name in cases) == 3
     assert sum("chunk=one_pass" in name for name in cases) == 6  # the one-pass backward beside the two-pass one
-    assert sum("chunk=scan " in name for name in cases) == 4  # the backward as a scan down the rows
-    assert sum("chunk=scan_few " in name for name in cases) == 2  # the same with few kernels around it
+    assert sum("chunk=scan " in name for name in cases) == 5  # the backward as a scan down the rows
     # a conv narrower than Megatron's 4 taps through each backward (the kernels keep four tap sums and lags)
     assert {name.split("chunk=")[1].split()[0] for name in cases if "width=" in name} == {"7", "one_pass", "scan"}
     # q and k written 2 or 3 times a head (``kv_repeat``): one case per backward that reads them (the two-pass,
     # one-pass and scan backwards; the forward writes them in each); the values are checked against the plain glue's
     # ``repeat_interleave`` with every other case
-    assert {name.split("chunk=")[1].split()[0] for name in cases if "repeat=" in name} == {"7", "one_pass", "scan",
-                                                                                         "scan_few"}
+    assert {name.split("chunk=")[1].split()[0] for name in cases if "repeat=" in name} == {"7", "one_pass", "scan"}
 
 
 def test_conv_outputs_and_gradients_equal_the_plain_glue(cases):
@@ -69,11 +67,9 @@ def test_the_scan_gives_the_one_pass_backwards_bits(cases):
     """``GDN_CP_GLUE=triton_norm_dz_copy_scan``'s backward computes each element with the one-pass backward's
     arithmetic in its order, rows rolled in registers instead of shared through a scratch tile: dx and the halo's
     gradient bit for bit the same (spans whose W-1 rows after them belong to the next program; a program whose second
-    head is past the group; q and k written twice a head; a conv of 2 taps). So does the scan with few kernels around
-    it (``GDN_CP_GLUE=triton_norm_dz_copy_scan_few``): its halo gradient, by a kernel of its own from rows 0..W-2, where
-    row 0's sequence is 1 and 2 rows long (dx's layout: checked on the scan's case, the same allocation)."""
+    head is past the group; q and k written twice a head; a conv of 2 taps; row 0's sequence 1 row long)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
-    assert len(scan) == 6 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert len(scan) == 5 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):
@@ -117,3 +113,27 @@ def test_tuned_configs_report_every_launchers_picks(monkeypatch):
         "bwd": SimpleNamespace(cache={(128, 4): pick, (64, 4): pick}), "unused": SimpleNamespace(cache={})})
     assert triton_launch.tuned_configs() == {"bwd": {"(128, 4)": "{'HB': 4, 'UNROLL': 4}, num_warps 4",
                                                       "(64, 4)": "{'HB': 4, 'UNROLL': 4}, num_warps 4"}}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 40])
+def test_the_forward_reads_the_halo_in_a_launch_of_its_own(monkeypatch, rows):
+    """With a halo the forward launches each group twice: every row without the halo, then rows 0..W-2 (fewer where
+    there are fewer rows) with it, so the halo's loads stay out of every other tile (docs: run 2026-12-07n); without
+    one, once. The launches recorded, not run (the values: the interpreter's cases above)."""
+    import torch
+
+    from gdn_cp.ops.fused import triton_conv
+
+    launched = []
+    monkeypatch.setattr(triton_conv, "_fwd", lambda grid, *args, **meta: launched.append(
+        (grid({"BT": 16}), args[8], meta["HAS_HALO"])))  # args[8]: the rows the launch covers (T)
+    x, weight = torch.zeros(rows, 3 * 16), torch.zeros(3 * 16, 4)
+    positions = torch.arange(rows, dtype=torch.int32)
+    for halo in (torch.zeros(3, 3 * 16), None):
+        launched.clear()
+        triton_conv.conv_silu_split_triton(x, weight, None, positions, halo, 1, 1, 16, 16, True, 1e-6, scan=True)
+        if halo is None:
+            assert launched == [((triton_conv.triton.cdiv(rows, 16), 1), rows, False)] * 3, launched
+        else:
+            tiles = triton_conv.triton.cdiv(rows, 16)
+            assert launched == [((tiles, 1), rows, False), ((1, 1), min(rows, 3), True)] * 3, launched

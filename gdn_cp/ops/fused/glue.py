@@ -26,13 +26,6 @@ they run as they are. On CUDA the setting ``GDN_CP_GLUE`` (``Settings.glue``) pi
   the l2 norm, no bias, as launched): 128 registers a thread and no barrier, against the one-pass backward's 241
   and 21 (16 rows, 4 warps); autotuning picks 4 steps a loop pass on an H100. **The default** since runs
   2026-12-06l/n (:data:`CUDA_DEFAULT`);
-- ``triton_norm_dz_copy_scan_few``: ``triton_norm_dz_copy_scan`` with fewer kernels around the scans: each group's
-  per-span tap sums reduced straight into the weight's gradient, and the halo's gradient by one small kernel from
-  the rows the scans keep (:func:`~gdn_cp.ops.fused.triton_conv.gdn_cp_glue_conv_halo_bwd`), about 50 launches
-  down to 7-8 with a halo (no conv bias); the same scan kernel (128 registers, sm_90), the same dx and
-  halo-gradient bits (Triton's interpreter). The conv alone on an H100 (run 2026-12-07i, ``benchmarks/glue_kernels.py``): its backward 0.75x /
-  0.93x the default's at 16K / 64K rows with a halo (1.139 against 1.525 ms, 2.033 against 2.187), 0.976x / 0.994x
-  without. Not yet timed in the layer, which decides: not the default (docs/performance.md, "Not run yet");
 - ``compiled``: these functions through ``torch.compile`` (dynamic in T);
 - ``unfused``: the backend's conv kernel, the split as views, the l2 norm left to the scan kernel, the
   gates op by op (what the layer ran before any fusion);
@@ -65,7 +58,7 @@ L2NORM_EPS = 1e-6
 """FLA's (and FlashQLA's) l2norm epsilon: ``x * rsqrt(sum(x^2) + eps)``."""
 
 GLUE_PATHS = ("triton", "triton_one_pass", "triton_norm", "triton_norm_dz_copy", "triton_norm_dz_copy_scan",
-              "triton_norm_dz_copy_scan_few", "compiled", "unfused")
+              "compiled", "unfused")
 """The ways a GPU runs the glue (module docstring); ``eager`` (the plain functions) is the CPU's."""
 
 REPEAT_KEY_HEADS_IN_CONV = True
@@ -92,7 +85,9 @@ KiB); ``triton_one_pass`` 0.985-1.003x ``triton`` at 32K and 0.962-0.977x at 128
 trade, not the default. ``triton_taps_per_program`` (runs 2026-12-06d/e): its backward kernel alone 0.90x, the layer
 0.982-1.006x ``triton_one_pass``: not faster in every row. ``triton_norm_dz_copy_x_once`` (runs 2026-12-06j/k, H200):
 0.991-1.003x ``triton_norm_dz_copy``'s time, slower in 1 of 6 rows. Both were removed once the scan beat them (with
-``triton_norm_dz_copy_narrow`` and ``triton_norm_dz_copy_norm_pass``: CHANGELOG.md). It changes only with a committed
+``triton_norm_dz_copy_narrow`` and ``triton_norm_dz_copy_norm_pass``: CHANGELOG.md). ``triton_norm_dz_copy_scan_few``
+(the same scans, 7-8 launches around them instead of ~50 with a halo; run 2026-12-07j, H100, FLA 0.4.2, TE spec):
+0.993-0.999x the default at 32K and 128K and 1.002x on rank 1 at 128K, not faster in every row: removed. It changes only with a committed
 GPU run that shows another path faster and no bigger at the sizes users train (tests/ops/test_glue_default.py reads
 them)."""
 
@@ -206,12 +201,10 @@ def _triton_gates():
 
 
 _CONV_BACKWARD = {"triton": {}, "triton_one_pass": {"one_pass": True}, "triton_norm": {"one_pass": True},
-                  "triton_norm_dz_copy": {"one_pass": True}, "triton_norm_dz_copy_scan": {"scan": True},
-                  "triton_norm_dz_copy_scan_few": {"scan": True, "few_launches": True}}
+                  "triton_norm_dz_copy": {"one_pass": True}, "triton_norm_dz_copy_scan": {"scan": True}}
 """gdn-cp's Triton paths, and how each runs the conv (the fields of :class:`.triton_conv.ConvForm`: the backward in
 two kernels, one, or a scan down the rows)."""
-_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_scan": False,
-                     "triton_norm_dz_copy_scan_few": False}
+_NORM_DZ_IN_PLACE = {"triton_norm": True, "triton_norm_dz_copy": False, "triton_norm_dz_copy_scan": False}
 """The paths whose gated norm is gdn-cp's kernel, and whether it writes dz into in_proj's gradient."""
 _GATES = {"eager": lambda: _gates, "compiled": lambda: _gates_compiled, "unfused": lambda: _gates,
           **{path: _triton_gates for path in _CONV_BACKWARD}}

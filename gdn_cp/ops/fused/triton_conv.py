@@ -5,7 +5,9 @@ Forward, one program per (block of rows, head): the causal conv's W taps over th
 (masked at each sequence's first rows, reading the CP halo for the sequence that continues into row 0),
 SiLU, rounded to the activations' dtype (where FLA's conv rounds), then, for q and k heads, the l2 norm
 over the head dim in fp32, rounded once (where FLA's l2norm rounds); written straight into contiguous
-``q, k [T, Hk, Dk]`` and ``v [T, Hv, Dv]``. x is read once; nothing but the inputs is kept for backward.
+``q, k [T, Hk, Dk]`` and ``v [T, Hv, Dv]``. x is read once; nothing but the inputs is kept for backward. With a
+halo, every row is computed as if there were none, then rows 0..W-2 again with it (no other row reads it): its
+loads kept out of every other tile (run 2026-12-07n, H100: 0.88x / 0.85x the forward's kernel time at 16K / 64K rows).
 
 Backward, one program per (run of rows, head): the forward is recomputed for the rows each tap reaches
 (cheap: the kernel is bound by memory, and recomputing avoids a [T, C] fp32 buffer), the l2 norm's and
@@ -414,9 +416,8 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     it (their gradient feeds dx of its last rows; nothing of theirs is written). Writes ``dx`` (the same arithmetic
     in the same order for each element as :func:`gdn_cp_glue_conv_bwd`, so the same bits), the per-span tap and bias
     sums ``dw [programs, HEADS*D, W]``, ``db [programs, HEADS*D]`` (fp32) and, with a halo, the pre-activation
-    gradient of rows 0..W-2, ``head [W-1, HEADS*D]`` fp32, for :func:`gdn_cp_glue_conv_halo_bwd`. (On sm_90 at 4 warps,
-    computing the halo's gradient here after the scan took 146 registers against 128, and so did indexing one
-    ``[programs, C, W]`` buffer of every group's sums; indexing one ``head [W-1, C]`` spilled 8 bytes.) ``UNROLL``
+    gradient of rows 0..W-2, ``head [W-1, HEADS*D]`` fp32, from which :func:`_halo_gradient` sums the halo's. (On
+    sm_90 at 4 warps, computing the halo's gradient here after the scan took 146 registers against 128.) ``UNROLL``
     steps a loop pass (Triton's ``loop_unroll_factor``): unrolled, the rolling windows are renamed, not moved (sm_90,
     4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126)."""
     i_p, i_b = tl.program_id(0), tl.program_id(1)
@@ -502,31 +503,6 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
         tl.store(db_ptr + i_p * (HEADS * D) + local, accb, mask=ok)
 
 
-@triton.jit
-def gdn_cp_glue_conv_halo_bwd(head_ptr, w_ptr, pos_ptr, dhalo_ptr, T, C, KD, W: tl.constexpr, BC: tl.constexpr):
-    """The halo's gradient ``dhalo [W-1, C]`` (the halo's dtype) at channels ``program_id(0) * BC + [0, BC)``, from the
-    pre-activation gradient of rows 0..W-2 that the groups' scans wrote, each group's block ``[W-1, width]`` (fp32;
-    q's, k's, v's one after another: q and k ``KD`` channels each; rows past T never read). Halo row i (token
-    i-(W-1)) feeds row r <= i of the sequence that starts at row 0 through tap i-r, so ``dhalo[i] = sum_r w[:, i-r] *
-    pre[r]``, r ascending in fp32 (the order of the plain ``sum`` over r it replaces), rounded once."""
-    ch = tl.program_id(0) * BC + tl.arange(0, BC)
-    ok = ch < C
-    c0 = tl.where(ch < KD, 0, tl.where(ch < 2 * KD, KD, 2 * KD))  # the group's first channel, and its width
-    width = tl.where(ch < 2 * KD, KD, C - 2 * KD)
-    at = head_ptr + c0.to(tl.int64) * (W - 1) + (ch - c0)
-    taps = _taps_at(w_ptr, w_ptr, ch, ok, W, False)
-    pre0 = tl.load(at, mask=ok, other=0.0)  # row 0 always starts row 0's sequence
-    first1 = tl.load(pos_ptr + 1, mask=T > 1, other=0) == 1
-    first2 = tl.load(pos_ptr + 2, mask=T > 2, other=0) == 2
-    pre1 = tl.load(at + width, mask=ok & (W > 2) & first1, other=0.0)
-    pre2 = tl.load(at + 2 * width, mask=ok & (W > 3) & first2, other=0.0)
-    for i in tl.static_range(W - 1):
-        acc = pre0 * _pick(i, taps[0], taps[1], taps[2], taps[3])
-        for r in tl.static_range(1, i + 1):
-            acc += _pick(r, pre0, pre1, pre2, pre2) * _pick(i - r, taps[0], taps[1], taps[2], taps[3])
-        tl.store(dhalo_ptr + i * C + ch, acc.to(dhalo_ptr.dtype.element_ty), mask=ok)
-
-
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM", "REPEAT"]
 _fwd = launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
@@ -552,7 +528,6 @@ def _scan_span(t: int) -> int:
         else _SCAN_SPAN
 
 
-_HALO_BC = 256  # channels per program of the halo's gradient (a few thousand channels: one short launch)
 _SPAN = 64  # rows per backward program (its tap / bias sums): a multiple of every BT above
 _MAX_BT = max(meta["BT"] for meta, _ in TILE_CONFIGS)
 _ONE_PASS_PROGRAMS = 2048  # the one-pass backward's programs per channel group, about: each keeps a scratch tile
@@ -571,15 +546,11 @@ class ConvForm:
     """How the kernels run the conv (every field off: the backward in two passes, tiles of 16-64 rows).
     ``one_pass``: the backward in one kernel (:func:`gdn_cp_glue_conv_bwd`) instead of two with an fp32 buffer
     between them; ``scan``: the backward as a scan down each span of rows, one row a step
-    (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused; ``few_launches`` (with ``scan``): the same scans,
-    7-8 launches in all instead of ~50 with a halo (:func:`_conv_backward_scan`; 0.75-0.99x the scan's backward time
-    alone on an H100, run 2026-12-07i; not yet timed in the layer, so not the default). The forward is the tile
-    kernel in every form (a scan of it, timed on an H100, took 0.390 ms at 16K rows against the tile kernel's 0.321:
-    run 2026-12-06l)."""
+    (:func:`gdn_cp_glue_conv_bwd_scan`), ``one_pass`` unused. The forward is the tile kernel in every form (a scan
+    of it, timed on an H100, took 0.390 ms at 16K rows against the tile kernel's 0.321: run 2026-12-06l)."""
 
     one_pass: bool = False
     scan: bool = False
-    few_launches: bool = False
 
 
 def _block(dim: int) -> int:
@@ -603,10 +574,13 @@ class _ConvSiluSplit(torch.autograd.Function):
         for c0, heads, dim, norm, repeat in _groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat):
             out = torch.empty(t, heads * repeat, dim, dtype=x.dtype, device=x.device)
             if t and heads:
-                _fwd(lambda meta, t=t, heads=heads: (triton.cdiv(t, meta["BT"]), heads),
-                     *_conv_inputs(x, weight_c, bias, halo), positions, out, t, c0, heads, eps,
-                     D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=halo is not None, NORM=norm,
-                     REPEAT=repeat)
+                # every row as if no halo, then rows 0..W-2 again with it: no other row reads the halo, and the
+                # halo's loads and masks kept out of every other tile took registers (sm_90, 16 rows: 84 against 50)
+                for rows, with_halo in ((t, None), (min(t, w - 1), halo)) if halo is not None else ((t, None),):
+                    _fwd(lambda meta, rows=rows, heads=heads: (triton.cdiv(rows, meta["BT"]), heads),
+                         *_conv_inputs(x, weight_c, bias, with_halo), positions, out, rows, c0, heads, eps,
+                         D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=with_halo is not None,
+                         NORM=norm, REPEAT=repeat)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
         ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, kv_repeat, weight.dtype, form)
@@ -622,8 +596,7 @@ class _ConvSiluSplit(torch.autograd.Function):
                    torch.zeros(t, group[1] * group[4], group[2], dtype=x.dtype, device=x.device) if g is None
                    else g.contiguous())
                   for group, g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat), (dq, dk_, dv_))]
-        backward = _conv_backward_scan if form.scan and form.few_launches else _conv_backward_by_group
-        dw, db, dhalo = backward(x, weight, bias, halo, positions, groups, eps, dx, form)
+        dw, db, dhalo = _conv_backward_by_group(x, weight, bias, halo, positions, groups, eps, dx, form)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
@@ -710,59 +683,16 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     w = weight.shape[1]
     width = heads * dim
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
-    dw_part, db_part = _launch_scan(x, weight, bias, halo, positions, dout, dx, head, c0, heads, dim, norm, eps, repeat)
-    _add_partial_sums(dw, db, c0, dw_part, db_part)
-    if halo is not None:
-        dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
-
-
-def _launch_scan(x, weight, bias, halo, positions, dout, dx, head, c0, heads, dim, norm, eps, repeat) -> tuple:
-    """One group's :func:`gdn_cp_glue_conv_bwd_scan` over every span of rows (dx and, with a halo, ``head`` written);
-    returns its per-span sums ``(dw_part [programs, width, W], db_part)`` (:func:`_partial_sums`)."""
-    t, w = x.shape[0], weight.shape[1]
     span = _scan_span(t)
     programs = triton.cdiv(t, span)
-    dw_part, db_part = _partial_sums(programs, heads * dim, w, bias is not None, x.device)
+    dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
     _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
           span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
           HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat)
-    return dw_part, db_part
-
-
-def _conv_backward_scan(x, weight, bias, halo, positions, groups, eps, dx, form) -> tuple:
-    """``ConvForm(scan=True, few_launches=True)``: the scan of :func:`_conv_group_backward_scan`, one launch a group
-    (``groups``: as :func:`_conv_backward_by_group` takes them), with fewer kernels around it.
-    Each group's per-span sums are reduced straight into its channels of ``dw`` / ``db`` (no zero fill, no add), and
-    its scan writes its block of one ``head`` (rows 0..W-2), from which one launch (:func:`gdn_cp_glue_conv_halo_bwd`)
-    writes the halo's gradient in its dtype: 7-8 launches in all without a conv bias (Megatron's default; 12 with
-    one), where the group-by-group scan takes about 50 with a halo (zero fills, sums and adds, and 11 small torch ops
-    for the halo's gradient, per group). Returns ``(dw [C, W] fp32, db [C] fp32 or None, dhalo [W-1, C] or
-    None)``."""
-    t = x.shape[0]
-    c, w = weight.shape
-    alloc = torch.empty if t else torch.zeros  # every channel is a group's: written below where there are rows
-    dw = alloc(c, w, dtype=torch.float32, device=x.device)
-    db = alloc(c, dtype=torch.float32, device=x.device) if bias is not None else None
-    head = torch.empty((w - 1) * c, dtype=torch.float32, device=x.device) if halo is not None else None
-    for (c0, heads, dim, norm, repeat), g in groups:
-        if g is None:
-            continue
-        width = heads * dim
-        head_g = head[(w - 1) * c0:(w - 1) * (c0 + width)] if head is not None else dx  # its block [W-1, width]
-        # the partial sums a group's at a time (peak memory), reduced into its channels
-        dw_g, db_g = _launch_scan(x, weight, bias, halo, positions, g, dx, head_g, c0, heads, dim, norm, eps, repeat)
-        torch.sum(dw_g, 0, out=dw[c0:c0 + width])
-        if db is not None:
-            torch.sum(db_g, 0, out=db[c0:c0 + width])
-    dhalo = None
+    _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
-        dhalo = alloc(w - 1, c, dtype=halo.dtype, device=x.device)
-        if t:  # every channel: the groups' scans wrote head's rows below T
-            gdn_cp_glue_conv_halo_bwd[(triton.cdiv(c, _HALO_BC),)](head, weight, positions, dhalo, t, c,
-                                                                   groups[1][0][0], W=w,  # k's first channel
-                                                                   BC=_HALO_BC)
-    return dw, db, dhalo
+        dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
 
 
 def _partial_sums(programs: int, width: int, w: int, with_bias: bool, device) -> tuple:
