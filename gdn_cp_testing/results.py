@@ -39,9 +39,10 @@ COPY_LEVERS = ("wide_copy", "narrow_copy")
 
 
 REMOVED_GLUE_PATHS = ("triton_taps_per_program", "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow",
-                      "triton_norm_dz_copy_norm_pass")
-"""Glue paths (``GDN_CP_GLUE``) removed after runs 2026-12-06l-o, the default's scan faster than each that ran
-(CHANGELOG.md); committed rows still name some of them."""
+                      "triton_norm_dz_copy_norm_pass", "triton_norm_dz_copy_scan_few")
+"""Glue paths (``GDN_CP_GLUE``) removed after runs 2026-12-06l-o, the default's scan faster than each that ran, and
+``triton_norm_dz_copy_scan_few`` after run 2026-12-07j, not faster in every row (CHANGELOG.md); committed rows still
+name some of them."""
 
 
 def picks_glue_path(lever: str | None) -> bool:

@@ -56,7 +56,8 @@ def test_every_row_names_a_glue_path():
     count against the default below."""
     named = {p for by_variant in _groups().values() for p, *_ in by_variant}
     assert named <= {*GLUE_PATHS, *REMOVED_GLUE_PATHS} and not set(GLUE_PATHS) & set(REMOVED_GLUE_PATHS), named
-    assert named & set(REMOVED_GLUE_PATHS) == {"triton_taps_per_program", "triton_norm_dz_copy_x_once"}, named
+    assert named & set(REMOVED_GLUE_PATHS) == {"triton_taps_per_program", "triton_norm_dz_copy_x_once",
+                                               "triton_norm_dz_copy_scan_few"}, named
 
 
 def test_the_default_was_measured_against_another_path_on_each_backend():
