@@ -163,6 +163,16 @@ run_stage() {
       timeout --signal=INT 400 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
     args)
       timeout --signal=INT 240 python3 -m pytest tests/megatron/test_training_args.py -p no:cacheprovider -rA -q ;;
+    wgrads)
+      # which parameter's gradient moves first at CP > 1 (issue 47): Megatron's own per-parameter dumps of the
+      # first iterations, each CP run against CP=1 beside a noise pair (gdn_cp_testing.megatron.wgrads; the checkout
+      # as train_mlm's)
+      if [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
+        echo "wgrads needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false
+      else
+        timeout --signal=INT 560 python3 -m gdn_cp_testing.megatron.wgrads --checkout "$MLM_DIR" --work /tmp/wgrads_work \
+          --out "$OUT/wgrads.json" --timeout-s 480
+      fi ;;
     syncs)
       # each autotuner at its first working config (the counts do not depend on it): run 2026-12-07h, autotuning
       # cold, did not finish the FlashQLA count in 240 s

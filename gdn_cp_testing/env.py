@@ -61,8 +61,8 @@ def _comma_list_of(*choices: str) -> Callable[[str], tuple[str, ...]]:
     return parse
 
 
-SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "args", "syncs",
-                "layer_full", "layer_full_b", "train_mlm")
+SUITE_STAGES = ("tests", "tests_core", "tests_megatron", "flashqla_tests", "glue_tests", "glue_kernels", "args", "wgrads",
+                "syncs", "layer_full", "layer_full_b", "train_mlm")
 """The stages of ``benchmarks/gpu_suite.sh`` (its ``run_stage``)."""
 
 

@@ -56,7 +56,7 @@ def test_run_spec_refuses_bad_fields():
 
 
 _PARSE = r"""
-import argparse, contextlib, hashlib, io, json, os, sys, typing, warnings
+import argparse, contextlib, dataclasses, hashlib, io, json, os, sys, typing, warnings
 warnings.filterwarnings("ignore")
 if sys.version_info < (3, 12):
     import typing_extensions
@@ -77,6 +77,7 @@ from gdn_cp_testing.megatron import byte_text
 from gdn_cp_testing.megatron.lm import RunSpec, VOCAB, _install_sft_stand_ins, megatron_lm_args, write_sft_set
 sys.path.insert(0, os.path.dirname(os.environ["GDN_CP_BENCHMARKS"]))  # the repository root: Megatron-LM runs from its checkout
 from benchmarks.train_megatron_lm import GROUPS, matrix
+from gdn_cp_testing.megatron import wgrads
 
 data_dir = os.path.join(TMP, "data")
 with contextlib.redirect_stdout(io.StringIO()):
@@ -84,7 +85,10 @@ with contextlib.redirect_stdout(io.StringIO()):
 parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_hybrid.py"))  # the scripts add no flags
 parsed_args = {}
 # every run but FlashQLA's, whose backend check wants CUDA and FlashQLA (validated where they are: the GPU machine)
-for spec, ref in [(s, r) for s, r in matrix(GROUPS) if s.backend != "flashqla"]:
+# and the gradient probe's runs (gdn_cp_testing.megatron.wgrads), with its dump flags, named wgrads_*
+probe = [(dataclasses.replace(s, name="wgrads_" + s.name, extra_args=s.extra_args + wgrads.dump_args(os.path.join(TMP, s.name))),
+          ref and "wgrads_" + ref) for s, ref in wgrads.runs()]
+for spec, ref in [(s, r) for s, r in matrix(GROUPS) if s.backend != "flashqla"] + probe:
     with contextlib.redirect_stdout(io.StringIO()):
         try:
             args = parser.parse_args(megatron_lm_args(spec, data_dir=data_dir, one_gpu=True))
@@ -112,6 +116,7 @@ for spec, ref in [(s, r) for s, r in matrix(GROUPS) if s.backend != "flashqla"]:
                 "vocab": args.vocab_size, "data_path": args.data_path, "cache": args.data_cache_path,
                 "mock": args.mock_data, "sft": args.sft, "params_dtype": str(c.params_dtype), "bf16": args.bf16,
                 "samples": args.train_iters * args.global_batch_size,
+                "dump": [args.save_wgrads_interval, args.exit_interval, args.save],
                 "parallel": {"pp": c.pipeline_model_parallel_size, "ep": c.expert_model_parallel_size,
                              "dp": args.data_parallel_size, "experts": c.num_moe_experts, "mtp": c.mtp_num_layers,
                              "fp8": c.fp8, "dispatcher": c.moe_token_dispatcher_type,
@@ -279,6 +284,25 @@ def test_every_run_of_the_matrix_parses_and_validates(parsed):
 
 
 @pytest.mark.megatron
+def test_the_gradient_probe_runs_dump_and_stop_early(parsed):
+    """gdn_cp_testing.megatron.wgrads' runs pass Megatron-LM's parser and validate_args with its dump flags: every
+    parameter's gradient saved each iteration, an exit after its iterations (the 50-iteration schedule kept), each
+    run its own folder; each CP > 1 run against a CP=1 run of its model."""
+    from gdn_cp_testing.megatron import wgrads
+
+    probe = {name: run for name, run in parsed["runs"].items() if name.startswith("wgrads_")}
+    assert len(probe) == len(wgrads.runs()) and all("error" not in run for run in probe.values()), probe
+    for name, run in probe.items():
+        assert run["dump"][:2] == [1, wgrads.ITERATIONS] and run["dump"][2].endswith(name[len("wgrads_"):]), run
+        assert run["iterations"] == 50 and run["lr"] == [6e-4, "cosine", 10, 6e-5], run
+        if run["cp"] > 1:
+            ref = probe[run["ref"]]
+            assert ref["cp"] == 1 and ref["parallel"]["pattern"] == run["parallel"]["pattern"], (name, run, ref)
+    assert {run["mode"] for run in probe.values() if run["cp"] > 1} == {"chunkwise", "headwise"}
+    assert probe["wgrads_nogdn_cp2"]["parallel"]["pattern"] == "*-*-*-"
+
+
+@pytest.mark.megatron
 def test_the_parallel_rows_are_the_layouts_they_name(parsed):
     """Group ``parallel`` (issue 42) as Megatron-LM's own parser and validate_args make it: pretrain_hybrid.py with
     G, *, E and - layers (4 experts, top-2, alltoall dispatcher, TE's grouped GEMM); each CP > 1 row against the
@@ -330,7 +354,7 @@ def test_noise_pairs_change_only_their_perturbation_and_the_sweep_is_every_combi
     # [SwiGLU fused, cross-entropy fused, fp32 gradient accumulation (validate_args: on for every bf16 run)]
     bf16 = {"swiglu": [False, False, True], "ce": [True, True, True], "mbs1": [True, False, True],
             "autotune": [True, False, True], "attn": [True, False, True]}
-    pairs = {n: r for n, r in runs.items() if n.endswith("_noise")}
+    pairs = {n: r for n, r in runs.items() if n.endswith("_noise") and not n.startswith("wgrads_")}  # the matrix's
     for name, run in pairs.items():
         kind = name[len(run["ref"]) + 1:-len("_noise")]
         ref = runs[run["ref"]]

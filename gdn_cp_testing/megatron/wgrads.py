@@ -1,0 +1,178 @@
+"""Which parameter's gradient moves first: Megatron-LM runs' per-parameter gradients at their first iterations,
+each CP > 1 run against its CP=1 reference, beside a noise pair's (issue 47: the hybrid's CP rows have their grad norm
+4-6e-4 from CP=1's at iteration 1, a model with attention for its GDN layers under Megatron's own CP 2.2e-5).
+
+Each run is :data:`RUNS`' spec through Megatron-LM's script (:func:`gdn_cp_testing.megatron.lm.launch`), with
+Megatron's own dump of every parameter's ``main_grad`` (``--save-wgrads-interval 1``: after the reduction over the
+data-parallel and CP ranks, all-reduced in full) and an exit after :data:`ITERATIONS` iterations
+(``--exit-interval``: the learning-rate schedule stays the 50-iteration one). :func:`compare` reads iteration i's
+dump of a run and of its reference and gives each parameter's relative L2 difference ``|g - g_ref| / |g_ref|``,
+the largest first, and by layer kind (:func:`kind_of`).
+
+    python3 -m gdn_cp_testing.megatron.wgrads --checkout /tmp/megatron-lm --work /tmp/wgrads --out $OUT/wgrads.json
+
+(``benchmarks/gpu_suite.sh``'s stage ``wgrads`` runs that on the GPU machine; the ranks share its GPU.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger("gdn_cp_testing.megatron.wgrads")
+
+ITERATIONS = 3
+"""Iterations each run trains before it exits: iteration 1's gradients come before any update."""
+
+MAX_RANKS = 8
+"""Ranks side by side on one GPU (~10 GiB each at these sizes: an H100's 80 GiB)."""
+
+
+def runs() -> list[tuple]:
+    """``(RunSpec, reference name)``: the hybrid of the training benchmark's group ``main`` at CP=1, a noise pair
+    (SwiGLU by eager ops), CP=2 chunkwise and headwise; the same sizes with attention for the GDN layers (Megatron's
+    CP only); the hybrid on packed documents (``--dataloader-inter-document-masking``), where CP=1 runs gdn-cp's path
+    too."""
+    from .lm import RunSpec
+
+    hybrid, nogdn = RunSpec("hybrid_cp1"), RunSpec("nogdn_cp1", pattern="*-*-*-")
+    idm = RunSpec("hybrid_idm_cp1", data="inter_document_masking")
+    again = dataclasses.replace
+    return [(hybrid, ""), (again(hybrid, name="hybrid_cp1_swiglu_noise", extra_args=("--no-bias-swiglu-fusion",)),
+                           "hybrid_cp1"),
+            (again(hybrid, name="hybrid_cp2_chunkwise", cp=2, mode="chunkwise"), "hybrid_cp1"),
+            (again(hybrid, name="hybrid_cp2_headwise", cp=2, mode="headwise"), "hybrid_cp1"),
+            (nogdn, ""), (again(nogdn, name="nogdn_cp2", cp=2), "nogdn_cp1"),
+            (idm, ""), (again(idm, name="hybrid_idm_cp2", cp=2, mode="auto"), "hybrid_idm_cp1")]
+
+
+def dump_args(save_dir: Path) -> tuple[str, ...]:
+    """The flags that make a run dump its gradients into ``save_dir`` and exit after :data:`ITERATIONS`
+    (Megatron wants a save interval beside ``--save``; the checkpoint it writes at the exit holds no optimizer)."""
+    return ("--save-wgrads-interval", "1", "--save", str(save_dir), "--save-interval", "100000",
+            "--exit-interval", str(ITERATIONS), "--no-save-optim", "--no-save-rng", "--ckpt-format", "torch")
+
+
+def dump_path(save_dir: Path, iteration: int) -> Path:
+    """Where Megatron's ``save_grads`` writes iteration ``iteration``'s gradients (TP rank 0, one pipeline stage)."""
+    return Path(save_dir) / "wgrads" / f"iter_{iteration:07d}" / "mp_rank_00.pth"
+
+
+KINDS = (("gdn", r"\.(in_proj|conv1d|A_log|dt_bias|out_norm|out_proj)\b|self_attention\.(A_log|dt_bias)"),
+         ("attention", r"self_attention\.(linear_qkv|linear_proj|q_layernorm|k_layernorm)"),
+         ("mlp", r"\.mlp\."), ("norm", r"norm"), ("embedding", r"embedding"), ("output", r"output_layer"))
+"""Layer kinds by parameter name (the first that matches; ``other`` where none does)."""
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if re.search(pattern, name)), "other")
+
+
+def compare(grads: dict, reference: dict, top: int = 12) -> dict:
+    """``grads`` and ``reference``: parameter name -> gradient tensor (one run's dump and its reference's, the same
+    model). Returns the whole gradient's relative L2 difference, each parameter's (``top`` largest, with its kind
+    and norm), and the largest per kind. ValueError where the two dumps name other parameters."""
+    if set(grads) != set(reference):
+        raise ValueError(f"the dumps name other parameters: {sorted(set(grads) ^ set(reference))[:6]}: compare a run "
+                         "with the reference of the same model")
+    rows, total_diff, total_ref = [], 0.0, 0.0
+    for name in sorted(reference):
+        g, r = grads[name].double(), reference[name].double()
+        diff, norm = float((g - r).norm()), float(r.norm())
+        total_diff, total_ref = total_diff + diff ** 2, total_ref + norm ** 2
+        rows.append({"param": name, "kind": kind_of(name), "rel": diff / norm if norm else float(diff > 0),
+                     "norm": norm})
+    rows.sort(key=lambda row: -row["rel"])
+    kinds = {}
+    for row in rows:
+        kinds.setdefault(row["kind"], row["rel"])  # rows run largest first
+    return {"rel": (total_diff / total_ref) ** 0.5 if total_ref else 0.0, "top": rows[:top], "largest_by_kind": kinds}
+
+
+def load_dump(path: Path) -> dict:
+    """Megatron's dump (``{"model_chunk0": {name: tensor}}``) as one ``{name: tensor}``."""
+    import torch
+
+    chunks = torch.load(path, map_location="cpu", weights_only=False)
+    return {f"{chunk}.{name}" if len(chunks) > 1 else name: t for chunk, params in chunks.items()
+            for name, t in params.items()}
+
+
+def run_all(checkout: Path, work: Path, timeout_s: float) -> dict:
+    """Every run of :func:`runs` (side by side, at most :data:`MAX_RANKS` ranks), then each compared with its
+    reference at iterations 1..ITERATIONS. Returns the JSON document."""
+    from . import byte_text
+    from .lm import launch
+
+    data = byte_text.build(work / "data")
+    specs = [(dataclasses.replace(s, extra_args=s.extra_args + dump_args(work / "dumps" / s.name)), ref)
+             for s, ref in runs()]
+    results, pending, running, used = {}, list(specs), {}, 0
+    with cf.ThreadPoolExecutor(max_workers=len(specs)) as pool:
+        while pending or running:
+            while pending and used + pending[0][0].world <= MAX_RANKS:
+                spec, _ = pending.pop(0)
+                used += spec.world
+                running[pool.submit(launch, spec, checkout=checkout, log_dir=work / "logs", data_dir=work / "data",
+                                    timeout_s=timeout_s, extra_env={"GDN_CP_TEST_FAST_AUTOTUNE": "0"})] = spec
+            done, _ = cf.wait(running, return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                spec = running.pop(fut)
+                used -= spec.world
+                try:
+                    result = fut.result()
+                except Exception as e:  # the launcher's own failure: this run's row says it, the others go on
+                    results[spec.name] = {"status": "failed", "losses": [], "grad_norms": [], "error": repr(e)[-400:]}
+                    logger.error("%s: the launcher failed: %r", spec.name, e)
+                    continue
+                results[spec.name] = {"status": result.status, "losses": result.losses[:ITERATIONS],
+                                      "grad_norms": result.grad_norms[:ITERATIONS], "error": result.error[-400:]}
+                logger.info("%s: %s (%.0f s)", spec.name, result.status, result.wall_s)
+    doc = {"data": data, "iterations": ITERATIONS, "runs": results, "compared": {}}
+    for spec, ref in specs:
+        if not ref:
+            continue
+        for it in range(1, ITERATIONS + 1):
+            paths = [dump_path(work / "dumps" / name, it) for name in (spec.name, ref)]
+            if all(p.is_file() for p in paths):
+                doc["compared"][f"{spec.name} vs {ref} @{it}"] = compare(*(load_dump(p) for p in paths))
+            else:
+                doc["compared"][f"{spec.name} vs {ref} @{it}"] = {"missing": [str(p) for p in paths if not p.is_file()]}
+    return doc
+
+
+def summary(doc: dict) -> str:
+    """One line per comparison: the whole gradient's difference, the largest parameter's, and each kind's."""
+    lines = []
+    for key, c in doc["compared"].items():
+        if "missing" in c:
+            lines.append(f"{key}: no dump ({', '.join(c['missing'])})")
+            continue
+        first = c["top"][0] if c["top"] else {"param": "-", "rel": 0.0}
+        kinds = ", ".join(f"{k} {v:.1e}" for k, v in c["largest_by_kind"].items())
+        lines.append(f"{key}: all {c['rel']:.2e}; largest {first['param']} {first['rel']:.2e}; by kind: {kinds}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gdn_cp_testing.megatron.wgrads", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkout", required=True, help="a patched Megatron-LM checkout (core_v0.19.x)")
+    p.add_argument("--work", required=True, help="folder for the data, the dumps and the ranks' logs")
+    p.add_argument("--out", required=True, help="JSON file: each run's first losses and grad norms, the comparisons")
+    p.add_argument("--timeout-s", type=float, default=420, help="stop a run after this many seconds")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    doc = run_all(Path(args.checkout), Path(args.work), args.timeout_s)
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    print(summary(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,102 @@
+"""gdn_cp_testing.megatron.wgrads on the CPU: the comparison of two gradient dumps (which parameter moved, by how
+much, by layer kind) and the dump's reading. Its runs' command lines pass Megatron-LM's parser:
+tests/megatron/test_megatron_lm_launcher.py; the runs themselves: the GPU machine (``GDN_CP_STAGES=wgrads``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdn_cp_testing.megatron import wgrads
+
+NAMES = {"decoder.layers.0.mixer.in_proj.weight": "gdn", "decoder.layers.0.mixer.conv1d.weight": "gdn",
+         "decoder.layers.0.mixer.A_log": "gdn", "decoder.layers.0.mixer.out_norm.weight": "gdn",
+         "decoder.layers.2.self_attention.linear_qkv.weight": "attention",
+         "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight": "attention",
+         "decoder.layers.1.mlp.linear_fc1.weight": "mlp", "decoder.final_norm.weight": "norm",
+         "embedding.word_embeddings.weight": "embedding", "output_layer.weight": "output",
+         "decoder.layers.0.self_attention.in_proj.weight": "gdn"}  # GPT's GDN layers sit under self_attention
+
+
+def test_each_parameter_name_has_its_layer_kind():
+    assert {name: wgrads.kind_of(name) for name in NAMES} == NAMES
+
+
+def test_the_comparison_names_the_parameter_that_moved():
+    gen = torch.Generator().manual_seed(0)
+    ref = {name: torch.randn(8, 4, generator=gen) for name in NAMES}
+    got = {name: t.clone() for name, t in ref.items()}
+    got["decoder.layers.0.mixer.conv1d.weight"] *= 1.01  # 1% off
+    got["decoder.layers.2.self_attention.linear_qkv.weight"][0, 0] += 1e-4
+    c = wgrads.compare(got, ref, top=3)
+    assert c["top"][0]["param"] == "decoder.layers.0.mixer.conv1d.weight" and c["top"][0]["rel"] == pytest.approx(0.01)
+    assert c["top"][1]["kind"] == "attention" and 0 < c["top"][1]["rel"] < 1e-4
+    assert c["largest_by_kind"]["gdn"] == pytest.approx(0.01) and c["largest_by_kind"]["mlp"] == 0.0
+    assert len(c["top"]) == 3 and 0 < c["rel"] < 0.01
+    assert wgrads.compare(ref, ref)["rel"] == 0.0
+    with pytest.raises(ValueError, match="other parameters"):
+        wgrads.compare({"a": ref["output_layer.weight"]}, ref)
+
+
+def test_a_dump_reads_as_megatron_writes_it(tmp_path):
+    """Megatron's save_grads: ``{"model_chunk0": {name: tensor}}`` at ``<save>/wgrads/iter_<7 digits>/mp_rank_00.pth``
+    (two chunks: names prefixed with their chunk)."""
+    path = wgrads.dump_path(tmp_path, 1)
+    assert path == tmp_path / "wgrads" / "iter_0000001" / "mp_rank_00.pth"
+    path.parent.mkdir(parents=True)
+    torch.save({"model_chunk0": {"a": torch.ones(2)}}, path)
+    assert list(wgrads.load_dump(path)) == ["a"]
+    torch.save({"model_chunk0": {"a": torch.ones(2)}, "model_chunk1": {"a": torch.zeros(2)}}, path)
+    assert sorted(wgrads.load_dump(path)) == ["model_chunk0.a", "model_chunk1.a"]
+
+
+def test_the_summary_says_each_comparison_in_a_line():
+    ref = {name: torch.ones(3) for name in NAMES}
+    doc = {"compared": {"x vs y @1": wgrads.compare({**ref, "output_layer.weight": torch.full((3,), 2.0)}, ref),
+                        "x vs y @2": {"missing": ["/d/wgrads/iter_0000002/mp_rank_00.pth"]}}}
+    lines = wgrads.summary(doc).splitlines()
+    assert lines[0].startswith("x vs y @1: all ") and "largest output_layer.weight 1.00e+00" in lines[0]
+    assert lines[1] == "x vs y @2: no dump (/d/wgrads/iter_0000002/mp_rank_00.pth)"
+
+
+def test_every_run_is_launched_within_the_ranks_and_compared_with_its_reference(tmp_path, monkeypatch):
+    """run_all with a stand-in launcher that writes Megatron's dumps (a CP=2 run's conv gradient 1% off; no dump at
+    iteration 3 for one run): side by side within MAX_RANKS ranks, every CP run and the noise pair compared with
+    their reference at each iteration, a missing dump said, a launcher that fails kept as the run's row."""
+    import threading
+    import types
+
+    from gdn_cp_testing.megatron import byte_text, lm
+
+    lock, busy, most = threading.Lock(), [0], [0]
+
+    def launch(spec, *, checkout, log_dir, data_dir, timeout_s, extra_env):
+        with lock:
+            busy[0] += spec.world
+            most[0] = max(most[0], busy[0])
+        try:
+            if spec.name == "nogdn_cp2":
+                raise RuntimeError("no port")
+            save = spec.extra_args[spec.extra_args.index("--save") + 1]
+            for it in range(1, wgrads.ITERATIONS + (0 if spec.name == "hybrid_idm_cp2" else 1)):
+                grads = {name: torch.full((4,), float(it)) for name in NAMES}
+                if spec.cp > 1:
+                    grads["decoder.layers.0.mixer.conv1d.weight"] *= 1.01
+                wgrads.dump_path(save, it).parent.mkdir(parents=True)
+                torch.save({"model_chunk0": grads}, wgrads.dump_path(save, it))
+            return types.SimpleNamespace(status="ok", losses=[5.0] * 50, grad_norms=[1.0] * 50, error="", wall_s=1.0)
+        finally:
+            with lock:
+                busy[0] -= spec.world
+
+    monkeypatch.setattr(lm, "launch", launch)
+    monkeypatch.setattr(byte_text, "build", lambda data_dir: {"tokens": 0})
+    doc = wgrads.run_all(tmp_path / "checkout", tmp_path / "work", timeout_s=10)
+    assert 0 < most[0] <= wgrads.MAX_RANKS and set(doc["runs"]) == {s.name for s, _ in wgrads.runs()}
+    assert doc["runs"]["nogdn_cp2"]["status"] == "failed" and "no port" in doc["runs"]["nogdn_cp2"]["error"]
+    c = doc["compared"]
+    assert len(c) == wgrads.ITERATIONS * sum(1 for _, ref in wgrads.runs() if ref)
+    first = c["hybrid_cp2_chunkwise vs hybrid_cp1 @1"]["top"][0]
+    assert first["param"] == "decoder.layers.0.mixer.conv1d.weight" and first["rel"] == pytest.approx(0.01)
+    assert c["hybrid_cp1_swiglu_noise vs hybrid_cp1 @2"]["rel"] == 0.0
+    assert "missing" in c["hybrid_idm_cp2 vs hybrid_idm_cp1 @3"] and "missing" in c["nogdn_cp2 vs nogdn_cp1 @1"]
