@@ -583,8 +583,24 @@ def test_the_training_figures_are_the_result_files():
             f"two fp32 CP=1 runs: {_sci(by['gdnonly_fp32_cp1_noise']['loss_rel_diff'])} apart)") in claim
     assert all("out of memory" in r["error"] for r in fp32.values() if r["cp"] == 4) and "at CP=4 ran out of GPU memory" in claim
     assert fp32["gdnonly_fp32_cp2_all_gather"]["status"] == "not run (budget)" and "all_gather at CP=2 did not start" in claim
-    # the rerun: named as not run while the file is of the old rule
-    assert (result.get("rule") == "pairs_band") is not ("has not run yet" in claim)
+    # the rerun (rule pairs_band): started, its rows in the pending file; what they show so far is stated from them
+    assert result.get("rule") != "pairs_band" and "has not run yet" not in claim
+    pending = json.loads((ROOT / "benchmarks" / "results" / "runs" / "train_megatron_lm_pending.json").read_text())
+    assert pending["rule"] == "pairs_band"
+    p = {r["name"]: r for r in pending["rows"]}
+    assert f"has started (one H100, 2026-12-07, {len(p)} of its rows)" in claim
+    cp2, cp1 = p["hybrid_cp2_chunkwise"], p["hybrid_cp1"]
+    pairs = [r for r in pending["rows"] if r["reference"] == "hybrid_cp1" and r.get("verdict") == "noise pair"]
+    assert cp2["verdict"] == "differs from CP=1" and len(pairs) == 4
+    assert (f"its loss is {cp2['losses'][0]} against CP=1's {cp1['losses'][0]} (four noise pairs: "
+            f"{' and '.join(sorted({str(r['losses'][0]) for r in pairs}))}) and its grad norm {cp2['grad_norms'][0]} "
+            f"against {cp1['grad_norms'][0]} (pairs {min(r['grad_norms'][0] for r in pairs):.3f}-"
+            f"{max(r['grad_norms'][0] for r in pairs):.3f})") in claim
+    band = cp2["left_band"]["loss"]
+    assert (f"its loss leaves the band at iteration {band['iteration']} ({band['diff']:.2e} against "
+            f"{band['band']:.1e})").replace("e-0", "e-") in claim
+    nogdn, nogdn1 = p["nogdn_cp2"], p["nogdn_cp1"]
+    assert nogdn["losses"][:2] == nogdn1["losses"][:2] and "gives CP=1's loss to the printed digit at iterations 1 and 2" in claim
 
 
 # ------------------------------------------------------------------------------------------
