@@ -234,6 +234,8 @@ LEVER_SWITCHES = {
         modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
     "narrow_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", False)],
                                              lambda m: None),
+    "halo_in_tiles": lambda modules: _switched(
+        modules, [mock.patch("gdn_cp.ops.fused.triton_conv.HALO_ROWS_APART", False)], lambda m: None),
 }
 """A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 

@@ -119,7 +119,8 @@ def test_tuned_configs_report_every_launchers_picks(monkeypatch):
 def test_the_forward_reads_the_halo_in_a_launch_of_its_own(monkeypatch, rows):
     """With a halo the forward launches each group twice: every row without the halo, then rows 0..W-2 (fewer where
     there are fewer rows) with it, so the halo's loads stay out of every other tile (docs: run 2026-12-07n); without
-    one, once. The launches recorded, not run (the values: the interpreter's cases above)."""
+    one, once; with ``HALO_ROWS_APART`` off (layer_full's lever ``halo_in_tiles``), once with the halo. The launches
+    recorded, not run (the values: the interpreter's cases above)."""
     import torch
 
     from gdn_cp.ops.fused import triton_conv
@@ -137,3 +138,7 @@ def test_the_forward_reads_the_halo_in_a_launch_of_its_own(monkeypatch, rows):
         else:
             tiles = triton_conv.triton.cdiv(rows, 16)
             assert launched == [((tiles, 1), rows, False), ((1, 1), min(rows, 3), True)] * 3, launched
+            launched.clear()
+            monkeypatch.setattr(triton_conv, "HALO_ROWS_APART", False)
+            triton_conv.conv_silu_split_triton(x, weight, None, positions, halo, 1, 1, 16, 16, True, 1e-6, scan=True)
+            assert launched == [((tiles, 1), rows, True)] * 3, launched

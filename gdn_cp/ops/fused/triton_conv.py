@@ -37,6 +37,11 @@ __all__ = ["MAX_WIDTH", "ConvForm", "conv_silu_split_triton"]
 MAX_WIDTH = 4
 """The widest conv the kernels take (they keep four tap sums; Megatron's and FLA's conv widths are at most 4)."""
 
+HALO_ROWS_APART = True
+"""With a halo, the forward computes every row without it, then rows 0..W-2 again with it (3 more launches of one
+tile each) instead of reading it in every tile: the forward's kernel time 0.88x / 0.85x at 16K / 64K rows (run
+2026-12-07n, one H100). ``benchmarks/layer_full.py``'s lever ``halo_in_tiles`` turns it off to time the layer."""
+
 @triton.jit
 def _taps_at(w_ptr, b_ptr, ch, ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The four taps and the bias of the channels ``ch`` (a tile of any shape; masked by ``ok``) in fp32."""
@@ -574,9 +579,10 @@ class _ConvSiluSplit(torch.autograd.Function):
         for c0, heads, dim, norm, repeat in _groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat):
             out = torch.empty(t, heads * repeat, dim, dtype=x.dtype, device=x.device)
             if t and heads:
-                # every row as if no halo, then rows 0..W-2 again with it: no other row reads the halo, and the
-                # halo's loads and masks kept out of every other tile took registers (sm_90, 16 rows: 84 against 50)
-                for rows, with_halo in ((t, None), (min(t, w - 1), halo)) if halo is not None else ((t, None),):
+                # every row as if no halo, then rows 0..W-2 again with it (HALO_ROWS_APART): no other row reads the
+                # halo, and its loads and masks in every tile took registers (sm_90, 16 rows: 84 against 50)
+                apart = halo is not None and HALO_ROWS_APART
+                for rows, with_halo in ((t, None), (min(t, w - 1), halo)) if apart else ((t, halo),):
                     _fwd(lambda meta, rows=rows, heads=heads: (triton.cdiv(rows, meta["BT"]), heads),
                          *_conv_inputs(x, weight_c, bias, with_halo), positions, out, rows, c0, heads, eps,
                          D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=with_halo is not None,
