@@ -18,7 +18,7 @@ import tempfile
 SM90 = ("cuda", 90, 32)
 BF16_CONV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "halo_ptr": "*bf16", "pos_ptr": "*i32",
              "dout_ptr": "*bf16", "out_ptr": "*bf16", "pre_ptr": "*fp32", "dw_ptr": "*fp32", "db_ptr": "*fp32",
-             "dx_ptr": "*bf16", "scratch_ptr": "*fp32", "head_ptr": "*fp32", "dhalo_ptr": "*bf16"}
+             "dx_ptr": "*bf16", "scratch_ptr": "*fp32", "head_ptr": "*fp32"}
 """Pointer types of the conv kernels' arguments in a bf16 layer (every other argument: i32, EPS fp32)."""
 BF16_GATES = {"a_ptr": "*bf16", "b_ptr": "*bf16", "decay_ptr": "*fp32", "dtb_ptr": "*bf16", "g_ptr": "*fp32",
               "beta_ptr": "*bf16", "dg_ptr": "*fp32", "dbeta_ptr": "*bf16", "da_ptr": "*bf16", "db_ptr": "*bf16",

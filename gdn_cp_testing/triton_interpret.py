@@ -175,9 +175,7 @@ def main(argv=None) -> None:
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
     torch.manual_seed(0)
     families = [backward_family(c[8]) for c in CONV_CASES]  # c[8]: the chunk rows or form
-    # dx's layout once per backward family
-    cases = [conv_case(*c, check_layout=families.index(f) == i)
-             for i, (c, f) in enumerate(zip(CONV_CASES, families))]
+    cases = [conv_case(*c, check_layout=families.index(f) == i) for i, (c, f) in enumerate(zip(CONV_CASES, families))]
     cases += [gates_case(d) for d in ("float32", "float16")]
     cases += [norm_case(*c) for c in NORM_CASES]
     if args.out is not None:

@@ -42,6 +42,7 @@ HALO_ROWS_APART = True
 tile each) instead of reading it in every tile: the forward's kernel time 0.88x / 0.85x at 16K / 64K rows (run
 2026-12-07n, one H100). ``benchmarks/layer_full.py``'s lever ``halo_in_tiles`` turns it off to time the layer."""
 
+
 @triton.jit
 def _taps_at(w_ptr, b_ptr, ch, ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
     """The four taps and the bias of the channels ``ch`` (a tile of any shape; masked by ``ok``) in fp32."""
@@ -596,34 +597,24 @@ class _ConvSiluSplit(torch.autograd.Function):
     def backward(ctx, dq, dk_, dv_):
         x, weight, bias, positions, halo = ctx.saved_tensors
         k_heads, v_heads, dk, dv, qk_l2norm, eps, kv_repeat, w_dtype, form = ctx.meta
-        t = x.shape[0]
+        t, c = x.shape
+        w = weight.shape[1]
         dx = row_gradient_columns(x)  # q|k|v's columns of in_proj's output gradient where x is split_columns' group
-        groups = [(group, None if not (t and group[1]) else  # a group without rows or heads: nothing to run
-                   torch.zeros(t, group[1] * group[4], group[2], dtype=x.dtype, device=x.device) if g is None
-                   else g.contiguous())
-                  for group, g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat), (dq, dk_, dv_))]
-        dw, db, dhalo = _conv_backward_by_group(x, weight, bias, halo, positions, groups, eps, dx, form)
+        dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
+        db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
+        dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
+        group_backward = (_conv_group_backward_scan if form.scan else
+                          _conv_group_backward_one_pass if form.one_pass else _conv_group_backward)
+        for (c0, heads, dim, norm, repeat), g in zip(_groups(k_heads, v_heads, dk, dv, qk_l2norm, kv_repeat),
+                                                     (dq, dk_, dv_)):
+            if not (t and heads):
+                continue
+            g = torch.zeros(t, heads * repeat, dim, dtype=x.dtype, device=x.device) if g is None else g.contiguous()
+            group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo, repeat)
         dweight = dw.to(w_dtype)
         dbias = db.to(bias.dtype) if bias is not None else None
         return (dx, dweight, dbias, None, dhalo.to(halo.dtype) if halo is not None else None,
                 None, None, None, None, None, None, None, None)
-
-
-def _conv_backward_by_group(x, weight, bias, halo, positions, groups, eps, dx, form) -> tuple:
-    """The backward group by group, in two passes, one, or a scan (``form``; ``groups``: ``((c0, heads, dim, norm,
-    repeat), dout)`` of q, k, v; dout None for a group with nothing to run):
-    ``dx`` written, ``(dw [C, W], db [C] or None, dhalo [W-1, C] or None)`` fp32 returned."""
-    c, w = weight.shape
-    dw = torch.zeros(c, w, dtype=torch.float32, device=x.device)
-    db = torch.zeros(c, dtype=torch.float32, device=x.device) if bias is not None else None
-    dhalo = torch.zeros(w - 1, c, dtype=torch.float32, device=x.device) if halo is not None else None
-    group_backward = (_conv_group_backward_scan if form.scan else
-                      _conv_group_backward_one_pass if form.one_pass else _conv_group_backward)
-    for (c0, heads, dim, norm, repeat), g in groups:
-        if g is None:
-            continue
-        group_backward(x, weight, bias, halo, positions, g, c0, heads, dim, norm, eps, dx, dw, db, dhalo, repeat)
-    return dw, db, dhalo
 
 
 _CHUNK = 16384  # rows per backward pass: bounds the fp32 pre-activation gradient kept between its two kernels
@@ -688,9 +679,9 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     t = x.shape[0]
     w = weight.shape[1]
     width = heads * dim
-    head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
     span = _scan_span(t)
     programs = triton.cdiv(t, span)
+    head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
     dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
     _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
