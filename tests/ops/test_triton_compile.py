@@ -46,8 +46,8 @@ def test_the_scan_keeps_few_registers_and_no_barrier(compiled):
     shifts are registers), where the one-pass backward's tile (16 rows, 4 warps, l2 norm, bias) waits at 6 or more;
     without a conv bias (Megatron's GDN default) at most 128 registers a thread with the l2 norm and without, and
     with a halo (a CP rank's rows that continue a sequence): 4 programs an SM, where the one-pass backward's 255 fit 2
-    (with a bias, q's: 146, 3). The halo's gradient is a launch of its own: computed in the scan after its loop, or
-    with the groups' tap sums in one buffer, the halo's q scan took 146 registers."""
+    (with a bias, q's: 146, 3). The halo's gradient is summed after the scan (``triton_conv._halo_gradient``):
+    computed in the scan after its loop, the halo's q scan took 146 registers."""
     for name, used in compiled["scan"].items():
         assert used["loop_barriers"] == 0 and used["stack_bytes"] == 0, (name, used)
         assert used["registers"] <= (128 if name in ("q", "v", "q_halo") else 168), (name, used)

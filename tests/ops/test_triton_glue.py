@@ -34,7 +34,7 @@ def test_every_case_ran(cases):
     assert len(cases) == 22 and sum(name.startswith("conv") for name in cases) == 17
     assert sum(name.startswith("norm") for name in cases) == 3
     assert sum("chunk=one_pass" in name for name in cases) == 6  # the one-pass backward beside the two-pass one
-    assert sum("chunk=scan " in name for name in cases) == 5  # the backward as a scan down the rows
+    assert sum("chunk=scan" in name for name in cases) == 5  # the backward as a scan down the rows
     # a conv narrower than Megatron's 4 taps through each backward (the kernels keep four tap sums and lags)
     assert {name.split("chunk=")[1].split()[0] for name in cases if "width=" in name} == {"7", "one_pass", "scan"}
     # q and k written 2 or 3 times a head (``kv_repeat``): one case per backward that reads them (the two-pass,
