@@ -234,8 +234,8 @@ LEVER_SWITCHES = {
         modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
     "narrow_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", False)],
                                              lambda m: None),
-    "halo_in_tiles": lambda modules: _switched(
-        modules, [mock.patch("gdn_cp.ops.fused.triton_conv.HALO_ROWS_APART", False)], lambda m: None),
+    "halo_apart": lambda modules: _switched(
+        modules, [mock.patch("gdn_cp.ops.fused.triton_conv.HALO_ROWS_APART", True)], lambda m: None),
 }
 """A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 
@@ -462,6 +462,8 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             out["glue"], out["gdn_cp_backend"] = glue_path(state.settings.glue, y), state.backend.name
             out["key_heads_in_glue"] = kv_repeat(out["glue"], state.backend, dims.num_k_heads, dims.num_v_heads) > 1
             out["wide_column_copy"] = split.WIDE_COLUMN_COPY
+            conv = sys.modules.get("gdn_cp.ops.fused.triton_conv")  # imported where the Triton glue ran
+            out["halo_rows_apart"] = conv.HALO_ROWS_APART if conv is not None else None
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()

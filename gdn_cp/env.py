@@ -101,9 +101,10 @@ SETTINGS: dict[str, EnvSetting] = {
                    "the FlashQLA backend's auto_cp (FlashQLA's own split of long sequences inside one GPU): 1 on "
                    "(FlashQLA's default), 0 off; see gdn_cp.ops.flashqla.spec.AUTO_CP_ENV", one_of("0", "1")),
         EnvSetting(NATIVE_WARNINGS_ENV, "gdn_cp", "hide",
-                   "TileLang's compile warnings (C++, on stderr) while FlashQLA's kernels compile: hide (a filter "
-                   "process keeps them out and counts them in one line at exit) or show (as TileLang prints them; so "
-                   "does gdn_cp's log at DEBUG, gdn-cp -v); see gdn_cp.ops.flashqla.native_warnings",
+                   "TileLang's compile warnings (C++, on stderr) and INFO log (stdout) while FlashQLA's kernels "
+                   "compile: hide (a filter process keeps the warnings out and counts them in one line at exit; the "
+                   "log at WARNING) or show (as TileLang prints them; so does gdn_cp's log at DEBUG, gdn-cp -v); see "
+                   "gdn_cp.ops.flashqla.native_warnings",
                    one_of(*NATIVE_WARNINGS)),
     )
 }

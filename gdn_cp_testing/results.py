@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 from gdn_cp.ops.versions import stack_versions
 
-__all__ = ["COPY_LEVERS", "KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "JsonlRecorder", "default_key_heads_in_glue",
-           "key_heads_in_glue", "load_average", "machine_info", "now_iso", "picks_glue_path", "stack_versions",
-           "wide_column_copy", "write_json"]
+__all__ = ["COPY_LEVERS", "HALO_LEVERS", "KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "JsonlRecorder",
+           "default_key_heads_in_glue", "halo_rows_apart", "key_heads_in_glue", "load_average", "machine_info", "now_iso",
+           "picks_glue_path", "stack_versions", "wide_column_copy", "write_json"]
 
 KEY_HEAD_LEVERS = ("key_heads_by_backend", "key_heads_in_conv")
 """``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV``: off, and
@@ -36,6 +36,16 @@ COPY_LEVERS = ("wide_copy", "narrow_copy")
 """``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.split.WIDE_COLUMN_COPY``: on (runs
 2026-12-07d/e, when off was the default; no longer offered), and off. A row of one is told by
 :func:`wide_column_copy`."""
+
+
+HALO_LEVERS = ("halo_in_tiles", "halo_apart")
+"""``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.triton_conv.HALO_ROWS_APART``: off (run
+2026-12-07q, when on was the default; no longer offered), and on. A row of one is told by :func:`halo_rows_apart`."""
+
+HALO_APART_RUNS = ("layer_full-20261207-161258",)
+"""The layer_full runs whose code had ``HALO_ROWS_APART`` on by default before rows recorded it (run 2026-12-07q:
+its rows without the ``halo_in_tiles`` lever ran with the halo apart). Every other row without the field ran with
+the halo in every tile, as all code before run 2026-12-07n did."""
 
 
 REMOVED_GLUE_PATHS = ("triton_taps_per_program", "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow",
@@ -63,6 +73,14 @@ def wide_column_copy(row: dict) -> bool:
     """Whether a layer_full row copied the split's gradient groups into in_proj's as 8-byte words (the row's
     ``wide_column_copy``; of the rows from before that field, only the ``wide_copy`` lever rows did)."""
     return row.get("wide_column_copy", row.get("lever_off") == COPY_LEVERS[0])
+
+
+def halo_rows_apart(row: dict) -> bool:
+    """Whether a layer_full row's forward read the halo in launches of its own (the row's ``halo_rows_apart``; of the
+    rows from before that field, those of :data:`HALO_APART_RUNS` without the ``halo_in_tiles`` lever)."""
+    if row.get("halo_rows_apart") is not None:
+        return row["halo_rows_apart"]
+    return row.get("run_id") in HALO_APART_RUNS and row.get("lever_off") != HALO_LEVERS[0]
 
 
 def default_key_heads_in_glue(stack: str | None, backend: str | None) -> bool:

@@ -534,7 +534,7 @@ def test_the_per_rank_table_compares_each_row_with_stock_of_its_own_run():
     line = next(x for x in text.splitlines() if x.startswith("| 20261205-121340 |") and "| 32K | mixed8 | rank 0 " in x)
     assert "| 16.28 (16.14-16.37) | 12.76 (12.62-12.92) | 0.784 |" in line, line
     rank0 = [x.split(" | ")[:7] for x in text.splitlines() if "| rank 0 of CP=2 |" in x]
-    assert len(rank0) == len({tuple(x) for x in rank0}) == 31  # one row per run, stack, backend, spec, T
+    assert len(rank0) == len({tuple(x) for x in rank0}) == 33  # one row per run, stack, backend, spec, T
 
 
 def test_the_per_rank_plot_draws_the_committed_rows(tmp_path):

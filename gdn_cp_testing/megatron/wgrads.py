@@ -30,8 +30,25 @@ logger = logging.getLogger("gdn_cp_testing.megatron.wgrads")
 ITERATIONS = 3
 """Iterations each run trains before it exits: iteration 1's gradients come before any update."""
 
+GIB_PER_RANK = 9.9
+"""GPU memory a rank of these runs takes (the training benchmark's figure, ``benchmarks/train_megatron_lm.py``)."""
+
 MAX_RANKS = 8
-"""Ranks side by side on one GPU (~10 GiB each at these sizes: an H100's 80 GiB)."""
+"""Ranks side by side where the GPU's memory cannot be read (an H100's 80 GiB)."""
+
+
+def ranks_that_fit() -> int:
+    """Rank processes side by side on this machine's GPU: its memory (nvidia-smi, read without a CUDA context in
+    this process) over :data:`GIB_PER_RANK`; :data:`MAX_RANKS` where nvidia-smi cannot say (8 on an H100, 14 on an
+    H200: the 12 ranks of :func:`runs` in one wave)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+        return max(2, int(float(out[0]) / 1024 // GIB_PER_RANK))  # 2 at least: a CP=2 run needs both at once
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return MAX_RANKS
 
 
 def runs() -> list[tuple]:
@@ -95,6 +112,14 @@ def compare(grads: dict, reference: dict, top: int = 12) -> dict:
     return {"rel": (total_diff / total_ref) ** 0.5 if total_ref else 0.0, "top": rows[:top], "largest_by_kind": kinds}
 
 
+def run_status(result) -> str:
+    """``ok`` where the run logged a loss at each of the first :data:`ITERATIONS` iterations (it then exits by
+    ``--exit-interval``, which the launcher, expecting the schedule's 50, calls ``failed``: run 2026-12-07o); else
+    the launcher's status."""
+    losses = list(result.losses[:ITERATIONS])
+    return "ok" if len(losses) == ITERATIONS and None not in losses else result.status
+
+
 def load_dump(path: Path) -> dict:
     """Megatron's dump (``{"model_chunk0": {name: tensor}}``) as one ``{name: tensor}``."""
     import torch
@@ -104,9 +129,9 @@ def load_dump(path: Path) -> dict:
             for name, t in params.items()}
 
 
-def run_all(checkout: Path, work: Path, timeout_s: float) -> dict:
-    """Every run of :func:`runs` (side by side, at most :data:`MAX_RANKS` ranks), then each compared with its
-    reference at iterations 1..ITERATIONS. Returns the JSON document."""
+def run_all(checkout: Path, work: Path, timeout_s: float, max_ranks: int = MAX_RANKS) -> dict:
+    """Every run of :func:`runs` (side by side, at most ``max_ranks`` ranks), then each compared with its reference
+    at iterations 1..ITERATIONS. Returns the JSON document."""
     from . import byte_text
     from .lm import launch
 
@@ -116,7 +141,7 @@ def run_all(checkout: Path, work: Path, timeout_s: float) -> dict:
     results, pending, running, used = {}, list(specs), {}, 0
     with cf.ThreadPoolExecutor(max_workers=len(specs)) as pool:
         while pending or running:
-            while pending and used + pending[0][0].world <= MAX_RANKS:
+            while pending and used + pending[0][0].world <= max_ranks:
                 spec, _ = pending.pop(0)
                 used += spec.world
                 running[pool.submit(launch, spec, checkout=checkout, log_dir=work / "logs", data_dir=work / "data",
@@ -131,10 +156,10 @@ def run_all(checkout: Path, work: Path, timeout_s: float) -> dict:
                     results[spec.name] = {"status": "failed", "losses": [], "grad_norms": [], "error": repr(e)[-400:]}
                     logger.error("%s: the launcher failed: %r", spec.name, e)
                     continue
-                results[spec.name] = {"status": result.status, "losses": result.losses[:ITERATIONS],
+                results[spec.name] = {"status": run_status(result), "losses": result.losses[:ITERATIONS],
                                       "grad_norms": result.grad_norms[:ITERATIONS], "error": result.error[-400:]}
                 logger.info("%s: %s (%.0f s)", spec.name, result.status, result.wall_s)
-    doc = {"data": data, "iterations": ITERATIONS, "runs": results, "compared": {}}
+    doc = {"data": data, "iterations": ITERATIONS, "max_ranks": max_ranks, "runs": results, "compared": {}}
     for spec, ref in specs:
         if not ref:
             continue
@@ -166,9 +191,15 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--work", required=True, help="folder for the data, the dumps and the ranks' logs")
     p.add_argument("--out", required=True, help="JSON file: each run's first losses and grad norms, the comparisons")
     p.add_argument("--timeout-s", type=float, default=420, help="stop a run after this many seconds")
+    p.add_argument("--max-ranks", type=int, default=None,
+                   help=f"ranks side by side (default: the GPU's memory over {GIB_PER_RANK} GiB a rank)")
     args = p.parse_args(argv)
+    if args.max_ranks is not None and args.max_ranks < 2:
+        p.error(f"--max-ranks {args.max_ranks}: the CP=2 runs need 2 ranks at once; give 2 or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    doc = run_all(Path(args.checkout), Path(args.work), args.timeout_s)
+    max_ranks = args.max_ranks or ranks_that_fit()
+    logger.info("%d ranks side by side", max_ranks)
+    doc = run_all(Path(args.checkout), Path(args.work), args.timeout_s, max_ranks)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(summary(doc))
     return 0

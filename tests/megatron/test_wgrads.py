@@ -91,8 +91,8 @@ def test_every_run_is_launched_within_the_ranks_and_compared_with_its_reference(
 
     monkeypatch.setattr(lm, "launch", launch)
     monkeypatch.setattr(byte_text, "build", lambda data_dir: {"tokens": 0})
-    doc = wgrads.run_all(tmp_path / "checkout", tmp_path / "work", timeout_s=10)
-    assert 0 < most[0] <= wgrads.MAX_RANKS and set(doc["runs"]) == {s.name for s, _ in wgrads.runs()}
+    doc = wgrads.run_all(tmp_path / "checkout", tmp_path / "work", timeout_s=10, max_ranks=3)
+    assert 0 < most[0] <= 3 and set(doc["runs"]) == {s.name for s, _ in wgrads.runs()} and doc["max_ranks"] == 3
     assert doc["runs"]["nogdn_cp2"]["status"] == "failed" and "no port" in doc["runs"]["nogdn_cp2"]["error"]
     c = doc["compared"]
     assert len(c) == wgrads.ITERATIONS * sum(1 for _, ref in wgrads.runs() if ref)
@@ -100,3 +100,38 @@ def test_every_run_is_launched_within_the_ranks_and_compared_with_its_reference(
     assert first["param"] == "decoder.layers.0.mixer.conv1d.weight" and first["rel"] == pytest.approx(0.01)
     assert c["hybrid_cp1_swiglu_noise vs hybrid_cp1 @2"]["rel"] == 0.0
     assert "missing" in c["hybrid_idm_cp2 vs hybrid_idm_cp1 @3"] and "missing" in c["nogdn_cp2 vs nogdn_cp1 @1"]
+
+
+@pytest.mark.parametrize("printed, ranks", [("81559\n", 8), ("143771\n", 14), ("16384\n", 2), (OSError("none"), 8),
+                                            ("N/A\n", 8)])
+def test_ranks_side_by_side_follow_the_gpus_memory(monkeypatch, printed, ranks):
+    """An H100's 80 GiB: 8 ranks of 9.9 GiB; an H200's: 14 (the 12 ranks in one wave); a small GPU: 2 (a CP=2 run
+    needs both at once, else it would wait for ever); nvidia-smi missing or unreadable: MAX_RANKS."""
+    import subprocess
+    import types
+
+    def run(*args, **kwargs):
+        if isinstance(printed, Exception):
+            raise printed
+        return types.SimpleNamespace(stdout=printed)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    assert wgrads.ranks_that_fit() == ranks
+
+
+def test_max_ranks_below_two_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        wgrads.main(["--checkout", "c", "--work", "w", "--out", "o.json", "--max-ranks", "1"])
+    assert "--max-ranks 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("status, losses, said", [("failed", [6.2, 6.1, 5.3], "ok"), ("failed", [6.2, 6.1], "failed"),
+                                                  ("failed", [6.2, None, 5.3], "failed"), ("timeout", [], "timeout"),
+                                                  ("ok", [6.2] * 50, "ok")])
+def test_a_run_that_exits_after_its_iterations_is_ok(status, losses, said):
+    """The launcher expects the schedule's 50 iterations and calls a run that exits at 3 (``--exit-interval``)
+    failed; wgrads calls it ok when it logged a loss at each of its iterations (run 2026-12-07o's rows all said
+    failed)."""
+    import types
+
+    assert wgrads.run_status(types.SimpleNamespace(status=status, losses=losses)) == said

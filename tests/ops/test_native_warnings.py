@@ -235,3 +235,37 @@ def test_flashqla_api_hides_them_before_anything_compiles():
             "FlashQLA's kernels compile: GDN_CP_NATIVE_WARNINGS=show, or gdn_cp's log at DEBUG (gdn-cp -v), shows them\n")
     assert said in err and err.split(said, 1)[1].startswith("line 1\nline 2 from sys.stderr\nline 3 continued\n")
     assert "Warning" not in err and err.endswith(_hid(3, proc))
+
+
+def test_tilelangs_info_lines_are_kept_out_unless_shown(monkeypatch):
+    """TileLang's import sets its logger ``tilelang`` to INFO with a handler of its own (stdout): two lines per kernel
+    compiled. After quiet_tilelang_log its INFO records are dropped and its warnings kept; with
+    ``GDN_CP_NATIVE_WARNINGS=show`` or gdn_cp's log at DEBUG it is left at INFO."""
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.levelname)
+
+    tilelang = logging.getLogger("tilelang")
+    gdn_cp_log = logging.getLogger("gdn_cp")
+    saved = (tilelang.level, tilelang.propagate, gdn_cp_log.level)
+    handler = Keep()
+    tilelang.addHandler(handler)
+    tilelang.propagate = False
+    try:
+        gdn_cp_log.setLevel(logging.WARNING)
+        for env, debug, quiet in (("show", False, False), ("hide", True, False), ("hide", False, True)):
+            monkeypatch.setenv("GDN_CP_NATIVE_WARNINGS", env)
+            gdn_cp_log.setLevel(logging.DEBUG if debug else logging.WARNING)
+            tilelang.setLevel(logging.INFO)  # as TileLang's import leaves it
+            records.clear()
+            assert native_warnings.quiet_tilelang_log() is quiet
+            logging.getLogger("tilelang.jit.kernel").info("TileLang begins to compile kernel `k`")
+            logging.getLogger("tilelang.jit.kernel").warning("a warning of TileLang's")
+            assert records == (["WARNING"] if quiet else ["INFO", "WARNING"]), (env, debug, records)
+    finally:
+        tilelang.removeHandler(handler)
+        tilelang.setLevel(saved[0])
+        tilelang.propagate = saved[1]
+        gdn_cp_log.setLevel(saved[2])

@@ -31,10 +31,12 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 22 and sum(name.startswith("conv") for name in cases) == 17
+    assert len(cases) == 24 and sum(name.startswith("conv") for name in cases) == 19
     assert sum(name.startswith("norm") for name in cases) == 3
     assert sum("chunk=one_pass" in name for name in cases) == 6  # the one-pass backward beside the two-pass one
-    assert sum("chunk=scan" in name for name in cases) == 5  # the backward as a scan down the rows
+    assert sum("chunk=scan" in name for name in cases) == 7  # the backward as a scan down the rows
+    # two with the halo apart (HALO_ROWS_APART, SCAN_HALO_APART: off by default), 3 spans and a 1-row first sequence
+    assert sum("chunk=scan 16 apart" in name and "halo=True" in name for name in cases) == 2
     # a conv narrower than Megatron's 4 taps through each backward (the kernels keep four tap sums and lags)
     assert {name.split("chunk=")[1].split()[0] for name in cases if "width=" in name} == {"7", "one_pass", "scan"}
     # q and k written 2 or 3 times a head (``kv_repeat``): one case per backward that reads them (the two-pass,
@@ -69,7 +71,7 @@ def test_the_scan_gives_the_one_pass_backwards_bits(cases):
     gradient bit for bit the same (spans whose W-1 rows after them belong to the next program; a program whose second
     head is past the group; q and k written twice a head; a conv of 2 taps; row 0's sequence 1 row long)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
-    assert len(scan) == 5 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert len(scan) == 7 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):
@@ -116,29 +118,63 @@ def test_tuned_configs_report_every_launchers_picks(monkeypatch):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 40])
-def test_the_forward_reads_the_halo_in_a_launch_of_its_own(monkeypatch, rows):
-    """With a halo the forward launches each group twice: every row without the halo, then rows 0..W-2 (fewer where
-    there are fewer rows) with it, so the halo's loads stay out of every other tile (docs: run 2026-12-07n); without
-    one, once; with ``HALO_ROWS_APART`` off (layer_full's lever ``halo_in_tiles``), once with the halo. The launches
-    recorded, not run (the values: the interpreter's cases above)."""
+def test_the_forward_reads_the_halo_in_a_launch_of_its_own_where_asked(monkeypatch, rows):
+    """With ``HALO_ROWS_APART`` on (layer_full's lever ``halo_apart``) and a halo, the forward launches each group
+    twice: every row without the halo, then rows 0..W-2 (fewer where there are fewer rows) with it, so the halo's loads
+    stay out of every other tile (docs: run 2026-12-07n); without one, once. Off (the default since run 2026-12-07q):
+    once, with the halo. The launches recorded, not run (the values: the interpreter's cases above)."""
     import torch
 
     from gdn_cp.ops.fused import triton_conv
 
+    assert triton_conv.HALO_ROWS_APART is False  # the layer did not show it faster (run 2026-12-07q)
     launched = []
     monkeypatch.setattr(triton_conv, "_fwd", lambda grid, *args, **meta: launched.append(
         (grid({"BT": 16}), args[8], meta["HAS_HALO"])))  # args[8]: the rows the launch covers (T)
     x, weight = torch.zeros(rows, 3 * 16), torch.zeros(3 * 16, 4)
     positions = torch.arange(rows, dtype=torch.int32)
-    for halo in (torch.zeros(3, 3 * 16), None):
-        launched.clear()
-        triton_conv.conv_silu_split_triton(x, weight, None, positions, halo, 1, 1, 16, 16, True, 1e-6, scan=True)
-        if halo is None:
-            assert launched == [((triton_conv.triton.cdiv(rows, 16), 1), rows, False)] * 3, launched
-        else:
-            tiles = triton_conv.triton.cdiv(rows, 16)
-            assert launched == [((tiles, 1), rows, False), ((1, 1), min(rows, 3), True)] * 3, launched
+    tiles = triton_conv.triton.cdiv(rows, 16)
+    for apart in (True, False):
+        monkeypatch.setattr(triton_conv, "HALO_ROWS_APART", apart)
+        for halo in (torch.zeros(3, 3 * 16), None):
             launched.clear()
-            monkeypatch.setattr(triton_conv, "HALO_ROWS_APART", False)
             triton_conv.conv_silu_split_triton(x, weight, None, positions, halo, 1, 1, 16, 16, True, 1e-6, scan=True)
-            assert launched == [((tiles, 1), rows, True)] * 3, launched
+            if halo is None:
+                assert launched == [((tiles, 1), rows, False)] * 3, launched
+            elif apart:
+                assert launched == [((tiles, 1), rows, False), ((1, 1), min(rows, 3), True)] * 3, launched
+            else:
+                assert launched == [((tiles, 1), rows, True)] * 3, launched
+
+
+@pytest.mark.parametrize("rows", [40, 64, 65, 200])
+def test_the_scan_runs_its_first_span_apart_where_asked(monkeypatch, rows):
+    """With ``SCAN_HALO_APART`` on, a halo and more than one span, the backward's scan launches each group twice: the
+    spans after the first (``P0`` 1) compiled without the halo, then the first span alone with it (the only one that
+    reads it: rows 0..W-2); one span, or no halo: once, every span. Off (the default: slower at 16K rows, run
+    2026-12-07p): once, with the halo. The launches recorded, not run (the values: the interpreter's scan cases
+    above, 3 spans with a halo, run both ways by tests/ops/test_triton_glue's cases)."""
+    import torch
+
+    from gdn_cp.ops.fused import triton_conv
+
+    assert triton_conv.SCAN_HALO_APART is False
+    launched = []
+    monkeypatch.setattr(triton_conv, "_fwd", lambda grid, *args, **meta: None)
+    monkeypatch.setattr(triton_conv, "_scan", lambda grid, *args, **meta: launched.append(
+        (grid({"HB": 1})[0], args[15], meta["HAS_HALO"])))  # args[15]: P0, the first span the launch runs
+    x = torch.zeros(rows, 3 * 16, requires_grad=True)
+    weight = torch.zeros(3 * 16, 4)
+    positions = torch.arange(rows, dtype=torch.int32)
+    spans = triton_conv.triton.cdiv(rows, triton_conv._scan_span(rows))
+    for apart in (True, False):
+        monkeypatch.setattr(triton_conv, "SCAN_HALO_APART", apart)
+        for halo in (torch.zeros(3, 3 * 16), None):
+            q, k, v = triton_conv.conv_silu_split_triton(x, weight, None, positions, halo, 1, 1, 16, 16, True, 1e-6,
+                                                         scan=True)
+            launched.clear()
+            torch.autograd.grad((q, k, v), x, (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+            if halo is not None and apart and spans > 1:
+                assert launched == [(spans - 1, 1, False), (1, 0, True)] * 3, launched
+            else:
+                assert launched == [(spans, 0, halo is not None)] * 3, launched

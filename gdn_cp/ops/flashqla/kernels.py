@@ -29,7 +29,7 @@ from ..installed import log_stack_once
 from ..kernel_args import boundaries_of, check_gdr_args, check_initial_state
 from ..varlen import varlen_gated_delta_rule
 from .detect import conv_choice, features, flashqla_problem, fused_norm_choice, stack_report
-from .native_warnings import quiet_native_warnings
+from .native_warnings import quiet_native_warnings, quiet_tilelang_log
 from .spec import FLASHQLA_HEAD_DIM, SPEC, padded_value_heads
 
 __all__ = [
@@ -60,7 +60,8 @@ class FlashQLAFunctions:
 @functools.lru_cache(maxsize=1)
 def flashqla_api() -> FlashQLAFunctions:
     """FlashQLA's functions (imported on first use); RuntimeError with the fix when it cannot run. TileLang's
-    compile warnings are kept off stderr from here on (:func:`quiet_native_warnings`: before anything compiles)."""
+    compile warnings are kept off stderr from here on (:func:`quiet_native_warnings`: before anything compiles), and
+    its INFO lines off stdout (:func:`quiet_tilelang_log`)."""
     problem = flashqla_problem()
     if problem is not None:
         raise RuntimeError(f"FlashQLA backend unavailable: {problem}. Fix: install it on an sm_90+ GPU machine "
@@ -68,6 +69,7 @@ def flashqla_api() -> FlashQLAFunctions:
     log_stack_once("FlashQLA", stack_report)
     chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
     quiet_native_warnings()
+    quiet_tilelang_log()  # after the import above (TileLang's sets its logger to INFO)
     return FlashQLAFunctions(importlib.import_module("flash_qla").chunk_gated_delta_rule,
                              getattr(chunk, "build_cp_context", None) if features().inter_card_cp else None)
 

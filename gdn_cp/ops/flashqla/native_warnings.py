@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Optional
 
-__all__ = ["HOLD_S", "LineFilter", "quiet_native_warnings"]
+__all__ = ["HOLD_S", "LineFilter", "quiet_native_warnings", "quiet_tilelang_log"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,26 @@ def _child_main(note: str) -> None:
 _FILTER: Optional[subprocess.Popen] = None
 
 
+def _shown() -> bool:
+    """TileLang's own output is wanted: ``GDN_CP_NATIVE_WARNINGS=show``, or gdn_cp's log at DEBUG (``gdn-cp -v``)."""
+    from ...env import NATIVE_WARNINGS_ENV, read  # here, not at the top: the child runs this file without gdn_cp
+
+    return read(NATIVE_WARNINGS_ENV) == "show" or log.isEnabledFor(logging.DEBUG)
+
+
+def quiet_tilelang_log() -> bool:
+    """TileLang's Python logger (``tilelang``, which its import sets to INFO with a handler of its own that writes to
+    stdout) at WARNING: its two INFO lines per kernel compiled ("TileLang begins to compile kernel ...", once per rank:
+    80 lines in a cold ``gdn-cp run --backend flashqla --cp 2``, run 2026-12-07s) kept out of the default output; its
+    warnings still shown. Call after TileLang's import. False (left alone) where its output is wanted (:func:`_shown`)."""
+    if _shown():
+        return False
+    logger = logging.getLogger("tilelang")
+    if logger.getEffectiveLevel() < logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    return True
+
+
 def quiet_native_warnings() -> bool:
     """Once per process: TileLang's compile warnings kept out of fd 2 (see the module's docstring). True when
     the filter runs (started now or before); False where it is not wanted (``GDN_CP_NATIVE_WARNINGS=show``,
@@ -170,9 +190,9 @@ def quiet_native_warnings() -> bool:
     global _FILTER
     if _FILTER is not None:
         return True
-    from ...env import NATIVE_WARNINGS_ENV, read  # here, not at the top: the child runs this file without gdn_cp
+    from ...env import NATIVE_WARNINGS_ENV
 
-    if read(NATIVE_WARNINGS_ENV) == "show" or log.isEnabledFor(logging.DEBUG):
+    if _shown():
         return False
     if not sys.platform.startswith("linux") or not sys.executable:
         return False

@@ -57,7 +57,8 @@ def first_use_note() -> str:
 
     cache = os.environ.get("TILELANG_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".tilelang", "cache")
     return ("FlashQLA compiles its TileLang kernels on first use, per head count and dtype: about 2-4 minutes cold "
-            f"(seen on an H200), seconds once they are in TileLang's cache ({cache}; TILELANG_CACHE_DIR moves it)")
+            "for each (seen on an H200 and an H100; a CP=2 `gdn-cp run` of three modes compiles several: over 5 "
+            f"minutes), seconds once they are in TileLang's cache ({cache}; TILELANG_CACHE_DIR moves it)")
 
 
 FLASHQLA_VS_FP64_REL_L2 = {"bfloat16": 1e-2}

@@ -37,10 +37,18 @@ __all__ = ["MAX_WIDTH", "ConvForm", "conv_silu_split_triton"]
 MAX_WIDTH = 4
 """The widest conv the kernels take (they keep four tap sums; Megatron's and FLA's conv widths are at most 4)."""
 
-HALO_ROWS_APART = True
-"""With a halo, the forward computes every row without it, then rows 0..W-2 again with it (3 more launches of one
-tile each) instead of reading it in every tile: the forward's kernel time 0.88x / 0.85x at 16K / 64K rows (run
-2026-12-07n, one H100). ``benchmarks/layer_full.py``'s lever ``halo_in_tiles`` turns it off to time the layer."""
+HALO_ROWS_APART = False
+"""On: with a halo, the forward computes every row without it, then rows 0..W-2 again with it (3 more launches of one
+tile each) instead of reading it in every tile. Its kernel time is 0.88x / 0.85x at 16K / 64K rows (run 2026-12-07n,
+one H100; 0.87x / 0.85x in run 2026-12-07p), but in the layer it was not faster on the rank with a halo (run
+2026-12-07q, FlashQLA + TE, rank 1 of CP=2: 12.84 against 12.85 ms at 32K tokens, 49.21 against 48.52 at 128K): off,
+by the rule that the layer decides. ``benchmarks/layer_full.py``'s lever ``halo_apart`` turns it on for a row."""
+
+SCAN_HALO_APART = False
+"""On: the backward's scan runs its first span (the only one that reads the halo) in a launch of its own, the other
+spans compiled without the halo's loads and masks. Off: measured slower at 16K rows (run 2026-12-07p, one H100, the
+backward's kernel time with a halo 0.712 ms against 0.667, 0.512 without one; the first span's launch runs alone
+after the others), level at 64K (2.082 against 2.105)."""
 
 
 @triton.jit
@@ -410,7 +418,7 @@ def _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W: tl.constexpr):
 
 @triton.jit
 def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
-                              dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
+                              dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, P0, C0, HEADS, EPS, D: tl.constexpr,
                               BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, UNROLL: tl.constexpr):
     """The whole backward of heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a scan
@@ -425,8 +433,10 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     gradient of rows 0..W-2, ``head [W-1, HEADS*D]`` fp32, from which :func:`_halo_gradient` sums the halo's. (On
     sm_90 at 4 warps, computing the halo's gradient here after the scan took 146 registers against 128.) ``UNROLL``
     steps a loop pass (Triton's ``loop_unroll_factor``): unrolled, the rolling windows are renamed, not moved (sm_90,
-    4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126)."""
-    i_p, i_b = tl.program_id(0), tl.program_id(1)
+    4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126). Spans ``P0 +
+    program_id(0)``: with the halo apart (:data:`SCAN_HALO_APART`) the first span runs in a launch of its own, the
+    only one compiled with the halo's loads and masks."""
+    i_p, i_b = tl.program_id(0) + P0, tl.program_id(1)
     h = i_b * HB + tl.arange(0, HB)
     d = tl.arange(0, BD)
     ok = (h < HEADS)[:, None] & (d < D)[None, :]
@@ -683,10 +693,14 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     programs = triton.cdiv(t, span)
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
     dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
-    _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
-          *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
-          span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
-          HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat)
+    # with a halo only the first span reads it (rows 0..W-2 and their sums): the spans after it in a launch compiled
+    # without the halo's loads and masks (SCAN_HALO_APART), the first in one of its own
+    apart = halo is not None and SCAN_HALO_APART and programs > 1
+    for p0, count, with_halo in ((1, programs - 1, None), (0, 1, halo)) if apart else ((0, programs, halo),):
+        _scan(lambda meta, count=count: (count, triton.cdiv(heads, meta["HB"])),
+              *_conv_inputs(x, weight, bias, with_halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
+              span, p0, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
+              HAS_HALO=with_halo is not None, NORM=norm, REPEAT=repeat)
     _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
