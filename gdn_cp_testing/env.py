@@ -179,6 +179,10 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_MLM_ONE_GPU", "tests", "0",
                    "set by gdn_cp_testing.megatron.lm for its rank processes: 1 when the ranks share one GPU (gloo)",
                    _SWITCH),
+        EnvSetting("GDN_CP_MLM_GDN_CP_AT_CP1", "tests", "0",
+                   "a run's environment for gdn_cp_testing.megatron.lm's rank processes: 1 hands every GDN call to "
+                   "gdn-cp's path, CP=1 SBHD included (stock's code otherwise): a CP=1 run on gdn-cp's kernels",
+                   _SWITCH),
     )
 }
 

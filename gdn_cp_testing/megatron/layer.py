@@ -371,6 +371,12 @@ def stock_forward():
         glue.gated_delta_net_forward = saved
 
 
+def dispatch_every_call(glue) -> None:
+    """``gdn_cp.megatron.gdn`` (``glue``) hands every GatedDeltaNet call to gdn-cp's forward, CP=1 SBHD included
+    (where stock's code runs otherwise)."""
+    glue.should_dispatch = lambda layer, group, packed_seq_params: True
+
+
 @contextlib.contextmanager
 def gdn_cp_forward():
     """Hand every GatedDeltaNet call to gdn-cp's forward, CP=1 SBHD included (stock 0.19.2 computes
@@ -379,7 +385,7 @@ def gdn_cp_forward():
     import gdn_cp.megatron.gdn as glue
 
     saved = glue.should_dispatch
-    glue.should_dispatch = lambda layer, group, packed_seq_params: True
+    dispatch_every_call(glue)
     try:
         yield
     finally:

@@ -665,6 +665,11 @@ def install_rank_shims(argv: Sequence[str]) -> list[str]:
         host_p2p.install()
         done.append("ranks share one GPU: gloo, DDP bucket collectives one by one, FLA gathers viewed flat, "
                     "point-to-point transfers of CUDA tensors through the host")
+    if env_setting("GDN_CP_MLM_GDN_CP_AT_CP1") == "1":
+        from gdn_cp_testing.megatron.layer import dispatch_every_call
+
+        when_imported("gdn_cp.megatron.gdn", dispatch_every_call)
+        done.append("every GDN call through gdn-cp's path, CP=1 SBHD included (GDN_CP_MLM_GDN_CP_AT_CP1=1)")
     if "--sft" in argv:
         _install_sft_stand_ins()
         done.append("--sft: JSONL reader and token-id conversations (no HF datasets / chat tokenizer here)")

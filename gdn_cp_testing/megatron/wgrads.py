@@ -40,7 +40,7 @@ MAX_RANKS = 8
 def ranks_that_fit() -> int:
     """Rank processes side by side on this machine's GPU: its memory (nvidia-smi, read without a CUDA context in
     this process) over :data:`GIB_PER_RANK`; :data:`MAX_RANKS` where nvidia-smi cannot say (8 on an H100, 14 on an
-    H200: the 12 ranks of :func:`runs` in one wave)."""
+    H200: the 13 ranks of :func:`runs` in one wave)."""
     import subprocess
 
     try:
@@ -51,11 +51,20 @@ def ranks_that_fit() -> int:
         return MAX_RANKS
 
 
+ON_GDN_CPS_PATH = (("GDN_CP_MLM_GDN_CP_AT_CP1", "1"),)
+"""A run's environment that hands its CP=1 SBHD GDN calls to gdn-cp's path (``gdn_cp_testing.megatron.lm``)."""
+
+ALSO_COMPARED = (("hybrid_cp2_chunkwise", "hybrid_cp1_gdn_cp"), ("hybrid_cp2_headwise", "hybrid_cp1_gdn_cp"))
+"""Comparisons beside each run's with its reference: the SBHD CP runs against CP=1 on gdn-cp's own kernels (run
+2026-12-07o: against stock's CP=1 they were as far as the SwiGLU noise pair; on the floor of Megatron's own CP here,
+the gap is the kernels' rounding alone)."""
+
+
 def runs() -> list[tuple]:
     """``(RunSpec, reference name)``: the hybrid of the training benchmark's group ``main`` at CP=1, a noise pair
-    (SwiGLU by eager ops), CP=2 chunkwise and headwise; the same sizes with attention for the GDN layers (Megatron's
-    CP only); the hybrid on packed documents (``--dataloader-inter-document-masking``), where CP=1 runs gdn-cp's path
-    too."""
+    (SwiGLU by eager ops), CP=1 through gdn-cp's path (its kernels, as CP > 1 runs them, against stock's ops), CP=2
+    chunkwise and headwise; the same sizes with attention for the GDN layers (Megatron's CP only); the hybrid on
+    packed documents (``--dataloader-inter-document-masking``), where CP=1 runs gdn-cp's path too."""
     from .lm import RunSpec
 
     hybrid, nogdn = RunSpec("hybrid_cp1"), RunSpec("nogdn_cp1", pattern="*-*-*-")
@@ -63,6 +72,7 @@ def runs() -> list[tuple]:
     again = dataclasses.replace
     return [(hybrid, ""), (again(hybrid, name="hybrid_cp1_swiglu_noise", extra_args=("--no-bias-swiglu-fusion",)),
                            "hybrid_cp1"),
+            (again(hybrid, name="hybrid_cp1_gdn_cp", env=ON_GDN_CPS_PATH), "hybrid_cp1"),
             (again(hybrid, name="hybrid_cp2_chunkwise", cp=2, mode="chunkwise"), "hybrid_cp1"),
             (again(hybrid, name="hybrid_cp2_headwise", cp=2, mode="headwise"), "hybrid_cp1"),
             (nogdn, ""), (again(nogdn, name="nogdn_cp2", cp=2), "nogdn_cp1"),
@@ -160,15 +170,13 @@ def run_all(checkout: Path, work: Path, timeout_s: float, max_ranks: int = MAX_R
                                       "grad_norms": result.grad_norms[:ITERATIONS], "error": result.error[-400:]}
                 logger.info("%s: %s (%.0f s)", spec.name, result.status, result.wall_s)
     doc = {"data": data, "iterations": ITERATIONS, "max_ranks": max_ranks, "runs": results, "compared": {}}
-    for spec, ref in specs:
-        if not ref:
-            continue
+    for name, ref in [(spec.name, ref) for spec, ref in specs if ref] + list(ALSO_COMPARED):
         for it in range(1, ITERATIONS + 1):
-            paths = [dump_path(work / "dumps" / name, it) for name in (spec.name, ref)]
+            paths = [dump_path(work / "dumps" / run, it) for run in (name, ref)]
             if all(p.is_file() for p in paths):
-                doc["compared"][f"{spec.name} vs {ref} @{it}"] = compare(*(load_dump(p) for p in paths))
+                doc["compared"][f"{name} vs {ref} @{it}"] = compare(*(load_dump(p) for p in paths))
             else:
-                doc["compared"][f"{spec.name} vs {ref} @{it}"] = {"missing": [str(p) for p in paths if not p.is_file()]}
+                doc["compared"][f"{name} vs {ref} @{it}"] = {"missing": [str(p) for p in paths if not p.is_file()]}
     return doc
 
 

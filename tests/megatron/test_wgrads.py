@@ -95,7 +95,11 @@ def test_every_run_is_launched_within_the_ranks_and_compared_with_its_reference(
     assert 0 < most[0] <= 3 and set(doc["runs"]) == {s.name for s, _ in wgrads.runs()} and doc["max_ranks"] == 3
     assert doc["runs"]["nogdn_cp2"]["status"] == "failed" and "no port" in doc["runs"]["nogdn_cp2"]["error"]
     c = doc["compared"]
-    assert len(c) == wgrads.ITERATIONS * sum(1 for _, ref in wgrads.runs() if ref)
+    assert len(c) == wgrads.ITERATIONS * (sum(1 for _, ref in wgrads.runs() if ref) + len(wgrads.ALSO_COMPARED))
+    # the SBHD CP runs against CP=1 on gdn-cp's kernels too, a run whose rank processes get the switch
+    assert c["hybrid_cp2_chunkwise vs hybrid_cp1_gdn_cp @1"]["top"][0]["rel"] == pytest.approx(0.01)
+    assert dict(next(s for s, _ in wgrads.runs() if s.name == "hybrid_cp1_gdn_cp").env) == {
+        "GDN_CP_MLM_GDN_CP_AT_CP1": "1"}
     first = c["hybrid_cp2_chunkwise vs hybrid_cp1 @1"]["top"][0]
     assert first["param"] == "decoder.layers.0.mixer.conv1d.weight" and first["rel"] == pytest.approx(0.01)
     assert c["hybrid_cp1_swiglu_noise vs hybrid_cp1 @2"]["rel"] == 0.0
@@ -105,7 +109,7 @@ def test_every_run_is_launched_within_the_ranks_and_compared_with_its_reference(
 @pytest.mark.parametrize("printed, ranks", [("81559\n", 8), ("143771\n", 14), ("16384\n", 2), (OSError("none"), 8),
                                             ("N/A\n", 8)])
 def test_ranks_side_by_side_follow_the_gpus_memory(monkeypatch, printed, ranks):
-    """An H100's 80 GiB: 8 ranks of 9.9 GiB; an H200's: 14 (the 12 ranks in one wave); a small GPU: 2 (a CP=2 run
+    """An H100's 80 GiB: 8 ranks of 9.9 GiB; an H200's: 14 (the 13 ranks in one wave); a small GPU: 2 (a CP=2 run
     needs both at once, else it would wait for ever); nvidia-smi missing or unreadable: MAX_RANKS."""
     import subprocess
     import types
@@ -135,3 +139,26 @@ def test_a_run_that_exits_after_its_iterations_is_ok(status, losses, said):
     import types
 
     assert wgrads.run_status(types.SimpleNamespace(status=status, losses=losses)) == said
+
+
+def test_the_switch_hands_cp1_sbhd_calls_to_gdn_cps_path(monkeypatch):
+    """A rank process with GDN_CP_MLM_GDN_CP_AT_CP1=1 (the launcher's shim) dispatches every GDN call to gdn-cp's path:
+    ``should_dispatch`` says True where it says False for CP=1 SBHD otherwise; without the switch nothing changes."""
+    import types
+
+    import gdn_cp.megatron.gdn as glue
+    from gdn_cp_testing.megatron import lm
+
+    saved = glue.should_dispatch
+    state = types.SimpleNamespace(adapter=types.SimpleNamespace(static_cp_group=types.SimpleNamespace(size=lambda: 1)))
+    one = types.SimpleNamespace(size=lambda: 1)
+    sbhd = types.SimpleNamespace(thd=False)
+    try:
+        monkeypatch.delenv("GDN_CP_MLM_GDN_CP_AT_CP1", raising=False)
+        assert not any("gdn-cp's path" in line for line in lm.install_rank_shims([]))
+        assert glue.should_dispatch(state, one, sbhd) is False
+        monkeypatch.setenv("GDN_CP_MLM_GDN_CP_AT_CP1", "1")
+        assert any("gdn-cp's path" in line for line in lm.install_rank_shims([]))
+        assert glue.should_dispatch(state, one, sbhd) is True
+    finally:
+        glue.should_dispatch = saved

@@ -173,7 +173,7 @@ def _shown() -> bool:
 def quiet_tilelang_log() -> bool:
     """TileLang's Python logger (``tilelang``, which its import sets to INFO with a handler of its own that writes to
     stdout) at WARNING: its two INFO lines per kernel compiled ("TileLang begins to compile kernel ...", once per rank:
-    80 lines in a cold ``gdn-cp run --backend flashqla --cp 2``, run 2026-12-07s) kept out of the default output; its
+    64 lines in a cold ``gdn-cp run --backend flashqla --cp 2``, run 2026-12-07s) kept out of the default output; its
     warnings still shown. Call after TileLang's import. False (left alone) where its output is wanted (:func:`_shown`)."""
     if _shown():
         return False
