@@ -44,7 +44,7 @@ SPECS = ("local", "te")
 # ``split_cat``: in_proj's output gradient concatenated by torch.split's backward (gdn_cp.ops.fused.split);
 # ``key_heads_by_backend``: glue.REPEAT_KEY_HEADS_IN_CONV off (runs 2026-12-06l/o's ``key_heads_in_conv`` rows: on);
 # ``narrow_copy``: split.WIDE_COLUMN_COPY off, the groups' copies element by element (runs 2026-12-07d/e's ``wide_copy``: on);
-# ``halo_apart``: triton_conv.HALO_ROWS_APART on, the forward's halo rows in launches of their own (run 2026-12-07q: off).
+# ``halo_apart``: triton_conv.HALO_ROWS_APART and SCAN_HALO_TAIL on: the halo read apart, forward and backward.
 GLUE_LEVERS = {f"glue_{path}": path for path in GLUE_PATHS}
 """The levers that only pick the glue path (``glue_<path>`` -> path): a row of one is named by its path."""
 LEVERS = ("fused_norm", *GLUE_LEVERS, "split_cat", "key_heads_by_backend", "narrow_copy", "halo_apart")

@@ -234,8 +234,8 @@ LEVER_SWITCHES = {
         modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
     "narrow_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", False)],
                                              lambda m: None),
-    "halo_apart": lambda modules: _switched(
-        modules, [mock.patch("gdn_cp.ops.fused.triton_conv.HALO_ROWS_APART", True)], lambda m: None),
+    "halo_apart": lambda modules: _switched(modules, [mock.patch(f"gdn_cp.ops.fused.triton_conv.{flag}", True) for flag in (
+        "HALO_ROWS_APART", "SCAN_HALO_TAIL")], lambda m: None),
 }
 """A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 

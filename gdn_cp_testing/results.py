@@ -39,8 +39,9 @@ COPY_LEVERS = ("wide_copy", "narrow_copy")
 
 
 HALO_LEVERS = ("halo_in_tiles", "halo_apart")
-"""``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.triton_conv.HALO_ROWS_APART``: off (run
-2026-12-07q, when on was the default; no longer offered), and on. A row of one is told by :func:`halo_rows_apart`."""
+"""``benchmarks/layer_full.py``'s levers that only switch how the conv reads the CP halo
+(``gdn_cp.ops.fused.triton_conv``): ``HALO_ROWS_APART`` off (run 2026-12-07q, when on was the default; no longer
+offered), and it and ``SCAN_HALO_TAIL`` on (the two move together). A row of one is told by :func:`halo_rows_apart`."""
 
 HALO_APART_RUNS = ("layer_full-20261207-161258",)
 """The layer_full runs whose code had ``HALO_ROWS_APART`` on by default before rows recorded it (run 2026-12-07q:

@@ -99,7 +99,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
          {"BT": 32, "BC": 128, "W": 4}),
         ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
-         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1}),
+         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1, "HALO_TAIL": False}),
     )
 
 
@@ -123,14 +123,15 @@ def tests_report() -> dict:
     """What tests/ops/test_triton_compile.py checks, compiled in one process of its own (a background run of the test
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward as launched (16
     rows, 4 warps, l2 norm, bias); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm,
-    without a bias (Megatron's GDN conv has none by default) and, for q, with one, with a halo, and unrolled by 4."""
+    without a bias (Megatron's GDN conv has none by default) and, for q, with one, with a halo, and unrolled by 4;
+    q's scan at 2 warps unrolled by 4 without a halo, with one in every step and with one in the tail loop only."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
 
-    def as_launched(bt, dim, norm, index, bias=True, halo=False, **more):
+    def as_launched(bt, dim, norm, index, bias=True, halo=False, warps=4, **more):
         _, kernel, pointers, c = conv_kernels(bt, dim, norm=norm, halo=halo)[index]
-        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": bias, **more}, 4, as_launched=True)
+        return compile_sm90(kernel, pointers, {**c, "HAS_BIAS": bias, **more}, warps, as_launched=True)
 
     return {"conv": {name: compile_sm90(k, p, c) for name, k, p, c in conv_kernels()},
             "gates": {name: compile_sm90(k, p, c) for name, k, p, c in gates_kernels()},
@@ -141,7 +142,13 @@ def tests_report() -> dict:
                      "q_bias": as_launched(16, 128, True, 4),
                      "q_halo": as_launched(16, 128, True, 4, bias=False, halo=True),
                      "q_unroll4": as_launched(16, 128, True, 4, bias=False, UNROLL=4),
-                     "v_unroll4": as_launched(16, 128, False, 4, bias=False, UNROLL=4)}}
+                     "v_unroll4": as_launched(16, 128, False, 4, bias=False, UNROLL=4)},
+            # q as autotuned on an H100 (run 2026-12-07r: 2 warps, unrolled by 4), with a halo in every step and in
+            # the tail loop only (triton_conv.SCAN_HALO_TAIL)
+            "scan_2_warps": {name: as_launched(16, 128, True, 4, bias=False, warps=2, UNROLL=4, halo=halo,
+                                               HALO_TAIL=tail)
+                             for name, halo, tail in (("q", False, False), ("q_halo", True, False),
+                                                      ("q_halo_tail", True, True))}}
 
 
 if __name__ == "__main__":

@@ -41,10 +41,11 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     # row 0's sequence 1 row long: the forward's second launch (rows 0..W-2, with the halo) and the halo's gradient
     # where row 1 starts another sequence
     ("float32", True, 1, 2, 16, 16, True, (0, 1, 15, 33), "scan 16", 2),
-    # the halo apart (triton_conv.HALO_ROWS_APART and SCAN_HALO_APART on; off by default): the forward's rows 0..W-2
-    # again with the halo, the scan's first span in a launch of its own (P0), the others compiled without the halo
+    # the halo apart (triton_conv.HALO_ROWS_APART and SCAN_HALO_TAIL on; off by default): the forward's rows 0..W-2
+    # again with the halo, the scan's rows below 8 in a loop of their own (the only one that reads the halo)
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16 apart"),
     ("float16", True, 1, 3, 16, 16, True, (0, 1, 15, 33), "scan 16 apart", 2),
+    ("float32", True, 1, 2, 16, 16, True, (0, 2, 5), "scan 16 apart"),  # 5 rows: every step in the halo's loop
 )
 
 
@@ -70,7 +71,7 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
     family = backward_family(chunk)
     form = {"one_pass": family == "one_pass", "scan": family == "scan"}
     apart = isinstance(chunk, str) and chunk.endswith(" apart")  # the halo in launches of its own (off by default)
-    triton_conv.HALO_ROWS_APART = triton_conv.SCAN_HALO_APART = apart
+    triton_conv.HALO_ROWS_APART = triton_conv.SCAN_HALO_TAIL = apart
     if form["scan"]:  # spans of that many rows
         triton_conv._SCAN_SPAN = int(chunk.split()[1])
     elif form["one_pass"]:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group

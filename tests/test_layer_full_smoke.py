@@ -253,6 +253,13 @@ def test_every_lever_has_its_switch_and_the_flag_levers_turn_their_flag_for_the_
     with LEVER_SWITCHES["narrow_copy"]([]):
         assert not split.WIDE_COLUMN_COPY
     assert split.WIDE_COLUMN_COPY
+    from gdn_cp.ops.fused import triton_conv
+
+    # off by default (run 2026-12-07q; the scan's tail loop not yet timed): the lever reads the halo apart both ways
+    assert not (triton_conv.HALO_ROWS_APART or triton_conv.SCAN_HALO_TAIL)
+    with LEVER_SWITCHES["halo_apart"]([]):
+        assert triton_conv.HALO_ROWS_APART and triton_conv.SCAN_HALO_TAIL
+    assert not (triton_conv.HALO_ROWS_APART or triton_conv.SCAN_HALO_TAIL)
 
 
 def test_plan_units_and_keys():

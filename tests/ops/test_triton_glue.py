@@ -31,12 +31,12 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 24 and sum(name.startswith("conv") for name in cases) == 19
+    assert len(cases) == 25 and sum(name.startswith("conv") for name in cases) == 20
     assert sum(name.startswith("norm") for name in cases) == 3
     assert sum("chunk=one_pass" in name for name in cases) == 6  # the one-pass backward beside the two-pass one
-    assert sum("chunk=scan" in name for name in cases) == 7  # the backward as a scan down the rows
-    # two with the halo apart (HALO_ROWS_APART, SCAN_HALO_APART: off by default), 3 spans and a 1-row first sequence
-    assert sum("chunk=scan 16 apart" in name and "halo=True" in name for name in cases) == 2
+    assert sum("chunk=scan" in name for name in cases) == 8  # the backward as a scan down the rows
+    # three with the halo apart (HALO_ROWS_APART, SCAN_HALO_TAIL: off by default): 3 spans, a 1-row first sequence, 5 rows
+    assert sum("chunk=scan 16 apart" in name and "halo=True" in name for name in cases) == 3
     # a conv narrower than Megatron's 4 taps through each backward (the kernels keep four tap sums and lags)
     assert {name.split("chunk=")[1].split()[0] for name in cases if "width=" in name} == {"7", "one_pass", "scan"}
     # q and k written 2 or 3 times a head (``kv_repeat``): one case per backward that reads them (the two-pass,
@@ -71,7 +71,7 @@ def test_the_scan_gives_the_one_pass_backwards_bits(cases):
     gradient bit for bit the same (spans whose W-1 rows after them belong to the next program; a program whose second
     head is past the group; q and k written twice a head; a conv of 2 taps; row 0's sequence 1 row long)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
-    assert len(scan) == 7 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert len(scan) == 8 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):
@@ -147,34 +147,28 @@ def test_the_forward_reads_the_halo_in_a_launch_of_its_own_where_asked(monkeypat
                 assert launched == [((tiles, 1), rows, True)] * 3, launched
 
 
-@pytest.mark.parametrize("rows", [40, 64, 65, 200])
-def test_the_scan_runs_its_first_span_apart_where_asked(monkeypatch, rows):
-    """With ``SCAN_HALO_APART`` on, a halo and more than one span, the backward's scan launches each group twice: the
-    spans after the first (``P0`` 1) compiled without the halo, then the first span alone with it (the only one that
-    reads it: rows 0..W-2); one span, or no halo: once, every span. Off (the default: slower at 16K rows, run
-    2026-12-07p): once, with the halo. The launches recorded, not run (the values: the interpreter's scan cases
-    above, 3 spans with a halo, run both ways by tests/ops/test_triton_glue's cases)."""
+def test_the_scan_reads_the_halo_in_its_tail_loop_where_asked(monkeypatch):
+    """With a halo and ``SCAN_HALO_TAIL`` on, the backward's scan is launched once per group with ``HALO_TAIL`` (its
+    rows 8 and up in a loop that reads no halo, the rows below in a second loop that does: the values are the
+    interpreter's ``apart`` cases, the same bits as the one-pass backward's); off (the default until a GPU run times
+    it), or without a halo: ``HALO_TAIL`` False. The launches recorded, not run."""
     import torch
 
     from gdn_cp.ops.fused import triton_conv
 
-    assert triton_conv.SCAN_HALO_APART is False
+    assert triton_conv.SCAN_HALO_TAIL is False
     launched = []
     monkeypatch.setattr(triton_conv, "_fwd", lambda grid, *args, **meta: None)
     monkeypatch.setattr(triton_conv, "_scan", lambda grid, *args, **meta: launched.append(
-        (grid({"HB": 1})[0], args[15], meta["HAS_HALO"])))  # args[15]: P0, the first span the launch runs
-    x = torch.zeros(rows, 3 * 16, requires_grad=True)
+        (meta["HAS_HALO"], meta["HALO_TAIL"])))
+    x = torch.zeros(40, 3 * 16, requires_grad=True)
     weight = torch.zeros(3 * 16, 4)
-    positions = torch.arange(rows, dtype=torch.int32)
-    spans = triton_conv.triton.cdiv(rows, triton_conv._scan_span(rows))
-    for apart in (True, False):
-        monkeypatch.setattr(triton_conv, "SCAN_HALO_APART", apart)
+    positions = torch.arange(40, dtype=torch.int32)
+    for tail in (True, False):
+        monkeypatch.setattr(triton_conv, "SCAN_HALO_TAIL", tail)
         for halo in (torch.zeros(3, 3 * 16), None):
             q, k, v = triton_conv.conv_silu_split_triton(x, weight, None, positions, halo, 1, 1, 16, 16, True, 1e-6,
                                                          scan=True)
             launched.clear()
             torch.autograd.grad((q, k, v), x, (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
-            if halo is not None and apart and spans > 1:
-                assert launched == [(spans - 1, 1, False), (1, 0, True)] * 3, launched
-            else:
-                assert launched == [(spans, 0, halo is not None)] * 3, launched
+            assert launched == [(halo is not None, halo is not None and tail)] * 3, (tail, launched)

@@ -44,11 +44,15 @@ one H100; 0.87x / 0.85x in run 2026-12-07p), but in the layer it was not faster 
 2026-12-07q, FlashQLA + TE, rank 1 of CP=2: 12.84 against 12.85 ms at 32K tokens, 49.21 against 48.52 at 128K): off,
 by the rule that the layer decides. ``benchmarks/layer_full.py``'s lever ``halo_apart`` turns it on for a row."""
 
-SCAN_HALO_APART = False
-"""On: the backward's scan runs its first span (the only one that reads the halo) in a launch of its own, the other
-spans compiled without the halo's loads and masks. Off: measured slower at 16K rows (run 2026-12-07p, one H100, the
-backward's kernel time with a halo 0.712 ms against 0.667, 0.512 without one; the first span's launch runs alone
-after the others), level at 64K (2.082 against 2.105)."""
+SCAN_HALO_TAIL = False
+"""On: with a halo, the backward's scan reads it only in its last rows (the steps whose rows reach below row 0: rows
+0..7 of the first span): every other step runs a loop without the halo's loads, masks and stores, so its registers
+are those of a rank without a halo. On sm_90 (q: 4 heads of 128 a program, 2 warps, unrolled by 4, as autotuned
+in run 2026-12-07r) the loop with the halo in every step spilled 40 bytes a thread and took 530 instructions a step
+against 494 without; ncu timed q's scan 21% slower with a halo (165 against 136 us at 16K rows). The same arithmetic,
+the same bits. Off until a GPU run times it (``benchmarks/layer_full.py``'s lever ``halo_apart`` switches it on with
+:data:`HALO_ROWS_APART`). (Before it, the first span in a launch of its own ran alone after the others: 1.07x the
+backward's kernel time at 16K rows, run 2026-12-07p; removed.)"""
 
 
 @triton.jit
@@ -417,10 +421,47 @@ def _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W: tl.constexpr):
 
 
 @triton.jit
+def _scan_step(t, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride, head_ptr, T, end, HEADS,
+               EPS, h, d, ok, ch, local, bias, lag0, lag1, lag2, lag3, x0, x1, x2, x3, x4, x5, x6, x7, da, da1, da2, da3,
+               da4, pos, pos_1, pos_2, pos_3, pos_4, p1, p2, p3, pos1, pos2, pos3, acc0, acc1, acc2, acc3, accb,
+               D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, READ_HALO: tl.constexpr):
+    """One step of :func:`gdn_cp_glue_conv_bwd_scan` at row ``t``: loads row t-8's x and row t-5's gradient and
+    position (four steps ahead), writes dx at t where t is a row of the span (``t < end``) and, where ``READ_HALO``,
+    reads x below row 0 from the halo and writes the pre-activation gradient of rows 0..W-2 (``head``). Returns the
+    state rolled one row down: x at t-1..t-8, the gradient and position at t-1..t-5, the pre-activation gradient and
+    position at t..t-2 (the next step's t+1..t+3), the sums."""
+    x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 8, T, ch, ok, W, READ_HALO)
+    da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D, REPEAT)
+    pos_next = tl.load(pos_ptr + tl.maximum(t - 5, 0))  # (rows below the span: loaded, never stepped to)
+    e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
+    y = _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
+    pre = _silu_gradient(y, da.to(tl.float32), ok, dout_ptr, EPS, NORM)
+    dx = tl.zeros(pre.shape, dtype=tl.float32)
+    dx += lag0 * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
+    dx += lag1 * tl.where(pos1 >= 1, p1, 0.0)
+    dx += lag2 * tl.where(pos2 >= 2, p2, 0.0)
+    if W > 3:
+        dx += lag3 * tl.where(pos3 >= 3, p3, 0.0)
+    mine = t < end  # a row of this span (not one of the W-1 after it)
+    tl.store(dx_ptr + t.to(tl.int64) * dx_stride + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok & mine)
+    if READ_HALO:
+        tl.store(head_ptr + t * (HEADS * D) + local, pre, mask=ok & (t < W - 1))
+    summed = tl.where(mine, pre, 0.0)
+    accb += summed
+    acc0 += summed * e0
+    acc1 += summed * e1
+    acc2 += summed * e2
+    acc3 += summed * e3
+    return (x1, x2, x3, x4, x5, x6, x7, x_next, da1, da2, da3, da4, da_next, pos_1, pos_2, pos_3, pos_4, pos_next,
+            pre, p1, p2, pos, pos1, pos2, acc0, acc1, acc2, acc3, accb)
+
+
+@triton.jit
 def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
-                              dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, P0, C0, HEADS, EPS, D: tl.constexpr,
+                              dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                               BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                              HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, UNROLL: tl.constexpr):
+                              HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, UNROLL: tl.constexpr,
+                              HALO_TAIL: tl.constexpr):
     """The whole backward of heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a scan
     down the rows, one row a step (``ConvForm.scan``): each step's tile is ``[HB, BD]``, the program's heads at one
     row, so a thread keeps the same channels at every row and the conv's shifts in time are registers: the last
@@ -433,10 +474,10 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     gradient of rows 0..W-2, ``head [W-1, HEADS*D]`` fp32, from which :func:`_halo_gradient` sums the halo's. (On
     sm_90 at 4 warps, computing the halo's gradient here after the scan took 146 registers against 128.) ``UNROLL``
     steps a loop pass (Triton's ``loop_unroll_factor``): unrolled, the rolling windows are renamed, not moved (sm_90,
-    4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126). Spans ``P0 +
-    program_id(0)``: with the halo apart (:data:`SCAN_HALO_APART`) the first span runs in a launch of its own, the
-    only one compiled with the halo's loads and masks."""
-    i_p, i_b = tl.program_id(0) + P0, tl.program_id(1)
+    4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126). ``HALO_TAIL`` (with a
+    halo): the steps of rows 8 and up in a loop that never reads the halo, the rows below in a second loop that does
+    (:data:`SCAN_HALO_TAIL`); one step is :func:`_scan_step` either way."""
+    i_p, i_b = tl.program_id(0), tl.program_id(1)
     h = i_b * HB + tl.arange(0, HB)
     d = tl.arange(0, BD)
     ok = (h < HEADS)[:, None] & (d < D)[None, :]
@@ -478,35 +519,27 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     acc2 = tl.zeros((HB, BD), dtype=tl.float32)
     acc3 = tl.zeros((HB, BD), dtype=tl.float32)
     accb = tl.zeros((HB, BD), dtype=tl.float32)
-    for i in tl.range(top - span0 + 1, loop_unroll_factor=UNROLL):
-        t = top - i
-        x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 8, T, ch, ok, W, HAS_HALO)
-        da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D, REPEAT)
-        pos_next = tl.load(pos_ptr + tl.maximum(t - 5, 0))  # (rows below the span: loaded, never stepped to)
-        e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
-        y = _conv_row(taps[4], lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
-        pre = _silu_gradient(y, da.to(tl.float32), ok, dout_ptr, EPS, NORM)
-        dx = tl.zeros((HB, BD), dtype=tl.float32)
-        dx += lag0 * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
-        dx += lag1 * tl.where(pos1 >= 1, p1, 0.0)
-        dx += lag2 * tl.where(pos2 >= 2, p2, 0.0)
-        if W > 3:
-            dx += lag3 * tl.where(pos3 >= 3, p3, 0.0)
-        mine = t < end  # a row of this span (not one of the W-1 after it)
-        tl.store(dx_ptr + t.to(tl.int64) * dx_stride + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok & mine)
-        if HAS_HALO:
-            tl.store(head_ptr + t * (HEADS * D) + local, pre, mask=ok & (t < W - 1))
-        summed = tl.where(mine, pre, 0.0)
-        accb += summed
-        acc0 += summed * e0
-        acc1 += summed * e1
-        acc2 += summed * e2
-        acc3 += summed * e3
-        p3, p2, p1 = p2, p1, pre
-        pos3, pos2, pos1 = pos2, pos1, pos
-        x0, x1, x2, x3, x4, x5, x6, x7 = x1, x2, x3, x4, x5, x6, x7, x_next
-        da, da1, da2, da3, da4 = da1, da2, da3, da4, da_next
-        pos, pos_1, pos_2, pos_3, pos_4 = pos_1, pos_2, pos_3, pos_4, pos_next
+    state = (x0, x1, x2, x3, x4, x5, x6, x7, da, da1, da2, da3, da4, pos, pos_1, pos_2, pos_3, pos_4, p1, p2, p3,
+             pos1, pos2, pos3, acc0, acc1, acc2, acc3, accb)
+    if HAS_HALO and HALO_TAIL:
+        # rows 8 and up never reach below row 0: their loop reads no halo; the rows below them (in the first span
+        # only) in a second loop that does
+        low = tl.maximum(span0, 8)
+        for i in tl.range(top - low + 1, loop_unroll_factor=UNROLL):
+            state = _scan_step(top - i, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
+                               head_ptr, T, end, HEADS, EPS, h, d, ok, ch, local, taps[4], lag0, lag1, lag2, lag3,
+                               *state, D, W, NORM, REPEAT, False)
+        tail_top = tl.minimum(low - 1, top)
+        for i in tl.range(tail_top - span0 + 1):
+            state = _scan_step(tail_top - i, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
+                               dx_stride, head_ptr, T, end, HEADS, EPS, h, d, ok, ch, local, taps[4], lag0, lag1,
+                               lag2, lag3, *state, D, W, NORM, REPEAT, True)
+    else:
+        for i in tl.range(top - span0 + 1, loop_unroll_factor=UNROLL):
+            state = _scan_step(top - i, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
+                               head_ptr, T, end, HEADS, EPS, h, d, ok, ch, local, taps[4], lag0, lag1, lag2, lag3,
+                               *state, D, W, NORM, REPEAT, HAS_HALO)
+    acc0, acc1, acc2, acc3, accb = state[24], state[25], state[26], state[27], state[28]
     base = dw_ptr + (i_p * (HEADS * D) + local).to(tl.int64) * W
     tl.store(base + (W - 1), acc0, mask=ok)
     if W >= 2:
@@ -693,14 +726,10 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     programs = triton.cdiv(t, span)
     head = torch.empty(w - 1, width, dtype=torch.float32, device=x.device) if halo is not None else dx
     dw_part, db_part = _partial_sums(programs, width, w, bias is not None, x.device)
-    # with a halo only the first span reads it (rows 0..W-2 and their sums): the spans after it in a launch compiled
-    # without the halo's loads and masks (SCAN_HALO_APART), the first in one of its own
-    apart = halo is not None and SCAN_HALO_APART and programs > 1
-    for p0, count, with_halo in ((1, programs - 1, None), (0, 1, halo)) if apart else ((0, programs, halo),):
-        _scan(lambda meta, count=count: (count, triton.cdiv(heads, meta["HB"])),
-              *_conv_inputs(x, weight, bias, with_halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
-              span, p0, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
-              HAS_HALO=with_halo is not None, NORM=norm, REPEAT=repeat)
+    _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
+          *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
+          span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
+          HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat, HALO_TAIL=halo is not None and SCAN_HALO_TAIL)
     _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
