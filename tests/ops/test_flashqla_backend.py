@@ -435,3 +435,20 @@ def test_the_gpu_sync_test_makes_its_inputs_before_it_counts(rank_pool):
     for inside, keys in rank_pool(2).run(_rank_sync_test_counts):
         assert len(inside) == 5 and not any(inside), inside  # chunkwise: first, second; CP=1: first, second, third
         assert keys == ["backward", "cp1_first_sync", "cp1_second_call", "forward", "syncs"], keys
+
+
+def test_the_first_use_says_what_it_costs_once_per_process(fake, caplog, monkeypatch, tmp_path):
+    """FlashQLA's first use in a process logs, at INFO (Megatron-LM's default level), that its TileLang kernels compile
+    now (minutes cold) and where their cache lives (issue 46: with TileLang's own INFO lines kept out, nothing else
+    says it); once: the functions are looked up once per process."""
+    import logging
+
+    from gdn_cp.ops.flashqla import kernels
+
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    kernels.flashqla_api.cache_clear()
+    with caplog.at_level(logging.INFO, logger="gdn_cp.ops.flashqla.kernels"):
+        kernels.flashqla_api()
+        kernels.flashqla_api()
+    said = [r.getMessage() for r in caplog.records if r.name == "gdn_cp.ops.flashqla.kernels"]
+    assert len(said) == 1 and "compiles its TileLang kernels on first use" in said[0] and str(tmp_path) in said[0], said

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -30,7 +31,7 @@ from ..kernel_args import boundaries_of, check_gdr_args, check_initial_state
 from ..varlen import varlen_gated_delta_rule
 from .detect import conv_choice, features, flashqla_problem, fused_norm_choice, stack_report
 from .native_warnings import quiet_native_warnings, quiet_tilelang_log
-from .spec import FLASHQLA_HEAD_DIM, SPEC, padded_value_heads
+from .spec import FLASHQLA_HEAD_DIM, SPEC, first_use_note, padded_value_heads
 
 __all__ = [
     "DEVICE_TYPES",
@@ -61,12 +62,16 @@ class FlashQLAFunctions:
 def flashqla_api() -> FlashQLAFunctions:
     """FlashQLA's functions (imported on first use); RuntimeError with the fix when it cannot run. TileLang's
     compile warnings are kept off stderr from here on (:func:`quiet_native_warnings`: before anything compiles), and
-    its INFO lines off stdout (:func:`quiet_tilelang_log`)."""
+    its INFO lines off stdout (:func:`quiet_tilelang_log`); what the first compile costs and where its cache lives is
+    logged once at INFO (``spec.first_use_note``: Megatron-LM logs at INFO by default)."""
     problem = flashqla_problem()
     if problem is not None:
         raise RuntimeError(f"FlashQLA backend unavailable: {problem}. Fix: install it on an sm_90+ GPU machine "
                            "(pip install -e '.[flashqla]'), or use linear_cp_backend='fla' / 'reference'.")
     log_stack_once("FlashQLA", stack_report)
+    # once per process, before the first kernel compiles: minutes with nothing printed otherwise (TileLang's own
+    # INFO lines, one per kernel, are kept out below)
+    logging.getLogger(__name__).info("FlashQLA: %s", first_use_note())
     chunk = importlib.import_module("flash_qla.ops.gated_delta_rule.chunk")
     quiet_native_warnings()
     quiet_tilelang_log()  # after the import above (TileLang's sets its logger to INFO)
