@@ -27,8 +27,9 @@ from typing import Optional
 
 logger = logging.getLogger("gdn_cp_testing.megatron.wgrads")
 
-ITERATIONS = 3
-"""Iterations each run trains before it exits: iteration 1's gradients come before any update."""
+ITERATIONS = 6
+"""Iterations each run trains before it exits: iteration 1's gradients come before any update; the hybrid's SBHD
+chunkwise row left its band at iteration 5 (run 2026-12-07g), so the dumps reach past it (run 2026-12-07o had 3)."""
 
 GIB_PER_RANK = 9.9
 """GPU memory a rank of these runs takes (the training benchmark's figure, ``benchmarks/train_megatron_lm.py``)."""
