@@ -43,14 +43,17 @@ from .mlm_verdict import (GOOD, REFUSED, RULE, RULES, STOCK, SWEEP, base_name, b
 logger = logging.getLogger("benchmarks.train_megatron_lm")
 
 PAIRS = {
-    "swiglu": ("the MLP's SwiGLU by eager ops instead of Megatron's fused kernel: the same formula, rounded "
-               "elsewhere", dict(extra_args=("--no-bias-swiglu-fusion",))),
-    "mbs1": ("micro-batch 1: each step accumulates 4 micro-batches instead of 2, the same samples and the same "
-             "average loss; every kernel sees another batch size, the gradients another summation order",
-             dict(micro_batch=1)),
+    "swiglu": ("the MLP's SwiGLU by eager ops instead of Megatron's fused kernel: the same formula, rounded elsewhere",
+               dict(extra_args=("--no-bias-swiglu-fusion",))),
+    "mbs1": ("micro-batch 1: each step accumulates 4 micro-batches instead of 2, the same samples and the same average "
+             "loss; every kernel sees another batch size, the gradients another summation order", dict(micro_batch=1)),
     "autotune": ("FLA's Triton kernels at their first working config (GDN_CP_TEST_FAST_AUTOTUNE=1) instead of the "
                  "autotuned one: other tiles, so other reduction orders inside the GDN kernels",
                  dict(env=(("GDN_CP_TEST_FAST_AUTOTUNE", "1"),))),
+    "gdncp": ("every GDN layer through gdn-cp's path at CP=1 (GDN_CP_MLM_GDN_CP_AT_CP1=1) instead of stock's ops: its "
+              "glue kernels and the core's layout, the same math rounded elsewhere (run 2026-12-07o: at iteration 1 "
+              "as far from CP=1 as the swiglu pair, 3.6e-3 of the gradient), what a CP > 1 row runs on SBHD rows",
+              dict(env=(("GDN_CP_MLM_GDN_CP_AT_CP1", "1"),))),
     "ce": ("the loss by Megatron's fused cross-entropy kernel (--cross-entropy-loss-fusion): the same softmax "
            "cross-entropy in one kernel", dict(extra_args=("--cross-entropy-loss-fusion",))),
     "attn": ("attention by TransformerEngine's unfused path (--attention-backend unfused: softmax of the materialised "
@@ -59,7 +62,7 @@ PAIRS = {
 }
 """Harmless perturbations of a CP=1 run: ``kind -> (what, changes)``. None changes the model, the data, the
 samples or their order; each changes only how the same arithmetic is rounded."""
-PAIRS_OF = {"default": ("swiglu", "mbs1", "autotune"), "main": ("swiglu", "mbs1", "autotune", "ce"),
+PAIRS_OF = {"default": ("swiglu", "mbs1", "autotune"), "main": ("swiglu", "mbs1", "autotune", "ce", "gdncp"),
             # FP8: no micro-batch pair (delayed scaling's amax history moves once per micro-batch)
             # (no pair of fp32 gradient accumulation: Megatron-LM's validate_args sets it for every bf16 run)
             "fp8": ("swiglu", "ce", "autotune"), "no_gdn": ("swiglu", "ce", "attn")}
@@ -198,8 +201,7 @@ def _fp8() -> list[tuple[RunSpec, str]]:
                    (RunSpec("par_fp8_idm_cp2", **D, **IDM, cp=2, mode="auto"), "par_fp8_idm_cp1")]
 
 
-SWEEP_SIZES = dict(model="hybrid", pattern="G*G-", hidden=256, seq_length=1024, attention_heads=(4, 2),
-                   iterations=20, lr_warmup=5)
+SWEEP_SIZES = dict(model="hybrid", pattern="G*G-", hidden=256, seq_length=1024, attention_heads=(4, 2), iterations=20, lr_warmup=5)
 """Group ``sweep``'s tiny model: GDN, attention, GDN, MLP (two layers per stage at PP=2), the GDN heads of the
 other groups (their compiled kernels serve), 20 iterations."""
 
@@ -271,8 +273,7 @@ hybrid's autotune 119 s; the small models of run 2026-12-02a started in 40-60 s)
 ITERATION_S = {1: 0.4, 2: 0.8, 4: 1.0, "tiny": 0.2}
 """One later iteration under the same load (run 2026-12-03a medians: CP=1 0.34-0.40 s, CP=2 0.58-0.92 s, CP=4
 0.70-1.08 s; all_gather x1.3)."""
-FACTORS = {"all_gather": 1.3, "pp": 1.5, "experts": 1.3, "mtp": 1.2, "experts_start_s": 15.0,
-           "flashqla_start_s": 90.0}
+FACTORS = {"all_gather": 1.3, "pp": 1.5, "experts": 1.3, "mtp": 1.2, "experts_start_s": 15.0, "flashqla_start_s": 90.0}
 """Guesses until a run measures them: per iteration x1.5 with pipeline stages (activations through the host),
 x1.3 with experts, x1.2 with MTP; 15 s more start-up with experts (TE's grouped GEMM) and 90 s with FlashQLA
 (TileLang compiles a forward and backward in ~2-3 min cold, once: later processes load it from
@@ -369,8 +370,7 @@ def prepare_data(data_dir: Path, todo: list, *, source=None, max_bytes: int = by
     sft = [s for s, _ in todo if s.data == "sft"]
     rows = max([s.iterations * s.global_batch for s in sft] + [64])  # no SFT row read twice
     seq = max([s.seq_length for s in sft] + [4096])
-    path = write_sft_set(Path(data_dir) / "sft.jsonl", text=byte_text.corpus_text(source, max_bytes), rows=rows,
-                         seq_length=seq)
+    path = write_sft_set(Path(data_dir) / "sft.jsonl", text=byte_text.corpus_text(source, max_bytes), rows=rows, seq_length=seq)
     return provenance | {"sft": {"path": str(path), "rows": rows, "seq_length": seq, "sha256": byte_text.sha256_of(path)}}
 
 

@@ -222,8 +222,8 @@ def test_groups_rows_references_and_the_pairs_of_every_model():
     for spec, ref in every:
         if spec.name.endswith("_noise"):
             pairs_of.setdefault(model(by[ref][0]), []).append(spec.name.rsplit("_", 2)[1])
-    for key, names in judged.items():  # every model with CP > 1 rows has 3 different pairs (4 for group main's)
-        assert len(set(pairs_of.get(key, []))) >= 3 == len(pairs_of[key]) or len(pairs_of[key]) == 4, (key, names)
+    for key, names in judged.items():  # every model with CP > 1 rows has 3 different pairs (5 for group main's)
+        assert len(set(pairs_of.get(key, []))) >= 3 == len(pairs_of[key]) or len(pairs_of[key]) == 5, (key, names)
     main = {(s.model, s.cp, s.mode, s.stock) for s, _ in bench.matrix(("main",))}
     assert {(m, cp, mode, False) for m in ("hybrid", "gpt") for cp in (2, 4) for mode in bench.MODES} < main
     assert [s.name for s, _ in bench.matrix(("main",))][:2] == ["hybrid_cp1", "hybrid_cp1_swiglu_noise"]
@@ -369,7 +369,7 @@ def test_run_matrix_builds_data_and_helpers_first_and_writes_a_row_per_run(tmp_p
     doc = bench.run_matrix(_args(tmp_path, only=["hybrid_cp1", "hybrid_cp2_stock"]))
     assert sorted(r["name"] for r in doc["rows"]) == sorted([
         "hybrid_cp1", "hybrid_cp1_swiglu_noise", "hybrid_cp1_mbs1_noise", "hybrid_cp1_autotune_noise",
-        "hybrid_cp1_ce_noise", "hybrid_cp2_stock"])  # in the order they ended
+        "hybrid_cp1_ce_noise", "hybrid_cp1_gdncp_noise", "hybrid_cp2_stock"])  # in the order they ended
     # Megatron's helpers built in both checkouts (once) and the text and the SFT set written before any run
     assert all(made == ["mlm", "stock"] for _, made, _, _ in launched), launched
     assert all(files[:4] == ["sft.jsonl", "stdlib_bytes.bin", "stdlib_bytes.idx", "stdlib_bytes.json"]
@@ -377,8 +377,10 @@ def test_run_matrix_builds_data_and_helpers_first_and_writes_a_row_per_run(tmp_p
     # only the autotune pair takes FLA's first config, whatever the caller's environment says
     assert {n: env["GDN_CP_TEST_FAST_AUTOTUNE"] for n, _, _, env in launched if "noise" in n} == {
         "hybrid_cp1_swiglu_noise": "0", "hybrid_cp1_mbs1_noise": "0", "hybrid_cp1_autotune_noise": "1",
-        "hybrid_cp1_ce_noise": "0"}
-    assert [len(s) for s in saved] == [1, 2, 3, 4, 5, 6, 6]  # rewritten after every run, and once at the end
+        "hybrid_cp1_ce_noise": "0", "hybrid_cp1_gdncp_noise": "0"}
+    # only the gdncp pair hands CP=1's GDN calls to gdn-cp's path
+    assert {n for n, _, _, env in launched if env.get("GDN_CP_MLM_GDN_CP_AT_CP1") == "1"} == {"hybrid_cp1_gdncp_noise"}
+    assert [len(s) for s in saved] == [1, 2, 3, 4, 5, 6, 7, 7]  # rewritten after every run, and once at the end
     written = json.loads(Path(tmp_path / "out.json").read_text())
     assert written["rule"] == bench.RULE and written["data"]["files"] == 12 and set(written["pairs"]) == set(bench.PAIRS)
     assert {r["name"]: r["verdict"] for r in written["rows"]}["hybrid_cp2_stock"] == "stock: matches CP=1"
