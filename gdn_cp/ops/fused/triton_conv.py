@@ -564,7 +564,9 @@ _SCAN_BWD_CONFIGS = [({"HB": hb, "UNROLL": 1}, w) for hb, w in ((2, 1), (4, 2), 
 """The backward scan's autotuning configs, ``(heads a program and steps a loop pass, num_warps)``: 8 or 4 channels a
 thread at head dim 128, one step a loop pass, and the likeliest four unrolled by 4 (fewer instructions a step, more
 registers: which wins is the GPU's to say)."""
-_scan = launcher(gdn_cp_glue_conv_bwd_scan, _TILE_KEY, _SCAN_BWD_CONFIGS, {"HB": 2, "UNROLL": 1, "num_warps": 1})
+# HALO_TAIL in the key: the tail form tunes on its own (it may take the config that spilled with the halo in every step)
+_scan = launcher(gdn_cp_glue_conv_bwd_scan, [*_TILE_KEY, "HALO_TAIL"], _SCAN_BWD_CONFIGS,
+                 {"HB": 2, "UNROLL": 1, "num_warps": 1})
 _SCAN_SPAN = 64  # rows per scan program at least: the backward recomputes W-1 more (5% at W 4)
 _SCAN_PROGRAMS = 512  # spans per head block at most: longer rows take longer spans, so the backward's per-span tap
 # sums (programs x width x W fp32: 33 MB for v at 128K rows) stay small
