@@ -26,7 +26,6 @@ import dataclasses
 import heapq
 import json
 import logging
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from gdn_cp_testing.megatron import byte_text
-from gdn_cp_testing.megatron.lm import RunSpec, build_dataset_helpers, launch, write_sft_set
+from gdn_cp_testing.megatron.lm import GIB_PER_RANK, RunSpec, build_dataset_helpers, gpu_memory_mib, launch, write_sft_set
 
 from .common import csv_choices, machine_info, now_iso, setup_logging, versions, write_json
 from .mlm_verdict import (GOOD, REFUSED, RULE, RULES, STOCK, SWEEP, base_name, bands, judge,  # noqa: F401
@@ -284,25 +283,8 @@ REFUSED_S = 60.0
 """A run that must stop in ``validate_args``: its ranks import Megatron-LM and stop."""
 
 
-GIB_PER_RANK = 9.9
-"""GPU memory one bf16 rank process of these runs may take, start-up and autotuning included: 14 ran side by side
-on a 140.4 GiB H200 (runs 2026-12-03a to 2026-12-05j); 14 on an 79.6 GiB H100 ran out of memory in their first
-step (run 2026-12-06c, the CUDA and NCCL allocations of every process; Megatron-LM's own report said 2.6 GiB
-reserved per rank). fp32 rows take twice (16 on the H200 ran out of memory, 8 ran). Each call's JSON records the
-GPU memory it saw used every ~5 s and at most (``gpu_memory``), to replace this figure with a measured one."""
 H100_GIB = 79.6
 """The GPU a plan assumes where none is visible (``--dry-run`` here): plain device calls mostly get an H100."""
-
-
-def gpu_memory_mib(field: str) -> Optional[float]:
-    """GPU 0's ``memory.total`` or ``memory.used`` in MiB from ``nvidia-smi`` (no CUDA context in this process:
-    it would take memory from the ranks); None where there is no GPU."""
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-        return float(out.split()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
 
 
 def ranks_that_fit(gpu_gib: float, todo: list) -> int:

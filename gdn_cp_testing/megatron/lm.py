@@ -60,6 +60,7 @@ _CLONE = str(Path(__file__).resolve().parents[2])  # the clone's root: gdn_cp_te
 
 __all__ = [
     "DATA_FLAGS",
+    "GIB_PER_RANK",
     "RECOMPUTE",
     "RunSpec",
     "RunResult",
@@ -67,6 +68,7 @@ __all__ = [
     "parallelism_args",
     "parse_training_log",
     "launch",
+    "gpu_memory_mib",
     "build_dataset_helpers",
     "write_sft_set",
     "install_rank_shims",
@@ -465,6 +467,26 @@ def _error_tail(text: str, lines: int = 12) -> str:
 PORT_TAKEN = ("EADDRINUSE", "address already in use")
 """What a rank's log says when the rendezvous port it was given was taken before it listened (runs started
 side by side pick free ports independently; seen 2026-12-03: a CP=4 run's rank 0 lost its port)."""
+
+
+GIB_PER_RANK = 9.9
+"""GPU memory one bf16 rank process of these runs may take, start-up and autotuning included: 14 ran side by side
+on a 140.4 GiB H200 (runs 2026-12-03a to 2026-12-05j); 14 on an 79.6 GiB H100 ran out of memory in their first
+step (run 2026-12-06c, the CUDA and NCCL allocations of every process; Megatron-LM's own report said 2.6 GiB
+reserved per rank). fp32 rows take twice (16 on the H200 ran out of memory, 8 ran). Each call of
+``benchmarks/train_megatron_lm.py`` records the GPU memory it saw used every ~5 s and at most (its JSON's
+``gpu_memory``), to replace this figure with a measured one."""
+
+
+def gpu_memory_mib(field: str) -> Optional[float]:
+    """GPU 0's ``memory.total`` or ``memory.used`` in MiB from ``nvidia-smi`` (no CUDA context in this process:
+    it would take memory from the ranks); None where there is no GPU."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu=memory.{field}", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20, check=True).stdout
+        return float(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def launch(spec: RunSpec, *, checkout, log_dir, attempts: int = 3, **kwargs) -> RunResult:

@@ -31,25 +31,19 @@ ITERATIONS = 6
 """Iterations each run trains before it exits: iteration 1's gradients come before any update; the hybrid's SBHD
 chunkwise row left its band at iteration 5 (run 2026-12-07g), so the dumps reach past it (run 2026-12-07o had 3)."""
 
-GIB_PER_RANK = 9.9
-"""GPU memory a rank of these runs takes (the training benchmark's figure, ``benchmarks/train_megatron_lm.py``)."""
-
 MAX_RANKS = 8
 """Ranks side by side where the GPU's memory cannot be read (an H100's 80 GiB)."""
 
 
 def ranks_that_fit() -> int:
-    """Rank processes side by side on this machine's GPU: its memory (nvidia-smi, read without a CUDA context in
-    this process) over :data:`GIB_PER_RANK`; :data:`MAX_RANKS` where nvidia-smi cannot say (8 on an H100, 14 on an
-    H200: the 13 ranks of :func:`runs` in one wave)."""
-    import subprocess
+    """Rank processes side by side on this machine's GPU: its memory (``lm.gpu_memory_mib``) over ``lm.GIB_PER_RANK``
+    (8 on an H100, 14 on an H200: the 13 ranks of :func:`runs` in one wave); :data:`MAX_RANKS` where nvidia-smi
+    cannot say."""
+    from .lm import GIB_PER_RANK, gpu_memory_mib
 
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
-        return max(2, int(float(out[0]) / 1024 // GIB_PER_RANK))  # 2 at least: a CP=2 run needs both at once
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return MAX_RANKS
+    total = gpu_memory_mib("total")
+    # 2 at least: a CP=2 run needs both at once
+    return MAX_RANKS if total is None else max(2, int(total / 1024 // GIB_PER_RANK))
 
 
 ON_GDN_CPS_PATH = (("GDN_CP_MLM_GDN_CP_AT_CP1", "1"),)
@@ -195,6 +189,8 @@ def summary(doc: dict) -> str:
 
 
 def main(argv: Optional[list] = None) -> int:
+    from .lm import GIB_PER_RANK
+
     p = argparse.ArgumentParser(prog="python -m gdn_cp_testing.megatron.wgrads", description=__doc__.split("\n\n")[0])
     p.add_argument("--checkout", required=True, help="a patched Megatron-LM checkout (core_v0.19.x)")
     p.add_argument("--work", required=True, help="folder for the data, the dumps and the ranks' logs")
