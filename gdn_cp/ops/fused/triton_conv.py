@@ -521,24 +521,19 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     accb = tl.zeros((HB, BD), dtype=tl.float32)
     state = (x0, x1, x2, x3, x4, x5, x6, x7, da, da1, da2, da3, da4, pos, pos_1, pos_2, pos_3, pos_4, p1, p2, p3,
              pos1, pos2, pos3, acc0, acc1, acc2, acc3, accb)
+    fixed = (x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride, head_ptr, T, end, HEADS, EPS,
+             h, d, ok, ch, local, taps[4], lag0, lag1, lag2, lag3)
+    # with HALO_TAIL, rows 8 and up never reach below row 0: their loop reads no halo; the rows below them (in the
+    # first span only) in a second loop that does
+    low = span0
     if HAS_HALO and HALO_TAIL:
-        # rows 8 and up never reach below row 0: their loop reads no halo; the rows below them (in the first span
-        # only) in a second loop that does
         low = tl.maximum(span0, 8)
-        for i in tl.range(top - low + 1, loop_unroll_factor=UNROLL):
-            state = _scan_step(top - i, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
-                               head_ptr, T, end, HEADS, EPS, h, d, ok, ch, local, taps[4], lag0, lag1, lag2, lag3,
-                               *state, D, W, NORM, REPEAT, False)
+    for i in tl.range(top - low + 1, loop_unroll_factor=UNROLL):
+        state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL)
+    if HAS_HALO and HALO_TAIL:
         tail_top = tl.minimum(low - 1, top)
         for i in tl.range(tail_top - span0 + 1):
-            state = _scan_step(tail_top - i, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr,
-                               dx_stride, head_ptr, T, end, HEADS, EPS, h, d, ok, ch, local, taps[4], lag0, lag1,
-                               lag2, lag3, *state, D, W, NORM, REPEAT, True)
-    else:
-        for i in tl.range(top - span0 + 1, loop_unroll_factor=UNROLL):
-            state = _scan_step(top - i, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride,
-                               head_ptr, T, end, HEADS, EPS, h, d, ok, ch, local, taps[4], lag0, lag1, lag2, lag3,
-                               *state, D, W, NORM, REPEAT, HAS_HALO)
+            state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True)
     acc0, acc1, acc2, acc3, accb = state[24], state[25], state[26], state[27], state[28]
     base = dw_ptr + (i_p * (HEADS * D) + local).to(tl.int64) * W
     tl.store(base + (W - 1), acc0, mask=ok)
