@@ -160,14 +160,15 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
 def main(argv=None) -> dict:
     args, forms = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from gdn_cp.ops.fused import triton_launch
+    from gdn_cp.ops.fused import triton_conv, triton_launch
 
     hk, hv = (int(h) for h in args.heads.split(","))
     shape, results = (hk, hv, args.head_dim, args.conv_bias, args.halo), []
     report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
               "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
               "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "halo": args.halo,
-              "dtype": "bfloat16", "results": results}
+              "dtype": "bfloat16", "results": results, "switches": {name.lower(): getattr(triton_conv, name) for name in (
+                  "HALO_ROWS_APART", "SCAN_HALO_TAIL", "SCAN_BRANCH_MASKS")}}  # as a caller set them (the docs' commands)
     for rows in (parse_tokens(r) for r in args.rows.split(",")):
         if args.profile:
             for form in forms.values():  # 3 launches each (q, k, v)

@@ -236,6 +236,8 @@ LEVER_SWITCHES = {
                                              lambda m: None),
     "halo_apart": lambda modules: _switched(modules, [mock.patch(f"gdn_cp.ops.fused.triton_conv.{flag}", True) for flag in (
         "HALO_ROWS_APART", "SCAN_HALO_TAIL")], lambda m: None),
+    "scan_branch": lambda modules: _switched(modules, [mock.patch("gdn_cp.ops.fused.triton_conv.SCAN_BRANCH_MASKS", True)],
+                                             lambda m: None),
 }
 """A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 
@@ -464,6 +466,7 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             out["wide_column_copy"] = split.WIDE_COLUMN_COPY
             conv = sys.modules.get("gdn_cp.ops.fused.triton_conv")  # imported where the Triton glue ran
             out["halo_rows_apart"] = conv.HALO_ROWS_APART if conv is not None else None
+            out["scan_branch_masks"] = conv.SCAN_BRANCH_MASKS if conv is not None else None
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()

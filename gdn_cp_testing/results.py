@@ -22,9 +22,9 @@ from typing import Any, Optional
 
 from gdn_cp.ops.versions import stack_versions
 
-__all__ = ["COPY_LEVERS", "HALO_LEVERS", "KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "JsonlRecorder",
+__all__ = ["COPY_LEVERS", "HALO_LEVERS", "KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "SCAN_LEVERS", "JsonlRecorder",
            "default_key_heads_in_glue", "halo_rows_apart", "key_heads_in_glue", "load_average", "machine_info", "now_iso",
-           "picks_glue_path", "stack_versions", "wide_column_copy", "write_json"]
+           "picks_glue_path", "scan_branch_masks", "stack_versions", "wide_column_copy", "write_json"]
 
 KEY_HEAD_LEVERS = ("key_heads_by_backend", "key_heads_in_conv")
 """``benchmarks/layer_full.py``'s levers that only switch ``gdn_cp.ops.fused.glue.REPEAT_KEY_HEADS_IN_CONV``: off, and
@@ -47,6 +47,10 @@ HALO_APART_RUNS = ("layer_full-20261207-161258",)
 """The layer_full runs whose code had ``HALO_ROWS_APART`` on by default before rows recorded it (run 2026-12-07q:
 its rows without the ``halo_in_tiles`` lever ran with the halo apart). Every other row without the field ran with
 the halo in every tile, as all code before run 2026-12-07n did."""
+
+SCAN_LEVERS = ("scan_branch",)
+"""``benchmarks/layer_full.py``'s lever that only switches how the backward's scan masks each sequence
+(``gdn_cp.ops.fused.triton_conv.SCAN_BRANCH_MASKS`` on). A row of it is told by :func:`scan_branch_masks`."""
 
 
 REMOVED_GLUE_PATHS = ("triton_taps_per_program", "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow",
@@ -82,6 +86,12 @@ def halo_rows_apart(row: dict) -> bool:
     if row.get("halo_rows_apart") is not None:
         return row["halo_rows_apart"]
     return row.get("run_id") in HALO_APART_RUNS and row.get("lever_off") != HALO_LEVERS[0]
+
+
+def scan_branch_masks(row: dict) -> bool:
+    """Whether a layer_full row's backward scan masked each sequence by branches (the row's ``scan_branch_masks``;
+    rows from before that field: off, as all code before it)."""
+    return bool(row.get("scan_branch_masks"))
 
 
 def default_key_heads_in_glue(stack: str | None, backend: str | None) -> bool:

@@ -63,17 +63,24 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
 
 
 def tile_loop(cubin: bytes) -> dict:
-    """``{"loop_instructions": n, "loop_barriers": n}`` per thread in one pass of the kernel's widest loop (the
-    longest backward branch of its SASS: a row-tile loop), a static count: what one tile costs in issued
-    instructions, and how often its warps wait for each other (BAR)."""
-    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", _cuobjdump(cubin, "-sass"))
-    spans = [(int(m.group(1), 16), int(at, 16)) for at, op, rest in code if op.startswith("BRA")
-             for m in [re.search(r"0x([0-9a-f]+)", rest)] if m and int(m.group(1), 16) < int(at, 16)]
+    """``{"loop_instructions": n, "loop_barriers": n, "loop_common_path": n}`` per thread in one pass of the kernel's
+    widest loop (the longest backward branch of its SASS: a row-tile loop), a static count: what one tile costs in
+    issued instructions, and how often its warps wait for each other (BAR); ``loop_common_path``: the instructions
+    left when every conditional forward branch in the loop is taken (the blocks a uniform ``if`` skips, e.g. the
+    scan's masks at a sequence's first and last rows, not counted)."""
+    code = re.findall(r"/\*([0-9a-f]{4,})\*/\s+((?:@!?U?P\w+\s+)?)([A-Z][A-Z0-9_.]*)([^;]*);",
+                      _cuobjdump(cubin, "-sass"))
+    code = [(int(at, 16), guard.strip(), op, re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None)
+            for at, guard, op, rest in code]
+    spans = [(int(target.group(1), 16), at) for at, _, _, target in code if target and int(target.group(1), 16) < at]
     if not spans:
-        return {"loop_instructions": 0, "loop_barriers": 0}
+        return {"loop_instructions": 0, "loop_barriers": 0, "loop_common_path": 0}
     low, high = max(spans, key=lambda span: span[1] - span[0])
-    body = [op for at, op, _ in code if low <= int(at, 16) <= high]
-    return {"loop_instructions": len(body), "loop_barriers": sum(op.startswith("BAR") for op in body)}
+    body = [(at, guard, op, target) for at, guard, op, target in code if low <= at <= high]
+    skipped = [(at, int(target.group(1), 16)) for at, guard, _, target in body
+               if guard and target and int(target.group(1), 16) > at]
+    return {"loop_instructions": len(body), "loop_barriers": sum(op.startswith("BAR") for _, _, op, _ in body),
+            "loop_common_path": sum(not any(a < at < b for a, b in skipped) for at, _, _, _ in body)}
 
 
 def cubin_resources(cubin: bytes) -> dict:
@@ -99,7 +106,7 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
          {"BT": 32, "BC": 128, "W": 4}),
         ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
-         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1, "HALO_TAIL": False}),
+         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1, "HALO_TAIL": False, "BRANCH": False}),
     )
 
 
@@ -124,7 +131,8 @@ def tests_report() -> dict:
     session, ~7 CPU s): every kernel as the tests' default shape compiles; the one-pass backward as launched (16
     rows, 4 warps, l2 norm, bias); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm,
     without a bias (Megatron's GDN conv has none by default) and, for q, with one, with a halo, and unrolled by 4;
-    q's scan at 2 warps unrolled by 4 without a halo, with one in every step and with one in the tail loop only."""
+    q's scan at 2 warps unrolled by 4 without a halo, with one in every step and with one in the tail loop only; q's
+    and v's at 2 warps unrolled by 4 with the sequence masks by selects and by branches."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
@@ -148,7 +156,13 @@ def tests_report() -> dict:
             "scan_2_warps": {name: as_launched(16, 128, True, 4, bias=False, warps=2, UNROLL=4, halo=halo,
                                                HALO_TAIL=tail)
                              for name, halo, tail in (("q", False, False), ("q_halo", True, False),
-                                                      ("q_halo_tail", True, True))}}
+                                                      ("q_halo_tail", True, True))},
+            # q (and v, without and with) with the sequence masks by uniform branches (triton_conv.SCAN_BRANCH_MASKS)
+            "scan_branch": {name: as_launched(16, 128, norm, 4, bias=False, warps=2, UNROLL=4, halo=halo,
+                                              HALO_TAIL=halo, BRANCH=branch)
+                            for name, norm, halo, branch in (("q_branch", True, False, True),
+                                                             ("q_halo_tail_branch", True, True, True),
+                                                             ("v", False, False, False), ("v_branch", False, False, True))}}
 
 
 if __name__ == "__main__":

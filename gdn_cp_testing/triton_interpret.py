@@ -46,6 +46,13 @@ CONV_CASES = (  # (dtype, halo, k heads, v heads, Dk, Dv, qk l2norm, cu, two-pas
     ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16 apart"),
     ("float16", True, 1, 3, 16, 16, True, (0, 1, 15, 33), "scan 16 apart", 2),
     ("float32", True, 1, 2, 16, 16, True, (0, 2, 5), "scan 16 apart"),  # 5 rows: every step in the halo's loop
+    # the scan's masks by branches (triton_conv.SCAN_BRANCH_MASKS; off by default): an empty sequence, starts inside
+    # spans and on their edges, one-row sequences (a first and a last row at once), the halo in every step and in the
+    # tail loop, q and k repeated, a narrower conv
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16 branch"),
+    ("float16", False, 1, 3, 16, 24, False, (0, 1, 2, 3, 16, 17, 20, 32, 50), "scan 16 branch"),
+    ("float16", True, 1, 3, 16, 16, True, (0, 1, 15, 33), "scan 16 apart branch", 2),
+    ("float32", True, 1, 2, 16, 16, True, (0, 5, 5, 17, 18, 33), "scan 16 branch", 1, 2),
 )
 
 
@@ -70,8 +77,9 @@ def conv_case(dtype: str, halo: bool, hk: int, hv: int, dk: int, dv: int, norm: 
 
     family = backward_family(chunk)
     form = {"one_pass": family == "one_pass", "scan": family == "scan"}
-    apart = isinstance(chunk, str) and chunk.endswith(" apart")  # the halo in launches of its own (off by default)
-    triton_conv.HALO_ROWS_APART = triton_conv.SCAN_HALO_TAIL = apart
+    words = chunk.split() if isinstance(chunk, str) else []
+    triton_conv.HALO_ROWS_APART = triton_conv.SCAN_HALO_TAIL = "apart" in words  # the halo apart (off by default)
+    triton_conv.SCAN_BRANCH_MASKS = "branch" in words  # the scan's masks by branches (off by default)
     if form["scan"]:  # spans of that many rows
         triton_conv._SCAN_SPAN = int(chunk.split()[1])
     elif form["one_pass"]:  # spans of 16 rows (the interpreter's tile) or more, about `programs` of them per group

@@ -260,6 +260,10 @@ def test_every_lever_has_its_switch_and_the_flag_levers_turn_their_flag_for_the_
     with LEVER_SWITCHES["halo_apart"]([]):
         assert triton_conv.HALO_ROWS_APART and triton_conv.SCAN_HALO_TAIL
     assert not (triton_conv.HALO_ROWS_APART or triton_conv.SCAN_HALO_TAIL)
+    assert not triton_conv.SCAN_BRANCH_MASKS  # off by default (not yet timed on a GPU): the lever turns it on
+    with LEVER_SWITCHES["scan_branch"]([]):
+        assert triton_conv.SCAN_BRANCH_MASKS
+    assert not triton_conv.SCAN_BRANCH_MASKS
 
 
 def test_plan_units_and_keys():

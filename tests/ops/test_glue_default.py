@@ -8,7 +8,8 @@ the row switched away from its default (``lever_off``: e.g. ``split_cat``; a lev
 ``glue_<path>``, is the path), and whether the conv wrote q and k repeated for the backend (``key_heads_in_glue``:
 ``REPEAT_KEY_HEADS_IN_CONV`` where the backend repeats them, FLA < 0.5) and whether the split's gradient groups were
 copied as 8-byte words (``wide_column_copy``: ``split.WIDE_COLUMN_COPY``) and whether the forward read the halo in
-launches of its own (``halo_rows_apart``: ``triton_conv.HALO_ROWS_APART``). A default can then never again ship
+launches of its own (``halo_rows_apart``: ``triton_conv.HALO_ROWS_APART``) and whether the backward's scan masked
+by branches (``scan_branch_masks``: ``triton_conv.SCAN_BRANCH_MASKS``). A default can then never again ship
 unmeasured, slower or bigger."""
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from gdn_cp.ops.fused import CUDA_DEFAULT, GLUE_PATHS, split, triton_conv
-from gdn_cp_testing.results import (COPY_LEVERS, HALO_LEVERS, KEY_HEAD_LEVERS, REMOVED_GLUE_PATHS,
+from gdn_cp_testing.results import (COPY_LEVERS, HALO_LEVERS, KEY_HEAD_LEVERS, REMOVED_GLUE_PATHS, SCAN_LEVERS,
                                     default_key_heads_in_glue, halo_rows_apart, key_heads_in_glue, picks_glue_path,
-                                    wide_column_copy)
+                                    scan_branch_masks, wide_column_copy)
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "layer_full_glue.json"
 PERFORMANCE = RESULTS.parents[2] / "docs" / "performance.md"
@@ -40,8 +41,9 @@ def _groups():
         key = (r["run_id"], r.get("stack"), r.get("gdn_cp_backend"), r.get("spec") or "local", r["T"],
                r.get("slice_rank"))
         lever = r.get("lever_off")
-        variant = (r["glue"], None if picks_glue_path(lever) or lever in (*KEY_HEAD_LEVERS, *COPY_LEVERS, *HALO_LEVERS)
-                   else lever, key_heads_in_glue(r), wide_column_copy(r), halo_rows_apart(r))
+        variant = (r["glue"], None if picks_glue_path(lever) or lever in (*KEY_HEAD_LEVERS, *COPY_LEVERS, *HALO_LEVERS,
+                                                                                     *SCAN_LEVERS)
+                   else lever, key_heads_in_glue(r), wide_column_copy(r), halo_rows_apart(r), scan_branch_masks(r))
         assert variant not in groups[key], f"two rows of {variant} in {key}"
         groups[key][variant] = (r["median_ms"], r["peak_gib"])
     return {k: v for k, v in groups.items() if len(v) > 1}
@@ -52,7 +54,7 @@ def _default(key) -> tuple:
     repeats them (FLA < 0.5: the stack names FLA's version), the copies as words, the halo as
     ``triton_conv.HALO_ROWS_APART`` says."""
     return CUDA_DEFAULT, None, default_key_heads_in_glue(key[1], key[2]), split.WIDE_COLUMN_COPY, \
-        triton_conv.HALO_ROWS_APART
+        triton_conv.HALO_ROWS_APART, triton_conv.SCAN_BRANCH_MASKS
 
 
 def test_every_row_names_a_glue_path():
@@ -104,7 +106,7 @@ def test_triton_norm_trades_memory_for_time():
     """Run 2026-12-06a: ``triton_norm`` is faster than ``triton_one_pass`` (the default then) in every row and keeps
     more peak memory (its in_proj gradient buffer is made before the core's backward); if a later run shows it no
     bigger than the default, the test above fails until it is the default."""
-    norm, one_pass = ("triton_norm", None, False, False, False), ("triton_one_pass", None, False, False, False)
+    norm, one_pass = ("triton_norm", None, False, False, False, False), ("triton_one_pass", None, False, False, False, False)
     rows = [v for v in _groups().values() if one_pass in v and norm in v]
     assert len(rows) == 4
     for v in rows:
@@ -116,7 +118,7 @@ def test_the_dz_copy_path_is_faster_than_one_pass_at_the_same_peak_everywhere_bo
     """Why ``triton_norm_dz_copy`` became the default (runs 2026-12-06b, d, e; one H100), before the scan: in each of
     the 8 rank rows that ran it beside ``triton_one_pass`` (FlashQLA local and FLA + TE, 32K and 128K) it took less
     time, at the same peak memory within 8 KiB."""
-    dz_copy, one_pass = ("triton_norm_dz_copy", None, False, False, False), ("triton_one_pass", None, False, False, False)
+    dz_copy, one_pass = ("triton_norm_dz_copy", None, False, False, False, False), ("triton_one_pass", None, False, False, False, False)
     rows = [v for v in _groups().values() if one_pass in v and dz_copy in v]
     assert len(rows) == 8
     for v in rows:
@@ -133,11 +135,11 @@ def test_the_scan_and_the_glues_key_head_copies_are_faster_at_the_same_peak_in_e
     FlashQLA + TE at 128K, rank 0, 506 KiB more (0.006% of its 8.77 GiB; rank 1, the same rows' shapes: 0). Counted: a
     later run where either is slower fails here and asks for the choice to be made again."""
     groups = list(_groups().values())
-    pairs = [(v[("triton_norm_dz_copy_scan", None, k, False, False)], v[("triton_norm_dz_copy", None, k, False, False)])
+    pairs = [(v[("triton_norm_dz_copy_scan", None, k, False, False, False)], v[("triton_norm_dz_copy", None, k, False, False, False)])
              for v in groups for k in (False, True)
-             if ("triton_norm_dz_copy_scan", None, k, False, False) in v and ("triton_norm_dz_copy", None, k, False, False) in v]
-    pairs_kv = [(v[(p, None, True, False, False)], v[(p, None, False, False, False)]) for v in groups for p in ("triton_norm_dz_copy",
-                CUDA_DEFAULT) if (p, None, True, False, False) in v and (p, None, False, False, False) in v]
+             if ("triton_norm_dz_copy_scan", None, k, False, False, False) in v and ("triton_norm_dz_copy", None, k, False, False, False) in v]
+    pairs_kv = [(v[(p, None, True, False, False, False)], v[(p, None, False, False, False, False)]) for v in groups for p in ("triton_norm_dz_copy",
+                CUDA_DEFAULT) if (p, None, True, False, False, False) in v and (p, None, False, False, False, False) in v]
     assert len(pairs) == 14 and len(pairs_kv) == 8, (pairs, pairs_kv)
     peaks = sorted(abs(gib - gib0) * 2**20 for (_, gib), (_, gib0) in pairs + pairs_kv)  # KiB
     assert peaks[-1] < 512 and peaks[-2] < 8, peaks
@@ -151,8 +153,8 @@ def test_the_wide_copy_is_faster_or_level_at_the_same_peak_in_every_row_that_ran
     element copy in 5 of the 6 rank rows that ran both (FLA at 32K and 128K, FlashQLA at 32K rank 0) and was level
     (within 1%, run-to-run noise) in the sixth, each at the same peak memory within 8 KiB. Counted: a later run where
     it is slower by more than the noise fails here."""
-    pairs = [(v[(p, None, k, True, False)], v[(p, None, k, False, False)]) for v in _groups().values() for p in (CUDA_DEFAULT,)
-             for k in (False, True) if (p, None, k, True, False) in v and (p, None, k, False, False) in v]
+    pairs = [(v[(p, None, k, True, False, False)], v[(p, None, k, False, False, False)]) for v in _groups().values() for p in (CUDA_DEFAULT,)
+             for k in (False, True) if (p, None, k, True, False, False) in v and (p, None, k, False, False, False) in v]
     assert len(pairs) == 6, pairs
     assert sum(ms < ms0 for (ms, _), (ms0, _) in pairs) == 5, pairs
     for (ms, gib), (ms0, gib0) in pairs:
@@ -167,9 +169,9 @@ def test_the_halo_apart_was_not_faster_in_the_layer():
     changes nothing there) 12.62 / 12.69 and 48.49 / 48.17, the spread of the run. The same peak within 8 KiB but
     rank 0 at 128K, 506 KiB (as in run 2026-12-07d: the allocator's, on a rank where the switch changes nothing). A
     later run where it is faster on every rank with a halo fails here and reopens the choice."""
-    pairs = [(v[(CUDA_DEFAULT, None, False, True, True)], v[(CUDA_DEFAULT, None, False, True, False)], key[5])
+    pairs = [(v[(CUDA_DEFAULT, None, False, True, True, False)], v[(CUDA_DEFAULT, None, False, True, False, False)], key[5])
              for key, v in _groups().items()
-             if (CUDA_DEFAULT, None, False, True, True) in v and (CUDA_DEFAULT, None, False, True, False) in v]
+             if (CUDA_DEFAULT, None, False, True, True, False) in v and (CUDA_DEFAULT, None, False, True, False, False) in v]
     assert len(pairs) == 4, pairs
     with_halo = [(apart, tiles) for apart, tiles, rank in pairs if rank == 1]
     assert len(with_halo) == 2 and not all(a[0] < t[0] for a, t in with_halo), with_halo

@@ -31,12 +31,15 @@ def cases():
 
 
 def test_every_case_ran(cases):
-    assert len(cases) == 25 and sum(name.startswith("conv") for name in cases) == 20
+    assert len(cases) == 29 and sum(name.startswith("conv") for name in cases) == 24
     assert sum(name.startswith("norm") for name in cases) == 3
     assert sum("chunk=one_pass" in name for name in cases) == 6  # the one-pass backward beside the two-pass one
-    assert sum("chunk=scan" in name for name in cases) == 8  # the backward as a scan down the rows
+    assert sum("chunk=scan" in name for name in cases) == 12  # the backward as a scan down the rows
+    # four with the scan's masks by branches (SCAN_BRANCH_MASKS: off by default), each the one-pass backward's bits
+    branch = [case for name, case in cases.items() if "branch" in name.split("chunk=")[-1].split()]
+    assert len(branch) == 4 and all(case["dx_dhalo_equal_one_pass"] for case in branch), branch
     # three with the halo apart (HALO_ROWS_APART, SCAN_HALO_TAIL: off by default): 3 spans, a 1-row first sequence, 5 rows
-    assert sum("chunk=scan 16 apart" in name and "halo=True" in name for name in cases) == 3
+    assert sum("chunk=scan 16 apart" in name and "halo=True" in name and "branch" not in name for name in cases) == 3
     # a conv narrower than Megatron's 4 taps through each backward (the kernels keep four tap sums and lags)
     assert {name.split("chunk=")[1].split()[0] for name in cases if "width=" in name} == {"7", "one_pass", "scan"}
     # q and k written 2 or 3 times a head (``kv_repeat``): one case per backward that reads them (the two-pass,
@@ -71,7 +74,7 @@ def test_the_scan_gives_the_one_pass_backwards_bits(cases):
     gradient bit for bit the same (spans whose W-1 rows after them belong to the next program; a program whose second
     head is past the group; q and k written twice a head; a conv of 2 taps; row 0's sequence 1 row long)."""
     scan = [case for name, case in cases.items() if "chunk=scan" in name]
-    assert len(scan) == 8 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
+    assert len(scan) == 12 and all(case["dx_dhalo_equal_one_pass"] for case in scan), scan
 
 
 def test_fp16_outputs_round_where_the_plain_glue_rounds(cases):
@@ -172,3 +175,25 @@ def test_the_scan_reads_the_halo_in_its_tail_loop_where_asked(monkeypatch):
             launched.clear()
             torch.autograd.grad((q, k, v), x, (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
             assert launched == [(halo is not None, halo is not None and tail)] * 3, (tail, launched)
+
+
+def test_the_scan_masks_by_branches_where_asked(monkeypatch):
+    """``SCAN_BRANCH_MASKS`` on: the backward's scan is launched with ``BRANCH`` (the sequence masks by uniform
+    branches: the interpreter's ``branch`` cases, the same bits as the one-pass backward's); off (the default until a
+    GPU run times it): ``BRANCH`` False. The launches recorded, not run."""
+    import torch
+
+    from gdn_cp.ops.fused import triton_conv
+
+    assert triton_conv.SCAN_BRANCH_MASKS is False
+    launched = []
+    monkeypatch.setattr(triton_conv, "_fwd", lambda grid, *args, **meta: None)
+    monkeypatch.setattr(triton_conv, "_scan", lambda grid, *args, **meta: launched.append(meta["BRANCH"]))
+    x = torch.zeros(40, 3 * 16, requires_grad=True)
+    for branch in (True, False):
+        monkeypatch.setattr(triton_conv, "SCAN_BRANCH_MASKS", branch)
+        q, k, v = triton_conv.conv_silu_split_triton(x, torch.zeros(3 * 16, 4), None, torch.arange(40, dtype=torch.int32),
+                                                     None, 1, 1, 16, 16, True, 1e-6, scan=True)
+        launched.clear()
+        torch.autograd.grad((q, k, v), x, (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)))
+        assert launched == [branch] * 3, (branch, launched)

@@ -54,6 +54,13 @@ the same bits. Off until a GPU run times it (``benchmarks/layer_full.py``'s leve
 :data:`HALO_ROWS_APART`). (Before it, the first span in a launch of its own ran alone after the others: 1.07x the
 backward's kernel time at 16K rows, run 2026-12-07p; removed.)"""
 
+SCAN_BRANCH_MASKS = False
+"""On: the backward's scan applies each sequence's masks by uniform branches (a row's lags of x masked only where
+it is among its sequence's first three; the later rows' gradients zeroed once, at a sequence's start, for every row
+below it) and runs the W-1 rows after its span in a loop of its own, instead of selects on every element of every
+step (9 of the 62 instructions an element of q's loop on sm_90). The same arithmetic, the same bits. Off until a GPU
+run times it (``benchmarks/layer_full.py``'s lever ``scan_branch`` switches it on)."""
+
 
 @triton.jit
 def _taps_at(w_ptr, b_ptr, ch, ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -406,6 +413,19 @@ def _lagged(x0, x1, x2, x3, pos, t):
 
 
 @triton.jit
+def _masked_by_branch(x0, x1, x2, x3, p1, p2, p3, pos, pos1, t):
+    """:func:`_lagged`'s values of x, and the later rows' pre-activation gradients ``p1..p3`` (rows t+1..t+3)
+    zeroed where a sequence starts at row t+1 (``pos1 == 0``; kept so: no row below t reaches past that start),
+    both in one uniform branch taken only at a sequence's first three rows and its last (:data:`SCAN_BRANCH_MASKS`)
+    instead of selects on every element of every row. Returns ``(e0, e1, e2, e3, p1, p2, p3)``, fp32."""
+    e0, e1, e2, e3 = x0.to(tl.float32), x1.to(tl.float32), x2.to(tl.float32), x3.to(tl.float32)
+    if (pos < 3) | (pos1 == 0):
+        e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
+        p1, p2, p3 = tl.where(pos1 == 0, 0.0, p1), tl.where(pos1 == 0, 0.0, p2), tl.where(pos1 == 0, 0.0, p3)
+    return e0, e1, e2, e3, p1, p2, p3
+
+
+@triton.jit
 def _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W: tl.constexpr):
     """The conv's pre-activation at one row (fp32) in :func:`_conv_tile`'s order: the bias, then tap 0 (the
     oldest row) first."""
@@ -424,34 +444,48 @@ def _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W: tl.constexpr):
 def _scan_step(t, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_ptr, dx_stride, head_ptr, T, end, HEADS,
                EPS, h, d, ok, ch, local, bias, lag0, lag1, lag2, lag3, x0, x1, x2, x3, x4, x5, x6, x7, da, da1, da2, da3,
                da4, pos, pos_1, pos_2, pos_3, pos_4, p1, p2, p3, pos1, pos2, pos3, acc0, acc1, acc2, acc3, accb,
-               D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, READ_HALO: tl.constexpr):
+               D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, READ_HALO: tl.constexpr,
+               BRANCH: tl.constexpr = False, MINE: tl.constexpr = None):
     """One step of :func:`gdn_cp_glue_conv_bwd_scan` at row ``t``: loads row t-8's x and row t-5's gradient and
     position (four steps ahead), writes dx at t where t is a row of the span (``t < end``) and, where ``READ_HALO``,
     reads x below row 0 from the halo and writes the pre-activation gradient of rows 0..W-2 (``head``). Returns the
     state rolled one row down: x at t-1..t-8, the gradient and position at t-1..t-5, the pre-activation gradient and
-    position at t..t-2 (the next step's t+1..t+3), the sums."""
+    position at t..t-2 (the next step's t+1..t+3), the sums. ``BRANCH`` (:data:`SCAN_BRANCH_MASKS`): the
+    sequence masks by uniform branches (x's lags at a sequence's first rows; the later rows' gradients zeroed once,
+    where a sequence starts above t: no row below reaches past a start), and ``MINE`` (True / False: every step of
+    the loop is / is not a row of the span; None: each step asks) instead of a select an element: the same bits."""
     x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 8, T, ch, ok, W, READ_HALO)
     da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D, REPEAT)
     pos_next = tl.load(pos_ptr + tl.maximum(t - 5, 0))  # (rows below the span: loaded, never stepped to)
-    e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
+    if BRANCH:
+        e0, e1, e2, e3, p1, p2, p3 = _masked_by_branch(x0, x1, x2, x3, p1, p2, p3, pos, pos1, t)
+    else:
+        e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
     y = _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
-    pre = _silu_gradient(y, da.to(tl.float32), ok, dout_ptr, EPS, NORM)
-    dx = tl.zeros(pre.shape, dtype=tl.float32)
-    dx += lag0 * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
-    dx += lag1 * tl.where(pos1 >= 1, p1, 0.0)
-    dx += lag2 * tl.where(pos2 >= 2, p2, 0.0)
-    if W > 3:
-        dx += lag3 * tl.where(pos3 >= 3, p3, 0.0)
-    mine = t < end  # a row of this span (not one of the W-1 after it)
-    tl.store(dx_ptr + t.to(tl.int64) * dx_stride + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok & mine)
+    # (with BRANCH, lanes outside ok need no select: their x, taps and gradient load as 0, so their pre is 0)
+    pre = _silu_gradient(y, da.to(tl.float32), True if BRANCH else ok, dout_ptr, EPS, NORM)
+    if MINE is None or MINE:  # a row of this span (not one of the W-1 after it)
+        if BRANCH:
+            u1, u2, u3 = p1, p2, p3
+        else:
+            u1, u2, u3 = tl.where(pos1 >= 1, p1, 0.0), tl.where(pos2 >= 2, p2, 0.0), tl.where(pos3 >= 3, p3, 0.0)
+        dx = tl.zeros(pre.shape, dtype=tl.float32)
+        dx += lag0 * pre  # dx[t] = sum_s w[:, W-1-s] * pre[t + s], t + s in t's sequence
+        dx += lag1 * u1
+        dx += lag2 * u2
+        if W > 3:
+            dx += lag3 * u3
+        mine = t < end if MINE is None else True
+        tl.store(dx_ptr + t.to(tl.int64) * dx_stride + ch, dx.to(dx_ptr.dtype.element_ty), mask=ok & mine)
     if READ_HALO:
         tl.store(head_ptr + t * (HEADS * D) + local, pre, mask=ok & (t < W - 1))
-    summed = tl.where(mine, pre, 0.0)
-    accb += summed
-    acc0 += summed * e0
-    acc1 += summed * e1
-    acc2 += summed * e2
-    acc3 += summed * e3
+    if MINE is None or MINE:
+        summed = tl.where(t < end, pre, 0.0) if MINE is None else pre
+        accb += summed
+        acc0 += summed * e0
+        acc1 += summed * e1
+        acc2 += summed * e2
+        acc3 += summed * e3
     return (x1, x2, x3, x4, x5, x6, x7, x_next, da1, da2, da3, da4, da_next, pos_1, pos_2, pos_3, pos_4, pos_next,
             pre, p1, p2, pos, pos1, pos2, acc0, acc1, acc2, acc3, accb)
 
@@ -461,7 +495,7 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
                               dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                               BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, UNROLL: tl.constexpr,
-                              HALO_TAIL: tl.constexpr):
+                              HALO_TAIL: tl.constexpr, BRANCH: tl.constexpr = False):
     """The whole backward of heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a scan
     down the rows, one row a step (``ConvForm.scan``): each step's tile is ``[HB, BD]``, the program's heads at one
     row, so a thread keeps the same channels at every row and the conv's shifts in time are registers: the last
@@ -476,7 +510,9 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     steps a loop pass (Triton's ``loop_unroll_factor``): unrolled, the rolling windows are renamed, not moved (sm_90,
     4 heads, 4 warps: 280 instructions a step at 4 against 339, 168 registers against 126). ``HALO_TAIL`` (with a
     halo): the steps of rows 8 and up in a loop that never reads the halo, the rows below in a second loop that does
-    (:data:`SCAN_HALO_TAIL`); one step is :func:`_scan_step` either way."""
+    (:data:`SCAN_HALO_TAIL`); one step is :func:`_scan_step` either way. ``BRANCH`` (:data:`SCAN_BRANCH_MASKS`):
+    the sequence masks by uniform branches, and the W-1 rows after the span in a loop of their own (no dx, no sums)
+    before the span's rows, which then need no mask of their own."""
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     h = i_b * HB + tl.arange(0, HB)
     d = tl.arange(0, BD)
@@ -528,12 +564,24 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     low = span0
     if HAS_HALO and HALO_TAIL:
         low = tl.maximum(span0, 8)
-    for i in tl.range(top - low + 1, loop_unroll_factor=UNROLL):
-        state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL)
+    if BRANCH:  # rows end..top (the W-1 after the span; none at the last span): their pre-activation gradient only
+        for i in tl.range(top - end + 1):
+            state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, True, False)
+        main_top = tl.minimum(end - 1, top)
+        for i in tl.range(main_top - low + 1, loop_unroll_factor=UNROLL):
+            state = _scan_step(main_top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, True,
+                               True)
+    else:
+        main_top = top
+        for i in tl.range(top - low + 1, loop_unroll_factor=UNROLL):
+            state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL)
     if HAS_HALO and HALO_TAIL:
-        tail_top = tl.minimum(low - 1, top)
+        tail_top = tl.minimum(low - 1, main_top)
         for i in tl.range(tail_top - span0 + 1):
-            state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True)
+            if BRANCH:
+                state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True, True, True)
+            else:
+                state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True)
     acc0, acc1, acc2, acc3, accb = state[24], state[25], state[26], state[27], state[28]
     base = dw_ptr + (i_p * (HEADS * D) + local).to(tl.int64) * W
     tl.store(base + (W - 1), acc0, mask=ok)
@@ -560,7 +608,7 @@ _SCAN_BWD_CONFIGS = [({"HB": hb, "UNROLL": 1}, w) for hb, w in ((2, 1), (4, 2), 
 thread at head dim 128, one step a loop pass, and the likeliest four unrolled by 4 (fewer instructions a step, more
 registers: which wins is the GPU's to say)."""
 # HALO_TAIL in the key: the tail form tunes on its own (it may take the config that spilled with the halo in every step)
-_scan = launcher(gdn_cp_glue_conv_bwd_scan, [*_TILE_KEY, "HALO_TAIL"], _SCAN_BWD_CONFIGS,
+_scan = launcher(gdn_cp_glue_conv_bwd_scan, [*_TILE_KEY, "HALO_TAIL", "BRANCH"], _SCAN_BWD_CONFIGS,
                  {"HB": 2, "UNROLL": 1, "num_warps": 1})
 _SCAN_SPAN = 64  # rows per scan program at least: the backward recomputes W-1 more (5% at W 4)
 _SCAN_PROGRAMS = 512  # spans per head block at most: longer rows take longer spans, so the backward's per-span tap
@@ -726,7 +774,8 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
     _scan(lambda meta: (programs, triton.cdiv(heads, meta["HB"])),
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
           span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
-          HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat, HALO_TAIL=halo is not None and SCAN_HALO_TAIL)
+          HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat, HALO_TAIL=halo is not None and SCAN_HALO_TAIL,
+          BRANCH=SCAN_BRANCH_MASKS)
     _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
