@@ -90,8 +90,11 @@ def halo_rows_apart(row: dict) -> bool:
 
 def scan_branch_masks(row: dict) -> bool:
     """Whether a layer_full row's backward scan masked each sequence by branches (the row's ``scan_branch_masks``;
-    rows from before that field: off, as all code before it)."""
-    return bool(row.get("scan_branch_masks"))
+    rows without that field: the rows of the lever ``scan_branch`` (run 2026-12-07v did not keep the field), no
+    other: all code before it was off)."""
+    if row.get("scan_branch_masks") is not None:
+        return row["scan_branch_masks"]
+    return row.get("lever_off") == SCAN_LEVERS[0]
 
 
 def default_key_heads_in_glue(stack: str | None, backend: str | None) -> bool:

@@ -161,7 +161,6 @@ def tests_report() -> dict:
             "scan_branch": {name: as_launched(16, 128, norm, 4, bias=False, warps=2, UNROLL=4, halo=halo,
                                               HALO_TAIL=halo, BRANCH=branch)
                             for name, norm, halo, branch in (("q_branch", True, False, True),
-                                                             ("q_halo_tail_branch", True, True, True),
                                                              ("v", False, False, False), ("v_branch", False, False, True))}}
 
 

@@ -71,6 +71,8 @@ def test_rows_say_which_backend_gdn_cp_ran(smoke):
             # the reference reads grouped heads: the conv never repeats q and k for it
             assert r["gdn_cp_backend"] == "reference" and r["key_heads_in_glue"] is False, r["case"]
             assert r["wide_column_copy"] is (r.get("lever_off") != "narrow_copy"), r["case"]  # what the row ran
+            # the conv's switches kept on the row (None here: the CPU runs the plain glue, no Triton conv)
+            assert r["halo_rows_apart"] is None and r["scan_branch_masks"] is None, r["case"]
     row = dict(rows[0], knobs=dict(rows[0]["knobs"], linear_cp_backend="flashqla"))
     assert lfm.run_key(row) != lfm.run_key(rows[0])
     patched = next(r for r in rows if r["case"] not in lfm.STOCK_CASES)
@@ -545,7 +547,7 @@ def test_the_per_rank_table_compares_each_row_with_stock_of_its_own_run():
     line = next(x for x in text.splitlines() if x.startswith("| 20261205-121340 |") and "| 32K | mixed8 | rank 0 " in x)
     assert "| 16.28 (16.14-16.37) | 12.76 (12.62-12.92) | 0.784 |" in line, line
     rank0 = [x.split(" | ")[:7] for x in text.splitlines() if "| rank 0 of CP=2 |" in x]
-    assert len(rank0) == len({tuple(x) for x in rank0}) == 33  # one row per run, stack, backend, spec, T
+    assert len(rank0) == len({tuple(x) for x in rank0}) == 34  # one row per run, stack, backend, spec, T
 
 
 def test_the_per_rank_plot_draws_the_committed_rows(tmp_path):

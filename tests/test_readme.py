@@ -601,9 +601,20 @@ def test_the_training_figures_are_the_result_files():
             f"{band['band']:.1e})").replace("e-0", "e-") in claim
     nogdn, nogdn1 = p["nogdn_cp2"], p["nogdn_cp1"]
     assert nogdn["losses"][:2] == nogdn1["losses"][:2] and "gives CP=1's loss to the printed digit at iterations 1 and 2" in claim
-    # the per-parameter gradients at iteration 1 (gdn_cp_testing.megatron.wgrads, run 2026-12-07o)
-    wg = json.loads((ROOT / "benchmarks" / "results" / "runs" / "run_2026-12-07o" / "wgrads.json").read_text())
-    rel = {key.split(" vs ")[0]: c["rel"] for key, c in wg["compared"].items() if key.endswith(" @1")}
+    # the per-parameter gradients (gdn_cp_testing.megatron.wgrads, run 2026-12-07t; run o had the same at iteration 1)
+    wg = json.loads((ROOT / "benchmarks" / "results" / "runs" / "run_2026-12-07t" / "wgrads.json").read_text())
+    rel = {key.split(" vs ")[0]: c["rel"] for key, c in wg["compared"].items() if key.endswith(" @1")
+           and not key.endswith("gdn_cp @1")}
+    on_path = {key.split(" vs ")[0]: c["rel"] for key, c in wg["compared"].items() if key.endswith("hybrid_cp1_gdn_cp @1")}
+    last = {key.split(" vs ")[0] + (" path" if "gdn_cp @" in key else ""): c["rel"] for key, c in wg["compared"].items()
+            if key.endswith(" @6")}
+    assert (f"Against CP=1 run through gdn-cp's own path ({rel['hybrid_cp1_gdn_cp']:.2e} from stock's CP=1), the SBHD CP=2 "
+            f"rows are {on_path['hybrid_cp2_chunkwise']:.2e} (chunkwise) and {on_path['hybrid_cp2_headwise']:.2e} (headwise) "
+            f"away: Megatron's own CP floor").replace("e-0", "e-") in claim
+    assert max(on_path.values()) < 1.15 * rel["nogdn_cp2"]
+    assert (f"by iteration 6 the SwiGLU pair is {last['hybrid_cp1_swiglu_noise']:.2e} away, chunkwise "
+            f"{last['hybrid_cp2_chunkwise path']:.2e} from gdn-cp's CP=1 path and headwise {last['hybrid_cp2_headwise path']:.2e}, "
+            f"while the model without GDN layers stays at {last['nogdn_cp2']:.2e}").replace("e-0", "e-") in claim
     assert (f"`hybrid_cp2_chunkwise`'s gradient is {rel['hybrid_cp2_chunkwise']:.2e} from CP=1's (relative L2 of the "
             f"whole gradient) where the SwiGLU noise pair's is {rel['hybrid_cp1_swiglu_noise']:.2e}; on packed "
             f"documents, where CP=1 runs gdn-cp's kernels too, CP=2 is {rel['hybrid_idm_cp2']:.2e} from CP=1, as close as "
@@ -759,7 +770,7 @@ def test_the_glue_per_rank_figures_are_their_result_file():
 
     from gdn_cp.ops.fused import CUDA_DEFAULT, triton_conv
     from gdn_cp_testing.results import (COPY_LEVERS, HALO_LEVERS, KEY_HEAD_LEVERS, default_key_heads_in_glue,
-                                        halo_rows_apart, key_heads_in_glue, picks_glue_path)
+                                        halo_rows_apart, key_heads_in_glue, picks_glue_path, scan_branch_masks)
 
     def glue_only(lever):  # rows that change the glue only (the copies' form: its own sentence, below)
         return lever in (None, *KEY_HEAD_LEVERS, *HALO_LEVERS) or picks_glue_path(lever)
@@ -767,7 +778,8 @@ def test_the_glue_per_rank_figures_are_their_result_file():
     # the halo as today's default reads it (run 2026-12-07q: its halo_in_tiles rows are the default's now)
     rows = [r for r in json.loads((ROOT / "benchmarks" / "results" / "layer_full_glue.json").read_text())
             if r["status"] == "ok" and glue_only(r.get("lever_off"))
-            and (r["case"] == "stock_slice" or halo_rows_apart(r) == triton_conv.HALO_ROWS_APART)]
+            and (r["case"] == "stock_slice" or (halo_rows_apart(r), scan_branch_masks(r)) == (
+                triton_conv.HALO_ROWS_APART, triton_conv.SCAN_BRANCH_MASKS))]
     assert {r["cp"] for r in rows} == {1} and {r["slice_of_cp"] for r in rows} == {2}
 
     def matching(spec, t, case, rank, backend, glue=None, run=None, gpu="", heads=None):  # heads None: the default's
