@@ -89,10 +89,10 @@ def test_the_scan_with_its_masks_by_branches_issues_fewer_instructions_a_step(co
     """``triton_conv.SCAN_BRANCH_MASKS``' reason to exist, as compiled (not yet timed on a GPU): with the sequence
     masks as selects, every element of every step pays 9 of its instructions for them (q's loop as autotuned on an
     H100: 2 warps, unrolled by 4, 1,975 instructions a pass); by uniform branches, taken only at a sequence's first
-    three rows and its last, the loop's common path issues 1,745 (12% fewer; v: 1,594 against 1,313, 18%), no
-    spill (with the halo in the tail loop: 1,748, no spill either; compiled once, not kept in the suite's time)."""
-    select, branch = compiled["scan_2_warps"]["q"], compiled["scan_branch"]
-    assert branch["q_branch"]["loop_common_path"] < 0.92 * select["loop_common_path"], (select, branch)
-    assert branch["v_branch"]["loop_common_path"] < 0.88 * branch["v"]["loop_common_path"], branch
-    assert all(used["stack_bytes"] == 0 and used["loop_barriers"] == 0 for used in branch.values()), branch
+    three rows and its last, the loop's common path issues 1,745 (12% fewer), no spill. (Compiled once, not kept in
+    the suite's time: v 1,313 against 1,594, 18% fewer; q with the halo in the tail loop 1,748, no spill.)"""
+    select, branch = compiled["scan_2_warps"]["q"], compiled["scan_branch"]["q_branch"]
+    assert branch["loop_common_path"] < 0.92 * select["loop_common_path"] <= 0.92 * branch["loop_instructions"], (
+        select, branch)
+    assert branch["stack_bytes"] == 0 and branch["loop_barriers"] == 0, branch
 
