@@ -21,9 +21,11 @@ of in_proj's output as in the layer, eight mixed-length sequences.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import statistics
+from unittest import mock
 
 import torch
 
@@ -71,9 +73,19 @@ def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
             if d is not None and s is not None else None for name, (d, s) in pairs.items()}
 
 
-BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}}
-"""The backward's forms beside the two-pass one (gdn_cp.ops.fused.triton_conv.ConvForm's fields): one pass
-(``GDN_CP_GLUE=triton_norm_dz_copy``'s); a scan down the rows (the default's, ``triton_norm_dz_copy_scan``)."""
+BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True},
+                  **{f"scan_{name}": {"scan": True, "switches": dict.fromkeys(flags, True)} for name, flags in (
+                      ("branch", ["SCAN_BRANCH_MASKS"]), ("tail", ["SCAN_HALO_TAIL"]),
+                      ("tail_branch", ["SCAN_HALO_TAIL", "SCAN_BRANCH_MASKS"]))}}
+"""The backward's forms beside the two-pass one (triton_conv.ConvForm's fields): one pass (``triton_norm_dz_copy``'s), the
+scan (the default's), and the scan with ``switches``: triton_conv's flags (off by default) set for its rows."""
+
+
+def switched(form: dict):
+    """A context in which triton_conv's flags are as ``form``'s ``switches`` say (:data:`BACKWARD_FORMS`)."""
+    from gdn_cp.ops.fused import triton_conv
+
+    return mock.patch.multiple(triton_conv, **form["switches"]) if form.get("switches") else contextlib.nullcontext()
 
 
 def gpu_ms(calls) -> float:
@@ -87,10 +99,10 @@ def gpu_ms(calls) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3 / len(calls)
 
 
-def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
+def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, switches=None, **form) -> dict:
     """The kernels at ``rows``: median forward / backward ms, the backward in ``form`` (:data:`BACKWARD_FORMS`; none:
-    two passes). ``profile``: instead, one backward between cudaProfilerStart / Stop, after autotuning (``ncu
-    --profile-from-start off``)."""
+    two passes; its ``switches``: the caller's, :func:`switched`). ``profile``: instead, one backward between
+    cudaProfilerStart / Stop, after autotuning (``ncu --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
     hk, hv, dim, with_bias, with_halo = shape
@@ -138,8 +150,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
     p.add_argument("--heads", default="16,32", help="key,value heads per rank (default: Qwen3.5-9B's at chunkwise)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--forms", default=",".join(BACKWARD_FORMS),
-                   help="comma list of the backward forms to time beside the default (BACKWARD_FORMS; default: all)")
+    p.add_argument("--forms", default="one_pass,scan",
+                   help="comma list of the backward forms to time beside the two-pass one (BACKWARD_FORMS)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the interpreter's dry run")
     p.add_argument("--conv-bias", action="store_true", help="the conv with a bias (Megatron's GDN has none by default)")
     p.add_argument("--halo", action="store_true", help="the rows continue a sequence from the previous rank (a "
@@ -160,19 +172,19 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, dict]:
 def main(argv=None) -> dict:
     args, forms = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from gdn_cp.ops.fused import triton_conv, triton_launch
+    from gdn_cp.ops.fused import triton_launch
 
     hk, hv = (int(h) for h in args.heads.split(","))
     shape, results = (hk, hv, args.head_dim, args.conv_bias, args.halo), []
     report = {"benchmark": "glue_kernels", "date": now_iso(), "machine": machine_info(), "versions": versions(),
               "device": args.device, "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
               "heads": [hk, hv], "head_dim": args.head_dim, "conv_bias": args.conv_bias, "halo": args.halo,
-              "dtype": "bfloat16", "results": results, "switches": {name.lower(): getattr(triton_conv, name) for name in (
-                  "HALO_ROWS_APART", "SCAN_HALO_TAIL", "SCAN_BRANCH_MASKS")}}  # as a caller set them (the docs' commands)
+              "dtype": "bfloat16", "results": results, "forms": forms}
     for rows in (parse_tokens(r) for r in args.rows.split(",")):
         if args.profile:
             for form in forms.values():  # 3 launches each (q, k, v)
-                results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
+                with switched(form):
+                    results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
             continue
         c = (2 * hk + hv) * args.head_dim
         gbs = copy_bandwidth_gbs(args.device, rows * c * 2)
@@ -182,7 +194,8 @@ def main(argv=None) -> dict:
         row = time_kernels(rows, shape, args.device, args.iters)
         row.update(copy_gbs=gbs, floor=floor, column_copy_ms=column_copy_ms(rows, shape, args.device, args.iters))
         for name, form in forms.items():  # the forward too (the same tile kernel in every form)
-            timed = time_kernels(rows, shape, args.device, args.iters, **form)
+            with switched(form):
+                timed = time_kernels(rows, shape, args.device, args.iters, **form)
             row.update({f"{key[:3]}_{name}{key[3:]}": v for key, v in timed.items() if key != "rows"})
         results.append(row)
         report["tuned"] = triton_launch.tuned_configs()  # autotuning's picks, every form's and row count's so far

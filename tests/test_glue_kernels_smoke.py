@@ -53,3 +53,18 @@ def test_an_unknown_form_is_refused_naming_the_forms(benchmark_module, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--forms scan,nope: unknown ['nope']" in err and "one_pass, scan" in err
+
+
+def test_a_scan_form_with_switches_sets_them_for_its_rows_only(benchmark_module):
+    """``scan_tail_branch`` etc. (``BACKWARD_FORMS``): the scan with triton_conv's flags set while its rows are timed,
+    in one process (each process autotunes anew: 110-130 s a run on an H100, run 2026-12-07u), restored after."""
+    glue_kernels = benchmark_module("glue_kernels")
+    from gdn_cp.ops.fused import triton_conv
+
+    args, forms = glue_kernels.parse_args(["--forms", "scan,scan_tail_branch"])
+    assert list(forms) == ["scan", "scan_tail_branch"] and forms["scan_tail_branch"]["scan"]
+    with glue_kernels.switched(forms["scan_tail_branch"]):
+        assert triton_conv.SCAN_HALO_TAIL and triton_conv.SCAN_BRANCH_MASKS
+    with glue_kernels.switched(forms["scan"]):
+        assert not (triton_conv.SCAN_HALO_TAIL or triton_conv.SCAN_BRANCH_MASKS)
+    assert not (triton_conv.SCAN_HALO_TAIL or triton_conv.SCAN_BRANCH_MASKS)
