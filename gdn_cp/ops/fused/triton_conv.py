@@ -564,24 +564,20 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     low = span0
     if HAS_HALO and HALO_TAIL:
         low = tl.maximum(span0, 8)
-    if BRANCH:  # rows end..top (the W-1 after the span; none at the last span): their pre-activation gradient only
+    # with BRANCH, the rows end..top (the W-1 after the span; none at the last span) first, their pre-activation
+    # gradient only: every later step is then a row of the span (MINE True); without it each step asks (None)
+    mine = True if BRANCH else None
+    main_top = top
+    if BRANCH:
         for i in tl.range(top - end + 1):
             state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, True, False)
         main_top = tl.minimum(end - 1, top)
-        for i in tl.range(main_top - low + 1, loop_unroll_factor=UNROLL):
-            state = _scan_step(main_top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, True,
-                               True)
-    else:
-        main_top = top
-        for i in tl.range(top - low + 1, loop_unroll_factor=UNROLL):
-            state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL)
+    for i in tl.range(main_top - low + 1, loop_unroll_factor=UNROLL):
+        state = _scan_step(main_top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, BRANCH, mine)
     if HAS_HALO and HALO_TAIL:
         tail_top = tl.minimum(low - 1, main_top)
         for i in tl.range(tail_top - span0 + 1):
-            if BRANCH:
-                state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True, True, True)
-            else:
-                state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True)
+            state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True, BRANCH, mine)
     acc0, acc1, acc2, acc3, accb = state[24], state[25], state[26], state[27], state[28]
     base = dw_ptr + (i_p * (HEADS * D) + local).to(tl.int64) * W
     tl.store(base + (W - 1), acc0, mask=ok)
