@@ -73,19 +73,19 @@ def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
             if d is not None and s is not None else None for name, (d, s) in pairs.items()}
 
 
-BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True},
-                  **{f"scan_{name}": {"scan": True, "switches": dict.fromkeys(flags, True)} for name, flags in (
-                      ("branch", ["SCAN_BRANCH_MASKS"]), ("tail", ["SCAN_HALO_TAIL"]),
-                      ("tail_branch", ["SCAN_HALO_TAIL", "SCAN_BRANCH_MASKS"]))}}
+SWITCHES = {"scan_branch": ("SCAN_BRANCH_MASKS",), "scan_tail": ("SCAN_HALO_TAIL",),
+            "scan_tail_branch": ("SCAN_HALO_TAIL", "SCAN_BRANCH_MASKS")}
+"""The scan with triton_conv's flags (off by default) on for its rows: form name -> the flags."""
+BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}, **dict.fromkeys(SWITCHES, {"scan": True})}
 """The backward's forms beside the two-pass one (triton_conv.ConvForm's fields): one pass (``triton_norm_dz_copy``'s), the
-scan (the default's), and the scan with ``switches``: triton_conv's flags (off by default) set for its rows."""
+scan (the default's), and the scan with the flags of :data:`SWITCHES`."""
 
 
-def switched(form: dict):
-    """A context in which triton_conv's flags are as ``form``'s ``switches`` say (:data:`BACKWARD_FORMS`)."""
+def switched(name: str):
+    """A context in which triton_conv's flags of form ``name`` (:data:`SWITCHES`) are on."""
     from gdn_cp.ops.fused import triton_conv
 
-    return mock.patch.multiple(triton_conv, **form["switches"]) if form.get("switches") else contextlib.nullcontext()
+    return mock.patch.multiple(triton_conv, **dict.fromkeys(SWITCHES[name], True)) if name in SWITCHES else contextlib.nullcontext()
 
 
 def gpu_ms(calls) -> float:
@@ -99,10 +99,10 @@ def gpu_ms(calls) -> float:
     return sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3 / len(calls)
 
 
-def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, switches=None, **form) -> dict:
+def time_kernels(rows: int, shape, device: str, iters: int, profile: bool = False, **form) -> dict:
     """The kernels at ``rows``: median forward / backward ms, the backward in ``form`` (:data:`BACKWARD_FORMS`; none:
-    two passes; its ``switches``: the caller's, :func:`switched`). ``profile``: instead, one backward between
-    cudaProfilerStart / Stop, after autotuning (``ncu --profile-from-start off``)."""
+    two passes). ``profile``: instead, one backward between cudaProfilerStart / Stop, after autotuning (``ncu
+    --profile-from-start off``)."""
     from gdn_cp.ops.fused import triton_conv
 
     hk, hv, dim, with_bias, with_halo = shape
@@ -182,8 +182,8 @@ def main(argv=None) -> dict:
               "dtype": "bfloat16", "results": results, "forms": forms}
     for rows in (parse_tokens(r) for r in args.rows.split(",")):
         if args.profile:
-            for form in forms.values():  # 3 launches each (q, k, v)
-                with switched(form):
+            for name, form in forms.items():  # 3 launches each (q, k, v)
+                with switched(name):
                     results.append(time_kernels(rows, shape, args.device, args.iters, profile=True, **form))
             continue
         c = (2 * hk + hv) * args.head_dim
@@ -194,7 +194,7 @@ def main(argv=None) -> dict:
         row = time_kernels(rows, shape, args.device, args.iters)
         row.update(copy_gbs=gbs, floor=floor, column_copy_ms=column_copy_ms(rows, shape, args.device, args.iters))
         for name, form in forms.items():  # the forward too (the same tile kernel in every form)
-            with switched(form):
+            with switched(name):
                 timed = time_kernels(rows, shape, args.device, args.iters, **form)
             row.update({f"{key[:3]}_{name}{key[3:]}": v for key, v in timed.items() if key != "rows"})
         results.append(row)

@@ -62,9 +62,9 @@ def test_a_scan_form_with_switches_sets_them_for_its_rows_only(benchmark_module)
     from gdn_cp.ops.fused import triton_conv
 
     args, forms = glue_kernels.parse_args(["--forms", "scan,scan_tail_branch"])
-    assert list(forms) == ["scan", "scan_tail_branch"] and forms["scan_tail_branch"]["scan"]
-    with glue_kernels.switched(forms["scan_tail_branch"]):
+    assert list(forms) == ["scan", "scan_tail_branch"] and forms["scan_tail_branch"] == {"scan": True}
+    with glue_kernels.switched("scan_tail_branch"):
         assert triton_conv.SCAN_HALO_TAIL and triton_conv.SCAN_BRANCH_MASKS
-    with glue_kernels.switched(forms["scan"]):
+    with glue_kernels.switched("scan"):
         assert not (triton_conv.SCAN_HALO_TAIL or triton_conv.SCAN_BRANCH_MASKS)
     assert not (triton_conv.SCAN_HALO_TAIL or triton_conv.SCAN_BRANCH_MASKS)
