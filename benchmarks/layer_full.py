@@ -62,7 +62,7 @@ from .common import (add_out_arguments, csv_choices as _csv, machine_info, now_i
                      write_json)
 from .layer_full_math import (CASES, CP1_CASES, LEVERS, PACKINGS, SLICE_CASES, SPECS, STOCK_CASES, GDNDims,
                               bytes_per_token, case_key, contiguous_slice, packing, parse_plan, run_key)
-from .measure import fmt_tokens, iteration_stats, parse_tokens
+from .measure import fmt_tokens, iteration_stats, parse_tokens, quantile
 
 
 logger = logging.getLogger("benchmarks.layer_full")
@@ -443,6 +443,8 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
     stats = iteration_stats([o["iter_ms"] for o in outs])
     row.update(status="ok", error=None, **{k: stats[k] for k in ("median_ms", "p10_ms", "p90_ms", "iters")},
                iter_max_ms=stats["iter_max_ms"], per_rank_median_ms=stats["per_rank_median_ms"], warmup=args.warmup)
+    if all(o.get("host_ms") for o in outs):  # the host's time to issue an iteration (measure.timed_steps)
+        row["host_median_ms"] = max(quantile(o["host_ms"], 0.5) for o in outs)
     if outs[0].get("peak_gib") is not None:
         row["peak_gib_per_rank"] = [o["peak_gib"] for o in outs]
         row["peak_gib"] = max(row["peak_gib_per_rank"])

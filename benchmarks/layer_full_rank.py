@@ -540,7 +540,7 @@ def _timed(step, warmup: int, iters: int, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         out["allocated_before_gib"] = torch.cuda.memory_allocated(device) / GIB
-    out["iter_ms"] = timed_steps(step, 0, iters, device, before)
+    out["iter_ms"] = timed_steps(step, 0, iters, device, before, host=out.setdefault("host_ms", []))
     if device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB

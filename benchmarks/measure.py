@@ -27,10 +27,11 @@ GIB = float(2**30)
 
 
 def timed_steps(step: Callable[[], object], warmup: int, iters: int, device,
-                before: Optional[Callable[[], None]] = None) -> list[float]:
+                before: Optional[Callable[[], None]] = None, host: Optional[list] = None) -> list[float]:
     """ms of each of ``iters`` calls of ``step`` after ``warmup`` untimed ones; ``before()`` runs
     ahead of every call, untimed (e.g. a device synchronize and a barrier). ``device``: a
-    ``torch.device``."""
+    ``torch.device``. ``host``: gets each call's host time to issue its work (ms, up to the end event's
+    record): near the CUDA-event time, the GPU waited on the host (launch-bound: its idle is the host's)."""
     import torch
 
     before = before or (lambda: None)
@@ -42,15 +43,19 @@ def timed_steps(step: Callable[[], object], warmup: int, iters: int, device,
         before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             start.record()
             step()
             end.record()
+            issued = (time.perf_counter() - t0) * 1e3
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
             step()
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append(issued := (time.perf_counter() - t0) * 1e3)
+        if host is not None:
+            host.append(issued)
     return times
 
 
@@ -60,8 +65,7 @@ def quantile(values: Sequence[float], q: float) -> float:
         raise ValueError("quantile of no values")
     s = sorted(values)
     pos = q * (len(s) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
+    lo, hi = math.floor(pos), min(math.floor(pos) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
@@ -75,14 +79,8 @@ def iteration_stats(per_rank_ms: Sequence[Sequence[float]]) -> dict:
     if len(n) != 1 or 0 in n:
         raise ValueError(f"every rank must report the same non-zero number of iterations, got {sorted(n)}")
     iter_max = [max(ts) for ts in zip(*per_rank_ms)]
-    return {
-        "median_ms": quantile(iter_max, 0.5),
-        "p10_ms": quantile(iter_max, 0.1),
-        "p90_ms": quantile(iter_max, 0.9),
-        "iters": len(iter_max),
-        "iter_max_ms": iter_max,
-        "per_rank_median_ms": [quantile(t, 0.5) for t in per_rank_ms],
-    }
+    return {"median_ms": quantile(iter_max, 0.5), "p10_ms": quantile(iter_max, 0.1), "p90_ms": quantile(iter_max, 0.9),
+            "iters": len(iter_max), "iter_max_ms": iter_max, "per_rank_median_ms": [quantile(t, 0.5) for t in per_rank_ms]}
 
 
 def parse_tokens(text: str) -> int:

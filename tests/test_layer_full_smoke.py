@@ -89,6 +89,8 @@ def test_every_case_measured_with_the_promised_fields(smoke):
         assert r["layout"] == ("sbhd" if r["packing"] == "sbhd" else "thd")
         assert r["iters"] == 2 and len(r["iter_max_ms"]) == 2
         assert 0 < r["p10_ms"] <= r["median_ms"] <= r["p90_ms"]
+        # the host's time to issue an iteration: on the CPU the iteration itself, the slowest rank's median
+        assert r["host_median_ms"] == max(r["per_rank_median_ms"])
         assert r["peak_gib"] is None  # CPU: no CUDA allocator
         assert r["knobs"]["dims"] == vars(TINY) and r["versions"]["torch"]
     assert "| T | packing |" in stdout  # the markdown table
