@@ -170,8 +170,9 @@ run_stage() {
       if [ ! -f "$MLM_DIR/pretrain_hybrid.py" ]; then
         echo "wgrads needs a Megatron-LM checkout in ${GDN_CP_MLM:-.mlm}/"; false
       else
+        # shellcheck disable=SC2086
         timeout --signal=INT 560 python3 -m gdn_cp_testing.megatron.wgrads --checkout "$MLM_DIR" --work /tmp/wgrads_work \
-          --out "$OUT/wgrads.json" --timeout-s 480
+          --out "$OUT/wgrads.json" --timeout-s 480 ${GDN_CP_WGRADS_ARGS:-}
       fi ;;
     syncs)
       # each autotuner at its first working config (the counts do not depend on it): run 2026-12-07h, autotuning

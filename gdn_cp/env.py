@@ -124,6 +124,7 @@ CLONE_NAMES: dict[str, tuple[str, ...]] = {
         "GDN_CP_SLIM", "GDN_CP_STACK", "GDN_CP_STAGES", "GDN_CP_SUITE_TIMEOUT", "GDN_CP_SYNCS_ARGS", "GDN_CP_SYNCS_TIMEOUT",
         "GDN_CP_TE",
         "GDN_CP_TESTS_FAST_AUTOTUNE", "GDN_CP_TL", "GDN_CP_TRAIN_MLM_ARGS", "GDN_CP_TRAIN_MLM_TIMEOUT",
+        "GDN_CP_WGRADS_ARGS",
     ),
 }
 """The names of the tests' and the benchmarks' variables (of a clone: ``gdn_cp_testing.env`` holds their

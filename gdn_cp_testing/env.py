@@ -145,6 +145,8 @@ SETTINGS: dict[str, EnvSetting] = {
                    _SECONDS),
         EnvSetting("GDN_CP_SYNCS_ARGS", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: arguments of benchmarks/syncs.py (stage syncs; e.g. --backend flashqla)"),
+        EnvSetting("GDN_CP_WGRADS_ARGS", "benchmarks", "", "benchmarks/gpu_suite.sh: arguments of "
+                   "gdn_cp_testing.megatron.wgrads (stage wgrads; e.g. --precision fp32)"),
         EnvSetting("GDN_CP_LAYER_FULL_ARGS", "benchmarks", "", "arguments of benchmarks/layer_full.py in the suite"),
         EnvSetting("GDN_CP_LAYER_FULL_TIMEOUT", "benchmarks", "480", "benchmarks/gpu_suite.sh: time limit of layer_full",
                    _SECONDS),

@@ -1,7 +1,8 @@
 """Every benchmark command the docs cite still parses with the benchmark's own argument parser: the arguments
 docs/*.md and README.md give benchmarks/gpu_suite.sh (``GDN_CP_LAYER_FULL_ARGS``, ``GDN_CP_LAYER_FULL_B_ARGS``,
-``GDN_CP_TRAIN_MLM_ARGS``, ``GDN_CP_GLUE_KERNELS_ARGS``, ``GDN_CP_SYNCS_ARGS``), each with the arguments the suite's
-stage adds, and for layer_full also through its check of the combination (``resolve_args``, on the CPU here)."""
+``GDN_CP_TRAIN_MLM_ARGS``, ``GDN_CP_GLUE_KERNELS_ARGS``, ``GDN_CP_SYNCS_ARGS``, ``GDN_CP_WGRADS_ARGS``), each with the
+arguments the suite's stage adds, and for layer_full also through its check of the combination (``resolve_args``, on
+the CPU here)."""
 
 from __future__ import annotations
 
@@ -17,14 +18,15 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 STAGE_ARGS = {"LAYER_FULL": ["--out", "/tmp/x.json", "--time-limit", "480"],
               "LAYER_FULL_B": ["--out", "/tmp/x.json", "--time-limit", "240"],
               "TRAIN_MLM": ["--out", "/tmp/x.json", "--checkout", "/tmp/mlm"], "GLUE_KERNELS": ["--out", "/tmp/x.json"],
-              "SYNCS": ["--out", "/tmp/x.json"]}
+              "SYNCS": ["--out", "/tmp/x.json"],
+              "WGRADS": ["--checkout", "/tmp/mlm", "--work", "/tmp/w", "--out", "/tmp/x.json", "--timeout-s", "480"]}
 
 
 def cited() -> list[tuple[str, str]]:
     found = []
     for doc in DOCS:
         text = " ".join(doc.read_text().split())  # commands wrap over lines
-        found += re.findall(r'GDN_CP_(LAYER_FULL|LAYER_FULL_B|TRAIN_MLM|GLUE_KERNELS|SYNCS)_ARGS="([^"]*)"', text)
+        found += re.findall(r'GDN_CP_(LAYER_FULL|LAYER_FULL_B|TRAIN_MLM|GLUE_KERNELS|SYNCS|WGRADS)_ARGS="([^"]*)"', text)
     return sorted(set(found))
 
 
@@ -45,6 +47,9 @@ def test_each_cited_command_parses(kind, args):
     elif kind == "SYNCS":
         from benchmarks.syncs import parse_args
         parse_args(words)
+    elif kind == "WGRADS":
+        from gdn_cp_testing.megatron.wgrads import build_parser
+        build_parser().parse_args(words)
     else:
         from benchmarks.layer_full import build_parser, resolve_args
         resolve_args(build_parser().parse_args([*words, "--device", "cpu"]))

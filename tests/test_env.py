@@ -142,7 +142,7 @@ def test_every_setting_has_a_rule_or_says_it_is_free_form():
     assert free == ["GDN_CP_BENCHMARKS", "GDN_CP_GLUE_KERNELS_ARGS", "GDN_CP_GPU_RESULTS",
                     "GDN_CP_LAYER_FULL_ARGS", "GDN_CP_LAYER_FULL_B_ARGS", "GDN_CP_MEGATRON_SDIST", "GDN_CP_MLM", "GDN_CP_SLIM",
                     "GDN_CP_SYNCS_ARGS", "GDN_CP_TE", "GDN_CP_TEST_OUTCOMES", "GDN_CP_TL", "GDN_CP_TMP",
-                    "GDN_CP_TRAIN_MLM_ARGS"], free
+                    "GDN_CP_TRAIN_MLM_ARGS", "GDN_CP_WGRADS_ARGS"], free
     for name, setting in test_env.ALL_SETTINGS.items():  # every default passes its own rule
         if setting.default:
             setting.parse(setting.default)

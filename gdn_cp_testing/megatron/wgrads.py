@@ -35,43 +35,53 @@ MAX_RANKS = 8
 """Ranks side by side where the GPU's memory cannot be read (an H100's 80 GiB)."""
 
 
-def ranks_that_fit() -> int:
+def ranks_that_fit(precision: str = "bf16") -> int:
     """Rank processes side by side on this machine's GPU: its memory (``lm.gpu_memory_mib``) over ``lm.GIB_PER_RANK``
-    (8 on an H100, 14 on an H200: the 13 ranks of :func:`runs` in one wave); :data:`MAX_RANKS` where nvidia-smi
-    cannot say."""
+    (8 on an H100, 14 on an H200: the 13 ranks of :func:`runs` in one wave), twice that a rank in fp32;
+    :data:`MAX_RANKS` (half in fp32) where nvidia-smi cannot say."""
     from .lm import GIB_PER_RANK, gpu_memory_mib
 
-    total = gpu_memory_mib("total")
+    total, per = gpu_memory_mib("total"), 2 if precision == "fp32" else 1
     # 2 at least: a CP=2 run needs both at once
-    return MAX_RANKS if total is None else max(2, int(total / 1024 // GIB_PER_RANK))
+    return max(2, MAX_RANKS // per if total is None else int(total / 1024 // (GIB_PER_RANK * per)))
 
 
 ON_GDN_CPS_PATH = (("GDN_CP_MLM_GDN_CP_AT_CP1", "1"),)
 """A run's environment that hands its CP=1 SBHD GDN calls to gdn-cp's path (``gdn_cp_testing.megatron.lm``)."""
 
-ALSO_COMPARED = (("hybrid_cp2_chunkwise", "hybrid_cp1_gdn_cp"), ("hybrid_cp2_headwise", "hybrid_cp1_gdn_cp"))
-"""Comparisons beside each run's with its reference: the SBHD CP runs against CP=1 on gdn-cp's own kernels (run
-2026-12-07o: against stock's CP=1 they were as far as the SwiGLU noise pair; on the floor of Megatron's own CP here,
-the gap is the kernels' rounding alone)."""
+ALSO_COMPARED = (("cp2_chunkwise", "cp1_gdn_cp"), ("cp2_headwise", "cp1_gdn_cp"))
+"""Comparisons beside each run's with its reference (names after the model's ``hybrid_`` / ``gdnonly_fp32_``): the
+SBHD CP runs against CP=1 on gdn-cp's own kernels (run 2026-12-07o: against stock's CP=1 they were as far as the
+SwiGLU noise pair; on the floor of Megatron's own CP here, the gap is the kernels' rounding alone)."""
+
+PRECISIONS = ("bf16", "fp32")
+"""``--precision``: bf16, every run of :func:`runs`; fp32, the GDN-only model's (``G-G-``: TE's fused attention under
+CP takes bf16 only) CP=1, noise pair, gdn-cp path and SBHD CP=2 runs, where bf16's rounding is out of the way: a
+chunkwise gradient that differs from gdn-cp's CP=1 path by far more than headwise's, at iteration 1, is a bias, not
+chaos (issue 47)."""
 
 
-def runs() -> list[tuple]:
+def runs(precision: str = "bf16") -> list[tuple]:
     """``(RunSpec, reference name)``: the hybrid of the training benchmark's group ``main`` at CP=1, a noise pair
     (SwiGLU by eager ops), CP=1 through gdn-cp's path (its kernels, as CP > 1 runs them, against stock's ops), CP=2
     chunkwise and headwise; the same sizes with attention for the GDN layers (Megatron's CP only); the hybrid on
-    packed documents (``--dataloader-inter-document-masking``), where CP=1 runs gdn-cp's path too."""
+    packed documents (``--dataloader-inter-document-masking``), where CP=1 runs gdn-cp's path too. In fp32
+    (:data:`PRECISIONS`) the first five on the GDN-only model."""
     from .lm import RunSpec
 
-    hybrid, nogdn = RunSpec("hybrid_cp1"), RunSpec("nogdn_cp1", pattern="*-*-*-")
-    idm = RunSpec("hybrid_idm_cp1", data="inter_document_masking")
+    base = "hybrid" if precision == "bf16" else "gdnonly_fp32"
+    model = RunSpec(f"{base}_cp1", **({} if precision == "bf16" else dict(pattern="G-G-", precision="fp32")))
     again = dataclasses.replace
-    return [(hybrid, ""), (again(hybrid, name="hybrid_cp1_swiglu_noise", extra_args=("--no-bias-swiglu-fusion",)),
-                           "hybrid_cp1"),
-            (again(hybrid, name="hybrid_cp1_gdn_cp", env=ON_GDN_CPS_PATH), "hybrid_cp1"),
-            (again(hybrid, name="hybrid_cp2_chunkwise", cp=2, mode="chunkwise"), "hybrid_cp1"),
-            (again(hybrid, name="hybrid_cp2_headwise", cp=2, mode="headwise"), "hybrid_cp1"),
-            (nogdn, ""), (again(nogdn, name="nogdn_cp2", cp=2), "nogdn_cp1"),
-            (idm, ""), (again(idm, name="hybrid_idm_cp2", cp=2, mode="auto"), "hybrid_idm_cp1")]
+    first = [(model, ""), (again(model, name=f"{base}_cp1_swiglu_noise", extra_args=("--no-bias-swiglu-fusion",)),
+                           model.name),
+             (again(model, name=f"{base}_cp1_gdn_cp", env=ON_GDN_CPS_PATH), model.name),
+             (again(model, name=f"{base}_cp2_chunkwise", cp=2, mode="chunkwise"), model.name),
+             (again(model, name=f"{base}_cp2_headwise", cp=2, mode="headwise"), model.name)]
+    if precision != "bf16":
+        return first
+    nogdn, idm = RunSpec("nogdn_cp1", pattern="*-*-*-"), RunSpec("hybrid_idm_cp1", data="inter_document_masking")
+    return first + [(nogdn, ""), (again(nogdn, name="nogdn_cp2", cp=2), "nogdn_cp1"),
+                    (idm, ""), (again(idm, name="hybrid_idm_cp2", cp=2, mode="auto"), "hybrid_idm_cp1")]
 
 
 def dump_args(save_dir: Path) -> tuple[str, ...]:
@@ -99,22 +109,26 @@ def kind_of(name: str) -> str:
 def compare(grads: dict, reference: dict, top: int = 12) -> dict:
     """``grads`` and ``reference``: parameter name -> gradient tensor (one run's dump and its reference's, the same
     model). Returns the whole gradient's relative L2 difference, each parameter's (``top`` largest, with its kind
-    and norm), and the largest per kind. ValueError where the two dumps name other parameters."""
+    and norm), and the largest per kind; ``along``, the cosine of the difference with the reference gradient (whole
+    and per parameter): rounding leaves it near 0 (about ``1 / sqrt(numel)``), a gradient scaled or a term lost or
+    counted twice pushes it towards -1 or 1. ValueError where the two dumps name other parameters."""
     if set(grads) != set(reference):
         raise ValueError(f"the dumps name other parameters: {sorted(set(grads) ^ set(reference))[:6]}: compare a run "
                          "with the reference of the same model")
-    rows, total_diff, total_ref = [], 0.0, 0.0
+    rows, total_diff, total_ref, total_dot = [], 0.0, 0.0, 0.0
     for name in sorted(reference):
         g, r = grads[name].double(), reference[name].double()
-        diff, norm = float((g - r).norm()), float(r.norm())
-        total_diff, total_ref = total_diff + diff ** 2, total_ref + norm ** 2
+        diff, norm, dot = float((g - r).norm()), float(r.norm()), float(((g - r) * r).sum())
+        total_diff, total_ref, total_dot = total_diff + diff ** 2, total_ref + norm ** 2, total_dot + dot
         rows.append({"param": name, "kind": kind_of(name), "rel": diff / norm if norm else float(diff > 0),
-                     "norm": norm})
+                     "norm": norm, "along": dot / (diff * norm) if diff and norm else 0.0, "numel": r.numel()})
     rows.sort(key=lambda row: -row["rel"])
     kinds = {}
     for row in rows:
         kinds.setdefault(row["kind"], row["rel"])  # rows run largest first
-    return {"rel": (total_diff / total_ref) ** 0.5 if total_ref else 0.0, "top": rows[:top], "largest_by_kind": kinds}
+    along = total_dot / (total_diff * total_ref) ** 0.5 if total_diff and total_ref else 0.0
+    return {"rel": (total_diff / total_ref) ** 0.5 if total_ref else 0.0, "along": along, "top": rows[:top],
+            "largest_by_kind": kinds}
 
 
 def run_status(result) -> str:
@@ -134,7 +148,7 @@ def load_dump(path: Path) -> dict:
             for name, t in params.items()}
 
 
-def run_all(checkout: Path, work: Path, timeout_s: float, max_ranks: int = MAX_RANKS) -> dict:
+def run_all(checkout: Path, work: Path, timeout_s: float, max_ranks: int = MAX_RANKS, precision: str = "bf16") -> dict:
     """Every run of :func:`runs` (side by side, at most ``max_ranks`` ranks), then each compared with its reference
     at iterations 1..ITERATIONS. Returns the JSON document."""
     from . import byte_text
@@ -142,7 +156,7 @@ def run_all(checkout: Path, work: Path, timeout_s: float, max_ranks: int = MAX_R
 
     data = byte_text.build(work / "data")
     specs = [(dataclasses.replace(s, extra_args=s.extra_args + dump_args(work / "dumps" / s.name)), ref)
-             for s, ref in runs()]
+             for s, ref in runs(precision)]
     results, pending, running, used = {}, list(specs), {}, 0
     with cf.ThreadPoolExecutor(max_workers=len(specs)) as pool:
         while pending or running:
@@ -164,8 +178,11 @@ def run_all(checkout: Path, work: Path, timeout_s: float, max_ranks: int = MAX_R
                 results[spec.name] = {"status": run_status(result), "losses": result.losses[:ITERATIONS],
                                       "grad_norms": result.grad_norms[:ITERATIONS], "error": result.error[-400:]}
                 logger.info("%s: %s (%.0f s)", spec.name, result.status, result.wall_s)
-    doc = {"data": data, "iterations": ITERATIONS, "max_ranks": max_ranks, "runs": results, "compared": {}}
-    for name, ref in [(spec.name, ref) for spec, ref in specs if ref] + list(ALSO_COMPARED):
+    doc = {"data": data, "iterations": ITERATIONS, "max_ranks": max_ranks, "precision": precision, "runs": results,
+           "compared": {}}
+    base = specs[0][0].name.removesuffix("_cp1")
+    also = [(f"{base}_{run}", f"{base}_{ref}") for run, ref in ALSO_COMPARED]
+    for name, ref in [(spec.name, ref) for spec, ref in specs if ref] + also:
         for it in range(1, ITERATIONS + 1):
             paths = [dump_path(work / "dumps" / run, it) for run in (name, ref)]
             if all(p.is_file() for p in paths):
@@ -184,11 +201,12 @@ def summary(doc: dict) -> str:
             continue
         first = c["top"][0] if c["top"] else {"param": "-", "rel": 0.0}
         kinds = ", ".join(f"{k} {v:.1e}" for k, v in c["largest_by_kind"].items())
-        lines.append(f"{key}: all {c['rel']:.2e}; largest {first['param']} {first['rel']:.2e}; by kind: {kinds}")
+        lines.append(f"{key}: all {c['rel']:.2e} (along the gradient {c.get('along', 0.0):+.2f}); largest "
+                     f"{first['param']} {first['rel']:.2e}; by kind: {kinds}")
     return "\n".join(lines)
 
 
-def main(argv: Optional[list] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from .lm import GIB_PER_RANK
 
     p = argparse.ArgumentParser(prog="python -m gdn_cp_testing.megatron.wgrads", description=__doc__.split("\n\n")[0])
@@ -198,13 +216,20 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--timeout-s", type=float, default=420, help="stop a run after this many seconds")
     p.add_argument("--max-ranks", type=int, default=None,
                    help=f"ranks side by side (default: the GPU's memory over {GIB_PER_RANK} GiB a rank)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
+                   help="bf16: every run; fp32: the GDN-only model's CP=1, noise pair, gdn-cp path and CP=2 runs")
+    return p
+
+
+def main(argv: Optional[list] = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.max_ranks is not None and args.max_ranks < 2:
         p.error(f"--max-ranks {args.max_ranks}: the CP=2 runs need 2 ranks at once; give 2 or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    max_ranks = args.max_ranks or ranks_that_fit()
+    max_ranks = args.max_ranks or ranks_that_fit(args.precision)
     logger.info("%d ranks side by side", max_ranks)
-    doc = run_all(Path(args.checkout), Path(args.work), args.timeout_s, max_ranks)
+    doc = run_all(Path(args.checkout), Path(args.work), args.timeout_s, max_ranks, args.precision)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(summary(doc))
     return 0

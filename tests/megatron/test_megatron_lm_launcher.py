@@ -87,7 +87,7 @@ parsed_args = {}
 # every run but FlashQLA's, whose backend check wants CUDA and FlashQLA (validated where they are: the GPU machine)
 # and the gradient probe's runs (gdn_cp_testing.megatron.wgrads), with its dump flags, named wgrads_*
 probe = [(dataclasses.replace(s, name="wgrads_" + s.name, extra_args=s.extra_args + wgrads.dump_args(os.path.join(TMP, s.name))),
-          ref and "wgrads_" + ref) for s, ref in wgrads.runs()]
+          ref and "wgrads_" + ref) for precision in wgrads.PRECISIONS for s, ref in wgrads.runs(precision)]
 for spec, ref in [(s, r) for s, r in matrix(GROUPS) if s.backend != "flashqla"] + probe:
     with contextlib.redirect_stdout(io.StringIO()):
         try:
@@ -291,7 +291,8 @@ def test_the_gradient_probe_runs_dump_and_stop_early(parsed):
     from gdn_cp_testing.megatron import wgrads
 
     probe = {name: run for name, run in parsed["runs"].items() if name.startswith("wgrads_")}
-    assert len(probe) == len(wgrads.runs()) and all("error" not in run for run in probe.values()), probe
+    assert len(probe) == sum(len(wgrads.runs(p)) for p in wgrads.PRECISIONS), probe
+    assert all("error" not in run for run in probe.values()), probe
     for name, run in probe.items():
         assert run["dump"][:2] == [1, wgrads.ITERATIONS] and run["dump"][2].endswith(name[len("wgrads_"):]), run
         assert run["iterations"] == 50 and run["lr"] == [6e-4, "cosine", 10, 6e-5], run

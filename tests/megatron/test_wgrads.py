@@ -31,6 +31,9 @@ def test_the_comparison_names_the_parameter_that_moved():
     c = wgrads.compare(got, ref, top=3)
     assert c["top"][0]["param"] == "decoder.layers.0.mixer.conv1d.weight" and c["top"][0]["rel"] == pytest.approx(0.01)
     assert c["top"][1]["kind"] == "attention" and 0 < c["top"][1]["rel"] < 1e-4
+    # a gradient scaled lies along itself; one element moved in 32 of noise barely
+    assert c["top"][0]["along"] == pytest.approx(1.0) and abs(c["top"][1]["along"]) < 0.5
+    assert 0 < c["along"] < 1
     assert c["largest_by_kind"]["gdn"] == pytest.approx(0.01) and c["largest_by_kind"]["mlp"] == 0.0
     assert len(c["top"]) == 3 and 0 < c["rel"] < 0.01
     assert wgrads.compare(ref, ref)["rel"] == 0.0
@@ -107,6 +110,46 @@ def test_every_run_is_launched_within_the_ranks_and_compared_with_its_reference(
     assert "missing" in c["nogdn_cp2 vs nogdn_cp1 @1"]
 
 
+def test_rounding_noise_lies_across_the_gradient_a_lost_term_along_it():
+    """``along`` tells a bias from rounding: noise of any size leaves the difference near-orthogonal to the gradient
+    (cosine ~ 1 / sqrt(numel)), a term lost from the gradient points the difference against it."""
+    gen = torch.Generator().manual_seed(1)
+    ref = {"decoder.layers.0.mixer.in_proj.weight": torch.randn(4096, generator=gen)}
+    noisy = {k: v + 0.05 * torch.randn(4096, generator=gen) for k, v in ref.items()}
+    lost = {k: 0.97 * v + 1e-3 * torch.randn(4096, generator=gen) for k, v in ref.items()}
+    assert abs(wgrads.compare(noisy, ref)["along"]) < 0.05
+    assert wgrads.compare(lost, ref)["along"] < -0.9
+
+
+def test_the_fp32_set_is_the_gdn_only_models_sbhd_runs(tmp_path, monkeypatch):
+    """``--precision fp32``: CP=1, its noise pair, gdn-cp's CP=1 path and the SBHD CP=2 runs of the GDN-only model in
+    fp32 (TE's attention under CP takes bf16 only), the CP runs compared with the path too."""
+    import types
+
+    from gdn_cp_testing.megatron import byte_text, lm
+
+    fp32 = wgrads.runs("fp32")
+    assert [s.name for s, _ in fp32] == ["gdnonly_fp32_cp1", "gdnonly_fp32_cp1_swiglu_noise", "gdnonly_fp32_cp1_gdn_cp",
+                                         "gdnonly_fp32_cp2_chunkwise", "gdnonly_fp32_cp2_headwise"]
+    assert {(s.precision, s.pattern) for s, _ in fp32} == {("fp32", "G-G-")}
+    assert {ref for _, ref in fp32} == {"", "gdnonly_fp32_cp1"}
+
+    def launch(spec, *, checkout, log_dir, data_dir, timeout_s, extra_env):
+        save = spec.extra_args[spec.extra_args.index("--save") + 1]
+        for it in range(1, wgrads.ITERATIONS + 1):
+            wgrads.dump_path(save, it).parent.mkdir(parents=True)
+            torch.save({"model_chunk0": {"a": torch.full((4,), 1.0 + (spec.mode == "chunkwise"))}},
+                       wgrads.dump_path(save, it))
+        return types.SimpleNamespace(status="ok", losses=[5.0] * 50, grad_norms=[1.0] * 50, error="", wall_s=1.0)
+
+    monkeypatch.setattr(lm, "launch", launch)
+    monkeypatch.setattr(byte_text, "build", lambda data_dir: {"tokens": 0})
+    doc = wgrads.run_all(tmp_path / "checkout", tmp_path / "work", timeout_s=10, max_ranks=4, precision="fp32")
+    assert doc["precision"] == "fp32" and len(doc["compared"]) == wgrads.ITERATIONS * 6
+    assert doc["compared"]["gdnonly_fp32_cp2_chunkwise vs gdnonly_fp32_cp1_gdn_cp @1"]["rel"] == 1.0
+    assert doc["compared"]["gdnonly_fp32_cp2_headwise vs gdnonly_fp32_cp1_gdn_cp @1"]["rel"] == 0.0
+
+
 @pytest.mark.parametrize("printed, ranks", [("81559\n", 8), ("143771\n", 14), ("16384\n", 2), (OSError("none"), 8),
                                             ("N/A\n", 8)])
 def test_ranks_side_by_side_follow_the_gpus_memory(monkeypatch, printed, ranks):
@@ -122,6 +165,7 @@ def test_ranks_side_by_side_follow_the_gpus_memory(monkeypatch, printed, ranks):
 
     monkeypatch.setattr(subprocess, "run", run)
     assert wgrads.ranks_that_fit() == ranks
+    assert wgrads.ranks_that_fit("fp32") == max(2, ranks // 2)  # an fp32 rank takes twice the memory
 
 
 def test_max_ranks_below_two_is_refused(capsys):
