@@ -110,8 +110,9 @@ def compare(grads: dict, reference: dict, top: int = 12) -> dict:
     """``grads`` and ``reference``: parameter name -> gradient tensor (one run's dump and its reference's, the same
     model). Returns the whole gradient's relative L2 difference, each parameter's (``top`` largest, with its kind
     and norm), and the largest per kind; ``along``, the cosine of the difference with the reference gradient (whole
-    and per parameter): rounding leaves it near 0 (about ``1 / sqrt(numel)``), a gradient scaled or a term lost or
-    counted twice pushes it towards -1 or 1. ValueError where the two dumps name other parameters."""
+    and per parameter): rounding leaves it near 0 (about ``1 / sqrt(numel)``); a gradient scaled sets it to -1 or 1,
+    and a term lost or counted twice (a part of the gradient, so leaning its way) moves it away from 0. ValueError
+    where the two dumps name other parameters."""
     if set(grads) != set(reference):
         raise ValueError(f"the dumps name other parameters: {sorted(set(grads) ^ set(reference))[:6]}: compare a run "
                          "with the reference of the same model")
