@@ -16,8 +16,8 @@ docs/performance.md ("Figures", its full-layer part) says what each row holds an
 - Method (DESIGN.md, "Measuring performance"): a compile pass per unit (stock and patched pools side by side),
   each case checked against CP=1 (``--cp 1``: against stock on the same module and rows); then per case
   ``--warmup`` + ``--iters`` CUDA-event iterations, the maximum over ranks per iteration, median and p10 / p90,
-  peak memory, ``--profile-iters`` under torch.profiler (compute / NCCL / memcpy / idle, kernel classes), the
-  core alone, bytes per token from the plan.
+  peak memory, ``--profile-iters`` under torch.profiler (compute / NCCL / memcpy / idle and its causes, kernel
+  classes), the core alone, bytes per token from the plan.
 - No new case after ``--time-limit``; a case past ``--time-limit + --grace`` is killed and recorded as an error.
   Rows are merged into ``--out`` after every case (rows of the same run key replaced); SIGINT / SIGTERM write
   what was collected.
@@ -62,7 +62,7 @@ from .common import (add_out_arguments, csv_choices as _csv, machine_info, now_i
                      write_json)
 from .layer_full_math import (CASES, CP1_CASES, LEVERS, PACKINGS, SLICE_CASES, SPECS, STOCK_CASES, GDNDims,
                               bytes_per_token, case_key, contiguous_slice, packing, parse_plan, run_key)
-from .measure import fmt_tokens, iteration_stats, parse_tokens, quantile
+from .measure import fmt_tokens, iteration_stats, parse_tokens
 
 
 logger = logging.getLogger("benchmarks.layer_full")
@@ -443,8 +443,6 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
     stats = iteration_stats([o["iter_ms"] for o in outs])
     row.update(status="ok", error=None, **{k: stats[k] for k in ("median_ms", "p10_ms", "p90_ms", "iters")},
                iter_max_ms=stats["iter_max_ms"], per_rank_median_ms=stats["per_rank_median_ms"], warmup=args.warmup)
-    if all(o.get("host_ms") for o in outs):  # the host's time to issue an iteration (measure.timed_steps)
-        row["host_median_ms"] = max(quantile(o["host_ms"], 0.5) for o in outs)
     if outs[0].get("peak_gib") is not None:
         row["peak_gib_per_rank"] = [o["peak_gib"] for o in outs]
         row["peak_gib"] = max(row["peak_gib_per_rank"])
@@ -456,7 +454,7 @@ def fill_time(row: dict, outs: list[dict], args) -> None:
         row.update(compute_ms=p["compute_ms"], comm_wait_ms=p["nccl_ms"], memcpy_ms=p["memcpy_ms"],
                    idle_ms=p["idle_ms"], profiled_wall_ms=p["wall_ms"], profile_rank=crit,
                    kernels_per_iter=p.get("kernels"), top_kernels_ms=p.get("top_kernels_ms"),
-                   classes_ms=p.get("classes_ms"))
+                   classes_ms=p.get("classes_ms"), idle_causes_ms=p.get("idle_causes_ms"))
         row["profile"] = {"note": "per rank, ms per iteration over the same profiled iterations: compute + nccl + "
                                   "memcpy + idle = wall (exclusive; *_total = overlapping sums); the flat fields "
                                   "are the rank with the most compute", "per_rank": per_rank}

@@ -46,7 +46,7 @@ from gdn_cp_testing.megatron.parity import compare
 from gdn_cp_testing.packings import zigzag_rows
 
 from .layer_full_math import GLUE_LEVERS, SLICE_CASES, STOCK_CASES, GDNDims, contiguous_slice
-from .measure import GIB, kernel_classes, spans_from_trace, split_busy_time, timed_steps
+from .measure import GIB, idle_causes, kernel_classes, spans_from_trace, split_busy_time, timed_steps
 
 TOP_KERNELS = 40  # CUDA kernels by total time kept per profiled rank (40: every elementwise kernel of a layer shows)
 _STATE: dict = {}
@@ -540,7 +540,7 @@ def _timed(step, warmup: int, iters: int, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         out["allocated_before_gib"] = torch.cuda.memory_allocated(device) / GIB
-    out["iter_ms"] = timed_steps(step, 0, iters, device, before, host=out.setdefault("host_ms", []))
+    out["iter_ms"] = timed_steps(step, 0, iters, device, before)
     if device.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / GIB
@@ -582,7 +582,7 @@ def _profiled(step, n: int, device) -> dict:
     return {"iters": n, "wall_ms_iters": walls, **{f"{k}_ms": v for k, v in per_iter.items()},
             "kernels": {c: len(s) // n for c, s in spans.items()},
             "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top],
-            "classes_ms": kernel_classes(by_name, split["idle"], n)}
+            "classes_ms": kernel_classes(by_name, split["idle"], n), "idle_causes_ms": idle_causes(trace["data"], n)}
 
 
 # ---- correctness: the case against CP=1 on the same weights and inputs ----

@@ -1,18 +1,15 @@
 """How the benchmarks measure: one place for timing, statistics, profile splits and token counts.
 
-- :func:`timed_steps`: ``warmup`` untimed then ``iters`` timed calls of a step (CUDA events on a
-  GPU, ``perf_counter`` on the CPU), each after a caller's ``before()`` (a device synchronize and
-  a barrier, so every rank starts an iteration together);
-- :func:`quantile` / :func:`iteration_stats`: median and p10 / p90 of the per-iteration maximum
-  over ranks (an iteration takes as long as its slowest rank);
-- :func:`spans_from_trace` / :func:`split_busy_time`: a profiled iteration's GPU time split into
-  compute, NCCL (communication or waiting), memcpy and idle, summing to the CUDA-event wall;
+- :func:`timed_steps`: ``warmup`` untimed then ``iters`` timed calls of a step (CUDA events on a GPU, ``perf_counter``
+  on the CPU), each after a caller's ``before()`` (a device synchronize and a barrier: ranks start together);
+- :func:`quantile` / :func:`iteration_stats`: median and p10 / p90 of the per-iteration maximum over ranks;
+- :func:`spans_from_trace` / :func:`split_busy_time`: a profiled iteration's GPU time split into compute, NCCL
+  (communication or waiting), memcpy and idle, summing to the CUDA-event wall; :func:`idle_causes`: the idle's;
 - :func:`parse_tokens` / :func:`fmt_tokens`: ``32K`` <-> 32768.
 
-Torch is imported where a GPU is timed, not with this module. DESIGN's rules for a number worth
-printing apply: warm-up first (compile and autotune in a pass of their own), >= 20 timed
-iterations, the maximum over ranks, never time subtracted across iterations.
-"""
+Torch is imported where a GPU is timed, not with this module. DESIGN's rules for a number worth printing apply:
+warm-up first (compile and autotune in a pass of their own), >= 20 timed iterations, the maximum over ranks, never
+time subtracted across iterations."""
 
 from __future__ import annotations
 
@@ -20,18 +17,16 @@ import math
 import time
 from typing import Callable, Optional, Sequence
 
-__all__ = ["CATEGORIES", "GIB", "fmt_tokens", "iteration_stats", "parse_tokens", "quantile",
+__all__ = ["CATEGORIES", "GIB", "fmt_tokens", "idle_causes", "iteration_stats", "parse_tokens", "quantile",
            "spans_from_trace", "split_busy_time", "timed_steps"]
 
 GIB = float(2**30)
 
 
 def timed_steps(step: Callable[[], object], warmup: int, iters: int, device,
-                before: Optional[Callable[[], None]] = None, host: Optional[list] = None) -> list[float]:
-    """ms of each of ``iters`` calls of ``step`` after ``warmup`` untimed ones; ``before()`` runs
-    ahead of every call, untimed (e.g. a device synchronize and a barrier). ``device``: a
-    ``torch.device``. ``host``: gets each call's host time to issue its work (ms, up to the end event's
-    record): near the CUDA-event time, the GPU waited on the host (launch-bound: its idle is the host's)."""
+                before: Optional[Callable[[], None]] = None) -> list[float]:
+    """ms of each of ``iters`` calls of ``step`` after ``warmup`` untimed ones; ``before()`` runs ahead of every
+    call, untimed (e.g. a device synchronize and a barrier). ``device``: a ``torch.device``."""
     import torch
 
     before = before or (lambda: None)
@@ -43,19 +38,15 @@ def timed_steps(step: Callable[[], object], warmup: int, iters: int, device,
         before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
             start.record()
             step()
             end.record()
-            issued = (time.perf_counter() - t0) * 1e3
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
             t0 = time.perf_counter()
             step()
-            times.append(issued := (time.perf_counter() - t0) * 1e3)
-        if host is not None:
-            host.append(issued)
+            times.append((time.perf_counter() - t0) * 1e3)
     return times
 
 
@@ -70,11 +61,8 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 
 def iteration_stats(per_rank_ms: Sequence[Sequence[float]]) -> dict:
-    """Statistics of the per-iteration maximum over ranks.
-
-    ``per_rank_ms[r][i]``: rank r's time of iteration i (every rank ran the same iterations,
-    separated by a barrier). An iteration takes as long as its slowest rank.
-    """
+    """Statistics of the per-iteration maximum over ranks. ``per_rank_ms[r][i]``: rank r's time of iteration i
+    (every rank ran the same iterations, separated by a barrier). An iteration takes as long as its slowest rank."""
     n = {len(t) for t in per_rank_ms}
     if len(n) != 1 or 0 in n:
         raise ValueError(f"every rank must report the same non-zero number of iterations, got {sorted(n)}")
@@ -86,11 +74,8 @@ def iteration_stats(per_rank_ms: Sequence[Sequence[float]]) -> dict:
 def parse_tokens(text: str) -> int:
     """'32K' -> 32768, '1M' -> 1048576, '512' -> 512."""
     t = str(text).strip().lower()
-    mult = 1
-    if t.endswith("k"):
-        mult, t = 1024, t[:-1]
-    elif t.endswith("m"):
-        mult, t = 1024 * 1024, t[:-1]
+    mult = {"k": 1024, "m": 1024 * 1024}.get(t[-1:], 1)
+    t = t[:-1] if mult > 1 else t
     try:
         value = int(float(t) * mult)
     except ValueError:
@@ -101,11 +86,7 @@ def parse_tokens(text: str) -> int:
 
 
 def fmt_tokens(t: int) -> str:
-    if t % (1024 * 1024) == 0:
-        return f"{t // (1024 * 1024)}M"
-    if t % 1024 == 0:
-        return f"{t // 1024}K"
-    return str(t)
+    return f"{t // 1048576}M" if t % 1048576 == 0 else f"{t // 1024}K" if t % 1024 == 0 else str(t)
 
 
 # ---- profile split ----
@@ -116,14 +97,12 @@ CATEGORIES = ("compute", "nccl", "memcpy")  # attribution priority, highest firs
 def split_busy_time(spans: dict[str, Sequence[tuple[float, float]]], wall: float) -> dict:
     """Split ``wall`` (the CUDA-event time of the same profiled iterations) into exclusive parts.
 
-    ``spans[category]``: ``(start, end)`` of every GPU activity of that category ("compute"
-    kernels, "nccl" kernels, "memcpy" = memcpy/memset), in one clock. Each instant is given to
-    the highest-priority category busy then: compute, else nccl (communication or waiting for a
-    slower rank: NCCL kernels spin while they wait), else memcpy; idle = wall minus the union of
-    all busy intervals. So ``compute + nccl + memcpy + idle == wall`` (idle clamped at 0 when the
-    trace's busy time exceeds the event wall by clock skew). Also returns the plain (overlapping)
-    sums per category as ``*_total``.
-    """
+    ``spans[category]``: ``(start, end)`` of every GPU activity of that category ("compute" kernels, "nccl"
+    kernels, "memcpy" = memcpy/memset), in one clock. Each instant is given to the highest-priority category busy
+    then: compute, else nccl (communication or waiting for a slower rank: NCCL kernels spin while they wait), else
+    memcpy; idle = wall minus the union of all busy intervals. So ``compute + nccl + memcpy + idle == wall`` (idle
+    clamped at 0 when the trace's busy time exceeds the event wall by clock skew). Also returns the plain
+    (overlapping) sums per category as ``*_total``."""
     unknown = set(spans) - set(CATEGORIES)
     if unknown:
         raise ValueError(f"span categories must be among {CATEGORIES}, got {sorted(unknown)}")
@@ -170,6 +149,33 @@ def spans_from_trace(trace) -> tuple[dict, dict]:
         key = f"{cat}: {str(e.get('name'))[:NAME_CHARS]}"
         by_name[key] = by_name.get(key, 0.0) + dur
     return spans, by_name
+
+
+def idle_causes(trace, iters: int, top: int = 6) -> dict:
+    """The idle time of ``iters`` timed iterations by cause, ms per iteration. A gap in the GPU's work waited on the
+    host where the call that launched the work after it (a CUDA runtime / driver event, linked by ``correlation``)
+    came after the GPU had drained: on a synchronize (``sync``) or on the host's own work (``launch``, by the work
+    launched late: ``late``); else on the GPU (``device``; ``unlinked``: no launch call in the trace). Gaps with the
+    timing's own ``cudaEventSynchronize`` in them (between iterations) are left out."""
+    events = [e for e in (trace.get("traceEvents", []) if isinstance(trace, dict) else trace)
+              if isinstance(e, dict) and e.get("ph") == "X"]
+    calls = [e for e in events if str(e.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver")]
+    launched = {c["args"]["correlation"]: float(c["ts"]) for c in calls if "correlation" in c.get("args", {})}
+    syncs = [(float(c["ts"]), "eventsync" in str(c.get("name")).lower()) for c in calls
+             if "synchronize" in str(c.get("name")).lower()]
+    out, late, busy_end = dict.fromkeys(("sync", "launch", "device", "unlinked"), 0.0), {}, None
+    for e in sorted((e for e in events if _category(e)), key=lambda e: float(e["ts"])):
+        ts, at = float(e["ts"]), launched.get(e.get("args", {}).get("correlation"))
+        between = [last for t, last in syncs if busy_end is not None and busy_end <= t <= (ts if at is None else at)]
+        if busy_end is not None and ts > busy_end and not any(between):
+            cause = "unlinked" if at is None else "device" if at < busy_end else "sync" if between else "launch"
+            out[cause] += ts - busy_end
+            if cause == "launch":
+                name = f"{_category(e)}: {str(e.get('name'))[:NAME_CHARS]}"
+                late[name] = late.get(name, 0.0) + ts - busy_end
+        busy_end = max(busy_end or 0.0, ts + float(e.get("dur", 0.0)))
+    return {**{k: v / 1e3 / iters for k, v in out.items()},
+            "late": [[k, v / 1e3 / iters] for k, v in sorted(late.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 NAME_CHARS = 240

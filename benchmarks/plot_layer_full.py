@@ -1,24 +1,20 @@
 #!/usr/bin/env python
 """Markdown tables from ``layer_full.py`` rows, and a PNG of the ``--cp 1`` per-rank rows by kernel class; merges
-row files from several device calls. (The CP>1 plot it drew until issue 48, e.g.
-``benchmarks/results/layer_full_cp1.png``, is in git history: the tables carry those numbers.)
+row files from several device calls.
 
     python3 -m benchmarks.plot_layer_full a.json b.json --merge-out benchmarks/results/layer_full.json
     python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full_glue.json NEW.json --keep-runs \
-        --merge-out benchmarks/results/layer_full_glue.json
-    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full.json --md table.md
-    python3 -m benchmarks.plot_layer_full benchmarks/results/layer_full_glue.json --md /tmp/tables.md --png benchmarks/results/layer_full_glue.png
+        --merge-out benchmarks/results/layer_full_glue.json --md /tmp/tables.md --png /tmp/layer_full_glue.png
 
-Merging: files are read in order; the rows of a later file replace every earlier row of the same
-run (``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec,
-FLA version), so re-running a T replaces its rows; ``--keep-runs`` keeps every run's rows instead (``layer_full_glue.json``,
-whose every run compares glue variants: tests/ops/test_glue_default.py reads each run apart). ``--cp 1`` rows get one table (:func:`per_rank_summary`:
-stock and gdn-cp side by side per run, stack, spec, T and rank slice, each lever's off / on ratio).
-
-The markdown table (for the README) gives, per (T, packing), each case's median fwd+bwd time of
-the whole layer, its ratio to stock headwise (< 1 is faster) and the fraction of the ideal it
-reaches (``cp1_slice`` median / case median: 100% = as fast as CP=1 on the critical rank's own
-slice with no communication). A second table says where the time goes. Runs on the CPU.
+Merging: files are read in order; the rows of a later file replace every earlier row of the same run
+(``layer_full_math.run_key``: machine size, CP, T, dtype, shape, compile-only or timed, spec, FLA version), so
+re-running a T replaces its rows; ``--keep-runs`` keeps every run's rows instead (``layer_full_glue.json``, whose
+every run compares glue variants: tests/ops/test_glue_default.py reads each run apart). ``--cp 1`` rows get one
+table (:func:`per_rank_summary`: stock and gdn-cp side by side per run, stack, spec, T and rank slice, each lever's
+off / on ratio). The markdown table (for the README) gives, per (T, packing), each case's median fwd+bwd time of
+the whole layer, its ratio to stock headwise (< 1 is faster) and the fraction of the ideal it reaches
+(``cp1_slice`` median / case median: 100% = as fast as CP=1 on the critical rank's own slice with no
+communication). A second table says where the time goes. Runs on the CPU.
 """
 
 from __future__ import annotations
