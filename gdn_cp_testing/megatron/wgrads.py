@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="JSON file: each run's first losses and grad norms, the comparisons")
     p.add_argument("--timeout-s", type=float, default=420, help="stop a run after this many seconds")
     p.add_argument("--max-ranks", type=int, default=None,
-                   help=f"ranks side by side (default: the GPU's memory over {GIB_PER_RANK} GiB a rank)")
+                   help=f"ranks side by side (default: the GPU's memory over {GIB_PER_RANK} GiB a rank, twice that in fp32)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="bf16: every run; fp32: the GDN-only model's CP=1, noise pair, gdn-cp path and CP=2 runs")
     return p
