@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Optional
 
 from gdn_cp_testing.megatron import byte_text
-from gdn_cp_testing.megatron.lm import GIB_PER_RANK, RunSpec, build_dataset_helpers, gpu_memory_mib, launch, write_sft_set
+from gdn_cp_testing.megatron.lm import (GIB_PER_RANK, RunSpec, build_dataset_helpers, gib_per_rank, gpu_memory_mib, launch,
+                                        write_sft_set)
 
 from .common import csv_choices, machine_info, now_iso, setup_logging, versions, write_json
 from .mlm_verdict import (GOOD, REFUSED, RULE, RULES, STOCK, SWEEP, base_name, bands, judge,  # noqa: F401
@@ -288,10 +289,9 @@ H100_GIB = 79.6
 
 
 def ranks_that_fit(gpu_gib: float, todo: list) -> int:
-    """Rank processes side by side on a GPU of ``gpu_gib``: :data:`GIB_PER_RANK` each, twice that when a run of
-    ``todo`` is fp32."""
-    per = GIB_PER_RANK * (2 if any(s.precision == "fp32" for s, _ in todo) else 1)
-    return max(1, int(gpu_gib // per))
+    """Rank processes side by side on a GPU of ``gpu_gib``: each the memory of the largest run of ``todo``
+    (``lm.gib_per_rank``: :data:`GIB_PER_RANK`, twice that in fp32)."""
+    return max(1, int(gpu_gib // max((gib_per_rank(s.precision) for s, _ in todo), default=GIB_PER_RANK)))
 
 
 def estimate_s(spec: RunSpec, ref: str = "") -> float:

@@ -61,6 +61,7 @@ _CLONE = str(Path(__file__).resolve().parents[2])  # the clone's root: gdn_cp_te
 __all__ = [
     "DATA_FLAGS",
     "GIB_PER_RANK",
+    "gib_per_rank",
     "RECOMPUTE",
     "RunSpec",
     "RunResult",
@@ -476,6 +477,11 @@ step (run 2026-12-06c, the CUDA and NCCL allocations of every process; Megatron-
 reserved per rank). fp32 rows take twice (16 on the H200 ran out of memory, 8 ran). Each call of
 ``benchmarks/train_megatron_lm.py`` records the GPU memory it saw used every ~5 s and at most (its JSON's
 ``gpu_memory``), to replace this figure with a measured one."""
+
+
+def gib_per_rank(precision: str) -> float:
+    """:data:`GIB_PER_RANK` for a run of ``precision`` (``RunSpec.precision``): twice that in fp32."""
+    return GIB_PER_RANK * (2 if precision == "fp32" else 1)
 
 
 def gpu_memory_mib(field: str) -> Optional[float]:

@@ -36,14 +36,15 @@ MAX_RANKS = 8
 
 
 def ranks_that_fit(precision: str = "bf16") -> int:
-    """Rank processes side by side on this machine's GPU: its memory (``lm.gpu_memory_mib``) over ``lm.GIB_PER_RANK``
-    (8 on an H100, 14 on an H200: the 13 ranks of :func:`runs` in one wave), twice that a rank in fp32;
-    :data:`MAX_RANKS` (half in fp32) where nvidia-smi cannot say."""
-    from .lm import GIB_PER_RANK, gpu_memory_mib
+    """Rank processes side by side on this machine's GPU: its memory (``lm.gpu_memory_mib``) over a rank's
+    (``lm.gib_per_rank``: 8 on an H100, 14 on an H200 in bf16: the 13 ranks of :func:`runs` in one wave; half that
+    in fp32); :data:`MAX_RANKS` (half in fp32) where nvidia-smi cannot say."""
+    from .lm import GIB_PER_RANK, gib_per_rank, gpu_memory_mib
 
-    total, per = gpu_memory_mib("total"), 2 if precision == "fp32" else 1
+    total, per = gpu_memory_mib("total"), gib_per_rank(precision)
     # 2 at least: a CP=2 run needs both at once
-    return max(2, MAX_RANKS // per if total is None else int(total / 1024 // (GIB_PER_RANK * per)))
+    # (no reading: the memory MAX_RANKS bf16 ranks take)
+    return max(2, round(MAX_RANKS * GIB_PER_RANK / per) if total is None else int(total / 1024 // per))
 
 
 ON_GDN_CPS_PATH = (("GDN_CP_MLM_GDN_CP_AT_CP1", "1"),)
