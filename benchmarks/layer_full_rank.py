@@ -550,9 +550,9 @@ def _timed(step, warmup: int, iters: int, device) -> dict:
 # ---- profile ----
 
 def _profiled(step, n: int, device) -> dict:
-    """``n`` iterations under torch.profiler (schedule: 1 wait, 1 warm-up, ``n`` active; CUDA
-    activity). The split comes from the active iterations' kernels and their CUDA-event walls:
-    per iteration, compute + nccl + memcpy + idle = wall."""
+    """``n`` iterations under torch.profiler (1 wait, 1 warm-up, ``n`` active; CUDA activity): from their kernels and
+    CUDA-event walls, per iteration, compute + nccl + memcpy + idle = wall; idle by cause (:func:`idle_causes`; ``start``:
+    the rest, the host reaching an iteration's first kernel: a layer timed alone, not in a model's run)."""
     trace: dict = {}
 
     def on_ready(prof):
@@ -579,10 +579,11 @@ def _profiled(step, n: int, device) -> dict:
     split = split_busy_time(spans, sum(walls) * 1e3)  # us over the n iterations
     per_iter = {k: v / 1e3 / n for k, v in split.items()}  # ms per iteration
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    causes = idle_causes(trace["data"], n)
+    causes["start"] = max(0.0, per_iter["idle"] - sum(v for k, v in causes.items() if k != "late"))
     return {"iters": n, "wall_ms_iters": walls, **{f"{k}_ms": v for k, v in per_iter.items()},
-            "kernels": {c: len(s) // n for c, s in spans.items()},
-            "top_kernels_ms": [[name, us / 1e3 / n] for name, us in top],
-            "classes_ms": kernel_classes(by_name, split["idle"], n), "idle_causes_ms": idle_causes(trace["data"], n)}
+            "kernels": {c: len(s) // n for c, s in spans.items()}, "top_kernels_ms": [[k, us / 1e3 / n] for k, us in top],
+            "classes_ms": kernel_classes(by_name, split["idle"], n), "idle_causes_ms": causes}
 
 
 # ---- correctness: the case against CP=1 on the same weights and inputs ----

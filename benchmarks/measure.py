@@ -154,28 +154,28 @@ def spans_from_trace(trace) -> tuple[dict, dict]:
 def idle_causes(trace, iters: int, top: int = 6) -> dict:
     """The idle time of ``iters`` timed iterations by cause, ms per iteration. A gap in the GPU's work waited on the
     host where the call that launched the work after it (a CUDA runtime / driver event, linked by ``correlation``)
-    came after the GPU had drained: on a synchronize (``sync``) or on the host's own work (``launch``, by the work
-    launched late: ``late``); else on the GPU (``device``; ``unlinked``: no launch call in the trace). Gaps with the
-    timing's own ``cudaEventSynchronize`` in them (between iterations) are left out."""
+    came after the GPU had drained: on a synchronize whose call spans any of the gap (``sync``) or on the host's own
+    work (``launch``, by the work launched late: ``late``); else on the GPU (``device``; ``unlinked``: no launch
+    call). Gaps with the timing's own ``cudaEventSynchronize`` in them (between iterations) are left out."""
     events = [e for e in (trace.get("traceEvents", []) if isinstance(trace, dict) else trace)
               if isinstance(e, dict) and e.get("ph") == "X"]
     calls = [e for e in events if str(e.get("cat", "")).lower() in ("cuda_runtime", "cuda_driver")]
     launched = {c["args"]["correlation"]: float(c["ts"]) for c in calls if "correlation" in c.get("args", {})}
-    syncs = [(float(c["ts"]), "eventsync" in str(c.get("name")).lower()) for c in calls
-             if "synchronize" in str(c.get("name")).lower()]
+    syncs = [(float(c["ts"]), float(c["ts"]) + float(c.get("dur", 0.0)), "eventsync" in str(c.get("name")).lower())
+             for c in calls if "synchronize" in str(c.get("name")).lower()]
     out, late, busy_end = dict.fromkeys(("sync", "launch", "device", "unlinked"), 0.0), {}, None
     for e in sorted((e for e in events if _category(e)), key=lambda e: float(e["ts"])):
         ts, at = float(e["ts"]), launched.get(e.get("args", {}).get("correlation"))
-        between = [last for t, last in syncs if busy_end is not None and busy_end <= t <= (ts if at is None else at)]
+        then = ts if at is None else at  # the work's launch call, or the work
+        between = [last for t0, t1, last in syncs if busy_end is not None and t0 <= then and t1 >= busy_end]
         if busy_end is not None and ts > busy_end and not any(between):
             cause = "unlinked" if at is None else "device" if at < busy_end else "sync" if between else "launch"
             out[cause] += ts - busy_end
-            if cause == "launch":
-                name = f"{_category(e)}: {str(e.get('name'))[:NAME_CHARS]}"
-                late[name] = late.get(name, 0.0) + ts - busy_end
+            name = f"{_category(e)}: {str(e.get('name'))[:NAME_CHARS]}"
+            late[name] = late.get(name, 0.0) + (ts - busy_end if cause == "launch" else 0.0)
         busy_end = max(busy_end or 0.0, ts + float(e.get("dur", 0.0)))
-    return {**{k: v / 1e3 / iters for k, v in out.items()},
-            "late": [[k, v / 1e3 / iters] for k, v in sorted(late.items(), key=lambda kv: -kv[1])[:top]]}
+    return {**{k: v / 1e3 / iters for k, v in out.items()}, "late": [
+        [k, v / 1e3 / iters] for k, v in sorted(late.items(), key=lambda kv: -kv[1])[:top] if v > 0]}
 
 
 NAME_CHARS = 240
@@ -204,8 +204,7 @@ CLASS_NAMES = tuple(c for c, _ in KERNEL_CLASSES) + ("memcpy", "idle")
 
 
 def kernel_class(key: str) -> str:
-    """The class of one ``spans_from_trace`` key (``"compute: <kernel name>"``, ``"nccl: ..."``,
-    ``"memcpy: ..."``)."""
+    """The class of one ``spans_from_trace`` key (``"compute: <kernel name>"``, ``"nccl: ..."``, ``"memcpy: ..."``)."""
     cat, _, name = key.partition(": ")
     if cat == "memcpy":
         return "memcpy"

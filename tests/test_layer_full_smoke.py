@@ -482,9 +482,12 @@ def test_spans_from_a_kineto_trace():
 def test_idle_causes_tell_the_hosts_gaps_from_the_gpus():
     """Each gap in the GPU's work goes to its cause by the launch call of the work after it: launched after the GPU
     drained (the host was late: by the work launched late; or a synchronize came first), launched before (the GPU),
-    or no launch call seen; the gap across the timing's own cudaEventSynchronize (between iterations) to none."""
-    def call(name, ts, corr=None):
-        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": 1.0,
+    or no launch call seen; the gap across the timing's own cudaEventSynchronize (between iterations) to none. A
+    synchronize is called while the GPU works and returns once it drained, as in a real trace: the call spans the
+    gap's start (run 2026-12-07w: the check by the call's start alone put the gap between iterations, after the
+    timing's event synchronize and the device synchronize before the next iteration, under ``sync``)."""
+    def call(name, ts, corr=None, dur=1.0):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur,
                 **({"args": {"correlation": corr}} if corr is not None else {})}
 
     def kernel(name, ts, dur, corr=None):
@@ -494,10 +497,10 @@ def test_idle_causes_tell_the_hosts_gaps_from_the_gpus():
         call("cudaLaunchKernel", 0.0, 1), kernel("gemm_a", 10.0, 10.0, 1),            # busy 10-20
         call("cudaLaunchKernel", 5.0, 2), kernel("conv_b", 22.0, 8.0, 2),             # launched early: device 2
         call("cuLaunchKernel", 40.0, 3), kernel("scan_c", 45.0, 5.0, 3),              # launched late: launch 15
-        call("cudaStreamSynchronize", 52.0), call("cudaLaunchKernel", 60.0, 4),
+        call("cudaStreamSynchronize", 47.0, dur=4.0), call("cudaLaunchKernel", 60.0, 4),
         kernel("norm_d", 62.0, 8.0, 4),                                               # after a sync: sync 12
-        call("cudaEventSynchronize", 72.0), call("cudaLaunchKernel", 100.0, 5),
-        kernel("gemm_e", 105.0, 5.0, 5),                                              # next iteration: left out
+        call("cudaEventSynchronize", 65.0, dur=6.0), call("cudaDeviceSynchronize", 80.0),
+        call("cudaLaunchKernel", 100.0, 5), kernel("gemm_e", 105.0, 5.0, 5),          # next iteration: left out
         {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 120.0, "dur": 5.0},  # unlinked 10
     ]}
     got = measure.idle_causes(trace, iters=1)
@@ -575,7 +578,7 @@ def test_the_per_rank_table_compares_each_row_with_stock_of_its_own_run():
     line = next(x for x in text.splitlines() if x.startswith("| 20261205-121340 |") and "| 32K | mixed8 | rank 0 " in x)
     assert "| 16.28 (16.14-16.37) | 12.76 (12.62-12.92) | 0.784 |" in line, line
     rank0 = [x.split(" | ")[:7] for x in text.splitlines() if "| rank 0 of CP=2 |" in x]
-    assert len(rank0) == len({tuple(x) for x in rank0}) == 34  # one row per run, stack, backend, spec, T
+    assert len(rank0) == len({tuple(x) for x in rank0}) == 35  # one row per run, stack, backend, spec, T
 
 
 def test_the_per_rank_plot_draws_the_committed_rows(tmp_path):
