@@ -171,11 +171,12 @@ def idle_causes(trace, iters: int, top: int = 6) -> dict:
         if busy_end is not None and ts > busy_end and not any(between):
             cause = "unlinked" if at is None else "device" if at < busy_end else "sync" if between else "launch"
             out[cause] += ts - busy_end
-            name = f"{_category(e)}: {str(e.get('name'))[:NAME_CHARS]}"
-            late[name] = late.get(name, 0.0) + (ts - busy_end if cause == "launch" else 0.0)
+            if cause == "launch":
+                name = f"{_category(e)}: {str(e.get('name'))[:NAME_CHARS]}"
+                late[name] = late.get(name, 0.0) + ts - busy_end
         busy_end = max(busy_end or 0.0, ts + float(e.get("dur", 0.0)))
-    return {**{k: v / 1e3 / iters for k, v in out.items()}, "late": [
-        [k, v / 1e3 / iters] for k, v in sorted(late.items(), key=lambda kv: -kv[1])[:top] if v > 0]}
+    return {**{k: v / 1e3 / iters for k, v in out.items()},
+            "late": [[k, v / 1e3 / iters] for k, v in sorted(late.items(), key=lambda kv: -kv[1])[:top]]}
 
 
 NAME_CHARS = 240

@@ -83,8 +83,7 @@ def _rank_syncs(ctx, cp_sizes, backend: str = "auto"):
                 _, bwd = count_syncs(lambda: o.backward(dout))
             cache = getattr(params, ROUTE_CACHE_ATTR, None)
             res[path] = {
-                "forward": len(fwd),
-                "backward": len(bwd),
+                "forward": len(fwd), "backward": len(bwd),
                 "collectives": ctx.collective_count() - before,
                 "route_cache": None if cache is None else {"hits": cache.hits, "misses": cache.misses},
             }
