@@ -13,13 +13,15 @@
 # (FlashQLA + TileLang).
 #
 # 1. installs the stack into /tmp/site-$GDN_CP_STACK and applies the gdn-cp patch to its megatron-core;
-# 2. restores the Triton cache (.triton_cache/$GDN_CP_STACK/cache.tar.gz.part*) and TileLang's (.tl_cache/);
+# 2. restores the Triton cache (.triton_cache/$GDN_CP_STACK/cache.tar.gz.part*), the autotune results of this GPU
+#    model (.triton_cache/autotune/<model>.tar.gz) and TileLang's cache (.tl_cache/): benchmarks/suite_caches.sh;
 # 3. runs the stage groups of GDN_CP_STAGES (default "tests"; stages joined by "+" run side by side, each one's
 #    output streamed to $OUT/stage_<name>.log), each stage under its own time limit; results in $OUT (default
 #    /tmp/gdn_cp_gpu_out): gpu_results.jsonl, the benchmarks' files, run.log;
-# 4. after every group saves the caches as $OUT/cache.tar.gz.part* and tl_cache.tar.gz.part* (<= 15 MiB each),
-#    to be carried back as .triton_cache/$GDN_CP_STACK/ and .tl_cache/. At most 8 files come back from a device
-#    call: GDN_CP_SAVE_CACHE=0 where the Triton cache is warm already.
+# 4. after every group saves the caches as $OUT/cache.tar.gz.part*, tl_cache.tar.gz.part* (<= 15 MiB each) and
+#    autotune/<model>.tar.gz, to be carried back as .triton_cache/$GDN_CP_STACK/, .tl_cache/ and
+#    .triton_cache/autotune/. At most 8 files come back from a device call: GDN_CP_SAVE_CACHE=0 where the Triton
+#    cache is warm already or too large to carry beside the packs (the autotune results are saved either way).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 # a bad or unknown GDN_CP_* variable (a stage name, a stack, a time limit): one line, before anything runs
@@ -27,6 +29,8 @@ python3 -m gdn_cp_testing.env --check || exit 2
 ROOT=$PWD
 OUT=${OUT:-/tmp/gdn_cp_gpu_out}
 mkdir -p "$OUT"
+# shellcheck source=benchmarks/suite_caches.sh
+. benchmarks/suite_caches.sh
 T0=$(date +%s)
 
 STACK=${GDN_CP_STACK:-fla042}
@@ -95,8 +99,6 @@ fi
 # FlashQLA + TileLang (the slim-tilelang pack), unpacked once into .site-tl/ and put first on PYTHONPATH
 TL_SITE=$ROOT/.site-tl
 unpack_pack "${GDN_CP_TL:-.tl}" "$TL_SITE"
-# unpack_parts TAR DEST: a cache saved in parts (TAR.part00, ...: split_parts below) unpacked into DEST; false if none
-unpack_parts() { ls "$1".part* >/dev/null 2>&1 && cat "$1".part* | tar -xzf - -C "$2"; }
 export TILELANG_CACHE_DIR=$ROOT/.tl_cache/live
 mkdir -p "$TILELANG_CACHE_DIR"
 if [ ! -f "$TILELANG_CACHE_DIR/.restored" ] && unpack_parts .tl_cache/tl_cache.tar.gz "$TILELANG_CACHE_DIR"; then
@@ -112,6 +114,8 @@ CACHE_IN=.triton_cache/$STACK
 if ! ls "$CACHE_IN"/cache.tar.gz.part* >/dev/null 2>&1 && [ "$STACK" = fla042 ]; then CACHE_IN=.triton_cache; fi
 unpack_parts "$CACHE_IN/cache.tar.gz" "$TRITON_CACHE_DIR" \
   && echo "triton cache restored from $CACHE_IN: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
+GPU_MODEL=$(gpu_model)
+restore_autotune "$GPU_MODEL"
 
 exec > >(tee -a "$OUT/run.log") 2>&1
 echo "== stack $STACK"
@@ -217,36 +221,6 @@ run_stage() {
   return $rc
 }
 
-# save the Triton cache (split for the 16 MiB-per-file limit on what comes back). Only what a cache
-# hit reads goes in: the kernel binaries (*.cubin), their metadata and group files (*.json) and the
-# launcher modules (*.so); the intermediate IR (ttir, ttgir, llir, ptx, source) is 3/4 of the bytes;
-# and torch.compile's own cache (inductor/: the fused glue's kernels and graphs). Saved after every
-# stage group, so a call killed later keeps what the earlier groups compiled.
-# GDN_CP_SAVE_CACHE=0: none (a second suite beside this one saves its own).
-# split_parts TAR NAME: TAR as $OUT/NAME.part00, part01, ... (15 MiB each); says its size and parts
-split_parts() {
-  rm -f "$OUT/$2".part*
-  split -b 15m -d "$1" "$OUT/$2.part"
-  echo "$(( $(stat -c %s "$1") / 1024 )) KiB in $(ls "$OUT/$2".part* | wc -l) part(s)"
-}
-save_caches() {
-  if [ "${GDN_CP_SAVE_CACHE:-1}" != 0 ]; then
-    local TAR=/tmp/triton_cache_$STACK.tar.gz MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
-    (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' -o -path './inductor/*' \) \
-      -print0 | tar -czf "$TAR" --null -T -)
-    if [ "$(stat -c %s "$TAR")" -gt "$MAX" ]; then
-      echo "triton cache is $(( $(stat -c %s "$TAR") / 1048576 )) MiB compressed: keeping autotune results only"
-      (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$TAR" --null -T -)
-    fi
-    echo "triton cache saved: $(split_parts "$TAR" cache.tar.gz); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
-  fi
-  # TileLang's kernel cache (FlashQLA's compiled kernels), split like the Triton cache
-  if [ "${GDN_CP_SAVE_TL_CACHE:-1}" != 0 ] && [ -n "$(find "$TILELANG_CACHE_DIR" -type f ! -name .restored -print -quit)" ]; then
-    (cd "$TILELANG_CACHE_DIR" && tar -czf /tmp/tl_cache.tar.gz --exclude=.restored .)
-    echo "tilelang cache saved: $(split_parts /tmp/tl_cache.tar.gz tl_cache.tar.gz), $(find "$TILELANG_CACHE_DIR" -type f | wc -l) files"
-  fi
-}
-
 RC=0
 for group in ${GDN_CP_STAGES:-tests}; do
   if [ "$group" = "${group//+/}" ]; then
@@ -264,7 +238,7 @@ for group in ${GDN_CP_STAGES:-tests}; do
       echo "== side-by-side stage $stage: $OUT/stage_$stage.log, last lines:"; tail -n 40 "$OUT/stage_$stage.log"
     done
   fi
-  save_caches
+  save_caches "$GPU_MODEL"
 done
 # at most 8 files come back from a device call: the stage logs and the training runs' logs in one tarball
 LOGS=$(cd "$OUT" && ls stage_*.log train_mlm_logs.tar.gz 2>/dev/null)

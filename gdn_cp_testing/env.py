@@ -158,6 +158,8 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_SLIM", "benchmarks", ".slim", "benchmarks/gpu_suite.sh: folder of the slim-triton pack (fla060)"),
         EnvSetting("GDN_CP_SAVE_CACHE", "benchmarks", "1", "benchmarks/gpu_suite.sh: 0 keeps no Triton cache tarball",
                    _SWITCH),
+        EnvSetting("GDN_CP_SAVE_AUTOTUNE", "benchmarks", "1", "benchmarks/gpu_suite.sh: 0 keeps no tarball of the "
+                   "autotune results (Triton's *.autotune.json per GPU model: benchmarks/suite_caches.sh)", _SWITCH),
         EnvSetting("GDN_CP_TESTS_FAST_AUTOTUNE", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: GDN_CP_TEST_FAST_AUTOTUNE for the tests stage only", _SWITCH),
         EnvSetting("GDN_CP_LAYER_FULL_B_ARGS", "benchmarks", "",

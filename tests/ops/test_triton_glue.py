@@ -120,6 +120,25 @@ def test_tuned_configs_report_every_launchers_picks(monkeypatch):
                                                       "(64, 4)": "{'HB': 4, 'UNROLL': 4}, num_warps 4"}}
 
 
+def test_autotuned_launchers_keep_their_picks_in_tritons_cache(monkeypatch):
+    """On a GPU each launcher autotunes with ``cache_results`` (as FLA's ``FLA_CACHE_RESULTS``): a later process, or a
+    device call that carries the ``*.autotune.json`` files (benchmarks/suite_caches.sh), reads the pick instead of
+    timing every config again."""
+    import inspect
+
+    import triton
+
+    from gdn_cp.ops.fused import triton_conv, triton_launch
+
+    if "cache_results" not in inspect.signature(triton.autotune).parameters:
+        pytest.skip(f"Triton {triton.__version__} has no autotune cache_results (Triton >= 3.2 has)")
+    monkeypatch.setattr(triton_launch, "INTERPRETED", False)
+    monkeypatch.setattr(triton_launch, "_TUNED", {})
+    triton_launch.launcher(triton_conv.gdn_cp_glue_conv_fwd, ["D"], triton_launch.TILE_CONFIGS, {})
+    tuned = triton_launch._TUNED["gdn_cp_glue_conv_fwd"]
+    assert tuned.cache_results is True and len(tuned.configs) == len(triton_launch.TILE_CONFIGS)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 40])
 def test_the_forward_reads_the_halo_in_a_launch_of_its_own_where_asked(monkeypatch, rows):
     """With ``HALO_ROWS_APART`` on (layer_full's lever ``halo_apart``) and a halo, the forward launches each group

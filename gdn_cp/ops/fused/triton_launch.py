@@ -3,6 +3,7 @@ under Triton's interpreter (the CPU tests: ``TRITON_INTERPRET=1`` before Triton 
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import triton
@@ -14,6 +15,10 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE_CONFIGS = [({"BT": bt}, w) for bt in (16, 32, 64) for w in (4, 8)]
 """The row-tile kernels' autotuning configs, ``(meta, num_warps)``: tiles of 16, 32 or 64 rows, 4 or 8 warps."""
 
+
+_CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+"""Autotune results kept in Triton's cache, as FLA keeps its own (``FLA_CACHE_RESULTS``): a later process with the
+same kernel, key and GPU target reads the choice instead of timing every config again (a few KiB per kernel)."""
 
 _TUNED: dict = {}
 """The autotuned launcher of each kernel, by its name (:func:`launcher`), for :func:`tuned_configs`."""
@@ -28,7 +33,8 @@ def launcher(kernel, key: list, configs: list, fixed: dict):
             warps = meta.pop("num_warps")
             kernel[grid(meta)](*args, **kwargs, **meta, num_warps=warps)
         return launch
-    tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key)(kernel)
+    tuned = triton.autotune(configs=[triton.Config(m, num_warps=w) for m, w in configs], key=key,
+                            **_CACHE_RESULTS)(kernel)
     _TUNED[kernel.__name__] = tuned
 
     def launch(grid, *args, **kwargs):
