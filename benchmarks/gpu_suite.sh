@@ -14,12 +14,13 @@
 #
 # 1. installs the stack into /tmp/site-$GDN_CP_STACK and applies the gdn-cp patch to its megatron-core;
 # 2. restores the Triton cache (.triton_cache/$GDN_CP_STACK/cache.tar.gz.part*), the autotune results of this GPU
-#    model (.triton_cache/autotune/<model>.tar.gz) and TileLang's cache (.tl_cache/): benchmarks/suite_caches.sh;
+#    model and stage family (.triton_cache/autotune/<model>.<family>.tar.gz) and TileLang's cache (.tl_cache/):
+#    benchmarks/suite_caches.sh;
 # 3. runs the stage groups of GDN_CP_STAGES (default "tests"; stages joined by "+" run side by side, each one's
 #    output streamed to $OUT/stage_<name>.log), each stage under its own time limit; results in $OUT (default
 #    /tmp/gdn_cp_gpu_out): gpu_results.jsonl, the benchmarks' files, run.log;
 # 4. after every group saves the caches as $OUT/cache.tar.gz.part*, tl_cache.tar.gz.part* (<= 15 MiB each) and
-#    autotune/<model>.tar.gz, to be carried back as .triton_cache/$GDN_CP_STACK/, .tl_cache/ and
+#    autotune/<model>.<family>.tar.gz, to be carried back as .triton_cache/$GDN_CP_STACK/, .tl_cache/ and
 #    .triton_cache/autotune/. At most 8 files come back from a device call: GDN_CP_SAVE_CACHE=0 where the Triton
 #    cache is warm already or too large to carry beside the packs (the autotune results are saved either way).
 set -uo pipefail
@@ -115,7 +116,8 @@ if ! ls "$CACHE_IN"/cache.tar.gz.part* >/dev/null 2>&1 && [ "$STACK" = fla042 ];
 unpack_parts "$CACHE_IN/cache.tar.gz" "$TRITON_CACHE_DIR" \
   && echo "triton cache restored from $CACHE_IN: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
 GPU_MODEL=$(gpu_model)
-restore_autotune "$GPU_MODEL"
+AUTOTUNE_FAMILY=$(autotune_family "${GDN_CP_STAGES:-tests}")
+restore_autotune "$GPU_MODEL" "$AUTOTUNE_FAMILY"
 
 exec > >(tee -a "$OUT/run.log") 2>&1
 echo "== stack $STACK"
@@ -238,7 +240,7 @@ for group in ${GDN_CP_STAGES:-tests}; do
       echo "== side-by-side stage $stage: $OUT/stage_$stage.log, last lines:"; tail -n 40 "$OUT/stage_$stage.log"
     done
   fi
-  save_caches "$GPU_MODEL"
+  save_caches "$GPU_MODEL" "$AUTOTUNE_FAMILY"
 done
 # at most 8 files come back from a device call: the stage logs and the training runs' logs in one tarball
 LOGS=$(cd "$OUT" && ls stage_*.log train_mlm_logs.tar.gz 2>/dev/null)

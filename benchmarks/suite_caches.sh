@@ -7,9 +7,10 @@
 # - TileLang's (GDN_CP_SAVE_TL_CACHE): FlashQLA's compiled kernels, .tl_cache/;
 # - the autotune results alone (GDN_CP_SAVE_AUTOTUNE): Triton's *.autotune.json (FLA's kernels and gdn-cp's keep
 #   their picks there: FLA_CACHE_RESULTS, gdn_cp.ops.fused.triton_launch), a few KiB, per GPU model in
-#   .triton_cache/autotune/<model>.tar.gz. A call that restores them times no config again and compiles only the
-#   picked ones: stock's FLA kernels autotuned cold for 192 s in run 2026-12-07w, in a call whose 64 MiB held no
-#   room for the whole Triton cache beside .tl and .tl_cache. Per model, so an H100 never runs an H200's picks.
+#   .triton_cache/autotune/<model>.<family>.tar.gz. A call that restores them times no config again and compiles
+#   only the picked ones: stock's FLA kernels autotuned cold for 192 s in run 2026-12-07w, in a call whose 64 MiB
+#   held no room for the whole Triton cache beside .tl and .tl_cache. Per model, so an H100 never runs an H200's
+#   picks; per family (autotune_family), so a timed row never runs picks made while other processes shared the GPU.
 
 # unpack_parts TAR DEST: a cache saved in parts (TAR.part00, ...: split_parts) unpacked into DEST; false if none
 unpack_parts() { ls "$1".part* >/dev/null 2>&1 && cat "$1".part* | tar -xzf - -C "$2"; }
@@ -27,29 +28,46 @@ gpu_model() {
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | tr -c 'A-Za-z0-9\n' _ | tr -d '\n'
 }
 
-# restore_autotune MODEL: .triton_cache/autotune/MODEL.tar.gz into the Triton cache; says how many results
+# autotune_family STAGES: whose picks a call's stages (GDN_CP_STAGES) share. "timed": only the timed benchmarks
+# (layer_full, layer_full_b, glue_kernels), none beside another stage, so each autotune had the GPU to itself;
+# "runs": no timed benchmark (tests, training, gradient dumps: ranks side by side). Empty for a call that mixes the
+# two or runs a timed one side by side: it neither restores nor saves picks (it autotunes as every call did before).
+autotune_family() {
+  local group stage timed=0 other=0 contended=0
+  for group in $1; do
+    for stage in ${group//+/ }; do
+      case $stage in
+        layer_full|layer_full_b|glue_kernels) timed=1; [ "$group" != "$stage" ] && contended=1 ;;
+        *) other=1 ;;
+      esac
+    done
+  done
+  if [ $contended = 1 ] || [ $timed = $other ]; then echo ""; elif [ $timed = 1 ]; then echo timed; else echo runs; fi
+}
+
+# restore_autotune MODEL FAMILY: .triton_cache/autotune/MODEL.FAMILY.tar.gz into the Triton cache; says how many
 restore_autotune() {
-  local tar=.triton_cache/autotune/$1.tar.gz
-  if [ -n "$1" ] && [ -f "$tar" ]; then
+  local tar=.triton_cache/autotune/$1.$2.tar.gz
+  if [ -n "$1" ] && [ -n "$2" ] && [ -f "$tar" ]; then
     tar -xzf "$tar" -C "$TRITON_CACHE_DIR" \
-      && echo "autotune results restored for $1: $(tar -tzf "$tar" | grep -c '\.autotune\.json$')"
+      && echo "autotune results restored for $1 ($2): $(tar -tzf "$tar" | grep -c '\.autotune\.json$')"
   fi
 }
 
-# save_autotune MODEL: every *.autotune.json of the Triton cache (restored ones included) as
-# $OUT/autotune/MODEL.tar.gz; nothing without a model or a result
+# save_autotune MODEL FAMILY: every *.autotune.json of the Triton cache (restored ones included) as
+# $OUT/autotune/MODEL.FAMILY.tar.gz; nothing without a model, a family or a result
 save_autotune() {
-  local n
+  local n name=$1.$2.tar.gz
   n=$(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)
-  if [ -n "$1" ] && [ "$n" -gt 0 ]; then
+  if [ -n "$1" ] && [ -n "$2" ] && [ "$n" -gt 0 ]; then
     mkdir -p "$OUT/autotune"
     (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | sort -z \
-      | tar -czf "$OUT/autotune/$1.tar.gz" --null -T -)
-    echo "autotune results saved: $n in autotune/$1.tar.gz (carry it as .triton_cache/autotune/$1.tar.gz)"
+      | tar -czf "$OUT/autotune/$name" --null -T -)
+    echo "autotune results saved: $n in autotune/$name (carry it as .triton_cache/autotune/$name)"
   fi
 }
 
-# save_caches MODEL: what GDN_CP_SAVE_CACHE, GDN_CP_SAVE_TL_CACHE and GDN_CP_SAVE_AUTOTUNE ask for, into $OUT. Of
+# save_caches MODEL FAMILY: what GDN_CP_SAVE_CACHE, GDN_CP_SAVE_TL_CACHE and GDN_CP_SAVE_AUTOTUNE ask for, into $OUT. Of
 # the Triton cache only what a cache hit reads: the kernel binaries (*.cubin), their metadata and group files
 # (*.json), the launcher modules (*.so) and torch.compile's own cache (inductor/); the intermediate IR (ttir, ttgir,
 # llir, ptx, source) is 3/4 of the bytes. Past GDN_CP_CACHE_MAX_MB, the autotune results only.
@@ -65,7 +83,7 @@ save_caches() {
     echo "triton cache saved: $(split_parts "$TAR" cache.tar.gz); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
   fi
   if [ "${GDN_CP_SAVE_AUTOTUNE:-1}" != 0 ]; then
-    save_autotune "$1"
+    save_autotune "$1" "$2"
   fi
   # TileLang's kernel cache (FlashQLA's compiled kernels), split like the Triton cache
   if [ "${GDN_CP_SAVE_TL_CACHE:-1}" != 0 ] && [ -n "$(find "$TILELANG_CACHE_DIR" -type f ! -name .restored -print -quit)" ]; then

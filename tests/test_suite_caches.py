@@ -1,5 +1,5 @@
 """benchmarks/suite_caches.sh, run here with bash: the autotune results travel between device calls alone, per GPU
-model, and come back where the next call's suite restores them."""
+model and family of stages, and come back where the next call's suite restores them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CACHES = ROOT / "benchmarks" / "suite_caches.sh"
 H100 = "NVIDIA_H100_80GB_HBM3"
+TIMED = f"{H100}.timed.tar.gz"
 
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("tar") is None,
                                 reason="needs bash and tar (the device machine's suite is a bash script)")
@@ -52,9 +53,9 @@ def test_the_autotune_results_travel_alone_per_gpu_model(tmp_path):
     sent.mkdir()
     received.mkdir()
     _fill(sent / "triton")
-    r = _bash('save_caches "$(gpu_model)"', sent, "NVIDIA H100 80GB HBM3")
-    assert r.returncode == 0 and f"autotune results saved: 2 in autotune/{H100}.tar.gz" in r.stdout, r
-    saved = sent / "out" / "autotune" / f"{H100}.tar.gz"
+    r = _bash('save_caches "$(gpu_model)" timed', sent, "NVIDIA H100 80GB HBM3")
+    assert r.returncode == 0 and f"autotune results saved: 2 in autotune/{TIMED}" in r.stdout, r
+    saved = sent / "out" / "autotune" / TIMED
     with tarfile.open(saved) as tar:
         names = sorted(os.path.normpath(n) for n in tar.getnames() if n.endswith(".json") or n.endswith(".cubin"))
     assert names == ["aa11/chunk_fwd_kernel_o.autotune.json", "bb22/gdn_cp_glue_conv_bwd_scan.autotune.json"]
@@ -62,32 +63,47 @@ def test_the_autotune_results_travel_alone_per_gpu_model(tmp_path):
 
     (received / ".triton_cache" / "autotune").mkdir(parents=True)
     shutil.copy(saved, received / ".triton_cache" / "autotune" / saved.name)  # what the developer carries back
-    r = _bash('restore_autotune "$(gpu_model)"', received, "NVIDIA H100 80GB HBM3")
-    assert r.returncode == 0 and r.stdout.strip() == f"autotune results restored for {H100}: 2", r
+    r = _bash('restore_autotune "$(gpu_model)" timed', received, "NVIDIA H100 80GB HBM3")
+    assert r.returncode == 0 and r.stdout.strip() == f"autotune results restored for {H100} (timed): 2", r
     assert (received / "triton" / "bb22" / "gdn_cp_glue_conv_bwd_scan.autotune.json").is_file()
 
-    other = tmp_path / "call3"
-    (other / ".triton_cache" / "autotune").mkdir(parents=True)
-    shutil.copy(saved, other / ".triton_cache" / "autotune" / saved.name)
-    r = _bash('restore_autotune "$(gpu_model)"; echo "rc=$?"', other, "NVIDIA H200")
-    assert r.stdout.strip() == "rc=0" and not list((other / "triton").iterdir()), r  # no H100 picks on an H200
+    for gpu, family in (("NVIDIA H200", "timed"), ("NVIDIA H100 80GB HBM3", "runs"), ("NVIDIA H100 80GB HBM3", "")):
+        other = tmp_path / f"call_{gpu[-4:].strip()}_{family}"
+        (other / ".triton_cache" / "autotune").mkdir(parents=True)
+        shutil.copy(saved, other / ".triton_cache" / "autotune" / saved.name)
+        r = _bash(f'restore_autotune "$(gpu_model)" "{family}"; echo "rc=$?"', other, gpu)
+        # no H100 picks on an H200; no timed picks for ranks side by side, nor for a call of both kinds
+        assert r.stdout.strip() == "rc=0" and not list((other / "triton").iterdir()), (gpu, family, r)
+
+
+@pytest.mark.parametrize("stages,family", [
+    ("layer_full", "timed"), ("layer_full layer_full_b", "timed"), ("glue_kernels", "timed"),
+    ("train_mlm", "runs"), ("tests_core+tests_megatron", "runs"), ("wgrads", "runs"), ("glue_tests", "runs"),
+    ("layer_full train_mlm", ""), ("layer_full+glue_kernels", ""), ("glue_kernels+tests_core", ""),
+])
+def test_a_timed_benchmark_only_shares_picks_made_with_the_gpu_to_itself(tmp_path, stages, family):
+    r = _bash(f'echo "[$(autotune_family "{stages}")]"', tmp_path, None)
+    assert r.stdout.strip() == f"[{family}]", r
 
 
 def test_without_a_gpu_model_or_a_result_nothing_is_saved(tmp_path):
     _fill(tmp_path / "triton")
-    r = _bash('save_caches "$(gpu_model)"', tmp_path, None)
+    r = _bash('save_caches "$(gpu_model)" runs', tmp_path, None)
+    assert r.returncode == 0 and not (tmp_path / "out" / "autotune").exists(), r
+    r = _bash('save_caches "$(gpu_model)" ""', tmp_path, "NVIDIA H200")
     assert r.returncode == 0 and not (tmp_path / "out" / "autotune").exists(), r
     empty = tmp_path / "empty"
     empty.mkdir()
-    r = _bash('save_caches "$(gpu_model)"', empty, "NVIDIA H200")
+    r = _bash('save_caches "$(gpu_model)" runs', empty, "NVIDIA H200")
     assert r.returncode == 0 and not (empty / "out" / "autotune").exists(), r
-    r = _bash('save_caches "$(gpu_model)"', tmp_path, "NVIDIA H200", GDN_CP_SAVE_AUTOTUNE="0")
+    r = _bash('save_caches "$(gpu_model)" runs', tmp_path, "NVIDIA H200", GDN_CP_SAVE_AUTOTUNE="0")
     assert r.returncode == 0 and not (tmp_path / "out" / "autotune").exists(), r
 
 
 def test_the_suite_restores_before_its_stages_and_saves_after_each_group():
     text = (ROOT / "benchmarks" / "gpu_suite.sh").read_text()
     assert ". benchmarks/suite_caches.sh" in text
-    restore = text.index('restore_autotune "$GPU_MODEL"')
+    restore = text.index('restore_autotune "$GPU_MODEL" "$AUTOTUNE_FAMILY"')
     assert restore < text.index("run_stage() {") and text.index("GPU_MODEL=$(gpu_model)") < restore
-    assert 'save_caches "$GPU_MODEL"' in text[text.index("RC=0"):]
+    assert text.index('AUTOTUNE_FAMILY=$(autotune_family "${GDN_CP_STAGES:-tests}")') < restore
+    assert 'save_caches "$GPU_MODEL" "$AUTOTUNE_FAMILY"' in text[text.index("RC=0"):]
