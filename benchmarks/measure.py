@@ -55,8 +55,8 @@ def quantile(values: Sequence[float], q: float) -> float:
     if not values:
         raise ValueError("quantile of no values")
     s = sorted(values)
-    pos = q * (len(s) - 1)
-    lo, hi = math.floor(pos), min(math.floor(pos) + 1, len(s) - 1)
+    lo = math.floor(pos := q * (len(s) - 1))
+    hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
