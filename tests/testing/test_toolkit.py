@@ -84,6 +84,16 @@ def test_write_json_replaces_atomically(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary left behind
 
 
+def test_write_json_writes_rows_one_a_line(tmp_path):
+    rows = [{"case": "stock", "ms": 1.5, "profile": {"top": [["k", 0.1]]}}, {"case": "patched", "ms": float("nan")}]
+    path = write_json(tmp_path / "rows.json", rows)
+    lines = path.read_text().splitlines()
+    assert lines[0] == "[" and lines[-1] == "]" and len(lines) == 4, lines
+    loaded = json.loads(path.read_text())
+    assert loaded[0] == rows[0] and loaded[1]["case"] == "patched" and loaded[1]["ms"] != loaded[1]["ms"]
+    assert json.loads(write_json(tmp_path / "empty.json", []).read_text()) == []
+
+
 def test_probes(monkeypatch):
     """env_setting sets and restores a variable; swap_points records what chunkwise chose per layer,
     and the library's choice is back in place afterwards."""
