@@ -100,6 +100,8 @@ fi
 # FlashQLA + TileLang (the slim-tilelang pack), unpacked once into .site-tl/ and put first on PYTHONPATH
 TL_SITE=$ROOT/.site-tl
 unpack_pack "${GDN_CP_TL:-.tl}" "$TL_SITE"
+# from here on everything printed is in run.log too (which caches were restored, then every stage)
+exec > >(tee -a "$OUT/run.log") 2>&1
 export TILELANG_CACHE_DIR=$ROOT/.tl_cache/live
 mkdir -p "$TILELANG_CACHE_DIR"
 if [ ! -f "$TILELANG_CACHE_DIR/.restored" ] && unpack_parts .tl_cache/tl_cache.tar.gz "$TILELANG_CACHE_DIR"; then
@@ -119,7 +121,6 @@ GPU_MODEL=$(gpu_model)
 AUTOTUNE_FAMILY=$(autotune_family "${GDN_CP_STAGES:-tests}")
 restore_autotune "$GPU_MODEL" "$AUTOTUNE_FAMILY"
 
-exec > >(tee -a "$OUT/run.log") 2>&1
 echo "== stack $STACK"
 echo "== machine"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
 # the training benchmark beside a test stage needs more than an 80 GB card (gdn_cp_testing.env.side_by_side_problem)

@@ -106,4 +106,5 @@ def test_the_suite_restores_before_its_stages_and_saves_after_each_group():
     restore = text.index('restore_autotune "$GPU_MODEL" "$AUTOTUNE_FAMILY"')
     assert restore < text.index("run_stage() {") and text.index("GPU_MODEL=$(gpu_model)") < restore
     assert text.index('AUTOTUNE_FAMILY=$(autotune_family "${GDN_CP_STAGES:-tests}")') < restore
+    assert text.index('exec > >(tee -a "$OUT/run.log")') < restore  # the raw record says what was restored
     assert 'save_caches "$GPU_MODEL" "$AUTOTUNE_FAMILY"' in text[text.index("RC=0"):]
