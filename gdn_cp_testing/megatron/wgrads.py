@@ -62,6 +62,11 @@ chunkwise gradient that differs from gdn-cp's CP=1 path by far more than headwis
 chaos (issue 47)."""
 
 
+def model_name(precision: str) -> str:
+    """The probed model's name prefix at ``precision`` (:data:`PRECISIONS`): its runs are ``<prefix>_cp1``, ..."""
+    return "hybrid" if precision == "bf16" else "gdnonly_fp32"
+
+
 def runs(precision: str = "bf16") -> list[tuple]:
     """``(RunSpec, reference name)``: the hybrid of the training benchmark's group ``main`` at CP=1, a noise pair
     (SwiGLU by eager ops), CP=1 through gdn-cp's path (its kernels, as CP > 1 runs them, against stock's ops), CP=2
@@ -70,7 +75,7 @@ def runs(precision: str = "bf16") -> list[tuple]:
     (:data:`PRECISIONS`) the first five on the GDN-only model."""
     from .lm import RunSpec
 
-    base = "hybrid" if precision == "bf16" else "gdnonly_fp32"
+    base = model_name(precision)
     model = RunSpec(f"{base}_cp1", **({} if precision == "bf16" else dict(pattern="G-G-", precision="fp32")))
     again = dataclasses.replace
     first = [(model, ""), (again(model, name=f"{base}_cp1_swiglu_noise", extra_args=("--no-bias-swiglu-fusion",)),
@@ -182,7 +187,7 @@ def run_all(checkout: Path, work: Path, timeout_s: float, max_ranks: int = MAX_R
                 logger.info("%s: %s (%.0f s)", spec.name, result.status, result.wall_s)
     doc = {"data": data, "iterations": ITERATIONS, "max_ranks": max_ranks, "precision": precision, "runs": results,
            "compared": {}}
-    base = specs[0][0].name.removesuffix("_cp1")
+    base = model_name(precision)
     also = [(f"{base}_{run}", f"{base}_{ref}") for run, ref in ALSO_COMPARED]
     for name, ref in [(spec.name, ref) for spec, ref in specs if ref] + also:
         for it in range(1, ITERATIONS + 1):
