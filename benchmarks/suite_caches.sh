@@ -70,17 +70,19 @@ save_autotune() {
 # save_caches MODEL FAMILY: what GDN_CP_SAVE_CACHE, GDN_CP_SAVE_TL_CACHE and GDN_CP_SAVE_AUTOTUNE ask for, into $OUT. Of
 # the Triton cache only what a cache hit reads: the kernel binaries (*.cubin), their metadata and group files
 # (*.json), the launcher modules (*.so) and torch.compile's own cache (inductor/); the intermediate IR (ttir, ttgir,
-# llir, ptx, source) is 3/4 of the bytes. Past GDN_CP_CACHE_MAX_MB, the autotune results only.
+# llir, ptx, source) is 3/4 of the bytes. Not the autotune results: they travel only in save_autotune's tarball, by
+# model and family (in the whole cache, restored into every call, a timed row could run picks made beside other
+# work). Past GDN_CP_CACHE_MAX_MB, nothing of it.
 save_caches() {
   if [ "${GDN_CP_SAVE_CACHE:-1}" != 0 ]; then
     local TAR=/tmp/triton_cache_$STACK.tar.gz MAX=$(( ${GDN_CP_CACHE_MAX_MB:-56} * 1024 * 1024 ))
     (cd "$TRITON_CACHE_DIR" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.so' -o -path './inductor/*' \) \
-      -print0 | tar -czf "$TAR" --null -T -)
+      ! -name '*.autotune.json' -print0 | tar -czf "$TAR" --null -T -)
     if [ "$(stat -c %s "$TAR")" -gt "$MAX" ]; then
-      echo "triton cache is $(( $(stat -c %s "$TAR") / 1048576 )) MiB compressed: keeping autotune results only"
-      (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$TAR" --null -T -)
+      echo "triton cache is $(( $(stat -c %s "$TAR") / 1048576 )) MiB compressed, over GDN_CP_CACHE_MAX_MB: not kept"
+    else
+      echo "triton cache saved: $(split_parts "$TAR" cache.tar.gz); files $(find "$TRITON_CACHE_DIR" -type f | wc -l)"
     fi
-    echo "triton cache saved: $(split_parts "$TAR" cache.tar.gz); files $(find "$TRITON_CACHE_DIR" -type f | wc -l), autotune results $(find "$TRITON_CACHE_DIR" -name '*.autotune.json' | wc -l)"
   fi
   if [ "${GDN_CP_SAVE_AUTOTUNE:-1}" != 0 ]; then
     save_autotune "$1" "$2"

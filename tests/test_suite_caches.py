@@ -86,6 +86,24 @@ def test_a_timed_benchmark_only_shares_picks_made_with_the_gpu_to_itself(tmp_pat
     assert r.stdout.strip() == f"[{family}]", r
 
 
+def test_the_whole_triton_cache_leaves_the_picks_to_their_own_tarball(tmp_path):
+    """GDN_CP_SAVE_CACHE=1: the compiled kernels travel in cache.tar.gz.part*, restored into every call; the picks
+    only by model and family, so a mixed call's picks never reach a timed row through the whole cache."""
+    _fill(tmp_path / "triton")
+    r = _bash('save_caches "$(gpu_model)" ""', tmp_path, "NVIDIA H100 80GB HBM3", GDN_CP_SAVE_CACHE="1")
+    assert r.returncode == 0 and "triton cache saved" in r.stdout, r
+    parts = sorted((tmp_path / "out").glob("cache.tar.gz.part*"))
+    whole = tmp_path / "whole.tar.gz"
+    whole.write_bytes(b"".join(part.read_bytes() for part in parts))
+    with tarfile.open(whole) as tar:
+        names = sorted(os.path.normpath(n) for n in tar.getnames() if "." in os.path.basename(n))
+    assert names == ["cc33/chunk_fwd_kernel_o.cubin"], names
+    assert not (tmp_path / "out" / "autotune").exists()  # a mixed call keeps no picks at all
+    r = _bash('save_caches "$(gpu_model)" ""', tmp_path, "NVIDIA H100 80GB HBM3", GDN_CP_SAVE_CACHE="1",
+              GDN_CP_CACHE_MAX_MB="0")
+    assert r.returncode == 0 and "over GDN_CP_CACHE_MAX_MB: not kept" in r.stdout, r
+
+
 def test_without_a_gpu_model_or_a_result_nothing_is_saved(tmp_path):
     _fill(tmp_path / "triton")
     r = _bash('save_caches "$(gpu_model)" runs', tmp_path, None)
