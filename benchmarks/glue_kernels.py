@@ -73,8 +73,8 @@ def column_copy_ms(rows: int, shape, device: str, iters: int) -> dict:
             if d is not None and s is not None else None for name, (d, s) in pairs.items()}
 
 
-SWITCHES = {"scan_branch": ("SCAN_BRANCH_MASKS",), "scan_tail": ("SCAN_HALO_TAIL",),
-            "scan_tail_branch": ("SCAN_HALO_TAIL", "SCAN_BRANCH_MASKS")}
+SWITCHES = {"scan_branch": ("SCAN_BRANCH_MASKS",), "scan_tail": ("SCAN_HALO_TAIL",), "scan_ftz": ("FTZ_SIGMOID",),
+            "scan_tail_branch": ("SCAN_HALO_TAIL", "SCAN_BRANCH_MASKS"), "scan_branch_ftz": ("SCAN_BRANCH_MASKS", "FTZ_SIGMOID")}
 """The scan with triton_conv's flags (off by default) on for its rows: form name -> the flags."""
 BACKWARD_FORMS = {"one_pass": {"one_pass": True}, "scan": {"scan": True}, **dict.fromkeys(SWITCHES, {"scan": True})}
 """The backward's forms beside the two-pass one (triton_conv.ConvForm's fields): one pass (``triton_norm_dz_copy``'s), the

@@ -434,7 +434,7 @@ def fill_compile(row: dict, outs: list[dict]) -> None:
     # what ran, seen in the rank (not assumed from the flags): the layer's submodules, the gated norm
     # path of this very step, the FLA backend of chunk_gated_delta_rule, the glue path the layer resolved
     for k in ("modules", "norm_path", "fla_gdn_backend", "gdn_cp_backend", "glue", "key_heads_in_glue",
-              "wide_column_copy", "halo_rows_apart", "scan_branch_masks"):
+              "wide_column_copy", "halo_rows_apart", "scan_branch_masks", "ftz_sigmoid"):
         if k in outs[0]:
             row[k] = outs[0][k]
 

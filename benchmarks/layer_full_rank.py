@@ -234,10 +234,9 @@ LEVER_SWITCHES = {
         modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
     "narrow_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", False)],
                                              lambda m: None),
-    "halo_apart": lambda modules: _switched(modules, [mock.patch(f"gdn_cp.ops.fused.triton_conv.{flag}", True) for flag in (
-        "HALO_ROWS_APART", "SCAN_HALO_TAIL")], lambda m: None),
-    "scan_branch": lambda modules: _switched(modules, [mock.patch("gdn_cp.ops.fused.triton_conv.SCAN_BRANCH_MASKS", True)],
-                                             lambda m: None),
+    **{lever: lambda modules, on=on: _switched(modules, [mock.patch(f"gdn_cp.ops.fused.triton_conv.{f}", True) for f in on], id)
+       for lever, on in (("halo_apart", ("HALO_ROWS_APART", "SCAN_HALO_TAIL")), ("scan_branch", ("SCAN_BRANCH_MASKS",)),
+                         ("scan_ftz", ("SCAN_BRANCH_MASKS", "FTZ_SIGMOID")))},
 }
 """A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 
@@ -465,8 +464,8 @@ def _run_case(ctx, case: "_Case", spec: dict) -> dict:
             out["key_heads_in_glue"] = kv_repeat(out["glue"], state.backend, dims.num_k_heads, dims.num_v_heads) > 1
             out["wide_column_copy"] = split.WIDE_COLUMN_COPY
             conv = sys.modules.get("gdn_cp.ops.fused.triton_conv")  # imported where the Triton glue ran
-            out["halo_rows_apart"] = conv.HALO_ROWS_APART if conv is not None else None
-            out["scan_branch_masks"] = conv.SCAN_BRANCH_MASKS if conv is not None else None
+            out.update({flag.lower(): getattr(conv, flag) if conv is not None else None
+                        for flag in ("HALO_ROWS_APART", "SCAN_BRANCH_MASKS", "FTZ_SIGMOID")})
         if device.type == "cuda":
             try:
                 out["fla_gdn_backend"] = fla_gdn_backend()

@@ -99,14 +99,15 @@ def conv_kernels(bt: int = 16, dim: int = 128, norm: bool = True, halo: bool = T
 
     tile = {"D": dim, "BD": dim, "BT": bt, "W": 4, "HAS_BIAS": False, "HAS_HALO": halo, "NORM": norm, "REPEAT": 1}
     return (
-        ("conv_fwd", tc.gdn_cp_glue_conv_fwd, BF16_CONV, tile),
+        ("conv_fwd", tc.gdn_cp_glue_conv_fwd, BF16_CONV, {**tile, "FTZ": False}),
         ("conv_bwd_pre", tc.gdn_cp_glue_conv_bwd_pre, BF16_CONV,
          {**tile, "SPAN": 64, "WP": 4}),
         ("conv_bwd_dx", tc.gdn_cp_glue_conv_bwd_dx, {**BF16_CONV, "pre_ptr": "*fp32", "w_ptr": "*bf16"},
          {"BT": 32, "BC": 128, "W": 4}),
         ("conv_bwd_one_pass", tc.gdn_cp_glue_conv_bwd, BF16_CONV, tile),
         ("conv_bwd_scan", tc.gdn_cp_glue_conv_bwd_scan, BF16_CONV,
-         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1, "HALO_TAIL": False, "BRANCH": False}),
+         {**{k: v for k, v in tile.items() if k != "BT"}, "HB": 4, "UNROLL": 1, "HALO_TAIL": False, "BRANCH": False,
+          "FTZ": False}),
     )
 
 
@@ -132,7 +133,7 @@ def tests_report() -> dict:
     rows, 4 warps, l2 norm, bias); the backward's scan (4 heads a program, 4 warps), with and without the l2 norm,
     without a bias (Megatron's GDN conv has none by default) and, for q, with one, with a halo, and unrolled by 4;
     q's scan at 2 warps unrolled by 4 without a halo, with one in every step and with one in the tail loop only, and
-    with the sequence masks by branches."""
+    with the sequence masks by branches (and the flush-to-zero sigmoid)."""
     skipped = ptxas_missing()
     if skipped:
         return {"skipped": skipped}
@@ -157,8 +158,11 @@ def tests_report() -> dict:
                                                HALO_TAIL=tail)
                              for name, halo, tail in (("q", False, False), ("q_halo", True, False),
                                                       ("q_halo_tail", True, True))},
-            # q with the sequence masks by uniform branches (triton_conv.SCAN_BRANCH_MASKS)
-            "scan_branch": {"q_branch": as_launched(16, 128, True, 4, bias=False, warps=2, UNROLL=4, BRANCH=True)}}
+            # q with the sequence masks by uniform branches (triton_conv.SCAN_BRANCH_MASKS), and with the sigmoid in
+            # flush-to-zero approximations too (triton_conv.FTZ_SIGMOID)
+            "scan_branch": {"q_branch": as_launched(16, 128, True, 4, bias=False, warps=2, UNROLL=4, BRANCH=True),
+                            "q_branch_ftz": as_launched(16, 128, True, 4, bias=False, warps=2, UNROLL=4, BRANCH=True,
+                                                        FTZ=True)}}
 
 
 if __name__ == "__main__":

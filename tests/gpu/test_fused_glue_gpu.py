@@ -116,12 +116,14 @@ def test_key_heads_written_repeated_are_the_repeated_outputs_bit_for_bit(path):
 
 
 @needs_cuda
-@pytest.mark.parametrize("switches", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("switches", [(True, False, False), (False, True, False), (True, True, False),
+                                      (False, False, True), (True, True, True)])
 def test_the_scans_switches_keep_its_bits(monkeypatch, switches):
-    """``triton_conv.SCAN_HALO_TAIL`` / ``SCAN_BRANCH_MASKS`` (off by default, layer_full's levers ``halo_apart`` /
-    ``scan_branch``): the default's scan with the halo read in its tail loop, its masks by branches, or both, gives
-    the same bits as with neither, every output and gradient (bf16 at Qwen3.5-9B's width, a halo, an empty sequence,
-    sequence starts inside and on the edges of the scan's spans)."""
+    """``triton_conv.SCAN_HALO_TAIL`` / ``SCAN_BRANCH_MASKS`` / ``FTZ_SIGMOID`` (off by default, layer_full's levers
+    ``halo_apart`` / ``scan_branch``, glue_kernels' forms): the default's scan with the halo read in its tail loop, its
+    masks by branches, the sigmoid in flush-to-zero approximations (forward too), or several, gives the same bits as
+    with none, every output and gradient (bf16 at Qwen3.5-9B's width, a halo, an empty sequence, sequence starts
+    inside and on the edges of the scan's spans; pre-activations within about +-10, where every sigmoid is normal)."""
     from gdn_cp.ops.fused import triton_conv
 
     cu = [0, 1000, 1000, 1024, 3000, 3001, 4096]  # spans of 64 rows: starts inside them and on an edge
@@ -130,10 +132,11 @@ def test_the_scans_switches_keep_its_bits(monkeypatch, switches):
     want = _run(fn, rows, weight, bias, h, cu, 11)
     monkeypatch.setattr(triton_conv, "SCAN_HALO_TAIL", switches[0])
     monkeypatch.setattr(triton_conv, "SCAN_BRANCH_MASKS", switches[1])
+    monkeypatch.setattr(triton_conv, "FTZ_SIGMOID", switches[2])
     got = _run(fn, rows, weight, bias, h, cu, 11)
     names = ["q", "k", "v", "d_rows", "d_weight", "d_bias", "d_halo"]
     same = {n: torch.equal(a, b) for n, a, b in zip(names, got[0] + got[1], want[0] + want[1])}
-    _record("fused_glue_scan_switches", tail=switches[0], branch=switches[1], same=same)
+    _record("fused_glue_scan_switches", tail=switches[0], branch=switches[1], ftz=switches[2], same=same)
     assert all(same.values()), same
 
 

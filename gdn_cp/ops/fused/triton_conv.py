@@ -61,6 +61,14 @@ below it) and runs the W-1 rows after its span in a loop of its own, instead of 
 step (9 of the 62 instructions an element of q's loop on sm_90). The same arithmetic, the same bits. Off until a GPU
 run times it (``benchmarks/layer_full.py``'s lever ``scan_branch`` switches it on)."""
 
+FTZ_SIGMOID = False
+"""On: the forward and the backward's scan take SiLU's sigmoid with PTX's flush-to-zero approximations (``ex2.approx.ftz``,
+``rcp.approx.ftz``) instead of ``tl.sigmoid``'s full-range forms (``ex2.approx.f32``, ``div.full.f32``: 12 instructions
+an element on sm_90 against ~4), in the same order of operations: the same bits wherever the sigmoid is a normal
+number (y > -87; below, its subnormal value flushes to 0). CUDA only (inline PTX, which the interpreter cannot run).
+Off until a GPU run times it and checks its bits (``benchmarks/glue_kernels.py``'s forms ``scan_ftz``,
+``scan_branch_ftz``; ``tests/gpu/test_fused_glue_gpu.py``)."""
+
 
 @triton.jit
 def _taps_at(w_ptr, b_ptr, ch, ok, W: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -118,7 +126,8 @@ def _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, 
 
 @triton.jit
 def _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, C0, D: tl.constexpr,
-               BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr):
+               BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_HALO: tl.constexpr,
+               FTZ: tl.constexpr = False):
     """This program's tile (rows ``program_id(0)``, head ``program_id(1)`` of the channels from ``C0``): its rows,
     channels, their masks, and the conv + SiLU ``[BT, BD]`` fp32, rounded to ``out``'s dtype as FLA's conv rounds."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
@@ -128,18 +137,18 @@ def _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, ou
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, W, HAS_BIAS,
                    HAS_HALO)
-    return rows, d, row_ok, d_ok, (y * tl.sigmoid(y)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    return rows, d, row_ok, d_ok, (y * _sigmoid(y, FTZ)).to(out_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
 def gdn_cp_glue_conv_fwd(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T, C0, HEADS, EPS,
                 D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr):
+                HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, FTZ: tl.constexpr = False):
     """``out [T, HEADS * REPEAT, D]`` <- head ``program_id(1)`` of the channels starting at ``C0``, written
-    ``REPEAT`` times (heads ``h * REPEAT + j``: :func:`_store_copies`)."""
+    ``REPEAT`` times (heads ``h * REPEAT + j``: :func:`_store_copies`); ``FTZ``: :data:`FTZ_SIGMOID`."""
     i_h = tl.program_id(1)
     rows, d, row_ok, d_ok, a = _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, out_ptr, T,
-                                          C0, D, BD, BT, W, HAS_BIAS, HAS_HALO)
+                                          C0, D, BD, BT, W, HAS_BIAS, HAS_HALO, FTZ)
     if NORM:
         a = a * tl.rsqrt(tl.sum(a * a, axis=1) + EPS)[:, None]
     _store_copies(out_ptr, rows[:, None].to(tl.int64) * HEADS + i_h, d[None, :], a.to(out_ptr.dtype.element_ty),
@@ -171,6 +180,19 @@ def _load_gradient(dout_ptr, row_head, d, ok, D: tl.constexpr, REPEAT: tl.conste
 
 
 @triton.jit
+def _sigmoid(y, FTZ: tl.constexpr):
+    """``tl.sigmoid(y)`` (fp32): ``1 / (1 + 2^(-y * log2 e))``; with ``FTZ`` (:data:`FTZ_SIGMOID`) the same steps
+    in PTX's flush-to-zero approximations."""
+    if FTZ:
+        s = tl.inline_asm_elementwise(
+            "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.ftz.f32 t, t, 0f3F800000; "
+            "rcp.approx.ftz.f32 $0, t; }", "=r,r", [y], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = tl.sigmoid(y)
+    return s
+
+
+@triton.jit
 def _l2norm_gradient(a, da, EPS):
     """The gradient at the SiLU output ``a [BT, BD]`` (fp32, rounded where the forward rounds) from the gradient
     ``da`` at its l2 norm over each row, in fp32 (rounded by the caller to the activations' dtype, as FLA's l2norm
@@ -181,11 +203,11 @@ def _l2norm_gradient(a, da, EPS):
 
 
 @triton.jit
-def _silu_gradient(y, da, ok, dout_ptr, EPS, NORM: tl.constexpr):
+def _silu_gradient(y, da, ok, dout_ptr, EPS, NORM: tl.constexpr, FTZ: tl.constexpr = False):
     """The gradient at the conv's pre-activation ``y`` (fp32, any 2-D tile whose rows are heads' vectors) from the
     output gradient ``da`` (fp32): through the l2 norm over each row where ``NORM`` (rounded to the output dtype
-    as FLA's l2norm backward returns it), then SiLU; zeros outside ``ok``."""
-    s = tl.sigmoid(y)
+    as FLA's l2norm backward returns it), then SiLU; zeros outside ``ok``. ``FTZ``: :func:`_sigmoid`'s."""
+    s = _sigmoid(y, FTZ)
     if NORM:
         a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
         da = _l2norm_gradient(a, da, EPS)
@@ -445,7 +467,7 @@ def _scan_step(t, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_
                EPS, h, d, ok, ch, local, bias, lag0, lag1, lag2, lag3, x0, x1, x2, x3, x4, x5, x6, x7, da, da1, da2, da3,
                da4, pos, pos_1, pos_2, pos_3, pos_4, p1, p2, p3, pos1, pos2, pos3, acc0, acc1, acc2, acc3, accb,
                D: tl.constexpr, W: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, READ_HALO: tl.constexpr,
-               BRANCH: tl.constexpr = False, MINE: tl.constexpr = None):
+               BRANCH: tl.constexpr = False, MINE: tl.constexpr = None, FTZ: tl.constexpr = False):
     """One step of :func:`gdn_cp_glue_conv_bwd_scan` at row ``t``: loads row t-8's x and row t-5's gradient and
     position (four steps ahead), writes dx at t where t is a row of the span (``t < end``) and, where ``READ_HALO``,
     reads x below row 0 from the halo and writes the pre-activation gradient of rows 0..W-2 (``head``). Returns the
@@ -453,7 +475,8 @@ def _scan_step(t, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_
     position at t..t-2 (the next step's t+1..t+3), the sums. ``BRANCH`` (:data:`SCAN_BRANCH_MASKS`): the
     sequence masks by uniform branches (x's lags at a sequence's first rows; the later rows' gradients zeroed once,
     where a sequence starts above t: no row below reaches past a start), and ``MINE`` (True / False: every step of
-    the loop is / is not a row of the span; None: each step asks) instead of a select an element: the same bits."""
+    the loop is / is not a row of the span; None: each step asks) instead of a select an element: the same bits.
+    ``FTZ`` (:data:`FTZ_SIGMOID`): the sigmoid in flush-to-zero approximations."""
     x_next = _x_row(x_ptr, x_stride, halo_ptr, halo_stride, t - 8, T, ch, ok, W, READ_HALO)
     da_next = _dout_row(dout_ptr, t - 5, HEADS, h, d, ok, D, REPEAT)
     pos_next = tl.load(pos_ptr + tl.maximum(t - 5, 0))  # (rows below the span: loaded, never stepped to)
@@ -463,7 +486,7 @@ def _scan_step(t, x_ptr, x_stride, halo_ptr, halo_stride, pos_ptr, dout_ptr, dx_
         e0, e1, e2, e3 = _lagged(x0, x1, x2, x3, pos, t)
     y = _conv_row(bias, lag0, lag1, lag2, lag3, e0, e1, e2, e3, W)
     # (with BRANCH, lanes outside ok need no select: their x, taps and gradient load as 0, so their pre is 0)
-    pre = _silu_gradient(y, da.to(tl.float32), True if BRANCH else ok, dout_ptr, EPS, NORM)
+    pre = _silu_gradient(y, da.to(tl.float32), True if BRANCH else ok, dout_ptr, EPS, NORM, FTZ)
     if MINE is None or MINE:  # a row of this span (not one of the W-1 after it)
         if BRANCH:
             u1, u2, u3 = p1, p2, p3
@@ -495,7 +518,7 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
                               dx_stride, head_ptr, dw_ptr, db_ptr, T, SPAN, C0, HEADS, EPS, D: tl.constexpr,
                               BD: tl.constexpr, HB: tl.constexpr, W: tl.constexpr, HAS_BIAS: tl.constexpr,
                               HAS_HALO: tl.constexpr, NORM: tl.constexpr, REPEAT: tl.constexpr, UNROLL: tl.constexpr,
-                              HALO_TAIL: tl.constexpr, BRANCH: tl.constexpr = False):
+                              HALO_TAIL: tl.constexpr, BRANCH: tl.constexpr = False, FTZ: tl.constexpr = False):
     """The whole backward of heads ``[program_id(1) * HB, +HB)`` over rows ``[p * SPAN, (p + 1) * SPAN)`` as a scan
     down the rows, one row a step (``ConvForm.scan``): each step's tile is ``[HB, BD]``, the program's heads at one
     row, so a thread keeps the same channels at every row and the conv's shifts in time are registers: the last
@@ -512,7 +535,8 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     halo): the steps of rows 8 and up in a loop that never reads the halo, the rows below in a second loop that does
     (:data:`SCAN_HALO_TAIL`); one step is :func:`_scan_step` either way. ``BRANCH`` (:data:`SCAN_BRANCH_MASKS`):
     the sequence masks by uniform branches, and the W-1 rows after the span in a loop of their own (no dx, no sums)
-    before the span's rows, which then need no mask of their own."""
+    before the span's rows, which then need no mask of their own. ``FTZ`` (:data:`FTZ_SIGMOID`): the sigmoid in
+    flush-to-zero approximations."""
     i_p, i_b = tl.program_id(0), tl.program_id(1)
     h = i_b * HB + tl.arange(0, HB)
     d = tl.arange(0, BD)
@@ -570,14 +594,16 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
     main_top = top
     if BRANCH:
         for i in tl.range(top - end + 1):
-            state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, True, False)
+            state = _scan_step(top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, True, False,
+                               FTZ)
         main_top = tl.minimum(end - 1, top)
     for i in tl.range(main_top - low + 1, loop_unroll_factor=UNROLL):
-        state = _scan_step(main_top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, BRANCH, mine)
+        state = _scan_step(main_top - i, *fixed, *state, D, W, NORM, REPEAT, HAS_HALO and not HALO_TAIL, BRANCH, mine,
+                           FTZ)
     if HAS_HALO and HALO_TAIL:
         tail_top = tl.minimum(low - 1, main_top)
         for i in tl.range(tail_top - span0 + 1):
-            state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True, BRANCH, mine)
+            state = _scan_step(tail_top - i, *fixed, *state, D, W, NORM, REPEAT, True, BRANCH, mine, FTZ)
     acc0, acc1, acc2, acc3, accb = state[24], state[25], state[26], state[27], state[28]
     base = dw_ptr + (i_p * (HEADS * D) + local).to(tl.int64) * W
     tl.store(base + (W - 1), acc0, mask=ok)
@@ -592,7 +618,7 @@ def gdn_cp_glue_conv_bwd_scan(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stri
 
 
 _TILE_KEY = ["D", "W", "HAS_HALO", "NORM", "REPEAT"]
-_fwd = launcher(gdn_cp_glue_conv_fwd, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
+_fwd = launcher(gdn_cp_glue_conv_fwd, [*_TILE_KEY, "FTZ"], TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _pre = launcher(gdn_cp_glue_conv_bwd_pre, _TILE_KEY, TILE_CONFIGS, {"BT": 16, "num_warps": 4})
 _dx = launcher(gdn_cp_glue_conv_bwd_dx, ["W"], [({"BT": 32, "BC": 128}, 4), ({"BT": 64, "BC": 128}, 4),
                                                  ({"BT": 64, "BC": 256}, 8), ({"BT": 32, "BC": 256}, 4),
@@ -604,7 +630,7 @@ _SCAN_BWD_CONFIGS = [({"HB": hb, "UNROLL": 1}, w) for hb, w in ((2, 1), (4, 2), 
 thread at head dim 128, one step a loop pass, and the likeliest four unrolled by 4 (fewer instructions a step, more
 registers: which wins is the GPU's to say)."""
 # HALO_TAIL in the key: the tail form tunes on its own (it may take the config that spilled with the halo in every step)
-_scan = launcher(gdn_cp_glue_conv_bwd_scan, [*_TILE_KEY, "HALO_TAIL", "BRANCH"], _SCAN_BWD_CONFIGS,
+_scan = launcher(gdn_cp_glue_conv_bwd_scan, [*_TILE_KEY, "HALO_TAIL", "BRANCH", "FTZ"], _SCAN_BWD_CONFIGS,
                  {"HB": 2, "UNROLL": 1, "num_warps": 1})
 _SCAN_SPAN = 64  # rows per scan program at least: the backward recomputes W-1 more (5% at W 4)
 _SCAN_PROGRAMS = 512  # spans per head block at most: longer rows take longer spans, so the backward's per-span tap
@@ -671,7 +697,7 @@ class _ConvSiluSplit(torch.autograd.Function):
                     _fwd(lambda meta, rows=rows, heads=heads: (triton.cdiv(rows, meta["BT"]), heads),
                          *_conv_inputs(x, weight_c, bias, with_halo), positions, out, rows, c0, heads, eps,
                          D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None, HAS_HALO=with_halo is not None,
-                         NORM=norm, REPEAT=repeat)
+                         NORM=norm, REPEAT=repeat, FTZ=FTZ_SIGMOID)
             outs.append(out)
         ctx.save_for_backward(x, weight_c, bias, positions, halo)
         ctx.meta = (k_heads, v_heads, dk, dv, qk_l2norm, eps, kv_repeat, weight.dtype, form)
@@ -771,7 +797,7 @@ def _conv_group_backward_scan(x, weight, bias, halo, positions, dout, c0, heads,
           *_conv_inputs(x, weight, bias, halo), positions, dout, dx, dx.stride(0), head, dw_part, db_part, t,
           span, c0, heads, eps, D=dim, BD=_block(dim), W=w, HAS_BIAS=bias is not None,
           HAS_HALO=halo is not None, NORM=norm, REPEAT=repeat, HALO_TAIL=halo is not None and SCAN_HALO_TAIL,
-          BRANCH=SCAN_BRANCH_MASKS)
+          BRANCH=SCAN_BRANCH_MASKS, FTZ=FTZ_SIGMOID)
     _add_partial_sums(dw, db, c0, dw_part, db_part)
     if halo is not None:
         dhalo[:, c0:c0 + width] += _halo_gradient(head[:t], weight[c0:c0 + width], positions)
