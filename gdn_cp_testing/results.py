@@ -23,7 +23,7 @@ from typing import Any, Optional
 from gdn_cp.ops.versions import stack_versions
 
 __all__ = ["COPY_LEVERS", "HALO_LEVERS", "KEY_HEAD_LEVERS", "REMOVED_GLUE_PATHS", "SCAN_LEVERS", "JsonlRecorder",
-           "default_key_heads_in_glue", "halo_rows_apart", "key_heads_in_glue", "load_average", "machine_info", "now_iso",
+           "default_key_heads_in_glue", "ftz_sigmoid", "halo_rows_apart", "key_heads_in_glue", "load_average", "machine_info", "now_iso",
            "picks_glue_path", "scan_branch_masks", "stack_versions", "wide_column_copy", "write_json"]
 
 KEY_HEAD_LEVERS = ("key_heads_by_backend", "key_heads_in_conv")
@@ -48,9 +48,10 @@ HALO_APART_RUNS = ("layer_full-20261207-161258",)
 its rows without the ``halo_in_tiles`` lever ran with the halo apart). Every other row without the field ran with
 the halo in every tile, as all code before run 2026-12-07n did."""
 
-SCAN_LEVERS = ("scan_branch",)
-"""``benchmarks/layer_full.py``'s lever that only switches how the backward's scan masks each sequence
-(``gdn_cp.ops.fused.triton_conv.SCAN_BRANCH_MASKS`` on). A row of it is told by :func:`scan_branch_masks`."""
+SCAN_LEVERS = ("scan_branch", "scan_ftz")
+"""``benchmarks/layer_full.py``'s levers that only switch how the backward's scan masks each sequence
+(``gdn_cp.ops.fused.triton_conv.SCAN_BRANCH_MASKS`` on) and, the second, the conv's sigmoid too (``FTZ_SIGMOID`` on).
+A row of one is told by :func:`scan_branch_masks` and :func:`ftz_sigmoid`."""
 
 
 REMOVED_GLUE_PATHS = ("triton_taps_per_program", "triton_norm_dz_copy_x_once", "triton_norm_dz_copy_narrow",
@@ -95,6 +96,12 @@ def scan_branch_masks(row: dict) -> bool:
     if row.get("scan_branch_masks") is not None:
         return row["scan_branch_masks"]
     return row.get("lever_off") == SCAN_LEVERS[0]
+
+
+def ftz_sigmoid(row: dict) -> bool:
+    """Whether a layer_full row's conv took its sigmoid in flush-to-zero approximations (the row's ``ftz_sigmoid``;
+    rows without that field: none, all code before it was off)."""
+    return bool(row.get("ftz_sigmoid"))
 
 
 def default_key_heads_in_glue(stack: str | None, backend: str | None) -> bool:

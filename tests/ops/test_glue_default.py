@@ -9,7 +9,8 @@ the row switched away from its default (``lever_off``: e.g. ``split_cat``; a lev
 ``REPEAT_KEY_HEADS_IN_CONV`` where the backend repeats them, FLA < 0.5) and whether the split's gradient groups were
 copied as 8-byte words (``wide_column_copy``: ``split.WIDE_COLUMN_COPY``) and whether the forward read the halo in
 launches of its own (``halo_rows_apart``: ``triton_conv.HALO_ROWS_APART``) and whether the backward's scan masked
-by branches (``scan_branch_masks``: ``triton_conv.SCAN_BRANCH_MASKS``). A default can then never again ship
+by branches (``scan_branch_masks``: ``triton_conv.SCAN_BRANCH_MASKS``) and whether the conv's sigmoid was
+flush-to-zero (``ftz_sigmoid``: ``triton_conv.FTZ_SIGMOID``). A default can then never again ship
 unmeasured, slower or bigger."""
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ from pathlib import Path
 
 from gdn_cp.ops.fused import CUDA_DEFAULT, GLUE_PATHS, split, triton_conv
 from gdn_cp_testing.results import (COPY_LEVERS, HALO_LEVERS, KEY_HEAD_LEVERS, REMOVED_GLUE_PATHS, SCAN_LEVERS,
-                                    default_key_heads_in_glue, halo_rows_apart, key_heads_in_glue, picks_glue_path,
-                                    scan_branch_masks, wide_column_copy)
+                                    default_key_heads_in_glue, ftz_sigmoid, halo_rows_apart, key_heads_in_glue,
+                                    picks_glue_path, scan_branch_masks, wide_column_copy)
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "layer_full_glue.json"
 PERFORMANCE = RESULTS.parents[2] / "docs" / "performance.md"
-PENDING: dict = {(CUDA_DEFAULT, None, False, True, False, True): "layer_full-20261207-182103"}
+def _variant(path, heads=False, wide=False, apart=False, branch=False, ftz=False) -> tuple:
+    """A variant of :func:`_groups` with no lever off: the glue path, q and k repeated in the glue, the copies as
+    words, the halo apart, the scan's masks by branches, the sigmoid flush-to-zero."""
+    return path, None, heads, wide, apart, branch, ftz
+
+
+PENDING: dict = {_variant(CUDA_DEFAULT, False, True, False, True): "layer_full-20261207-182103"}
 """A variant that beat the default in one run whose evidence is not complete, with that run: the default cannot
 move to it yet, because it would then be unmeasured elsewhere. It is excused in that run alone, and the command
 that completes its evidence is in docs/performance.md, "Not run yet". (``triton_norm_dz_copy`` was excused so in
@@ -49,7 +56,7 @@ def _groups():
         lever = r.get("lever_off")
         variant = (r["glue"], None if picks_glue_path(lever) or lever in (*KEY_HEAD_LEVERS, *COPY_LEVERS, *HALO_LEVERS,
                                                                                      *SCAN_LEVERS)
-                   else lever, key_heads_in_glue(r), wide_column_copy(r), halo_rows_apart(r), scan_branch_masks(r))
+                   else lever, key_heads_in_glue(r), wide_column_copy(r), halo_rows_apart(r), scan_branch_masks(r), ftz_sigmoid(r))
         assert variant not in groups[key], f"two rows of {variant} in {key}"
         groups[key][variant] = (r["median_ms"], r["peak_gib"])
     return {k: v for k, v in groups.items() if len(v) > 1}
@@ -60,7 +67,7 @@ def _default(key) -> tuple:
     repeats them (FLA < 0.5: the stack names FLA's version), the copies as words, the halo as
     ``triton_conv.HALO_ROWS_APART`` says."""
     return CUDA_DEFAULT, None, default_key_heads_in_glue(key[1], key[2]), split.WIDE_COLUMN_COPY, \
-        triton_conv.HALO_ROWS_APART, triton_conv.SCAN_BRANCH_MASKS
+        triton_conv.HALO_ROWS_APART, triton_conv.SCAN_BRANCH_MASKS, triton_conv.FTZ_SIGMOID
 
 
 def test_every_row_names_a_glue_path():
@@ -100,8 +107,9 @@ def test_a_pending_variant_did_beat_the_default_and_its_next_run_is_written_down
         rows = [(key, v) for key, v in _groups().items() if key[0] == run and _default(key) in v and variant in v]
         assert any(_beats(v[variant], v[_default(key)]) for key, v in rows), (variant, run)
         # the row's lever: the conv's switches where they differ from the default's, else the glue path's
-        path, _, _, wide, apart, branch = variant
-        lever = ("scan_branch" if branch != triton_conv.SCAN_BRANCH_MASKS else "halo_apart"
+        path, _, _, wide, apart, branch, ftz = variant
+        lever = ("scan_ftz" if ftz != triton_conv.FTZ_SIGMOID else "scan_branch" if branch != triton_conv.SCAN_BRANCH_MASKS
+                 else "halo_apart"
                  if apart != triton_conv.HALO_ROWS_APART else "narrow_copy" if wide != split.WIDE_COLUMN_COPY
                  else f"glue_{path}")
         assert f"-{lever}:" in not_run, (variant, lever)
@@ -116,7 +124,7 @@ def test_triton_norm_trades_memory_for_time():
     """Run 2026-12-06a: ``triton_norm`` is faster than ``triton_one_pass`` (the default then) in every row and keeps
     more peak memory (its in_proj gradient buffer is made before the core's backward); if a later run shows it no
     bigger than the default, the test above fails until it is the default."""
-    norm, one_pass = ("triton_norm", None, False, False, False, False), ("triton_one_pass", None, False, False, False, False)
+    norm, one_pass = _variant("triton_norm"), _variant("triton_one_pass")
     rows = [v for v in _groups().values() if one_pass in v and norm in v]
     assert len(rows) == 4
     for v in rows:
@@ -128,7 +136,7 @@ def test_the_dz_copy_path_is_faster_than_one_pass_at_the_same_peak_everywhere_bo
     """Why ``triton_norm_dz_copy`` became the default (runs 2026-12-06b, d, e; one H100), before the scan: in each of
     the 8 rank rows that ran it beside ``triton_one_pass`` (FlashQLA local and FLA + TE, 32K and 128K) it took less
     time, at the same peak memory within 8 KiB."""
-    dz_copy, one_pass = ("triton_norm_dz_copy", None, False, False, False, False), ("triton_one_pass", None, False, False, False, False)
+    dz_copy, one_pass = _variant("triton_norm_dz_copy"), _variant("triton_one_pass")
     rows = [v for v in _groups().values() if one_pass in v and dz_copy in v]
     assert len(rows) == 8
     for v in rows:
@@ -145,11 +153,11 @@ def test_the_scan_and_the_glues_key_head_copies_are_faster_at_the_same_peak_in_e
     FlashQLA + TE at 128K, rank 0, 506 KiB more (0.006% of its 8.77 GiB; rank 1, the same rows' shapes: 0). Counted: a
     later run where either is slower fails here and asks for the choice to be made again."""
     groups = list(_groups().values())
-    pairs = [(v[("triton_norm_dz_copy_scan", None, k, False, False, False)], v[("triton_norm_dz_copy", None, k, False, False, False)])
+    pairs = [(v[_variant("triton_norm_dz_copy_scan", k)], v[_variant("triton_norm_dz_copy", k)])
              for v in groups for k in (False, True)
-             if ("triton_norm_dz_copy_scan", None, k, False, False, False) in v and ("triton_norm_dz_copy", None, k, False, False, False) in v]
-    pairs_kv = [(v[(p, None, True, False, False, False)], v[(p, None, False, False, False, False)]) for v in groups for p in ("triton_norm_dz_copy",
-                CUDA_DEFAULT) if (p, None, True, False, False, False) in v and (p, None, False, False, False, False) in v]
+             if _variant("triton_norm_dz_copy_scan", k) in v and _variant("triton_norm_dz_copy", k) in v]
+    pairs_kv = [(v[_variant(p, True)], v[_variant(p)]) for v in groups for p in ("triton_norm_dz_copy",
+                CUDA_DEFAULT) if _variant(p, True) in v and _variant(p) in v]
     assert len(pairs) == 14 and len(pairs_kv) == 8, (pairs, pairs_kv)
     peaks = sorted(abs(gib - gib0) * 2**20 for (_, gib), (_, gib0) in pairs + pairs_kv)  # KiB
     assert peaks[-1] < 512 and peaks[-2] < 8, peaks
@@ -163,8 +171,8 @@ def test_the_wide_copy_is_faster_or_level_at_the_same_peak_in_every_row_that_ran
     element copy in 5 of the 6 rank rows that ran both (FLA at 32K and 128K, FlashQLA at 32K rank 0) and was level
     (within 1%, run-to-run noise) in the sixth, each at the same peak memory within 8 KiB. Counted: a later run where
     it is slower by more than the noise fails here."""
-    pairs = [(v[(p, None, k, True, False, False)], v[(p, None, k, False, False, False)]) for v in _groups().values() for p in (CUDA_DEFAULT,)
-             for k in (False, True) if (p, None, k, True, False, False) in v and (p, None, k, False, False, False) in v]
+    pairs = [(v[_variant(p, k, True)], v[_variant(p, k)]) for v in _groups().values() for p in (CUDA_DEFAULT,)
+             for k in (False, True) if _variant(p, k, True) in v and _variant(p, k) in v]
     assert len(pairs) == 6, pairs
     assert sum(ms < ms0 for (ms, _), (ms0, _) in pairs) == 5, pairs
     for (ms, gib), (ms0, gib0) in pairs:
@@ -181,9 +189,9 @@ def test_the_halo_apart_was_not_faster_in_the_layer():
     2026-12-07w (one H100, FlashQLA, Megatron's local modules, 32K): rank 1 12.25 against 12.34 ms (0.993x, inside the
     1% noise; the default's p10-p90 11.93-12.48), rank 0 12.22 / 12.19. A later run where it is faster on every rank
     with a halo fails here and reopens the choice."""
-    pairs = [(v[(CUDA_DEFAULT, None, False, True, True, False)], v[(CUDA_DEFAULT, None, False, True, False, False)], key[5])
+    pairs = [(v[_variant(CUDA_DEFAULT, False, True, True)], v[_variant(CUDA_DEFAULT, False, True)], key[5])
              for key, v in _groups().items()
-             if (CUDA_DEFAULT, None, False, True, True, False) in v and (CUDA_DEFAULT, None, False, True, False, False) in v]
+             if _variant(CUDA_DEFAULT, False, True, True) in v and _variant(CUDA_DEFAULT, False, True) in v]
     assert len(pairs) == 6, pairs
     with_halo = [(apart, tiles) for apart, tiles, rank in pairs if rank == 1]
     assert len(with_halo) == 3 and not all(a[0] < t[0] for a, t in with_halo), with_halo
