@@ -68,3 +68,7 @@ def test_a_scan_form_with_switches_sets_them_for_its_rows_only(benchmark_module)
     with glue_kernels.switched("scan"):
         assert not (triton_conv.SCAN_HALO_TAIL or triton_conv.SCAN_BRANCH_MASKS)
     assert not (triton_conv.SCAN_HALO_TAIL or triton_conv.SCAN_BRANCH_MASKS)
+    for name, flags in glue_kernels.SWITCHES.items():  # every form's flags are triton_conv's (a typo: a wasted GPU call)
+        with glue_kernels.switched(name):
+            assert all(getattr(triton_conv, flag) is True for flag in flags), name
+        assert not any(getattr(triton_conv, flag) for flag in flags), name

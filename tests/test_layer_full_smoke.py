@@ -264,8 +264,11 @@ def test_every_lever_has_its_switch_and_the_flag_levers_turn_their_flag_for_the_
     assert not (triton_conv.HALO_ROWS_APART or triton_conv.SCAN_HALO_TAIL)
     assert not triton_conv.SCAN_BRANCH_MASKS  # off by default (not yet timed on a GPU): the lever turns it on
     with LEVER_SWITCHES["scan_branch"]([]):
-        assert triton_conv.SCAN_BRANCH_MASKS
-    assert not triton_conv.SCAN_BRANCH_MASKS
+        assert triton_conv.SCAN_BRANCH_MASKS and not triton_conv.FTZ_SIGMOID
+    assert not (triton_conv.SCAN_BRANCH_MASKS or triton_conv.FTZ_SIGMOID)  # off by default (not yet timed on a GPU)
+    with LEVER_SWITCHES["scan_ftz"]([]):
+        assert triton_conv.SCAN_BRANCH_MASKS and triton_conv.FTZ_SIGMOID
+    assert not (triton_conv.SCAN_BRANCH_MASKS or triton_conv.FTZ_SIGMOID)
 
 
 def test_plan_units_and_keys():
