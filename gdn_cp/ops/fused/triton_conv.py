@@ -64,11 +64,12 @@ run times it (``benchmarks/layer_full.py``'s lever ``scan_branch`` switches it o
 FTZ_SIGMOID = False
 """On: the forward and the backward's scan take SiLU's sigmoid with PTX's flush-to-zero approximations
 (``ex2.approx.ftz``, ``rcp.approx.ftz``: 4 SASS instructions on sm_90) instead of ``tl.sigmoid``'s full-range forms
-(``ex2.approx.f32``, ``div.full.f32``: 12, their range fix-ups around the same MUFU.EX2 and MUFU.RCP), in the same order
-of operations. Read from the SASS Triton 3.7.1 compiles: the same bits for every pre-activation above about -87.3 (below, the
-sigmoid is subnormal: the full-range form keeps it, this one flushes it to 0); the GPU test checks them. CUDA only
-(inline PTX, which the interpreter cannot run). Off until a GPU run times it (``benchmarks/glue_kernels.py``'s forms
-``scan_ftz``, ``scan_branch_ftz``; ``benchmarks/layer_full.py``'s lever ``scan_ftz``)."""
+(``ex2.approx.f32``, ``div.full.f32``: 12, their range fix-ups around the same MUFU.EX2 and MUFU.RCP), in the same
+order of operations. Read from the SASS Triton 3.7.1 compiles: the same bits for every pre-activation above about
+-87.3 (below, the sigmoid is subnormal: the full-range form keeps it, this one flushes it to 0); the GPU test checks
+them. CUDA only (inline PTX, which the interpreter cannot run). Off until a GPU run times it
+(``benchmarks/glue_kernels.py``'s forms ``scan_ftz``, ``scan_branch_ftz``; ``benchmarks/layer_full.py``'s lever
+``scan_ftz``)."""
 
 
 @triton.jit
