@@ -70,6 +70,11 @@ order of operations. Read from the SASS Triton 3.7.1 compiles: the same bits for
 them. CUDA only (inline PTX, which the interpreter cannot run). Off until a GPU run times it
 (``benchmarks/glue_kernels.py``'s forms ``scan_ftz``, ``scan_branch_ftz``; ``benchmarks/layer_full.py``'s lever
 ``scan_ftz``)."""
+_FTZ_SIGMOID_PTX = tl.constexpr(
+    "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.ftz.f32 t, t, 0f3F800000; "
+    "rcp.approx.ftz.f32 $0, t; }")
+"""``1 / (1 + 2^(-y * log2 e))`` as :data:`FTZ_SIGMOID` takes it, written where a kernel takes its sigmoid (no helper
+function: Triton's interpreter pays ~0.25 ms for every nested call, and the scan's step would make one more)."""
 
 
 @triton.jit
@@ -139,7 +144,11 @@ def _silu_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, pos_ptr, ou
     pos = tl.load(pos_ptr + rows, mask=row_ok, other=0)
     y = _conv_tile(x_ptr, x_stride, w_ptr, b_ptr, halo_ptr, halo_stride, rows, pos, row_ok, ch, d_ok, W, HAS_BIAS,
                    HAS_HALO)
-    return rows, d, row_ok, d_ok, (y * _sigmoid(y, FTZ)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if FTZ:  # FTZ_SIGMOID
+        s = tl.inline_asm_elementwise(_FTZ_SIGMOID_PTX, "=r,r", [y], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = tl.sigmoid(y)
+    return rows, d, row_ok, d_ok, (y * s).to(out_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -182,19 +191,6 @@ def _load_gradient(dout_ptr, row_head, d, ok, D: tl.constexpr, REPEAT: tl.conste
 
 
 @triton.jit
-def _sigmoid(y, FTZ: tl.constexpr):
-    """``tl.sigmoid(y)`` (fp32): ``1 / (1 + 2^(-y * log2 e))``; with ``FTZ`` (:data:`FTZ_SIGMOID`) the same steps
-    in PTX's flush-to-zero approximations."""
-    if FTZ:
-        s = tl.inline_asm_elementwise(
-            "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.ftz.f32 t, t, 0f3F800000; "
-            "rcp.approx.ftz.f32 $0, t; }", "=r,r", [y], dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        s = tl.sigmoid(y)
-    return s
-
-
-@triton.jit
 def _l2norm_gradient(a, da, EPS):
     """The gradient at the SiLU output ``a [BT, BD]`` (fp32, rounded where the forward rounds) from the gradient
     ``da`` at its l2 norm over each row, in fp32 (rounded by the caller to the activations' dtype, as FLA's l2norm
@@ -208,8 +204,11 @@ def _l2norm_gradient(a, da, EPS):
 def _silu_gradient(y, da, ok, dout_ptr, EPS, NORM: tl.constexpr, FTZ: tl.constexpr = False):
     """The gradient at the conv's pre-activation ``y`` (fp32, any 2-D tile whose rows are heads' vectors) from the
     output gradient ``da`` (fp32): through the l2 norm over each row where ``NORM`` (rounded to the output dtype
-    as FLA's l2norm backward returns it), then SiLU; zeros outside ``ok``. ``FTZ``: :func:`_sigmoid`'s."""
-    s = _sigmoid(y, FTZ)
+    as FLA's l2norm backward returns it), then SiLU; zeros outside ``ok``. ``FTZ``: :data:`FTZ_SIGMOID`."""
+    if FTZ:
+        s = tl.inline_asm_elementwise(_FTZ_SIGMOID_PTX, "=r,r", [y], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        s = tl.sigmoid(y)
     if NORM:
         a = (y * s).to(dout_ptr.dtype.element_ty).to(tl.float32)
         da = _l2norm_gradient(a, da, EPS)
