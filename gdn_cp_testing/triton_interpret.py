@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -182,12 +183,50 @@ def gates_case(dtype: str) -> dict:
             "errors": {n: _rel(a, b) for n, (a, b) in zip(["g", "beta", "drows", "dA_log", "ddt_bias"], pairs)}}
 
 
+def patch_triton_language_once_per_launch() -> bool:
+    """Triton's interpreter patches ``triton.language`` again at every nested ``@triton.jit`` call
+    (``inspect.getmembers`` of four modules, ~0.25 ms: a quarter of this run's CPU time, the scan's steps calling
+    helpers), though the launch that runs it patched the same modules already; here a nested call whose modules the
+    running launch patched skips it, which changes nothing but the time (the device call drops the patch it makes).
+    Only for the interpreter as read (Triton 3.7: ``GridExecutor``, ``_patch_lang``); False, and nothing changed,
+    elsewhere."""
+    from triton.runtime import interpreter
+
+    if not (hasattr(interpreter, "GridExecutor") and callable(getattr(interpreter, "_patch_lang", None))):
+        return False
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    patched: list = []  # per running launch: the modules it patched (None until its own first call)
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if v is interpreter.tl or v is interpreter.tl.core}
+
+    def patch_once(fn):
+        if patched and patched[-1] is not None and langs(fn) <= patched[-1]:
+            return None  # a nested call: the launch's patch is in force (the device call drops what this returns)
+        scope = patch_lang(fn)
+        if patched and patched[-1] is None:
+            patched[-1] = langs(fn)  # the launch's own call
+        return scope
+
+    def launch_patching_once(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch_patching_once
+    return True
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="every case through Triton's interpreter, as JSON on stdout")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("set TRITON_INTERPRET=1 (before Triton is imported): the kernels then run on the CPU")
+    print("triton.language patched once per launch:", patch_triton_language_once_per_launch(), file=sys.stderr)
     torch.manual_seed(0)
     families = [backward_family(c[8]) for c in CONV_CASES]  # c[8]: the chunk rows or form
     cases = [conv_case(*c, check_layout=families.index(f) == i) for i, (c, f) in enumerate(zip(CONV_CASES, families))]
