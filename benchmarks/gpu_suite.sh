@@ -163,7 +163,9 @@ run_stage() {
       # 540 s: cold, 7 of its 15 cases took 330 s (run 2026-12-06h: each form's halo case compiles ~70 s); the
       # suite's arguments go to pytest, as for the test stages (e.g. -k "not compiled")
       local GARGS=("$@"); [ ${#GARGS[@]} -eq 0 ] && GARGS=(-q)
-      timeout --signal=INT 540 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA \
+      # GDN_CP_TESTS_FAST_AUTOTUNE: the first-config knob for this stage too (its checks hold for any config)
+      GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
+        timeout --signal=INT 540 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA \
         "${GARGS[@]}" ;;
     glue_kernels)
       # shellcheck disable=SC2086

@@ -161,7 +161,8 @@ SETTINGS: dict[str, EnvSetting] = {
         EnvSetting("GDN_CP_SAVE_AUTOTUNE", "benchmarks", "1", "benchmarks/gpu_suite.sh: 0 keeps no tarball of the "
                    "autotune results (Triton's *.autotune.json per GPU model: benchmarks/suite_caches.sh)", _SWITCH),
         EnvSetting("GDN_CP_TESTS_FAST_AUTOTUNE", "benchmarks", "",
-                   "benchmarks/gpu_suite.sh: GDN_CP_TEST_FAST_AUTOTUNE for the tests stage only", _SWITCH),
+                   "benchmarks/gpu_suite.sh: GDN_CP_TEST_FAST_AUTOTUNE for the test stages only (tests*, glue_tests)",
+                   _SWITCH),
         EnvSetting("GDN_CP_LAYER_FULL_B_ARGS", "benchmarks", "",
                    "benchmarks/gpu_suite.sh: arguments of the second layer_full run (stage layer_full_b)"),
         EnvSetting("GDN_CP_LAYER_FULL_B_TIMEOUT", "benchmarks", "240",
