@@ -45,11 +45,11 @@ SPECS = ("local", "te")
 # ``key_heads_by_backend``: glue.REPEAT_KEY_HEADS_IN_CONV off (runs 2026-12-06l/o's ``key_heads_in_conv`` rows: on);
 # ``narrow_copy``: split.WIDE_COLUMN_COPY off, the groups' copies element by element (runs 2026-12-07d/e's ``wide_copy``: on);
 # ``halo_apart``: triton_conv.HALO_ROWS_APART and SCAN_HALO_TAIL on: the halo read apart, forward and backward;
-# ``scan_branch`` / ``scan_ftz``: triton_conv.SCAN_BRANCH_MASKS on (the scan's masks by branches) / and FTZ_SIGMOID.
+# ``scan_branch`` / ``scan_branch_ftz``: triton_conv.SCAN_BRANCH_MASKS on (the scan's masks by branches) / and FTZ_SIGMOID.
 GLUE_LEVERS = {f"glue_{path}": path for path in GLUE_PATHS}
 """The levers that only pick the glue path (``glue_<path>`` -> path): a row of one is named by its path."""
 LEVERS = ("fused_norm", *GLUE_LEVERS, "split_cat", "key_heads_by_backend", "narrow_copy", "halo_apart", "scan_branch",
-          "scan_ftz")
+          "scan_branch_ftz")
 
 # mixed8: eight sequences of mixed lengths (fractions of T; long and short together).
 _MIXED8 = (0.31, 0.04, 0.17, 0.09, 0.22, 0.02, 0.10, 0.05)

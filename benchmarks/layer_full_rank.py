@@ -236,7 +236,7 @@ LEVER_SWITCHES = {
                                              lambda m: None),
     **{lever: lambda modules, on=on: _switched(modules, [mock.patch(f"gdn_cp.ops.fused.triton_conv.{f}", True) for f in on], id)
        for lever, on in (("halo_apart", ("HALO_ROWS_APART", "SCAN_HALO_TAIL")), ("scan_branch", ("SCAN_BRANCH_MASKS",)),
-                         ("scan_ftz", ("SCAN_BRANCH_MASKS", "FTZ_SIGMOID")))},
+                         ("scan_branch_ftz", ("SCAN_BRANCH_MASKS", "FTZ_SIGMOID")))},
 }
 """A lever row runs with its switch: what each one switches is said once, at ``layer_full_math.LEVERS``."""
 

@@ -48,7 +48,7 @@ HALO_APART_RUNS = ("layer_full-20261207-161258",)
 its rows without the ``halo_in_tiles`` lever ran with the halo apart). Every other row without the field ran with
 the halo in every tile, as all code before run 2026-12-07n did."""
 
-SCAN_LEVERS = ("scan_branch", "scan_ftz")
+SCAN_LEVERS = ("scan_branch", "scan_branch_ftz")
 """``benchmarks/layer_full.py``'s levers that only switch how the backward's scan masks each sequence
 (``gdn_cp.ops.fused.triton_conv.SCAN_BRANCH_MASKS`` on) and, the second, the conv's sigmoid too (``FTZ_SIGMOID`` on).
 A row of one is told by :func:`scan_branch_masks` and :func:`ftz_sigmoid`."""

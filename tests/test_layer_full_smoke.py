@@ -266,7 +266,7 @@ def test_every_lever_has_its_switch_and_the_flag_levers_turn_their_flag_for_the_
     with LEVER_SWITCHES["scan_branch"]([]):
         assert triton_conv.SCAN_BRANCH_MASKS and not triton_conv.FTZ_SIGMOID
     assert not (triton_conv.SCAN_BRANCH_MASKS or triton_conv.FTZ_SIGMOID)  # off by default (not yet timed on a GPU)
-    with LEVER_SWITCHES["scan_ftz"]([]):
+    with LEVER_SWITCHES["scan_branch_ftz"]([]):
         assert triton_conv.SCAN_BRANCH_MASKS and triton_conv.FTZ_SIGMOID
     assert not (triton_conv.SCAN_BRANCH_MASKS or triton_conv.FTZ_SIGMOID)
 

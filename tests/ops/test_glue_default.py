@@ -108,7 +108,7 @@ def test_a_pending_variant_did_beat_the_default_and_its_next_run_is_written_down
         assert any(_beats(v[variant], v[_default(key)]) for key, v in rows), (variant, run)
         # the row's lever: the conv's switches where they differ from the default's, else the glue path's
         path, _, _, wide, apart, branch, ftz = variant
-        lever = ("scan_ftz" if ftz != triton_conv.FTZ_SIGMOID else "scan_branch" if branch != triton_conv.SCAN_BRANCH_MASKS
+        lever = ("scan_branch_ftz" if ftz != triton_conv.FTZ_SIGMOID else "scan_branch" if branch != triton_conv.SCAN_BRANCH_MASKS
                  else "halo_apart"
                  if apart != triton_conv.HALO_ROWS_APART else "narrow_copy" if wide != split.WIDE_COLUMN_COPY
                  else f"glue_{path}")

@@ -69,7 +69,7 @@ order of operations. Read from the SASS Triton 3.7.1 compiles: the same bits for
 -87.3 (below, the sigmoid is subnormal: the full-range form keeps it, this one flushes it to 0); the GPU test checks
 them. CUDA only (inline PTX, which the interpreter cannot run). Off until a GPU run times it
 (``benchmarks/glue_kernels.py``'s forms ``scan_ftz``, ``scan_branch_ftz``; ``benchmarks/layer_full.py``'s lever
-``scan_ftz``)."""
+``scan_branch_ftz``)."""
 _FTZ_SIGMOID_PTX = tl.constexpr(
     "{ .reg .f32 t; mul.ftz.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.ftz.f32 t, t, 0f3F800000; "
     "rcp.approx.ftz.f32 $0, t; }")
