@@ -132,6 +132,9 @@ python3 -c 'import json, triton, gdn_cp.ops.versions as v; print(json.dumps(v.st
 # docs/testing.md's table); train_mlm (benchmarks/train_megatron_lm.py); syncs, layer_full, layer_full_b (a second
 # run with its own limit and file), glue_kernels (the benchmark of that name); args (the megatron.training argument
 # test, Python >= 3.12).
+# GDN_CP_TESTS_FAST_AUTOTUNE: the first-config knob for the test stages only (tests*, glue_tests: their checks hold
+# for any config); the benchmark stages, beside them or after, must autotune for real
+TESTS_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}}
 run_stage() {
   local stage=$1; shift
   local T1; T1=$(date +%s)
@@ -150,9 +153,7 @@ run_stage() {
       [ "$stage" = flashqla_tests ] && WHERE=(tests/gpu/test_flashqla_backend.py tests/megatron/test_gpu_parity.py -k flashqla)
       local OUTCOMES=/tmp/gdn_cp_outcomes_$stage.jsonl
       rm -f "$OUTCOMES"
-      # GDN_CP_TESTS_FAST_AUTOTUNE: the first-config knob for this stage only (benchmark stages beside it
-      # must autotune for real)
-      GDN_CP_TEST_OUTCOMES=$OUTCOMES GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
+      GDN_CP_TEST_OUTCOMES=$OUTCOMES GDN_CP_TEST_FAST_AUTOTUNE=$TESTS_FAST_AUTOTUNE \
       timeout --signal=INT "${GDN_CP_SUITE_TIMEOUT:-420}" python3 -m pytest "${WHERE[@]}" \
         -m gpu -p no:cacheprovider -rA --durations=15 "${ARGS[@]}"
       local prc=$?
@@ -163,10 +164,8 @@ run_stage() {
       # 540 s: cold, 7 of its 15 cases took 330 s (run 2026-12-06h: each form's halo case compiles ~70 s); the
       # suite's arguments go to pytest, as for the test stages (e.g. -k "not compiled")
       local GARGS=("$@"); [ ${#GARGS[@]} -eq 0 ] && GARGS=(-q)
-      # GDN_CP_TESTS_FAST_AUTOTUNE: the first-config knob for this stage too (its checks hold for any config)
-      GDN_CP_TEST_FAST_AUTOTUNE=${GDN_CP_TESTS_FAST_AUTOTUNE:-${GDN_CP_TEST_FAST_AUTOTUNE:-0}} \
-        timeout --signal=INT 540 python3 -m pytest tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA \
-        "${GARGS[@]}" ;;
+      GDN_CP_TEST_FAST_AUTOTUNE=$TESTS_FAST_AUTOTUNE timeout --signal=INT 540 python3 -m pytest \
+        tests/gpu/test_fused_glue_gpu.py -m gpu -p no:cacheprovider -rA "${GARGS[@]}" ;;
     glue_kernels)
       # shellcheck disable=SC2086
       timeout --signal=INT 400 python3 -m benchmarks.glue_kernels --out "$OUT/glue_kernels.json" ${GDN_CP_GLUE_KERNELS_ARGS:-} ;;
