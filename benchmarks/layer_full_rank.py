@@ -234,7 +234,7 @@ LEVER_SWITCHES = {
         modules, [mock.patch.object(glue, "REPEAT_KEY_HEADS_IN_CONV", False)], lambda m: None),
     "narrow_copy": lambda modules: _switched(modules, [mock.patch.object(split, "WIDE_COLUMN_COPY", False)],
                                              lambda m: None),
-    **{lever: lambda modules, on=on: _switched(modules, [mock.patch(f"gdn_cp.ops.fused.triton_conv.{f}", True) for f in on], id)
+    **{lever: lambda modules, on=on: _switched(modules, [mock.patch(f"gdn_cp.ops.fused.triton_conv.{f}", True) for f in on], lambda m: None)
        for lever, on in (("halo_apart", ("HALO_ROWS_APART", "SCAN_HALO_TAIL")), ("scan_branch", ("SCAN_BRANCH_MASKS",)),
                          ("scan_branch_ftz", ("SCAN_BRANCH_MASKS", "FTZ_SIGMOID")))},
 }
